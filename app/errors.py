@@ -1,0 +1,52 @@
+"""Turning exceptions in callbacks into messages: a user sees what was wrong, never a traceback."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+
+from dash import html, no_update
+from dash.exceptions import PreventUpdate
+
+from analysis.capture import InputError
+from analysis.models import ModelError
+
+log = logging.getLogger("headscope.app")
+
+USER_ERRORS: tuple[type[Exception], ...] = (InputError, ModelError)
+
+
+def message(problems: Sequence[str] | str) -> list | str:
+    """Children for the error banner (empty string hides it)."""
+    if isinstance(problems, str):
+        problems = [problems] if problems else []
+    return [html.Div(p, className="hs-error-line") for p in problems] if problems else ""
+
+
+def guarded(outputs: int, error_index: int | None = None) -> Callable:
+    """Wrap a callback with ``outputs`` outputs; the error message goes to ``error_index``
+    (default: the last output). Other outputs are left unchanged on error."""
+    index = outputs - 1 if error_index is None else error_index
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except PreventUpdate:
+                raise
+            except USER_ERRORS as e:
+                text = str(e)
+            except MemoryError:
+                text = "The analysis ran out of memory. Try a shorter input."
+            except Exception as e:  # a bug: log it with its traceback, show a short message
+                log.exception("callback %s failed", fn.__name__)
+                text = f"Something went wrong ({type(e).__name__}). The server log has the details."
+            result = [no_update] * outputs
+            result[index] = message(text)
+            return tuple(result) if outputs > 1 else result[0]
+
+        return inner
+
+    return wrap

@@ -1,0 +1,166 @@
+"""Export bundles: a figure (PNG, SVG, PDF or standalone HTML), its data (CSV, JSON) and a manifest.
+
+The manifest names the model and its digest, the token ids, the capture settings, the view and its
+parameters, and the headscope version; ``headscope figure manifest.json`` rebuilds the same figure
+from it (recomputing the run, or loading it from the store).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import threading
+import warnings
+import zipfile
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import plotly.graph_objects as go
+import plotly.io as pio
+
+from analysis.capture import InputError, Run, capture
+from analysis.models import load_model
+from analysis.store import Store
+from app.views import VIEWS, Rows
+
+IMAGE_FORMATS = ("png", "svg", "pdf")
+FIGURE_FORMATS = (*IMAGE_FORMATS, "html")
+DATA_FORMATS = ("csv", "json")
+FORMATS = FIGURE_FORMATS + DATA_FORMATS
+MANIFEST_VERSION = 1
+
+
+def headscope_version() -> str:
+    try:
+        return version("headscope")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def manifest(run: Run, view: str, params: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "headscope_version": headscope_version(),
+        "view": view,
+        "params": params,
+        "model": {"name": run.model_name, "digest": run.model_digest},
+        "run_key": run.key,
+        "token_ids": run.token_ids,
+        "tokens": run.tokens,
+        "settings": run.settings,
+    }
+
+
+def rows_to_csv(rows: Rows) -> str:
+    buf = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return buf.getvalue()
+
+
+_kaleido_lock = threading.Lock()
+_kaleido_started = False
+
+
+def _start_kaleido() -> None:
+    """Keep one headless Chromium for image exports (3.5 s per image otherwise)."""
+    global _kaleido_started
+    if _kaleido_started:
+        return
+    import kaleido
+
+    try:
+        kaleido.start_sync_server(silence_warnings=True)
+    except Exception:  # already running in this process
+        pass
+    _kaleido_started = True
+
+
+def figure_bytes(fig: go.Figure, fmt: str) -> bytes:
+    """One figure rendered as ``fmt`` (png, svg, pdf via kaleido + Chromium; html standalone)."""
+    if fmt == "html":
+        return fig.to_html(include_plotlyjs=True, full_html=True).encode()
+    if fmt not in IMAGE_FORMATS:
+        raise InputError(f"Unknown figure format {fmt!r}; choose one of {', '.join(FORMATS)}.")
+    with _kaleido_lock, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _start_kaleido()
+        width = fig.layout.width or 1000
+        height = fig.layout.height or 600
+        return pio.to_image(fig, format=fmt, width=width, height=height, scale=2 if fmt == "png" else 1)
+
+
+def bundle(run: Run, view: str, params: dict[str, Any], fmt: str) -> tuple[str, bytes]:
+    """A zip with ``<view>.<fmt>`` (for figure formats), ``data.csv``, ``data.json``, ``manifest.json``."""
+    if view not in VIEWS:
+        raise InputError(f"Unknown view {view!r}.")
+    if fmt not in FORMATS:
+        raise InputError(f"Unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}.")
+    fig, rows = VIEWS[view].build(run, params)
+    man = manifest(run, view, params)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        if fmt in FIGURE_FORMATS:
+            z.writestr(f"{view}.{fmt}", figure_bytes(fig, fmt))
+        z.writestr("data.csv", rows_to_csv(rows))
+        z.writestr("data.json", json.dumps(rows))
+        z.writestr("manifest.json", json.dumps(man, indent=2))
+    name = f"headscope-{view}-{run.short_id}-{fmt}.zip"
+    return name, buf.getvalue()
+
+
+def write_files(run: Run, view: str, params: dict[str, Any], out: Path, formats: tuple[str, ...]) -> list[Path]:
+    """Write the figure in ``formats`` plus data and manifest into ``out``; return the paths."""
+    fig, rows = VIEWS[view].build(run, params)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for fmt in formats:
+        if fmt in FIGURE_FORMATS:
+            p = out / f"{view}.{fmt}"
+            p.write_bytes(figure_bytes(fig, fmt))
+            paths.append(p)
+    (out / f"{view}.csv").write_text(rows_to_csv(rows))
+    (out / f"{view}.json").write_text(json.dumps(rows))
+    (out / f"{view}.manifest.json").write_text(json.dumps(manifest(run, view, params), indent=2))
+    paths += [out / f"{view}.csv", out / f"{view}.json", out / f"{view}.manifest.json"]
+    return paths
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """Parse and validate a manifest file, with a clear message for anything wrong."""
+    try:
+        man = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise InputError(f"Cannot read manifest {path}: {e.strerror}.") from None
+    except ValueError:
+        raise InputError(f"{path} is not valid JSON; pass the manifest.json from an export.") from None
+    missing = [k for k in ("view", "params", "model", "token_ids", "settings") if k not in man] if isinstance(man, dict) else ["all"]
+    if missing:
+        raise InputError(f"{path} is not a headscope manifest (missing {', '.join(missing)}).")
+    if man["view"] not in VIEWS:
+        raise InputError(f"The manifest names an unknown view {man['view']!r}.")
+    return man
+
+
+def regenerate(man: dict[str, Any], store: Store | None = None) -> tuple[Run, go.Figure, Rows]:
+    """Rebuild a manifest's run (from the store when there) and its figure."""
+    model = load_model(man["model"]["name"])
+    if model.digest != man["model"].get("digest"):
+        raise InputError(
+            f"The model {man['model']['name']!r} here has digest {model.digest[:12]}…, but the manifest "
+            f"was made with {str(man['model'].get('digest'))[:12]}…: the weights differ."
+        )
+    settings = man["settings"]
+    run = capture(
+        model,
+        man["token_ids"],
+        qk_layers=settings.get("qk_layers", ()),
+        pattern_dtype=settings.get("pattern_dtype", "float16"),
+        store=store,
+    )
+    fig, rows = VIEWS[man["view"]].build(run, man["params"])
+    return run, fig, rows

@@ -1,0 +1,152 @@
+"""Pure figure builders: data in, ``go.Figure`` out.
+
+Shared by the pages, the exports and notebook users (``from app.figures import attention_heatmap``).
+Nothing here computes a score or touches the store. Token strings are escaped, because plotly
+interprets a few HTML-like tags in text: a token ``<b>`` or ``<a href=…>`` must show as written.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+
+FONT = "Inter, system-ui, -apple-system, Segoe UI, sans-serif"
+COLORSCALE = "Viridis"
+ATTENTION_SCALE = "Blues"
+
+
+def safe_text(token: str) -> str:
+    """A token as plotly must receive it to display it literally."""
+    return html.escape(token, quote=False)
+
+
+def token_labels(tokens: Sequence[str]) -> list[str]:
+    """Unique axis labels ``"pos token"`` (tokens repeat; positions keep categories apart)."""
+    return [f"{i} {safe_text(t)}" for i, t in enumerate(tokens)]
+
+
+def _layout(fig: go.Figure, title: str, height: int | None = None) -> go.Figure:
+    fig.update_layout(
+        title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}},
+        font={"family": FONT, "size": 12},
+        margin={"l": 60, "r": 20, "t": 50, "b": 50},
+        template="plotly_white",
+        height=height,
+    )
+    return fig
+
+
+def head_grid(
+    scores: np.ndarray,
+    metric_label: str,
+    selected: tuple[int, int] | None = None,
+    colorscale: str = COLORSCALE,
+) -> go.Figure:
+    """Layer × head heatmap of a per-head score; the selected head is outlined.
+
+    Parameters
+    ----------
+    scores : ``[layer, head]`` array (nan shows as blank).
+    """
+    scores = np.asarray(scores, dtype=float)
+    n_layers, n_heads = scores.shape
+    z = np.where(np.isfinite(scores), scores, None)
+    fig = go.Figure(
+        go.Heatmap(
+            z=z.tolist(),
+            x=list(range(n_heads)),
+            y=list(range(n_layers)),
+            colorscale=colorscale,
+            colorbar={"title": {"text": metric_label, "side": "right"}, "thickness": 12},
+            hovertemplate="layer %{y}, head %{x}<br>" + metric_label + ": %{z:.4f}<extra></extra>",
+            xgap=1,
+            ygap=1,
+        )
+    )
+    if selected is not None:
+        layer, head = selected
+        fig.add_shape(
+            type="rect", x0=head - 0.5, x1=head + 0.5, y0=layer - 0.5, y1=layer + 0.5,
+            line={"color": "#e4572e", "width": 3},
+        )
+    fig.update_xaxes(title="head", dtick=1, showgrid=False)
+    fig.update_yaxes(title="layer", dtick=1 if n_layers <= 32 else None, autorange="reversed", showgrid=False)
+    return _layout(fig, f"{metric_label} per head", height=max(360, 18 * n_layers + 100))
+
+
+def attention_heatmap(pattern: np.ndarray, tokens: Sequence[str], layer: int, head: int) -> go.Figure:
+    """One head's attention: rows are queries, columns keys; future keys (masked) are blank."""
+    pattern = np.asarray(pattern, dtype=float)
+    n = pattern.shape[0]
+    labels = token_labels(tokens)
+    z = np.where(np.tril(np.ones((n, n), dtype=bool)), pattern, np.nan)
+    fig = go.Figure(
+        go.Heatmap(
+            z=np.where(np.isfinite(z), z, None).tolist(),
+            x=labels,
+            y=labels,
+            colorscale=ATTENTION_SCALE,
+            zmin=0.0,
+            zmax=1.0,
+            colorbar={"title": {"text": "weight", "side": "right"}, "thickness": 12},
+            hovertemplate="query %{y}<br>key %{x}<br>weight %{z:.4f}<extra></extra>",
+        )
+    )
+    show_ticks = n <= 80
+    fig.update_xaxes(title="key", showticklabels=show_ticks, tickangle=-60, type="category")
+    fig.update_yaxes(title="query", showticklabels=show_ticks, autorange="reversed", type="category")
+    return _layout(fig, f"Attention of layer {layer}, head {head}", height=max(420, min(900, 12 * n + 200)))
+
+
+def token_strip(
+    tokens: Sequence[str],
+    weights: np.ndarray | None,
+    query: int | None,
+    title: str,
+    per_row: int = 16,
+) -> go.Figure:
+    """Tokens laid out as text in a grid, coloured by ``weights`` (e.g. one attention row).
+
+    Cells after the query (keys it cannot see) stay uncoloured.
+    """
+    n = len(tokens)
+    rows = max(1, -(-n // per_row))
+    z = np.full((rows, per_row), np.nan)
+    text = np.full((rows, per_row), "", dtype=object)
+    pos = np.full((rows, per_row), -1)
+    for i, tok in enumerate(tokens):
+        r, c = divmod(i, per_row)
+        text[r, c] = safe_text(tok)
+        pos[r, c] = i
+        if weights is not None:
+            z[r, c] = weights[i]
+    if weights is None:
+        z = np.where(pos >= 0, 0.0, np.nan)
+    custom = np.stack([pos, np.where(np.isfinite(z), z, -1.0)], axis=-1)
+    fig = go.Figure(
+        go.Heatmap(
+            z=np.where(np.isfinite(z), z, None).tolist(),
+            text=text.tolist(),
+            texttemplate="%{text}",
+            textfont={"size": 12},
+            customdata=custom.tolist(),
+            colorscale=ATTENTION_SCALE,
+            zmin=0.0,
+            zmax=1.0 if weights is None else max(1e-6, float(np.nanmax(z))),
+            showscale=False,
+            colorbar={"title": {"text": "weight", "side": "right"}, "thickness": 12},
+            hovertemplate="position %{customdata[0]}: %{text}<br>weight %{customdata[1]:.4f}<extra></extra>",
+            xgap=2,
+            ygap=2,
+        )
+    )
+    if query is not None and 0 <= query < n:
+        r, c = divmod(query, per_row)
+        fig.add_shape(type="rect", x0=c - 0.5, x1=c + 0.5, y0=r - 0.5, y1=r + 0.5,
+                      line={"color": "#e4572e", "width": 2})
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False, autorange="reversed")
+    return _layout(fig, title, height=max(140, 34 * rows + 80))

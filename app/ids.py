@@ -1,0 +1,15 @@
+"""Component ids: constants, never strings repeated across files."""
+
+URL = "hs-url"
+TEXT = "hs-text"
+MODEL = "hs-model"
+RUN_BUTTON = "hs-run"
+METRIC = "hs-metric"
+STATUS = "hs-status"
+ERROR = "hs-error"
+RUN_INFO = "hs-run-info"
+GRID = "hs-grid"
+HEATMAP = "hs-heatmap"
+STRIP = "hs-strip"
+DOWNLOAD = "hs-download"
+EXPORT = "hs-export"  # pattern-matching type: {"type": EXPORT, "view": ..., "fmt": ...}

@@ -1,0 +1,64 @@
+"""The Dash application: pages from ``app/pages``, assets served locally (never from a CDN)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import dash
+from dash import Dash, dcc, html
+
+from analysis.paths import REPO_ROOT
+from app import ids
+from app.context import AppContext, set_context
+
+log = logging.getLogger("headscope.app")
+
+
+def create_app(context: AppContext) -> Dash:
+    set_context(context)
+    app = Dash(
+        __name__,
+        use_pages=True,
+        pages_folder=str(Path(__file__).parent / "pages"),
+        assets_folder=str(REPO_ROOT / "assets"),
+        serve_locally=True,
+        title="headscope",
+        suppress_callback_exceptions=True,
+    )
+    app.layout = html.Div(
+        [
+            dcc.Location(id=ids.URL, refresh="callback-nav"),
+            html.Header(
+                [
+                    html.A("headscope", href="/", className="hs-brand"),
+                    html.Nav(
+                        [dcc.Link(page["name"], href=page["relative_path"], className="hs-nav-link")
+                         for page in dash.page_registry.values()],
+                        className="hs-nav",
+                    ),
+                ],
+                className="hs-header",
+            ),
+            html.Main(dash.page_container, className="hs-main"),
+        ]
+    )
+    return app
+
+
+def warm_up(model_spec: str) -> None:
+    """Load the model and start the export browser before the first request needs them."""
+    from analysis.models import load_model
+    from app.export import figure_bytes
+    import plotly.graph_objects as go
+
+    load_model(model_spec)
+
+    def _export() -> None:
+        try:
+            figure_bytes(go.Figure(), "svg")
+        except Exception as e:  # export still works later, or says why then
+            log.warning("image export is not ready: %s", e)
+
+    threading.Thread(target=_export, daemon=True).start()

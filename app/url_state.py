@@ -1,0 +1,76 @@
+"""The page state carried in the URL query string, parsed and validated in one place.
+
+``?model=smollm2-135m&run=<run id>&layer=3&head=5&metric=entropy&query=12``. Unknown keys are ignored;
+a bad value is dropped and reported, so a mangled link still opens a page that says what was wrong.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from urllib.parse import parse_qs, urlencode
+
+from analysis.head_summary import HEAD_METRICS
+
+_RUN_ID = re.compile(r"^[0-9a-f]{8,64}$")
+_MODEL = re.compile(r"^[\w./~:@+-]{1,256}$")
+_INT_KEYS = ("layer", "head", "query")
+MAX_INDEX = 1_000_000
+
+
+@dataclass
+class PageState:
+    model: str | None = None
+    run: str | None = None
+    layer: int | None = None
+    head: int | None = None
+    metric: str = "entropy"
+    query: int | None = None
+    problems: list[str] = field(default_factory=list)
+
+    def to_search(self) -> str:
+        params = {
+            k: v
+            for k, v in (
+                ("model", self.model), ("run", self.run), ("layer", self.layer), ("head", self.head),
+                ("metric", self.metric), ("query", self.query),
+            )
+            if v is not None
+        }
+        return "?" + urlencode(params) if params else ""
+
+
+def parse(search: str | None) -> PageState:
+    """Parse a query string; never raises."""
+    state = PageState()
+    if not search:
+        return state
+    try:
+        raw = parse_qs(search.lstrip("?"), keep_blank_values=True, max_num_fields=50)
+    except ValueError:
+        state.problems.append("The link's parameters could not be read; starting fresh.")
+        return state
+    first = {k: v[0] for k, v in raw.items() if v}
+    if "model" in first:
+        if _MODEL.match(first["model"]):
+            state.model = first["model"]
+        else:
+            state.problems.append("The link's model name is not valid; using the default model.")
+    if "run" in first:
+        if _RUN_ID.match(first["run"].lower()):
+            state.run = first["run"].lower()
+        else:
+            state.problems.append(f"The link's run id {first['run'][:40]!r} is not valid (8–64 hex digits).")
+    for key in _INT_KEYS:
+        if key in first:
+            value = first[key]
+            if re.fullmatch(r"\d{1,7}", value) and int(value) < MAX_INDEX:
+                setattr(state, key, int(value))
+            else:
+                state.problems.append(f"The link's {key} {value[:20]!r} is not a non-negative whole number.")
+    if "metric" in first:
+        if first["metric"] in HEAD_METRICS:
+            state.metric = first["metric"]
+        else:
+            state.problems.append(f"Unknown metric {first['metric'][:40]!r}; showing entropy.")
+    return state
