@@ -49,9 +49,10 @@ def create_app(context: AppContext) -> Dash:
 
 def warm_up(model_spec: str) -> None:
     """Load the model and start the export browser before the first request needs them."""
+    import plotly.graph_objects as go
+
     from analysis.models import load_model
     from app.export import figure_bytes
-    import plotly.graph_objects as go
 
     load_model(model_spec)
 

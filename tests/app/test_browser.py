@@ -1,0 +1,194 @@
+"""The Attention page in real headless Chromium against a real server on the embedded model."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import zipfile
+
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.integration]
+
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+PROMPT = "When Mary and John went to the store, John gave a drink to Mary. The cat sat on the mat."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("server-home")
+    port = free_port()
+    log = open(home / "server.log", "w")
+    env = {**os.environ, "HEADSCOPE_HOME": str(home)}
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except OSError:
+            assert proc.poll() is None, (home / "server.log").read_text()
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("server did not start: " + (home / "server.log").read_text())
+    yield url, proc, home
+    proc.terminate()
+    proc.wait(timeout=20)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1400, "height": 1100}, accept_downloads=True)
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    yield page
+    context.close()
+
+
+def run_prompt(page, url, text):
+    page.goto(url)
+    page.fill("#hs-text", text)
+    page.click("#hs-run")
+
+
+def wait_for_run(page):
+    page.wait_for_function("(document.querySelector('#hs-run-info')?.innerText || '').includes('tokens')")
+    page.wait_for_selector("#hs-grid .heatmaplayer .hm")
+
+
+def click_cell(page, graph, col, row, n_cols, n_rows):
+    box = page.locator(f"#{graph} .nsewdrag").first.bounding_box()
+    page.mouse.click(box["x"] + box["width"] * (col + 0.5) / n_cols, box["y"] + box["height"] * (row + 0.5) / n_rows)
+
+
+def wait_title(page, graph: str, text: str, timeout: float = 60_000) -> None:
+    page.wait_for_function(
+        "([g, t]) => { const el = document.querySelector(`#${g} .gtitle`); return el && el.textContent.includes(t); }",
+        arg=[graph, text], timeout=timeout)
+
+
+def heatmap_title(page) -> str:
+    return page.locator("#hs-heatmap .gtitle").text_content()
+
+
+def test_prompt_grid_heatmap_strip_and_svg_export(server, page, tmp_path):
+    url, proc, _ = server
+    run_prompt(page, url, PROMPT)
+    wait_for_run(page)
+    assert "run=" in page.url and "layer=0" in page.url
+    assert heatmap_title(page) == "Attention of layer 0, head 0"
+
+    click_cell(page, "hs-grid", col=5, row=3, n_cols=9, n_rows=30)
+    wait_title(page, "hs-heatmap", "layer 3, head 5")
+    assert "layer=3" in page.url and "head=5" in page.url
+
+    # Hovering a token in the strip shows that token's attention row.
+    box = page.locator("#hs-strip .nsewdrag").first.bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 2.5 / 16, box["y"] + 5)
+    wait_title(page, "hs-strip", "from token 2")
+
+    with page.expect_download() as download:
+        page.click("[data-export='attention-svg']")
+    path = tmp_path / "export.zip"
+    download.value.save_as(path)
+    z = zipfile.ZipFile(path)
+    svg = z.read("attention.svg").decode()
+    assert svg.lstrip().startswith(("<svg", "<?xml")) and "layer 3, head 5" in svg
+    manifest = json.loads(z.read("manifest.json"))
+    assert manifest["params"]["layer"] == 3 and manifest["params"]["head"] == 5
+    assert manifest["model"]["name"] == "smollm2-135m" and len(manifest["token_ids"]) > 10
+    rows = z.read("data.csv").decode().splitlines()
+    assert rows[0] == "query_pos,query_token,key_pos,key_token,weight"
+    n = len(manifest["token_ids"])
+    assert len(rows) - 1 == n * (n + 1) // 2
+    assert proc.poll() is None
+
+
+def test_copied_link_reopens_the_same_view(server, page, browser):
+    url, _, _ = server
+    run_prompt(page, url, "A copied link should reopen this exact view.")
+    wait_for_run(page)
+    click_cell(page, "hs-grid", col=2, row=7, n_cols=9, n_rows=30)
+    wait_title(page, "hs-heatmap", "layer 7, head 2")
+    link = page.url
+    other = browser.new_page()
+    other.goto(link)
+    wait_title(other, "hs-heatmap", "layer 7, head 2")
+    assert other.input_value("#hs-text") == "A copied link should reopen this exact view."
+    other.close()
+
+
+def error_text(page) -> str:
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').length > 0")
+    return page.locator("#hs-error").inner_text()
+
+
+@pytest.mark.parametrize(
+    "query, expected",
+    [
+        ("?run=not-a-run&layer=abc", "not valid"),
+        ("?run=0123456789abcdef", "No stored run"),
+        ("?model=no-such-model", "Cannot load model"),
+    ],
+)
+def test_malformed_links_show_messages(server, page, query, expected):
+    url, proc, _ = server
+    page.goto(url + query)
+    assert expected in error_text(page)
+    assert proc.poll() is None
+
+
+def test_bad_inputs_show_messages_and_the_server_keeps_serving(server, page):
+    url, proc, home = server
+    run_prompt(page, url, "Keep this run safe.")
+    wait_for_run(page)
+    kept = page.url
+
+    page.fill("#hs-text", "   ")
+    page.click("#hs-run")
+    assert "empty" in error_text(page)
+
+    page.fill("#hs-text", "x" * 200_000)
+    page.click("#hs-run")
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('limit')")
+
+    page.goto(kept.replace("layer=0", "layer=99"))
+    assert "out of range" in error_text(page)
+    assert heatmap_title(page) == "Attention of layer 0, head 0"
+
+    # Nothing was lost: the earlier run still opens, and new work still runs.
+    page.goto(kept)
+    page.wait_for_selector("#hs-heatmap .gtitle")
+    assert page.input_value("#hs-text") == "Keep this run safe."
+    run_prompt(page, url, "Still serving after bad input.")
+    wait_for_run(page)
+    assert proc.poll() is None
+    assert "Traceback" not in page.content()

@@ -1,0 +1,63 @@
+"""The ``headscope`` command as a user runs it: real processes, the embedded model, a fresh store."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def headscope(*args, home, timeout=240):
+    env = {**os.environ, "HEADSCOPE_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_run_list_figure_rm(tmp_path):
+    home = tmp_path / "home"
+    out = tmp_path / "out"
+    r = headscope("run", "The capital of France is Paris.", "--out", str(out), "--formats", "svg", home=home)
+    assert r.returncode == 0, r.stderr
+    assert f"results in {out}" in r.stdout
+    run_id = r.stdout.split("run ", 1)[1].split()[0]
+    assert (out / "head_grid.svg").read_text().lstrip().startswith(("<svg", "<?xml"))
+    manifest = json.loads((out / "head_grid.manifest.json").read_text())
+    assert manifest["run_key"] == run_id and manifest["model"]["name"] == "smollm2-135m"
+
+    listed = headscope("runs", "list", home=home)
+    assert run_id[:16] in listed.stdout and "The capital of France" in listed.stdout
+
+    again = headscope("figure", str(out / "head_grid.manifest.json"), "--out", str(tmp_path / "re"),
+                      "--formats", "svg", home=home)
+    assert again.returncode == 0, again.stderr
+    assert json.loads((tmp_path / "re" / "head_grid.json").read_text()) == json.loads(
+        (out / "head_grid.json").read_text())
+
+    removed = headscope("runs", "rm", run_id[:12], home=home)
+    assert removed.returncode == 0 and "removed" in removed.stdout
+    assert run_id[:16] not in headscope("runs", "list", home=home).stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("run", "   "), "empty"),
+        (("run", "hello", "--model", "no-such-model"), "Cannot load model"),
+        (("run", "--file", "/nonexistent/file.txt"), "cannot read"),
+        (("figure", "/nonexistent/manifest.json"), "Cannot read manifest"),
+        (("serve", "--host", "0.0.0.0"), "refusing to listen"),
+    ],
+)
+def test_user_errors_are_messages_not_tracebacks(tmp_path, args, message):
+    r = headscope(*args, home=tmp_path / "home")
+    assert r.returncode != 0
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_models_lists_the_embedded_model(tmp_path):
+    r = headscope("models", home=tmp_path / "home")
+    assert r.returncode == 0 and "smollm2-135m" in r.stdout and "ready" in r.stdout

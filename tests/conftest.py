@@ -1,0 +1,61 @@
+"""Shared fixtures: a tiny random Llama (unit tests), the embedded model (integration), a fresh store.
+
+The converted embedded model is cached once per machine (``HEADSCOPE_MODEL_CACHE``, shared with
+``make serve``); every test gets its own empty store.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+import pytest
+
+os.environ.setdefault("HEADSCOPE_MODEL_CACHE", str(Path(platformdirs.user_data_dir("headscope")) / "models"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADSCOPE_HOME", str(tmp_path / "home"))
+
+
+@pytest.fixture
+def store(tmp_path):
+    from analysis.store import Store
+
+    return Store(tmp_path / "store")
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct with its real weights (converted once, then ~1 s to load)."""
+    from analysis.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(real_model):
+    """A 2-layer random Llama (4 query heads, 2 key-value heads) with the real tokenizer."""
+    from analysis.models import wrap_model
+
+    hf = tiny_hf_model(len(real_model.tokenizer))
+    return wrap_model(hf, real_model.tokenizer, name="tiny-llama", digest="tiny-random-llama-seed0")
+
+
+def tiny_hf_model(vocab_size: int, seed: int = 0):
+    """A fresh tiny random Llama (the bridge rewires a model it wraps, so wrap a fresh one)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    config._attn_implementation = "eager"
+    return LlamaForCausalLM(config).eval()
