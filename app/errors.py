@@ -14,7 +14,9 @@ from analysis.models import ModelError
 
 log = logging.getLogger("headscope.app")
 
-USER_ERRORS: tuple[type[Exception], ...] = (InputError, ModelError)
+# Analyses validate their inputs at the boundary and raise ValueError with a message meant for
+# users (InputError and ModelError are ValueErrors too).
+USER_ERRORS: tuple[type[Exception], ...] = (InputError, ModelError, ValueError)
 
 
 def message(problems: Sequence[str] | str) -> list | str:

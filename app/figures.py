@@ -150,3 +150,22 @@ def token_strip(
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False, autorange="reversed")
     return _layout(fig, title, height=max(140, 34 * rows + 80))
+
+
+def layer_position_heatmap(values: np.ndarray, tokens: Sequence[str], title: str) -> go.Figure:
+    """``[layer, position]`` values (e.g. cumulative rollout to one token after each layer)."""
+    values = np.asarray(values, dtype=float)
+    labels = token_labels(tokens)
+    fig = go.Figure(
+        go.Heatmap(
+            z=values.tolist(),
+            x=labels,
+            y=list(range(values.shape[0])),
+            colorscale=ATTENTION_SCALE,
+            colorbar={"title": {"text": "relevance", "side": "right"}, "thickness": 12},
+            hovertemplate="after layer %{y}<br>input %{x}<br>%{z:.4f}<extra></extra>",
+        )
+    )
+    fig.update_xaxes(title="input token", type="category", tickangle=-60, showticklabels=len(tokens) <= 80)
+    fig.update_yaxes(title="layer", autorange="reversed")
+    return _layout(fig, title, height=max(380, 14 * values.shape[0] + 160))

@@ -13,3 +13,12 @@ HEATMAP = "hs-heatmap"
 STRIP = "hs-strip"
 DOWNLOAD = "hs-download"
 EXPORT = "hs-export"  # pattern-matching type: {"type": EXPORT, "view": ..., "fmt": ...}
+
+# Flow page
+FLOW_TARGET = "hs-flow-target"
+FLOW_FUSION = "hs-flow-fusion"
+FLOW_SINK = "hs-flow-sink"
+FLOW_STRIPS = "hs-flow-strips"
+FLOW_LAYERS = "hs-flow-layers"
+FLOW_INFO = "hs-flow-info"
+QUERY_STORE = "hs-query"

@@ -18,6 +18,7 @@ log = logging.getLogger("headscope.app")
 
 def create_app(context: AppContext) -> Dash:
     set_context(context)
+    import app.components  # noqa: F401  (registers the shared export callback)
     app = Dash(
         __name__,
         use_pages=True,
@@ -29,7 +30,6 @@ def create_app(context: AppContext) -> Dash:
     )
     app.layout = html.Div(
         [
-            dcc.Location(id=ids.URL, refresh="callback-nav"),
             html.Header(
                 [
                     html.A("headscope", href="/", className="hs-brand"),
@@ -41,7 +41,14 @@ def create_app(context: AppContext) -> Dash:
                 ],
                 className="hs-header",
             ),
-            html.Main(dash.page_container, className="hs-main"),
+            html.Main(
+                [
+                    html.Div(id=ids.ERROR, role="alert", className="hs-error"),
+                    dcc.Download(id=ids.DOWNLOAD),
+                    dash.page_container,
+                ],
+                className="hs-main",
+            ),
         ]
     )
     return app

@@ -14,7 +14,8 @@ from analysis.head_summary import HEAD_METRICS
 
 _RUN_ID = re.compile(r"^[0-9a-f]{8,64}$")
 _MODEL = re.compile(r"^[\w./~:@+-]{1,256}$")
-_INT_KEYS = ("layer", "head", "query")
+_INT_KEYS = ("layer", "head", "query", "target")
+FUSIONS = ("mean", "max", "min")
 MAX_INDEX = 1_000_000
 
 
@@ -26,6 +27,9 @@ class PageState:
     head: int | None = None
     metric: str = "entropy"
     query: int | None = None
+    target: int | None = None
+    fusion: str = "mean"
+    drop_sink: bool = False
     problems: list[str] = field(default_factory=list)
 
     def to_search(self) -> str:
@@ -33,7 +37,9 @@ class PageState:
             k: v
             for k, v in (
                 ("model", self.model), ("run", self.run), ("layer", self.layer), ("head", self.head),
-                ("metric", self.metric), ("query", self.query),
+                ("metric", None if self.metric == "entropy" else self.metric), ("query", self.query), ("target", self.target),
+                ("fusion", None if self.fusion == "mean" else self.fusion),
+                ("sink", 1 if self.drop_sink else None),
             )
             if v is not None
         }
@@ -73,4 +79,11 @@ def parse(search: str | None) -> PageState:
             state.metric = first["metric"]
         else:
             state.problems.append(f"Unknown metric {first['metric'][:40]!r}; showing entropy.")
+    if "fusion" in first:
+        if first["fusion"] in FUSIONS:
+            state.fusion = first["fusion"]
+        else:
+            state.problems.append(f"Unknown head fusion {first['fusion'][:20]!r}; using mean.")
+    if "sink" in first:
+        state.drop_sink = first["sink"] in ("1", "true", "yes")
     return state

@@ -6,6 +6,7 @@ figure regenerated from a manifest is built by exactly the code that drew it in 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -16,7 +17,9 @@ import numpy as np
 import plotly.graph_objects as go
 
 from analysis.capture import InputError, Run
+from analysis.flow import attention_flow
 from analysis.head_summary import HEAD_METRICS
+from analysis.rollout import rollout, rollout_per_layer
 from app import figures
 
 Rows = list[dict[str, Any]]
@@ -42,23 +45,28 @@ def check_metric(metric: Any) -> str:
     return metric
 
 
-_scores: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
-_scores_lock = threading.Lock()
+_memo: OrderedDict[tuple, np.ndarray] = OrderedDict()
+_memo_lock = threading.Lock()
+
+
+def memoised(key: tuple, compute: Callable[[], np.ndarray]) -> np.ndarray:
+    """Results of analyses on stored runs, kept for the last few requests (pages re-render often)."""
+    with _memo_lock:
+        if key in _memo:
+            _memo.move_to_end(key)
+            return _memo[key]
+    value = compute()
+    with _memo_lock:
+        _memo[key] = value
+        while len(_memo) > 64:
+            _memo.popitem(last=False)
+    return value
 
 
 def metric_scores(run: Run, metric: str) -> np.ndarray:
-    """``[layer, head]`` scores of ``metric`` on ``run``, memoised for the last few runs."""
-    key = (run.key, check_metric(metric))
-    with _scores_lock:
-        if key in _scores:
-            _scores.move_to_end(key)
-            return _scores[key]
-    scores = HEAD_METRICS[metric].compute(run.patterns)
-    with _scores_lock:
-        _scores[key] = scores
-        while len(_scores) > 64:
-            _scores.popitem(last=False)
-    return scores
+    """``[layer, head]`` scores of ``metric`` on ``run``."""
+    metric = check_metric(metric)
+    return memoised((run.key, "metric", metric), lambda: HEAD_METRICS[metric].compute(run.patterns))
 
 
 def head_grid_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
@@ -110,6 +118,84 @@ def token_strip_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]
     return fig, rows
 
 
+MAX_FLOW_TOKENS = int(os.environ.get("HEADSCOPE_MAX_FLOW_TOKENS", "128"))
+RELEVANCE_METHODS = {
+    "attention": "Raw attention (last layer, head-fused)",
+    "rollout": "Attention rollout",
+    "flow": "Attention flow (exact max-flow)",
+}
+
+
+def check_target(run: Run, target: Any) -> int:
+    if target is None:
+        return run.n_tokens - 1
+    try:
+        target = int(target)
+    except (TypeError, ValueError):
+        raise InputError(f"The target position must be a whole number, got {target!r}.") from None
+    if not 0 <= target < run.n_tokens:
+        raise InputError(f"Target position {target} is out of range: this run has positions 0..{run.n_tokens - 1}.")
+    return target
+
+
+def token_relevance(run: Run, method: str, target: int, fusion: str = "mean", drop_sink: bool = False) -> np.ndarray:
+    """Relevance of each input position for output ``target`` (Abnar & Zuidema 2020).
+
+    ``attention``: the last layer's head-fused attention row (rollout over that layer alone, no
+    residual term); ``rollout``: :func:`analysis.rollout.rollout`; ``flow``:
+    :func:`analysis.flow.attention_flow`. ``drop_sink`` removes key 0 before renormalising.
+    """
+    if method not in RELEVANCE_METHODS:
+        raise InputError(f"Unknown relevance method {method!r}; choose one of {', '.join(RELEVANCE_METHODS)}.")
+    sinks = (0,) if drop_sink else ()
+    n_layers = run.patterns.shape[0]
+
+    def compute() -> np.ndarray:
+        if method == "attention":
+            return rollout(run.patterns, residual=0.0, fusion=fusion, drop_sinks=sinks, start_layer=n_layers - 1)[target]
+        if method == "rollout":
+            return rollout(run.patterns, fusion=fusion, drop_sinks=sinks)[target]
+        if run.n_tokens > MAX_FLOW_TOKENS:
+            raise InputError(
+                f"Attention flow is limited to {MAX_FLOW_TOKENS} tokens and this run has {run.n_tokens} "
+                "(set HEADSCOPE_MAX_FLOW_TOKENS to change it). Rollout and raw attention still work."
+            )
+        return attention_flow(run.patterns, target=target, fusion=fusion, drop_sinks=sinks)
+
+    return memoised((run.key, "relevance", method, target, fusion, drop_sink), compute)
+
+
+def relevance_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    target = check_target(run, params.get("target"))
+    method = params.get("method", "rollout")
+    fusion, drop_sink = params.get("fusion", "mean"), bool(params.get("drop_sink", False))
+    values = token_relevance(run, method, target, fusion, drop_sink).astype(float)
+    shown = values.copy()
+    shown[target + 1 :] = np.nan
+    title = f"{RELEVANCE_METHODS.get(method, method)} → token {target} ({run.tokens[target]})"
+    fig = figures.token_strip(run.tokens, shown, target, figures.safe_text(title))
+    rows = [{"pos": j, "token": run.tokens[j], "relevance": float(values[j])} for j in range(target + 1)]
+    return fig, rows
+
+
+def rollout_layers_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    target = check_target(run, params.get("target"))
+    fusion, drop_sink = params.get("fusion", "mean"), bool(params.get("drop_sink", False))
+    sinks = (0,) if drop_sink else ()
+    per_layer = memoised(
+        (run.key, "rollout_layers", target, fusion, drop_sink),
+        lambda: rollout_per_layer(run.patterns, fusion=fusion, drop_sinks=sinks)[:, target, : target + 1],
+    )
+    title = f"Rollout to token {target} ({run.tokens[target]}) after each layer"
+    fig = figures.layer_position_heatmap(per_layer, run.tokens[: target + 1], figures.safe_text(title))
+    rows = [
+        {"layer": layer, "pos": j, "token": run.tokens[j], "rollout": float(per_layer[layer, j])}
+        for layer in range(per_layer.shape[0])
+        for j in range(per_layer.shape[1])
+    ]
+    return fig, rows
+
+
 @dataclass(frozen=True)
 class View:
     name: str
@@ -124,5 +210,7 @@ VIEWS: dict[str, View] = {
         View("head_grid", "Per-head summary grid", head_grid_view, ("metric", "layer", "head")),
         View("attention", "Attention heatmap", attention_view, ("layer", "head")),
         View("token_strip", "Attention row over tokens", token_strip_view, ("layer", "head", "query")),
+        View("relevance", "Token relevance", relevance_view, ("target", "method", "fusion", "drop_sink")),
+        View("rollout_layers", "Rollout per layer", rollout_layers_view, ("target", "fusion", "drop_sink")),
     ]
 }

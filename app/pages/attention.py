@@ -8,63 +8,41 @@ from __future__ import annotations
 
 import dash
 import numpy as np
-from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
-from dash.exceptions import PreventUpdate
+from dash import Input, Output, State, callback, ctx, dcc, html, no_update
 
-from analysis.capture import capture
 from analysis.head_summary import HEAD_METRICS
 from analysis.models import load_model
 from app import ids
+from app.components import (
+    GRAPH_CONFIG,
+    empty_figure,
+    export_bar,
+    input_bar,
+    model_id,
+    page_location,
+    query_store_id,
+    register_export,
+    register_run,
+    text_id,
+    url_id,
+)
 from app.context import get_context
 from app.errors import guarded, message
-from app.export import FORMATS, bundle
 from app.url_state import PageState, parse
 from app.views import VIEWS
 
-dash.register_page(__name__, path="/", name="Attention", title="headscope — attention")
+dash.register_page(__name__, path="/", name="Attention", title="headscope — attention", order=0)
 
-EMPTY = {"data": [], "layout": {"xaxis": {"visible": False}, "yaxis": {"visible": False},
-                                "annotations": [{"text": "Run a text to see every head.", "showarrow": False,
-                                                 "font": {"size": 14, "color": "#888"}}],
-                                "height": 300}}
-
-GRAPH_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "svg"}}
-
-
-def export_bar(view: str) -> html.Div:
-    return html.Div(
-        [html.Span("Export", className="hs-export-label")]
-        + [
-            html.Button(fmt.upper(), id={"type": ids.EXPORT, "view": view, "fmt": fmt}, className="hs-export-btn",
-                        n_clicks=0, **{"data-export": f"{view}-{fmt}"}, title=f"Download the {VIEWS[view].title.lower()} as {fmt.upper()} "
-                                          "with its data and manifest")
-            for fmt in FORMATS
-        ],
-        className="hs-export-bar",
-    )
+PREFIX = "attn"
+EMPTY = empty_figure()
 
 
 def layout(**_query) -> html.Div:
-    context = get_context()
     return html.Div(
         [
-            html.Div(
-                [
-                    dcc.Textarea(id=ids.TEXT, placeholder="Type or paste text to analyse…", className="hs-text",
-                                 value=""),
-                    html.Div(
-                        [
-                            html.Label("Model", htmlFor=ids.MODEL),
-                            dcc.Dropdown(id=ids.MODEL, options=context.model_options(),
-                                         value=context.default_model, clearable=False, className="hs-model"),
-                            html.Button("Run", id=ids.RUN_BUTTON, n_clicks=0, className="hs-run"),
-                        ],
-                        className="hs-controls",
-                    ),
-                ],
-                className="hs-input",
-            ),
-            html.Div(id=ids.ERROR, role="alert", className="hs-error"),
+            page_location(PREFIX),
+            dcc.Store(id=query_store_id(PREFIX)),
+            input_bar(PREFIX),
             dcc.Loading(html.Div(id=ids.RUN_INFO, className="hs-run-info"), type="dot"),
             html.Div(
                 [
@@ -83,15 +61,12 @@ def layout(**_query) -> html.Div:
                                 className="hs-metric",
                             ),
                             dcc.Graph(id=ids.GRID, figure=EMPTY, config=GRAPH_CONFIG),
-                            export_bar("head_grid"),
+                            export_bar(PREFIX, "head_grid"),
                         ],
                         className="hs-panel hs-grid-panel",
                     ),
                     html.Div(
-                        [
-                            dcc.Graph(id=ids.HEATMAP, figure=EMPTY, config=GRAPH_CONFIG),
-                            export_bar("attention"),
-                        ],
+                        [dcc.Graph(id=ids.HEATMAP, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, "attention")],
                         className="hs-panel hs-heatmap-panel",
                     ),
                 ],
@@ -99,15 +74,25 @@ def layout(**_query) -> html.Div:
             ),
             html.Div(
                 [
-                    html.P("Hover a token to see where the selected head attends from it.", className="hs-hint"),
+                    html.P("Hover a token (or click a heatmap row) to see where the selected head attends from it.",
+                           className="hs-hint"),
                     dcc.Graph(id=ids.STRIP, figure=EMPTY, config=GRAPH_CONFIG, clear_on_unhover=False),
-                    export_bar("token_strip"),
+                    export_bar(PREFIX, "token_strip"),
                 ],
                 className="hs-panel",
             ),
-            dcc.Download(id=ids.DOWNLOAD),
         ]
     )
+
+
+def _after_run(old: PageState, model, run) -> PageState:
+    layer = old.layer if old.layer is not None and old.layer < model.n_layers else 0
+    head = old.head if old.head is not None and old.head < model.n_heads else 0
+    return PageState(model=model.name, run=run.key[:16], layer=layer, head=head, metric=old.metric)
+
+
+register_run(PREFIX, _after_run)
+register_export(PREFIX)
 
 
 def _with(search: str | None, **changes) -> str:
@@ -118,54 +103,31 @@ def _with(search: str | None, **changes) -> str:
 
 
 @callback(
-    Output(ids.URL, "search", allow_duplicate=True),
-    Output(ids.ERROR, "children", allow_duplicate=True),
-    Input(ids.RUN_BUTTON, "n_clicks"),
-    State(ids.TEXT, "value"),
-    State(ids.MODEL, "value"),
-    State(ids.URL, "search"),
-    prevent_initial_call=True,
-)
-@guarded(outputs=2)
-def run_text(n_clicks, text, model_spec, search):
-    if not n_clicks:  # the page's layout arriving is not a click
-        raise PreventUpdate
-    context = get_context()
-    model = load_model(model_spec or context.default_model)
-    run = capture(model, text or "", store=context.store, max_tokens=context.max_tokens)
-    context.remember(run)
-    old = parse(search)
-    layer = old.layer if old.layer is not None and old.layer < model.n_layers else 0
-    head = old.head if old.head is not None and old.head < model.n_heads else 0
-    state = PageState(model=model.name, run=run.key[:16], layer=layer, head=head, metric=old.metric)
-    return state.to_search(), ""
-
-
-@callback(
     Output(ids.GRID, "figure"),
     Output(ids.HEATMAP, "figure"),
     Output(ids.STRIP, "figure"),
     Output(ids.RUN_INFO, "children"),
-    Output(ids.ERROR, "children"),
-    Output(ids.TEXT, "value"),
-    Output(ids.MODEL, "value"),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Output(text_id(PREFIX), "value"),
+    Output(model_id(PREFIX), "value"),
     Output(ids.METRIC, "value"),
-    Input(ids.URL, "search"),
+    Output(query_store_id(PREFIX), "data"),
+    Input(url_id(PREFIX), "search"),
+    prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=8, error_index=4)
+@guarded(outputs=9, error_index=4)
 def render(search):
     state = parse(search)
     problems = list(state.problems)
     context = get_context()
     if state.model and state.run is None:
-        # A model named on its own: check it loads, so a bad link says so.
-        load_model(state.model)
+        load_model(state.model)  # a model named on its own: check it loads, so a bad link says so
     if state.run is None:
-        return EMPTY, EMPTY, EMPTY, "", message(problems), no_update, state.model or no_update, state.metric
+        return EMPTY, EMPTY, EMPTY, "", message(problems), no_update, state.model or no_update, state.metric, None
     run = context.run(state.run)
     if run is None:
         problems.append(f"No stored run has the id {state.run!r}. Run the text again to recompute it.")
-        return EMPTY, EMPTY, EMPTY, "", message(problems), no_update, no_update, state.metric
+        return EMPTY, EMPTY, EMPTY, "", message(problems), no_update, no_update, state.metric, None
     n_layers, n_heads = run.patterns.shape[:2]
     layer, head = state.layer or 0, state.head or 0
     if layer >= n_layers or head >= n_heads:
@@ -189,13 +151,14 @@ def render(search):
             html.Span(f"selected: layer {layer}, head {head}", className="hs-chip hs-selected"),
         ]
     )
-    return grid, heat, strip, info, message(problems), run.text or no_update, run.model_name, state.metric
+    return (grid, heat, strip, info, message(problems), run.text or no_update, run.model_name, state.metric,
+            query)
 
 
 @callback(
-    Output(ids.URL, "search", allow_duplicate=True),
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
     Input(ids.GRID, "clickData"),
-    State(ids.URL, "search"),
+    State(url_id(PREFIX), "search"),
     prevent_initial_call=True,
 )
 def select_head(click, search):
@@ -206,9 +169,9 @@ def select_head(click, search):
 
 
 @callback(
-    Output(ids.URL, "search", allow_duplicate=True),
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
     Input(ids.METRIC, "value"),
-    State(ids.URL, "search"),
+    State(url_id(PREFIX), "search"),
     prevent_initial_call=True,
 )
 def select_metric(metric, search):
@@ -219,54 +182,28 @@ def select_metric(metric, search):
 
 @callback(
     Output(ids.STRIP, "figure", allow_duplicate=True),
+    Output(query_store_id(PREFIX), "data", allow_duplicate=True),
     Output(ids.ERROR, "children", allow_duplicate=True),
     Input(ids.STRIP, "hoverData"),
     Input(ids.HEATMAP, "clickData"),
-    State(ids.URL, "search"),
+    State(url_id(PREFIX), "search"),
     prevent_initial_call=True,
 )
-@guarded(outputs=2)
+@guarded(outputs=3)
 def follow_query(hover, heat_click, search):
     state = parse(search)
     run = get_context().run(state.run) if state.run else None
     if run is None:
-        return no_update, no_update
+        return no_update, no_update, no_update
     if ctx.triggered_id == ids.STRIP:
         if not hover or not hover.get("points"):
-            return no_update, no_update
+            return no_update, no_update, no_update
         query = int(hover["points"][0]["customdata"][0])
     else:
         if not heat_click or not heat_click.get("points"):
-            return no_update, no_update
+            return no_update, no_update, no_update
         query = int(str(heat_click["points"][0]["y"]).split(" ", 1)[0])
     if query < 0:
-        return no_update, no_update
-    fig, _ = VIEWS["token_strip"].build(
-        run, {"layer": state.layer or 0, "head": state.head or 0, "query": query}
-    )
-    return fig, ""
-
-
-@callback(
-    Output(ids.DOWNLOAD, "data"),
-    Output(ids.ERROR, "children", allow_duplicate=True),
-    Input({"type": ids.EXPORT, "view": ALL, "fmt": ALL}, "n_clicks"),
-    State(ids.URL, "search"),
-    prevent_initial_call=True,
-)
-@guarded(outputs=2)
-def export(clicks, search):
-    trigger = ctx.triggered_id
-    if not trigger or not any(clicks):
-        return no_update, no_update
-    state = parse(search)
-    run = get_context().run(state.run) if state.run else None
-    if run is None:
-        return no_update, "Run a text before exporting: there is no figure yet."
-    params = {"metric": state.metric, "layer": state.layer or 0, "head": state.head or 0}
-    if trigger["view"] == "token_strip":
-        params["query"] = state.query if state.query is not None else run.n_tokens - 1
-    if trigger["view"] == "attention":
-        params.pop("metric")
-    name, data = bundle(run, trigger["view"], params, trigger["fmt"])
-    return dcc.send_bytes(data, name), ""
+        return no_update, no_update, no_update
+    fig, _ = VIEWS["token_strip"].build(run, {"layer": state.layer or 0, "head": state.head or 0, "query": query})
+    return fig, query, ""

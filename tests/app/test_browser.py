@@ -75,8 +75,8 @@ def page(browser):
 
 def run_prompt(page, url, text):
     page.goto(url)
-    page.fill("#hs-text", text)
-    page.click("#hs-run")
+    page.fill("#attn-hs-text", text)
+    page.click("#attn-hs-run")
 
 
 def wait_for_run(page):
@@ -142,7 +142,7 @@ def test_copied_link_reopens_the_same_view(server, page, browser):
     other = browser.new_page()
     other.goto(link)
     wait_title(other, "hs-heatmap", "layer 7, head 2")
-    assert other.input_value("#hs-text") == "A copied link should reopen this exact view."
+    assert other.input_value("#attn-hs-text") == "A copied link should reopen this exact view."
     other.close()
 
 
@@ -172,12 +172,12 @@ def test_bad_inputs_show_messages_and_the_server_keeps_serving(server, page):
     wait_for_run(page)
     kept = page.url
 
-    page.fill("#hs-text", "   ")
-    page.click("#hs-run")
+    page.fill("#attn-hs-text", "   ")
+    page.click("#attn-hs-run")
     assert "empty" in error_text(page)
 
-    page.fill("#hs-text", "x" * 200_000)
-    page.click("#hs-run")
+    page.fill("#attn-hs-text", "x" * 200_000)
+    page.click("#attn-hs-run")
     page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('limit')")
 
     page.goto(kept.replace("layer=0", "layer=99"))
@@ -187,8 +187,34 @@ def test_bad_inputs_show_messages_and_the_server_keeps_serving(server, page):
     # Nothing was lost: the earlier run still opens, and new work still runs.
     page.goto(kept)
     page.wait_for_selector("#hs-heatmap .gtitle")
-    assert page.input_value("#hs-text") == "Keep this run safe."
+    assert page.input_value("#attn-hs-text") == "Keep this run safe."
     run_prompt(page, url, "Still serving after bad input.")
     wait_for_run(page)
     assert proc.poll() is None
     assert "Traceback" not in page.content()
+
+
+def test_flow_page_shows_three_attributions_and_exports_flow_data(server, page, tmp_path):
+    url, proc, _ = server
+    page.goto(url + "flow")
+    page.fill("#flow-hs-text", "The keys to the old wooden cabinet")
+    page.click("#flow-hs-run")
+    page.wait_for_function("(document.querySelector('#hs-flow-info')?.innerText || '').includes('target: token')")
+    titles = page.locator(".js-plotly-plot .gtitle").all_text_contents()
+    assert any(t.startswith("Raw attention") for t in titles)
+    assert any(t.startswith("Attention rollout") for t in titles)
+    assert any(t.startswith("Attention flow") for t in titles)
+    page.wait_for_load_state("networkidle")
+    page.check("#hs-flow-sink input")
+    page.wait_for_function("location.search.includes('sink=1')")
+    with page.expect_download() as download:
+        page.click("[data-export='relevance:flow-csv']")
+    path = tmp_path / "flow.zip"
+    download.value.save_as(path)
+    z = zipfile.ZipFile(path)
+    manifest = json.loads(z.read("manifest.json"))
+    assert manifest["view"] == "relevance" and manifest["params"]["method"] == "flow"
+    assert manifest["params"]["drop_sink"] is True
+    rows = z.read("data.csv").decode().splitlines()
+    assert rows[0] == "pos,token,relevance" and len(rows) - 1 == len(manifest["token_ids"])
+    assert proc.poll() is None

@@ -1,0 +1,161 @@
+"""Pieces every page shares: the text/model/Run bar, export buttons and their one callback.
+
+The Run bar of each page has its own ids (a page prefix), and writes the run into the URL; the
+error banner and the download live in the app shell (``app.server``), so every page can use them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
+from dash.exceptions import PreventUpdate
+
+from analysis.capture import capture
+from analysis.models import load_model
+from app import ids
+from app.context import get_context
+from app.errors import guarded
+from app.export import FORMATS, bundle
+from app.url_state import PageState, parse
+from app.views import VIEWS
+
+GRAPH_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "svg"}}
+
+
+def empty_figure(text: str = "Run a text to see every head.") -> dict:
+    return {"data": [], "layout": {"xaxis": {"visible": False}, "yaxis": {"visible": False}, "height": 300,
+                                   "annotations": [{"text": text, "showarrow": False,
+                                                    "font": {"size": 14, "color": "#888"}}]}}
+
+
+def url_id(prefix: str) -> str:
+    return f"{prefix}-{ids.URL}"
+
+
+def page_location(prefix: str) -> dcc.Location:
+    """Each page has its own Location, so its callbacks only run while it is shown."""
+    return dcc.Location(id=url_id(prefix), refresh="callback-nav")
+
+
+def text_id(prefix: str) -> str:
+    return f"{prefix}-{ids.TEXT}"
+
+
+def model_id(prefix: str) -> str:
+    return f"{prefix}-{ids.MODEL}"
+
+
+def run_id(prefix: str) -> str:
+    return f"{prefix}-{ids.RUN_BUTTON}"
+
+
+def input_bar(prefix: str, placeholder: str = "Type or paste text to analyse…") -> html.Div:
+    context = get_context()
+    return html.Div(
+        [
+            dcc.Textarea(id=text_id(prefix), placeholder=placeholder, className="hs-text", value=""),
+            html.Div(
+                [
+                    html.Label("Model", htmlFor=model_id(prefix)),
+                    dcc.Dropdown(id=model_id(prefix), options=context.model_options(),
+                                 value=context.default_model, clearable=False, className="hs-model"),
+                    html.Button("Run", id=run_id(prefix), n_clicks=0, className="hs-run"),
+                ],
+                className="hs-controls",
+            ),
+        ],
+        className="hs-input",
+    )
+
+
+def register_run(prefix: str, state_after: Any) -> None:
+    """Wire a page's Run button: capture (or load) the run, then write it into the URL.
+
+    ``state_after(old_state, model, run) -> PageState`` says what the page shows next.
+    """
+
+    @callback(
+        Output(url_id(prefix), "search", allow_duplicate=True),
+        Output(ids.ERROR, "children", allow_duplicate=True),
+        Input(run_id(prefix), "n_clicks"),
+        State(text_id(prefix), "value"),
+        State(model_id(prefix), "value"),
+        State(url_id(prefix), "search"),
+        prevent_initial_call=True,
+    )
+    @guarded(outputs=2)
+    def run_text(n_clicks, text, model_spec, search):
+        if not n_clicks:  # the page's layout arriving is not a click
+            raise PreventUpdate
+        context = get_context()
+        model = load_model(model_spec or context.default_model)
+        run = capture(model, text or "", store=context.store, max_tokens=context.max_tokens)
+        context.remember(run)
+        return state_after(parse(search), model, run).to_search(), ""
+
+    run_text.__name__ = f"run_text_{prefix}"
+
+
+def export_bar(prefix: str, view: str) -> html.Div:
+    return html.Div(
+        [html.Span("Export", className="hs-export-label")]
+        + [
+            html.Button(fmt.upper(), id={"type": ids.EXPORT, "page": prefix, "view": view, "fmt": fmt},
+                        className="hs-export-btn",
+                        n_clicks=0, **{"data-export": f"{view}-{fmt}"},
+                        title=f"Download the {VIEWS[view.split(':')[0]].title.lower()} as {fmt.upper()} with its data and manifest")
+            for fmt in FORMATS
+        ],
+        className="hs-export-bar",
+    )
+
+
+def view_params(view: str, state: PageState, query: int | None = None) -> dict[str, Any]:
+    """The parameters a view is drawn with, from the page state (what the page shows is what exports)."""
+    head = {"layer": state.layer or 0, "head": state.head or 0}
+    relevance = {"target": state.target, "fusion": state.fusion, "drop_sink": state.drop_sink}
+    if view == "head_grid":
+        return {"metric": state.metric, **head}
+    if view == "attention":
+        return head
+    if view == "token_strip":
+        return {**head, "query": query if query is not None else state.query}
+    if view.startswith("relevance:"):
+        return {**relevance, "method": view.split(":", 1)[1]}
+    if view == "rollout_layers":
+        return relevance
+    raise PreventUpdate
+
+
+def register_export(prefix: str) -> None:
+    """One callback per page: any export button → a zip of figure, data and manifest."""
+
+    @callback(
+        Output(ids.DOWNLOAD, "data", allow_duplicate=True),
+        Output(ids.ERROR, "children", allow_duplicate=True),
+        Input({"type": ids.EXPORT, "page": prefix, "view": ALL, "fmt": ALL}, "n_clicks"),
+        State(url_id(prefix), "search"),
+        State(query_store_id(prefix), "data"),
+        prevent_initial_call=True,
+    )
+    @guarded(outputs=2)
+    def export(clicks, search, query):
+        trigger = ctx.triggered_id
+        if not trigger or not any(clicks):
+            raise PreventUpdate
+        state = parse(search)
+        run = get_context().run(state.run) if state.run else None
+        if run is None:
+            return no_update, "Run a text before exporting: there is no figure yet."
+        view = trigger["view"]
+        params = view_params(view, state, query)
+        name, data = bundle(run, view.split(":", 1)[0], params, trigger["fmt"])
+        return dcc.send_bytes(data, name), ""
+
+    export.__name__ = f"export_{prefix}"
+
+
+def query_store_id(prefix: str) -> str:
+    """A page's selected query token (hovered, not in the URL: hovering must not re-render)."""
+    return f"{prefix}-{ids.QUERY_STORE}"

@@ -1,0 +1,137 @@
+"""Page "Flow": which input tokens an output token draws on — raw attention, rollout and exact flow
+side by side (Abnar & Zuidema 2020), and how rollout relevance builds up layer by layer."""
+
+from __future__ import annotations
+
+import dash
+from dash import Input, Output, State, callback, dcc, html, no_update
+
+from app import ids
+from app.components import (
+    GRAPH_CONFIG,
+    empty_figure,
+    export_bar,
+    input_bar,
+    model_id,
+    page_location,
+    query_store_id,
+    register_export,
+    register_run,
+    text_id,
+    url_id,
+)
+from app.context import get_context
+from app.errors import guarded, message
+from app.url_state import PageState, parse
+from app.views import MAX_FLOW_TOKENS, RELEVANCE_METHODS, VIEWS, check_target
+
+dash.register_page(__name__, path="/flow", name="Flow", title="headscope — rollout and flow", order=1)
+
+PREFIX = "flow"
+EMPTY = empty_figure("Run a text to see which inputs each output draws on.")
+
+
+def layout(**_query) -> html.Div:
+    return html.Div(
+        [
+            page_location(PREFIX),
+            dcc.Store(id=query_store_id(PREFIX)),
+            input_bar(PREFIX, f"Text to attribute (attention flow: up to {MAX_FLOW_TOKENS} tokens)…"),
+            html.Div(
+                [
+                    html.Label("Target position", htmlFor=ids.FLOW_TARGET),
+                    dcc.Input(id=ids.FLOW_TARGET, type="number", min=0, step=1, debounce=True,
+                              placeholder="last", className="hs-number"),
+                    html.Label("Head fusion", htmlFor=ids.FLOW_FUSION),
+                    dcc.Dropdown(id=ids.FLOW_FUSION, options=["mean", "max", "min"], value="mean", clearable=False,
+                                 className="hs-small-dropdown"),
+                    dcc.Checklist(id=ids.FLOW_SINK, options=[{"label": " drop the sink (position 0)", "value": "sink"}],
+                                  value=[], inline=True),
+                ],
+                className="hs-options",
+            ),
+            dcc.Loading(html.Div(id=ids.FLOW_INFO, className="hs-run-info"), type="dot"),
+            html.Div(
+                [
+                    html.Div([dcc.Graph(id={"type": ids.FLOW_STRIPS, "method": m}, figure=EMPTY, config=GRAPH_CONFIG),
+                              export_bar(PREFIX, f"relevance:{m}")], className="hs-panel")
+                    for m in RELEVANCE_METHODS
+                ]
+            ),
+            html.Div([dcc.Graph(id=ids.FLOW_LAYERS, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, "rollout_layers")],
+                     className="hs-panel"),
+        ]
+    )
+
+
+def _after_run(old: PageState, model, run) -> PageState:
+    return PageState(model=model.name, run=run.key[:16], fusion=old.fusion, drop_sink=old.drop_sink)
+
+
+register_run(PREFIX, _after_run)
+register_export(PREFIX)
+
+
+@callback(
+    *[Output({"type": ids.FLOW_STRIPS, "method": m}, "figure") for m in RELEVANCE_METHODS],
+    Output(ids.FLOW_LAYERS, "figure"),
+    Output(ids.FLOW_INFO, "children"),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Output(text_id(PREFIX), "value"),
+    Output(model_id(PREFIX), "value"),
+    Output(ids.FLOW_TARGET, "value"),
+    Output(ids.FLOW_FUSION, "value"),
+    Output(ids.FLOW_SINK, "value"),
+    Input(url_id(PREFIX), "search"),
+    prevent_initial_call="initial_duplicate",
+)
+@guarded(outputs=len(RELEVANCE_METHODS) + 8, error_index=len(RELEVANCE_METHODS) + 2)
+def render(search):
+    n = len(RELEVANCE_METHODS)
+    state = parse(search)
+    problems = list(state.problems)
+    controls = (state.fusion, ["sink"] if state.drop_sink else [])
+    if state.run is None:
+        return (*[EMPTY] * n, EMPTY, "", message(problems), no_update, no_update, None, *controls)
+    run = get_context().run(state.run)
+    if run is None:
+        problems.append(f"No stored run has the id {state.run!r}. Run the text again to recompute it.")
+        return (*[EMPTY] * n, EMPTY, "", message(problems), no_update, no_update, None, *controls)
+    target = check_target(run, state.target)
+    params = {"target": target, "fusion": state.fusion, "drop_sink": state.drop_sink}
+    strips = []
+    for method in RELEVANCE_METHODS:
+        try:
+            fig, _ = VIEWS["relevance"].build(run, {**params, "method": method})
+        except ValueError as e:  # e.g. flow over its token limit: the other methods still show
+            problems.append(str(e))
+            fig = empty_figure(str(e))
+        strips.append(fig)
+    layers, _ = VIEWS["rollout_layers"].build(run, params)
+    info = html.Div([
+        html.Span(f"run {run.short_id}", className="hs-chip"),
+        html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
+        html.Span(f"target: token {target} ({run.tokens[target]})", className="hs-chip hs-selected"),
+    ])
+    # The target box keeps what the link says (empty = the last token), so filling it in here does
+    # not itself change the URL and re-render.
+    return (*strips, layers, info, message(problems), run.text or no_update, run.model_name, state.target,
+            *controls)
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Input(ids.FLOW_TARGET, "value"),
+    Input(ids.FLOW_FUSION, "value"),
+    Input(ids.FLOW_SINK, "value"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+def change_options(target, fusion, sink, search):
+    state = parse(search)
+    new_target = int(target) if isinstance(target, int | float) and target >= 0 else None
+    drop = "sink" in (sink or [])
+    if (new_target, fusion, drop) == (state.target, state.fusion, state.drop_sink) or state.run is None:
+        return no_update
+    state.target, state.fusion, state.drop_sink = new_target, fusion or "mean", drop
+    return state.to_search()
