@@ -1,0 +1,582 @@
+"""Token attribution, and how faithful each method is to what removing a token actually does.
+
+Abnar & Zuidema 2020, "Quantifying Attention Flow in Transformers" (ACL 2020, arXiv:2005.00928),
+section 5: a relevance method is *faithful* to the degree that its per-token scores rank the
+input tokens like their ablation importance does; the paper reports Spearman's rank correlation
+of raw attention, attention rollout and attention flow with blank-out (ablation) scores and with
+input gradients. This module runs that protocol on a causal language model.
+
+The target quantity
+-------------------
+For an input x_0 .. x_{N−1}, a position t and a target token y (by default the model's own top
+prediction at t), the target quantity is the log-probability of y as the token after t:
+
+    f(e) = log p(y | e_0 .. e_t)        (e_j: the input embedding of token j, ``hook_embed``)
+
+Tokens after t cannot influence f (causal attention), so every score covers positions 0 .. t.
+
+The methods, per input position j ≤ t
+-------------------------------------
+- ``attention`` — raw attention: the head-mean of the last layer's pattern, row t:
+  ``mean_h A[L−1, h][t, j]``.
+- ``rollout`` — attention rollout row t, ``(Â_L ··· Â_1)[t, j]`` (:func:`analysis.rollout.rollout`).
+- ``flow`` — exact attention flow into output t, ``maxflow((0, j) → (L, t))``
+  (:func:`analysis.flow.attention_flow`).
+- ``ixg_norm`` — input×gradient, norm: ``‖e_j ⊙ ∂f/∂e_j‖₂`` (Kindermans et al. 2016,
+  "Investigating the influence of noise and distractors on the interpretation of neural
+  networks", arXiv:1611.07270; Shrikumar et al. 2017, "Learning Important Features Through
+  Propagating Activation Differences", ICML, arXiv:1704.02685). Non-negative, like the attention
+  scores, and what Abnar & Zuidema compare with.
+- ``ixg_sum`` — input×gradient, signed: ``Σ_d e_{j,d} · ∂f/∂e_{j,d} = e_j · ∇_{e_j} f``. This is
+  the first-order Taylor estimate of ``f(e) − f(e with e_j = 0)``, i.e. of zero ablation.
+
+The reference: leave-one-out ablation importance
+------------------------------------------------
+``ablation[j] = f(e) − f(e with e_j replaced by b)``: positive when the token supports the target.
+Only the token's *content* is removed; the sequence keeps its length, so no other token changes
+position (RoPE is applied inside attention, after ``hook_embed``). The replacement b is
+
+- ``"zero"`` (default): the zero vector, the baseline input×gradient linearises around;
+- ``"mean"``: the mean input embedding over the whole vocabulary, ``b = mean_v W_E[v]``.
+
+All N ablated copies (plus the unablated input) run as one batch through the model.
+
+Faithfulness
+------------
+Per input, Spearman's ρ (``scipy.stats.spearmanr``) between each method's scores and the ablation
+importance over positions 0 .. t; over a set of inputs, the mean and standard deviation of ρ. The
+first token is usually the attention sink: attention-based scores give it a large share, and
+removing it disrupts the model, which by itself inflates ρ; :meth:`Attribution.correlations` can
+leave positions out (``exclude=(0,)``) to measure the rest.
+
+In a causal model rollout and flow favour early positions (input j reaches only outputs ≥ j, so
+earlier inputs have more paths and larger cuts), while ablation favours the last content words
+and the target position itself. ``bench/faithfulness.py`` measures the consequence on the embedded
+model and the built-in set (:data:`EVAL_SET`).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformer_lens.utilities import get_act_name
+
+from analysis.capture import MAX_TOKENS_PATTERNS, InputError, capture, tokenize_input
+from analysis.flow import attention_flow
+from analysis.models import LoadedModel
+from analysis.paths import DATA_DIR
+from analysis.rollout import rollout
+
+MAX_TOKENS_FLOW = 128
+"""Longest input for an attribution: exact flow and N ablated copies grow fast with length."""
+
+METHODS = ("attention", "rollout", "flow", "ixg_norm", "ixg_sum")
+"""Relevance methods compared with the ablation importance, in table order."""
+
+LABELS = {
+    "attention": "raw attention (last layer)",
+    "rollout": "attention rollout",
+    "flow": "attention flow",
+    "ixg_norm": "input×gradient ‖·‖",
+    "ixg_sum": "input×gradient Σ (signed)",
+    "ablation": "leave-one-out ablation",
+}
+
+ABLATIONS = ("zero", "mean")
+
+EVAL_SET = DATA_DIR / "attribution" / "eval_set.json"
+
+
+@dataclass
+class Attribution:
+    """Per-token relevance of one input for one target, by every method and by ablation.
+
+    Attributes
+    ----------
+    token_ids, tokens : the whole input as the model saw it (no BOS added).
+    position : t, the position whose next-token log-probability is explained.
+    target_id, target_token : y, the explained next token.
+    target_logprob : ``log p(y | x_0 .. x_t)`` of the unablated input.
+    ablation : ``"zero"`` or ``"mean"``, what replaced a token's embedding.
+    scores : method → float64 ``[t + 1]``, relevance of positions 0 .. t; the keys are
+        :data:`METHODS` plus ``"ablation"``, the leave-one-out importance.
+    """
+
+    token_ids: list[int]
+    tokens: list[str]
+    position: int
+    target_id: int
+    target_token: str
+    target_logprob: float
+    ablation: str
+    scores: dict[str, np.ndarray]
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def correlations(
+        self,
+        methods: Sequence[str] = METHODS,
+        *,
+        exclude: Sequence[int] = (),
+        magnitude: bool = False,
+    ) -> dict[str, float]:
+        """Spearman's ρ of each method's scores with the ablation importance.
+
+        Parameters
+        ----------
+        methods : names in :attr:`scores`.
+        exclude : positions left out of the correlation (e.g. ``(0,)``, the attention sink).
+        magnitude : correlate with ``|ablation|`` instead of the signed importance (a token that
+            hurts the target is then as important as one that helps it).
+
+        Returns
+        -------
+        dict
+            method → ρ in [−1, 1]; NaN where fewer than 3 positions remain or either side is
+            constant (ρ is undefined).
+        """
+        keep = np.ones(self.position + 1, dtype=bool)
+        keep[[p for p in exclude if 0 <= p <= self.position]] = False
+        reference = self.scores["ablation"][keep]
+        if magnitude:
+            reference = np.abs(reference)
+        return {m: spearman(self.scores[m][keep], reference) for m in methods}
+
+
+def spearman(scores: np.ndarray, reference: np.ndarray) -> float:
+    """Spearman's rank correlation (``scipy.stats.spearmanr``; ties get their mean rank).
+
+    ρ is Pearson's correlation of the ranks. Returns NaN, without a warning, when there are
+    fewer than 3 values (any two distinct values give ±1) or when either side is constant.
+    """
+    from scipy.stats import spearmanr
+
+    a = np.asarray(scores, dtype=np.float64)
+    b = np.asarray(reference, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"scores and reference must be 1-D of equal length, got {a.shape} and {b.shape}")
+    if a.size < 3 or np.ptp(a) == 0 or np.ptp(b) == 0:
+        return float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return float(spearmanr(a, b).statistic)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def resolve_input(
+    model: LoadedModel,
+    text_or_ids: str | Sequence[int],
+    position: int | None = None,
+    target: int | str | None = None,
+    *,
+    max_tokens: int = MAX_TOKENS_FLOW,
+) -> tuple[list[int], int, int | None]:
+    """Validate an attribution request once; return (token ids, position t, target id or None).
+
+    Raises
+    ------
+    InputError
+        Empty text, more than ``max_tokens`` tokens, token ids outside the vocabulary, a position
+        outside the input, or a target that is not one token of the vocabulary.
+    """
+    ids = tokenize_input(model, text_or_ids, max(MAX_TOKENS_PATTERNS, max_tokens))
+    n = len(ids)
+    if n > max_tokens:
+        raise InputError(
+            f"The input has {n:,} tokens; token attribution (exact attention flow and one ablated "
+            f"copy per token) is limited to {max_tokens:,} tokens. Shorten the text."
+        )
+    if position is None:
+        t = n - 1
+    elif isinstance(position, bool) or not isinstance(position, (int, np.integer)):
+        raise InputError(f"The target position must be a whole number, got {position!r}.")
+    elif -n <= int(position) < n:
+        t = int(position) % n
+    else:
+        raise InputError(
+            f"Target position {position} is outside the input: it has {n} tokens, so use 0 .. {n - 1} "
+            "(or −1 for the last)."
+        )
+    if target is None:
+        return ids, t, None
+    if isinstance(target, str):
+        target_ids = model.encode(target)
+        if len(target_ids) != 1:
+            pieces = " + ".join(repr(s) for s in model.token_strings(target_ids)) or "nothing"
+            raise InputError(
+                f"The target {target!r} is {len(target_ids)} tokens ({pieces}); give text that is exactly "
+                "one token (mind the leading space, e.g. ' Paris') or a token id."
+            )
+        return ids, t, target_ids[0]
+    if isinstance(target, bool) or not isinstance(target, (int, np.integer)):
+        raise InputError(f"The target must be a token id or a one-token string, got {target!r}.")
+    if not 0 <= int(target) < model.vocab_size:
+        raise InputError(f"Target token id {target} is outside the vocabulary (0 .. {model.vocab_size - 1}).")
+    return ids, t, int(target)
+
+
+def _check_ablation(ablation: str) -> str:
+    if ablation not in ABLATIONS:
+        raise InputError(f"ablation must be one of {', '.join(ABLATIONS)}; got {ablation!r}")
+    return ablation
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient and ablation scores (these run the model)
+
+
+def _embedding_matrix(model: LoadedModel) -> torch.Tensor:
+    return model.hf_model.get_input_embeddings().weight
+
+
+def ablation_baseline(model: LoadedModel, ablation: str = "zero") -> torch.Tensor:
+    """The vector b that replaces an ablated token's embedding: 0, or ``mean_v W_E[v]``. Shape [d_model]."""
+    weight = _embedding_matrix(model)
+    if _check_ablation(ablation) == "zero":
+        return torch.zeros(weight.shape[1], dtype=weight.dtype, device=weight.device)
+    return weight.detach().mean(dim=0)
+
+
+def ablation_importance(
+    model: LoadedModel,
+    token_ids: Sequence[int],
+    position: int,
+    target_id: int,
+    *,
+    ablation: str = "zero",
+    batch_size: int | None = None,
+) -> tuple[np.ndarray, float]:
+    """Leave-one-out ablation importance of every input position for one target.
+
+    Abnar & Zuidema 2020, section 5 (their "blank-out" scores): with f the target log-probability
+    (see the module docstring), ``importance[j] = f(e) − f(e_0 .. e_{j−1}, b, e_{j+1} .. e_t)``.
+    The embedding output (``hook_embed``) of copy j is overwritten at position j with b
+    (:func:`ablation_baseline`); the N copies and the unablated input run as one batch.
+
+    Parameters
+    ----------
+    token_ids : the input; only positions 0 .. ``position`` are run.
+    position : t.
+    target_id : y.
+    ablation : ``"zero"`` or ``"mean"`` (the mean embedding over the vocabulary).
+    batch_size : copies per forward pass; ``None`` runs all t + 2 at once.
+
+    Returns
+    -------
+    (np.ndarray float64 [t + 1], float)
+        The importance per position and f(e) of the unablated input.
+    """
+    n = position + 1
+    ids = torch.tensor(list(token_ids)[:n], dtype=torch.long, device=model.device)
+    b = ablation_baseline(model, ablation)
+    # Row r of the batch ablates position rows[r]; −1 is the unablated input.
+    rows = np.arange(-1, n)
+    size = len(rows) if batch_size is None else max(1, int(batch_size))
+    out = np.empty(len(rows))
+    with model.lock, torch.inference_mode():
+        for start in range(0, len(rows), size):
+            chunk = rows[start : start + size]
+
+            def replace(embed: torch.Tensor, hook: Any = None, chunk=chunk) -> torch.Tensor:
+                embed = embed.clone()
+                which = np.nonzero(chunk >= 0)[0]
+                embed[torch.as_tensor(which), torch.as_tensor(chunk[which])] = b.to(embed.dtype)
+                return embed
+
+            logits = model.bridge.run_with_hooks(
+                ids[None].expand(len(chunk), n),
+                fwd_hooks=[(get_act_name("embed"), replace)],
+                return_type="logits",
+            )
+            logp = torch.log_softmax(logits[:, -1].double(), dim=-1)[:, target_id]
+            out[start : start + len(chunk)] = logp.cpu().numpy()
+    return out[0] - out[1:], float(out[0])
+
+
+def input_x_gradient(
+    model: LoadedModel, token_ids: Sequence[int], position: int, target_id: int
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """Input×gradient of the target log-probability for every input position.
+
+    Shrikumar et al. 2017 (arXiv:1704.02685); Kindermans et al. 2016 (arXiv:1611.07270). With
+    g_j = ∂f/∂e_j, the gradient of the target log-probability with respect to the input embedding
+    of token j (``hook_embed``, computed by autograd through the bridge):
+
+        norm[j] = ‖e_j ⊙ g_j‖₂            sum[j] = e_j · g_j = Σ_d e_{j,d} g_{j,d}
+
+    ``sum`` is the first-order Taylor estimate of zero-ablating token j.
+
+    Returns
+    -------
+    (norm float64 [t + 1], sum float64 [t + 1], f(e))
+    """
+    n = position + 1
+    kept: dict[str, torch.Tensor] = {}
+
+    def leaf(embed: torch.Tensor, hook: Any = None) -> torch.Tensor:
+        kept["e"] = embed.detach().clone().requires_grad_(True)
+        return kept["e"]
+
+    # inference_mode(False): gradients work even when the caller is inside torch.inference_mode().
+    with model.lock, torch.inference_mode(False), torch.enable_grad():
+        ids = torch.tensor([list(token_ids)[:n]], dtype=torch.long, device=model.device)
+        logits = model.bridge.run_with_hooks(
+            ids, fwd_hooks=[(get_act_name("embed"), leaf)], return_type="logits"
+        )
+        logp = torch.log_softmax(logits[0, -1], dim=-1)[target_id]
+        # autograd.grad, not backward(): no .grad is written into the model's parameters.
+        (grad,) = torch.autograd.grad(logp, kept["e"])
+    e = kept["e"].detach()[0].double()
+    g = grad[0].double()
+    product = e * g
+    return (
+        torch.linalg.vector_norm(product, dim=-1).cpu().numpy(),
+        product.sum(dim=-1).cpu().numpy(),
+        float(logp.detach()),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# One input, every method
+
+
+def attribute(
+    model: LoadedModel,
+    text_or_ids: str | Sequence[int],
+    *,
+    position: int | None = None,
+    target: int | str | None = None,
+    ablation: str = "zero",
+    residual: float = 0.5,
+    fusion: str = "mean",
+    drop_sinks: Sequence[int] = (),
+    raw_layer: int = -1,
+    max_tokens: int = MAX_TOKENS_FLOW,
+    batch_size: int | None = None,
+    progress: Callable[[float], None] | None = None,
+) -> Attribution:
+    """Relevance of every input token for one next-token prediction, by every method.
+
+    Abnar & Zuidema 2020, "Quantifying Attention Flow in Transformers", section 5. Computes, for
+    positions j ≤ t (see the module docstring for the formulas): raw attention of ``raw_layer``
+    (head mean, row t), attention rollout (row t), exact attention flow into t, input×gradient
+    (norm and signed sum; Shrikumar et al. 2017, Kindermans et al. 2016) and the leave-one-out
+    ablation importance they are judged against.
+
+    Parameters
+    ----------
+    text_or_ids : text (tokenised without a BOS) or token ids, used as given.
+    position : t, the position whose next token is explained; ``None``: the last (negative counts
+        from the end).
+    target : y, a token id or a one-token string such as ``" Paris"``; ``None``: the model's top
+        prediction at t.
+    ablation : ``"zero"`` or ``"mean"``: what replaces an ablated token's embedding.
+    residual, fusion, drop_sinks : rollout and flow options
+        (:func:`analysis.rollout.augmented_attention`); ``drop_sinks=(0,)`` removes the first token's
+        column before renormalising, which keeps 30 layers of rollout from collapsing onto it.
+    raw_layer : the layer whose attention is the ``attention`` method (default: the last).
+    max_tokens : longest input accepted (:data:`MAX_TOKENS_FLOW`).
+    batch_size : ablated copies per forward pass (``None``: all in one).
+    progress : called with the fraction done.
+
+    Returns
+    -------
+    Attribution
+
+    Raises
+    ------
+    InputError
+        Empty text, too many tokens, position or target out of range, unknown ablation.
+    """
+    ids, t, target_id = resolve_input(model, text_or_ids, position, target, max_tokens=max_tokens)
+    _check_ablation(ablation)
+    if not -model.n_layers <= raw_layer < model.n_layers:
+        raise InputError(f"raw_layer {raw_layer} is out of range: the model has layers 0 .. {model.n_layers - 1}.")
+
+    def step(fraction: float) -> None:
+        if progress is not None:
+            progress(fraction)
+
+    run = capture(model, ids[: t + 1], pattern_dtype="float32", max_tokens=max(MAX_TOKENS_PATTERNS, max_tokens))
+    if target_id is None:
+        target_id = int(run.top_ids[t, 0])
+    patterns = run.patterns
+    step(0.2)
+    graph = {"residual": residual, "fusion": fusion, "drop_sinks": tuple(drop_sinks)}
+    try:
+        scores: dict[str, np.ndarray] = {
+            "attention": patterns[raw_layer].astype(np.float64).mean(axis=0)[t],
+            "rollout": rollout(patterns, **graph)[t],
+        }
+        step(0.3)
+        scores["flow"] = attention_flow(patterns, target=t, **graph)
+    except ValueError as error:  # an option out of range (residual, fusion, sink positions)
+        raise InputError(f"Rollout and flow options: {error}.") from None
+    step(0.6)
+    scores["ixg_norm"], scores["ixg_sum"], _ = input_x_gradient(model, ids, t, target_id)
+    step(0.7)
+    scores["ablation"], logprob = ablation_importance(
+        model, ids, t, target_id, ablation=ablation, batch_size=batch_size
+    )
+    step(1.0)
+    return Attribution(
+        token_ids=ids,
+        tokens=model.token_strings(ids),
+        position=t,
+        target_id=target_id,
+        target_token=model.token_strings([target_id])[0],
+        target_logprob=logprob,
+        ablation=ablation,
+        scores=scores,
+        settings={**graph, "raw_layer": raw_layer},
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# A set of inputs
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    """One prompt of an evaluation set and the next token it should be explained for."""
+
+    id: str
+    kind: str
+    text: str
+    target: str
+
+
+def load_eval_set(path: str | Path = EVAL_SET) -> list[EvalItem]:
+    """The prompts of an evaluation set (default: headscope's built-in ``data/attribution/eval_set.json``)."""
+    data = json.loads(Path(path).read_text())
+    return [EvalItem(id=i["id"], kind=i["kind"], text=i["text"], target=i["target"]) for i in data["items"]]
+
+
+@dataclass(frozen=True)
+class MethodSummary:
+    """Spearman's ρ of one method over a set: mean, sample standard deviation, median, count."""
+
+    mean: float
+    std: float
+    median: float
+    n: int
+
+
+@dataclass
+class Faithfulness:
+    """Attributions of a set of inputs and how well each method agrees with ablation."""
+
+    items: list[EvalItem]
+    attributions: list[Attribution]
+    seconds: list[float]
+
+    def correlations(
+        self, methods: Sequence[str] = METHODS, *, exclude: Sequence[int] = (), magnitude: bool = False
+    ) -> np.ndarray:
+        """ρ per input and method, float64 ``[input, method]`` (see :meth:`Attribution.correlations`)."""
+        rows = [a.correlations(methods, exclude=exclude, magnitude=magnitude) for a in self.attributions]
+        return np.array([[row[m] for m in methods] for row in rows], dtype=np.float64).reshape(-1, len(methods))
+
+    def summary(
+        self, methods: Sequence[str] = METHODS, *, exclude: Sequence[int] = (), magnitude: bool = False
+    ) -> dict[str, MethodSummary]:
+        """Mean ± standard deviation (ddof 1) of ρ per method over the inputs where ρ is defined."""
+        table = self.correlations(methods, exclude=exclude, magnitude=magnitude)
+        out = {}
+        for k, m in enumerate(methods):
+            rho = table[:, k][np.isfinite(table[:, k])]
+            out[m] = MethodSummary(
+                mean=float(rho.mean()) if rho.size else float("nan"),
+                std=float(rho.std(ddof=1)) if rho.size > 1 else float("nan"),
+                median=float(np.median(rho)) if rho.size else float("nan"),
+                n=int(rho.size),
+            )
+        return out
+
+
+def evaluate(
+    model: LoadedModel,
+    items: Sequence[EvalItem] | None = None,
+    *,
+    ablation: str = "zero",
+    residual: float = 0.5,
+    fusion: str = "mean",
+    drop_sinks: Sequence[int] = (),
+    progress: Callable[[float], None] | None = None,
+) -> Faithfulness:
+    """Abnar & Zuidema 2020's faithfulness protocol over a set of prompts.
+
+    Each item is attributed at its last position for its target token (:func:`attribute`);
+    :meth:`Faithfulness.summary` then gives, per method, the mean and spread of Spearman's ρ
+    with the ablation importance.
+
+    Parameters
+    ----------
+    items : prompts and targets; ``None``: the built-in set (:func:`load_eval_set`).
+    ablation, residual, fusion, drop_sinks : see :func:`attribute`.
+    progress : called with the fraction of items done.
+    """
+    import time
+
+    items = list(load_eval_set() if items is None else items)
+    attributions, seconds = [], []
+    for k, item in enumerate(items):
+        start = time.perf_counter()
+        attributions.append(
+            attribute(
+                model,
+                item.text,
+                target=item.target,
+                ablation=ablation,
+                residual=residual,
+                fusion=fusion,
+                drop_sinks=drop_sinks,
+            )
+        )
+        seconds.append(time.perf_counter() - start)
+        if progress is not None:
+            progress((k + 1) / len(items))
+    return Faithfulness(items=items, attributions=attributions, seconds=seconds)
+
+
+def stored_evaluation(
+    model: LoadedModel,
+    store: Any,
+    *,
+    ablation: str = "zero",
+    fusion: str = "mean",
+    drop_sinks: Sequence[int] = (),
+    progress: Callable[[float], None] | None = None,
+    compute: bool = True,
+) -> tuple[list[str], np.ndarray, np.ndarray] | None:
+    """The built-in evaluation's ρ table ``[input, method]``, from the store or computed and stored.
+
+    Returns ``(item ids, rho, seconds)``, or ``None`` when ``compute`` is false and nothing is stored.
+    The key is the model digest, the evaluation set's contents and the settings.
+    """
+    from analysis.store import content_key
+
+    items = load_eval_set()
+    settings = {"ablation": ablation, "fusion": fusion, "drop_sinks": sorted(int(s) for s in drop_sinks)}
+    key = content_key("faithfulness", model.digest, [(i.id, i.text, i.target) for i in items], settings, METHODS)
+    record = store.get(key)
+    if record is not None:
+        return record.meta["items"], record.array("rho", mmap=False), record.array("seconds", mmap=False)
+    if not compute:
+        return None
+    result = evaluate(model, items, ablation=ablation, fusion=fusion, drop_sinks=drop_sinks, progress=progress)
+    rho = result.correlations(METHODS)
+    seconds = np.asarray(result.seconds, dtype=np.float64)
+    ids = [i.id for i in items]
+    store.put(key, "faithfulness", {"items": ids, "methods": list(METHODS), "settings": settings,
+                                    "model_digest": model.digest}, {"rho": rho, "seconds": seconds})
+    return ids, rho, seconds
