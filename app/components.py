@@ -125,6 +125,12 @@ def view_params(view: str, state: PageState, query: int | None = None) -> dict[s
         return {**relevance, "method": view.split(":", 1)[1]}
     if view == "rollout_layers":
         return relevance
+    if view.startswith("gradient:"):
+        return {**relevance, "method": view.split(":", 1)[1]}
+    if view == "faithfulness_input":
+        return relevance
+    if view == "faithfulness_set":
+        return {"fusion": state.fusion, "drop_sink": state.drop_sink, "_compute": False}
     raise PreventUpdate
 
 

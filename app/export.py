@@ -101,7 +101,7 @@ def bundle(run: Run, view: str, params: dict[str, Any], fmt: str) -> tuple[str, 
     if fmt not in FORMATS:
         raise InputError(f"Unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}.")
     fig, rows = VIEWS[view].build(run, params)
-    man = manifest(run, view, params)
+    man = manifest(run, view, {k: v for k, v in params.items() if not k.startswith("_")})
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
         if fmt in FIGURE_FORMATS:

@@ -169,3 +169,84 @@ def layer_position_heatmap(values: np.ndarray, tokens: Sequence[str], title: str
     fig.update_xaxes(title="input token", type="category", tickangle=-60, showticklabels=len(tokens) <= 80)
     fig.update_yaxes(title="layer", autorange="reversed")
     return _layout(fig, title, height=max(380, 14 * values.shape[0] + 160))
+
+
+def score_histogram(scores: np.ndarray, label: str, threshold: float | None = None) -> go.Figure:
+    """Distribution of one per-head score over all heads (nan heads left out)."""
+    values = np.asarray(scores, dtype=float).ravel()
+    values = values[np.isfinite(values)]
+    fig = go.Figure(go.Histogram(x=values, nbinsx=40, marker_color="#2a6fdb",
+                                 hovertemplate=label + " %{x}<br>%{y} heads<extra></extra>"))
+    if threshold is not None:
+        fig.add_vline(x=threshold, line_dash="dash", line_color="#e4572e",
+                      annotation_text=f"{threshold:g}", annotation_position="top right")
+    fig.update_xaxes(title=label)
+    fig.update_yaxes(title="heads")
+    return _layout(fig, f"{label}: {values.size} heads", height=320)
+
+
+def head_scatter(x: np.ndarray, y: np.ndarray, x_label: str, y_label: str) -> go.Figure:
+    """One dot per head, two scores (e.g. retrieval vs streaming shows the split)."""
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    n_layers, n_heads = x.shape
+    layers, heads = np.meshgrid(np.arange(n_layers), np.arange(n_heads), indexing="ij")
+    fig = go.Figure(
+        go.Scatter(
+            x=x.ravel(), y=y.ravel(), mode="markers",
+            marker={"color": layers.ravel(), "colorscale": COLORSCALE, "size": 8, "opacity": 0.8,
+                    "colorbar": {"title": {"text": "layer", "side": "right"}, "thickness": 12}},
+            customdata=np.stack([layers.ravel(), heads.ravel()], axis=-1).tolist(),
+            hovertemplate="layer %{customdata[0]}, head %{customdata[1]}<br>" + x_label + " %{x:.3f}<br>"
+                          + y_label + " %{y:.3f}<extra></extra>",
+        )
+    )
+    fig.update_xaxes(title=x_label)
+    fig.update_yaxes(title=y_label)
+    return _layout(fig, f"{y_label} vs {x_label}, one dot per head", height=420)
+
+
+def niah_grid(accuracy: np.ndarray, lengths: Sequence[int], depths: Sequence[float]) -> go.Figure:
+    """Needle-in-a-haystack accuracy, context length × needle depth (blank where no trial finished)."""
+    acc = np.asarray(accuracy, dtype=float)
+    fig = go.Figure(
+        go.Heatmap(
+            z=np.where(np.isfinite(acc), acc, None).tolist(),
+            x=[f"{d:g}%" for d in depths], y=[str(n) for n in lengths],
+            colorscale="RdYlGn", zmin=0, zmax=1,
+            text=[[("" if not np.isfinite(v) else f"{v:.0%}") for v in row] for row in acc],
+            texttemplate="%{text}",
+            colorbar={"title": {"text": "accuracy", "side": "right"}, "thickness": 12},
+            hovertemplate="length %{y} tokens, depth %{x}<br>accuracy %{z:.2f}<extra></extra>",
+        )
+    )
+    fig.update_xaxes(title="needle depth", type="category")
+    fig.update_yaxes(title="context length (tokens)", type="category")
+    return _layout(fig, "Needle-in-a-haystack accuracy", height=max(280, 60 * len(lengths) + 160))
+
+
+def token_row(weights: np.ndarray, tokens: Sequence[str], highlight: tuple[int, int] | None, title: str) -> go.Figure:
+    """One attention row over a long context as a bar chart; a span (e.g. the needle) is shaded."""
+    w = np.asarray(weights, dtype=float)
+    fig = go.Figure(go.Bar(x=list(range(w.size)), y=w, marker_color="#2a6fdb",
+                           customdata=[safe_text(t) for t in tokens],
+                           hovertemplate="position %{x}: %{customdata}<br>weight %{y:.4f}<extra></extra>"))
+    if highlight is not None:
+        fig.add_vrect(x0=highlight[0] - 0.5, x1=highlight[1] - 0.5, fillcolor="#f4a259", opacity=0.3,
+                      line_width=0, annotation_text="needle", annotation_position="top left")
+    fig.update_xaxes(title="key position")
+    fig.update_yaxes(title="attention")
+    return _layout(fig, title, height=300)
+
+
+def faithfulness_bars(labels: Sequence[str], means: Sequence[float], stds: Sequence[float] | None,
+                      title: str) -> go.Figure:
+    """Spearman ρ with ablation importance per attribution method (error bars: std over inputs)."""
+    fig = go.Figure(go.Bar(
+        x=list(labels), y=list(means), marker_color=["#2a6fdb" if (m or 0) >= 0 else "#e4572e" for m in means],
+        error_y=None if stds is None else {"type": "data", "array": list(stds), "visible": True},
+        hovertemplate="%{x}<br>ρ = %{y:.3f}<extra></extra>",
+    ))
+    fig.add_hline(y=0, line_color="#888", line_width=1)
+    fig.update_yaxes(title="Spearman ρ with ablation", range=[-1, 1])
+    return _layout(fig, title, height=340)

@@ -12,6 +12,7 @@ from dash import Dash, dcc, html
 from analysis.paths import REPO_ROOT
 from app import ids
 from app.context import AppContext, set_context
+from app.jobs import background_manager
 
 log = logging.getLogger("headscope.app")
 
@@ -27,6 +28,7 @@ def create_app(context: AppContext) -> Dash:
         serve_locally=True,
         title="headscope",
         suppress_callback_exceptions=True,
+        background_callback_manager=background_manager(),
     )
     app.layout = html.Div(
         [

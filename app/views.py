@@ -196,6 +196,75 @@ def rollout_layers_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Ro
     return fig, rows
 
 
+def attribution_for(run: Run, target: int, fusion: str, drop_sink: bool):
+    """Gradients and leave-one-out ablation of ``run`` at ``target`` (:func:`analysis.attribution.attribute`)."""
+    from analysis.attribution import attribute
+    from analysis.models import load_model
+
+    def compute():
+        model = load_model(run.model_name)
+        if model.digest != run.model_digest:
+            raise InputError("The model loaded now is not the one this run was made with.")
+        return attribute(model, run.token_ids, position=target, fusion=fusion, drop_sinks=(0,) if drop_sink else ())
+
+    return memoised((run.key, "attribution", target, fusion, drop_sink), compute)
+
+
+def gradient_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    """Input×gradient norm and leave-one-out ablation importance as token strips."""
+    from analysis.attribution import LABELS
+
+    target = check_target(run, params.get("target"))
+    method = params.get("method", "ixg_norm")
+    if method not in ("ixg_norm", "ixg_sum", "ablation"):
+        raise InputError(f"Unknown method {method!r}; choose ixg_norm, ixg_sum or ablation.")
+    att = attribution_for(run, target, params.get("fusion", "mean"), bool(params.get("drop_sink", False)))
+    values = np.full(run.n_tokens, np.nan)
+    values[: target + 1] = att.scores[method]
+    label = LABELS.get(method, "Leave-one-out ablation importance") if method != "ablation" else (
+        "Leave-one-out ablation importance (Δ log p)")
+    title = f"{label} → next token {att.target_token!r} after token {target}"
+    shown = np.abs(values) if method != "ixg_norm" else values
+    fig = figures.token_strip(run.tokens, shown, target, figures.safe_text(title))
+    rows = [{"pos": j, "token": run.tokens[j], method: float(values[j])} for j in range(target + 1)]
+    return fig, rows
+
+
+def faithfulness_input_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    """Spearman ρ of each method with ablation importance, on this input."""
+    from analysis.attribution import LABELS, METHODS
+
+    target = check_target(run, params.get("target"))
+    att = attribution_for(run, target, params.get("fusion", "mean"), bool(params.get("drop_sink", False)))
+    rho = att.correlations(METHODS)
+    labels = [LABELS.get(m, m) for m in METHODS]
+    fig = figures.faithfulness_bars(labels, [rho[m] for m in METHODS], None,
+                                    f"Faithfulness on this input (target token {target})")
+    return fig, [{"method": m, "label": lbl, "spearman": float(rho[m])} for m, lbl in zip(METHODS, labels, strict=True)]
+
+
+def faithfulness_set_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    """Mean ± std of ρ over the built-in evaluation set (stored; computed when absent)."""
+    from analysis.attribution import LABELS, METHODS, stored_evaluation
+    from analysis.models import load_model
+    from app.context import get_context
+
+    model = load_model(run.model_name)
+    fusion, drop_sink = params.get("fusion", "mean"), bool(params.get("drop_sink", False))
+    result = stored_evaluation(model, get_context().store, fusion=fusion, drop_sinks=(0,) if drop_sink else (),
+                               progress=params.get("_progress"), compute=params.get("_compute", True))
+    if result is None:
+        raise InputError("The built-in evaluation has not been run for these settings yet.")
+    ids_, rho, _seconds = result
+    means = [float(np.nanmean(rho[:, k])) for k in range(len(METHODS))]
+    stds = [float(np.nanstd(rho[:, k], ddof=1)) for k in range(len(METHODS))]
+    labels = [LABELS.get(m, m) for m in METHODS]
+    fig = figures.faithfulness_bars(labels, means, stds, f"Faithfulness over the built-in set ({len(ids_)} inputs)")
+    rows = [{"input": item, "method": m, "spearman": float(rho[i, k])}
+            for i, item in enumerate(ids_) for k, m in enumerate(METHODS)]
+    return fig, rows
+
+
 @dataclass(frozen=True)
 class View:
     name: str
@@ -212,5 +281,9 @@ VIEWS: dict[str, View] = {
         View("token_strip", "Attention row over tokens", token_strip_view, ("layer", "head", "query")),
         View("relevance", "Token relevance", relevance_view, ("target", "method", "fusion", "drop_sink")),
         View("rollout_layers", "Rollout per layer", rollout_layers_view, ("target", "fusion", "drop_sink")),
+        View("gradient", "Gradient or ablation attribution", gradient_view, ("target", "method", "fusion", "drop_sink")),
+        View("faithfulness_input", "Faithfulness on this input", faithfulness_input_view,
+             ("target", "fusion", "drop_sink")),
+        View("faithfulness_set", "Faithfulness over the built-in set", faithfulness_set_view, ("fusion", "drop_sink")),
     ]
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
+from dash.exceptions import PreventUpdate
 
 from app import ids
 from app.components import (
@@ -22,6 +23,7 @@ from app.components import (
 )
 from app.context import get_context
 from app.errors import guarded, message
+from app.jobs import in_job, progress_reporter
 from app.url_state import PageState, parse
 from app.views import MAX_FLOW_TOKENS, RELEVANCE_METHODS, VIEWS, check_target
 
@@ -60,6 +62,26 @@ def layout(**_query) -> html.Div:
             ),
             html.Div([dcc.Graph(id=ids.FLOW_LAYERS, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, "rollout_layers")],
                      className="hs-panel"),
+            html.H3("Faithfulness: which attribution agrees with removing tokens?", className="hs-section"),
+            html.P("Leave-one-out importance: the change in the target token's log-probability when one input "
+                   "token's embedding is zeroed. Spearman ρ of each method with it (Abnar & Zuidema 2020).",
+                   className="hs-hint"),
+            html.Button("Compare with gradients and ablation on this input", id=ids.FAITH_INPUT_BUTTON, n_clicks=0,
+                        className="hs-button"),
+            dcc.Loading(html.Div(id=ids.FAITH_INPUT, className="hs-faith"), type="dot"),
+            html.Div(
+                [
+                    html.Button("Evaluate on the built-in set (32 prompts)", id=ids.FAITH_SET_BUTTON, n_clicks=0,
+                                className="hs-button"),
+                    html.Button("Cancel", id=ids.FAITH_SET_CANCEL, n_clicks=0, className="hs-button hs-cancel",
+                                disabled=True),
+                    html.Progress(id=ids.FAITH_SET_PROGRESS, value="0", max="100", className="hs-progress"),
+                    html.Span(id=ids.FAITH_SET_STATUS, className="hs-hint"),
+                ],
+                className="hs-options",
+            ),
+            html.Div([dcc.Graph(id=ids.FAITH_SET, figure=empty_figure("Not evaluated yet for these settings."),
+                                config=GRAPH_CONFIG), export_bar(PREFIX, "faithfulness_set")], className="hs-panel"),
         ]
     )
 
@@ -75,6 +97,7 @@ register_export(PREFIX)
 @callback(
     *[Output({"type": ids.FLOW_STRIPS, "method": m}, "figure") for m in RELEVANCE_METHODS],
     Output(ids.FLOW_LAYERS, "figure"),
+    Output(ids.FAITH_SET, "figure", allow_duplicate=True),
     Output(ids.FLOW_INFO, "children"),
     Output(ids.ERROR, "children", allow_duplicate=True),
     Output(text_id(PREFIX), "value"),
@@ -85,18 +108,18 @@ register_export(PREFIX)
     Input(url_id(PREFIX), "search"),
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=len(RELEVANCE_METHODS) + 8, error_index=len(RELEVANCE_METHODS) + 2)
+@guarded(outputs=len(RELEVANCE_METHODS) + 9, error_index=len(RELEVANCE_METHODS) + 3)
 def render(search):
     n = len(RELEVANCE_METHODS)
     state = parse(search)
     problems = list(state.problems)
     controls = (state.fusion, ["sink"] if state.drop_sink else [])
     if state.run is None:
-        return (*[EMPTY] * n, EMPTY, "", message(problems), no_update, no_update, None, *controls)
+        return (*[EMPTY] * n, EMPTY, no_update, "", message(problems), no_update, no_update, None, *controls)
     run = get_context().run(state.run)
     if run is None:
         problems.append(f"No stored run has the id {state.run!r}. Run the text again to recompute it.")
-        return (*[EMPTY] * n, EMPTY, "", message(problems), no_update, no_update, None, *controls)
+        return (*[EMPTY] * n, EMPTY, no_update, "", message(problems), no_update, no_update, None, *controls)
     target = check_target(run, state.target)
     params = {"target": target, "fusion": state.fusion, "drop_sink": state.drop_sink}
     strips = []
@@ -108,6 +131,10 @@ def render(search):
             fig = empty_figure(str(e))
         strips.append(fig)
     layers, _ = VIEWS["rollout_layers"].build(run, params)
+    try:
+        faith_set, _ = VIEWS["faithfulness_set"].build(run, {**params, "_compute": False})
+    except ValueError:
+        faith_set = empty_figure("Not evaluated yet for these settings.")
     info = html.Div([
         html.Span(f"run {run.short_id}", className="hs-chip"),
         html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
@@ -115,7 +142,7 @@ def render(search):
     ])
     # The target box keeps what the link says (empty = the last token), so filling it in here does
     # not itself change the URL and re-render.
-    return (*strips, layers, info, message(problems), run.text or no_update, run.model_name, state.target,
+    return (*strips, layers, faith_set, info, message(problems), run.text or no_update, run.model_name, state.target,
             *controls)
 
 
@@ -135,3 +162,60 @@ def change_options(target, fusion, sink, search):
         return no_update
     state.target, state.fusion, state.drop_sink = new_target, fusion or "mean", drop
     return state.to_search()
+
+
+@callback(
+    Output(ids.FAITH_INPUT, "children"),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Input(ids.FAITH_INPUT_BUTTON, "n_clicks"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+@guarded(outputs=2)
+def faithfulness_on_input(n_clicks, search):
+    if not n_clicks:
+        raise PreventUpdate
+    state = parse(search)
+    run = get_context().run(state.run) if state.run else None
+    if run is None:
+        return no_update, "Run a text first."
+    params = {"target": check_target(run, state.target), "fusion": state.fusion, "drop_sink": state.drop_sink}
+    panels = []
+    for view, extra in (("gradient", {"method": "ixg_norm"}), ("gradient", {"method": "ablation"}),
+                        ("faithfulness_input", {})):
+        fig, _ = VIEWS[view].build(run, {**params, **extra})
+        name = f"{view}:{extra['method']}" if extra else view
+        panels.append(html.Div([dcc.Graph(figure=fig, config=GRAPH_CONFIG), export_bar(PREFIX, name)],
+                               className="hs-panel"))
+    return panels, ""
+
+
+@callback(
+    Output(ids.FAITH_SET, "figure"),
+    Output(ids.FAITH_SET_STATUS, "children"),
+    Input(ids.FAITH_SET_BUTTON, "n_clicks"),
+    State(url_id(PREFIX), "search"),
+    background=True,
+    progress=[Output(ids.FAITH_SET_PROGRESS, "value"), Output(ids.FAITH_SET_PROGRESS, "max"),
+              Output(ids.FAITH_SET_STATUS, "children")],
+    running=[(Output(ids.FAITH_SET_BUTTON, "disabled"), True, False),
+             (Output(ids.FAITH_SET_CANCEL, "disabled"), False, True)],
+    cancel=[Input(ids.FAITH_SET_CANCEL, "n_clicks")],
+    prevent_initial_call=True,
+)
+def faithfulness_on_set(set_progress, n_clicks, search):
+    in_job()
+    if not n_clicks:
+        raise PreventUpdate
+    state = parse(search)
+    run = get_context().run(state.run) if state.run else None
+    if run is None:
+        return no_update, "Run a text first: the evaluation uses its model."
+    try:
+        fig, _ = VIEWS["faithfulness_set"].build(run, {
+            "fusion": state.fusion, "drop_sink": state.drop_sink,
+            "_progress": progress_reporter(set_progress, "evaluating"),
+        })
+    except ValueError as e:
+        return no_update, str(e)
+    return fig, "done: stored, so it reopens instantly"

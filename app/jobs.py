@@ -1,0 +1,56 @@
+"""Background jobs through Dash's own background-callback managers (no queue of our own).
+
+Embedded (default): ``DiskcacheManager`` — each job runs in a process forked from the server, so it
+shares the already-loaded model's memory; its progress and result pass through a disk cache under
+``HEADSCOPE_HOME``. Results that matter land in the store, so a reload or a second tab finds them.
+
+Forked children must run torch single-threaded: PyTorch's CPU thread pool does not survive a fork
+(a child that uses more than one intra-op thread hangs). :func:`in_job` does that first.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+_manager = None
+
+
+def background_manager():
+    """The process-wide background-callback manager (created on first use)."""
+    global _manager
+    if _manager is None:
+        import diskcache
+        from dash import DiskcacheManager
+
+        from analysis.paths import home
+
+        cache = diskcache.Cache(str(home() / "jobs"))
+        _manager = DiskcacheManager(cache, expire=24 * 3600)
+    return _manager
+
+
+def in_job() -> None:
+    """Call first in a background job: makes torch safe to use in a forked process."""
+    import torch
+
+    if os.getpid() != _SERVER_PID:
+        torch.set_num_threads(1)
+
+
+_SERVER_PID = os.getpid()
+
+
+def progress_reporter(set_progress: Callable[..., Any], label: str) -> Callable[[float], None]:
+    """Adapt an analysis ``progress(fraction)`` callback to a Dash ``set_progress`` of
+    (value, max, text) for an ``html.Progress`` and its caption; throttled to whole percents."""
+    last = {"pct": -1}
+
+    def report(fraction: float) -> None:
+        pct = int(100 * min(max(fraction, 0.0), 1.0))
+        if pct != last["pct"]:
+            last["pct"] = pct
+            set_progress((pct, 100, f"{label}: {pct}%"))
+
+    return report
