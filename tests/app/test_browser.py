@@ -218,3 +218,25 @@ def test_flow_page_shows_three_attributions_and_exports_flow_data(server, page, 
     rows = z.read("data.csv").decode().splitlines()
     assert rows[0] == "pos,token,relevance" and len(rows) - 1 == len(manifest["token_ids"])
     assert proc.poll() is None
+
+
+def test_faithfulness_on_input_and_a_cancelled_background_evaluation(server, page):
+    url, proc, _ = server
+    page.goto(url + "flow")
+    page.fill("#flow-hs-text", "The keys to the cabinet")
+    page.click("#flow-hs-run")
+    page.wait_for_function("(document.querySelector('#hs-flow-info')?.innerText || '').includes('target: token')")
+    page.click("#hs-faith-input-button")
+    page.wait_for_selector("#hs-faith-input .js-plotly-plot")
+    titles = page.locator("#hs-faith-input .gtitle").all_text_contents()
+    assert any("input×gradient" in t for t in titles) and any("ablation importance" in t for t in titles)
+    assert any(t.startswith("Faithfulness on this input") for t in titles)
+
+    # The built-in evaluation runs as a background job: progress shows, cancel stops it.
+    page.click("#hs-faith-set-button")
+    page.wait_for_function("document.querySelector('#hs-faith-set-button').disabled")
+    page.wait_for_function("(document.querySelector('#hs-faith-set-status')?.innerText || '').includes('evaluating')",
+                           timeout=120_000)
+    page.click("#hs-faith-set-cancel")
+    page.wait_for_function("!document.querySelector('#hs-faith-set-button').disabled")
+    assert proc.poll() is None
