@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from analysis.entropy import normalised_entropy
+from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW, streaming_score
 
 
 def first_token_mass(patterns: np.ndarray) -> np.ndarray:
@@ -59,5 +60,8 @@ HEAD_METRICS: dict[str, HeadMetric] = {
                    "Mean attention from token i to token i-1."),
         HeadMetric("max_attention", "Max attention", max_attention,
                    "Mean of each row's largest weight."),
+        HeadMetric("streaming", "Streaming score", streaming_score,
+                   f"Share of attention on the first {DEFAULT_SINK} tokens plus the last {DEFAULT_WINDOW} "
+                   "(DuoAttention's sink + recent window): high = streaming head, low = needs full context."),
     ]
 }

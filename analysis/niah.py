@@ -1,0 +1,412 @@
+"""Needle-in-a-haystack prompts: a needle sentence hidden at a depth of a haystack, then a question.
+
+The construction follows Kamradt's "needle in a haystack" test as used by Wu et al. 2024,
+"Retrieval Head Mechanistically Explains Long-Context Factuality" (arXiv:2404.15574), section 2:
+
+1. the haystack is cut, at a sentence boundary, so that the whole prompt (chat template, haystack,
+   needle and question) has at most ``length`` tokens;
+2. the needle is inserted at the sentence boundary nearest to ``depth`` percent of the haystack's
+   tokens (0 = first sentence, 100 = after the last one);
+3. the question follows the context, inside the model's chat template when it has one;
+4. the needle's token span is located exactly in the final token ids. When tokenisation merges the
+   needle with its neighbours, so that no contiguous run of tokens spells exactly the needle, the
+   build fails with an :class:`~analysis.capture.InputError` that says so: scores that count
+   "attention inside the needle" need that span to be exact.
+
+Haystacks: ``data/niah/haystack_prose.txt`` (original prose written for headscope, CC0, about 8,200
+SmolLM2 tokens) and :func:`passkey_filler`, the repetitive filler of the passkey test (Mohtashami &
+Jaggi 2023, "Landmark Attention", arXiv:2305.16300). A haystack shorter than the requested length is
+repeated from its start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from analysis.capture import InputError
+from analysis.models import LoadedModel
+from analysis.paths import DATA_DIR
+
+NIAH_DIR = DATA_DIR / "niah"
+NEEDLES_FILE = NIAH_DIR / "needles.json"
+HAYSTACKS = {"prose": NIAH_DIR / "haystack_prose.txt"}
+
+DEFAULT_TEMPLATE = (
+    "Read the following text and answer the question after it.\n\n{context}\n\n"
+    "Question: {question} Answer in one short sentence."
+)
+"""The user message around the context; ``{context}`` and ``{question}`` are filled in."""
+
+# A sentence ends at . ! or ? (optionally followed by a closing quote or bracket) and the whitespace
+# after it; a blank line (a paragraph or a title line) also ends one. The whitespace stays at the
+# *start* of the next piece, so that every piece tokenises as it does inside the whole text
+# (byte-level BPE attaches a space to the word after it).
+_BOUNDARY = re.compile(r"(?<=[.!?])(?=\s)|(?<=[.!?][\"')\]])(?=\s)|(?<=\S)(?=\n)")
+_SENTENCE_END = (".", "!", "?", '."', ".'", ".)", '!"', '?"')
+
+
+@dataclass(frozen=True)
+class Needle:
+    """One needle sentence, the question that asks for it, and the expected answer."""
+
+    needle: str
+    question: str
+    answer: str
+    id: str = ""
+    kind: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class NiahPrompt:
+    """A built needle-in-a-haystack prompt.
+
+    Attributes
+    ----------
+    token_ids : the exact ids the model sees (chat template included).
+    needle_span : ``(start, end)``, half-open: ``token_ids[start:end]`` are exactly the needle's tokens.
+    question_span : ``(start, end)`` of the question's tokens (the queries of the evidence score).
+    length : the requested maximum number of tokens; ``n_tokens <= length``.
+    depth : the requested depth in percent; ``actual_depth`` is where the needle landed, in percent
+        of the haystack's tokens before it.
+    haystack_tokens : tokens of haystack text in the prompt (around the needle).
+    text : the user message (context and question) before the chat template.
+    """
+
+    token_ids: list[int]
+    needle_span: tuple[int, int]
+    question_span: tuple[int, int]
+    needle: Needle
+    length: int
+    depth: float
+    actual_depth: float
+    haystack_tokens: int
+    text: str
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def settings(self) -> dict[str, Any]:
+        """What identifies this prompt in stored trials (besides its token ids)."""
+        return {
+            "length": self.length,
+            "depth": self.depth,
+            "actual_depth": round(self.actual_depth, 3),
+            "n_tokens": self.n_tokens,
+            "needle_span": list(self.needle_span),
+            "question_span": list(self.question_span),
+            "needle": self.needle.to_dict(),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def load_needles(path: Path | str | None = None) -> list[Needle]:
+    """The needles shipped in ``data/niah/needles.json`` (or another file of the same shape).
+
+    Returns
+    -------
+    list of :class:`Needle`, in file order.
+    """
+    path = Path(path) if path is not None else NEEDLES_FILE
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise InputError(f"Cannot read needles from {path}: {e}") from None
+    items = raw["needles"] if isinstance(raw, dict) else raw
+    needles = []
+    for i, item in enumerate(items):
+        try:
+            needles.append(
+                Needle(
+                    needle=item["needle"],
+                    question=item["question"],
+                    answer=item["answer"],
+                    id=item.get("id", f"needle-{i}"),
+                    kind=item.get("kind", ""),
+                )
+            )
+        except (KeyError, TypeError):
+            raise InputError(
+                f"Needle {i} in {path} needs the fields 'needle', 'question' and 'answer'."
+            ) from None
+    return needles
+
+
+def load_haystack(name: str = "prose") -> str:
+    """A haystack by name: ``prose`` (the shipped essays) or ``passkey`` (synthetic filler).
+
+    Any other value is read as a path to a UTF-8 text file. Leading lines that start with ``#`` are
+    a header (the shipped file's provenance and licence) and are dropped.
+    """
+    if name == "passkey":
+        return passkey_filler(2000)
+    path = HAYSTACKS.get(name) or Path(name).expanduser()
+    if not path.is_file():
+        raise InputError(
+            f"Unknown haystack {name!r}: use 'prose', 'passkey' or the path of a UTF-8 text file."
+        )
+    text = path.read_text(encoding="utf-8")
+    # Leading lines starting with "#" are a header (provenance, licence), not haystack.
+    lines = text.splitlines(keepends=True)
+    while lines and lines[0].startswith("#"):
+        lines.pop(0)
+    return "".join(lines).lstrip("\n")
+
+
+PASSKEY_SENTENCES = (
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+)
+
+
+def passkey_filler(n_sentences: int) -> str:
+    """The passkey test's filler: "The grass is green. The sky is blue. The sun is yellow. Here we go.
+    There and back again." repeated (Mohtashami & Jaggi 2023, arXiv:2305.16300, appendix).
+
+    Parameters
+    ----------
+    n_sentences : number of sentences (the five sentences cycle); about 5 tokens each.
+
+    Returns
+    -------
+    The filler text, sentences separated by single spaces, a paragraph break after every cycle.
+    """
+    if n_sentences < 1:
+        raise InputError("The passkey filler needs at least one sentence.")
+    parts = []
+    for i in range(n_sentences):
+        sep = "" if i == 0 else ("\n" if i % len(PASSKEY_SENTENCES) == 0 else " ")
+        parts.append(sep + PASSKEY_SENTENCES[i % len(PASSKEY_SENTENCES)])
+    return "".join(parts)
+
+
+def split_sentences(text: str) -> list[str]:
+    """Cut ``text`` at sentence boundaries; ``"".join(pieces) == text``.
+
+    Every piece but the first starts with the whitespace that preceded it, so a piece tokenises the
+    same alone as inside the whole text (byte-level BPE attaches a leading space to the next word).
+    """
+    pieces = [p for p in _BOUNDARY.split(text) if p]
+    return pieces
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+
+
+_piece_lengths: dict[tuple[int, str], list[int]] = {}
+
+
+def _haystack_pieces(model: LoadedModel, haystack: str) -> tuple[list[str], list[int]]:
+    """Sentences of ``haystack`` and their token counts (memoised per tokenizer and text)."""
+    pieces = split_sentences(haystack.strip())
+    key = (id(model.tokenizer), hashlib.sha256(haystack.encode()).hexdigest())
+    if key not in _piece_lengths:
+        if len(_piece_lengths) > 32:
+            _piece_lengths.clear()
+        ids = model.tokenizer(pieces, add_special_tokens=False)["input_ids"] if pieces else []
+        _piece_lengths[key] = [len(x) for x in ids]
+    return pieces, _piece_lengths[key]
+
+
+def _render(template: str, context: str, question: str) -> str:
+    return template.replace("{context}", context).replace("{question}", question)
+
+
+def find_span(ids: Sequence[int], sub: Sequence[int]) -> list[int]:
+    """Start positions of every occurrence of ``sub`` as a contiguous run in ``ids``."""
+    n, m = len(ids), len(sub)
+    if m == 0 or m > n:
+        return []
+    first = sub[0]
+    sub = list(sub)
+    return [i for i in range(n - m + 1) if ids[i] == first and list(ids[i : i + m]) == sub]
+
+
+def locate(model: LoadedModel, token_ids: Sequence[int], text: str, what: str = "needle") -> tuple[int, int]:
+    """The exact token span of ``text`` inside ``token_ids``.
+
+    The text may be tokenised with or without the space before it (mid-line or at a line start);
+    both spellings are searched. Exactly one occurrence must exist.
+
+    Raises
+    ------
+    InputError
+        When no contiguous run of tokens spells exactly ``text`` (tokenisation merged it with its
+        neighbours) or when it occurs more than once.
+    """
+    text = text.strip()
+    spans = set()
+    for variant in (text, " " + text):
+        sub = model.encode(variant)
+        for start in find_span(token_ids, sub):
+            spans.add((start, start + len(sub)))
+    if not spans:
+        raise InputError(
+            f"The {what} {text[:60]!r} cannot be located exactly in the prompt's tokens: tokenisation "
+            "merges its first or last token with the text around it. End the needle with a full stop "
+            "and start it with a word, or move it to another depth."
+        )
+    if len(spans) > 1:
+        raise InputError(
+            f"The {what} {text[:60]!r} occurs {len(spans)} times in the prompt (the haystack contains "
+            "it); use a needle that the haystack does not contain."
+        )
+    return spans.pop()
+
+
+def build_prompt(
+    model: LoadedModel,
+    needle: Needle,
+    haystack: str,
+    length: int,
+    depth: float,
+    *,
+    template: str = DEFAULT_TEMPLATE,
+) -> NiahPrompt:
+    """Hide ``needle`` at ``depth`` percent of a haystack cut to ``length`` tokens, then ask.
+
+    Follows Wu et al. 2024 (arXiv:2404.15574), section 2: the prompt is
+    ``chat(template(context = haystack[:d] + needle + haystack[d:], question))`` with
+    ``|prompt| <= length`` tokens and ``d`` the sentence boundary nearest to ``depth``% of the
+    haystack's tokens.
+
+    Parameters
+    ----------
+    model : the model whose tokenizer and chat template are used (``model.chat_ids``).
+    needle : the sentence to hide and its question.
+    haystack : the filler text (see :func:`load_haystack`); repeated when too short.
+    length : maximum prompt length in tokens, at most the model's context.
+    depth : where the needle goes, in percent of the haystack (0 = start, 100 = end).
+    template : user message with ``{context}`` and ``{question}``.
+
+    Returns
+    -------
+    :class:`NiahPrompt` with the exact token spans of the needle and the question.
+
+    Raises
+    ------
+    InputError
+        depth outside 0–100, length above the model's context or too short for the needle and the
+        question, an empty haystack or needle, or a needle that cannot be located exactly.
+    """
+    if not 0.0 <= float(depth) <= 100.0:
+        raise InputError(f"depth must be between 0 and 100 (percent of the haystack), got {depth}.")
+    length = int(length)
+    if length > model.n_ctx:
+        raise InputError(
+            f"length {length:,} is above the model's context of {model.n_ctx:,} tokens; choose a shorter length."
+        )
+    if not haystack or not haystack.strip():
+        raise InputError("The haystack is empty: give some filler text (or use 'prose' or 'passkey').")
+    for field_name in ("needle", "question", "answer"):
+        if not getattr(needle, field_name).strip():
+            raise InputError(f"The needle's {field_name} is empty.")
+    if "{context}" not in template or "{question}" not in template:
+        raise InputError("The template must contain {context} and {question}.")
+    needle_text = needle.needle.strip()
+    if needle_text in haystack:
+        raise InputError(
+            f"The haystack already contains the needle {needle_text[:60]!r}; choose another needle."
+        )
+
+    overhead = len(model.chat_ids(_render(template, needle_text, needle.question.strip())))
+    budget = length - overhead
+    if budget < 1:
+        raise InputError(
+            f"length {length} is too short: the template, needle and question alone take {overhead} tokens."
+        )
+    pieces, lengths = _haystack_pieces(model, haystack)
+    if not pieces:
+        raise InputError("The haystack has no sentences.")
+
+    # Take whole sentences (cycling through the haystack) until the budget is used; then trim one
+    # sentence at a time if the joined text tokenises slightly longer than the sum of its pieces.
+    chosen: list[str] = []
+    chosen_len: list[int] = []
+    total = 0
+    i = 0
+    while True:
+        k = i % len(pieces)
+        piece, n = pieces[k], lengths[k]
+        if k == 0 and i > 0:
+            piece = "\n\n" + piece.lstrip()
+            n += 1
+        if total + n > budget:
+            break
+        chosen.append(piece)
+        chosen_len.append(n)
+        total += n
+        i += 1
+        if i > 10 * (budget + 1):  # zero-length pieces cannot occur, but never loop forever
+            break
+
+    while True:
+        prompt = _assemble(model, needle, chosen, chosen_len, depth, template, length)
+        if prompt.n_tokens <= length or not chosen:
+            break
+        chosen.pop()
+        chosen_len.pop()
+    if prompt.n_tokens > length:
+        raise InputError(
+            f"length {length} is too short: the prompt without any haystack has {prompt.n_tokens} tokens."
+        )
+    return prompt
+
+
+def _assemble(
+    model: LoadedModel,
+    needle: Needle,
+    chosen: list[str],
+    chosen_len: list[int],
+    depth: float,
+    template: str,
+    length: int,
+) -> NiahPrompt:
+    total = sum(chosen_len)
+    # The boundary whose cumulative token count is nearest to depth% of the haystack.
+    target = float(depth) / 100.0 * total
+    cum = [0]
+    for n in chosen_len:
+        cum.append(cum[-1] + n)
+    # Only boundaries after a full sentence (not after a title line) are candidates.
+    candidates = [0] + [j for j in range(1, len(cum)) if chosen[j - 1].rstrip().endswith(_SENTENCE_END)]
+    b = min(candidates, key=lambda j: (abs(cum[j] - target), j))
+    before = "".join(chosen[:b]).strip()
+    after = "".join(chosen[b:])
+    needle_text = needle.needle.strip()
+    context = (before + " " if before else "") + needle_text
+    if after.strip():
+        context += after if after[0].isspace() else " " + after
+    context = context.strip()
+    question = needle.question.strip()
+    text = _render(template, context, question)
+    ids = model.chat_ids(text)
+    needle_span = locate(model, ids, needle_text, "needle")
+    question_span = locate(model, ids, question, "question")
+    return NiahPrompt(
+        token_ids=ids,
+        needle_span=needle_span,
+        question_span=question_span,
+        needle=needle,
+        length=length,
+        depth=float(depth),
+        actual_depth=100.0 * cum[b] / total if total else 0.0,
+        haystack_tokens=total,
+        text=text,
+    )

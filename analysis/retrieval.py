@@ -1,0 +1,652 @@
+"""Retrieval heads from needle-in-a-haystack sweeps.
+
+Wu, Wang, Xiao, Peng & Fu 2024, "Retrieval Head Mechanistically Explains Long-Context Factuality"
+(arXiv:2404.15574), section 2. A needle is hidden in a haystack (:mod:`analysis.niah`), the model
+decodes greedily, and at every decode step t with generated token ``y_t`` head (l, h)
+*copy-pastes* when
+
+    j* = argmax_j A[l, h][t, j]   lies inside the needle span   and   prompt_ids[j*] == y_t.
+
+Here row t of ``A`` is the query that *produces* ``y_t`` (as in the paper's code: the prompt's last
+token is the first decode input, so every generated token is scored). The trial score of a head is
+
+    score(l, h) = |{t : head (l, h) copy-pastes at step t}| / |needle|     (|needle| in tokens),
+
+a trial counts only when the model retrieved the answer, i.e. ROUGE-1 recall of the answer in the
+response > 0.5 (:func:`rouge1_recall`), and a head's retrieval score is the mean of its trial
+scores over counted trials. Scores are per query head ``[layer, head]``; with grouped-query
+attention they are also aggregated per key-value group (max and mean over the group's query heads).
+
+Only one attention row per head per decode step is read: the prompt (all but its last token) is
+pre-filled through the KV cache with no hook attached, so its N x N attention is never kept, and at
+each decode step a hook on ``hook_pattern`` reduces the single query row ``[head, key]`` to its
+argmax and maximum before the next layer runs.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from transformer_lens.utilities import get_act_name
+
+from analysis.capture import InputError
+from analysis.detectors import group_heads
+from analysis.models import LoadedModel
+from analysis.niah import DEFAULT_TEMPLATE, Needle, NiahPrompt, build_prompt
+from analysis.store import Store, content_key
+
+RETRIEVAL_VERSION = 1
+ROUGE_GATE = 0.5
+"""A trial counts when ROUGE-1 recall of the answer in the response is strictly above this."""
+
+DEFAULT_MAX_NEW_TOKENS = 32
+
+Progress = Callable[[float], None]
+Cancel = Callable[[], bool]
+
+
+class Cancelled(RuntimeError):
+    """Raised inside a trial when ``cancel`` asks to stop; the unfinished trial is dropped."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure pieces
+
+
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def rouge1_recall(reference: str, response: str) -> float:
+    """ROUGE-1 recall of ``reference`` in ``response`` (Lin 2004, "ROUGE", section 3).
+
+    ``recall = Σ_w min(c_ref(w), c_resp(w)) / Σ_w c_ref(w)`` over unigrams ``w``, where words are the
+    runs of ``[a-z0-9]`` in the lower-cased text (the tokenisation of Google's ``rouge_score``, without
+    its optional Porter stemming: "metres" and "metre" are different words here).
+
+    Returns
+    -------
+    float in [0, 1]; 0 when the reference has no words.
+    """
+    ref = Counter(_WORD.findall(reference.lower()))
+    if not ref:
+        return 0.0
+    hyp = Counter(_WORD.findall(response.lower()))
+    overlap = sum(min(c, hyp[w]) for w, c in ref.items())
+    return overlap / sum(ref.values())
+
+
+def copy_paste_hits(
+    argmax_keys: np.ndarray,
+    generated: Sequence[int],
+    prompt_ids: Sequence[int],
+    needle_span: tuple[int, int],
+) -> np.ndarray:
+    """Which heads copy-paste at which decode step (Wu et al. 2024, section 2).
+
+    Parameters
+    ----------
+    argmax_keys : ``[step, layer, head]`` int, ``j*`` = argmax over keys of the attention row of the
+        query that produced generated token ``step``.
+    generated : ``[step]`` the generated token ids ``y_t``.
+    prompt_ids : the prompt's token ids (keys past the prompt are generated tokens, never the needle).
+    needle_span : ``(start, end)`` half-open token span of the needle in the prompt.
+
+    Returns
+    -------
+    ``[step, layer, head]`` bool: ``start <= j* < end`` and ``prompt_ids[j*] == y_t``.
+    """
+    argmax_keys = np.asarray(argmax_keys)
+    generated = np.asarray(generated, dtype=np.int64)
+    if argmax_keys.ndim != 3 or argmax_keys.shape[0] != generated.shape[0]:
+        raise ValueError(
+            f"argmax_keys must be [step, layer, head] with one step per generated token; got "
+            f"{argmax_keys.shape} for {generated.shape[0]} tokens"
+        )
+    start, end = needle_span
+    if not 0 <= start < end <= len(prompt_ids):
+        raise ValueError(f"needle_span {needle_span} is not a span of the {len(prompt_ids)}-token prompt")
+    prompt = np.asarray(prompt_ids, dtype=np.int64)
+    inside = (argmax_keys >= start) & (argmax_keys < end)
+    token_at = prompt[np.clip(argmax_keys, 0, len(prompt) - 1)]
+    return inside & (token_at == generated[:, None, None])
+
+
+def trial_scores(hits: np.ndarray, needle_length: int) -> np.ndarray:
+    """Trial score per head: copy-paste steps / needle length in tokens (Wu et al. 2024, eq. 1).
+
+    Parameters
+    ----------
+    hits : ``[step, layer, head]`` bool from :func:`copy_paste_hits`.
+    needle_length : |needle| in tokens.
+
+    Returns
+    -------
+    ``[layer, head]`` float32.
+    """
+    if needle_length < 1:
+        raise ValueError("needle_length must be at least 1")
+    return (np.asarray(hits).sum(0) / float(needle_length)).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+
+
+@dataclass
+class Decoded:
+    """A greedy continuation and, per step, the argmax key and its weight for every query head."""
+
+    generated: list[int]
+    argmax_keys: np.ndarray  # [step, layer, head] int32
+    argmax_weight: np.ndarray  # [step, layer, head] float32
+    seconds: float
+
+
+def stop_ids(model: LoadedModel) -> set[int]:
+    """Token ids that end a response: the tokenizer's EOS and the generation config's EOS ids."""
+    ids: set[int] = set()
+    tok = model.tokenizer
+    if getattr(tok, "eos_token_id", None) is not None:
+        ids.add(int(tok.eos_token_id))
+    gen = getattr(model.hf_model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, list | tuple):
+        ids.update(int(e) for e in eos)
+    return ids
+
+
+def _cancelled(cancel: Any) -> bool:
+    if cancel is None:
+        return False
+    if hasattr(cancel, "is_set"):
+        return bool(cancel.is_set())
+    return bool(cancel())
+
+
+@torch.inference_mode()
+def greedy_decode(
+    model: LoadedModel,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    *,
+    record: bool = True,
+    cancel: Cancel | None = None,
+    progress: Progress | None = None,
+) -> Decoded:
+    """Greedy decoding with the KV cache, keeping one attention row per head per step.
+
+    The prompt minus its last token is pre-filled with no hook attached (its attention is never
+    kept); then each step feeds one token and, when ``record``, a hook on every layer's
+    ``hook_pattern`` (``[batch, head, 1, key]`` at decode time) stores the row's argmax key and
+    maximum. The first step's query is the prompt's last token, so row t produces token t.
+
+    Parameters
+    ----------
+    prompt_ids : the exact ids to continue.
+    max_new_tokens : the most tokens to generate; decoding also stops after an EOS token (which is
+        kept in ``generated``).
+    record : False gives plain generation (the baseline of ``bench/retrieval.py``).
+    cancel : called between steps; True raises :class:`Cancelled`.
+    progress : called with the fraction of ``max_new_tokens`` done.
+
+    Returns
+    -------
+    :class:`Decoded` with ``argmax_keys``/``argmax_weight`` of shape ``[steps, layer, head]``.
+    """
+    if not prompt_ids:
+        raise InputError("The prompt is empty.")
+    if max_new_tokens < 1:
+        raise InputError("max_new_tokens must be at least 1.")
+    t0 = time.perf_counter()
+    bridge = model.bridge
+    stops = stop_ids(model)
+    n_layers, n_heads = model.n_layers, model.n_heads
+    keys = torch.zeros((max_new_tokens, n_layers, n_heads), dtype=torch.int64)
+    weights = torch.zeros((max_new_tokens, n_layers, n_heads), dtype=torch.float32)
+    step_box = [0]
+
+    def keep_row(layer: int):
+        def hook(pattern: torch.Tensor, hook: Any = None) -> None:
+            # pattern: [batch, head, query, key]; the decode step has a single query row.
+            w, j = pattern[0, :, -1, :].max(dim=-1)
+            keys[step_box[0], layer] = j
+            weights[step_box[0], layer] = w.float()
+
+        return hook
+
+    hooks = [(get_act_name("pattern", layer), keep_row(layer)) for layer in range(n_layers)]
+    device = model.device
+    generated: list[int] = []
+    with model.lock:
+        past = None
+        if len(prompt_ids) > 1:
+            prefix = torch.tensor([list(prompt_ids[:-1])], dtype=torch.long, device=device)
+            _, past = bridge(prefix, return_type="logits_and_cache", use_cache=True)
+        token = int(prompt_ids[-1])
+        with bridge.hooks(fwd_hooks=hooks) if record else nullcontext():
+            for step in range(max_new_tokens):
+                if _cancelled(cancel):
+                    raise Cancelled("cancelled")
+                step_box[0] = step
+                inp = torch.tensor([[token]], dtype=torch.long, device=device)
+                if past is None:
+                    logits, past = bridge(inp, return_type="logits_and_cache", use_cache=True)
+                else:
+                    logits, past = bridge(inp, return_type="logits_and_cache", past_key_values=past)
+                token = int(logits[0, -1].argmax())
+                generated.append(token)
+                if progress:
+                    progress((step + 1) / max_new_tokens)
+                if token in stops:
+                    break
+    n = len(generated)
+    return Decoded(
+        generated=generated,
+        argmax_keys=keys[:n].numpy().astype(np.int32),
+        argmax_weight=weights[:n].numpy(),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Trials
+
+
+@dataclass
+class Trial:
+    """One needle-in-a-haystack trial and everything needed to audit its score.
+
+    Attributes
+    ----------
+    settings : the prompt's settings (length, depth, needle, spans) and the decode settings.
+    response : the decoded response (special tokens dropped).
+    recall : ROUGE-1 recall of the answer in the response; ``counted = recall > 0.5``.
+    scores : ``[layer, head]`` this trial's copy-paste score (also kept for trials not counted).
+    argmax_keys, argmax_weight : ``[step, layer, head]`` per-step argmax key and its attention weight.
+    hits : ``[(step, layer, head), ...]`` every copy-paste event.
+    """
+
+    key: str
+    settings: dict[str, Any]
+    prompt_ids: list[int]
+    generated: list[int]
+    response: str
+    recall: float
+    counted: bool
+    scores: np.ndarray
+    argmax_keys: np.ndarray
+    argmax_weight: np.ndarray
+    hits: list[tuple[int, int, int]]
+    seconds: float
+    reused: bool = False
+
+    @property
+    def length(self) -> int:
+        return int(self.settings["length"])
+
+    @property
+    def depth(self) -> float:
+        return float(self.settings["depth"])
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "settings": self.settings,
+            "prompt_ids": self.prompt_ids,
+            "generated": self.generated,
+            "response": self.response,
+            "recall": self.recall,
+            "counted": self.counted,
+            "hits": [list(h) for h in self.hits],
+            "seconds": self.seconds,
+            "version": RETRIEVAL_VERSION,
+        }
+
+
+def trial_key(model: LoadedModel, prompt: NiahPrompt, max_new_tokens: int) -> str:
+    """The store key of a trial: model digest, prompt ids, needle span, answer and decode length."""
+    return content_key(
+        "retrieval_trial",
+        RETRIEVAL_VERSION,
+        model.digest,
+        prompt.token_ids,
+        list(prompt.needle_span),
+        prompt.needle.answer,
+        max_new_tokens,
+    )
+
+
+def load_trial(store: Store, key: str) -> Trial | None:
+    """A stored trial, or None when absent or corrupt."""
+    record = store.get(key)
+    if record is None or record.kind != "retrieval_trial":
+        return None
+    m = record.meta
+    return Trial(
+        key=key,
+        settings=m["settings"],
+        prompt_ids=m["prompt_ids"],
+        generated=m["generated"],
+        response=m["response"],
+        recall=float(m["recall"]),
+        counted=bool(m["counted"]),
+        scores=record.array("scores", mmap=False),
+        argmax_keys=record.array("argmax_keys", mmap=False),
+        argmax_weight=record.array("argmax_weight", mmap=False).astype(np.float32),
+        hits=[tuple(h) for h in m["hits"]],
+        seconds=float(m["seconds"]),
+        reused=True,
+    )
+
+
+def run_trial(
+    model: LoadedModel,
+    prompt: NiahPrompt,
+    *,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    store: Store | None = None,
+    cancel: Cancel | None = None,
+    progress: Progress | None = None,
+) -> Trial:
+    """Decode one needle-in-a-haystack prompt and score every head on it (Wu et al. 2024, §2).
+
+    ``scores[l, h] = |{t : j*_t ∈ needle and prompt_ids[j*_t] == y_t}| / |needle|``; the trial counts
+    when ``rouge1_recall(answer, response) > 0.5``. A stored trial with the same key (model digest,
+    prompt ids, needle span, answer, ``max_new_tokens``) is loaded instead of decoded.
+
+    Returns
+    -------
+    :class:`Trial`.
+    """
+    key = trial_key(model, prompt, max_new_tokens)
+    if store is not None:
+        stored = load_trial(store, key)
+        if stored is not None:
+            if progress:
+                progress(1.0)
+            return stored
+    decoded = greedy_decode(model, prompt.token_ids, max_new_tokens, cancel=cancel, progress=progress)
+    stops = stop_ids(model)
+    response_ids = [t for t in decoded.generated if t not in stops]
+    response = model.tokenizer.decode(response_ids, skip_special_tokens=True)
+    recall = rouge1_recall(prompt.needle.answer, response)
+    hits = copy_paste_hits(decoded.argmax_keys, decoded.generated, prompt.token_ids, prompt.needle_span)
+    start, end = prompt.needle_span
+    settings = prompt.settings() | {"max_new_tokens": max_new_tokens}
+    trial = Trial(
+        key=key,
+        settings=settings,
+        prompt_ids=list(prompt.token_ids),
+        generated=decoded.generated,
+        response=response,
+        recall=recall,
+        counted=recall > ROUGE_GATE,
+        scores=trial_scores(hits, end - start),
+        argmax_keys=decoded.argmax_keys,
+        argmax_weight=decoded.argmax_weight,
+        hits=[tuple(int(x) for x in h) for h in np.argwhere(hits)],
+        seconds=decoded.seconds,
+    )
+    if store is not None:
+        store.put(
+            key,
+            "retrieval_trial",
+            trial.meta(),
+            {
+                "scores": trial.scores,
+                "argmax_keys": trial.argmax_keys,
+                "argmax_weight": trial.argmax_weight.astype(np.float16),
+            },
+        )
+    return trial
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation and sweeps
+
+
+@dataclass
+class RetrievalScores:
+    """Retrieval scores over a set of trials.
+
+    Attributes
+    ----------
+    scores : ``[layer, head]`` mean trial score over counted trials (nan when none counted).
+    group_max, group_mean : ``[layer, kv_head]`` max / mean of ``scores`` over each key-value group's
+        query heads (query head h reads key-value head ``h // (H / H_kv)``).
+    n_trials, n_counted : trials run and trials that passed the ROUGE gate.
+    """
+
+    scores: np.ndarray
+    group_max: np.ndarray
+    group_mean: np.ndarray
+    n_trials: int
+    n_counted: int
+
+    def share_above(self, threshold: float = 0.1) -> float:
+        """Fraction of query heads whose score exceeds ``threshold`` (0.1 in Wu et al. 2024)."""
+        s = np.nan_to_num(self.scores, nan=0.0)
+        return float((s > threshold).mean())
+
+
+def retrieval_scores(trials: Sequence[Trial], n_kv_heads: int) -> RetrievalScores:
+    """Mean trial score over counted trials, per query head and per key-value group.
+
+    Wu et al. 2024, section 2: ``R(l, h) = mean_{trials with ROUGE-1 recall > 0.5} score_trial(l, h)``.
+
+    Parameters
+    ----------
+    trials : the trials (counted and not); all from one model.
+    n_kv_heads : key-value heads per layer, for the per-group tables.
+
+    Returns
+    -------
+    :class:`RetrievalScores`.
+    """
+    if not trials:
+        raise InputError("No trials to score: run at least one needle-in-a-haystack trial.")
+    shape = trials[0].scores.shape
+    counted = [t.scores for t in trials if t.counted]
+    if counted:
+        scores = np.mean(np.stack(counted).astype(np.float64), axis=0)
+    else:
+        scores = np.full(shape, np.nan)
+    return RetrievalScores(
+        scores=scores,
+        group_max=group_heads(scores, n_kv_heads, "max"),
+        group_mean=group_heads(scores, n_kv_heads, "mean"),
+        n_trials=len(trials),
+        n_counted=len(counted),
+    )
+
+
+@dataclass
+class RetrievalSweep(RetrievalScores):
+    """A needle-in-a-haystack sweep: retrieval scores plus the accuracy grid.
+
+    Attributes
+    ----------
+    accuracy : ``[length, depth]`` fraction of needles answered (ROUGE-1 recall > 0.5); nan where no
+        trial finished.
+    recall : ``[length, depth]`` mean ROUGE-1 recall.
+    trials : every finished trial, in sweep order.
+    cancelled : True when ``cancel`` stopped the sweep (the finished trials are kept and scored).
+    key : the stored sweep record's key (empty without a store).
+    """
+
+    lengths: list[int] = field(default_factory=list)
+    depths: list[float] = field(default_factory=list)
+    accuracy: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    recall: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    trials: list[Trial] = field(default_factory=list)
+    cancelled: bool = False
+    key: str = ""
+
+
+def sweep(
+    model: LoadedModel,
+    needles: Sequence[Needle],
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    haystack: str,
+    *,
+    store: Store | None = None,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    template: str = DEFAULT_TEMPLATE,
+    progress: Progress | None = None,
+    cancel: Cancel | None = None,
+) -> RetrievalSweep:
+    """Run needle-in-a-haystack trials over lengths × depths × needles and score retrieval heads.
+
+    Wu et al. 2024 (arXiv:2404.15574), section 2: for every (length, depth, needle) a prompt is built
+    (:func:`analysis.niah.build_prompt`), decoded greedily and scored (:func:`run_trial`); a head's
+    score is its mean trial score over trials whose ROUGE-1 recall of the answer exceeds 0.5.
+
+    All prompts are built (and so validated) before anything is decoded. With a ``store`` every trial
+    is stored as it finishes and reused when the sweep is run again; the sweep's tables are stored
+    too. ``cancel`` (a callable, or an object with ``is_set``) is checked between decode steps: the
+    sweep stops, drops the unfinished trial, and returns what finished with ``cancelled=True``.
+
+    Returns
+    -------
+    :class:`RetrievalSweep`.
+
+    Raises
+    ------
+    InputError
+        Empty needles, lengths or depths, or any prompt that cannot be built (see ``build_prompt``).
+    """
+    if not needles:
+        raise InputError("Choose at least one needle.")
+    if not lengths or not depths:
+        raise InputError("Choose at least one context length and one depth.")
+    lengths = [int(x) for x in lengths]
+    depths = [float(x) for x in depths]
+    plan = [
+        (i, j, build_prompt(model, needle, haystack, length, depth, template=template))
+        for i, length in enumerate(lengths)
+        for j, depth in enumerate(depths)
+        for needle in needles
+    ]
+    trials: list[Trial] = []
+    cells: dict[tuple[int, int], list[Trial]] = {}
+    cancelled = False
+    n = len(plan)
+    for k, (i, j, prompt) in enumerate(plan):
+        if _cancelled(cancel):
+            cancelled = True
+            break
+        step_progress = (lambda f, k=k: progress((k + f) / n)) if progress else None
+        try:
+            trial = run_trial(
+                model,
+                prompt,
+                max_new_tokens=max_new_tokens,
+                store=store,
+                cancel=cancel,
+                progress=step_progress,
+            )
+        except Cancelled:
+            cancelled = True
+            break
+        trials.append(trial)
+        cells.setdefault((i, j), []).append(trial)
+        if progress:
+            progress((k + 1) / n)
+
+    accuracy = np.full((len(lengths), len(depths)), np.nan)
+    recall = np.full((len(lengths), len(depths)), np.nan)
+    for (i, j), cell in cells.items():
+        accuracy[i, j] = np.mean([t.counted for t in cell])
+        recall[i, j] = np.mean([t.recall for t in cell])
+    if trials:
+        base = retrieval_scores(trials, model.n_kv_heads)
+    else:
+        nan = np.full((model.n_layers, model.n_heads), np.nan)
+        base = RetrievalScores(
+            nan, group_heads(nan, model.n_kv_heads, "max"), group_heads(nan, model.n_kv_heads, "mean"), 0, 0
+        )
+    result = RetrievalSweep(
+        scores=base.scores,
+        group_max=base.group_max,
+        group_mean=base.group_mean,
+        n_trials=base.n_trials,
+        n_counted=base.n_counted,
+        lengths=lengths,
+        depths=depths,
+        accuracy=accuracy,
+        recall=recall,
+        trials=trials,
+        cancelled=cancelled,
+    )
+    if store is not None and trials:
+        result.key = content_key(
+            "retrieval_sweep",
+            RETRIEVAL_VERSION,
+            model.digest,
+            [nd.to_dict() for nd in needles],
+            lengths,
+            depths,
+            content_key(haystack),
+            template,
+            max_new_tokens,
+        )
+        store.put(
+            result.key,
+            "retrieval_sweep",
+            {
+                "model_name": model.name,
+                "model_digest": model.digest,
+                "needles": [nd.to_dict() for nd in needles],
+                "lengths": lengths,
+                "depths": depths,
+                "max_new_tokens": max_new_tokens,
+                "trial_keys": [t.key for t in trials],
+                "n_trials": result.n_trials,
+                "n_counted": result.n_counted,
+                "cancelled": cancelled,
+                "version": RETRIEVAL_VERSION,
+            },
+            {
+                "scores": result.scores.astype(np.float32),
+                "group_max": result.group_max.astype(np.float32),
+                "group_mean": result.group_mean.astype(np.float32),
+                "accuracy": accuracy.astype(np.float32),
+                "recall": recall.astype(np.float32),
+            },
+        )
+    return result
+
+
+def load_sweep(store: Store, key: str) -> RetrievalSweep | None:
+    """A stored sweep with its trials, or None when it (or one of its trials) is missing."""
+    record = store.get(key)
+    if record is None or record.kind != "retrieval_sweep":
+        return None
+    m = record.meta
+    trials = [load_trial(store, k) for k in m["trial_keys"]]
+    if any(t is None for t in trials):
+        return None
+    return RetrievalSweep(
+        scores=record.array("scores", mmap=False).astype(np.float64),
+        group_max=record.array("group_max", mmap=False).astype(np.float64),
+        group_mean=record.array("group_mean", mmap=False).astype(np.float64),
+        n_trials=int(m["n_trials"]),
+        n_counted=int(m["n_counted"]),
+        lengths=list(m["lengths"]),
+        depths=list(m["depths"]),
+        accuracy=record.array("accuracy", mmap=False).astype(np.float64),
+        recall=record.array("recall", mmap=False).astype(np.float64),
+        trials=trials,  # type: ignore[arg-type]
+        cancelled=bool(m["cancelled"]),
+        key=key,
+    )

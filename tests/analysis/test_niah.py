@@ -1,0 +1,180 @@
+"""Needle-in-a-haystack prompts: exact needle spans, lengths, depths, shipped data, bad inputs."""
+
+import numpy as np
+import pytest
+import torch
+
+from analysis.capture import InputError
+from analysis.models import ModelError, converted_gguf, embedded_gguf, wrap_model
+from analysis.niah import (
+    Needle,
+    build_prompt,
+    find_span,
+    load_haystack,
+    load_needles,
+    passkey_filler,
+    split_sentences,
+)
+from analysis.retrieval import rouge1_recall
+
+NEEDLE = Needle(
+    needle="The combination for the blue locker is 4817.",
+    question="What is the combination for the blue locker?",
+    answer="4817",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A random 2-layer Llama with SmolLM2's tokenizer and chat template (weights do not matter here)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    try:
+        folder, _ = converted_gguf(embedded_gguf())
+    except ModelError as e:
+        pytest.skip(str(e))
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=4096,
+    )
+    cfg.architectures = ["LlamaForCausalLM"]
+    return wrap_model(LlamaForCausalLM(cfg), tok, name="tiny", digest="tiny-niah")
+
+
+@pytest.fixture(scope="module")
+def prose():
+    return load_haystack("prose")
+
+
+def decoded(model, ids):
+    return model.tokenizer.decode(ids)
+
+
+# -- shipped data ------------------------------------------------------------------------------
+
+
+def test_shipped_needles_are_varied_and_answerable_from_the_needle(prose):
+    needles = load_needles()
+    assert len(needles) >= 8
+    assert len({n.id for n in needles}) == len(needles)
+    assert {"number", "name", "place"} <= {n.kind for n in needles}
+    for n in needles:
+        assert n.needle.endswith(".") and n.question.endswith("?")
+        assert rouge1_recall(n.answer, n.needle) == 1.0, n.id  # the answer is in the needle
+        assert n.needle not in prose
+
+
+def test_prose_haystack_has_at_least_8000_tokens(tiny, prose):
+    assert prose.startswith("On the Kitchen Drawer")
+    assert len(tiny.encode(prose)) >= 8000
+
+
+def test_haystack_file_header_is_not_haystack(tmp_path):
+    path = tmp_path / "hay.txt"
+    path.write_text("# Written for a test. CC0.\n# Second header line.\n\nFirst sentence. Second one.\n")
+    assert load_haystack(str(path)) == "First sentence. Second one.\n"
+    assert not load_haystack("prose").startswith("#")
+
+
+def test_split_sentences_keeps_every_character():
+    text = 'Title line\n\nFirst one. Second! "Third?" he said.\nFourth.  Fifth'
+    pieces = split_sentences(text)
+    assert "".join(pieces) == text
+    assert pieces == [
+        "Title line",
+        "\n\nFirst one.",
+        " Second!",
+        ' "Third?"',
+        " he said.",
+        "\nFourth.",
+        "  Fifth",
+    ]
+
+
+def test_passkey_filler():
+    text = passkey_filler(7)
+    assert text == (
+        "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+        "\nThe grass is green. The sky is blue."
+    )
+    assert load_haystack("passkey").count("The sky is blue.") == 400
+    with pytest.raises(InputError):
+        passkey_filler(0)
+
+
+# -- building prompts --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [256, 512, 1000])
+def test_needle_span_is_exact_and_length_is_respected(tiny, prose, length):
+    p = build_prompt(tiny, NEEDLE, prose, length, 50)
+    start, end = p.needle_span
+    assert decoded(tiny, p.token_ids[start:end]).strip() == NEEDLE.needle
+    qs, qe = p.question_span
+    assert decoded(tiny, p.token_ids[qs:qe]).strip() == NEEDLE.question
+    assert length - 40 <= p.n_tokens <= length  # whole sentences: at most one short of the target
+    assert p.token_ids == tiny.chat_ids(p.text)  # the model's chat template, no extra BOS
+    assert decoded(tiny, p.token_ids).startswith("<|im_start|>")
+    assert abs(p.actual_depth - 50) < 100 * 40 / p.haystack_tokens  # within one sentence
+
+
+def test_depth_zero_and_hundred_put_the_needle_first_and_last(tiny, prose):
+    first = build_prompt(tiny, NEEDLE, prose, 300, 0)
+    last = build_prompt(tiny, NEEDLE, prose, 300, 100)
+    assert first.actual_depth == 0 and last.actual_depth == 100
+    assert "\n\n" + NEEDLE.needle + " On the Kitchen Drawer" in first.text
+    assert last.text.split("\n\nQuestion:")[0].endswith(" " + NEEDLE.needle)
+    # depth grows monotonically with the requested depth
+    depths = [build_prompt(tiny, NEEDLE, prose, 300, d).needle_span[0] for d in (0, 25, 50, 75, 100)]
+    assert depths == sorted(depths) and len(set(depths)) == 5
+
+
+def test_short_haystack_is_repeated_and_passkey_works(tiny):
+    p = build_prompt(tiny, NEEDLE, "A short haystack sentence. Another one here.", 400, 50)
+    assert 360 <= p.n_tokens <= 400
+    assert p.text.count("A short haystack sentence.") > 10
+    k = build_prompt(tiny, NEEDLE, load_haystack("passkey"), 400, 30)
+    start, end = k.needle_span
+    assert decoded(tiny, k.token_ids[start:end]).strip() == NEEDLE.needle
+
+
+def test_bad_inputs_raise_input_error(tiny, prose):
+    for depth in (-1, 100.5):
+        with pytest.raises(InputError, match="depth must be between 0 and 100"):
+            build_prompt(tiny, NEEDLE, prose, 300, depth)
+    with pytest.raises(InputError, match="above the model's context of 4,096"):
+        build_prompt(tiny, NEEDLE, prose, 5000, 50)
+    with pytest.raises(InputError, match="haystack is empty"):
+        build_prompt(tiny, NEEDLE, "  \n", 300, 50)
+    with pytest.raises(InputError, match="too short"):
+        build_prompt(tiny, NEEDLE, prose, 40, 50)
+    with pytest.raises(InputError, match="already contains the needle"):
+        build_prompt(tiny, NEEDLE, prose + " " + NEEDLE.needle, 300, 50)
+    with pytest.raises(InputError, match="question is empty"):
+        build_prompt(tiny, Needle("A fact.", " ", "fact"), prose, 300, 50)
+    with pytest.raises(InputError, match="Unknown haystack"):
+        load_haystack("no-such-haystack")
+
+
+def test_needle_merged_by_tokenisation_is_reported(tiny, prose):
+    # The template glues text onto the context's last word: at depth 100 "...the shed key is with" +
+    # "out" tokenises as " without", so no run of tokens spells the needle.
+    glued = Needle("The shed key is with", "Where is the shed key?", "with")
+    with pytest.raises(InputError, match="tokenisation merges"):
+        build_prompt(tiny, glued, prose, 300, 100, template="{context}out {question}")
+    # the same needle mid-haystack, followed by a space, is found
+    p = build_prompt(tiny, glued, prose, 300, 50)
+    assert decoded(tiny, p.token_ids[slice(*p.needle_span)]).strip() == glued.needle
+
+
+def test_find_span():
+    assert find_span([1, 2, 3, 1, 2], [1, 2]) == [0, 3]
+    assert find_span([1, 2], [1, 2, 3]) == []
+    assert find_span(np.array([5, 6]).tolist(), [6]) == [1]

@@ -1,0 +1,292 @@
+"""Retrieval score (Wu et al. 2024): hand-computed copy-paste cases, forced heads on a tiny model,
+the ROUGE gate, KV-group aggregation, stored trials, cancel, and a small sweep on the real model."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from analysis.capture import InputError
+from analysis.models import ModelError, converted_gguf, embedded_gguf, wrap_model
+from analysis.niah import Needle, build_prompt, load_haystack, load_needles
+from analysis.retrieval import (
+    Trial,
+    copy_paste_hits,
+    greedy_decode,
+    load_sweep,
+    retrieval_scores,
+    rouge1_recall,
+    run_trial,
+    stop_ids,
+    sweep,
+    trial_scores,
+)
+from analysis.store import Store
+
+NEEDLE = Needle(
+    needle="The combination for the blue locker is 4817.",
+    question="What is the combination for the blue locker?",
+    answer="The combination for the blue locker is 4817",
+    id="test",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A random 2-layer Llama (4 query heads, 2 key-value heads) with SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    try:
+        folder, _ = converted_gguf(embedded_gguf())
+    except ModelError as e:
+        pytest.skip(str(e))
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    cfg.architectures = ["LlamaForCausalLM"]
+    return wrap_model(LlamaForCausalLM(cfg), tok, name="tiny", digest="tiny-random-0")
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny):
+    return build_prompt(tiny, NEEDLE, load_haystack("prose"), 200, 50)
+
+
+def forcing_hooks(model, prompt, output):
+    """Hooks that make head (0, 0) attend to the needle token it copies at each decode step, head
+    (0, 1) attend to position 0, and the model emit ``output`` (then EOS)."""
+    start, end = prompt.needle_span
+    n_prompt = len(prompt.token_ids)
+    eos = model.tokenizer.eos_token_id
+    state = {"step": 0}
+
+    def pattern(p, hook=None):
+        if p.shape[-2] != 1:
+            return None  # the prefill: untouched
+        step = p.shape[-1] - n_prompt  # the first decode query sees exactly the prompt
+        state["step"] = step
+        p = p.clone()
+        p[0, 0, -1, :] = 0
+        p[0, 0, -1, start + min(step, end - start - 1)] = 1
+        p[0, 1, -1, :] = 0
+        p[0, 1, -1, 0] = 1
+        return p
+
+    def logits(x, hook=None):
+        step = state["step"]
+        target = output[step] if step < len(output) else eos
+        x = torch.full_like(x, -1e4)
+        x[..., target] = 1e4
+        return x
+
+    return [("blocks.0.attn.hook_pattern", pattern), ("unembed.hook_out", logits)]
+
+
+def make_trial(scores, counted, recall=1.0):
+    scores = np.asarray(scores, dtype=np.float32)
+    empty = np.zeros((0,) + scores.shape)
+    return Trial(
+        "k", {"length": 1, "depth": 0.0}, [1], [], "", recall, counted, scores, empty, empty, [], 0.0
+    )
+
+
+# -- pure pieces, by hand ----------------------------------------------------------------------
+
+
+def test_rouge1_recall_by_hand():
+    assert rouge1_recall("Ottilie Brandvold", "It was ottilie BRANDVOLD.") == 1.0
+    assert rouge1_recall("eat a pear tart", "a tart") == 0.5  # {a, tart} of {eat, a, pear, tart}
+    assert rouge1_recall("41 metres", "41 meters") == 0.5  # no stemming, no spelling variants
+    assert rouge1_recall("6:45", "at 6 45") == 1.0  # words are runs of [a-z0-9]
+    assert rouge1_recall("the the cat", "the cat") == 2 / 3  # counts are clipped
+    assert rouge1_recall("", "anything") == 0.0
+
+
+def test_copy_paste_hits_by_hand():
+    # Prompt: positions 0..5 ; needle span (2, 5) = tokens [30, 40, 50]. Three decode steps, one
+    # layer, three heads. Generated tokens: 30, 40, 99.
+    prompt_ids = [10, 20, 30, 40, 50, 60]
+    generated = [30, 40, 99]
+    argmax = np.array(
+        [
+            [[2, 0, 2]],  # step 0: head 0 on needle pos 2 (token 30 == y) hit; head 1 on pos 0 no; head 2 hit
+            [[3, 3, 2]],  # step 1: heads 0, 1 on pos 3 (40 == y) hit; head 2 on 30 != 40 no
+            [[4, 6, 5]],  # step 2: y = 99 matches nothing; pos 6 is a generated token, pos 5 outside needle
+        ]
+    )
+    hits = copy_paste_hits(argmax, generated, prompt_ids, (2, 5))
+    expected = np.array([[[True, False, True]], [[True, True, False]], [[False, False, False]]])
+    np.testing.assert_array_equal(hits, expected)
+    np.testing.assert_allclose(trial_scores(hits, 3), [[2 / 3, 1 / 3, 1 / 3]], rtol=1e-6)
+
+
+def test_copy_paste_needs_the_token_inside_the_span():
+    # Token 30 also occurs outside the needle (position 0): attending there is no copy-paste.
+    hits = copy_paste_hits(np.array([[[0, 2]]]), [30], [30, 1, 30, 2], (2, 3))
+    np.testing.assert_array_equal(hits, [[[False, True]]])
+    with pytest.raises(ValueError, match="needle_span"):
+        copy_paste_hits(np.array([[[0]]]), [1], [1, 2], (1, 5))
+
+
+def test_rouge_gate_discards_failed_trials_and_groups_aggregate_query_heads():
+    # 1 layer, 4 query heads, 2 key-value heads (heads 0-1 read kv 0, heads 2-3 read kv 1).
+    good1 = make_trial([[1.0, 0.0, 0.2, 0.4]], counted=True)
+    good2 = make_trial([[0.5, 0.0, 0.4, 0.0]], counted=True)
+    failed = make_trial([[0.0, 1.0, 1.0, 1.0]], counted=False, recall=0.5)
+    r = retrieval_scores([good1, failed, good2], n_kv_heads=2)
+    assert (r.n_trials, r.n_counted) == (3, 2)
+    np.testing.assert_allclose(r.scores, [[0.75, 0.0, 0.3, 0.2]], rtol=1e-6)
+    np.testing.assert_allclose(r.group_max, [[0.75, 0.3]], rtol=1e-6)
+    np.testing.assert_allclose(r.group_mean, [[0.375, 0.25]], rtol=1e-6)
+    assert r.share_above(0.1) == 0.75
+    none = retrieval_scores([failed], n_kv_heads=2)
+    assert none.n_counted == 0 and np.isnan(none.scores).all()
+    with pytest.raises(InputError):
+        retrieval_scores([], n_kv_heads=2)
+
+
+# -- decoding on a tiny random model -----------------------------------------------------------
+
+
+def test_greedy_decode_matches_generate_and_full_forward_rows(tiny, prompt):
+    d = greedy_decode(tiny, prompt.token_ids, max_new_tokens=6)
+    ids = torch.tensor([prompt.token_ids])
+    with torch.inference_mode():
+        ref = tiny.hf_model.generate(
+            ids, max_new_tokens=6, do_sample=False, eos_token_id=sorted(stop_ids(tiny))
+        )
+    assert d.generated == ref[0, len(prompt.token_ids) :].tolist()
+    # The kept row t is the attention row of the query that produced token t: compare with the
+    # patterns of one full forward pass over prompt + generated tokens.
+    full = torch.tensor([prompt.token_ids + d.generated])
+    with torch.inference_mode():
+        _, cache = tiny.bridge.run_with_cache(full, names_filter=lambda n: n.endswith("hook_pattern"))
+    n = len(prompt.token_ids)
+    for layer in range(tiny.n_layers):
+        rows = cache[f"blocks.{layer}.attn.hook_pattern"][0, :, n - 1 : n - 1 + len(d.generated), :]
+        w, j = rows.max(-1)  # [head, step]
+        np.testing.assert_array_equal(d.argmax_keys[:, layer, :], j.T.numpy())
+        np.testing.assert_allclose(d.argmax_weight[:, layer, :], w.T.numpy(), atol=1e-5)
+
+
+def test_forced_needle_head_scores_one_and_elsewhere_head_scores_zero(tiny, prompt):
+    start, end = prompt.needle_span
+    copy = prompt.token_ids[start:end]
+    with tiny.bridge.hooks(fwd_hooks=forcing_hooks(tiny, prompt, copy)):
+        trial = run_trial(tiny, prompt, max_new_tokens=end - start + 4)
+    assert trial.generated[: end - start] == copy and trial.generated[-1] == tiny.tokenizer.eos_token_id
+    assert trial.response.strip() == NEEDLE.needle
+    assert trial.recall == 1.0 and trial.counted
+    assert trial.scores[0, 0] == pytest.approx(1.0)  # every needle token copied from the needle
+    assert trial.scores[0, 1] == 0.0  # attends to position 0, outside the needle
+    assert {(s, h) for s, layer, h in trial.hits if layer == 0 and h == 0} == {
+        (s, 0) for s in range(end - start)
+    }
+    r = retrieval_scores([trial], tiny.n_kv_heads)
+    assert r.group_max[0, 0] == pytest.approx(1.0)
+    assert r.group_mean[0, 0] == pytest.approx(0.5)
+
+
+def test_trial_without_the_answer_is_discarded(tiny, prompt):
+    start, end = prompt.needle_span
+    banana = tiny.encode(" banana") * 3
+    with tiny.bridge.hooks(fwd_hooks=forcing_hooks(tiny, prompt, banana)):
+        failed = run_trial(tiny, prompt, max_new_tokens=6)
+    assert failed.response.strip() == "banana banana banana"
+    assert failed.recall == 0.0 and not failed.counted
+    with tiny.bridge.hooks(fwd_hooks=forcing_hooks(tiny, prompt, prompt.token_ids[start:end])):
+        good = run_trial(tiny, prompt, max_new_tokens=end - start + 2)
+    r = retrieval_scores([failed, good], tiny.n_kv_heads)
+    assert r.n_counted == 1
+    np.testing.assert_array_equal(r.scores, good.scores)
+
+
+def test_trials_are_stored_and_reused(tiny, prompt, tmp_path):
+    store = Store(tmp_path)
+    first = run_trial(tiny, prompt, max_new_tokens=4, store=store)
+    again = run_trial(tiny, prompt, max_new_tokens=4, store=store)
+    assert not first.reused and again.reused
+    assert again.generated == first.generated and again.response == first.response
+    np.testing.assert_array_equal(again.scores, first.scores)
+    np.testing.assert_array_equal(again.argmax_keys, first.argmax_keys)
+    assert store.get(first.key).meta["settings"]["needle_span"] == list(prompt.needle_span)
+
+
+def test_sweep_grid_progress_cancel_and_resume(tiny, tmp_path):
+    store = Store(tmp_path)
+    needles = [NEEDLE, load_needles()[0]]
+    hay = load_haystack("prose")
+    seen = []
+    stop = threading.Event()
+
+    def progress(f):
+        seen.append(f)
+        if f >= 0.5:  # two of four trials finished
+            stop.set()
+
+    part = sweep(
+        tiny, needles, [160], [0, 100], hay, store=store, max_new_tokens=3, progress=progress, cancel=stop
+    )
+    assert part.cancelled and len(part.trials) == 2
+    assert not np.isnan(part.accuracy[0, 0]) and np.isnan(part.accuracy[0, 1])
+    assert seen == sorted(seen) and seen[-1] == 0.5
+    full = sweep(tiny, needles, [160], [0, 100], hay, store=store, max_new_tokens=3)
+    assert not full.cancelled and len(full.trials) == 4
+    assert [t.reused for t in full.trials] == [True, True, False, False]
+    assert full.accuracy.shape == (1, 2) and full.scores.shape == (2, 4) and full.group_max.shape == (2, 2)
+    assert store.get(full.key).meta["trial_keys"] == [t.key for t in full.trials]
+    loaded = load_sweep(store, full.key)
+    np.testing.assert_array_equal(loaded.accuracy, full.accuracy)
+    np.testing.assert_allclose(loaded.scores, full.scores, rtol=1e-6)
+    assert [t.response for t in loaded.trials] == [t.response for t in full.trials]
+
+
+def test_sweep_validates_every_prompt_before_decoding(tiny):
+    hay = load_haystack("prose")
+    with pytest.raises(InputError, match="depth"):
+        sweep(tiny, [NEEDLE], [160], [50, 120], hay)
+    with pytest.raises(InputError, match="context"):
+        sweep(tiny, [NEEDLE], [160, 5000], [50], hay)
+    with pytest.raises(InputError, match="needle"):
+        sweep(tiny, [], [160], [50], hay)
+
+
+# -- the embedded model ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: decoding is a long run of tiny matmuls, and on a shared 2-core machine two
+    OpenMP threads thrash (measured: this sweep took 314 s with 2 threads under load, 26 s with 1)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.integration
+def test_small_sweep_finds_few_retrieval_heads(one_thread):
+    """Wu et al. 2024 find retrieval heads (score > 0.1) to be under 5% of heads. On SmolLM2-135M a
+    small sweep answers most needles and a few heads (about 3%) pass 0.1."""
+    from analysis.models import load_model
+
+    model = load_model("smollm2-135m")
+    by_id = {n.id: n for n in load_needles()}
+    needles = [by_id[k] for k in ("locker-code", "chess-club", "tram-depot")]
+    result = sweep(model, needles, [256], [25, 75], load_haystack("prose"), max_new_tokens=24)
+    assert result.n_trials == 6
+    assert result.n_counted >= 4, [(t.response, t.recall) for t in result.trials]
+    scores = np.nan_to_num(result.scores)
+    assert scores.max() > 0.1
+    assert result.share_above(0.1) < 0.10
+    # GQA tables agree with the per-query-head table
+    np.testing.assert_allclose(result.group_max, scores.reshape(30, 3, 3).max(-1))
