@@ -143,6 +143,70 @@ def cmd_figure(args) -> int:
     return 0
 
 
+def cmd_scan(args) -> int:
+    """Needle-in-a-haystack sweep → retrieval score tables and figures (re-running reuses trials)."""
+    import json
+
+    import numpy as np
+
+    from analysis.models import load_model
+    from analysis.niah import load_haystack, load_needles
+    from analysis.retrieval import sweep
+    from app.context import AppContext, set_context
+    from app.export import write_files
+    from app.heads_views import sweep_run
+
+    store = _store(args)
+    set_context(AppContext(store=store, default_model=args.model))
+    try:
+        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+        depths = [float(x) for x in args.depths.split(",") if x.strip()]
+    except ValueError:
+        print("headscope scan: --lengths and --depths take numbers separated by commas", file=sys.stderr)
+        return EXIT_USER_ERROR
+    needles = load_needles(args.needles_file) if args.needles_file else load_needles()
+    if args.needles:
+        wanted = [n.strip() for n in args.needles.split(",") if n.strip()]
+        known = {n.id: n for n in needles}
+        unknown = [w for w in wanted if w not in known]
+        if unknown:
+            print(f"headscope scan: unknown needle ids {unknown}; known: {', '.join(known)}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        needles = [known[w] for w in wanted]
+    with progress_bar("loading model") as bar:
+        model = load_model(args.model)
+        bar(1.0)
+    with progress_bar(f"sweep ({len(needles)} needles × {len(lengths)} lengths × {len(depths)} depths)") as bar:
+        result = sweep(model, needles, lengths, depths, load_haystack(args.haystack), store=store, progress=bar)
+    if not result.trials:
+        print("headscope scan: no trial finished", file=sys.stderr)
+        return 1
+    out = Path(args.out) if args.out else store.root / "exports" / f"scan-{result.key[:12]}"
+    out.mkdir(parents=True, exist_ok=True)
+    tables = {"scores": result.scores, "group_max": result.group_max, "group_mean": result.group_mean}
+    for name, table in tables.items():
+        np.savetxt(out / f"retrieval_{name}.csv", table, delimiter=",", fmt="%.6f")
+    summary = {
+        "sweep": result.key, "model": model.name, "model_digest": model.digest,
+        "lengths": lengths, "depths": depths, "needles": [n.id for n in needles],
+        "n_trials": result.n_trials, "n_counted": result.n_counted,
+        "share_above_0.1": result.share_above(0.1),
+        "accuracy": np.where(np.isfinite(result.accuracy), result.accuracy, None).tolist(),
+        "reused_trials": sum(t.reused for t in result.trials),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    run = sweep_run(result)
+    params = {"sweep": result.key[:16], "agg": "query", "versus": "streaming"}
+    formats = tuple(args.formats.split(",")) if args.formats else ("svg", "html")
+    for view in ("retrieval_grid", "retrieval_histogram", "retrieval_scatter", "niah_grid"):
+        write_files(run, view, params, out, formats)
+    print(f"sweep {result.key}")
+    print(f"{result.n_counted}/{result.n_trials} trials answered ({summary['reused_trials']} reused); "
+          f"{result.share_above(0.1):.1%} of heads score above 0.1")
+    print(f"results in {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from analysis.models import DEFAULT_MODEL
 
@@ -163,6 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out")
     p.add_argument("--formats", default="", help="figure formats to write, e.g. svg,png,html")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("scan", help="needle-in-a-haystack sweep: retrieval scores per head")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--lengths", default="512", help="context lengths in tokens, e.g. 512,1024")
+    p.add_argument("--depths", default="10,50,90", help="needle depths in percent, e.g. 0,50,100")
+    p.add_argument("--needles", default="", help="needle ids (default: all shipped needles)")
+    p.add_argument("--needles-file", help="a JSON file of needles (fields: needle, question, answer)")
+    p.add_argument("--haystack", default="prose", help="prose, passkey, or a UTF-8 text file")
+    p.add_argument("--out")
+    p.add_argument("--formats", default="svg,html")
+    p.set_defaults(func=cmd_scan)
 
     p = sub.add_parser("models", help="list what can be loaded offline")
     p.set_defaults(func=cmd_models)

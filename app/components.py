@@ -129,13 +129,27 @@ def view_params(view: str, state: PageState, query: int | None = None) -> dict[s
         return {**relevance, "method": view.split(":", 1)[1]}
     if view == "faithfulness_input":
         return relevance
+    if view in ("retrieval_grid", "retrieval_histogram", "retrieval_scatter", "niah_grid", "trial_steps"):
+        return {"sweep": state.sweep, "agg": state.agg, "layer": state.layer, "head": state.head,
+                "versus": "streaming", "trial": state.trial or 0}
+    if view in ("qk_scatter", "qk_spectrum"):
+        from app.qk_views import qk_params
+
+        return qk_params(state)
     if view == "faithfulness_set":
         return {"fusion": state.fusion, "drop_sink": state.drop_sink, "_compute": False}
     raise PreventUpdate
 
 
-def register_export(prefix: str) -> None:
-    """One callback per page: any export button → a zip of figure, data and manifest."""
+def _stored_run(state: PageState):
+    return get_context().run(state.run) if state.run else None
+
+
+def register_export(prefix: str, run_of: Any = _stored_run) -> None:
+    """One callback per page: any export button → a zip of figure, data and manifest.
+
+    ``run_of(state)`` gives the run the page's figures are drawn from (default: the URL's run).
+    """
 
     @callback(
         Output(ids.DOWNLOAD, "data", allow_duplicate=True),
@@ -151,9 +165,9 @@ def register_export(prefix: str) -> None:
         if not trigger or not any(clicks):
             raise PreventUpdate
         state = parse(search)
-        run = get_context().run(state.run) if state.run else None
-        if run is None:
-            return no_update, "Run a text before exporting: there is no figure yet."
+        run = run_of(state)
+        if run is None and not trigger["view"].startswith("qk_"):
+            return no_update, "Nothing to export yet: run something first."
         view = trigger["view"]
         params = view_params(view, state, query)
         name, data = bundle(run, view.split(":", 1)[0], params, trigger["fmt"])

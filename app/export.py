@@ -39,24 +39,34 @@ def headscope_version() -> str:
         return "0+unknown"
 
 
-def manifest(run: Run, view: str, params: dict[str, Any]) -> dict[str, Any]:
+def manifest(run: Run | None, view: str, params: dict[str, Any]) -> dict[str, Any]:
+    """What rebuilds a figure. Views drawn from a probe set rather than a run have no token ids."""
+    if run is None:
+        from analysis.models import load_model
+
+        model = load_model(params["model"])
+        model_info, run_info = {"name": model.name, "digest": model.digest}, {}
+    else:
+        model_info = {"name": run.model_name, "digest": run.model_digest}
+        run_info = {"run_key": run.key, "token_ids": run.token_ids, "tokens": run.tokens, "settings": run.settings}
     return {
         "manifest_version": MANIFEST_VERSION,
         "headscope_version": headscope_version(),
         "view": view,
         "params": params,
-        "model": {"name": run.model_name, "digest": run.model_digest},
-        "run_key": run.key,
-        "token_ids": run.token_ids,
-        "tokens": run.tokens,
-        "settings": run.settings,
+        "model": model_info,
+        "token_ids": [],
+        "settings": {},
+        **run_info,
     }
 
 
 def rows_to_csv(rows: Rows) -> str:
     buf = io.StringIO()
     if rows:
-        writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        # Some views put a few summary rows (e.g. a query's top keys) above their main table.
+        fields = list(dict.fromkeys(k for row in rows for k in row))
+        writer = csv.DictWriter(buf, fieldnames=fields, restval="")
         writer.writeheader()
         writer.writerows(rows)
     return buf.getvalue()
@@ -94,7 +104,7 @@ def figure_bytes(fig: go.Figure, fmt: str) -> bytes:
         return pio.to_image(fig, format=fmt, width=width, height=height, scale=2 if fmt == "png" else 1)
 
 
-def bundle(run: Run, view: str, params: dict[str, Any], fmt: str) -> tuple[str, bytes]:
+def bundle(run: Run | None, view: str, params: dict[str, Any], fmt: str) -> tuple[str, bytes]:
     """A zip with ``<view>.<fmt>`` (for figure formats), ``data.csv``, ``data.json``, ``manifest.json``."""
     if view not in VIEWS:
         raise InputError(f"Unknown view {view!r}.")
@@ -109,11 +119,11 @@ def bundle(run: Run, view: str, params: dict[str, Any], fmt: str) -> tuple[str, 
         z.writestr("data.csv", rows_to_csv(rows))
         z.writestr("data.json", json.dumps(rows))
         z.writestr("manifest.json", json.dumps(man, indent=2))
-    name = f"headscope-{view}-{run.short_id}-{fmt}.zip"
+    name = f"headscope-{view}-{run.short_id if run else man['model']['digest'][:12]}-{fmt}.zip"
     return name, buf.getvalue()
 
 
-def write_files(run: Run, view: str, params: dict[str, Any], out: Path, formats: tuple[str, ...]) -> list[Path]:
+def write_files(run: Run | None, view: str, params: dict[str, Any], out: Path, formats: tuple[str, ...]) -> list[Path]:
     """Write the figure in ``formats`` plus data and manifest into ``out``; return the paths."""
     fig, rows = VIEWS[view].build(run, params)
     out.mkdir(parents=True, exist_ok=True)
@@ -146,7 +156,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return man
 
 
-def regenerate(man: dict[str, Any], store: Store | None = None) -> tuple[Run, go.Figure, Rows]:
+def regenerate(man: dict[str, Any], store: Store | None = None) -> tuple[Run | None, go.Figure, Rows]:
     """Rebuild a manifest's run (from the store when there) and its figure."""
     model = load_model(man["model"]["name"])
     if model.digest != man["model"].get("digest"):
@@ -154,6 +164,9 @@ def regenerate(man: dict[str, Any], store: Store | None = None) -> tuple[Run, go
             f"The model {man['model']['name']!r} here has digest {model.digest[:12]}…, but the manifest "
             f"was made with {str(man['model'].get('digest'))[:12]}…: the weights differ."
         )
+    if not man["token_ids"]:  # a view of a probe set, not of one run
+        fig, rows = VIEWS[man["view"]].build(None, man["params"])
+        return None, fig, rows
     settings = man["settings"]
     run = capture(
         model,

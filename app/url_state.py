@@ -14,7 +14,10 @@ from analysis.head_summary import HEAD_METRICS
 
 _RUN_ID = re.compile(r"^[0-9a-f]{8,64}$")
 _MODEL = re.compile(r"^[\w./~:@+-]{1,256}$")
-_INT_KEYS = ("layer", "head", "query", "target")
+_INT_KEYS = ("layer", "head", "query", "target", "trial", "sentences")
+CHOICES = {"method": ("pca", "umap", "tsne"), "colour": ("position", "kind", "sentence", "norm"),
+           "feature": ("previous_token", "same_token", "category")}
+AGGREGATES = ("query", "group_max", "group_mean")
 FUSIONS = ("mean", "max", "min")
 MAX_INDEX = 1_000_000
 
@@ -30,6 +33,13 @@ class PageState:
     target: int | None = None
     fusion: str = "mean"
     drop_sink: bool = False
+    sweep: str | None = None
+    trial: int | None = None
+    agg: str = "query"
+    method: str = "pca"
+    colour: str = "position"
+    feature: str = "previous_token"
+    sentences: int | None = None
     problems: list[str] = field(default_factory=list)
 
     def to_search(self) -> str:
@@ -40,6 +50,11 @@ class PageState:
                 ("metric", None if self.metric == "entropy" else self.metric), ("query", self.query), ("target", self.target),
                 ("fusion", None if self.fusion == "mean" else self.fusion),
                 ("sink", 1 if self.drop_sink else None),
+                ("method", None if self.method == "pca" else self.method),
+                ("colour", None if self.colour == "position" else self.colour),
+                ("feature", None if self.feature == "previous_token" else self.feature),
+                ("sentences", self.sentences),
+                ("sweep", self.sweep), ("trial", self.trial), ("agg", None if self.agg == "query" else self.agg),
             )
             if v is not None
         }
@@ -86,4 +101,20 @@ def parse(search: str | None) -> PageState:
             state.problems.append(f"Unknown head fusion {first['fusion'][:20]!r}; using mean.")
     if "sink" in first:
         state.drop_sink = first["sink"] in ("1", "true", "yes")
+    for key, allowed in CHOICES.items():
+        if key in first:
+            if first[key] in allowed:
+                setattr(state, key, first[key])
+            else:
+                state.problems.append(f"Unknown {key} {first[key][:20]!r}; choose one of {', '.join(allowed)}.")
+    if "sweep" in first:
+        if _RUN_ID.match(first["sweep"].lower()):
+            state.sweep = first["sweep"].lower()
+        else:
+            state.problems.append(f"The link's sweep id {first['sweep'][:40]!r} is not valid (8–64 hex digits).")
+    if "agg" in first:
+        if first["agg"] in AGGREGATES:
+            state.agg = first["agg"]
+        else:
+            state.problems.append(f"Unknown aggregation {first['agg'][:20]!r}; showing query heads.")
     return state

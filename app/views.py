@@ -287,3 +287,8 @@ VIEWS: dict[str, View] = {
         View("faithfulness_set", "Faithfulness over the built-in set", faithfulness_set_view, ("fusion", "drop_sink")),
     ]
 }
+
+
+# Views of sweeps and of query-key space live beside their pages' code; importing them registers them
+# here, so exports and `headscope figure` find every view.
+from app import heads_views, qk_views  # noqa: E402,F401

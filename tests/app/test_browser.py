@@ -240,3 +240,55 @@ def test_faithfulness_on_input_and_a_cancelled_background_evaluation(server, pag
     page.click("#hs-faith-set-cancel")
     page.wait_for_function("!document.querySelector('#hs-faith-set-button').disabled")
     assert proc.poll() is None
+
+
+def test_heads_page_runs_a_small_sweep_and_opens_a_heads_trials(server, page, tmp_path):
+    url, proc, _ = server
+    page.goto(url + "heads")
+    page.wait_for_selector("#hs-heads-run")
+    for box in page.locator("#hs-heads-needles input").all()[1:]:
+        box.uncheck()
+    page.fill("#hs-heads-lengths", "256")
+    page.fill("#hs-heads-depths", "50")
+    page.click("#hs-heads-run")
+    page.wait_for_function("location.search.includes('sweep=')", timeout=240_000)
+    page.wait_for_selector("#hs-heads-grid .heatmaplayer .hm")
+    assert "1 trials" in page.locator("#hs-heads-info").inner_text() or "/1 trials" in page.locator(
+        "#hs-heads-info").inner_text()
+    top_layer = int(page.locator("#hs-heads-topk td[data-dash-column='layer']").first.inner_text())
+    top_head = int(page.locator("#hs-heads-topk td[data-dash-column='head']").first.inner_text())
+    click_cell(page, "hs-heads-grid", col=top_head, row=top_layer, n_cols=9, n_rows=30)
+    page.wait_for_function(f"location.search.includes('layer={top_layer}') && location.search.includes('head={top_head}')")
+    page.wait_for_selector("#hs-heads-trials td[data-dash-column='response']")
+    wait_title(page, "hs-heads-steps", f"Layer {top_layer}, head {top_head}, trial 0")
+    with page.expect_download() as download:
+        page.click("[data-export='retrieval_grid-csv']")
+    path = tmp_path / "grid.zip"
+    download.value.save_as(path)
+    z = zipfile.ZipFile(path)
+    rows = z.read("data.csv").decode().splitlines()
+    assert rows[0] == "layer,head,retrieval" and len(rows) == 1 + 270
+    assert proc.poll() is None
+
+
+def test_qk_page_embeds_a_head_and_shows_a_querys_keys(server, page, tmp_path):
+    url, proc, _ = server
+    page.goto(url + "qk?layer=16&head=0&sentences=20&query=5")
+    page.wait_for_function("(document.querySelector('#hs-qk-status')?.innerText || '') === 'ready'", timeout=240_000)
+    wait_title(page, "hs-qk-scatter", "Layer 16, head 0: joint query-key embedding (PCA")
+    wait_title(page, "hs-qk-spectrum", "Contrastive covariance")
+    hits = page.locator("#hs-qk-hits li").all_inner_texts()
+    assert 1 <= len(hits) <= 5 and all("attention" in h for h in hits)
+    with page.expect_download() as download:
+        page.click("[data-export='qk_scatter-json']")
+    path = tmp_path / "qk.zip"
+    download.value.save_as(path)
+    z = zipfile.ZipFile(path)
+    manifest = json.loads(z.read("manifest.json"))
+    assert manifest["view"] == "qk_scatter" and manifest["params"]["layer"] == 16
+    rows = json.loads(z.read("data.json"))
+    assert rows[0]["query"] == 5 and {"x", "y"} <= set(rows[-1])
+
+    page.goto(url + "qk?layer=99&head=0")
+    assert "out of range" in error_text(page).lower() or "layer" in error_text(page).lower()
+    assert proc.poll() is None

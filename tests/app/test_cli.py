@@ -61,3 +61,19 @@ def test_user_errors_are_messages_not_tracebacks(tmp_path, args, message):
 def test_models_lists_the_embedded_model(tmp_path):
     r = headscope("models", home=tmp_path / "home")
     assert r.returncode == 0 and "smollm2-135m" in r.stdout and "ready" in r.stdout
+
+
+def test_scan_writes_tables_and_figures_and_reuses_trials(tmp_path):
+    home = tmp_path / "home"
+    args = ("scan", "--lengths", "256", "--depths", "50", "--needles", "locker-code", "--formats", "svg")
+    first = headscope(*args, "--out", str(tmp_path / "a"), home=home)
+    assert first.returncode == 0, first.stderr
+    assert "1 trials answered (0 reused)" in first.stdout or "0/1 trials answered (0 reused)" in first.stdout
+    scores = (tmp_path / "a" / "retrieval_scores.csv").read_text().splitlines()
+    assert len(scores) == 30 and all(len(line.split(",")) == 9 for line in scores)
+    assert (tmp_path / "a" / "retrieval_grid.svg").exists() and (tmp_path / "a" / "niah_grid.svg").exists()
+    again = headscope(*args, "--out", str(tmp_path / "b"), home=home)
+    assert "(1 reused)" in again.stdout
+    assert (tmp_path / "b" / "retrieval_scores.csv").read_text() == (tmp_path / "a" / "retrieval_scores.csv").read_text()
+    bad = headscope("scan", "--depths", "150", "--needles", "locker-code", home=home)
+    assert bad.returncode == 2 and "depth" in bad.stderr.lower() and "Traceback" not in bad.stderr

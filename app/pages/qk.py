@@ -1,0 +1,142 @@
+"""Page "QK space": one head's queries and keys pooled over a probe set (AttentionViz), a clicked
+query's attention, and the contrastive-covariance spectrum of a labelled feature (Lee et al. 2026)."""
+
+from __future__ import annotations
+
+import dash
+from dash import Input, Output, State, callback, dcc, html, no_update
+
+from app import ids
+from app.components import (
+    GRAPH_CONFIG,
+    empty_figure,
+    export_bar,
+    page_location,
+    query_store_id,
+    register_export,
+    url_id,
+)
+from app.errors import message
+from app.jobs import in_job, progress_reporter
+from app.qk_views import COLOUR_BY, DEFAULT_SENTENCES, MAX_SENTENCES, METHODS, qk_params
+from app.url_state import parse
+from app.views import VIEWS
+
+dash.register_page(__name__, path="/qk", name="QK space", title="headscope — query-key space", order=3)
+
+PREFIX = "qk"
+EMPTY = empty_figure("Pick a layer and head, then Show.")
+
+
+def layout(**_query) -> html.Div:
+    return html.Div(
+        [
+            page_location(PREFIX),
+            dcc.Store(id=query_store_id(PREFIX)),
+            html.Div(
+                [
+                    html.Label("Layer", htmlFor=ids.QK_LAYER),
+                    dcc.Input(id=ids.QK_LAYER, type="number", min=0, step=1, value=16, className="hs-number"),
+                    html.Label("Head", htmlFor=ids.QK_HEAD),
+                    dcc.Input(id=ids.QK_HEAD, type="number", min=0, step=1, value=0, className="hs-number"),
+                    html.Label("Probe sentences", htmlFor=ids.QK_SENTENCES),
+                    dcc.Input(id=ids.QK_SENTENCES, type="number", min=1, max=MAX_SENTENCES, step=1,
+                              value=DEFAULT_SENTENCES, className="hs-number"),
+                    html.Label("Projection", htmlFor=ids.QK_METHOD),
+                    dcc.Dropdown(id=ids.QK_METHOD, options=[{"label": v, "value": k} for k, v in METHODS.items()],
+                                 value="pca", clearable=False, className="hs-small-dropdown"),
+                    html.Label("Colour", htmlFor=ids.QK_COLOUR),
+                    dcc.Dropdown(id=ids.QK_COLOUR, options=list(COLOUR_BY), value="position", clearable=False,
+                                 className="hs-small-dropdown"),
+                    html.Label("Feature", htmlFor=ids.QK_FEATURE),
+                    dcc.Dropdown(id=ids.QK_FEATURE, options=["previous_token", "same_token", "category"],
+                                 value="previous_token", clearable=False, className="hs-small-dropdown"),
+                    html.Button("Show", id=ids.QK_SHOW, n_clicks=0, className="hs-run"),
+                    html.Progress(id=ids.QK_PROGRESS, value="0", max="100", className="hs-progress"),
+                    html.Span(id=ids.QK_STATUS, className="hs-hint"),
+                ],
+                className="hs-options",
+            ),
+            html.P("Queries are circles, keys diamonds; keys are translated to the queries' centroid and both "
+                   "rescaled (attention unchanged). Click a query to draw its top-5 keys in its own sentence. "
+                   "UMAP and t-SNE run as background jobs and are stored.", className="hs-hint"),
+            html.Div([dcc.Graph(id=ids.QK_SCATTER, figure=EMPTY, config=GRAPH_CONFIG), html.Div(id=ids.QK_HITS),
+                      export_bar(PREFIX, "qk_scatter")], className="hs-panel"),
+            html.Div([dcc.Graph(id=ids.QK_SPECTRUM, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, "qk_spectrum")],
+                     className="hs-panel"),
+        ]
+    )
+
+
+register_export(PREFIX, lambda state: None)
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Input(ids.QK_SHOW, "n_clicks"),
+    State(ids.QK_LAYER, "value"), State(ids.QK_HEAD, "value"), State(ids.QK_SENTENCES, "value"),
+    State(ids.QK_METHOD, "value"), State(ids.QK_COLOUR, "value"), State(ids.QK_FEATURE, "value"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+def show(n_clicks, layer, head, sentences, method, colour, feature, search):
+    if not n_clicks:
+        return no_update
+    state = parse(search)
+    state.layer, state.head = int(layer or 0), int(head or 0)
+    state.sentences = int(sentences or DEFAULT_SENTENCES)
+    state.method, state.colour, state.feature, state.query = method, colour, feature, None
+    return state.to_search()
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Input(ids.QK_SCATTER, "clickData"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+def pick_query(click, search):
+    if not click or not click.get("points"):
+        return no_update
+    point = click["points"][0]
+    if point.get("curveNumber") != 0:  # queries are the first trace
+        return no_update
+    state = parse(search)
+    state.query = int(point["customdata"][0])
+    return state.to_search()
+
+
+@callback(
+    Output(ids.QK_SCATTER, "figure"),
+    Output(ids.QK_SPECTRUM, "figure"),
+    Output(ids.QK_HITS, "children"),
+    Output(ids.QK_STATUS, "children"),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Input(url_id(PREFIX), "search"),
+    background=True,
+    progress=[Output(ids.QK_PROGRESS, "value"), Output(ids.QK_PROGRESS, "max"), Output(ids.QK_STATUS, "children")],
+    running=[(Output(ids.QK_SHOW, "disabled"), True, False)],
+    prevent_initial_call="initial_duplicate",
+)
+def render(set_progress, search):
+    in_job()
+    state = parse(search)
+    problems = list(state.problems)
+    if state.layer is None or state.head is None:
+        return EMPTY, EMPTY, "", "", message(problems)
+    params = qk_params(state)
+    try:
+        scatter, rows = VIEWS["qk_scatter"].build(None, {**params, "_progress": progress_reporter(set_progress,
+                                                                                                  state.method)})
+    except ValueError as e:
+        return EMPTY, EMPTY, "", "", message([*problems, str(e)])
+    try:
+        spectrum, _ = VIEWS["qk_spectrum"].build(None, params)
+    except ValueError as e:
+        spectrum = empty_figure(str(e))
+    hits = ""
+    if state.query is not None:
+        top = [r for r in rows if "key_token" in r]
+        hits = html.Ul([html.Li(f"key {r['key']} {r['key_token']!r}: attention {r['weight']:.3f}, "
+                                f"distance {r['distance']:.2f}") for r in top], className="hs-hits")
+    return scatter, spectrum, hits, "ready", message(problems)
