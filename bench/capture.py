@@ -23,7 +23,9 @@ import json, os, resource, statistics, sys, time
 import torch
 from analysis.models import load_model
 from analysis.capture import capture
-mode, n, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+mode, n, repeats, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+if threads:
+    torch.set_num_threads(threads)
 torch.manual_seed(0)
 m = load_model("smollm2-135m")
 ids = torch.randint(100, 40000, (n,)).tolist()
@@ -46,9 +48,9 @@ print(json.dumps({"time": statistics.median(times), "peak_mb": rss_mb() - base})
 """
 
 
-def measure(mode: str, n: int, repeats: int) -> dict:
+def measure(mode: str, n: int, repeats: int, threads: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    out = subprocess.run([sys.executable, "-c", CASE, mode, str(n), str(repeats)], env=env, cwd=ROOT,
+    out = subprocess.run([sys.executable, "-c", CASE, mode, str(n), str(repeats), str(threads)], env=env, cwd=ROOT,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -57,13 +59,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sizes", default="128,512,1024")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (0: torch's default); 1 gives steadier ratios on a busy machine")
     args = parser.parse_args()
     print(f"{'tokens':>6} | {'bare s':>7} | {'capture s':>9} | {'time ×':>6} | {'bare peak MB':>12} | "
           f"{'capture peak MB':>15}")
     print("-" * 72)
     for n in map(int, args.sizes.split(",")):
-        bare = measure("bare", n, args.repeats)
-        cap = measure("capture", n, args.repeats)
+        bare = measure("bare", n, args.repeats, args.threads)
+        cap = measure("capture", n, args.repeats, args.threads)
         print(f"{n:>6} | {bare['time']:>7.3f} | {cap['time']:>9.3f} | {cap['time'] / bare['time']:>6.2f} | "
               f"{bare['peak_mb']:>12.0f} | {cap['peak_mb']:>15.0f}", flush=True)
     print("\npeak MB = growth of peak RSS over the loaded model; capture keeps patterns as float16 "
