@@ -1,0 +1,346 @@
+"""GPU check for the Triton attention kernels: parity with the torch kernel, then timings.
+
+Run through ``bench/gpu_check.sh`` on a CUDA machine (written for an H100/H200, under 8 minutes):
+
+1. parity: Triton vs the torch kernel (both on CUDA tensors) for every statistic, on shapes that
+   cover GQA, causal and not, decode rows (n_q < n_k), odd lengths, fp32 / fp16 / bf16, pooled
+   blocks that nest with the tiles and ones that do not;
+2. timing: the Triton kernel against ``scaled_dot_product_attention`` (flash backend) at
+   4k / 16k / 32k / 64k tokens, 32 heads, d_head 128, bf16, causal, for each statistic;
+3. if time is left, a small sweep of tile shapes at 16k tokens.
+
+Every case is guarded: a failure prints one line and the table goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import triton_attention as ta  # noqa: E402
+from kernels.attention import (  # noqa: E402
+    ARGMAX,
+    ARGMAX_PROB,
+    COL_SUM,
+    ENTROPY,
+    LSE,
+    POOLED,
+    RECENT_MASS,
+    ROWS,
+    SINK_MASS,
+    SPAN_MASS,
+    STATISTICS,
+    TOPK_INDEX,
+    TOPK_PROB,
+    attention,
+)
+
+T0 = time.time()
+DEVICE = "cuda"  # "cpu" with --dry-run (TRITON_INTERPRET=1, tiny shapes): checks this script itself
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def elapsed() -> float:
+    return time.time() - T0
+
+
+def log(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def short_error(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text[:300]
+
+
+# --- 1. parity --------------------------------------------------------------------------------------
+
+# name: (batch, n_heads, n_kv_heads, n_q, n_k, d, dtype, causal, pooled block)
+PARITY = {
+    "gqa 8/2 causal 1000 fp32": (2, 8, 2, 1000, 1000, 64, torch.float32, True, 64),
+    "gqa 32/8 causal 4096 bf16": (1, 32, 8, 4096, 4096, 128, torch.bfloat16, True, 64),
+    "mha causal 777 fp16 odd": (1, 4, 4, 777, 777, 128, torch.float16, True, 48),
+    "bidirectional 513x1031 bf16": (2, 6, 3, 513, 1031, 64, torch.bfloat16, False, 32),
+    "decode 1 row of 8192 bf16": (1, 32, 8, 1, 8192, 128, torch.bfloat16, True, 128),
+    "decode 37 rows of 5000 bf16": (1, 12, 4, 37, 5000, 128, torch.bfloat16, True, 16),
+    "one token fp32": (1, 4, 2, 1, 1, 64, torch.float32, True, 1),
+    "d_head 80 causal 300 bf16": (1, 4, 1, 300, 300, 80, torch.bfloat16, True, 100),
+}
+
+
+def parity_case(b, h, h_kv, n_q, n_k, d, dtype, causal, block) -> tuple[bool, str]:
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(b, h, n_q, d, device=DEVICE, dtype=dtype, generator=g)
+    k = torch.randn(b, h_kv, n_k, d, device=DEVICE, dtype=dtype, generator=g)
+    v = torch.randn(b, h_kv, n_k, d, device=DEVICE, dtype=dtype, generator=g)
+    kw = dict(causal=causal, stats=STATISTICS, spans=[(0, min(4, n_k)), (n_k // 2, n_k)], sink_size=4,
+              window=min(256, n_k), block_size=block, rows=[0, n_q - 1, n_q // 2], topk=min(4, n_k))
+    ref = attention(q, k, v, backend="torch", **kw)
+    got = attention(q, k, v, backend="triton", **kw)
+    sync()
+
+    out_tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    checks = {"out": ((got.out.float() - ref.out.float()).abs().max().item(), out_tol)}
+    for name in (LSE, ENTROPY):
+        checks[name] = ((got[name] - ref[name]).abs().max().item(), 2e-3)
+    for name in (SPAN_MASS, SINK_MASS, RECENT_MASS, POOLED, ROWS, ARGMAX_PROB):
+        checks[name] = ((got[name] - ref[name]).abs().max().item(), 1e-4)
+    col_rel = ((got[COL_SUM] - ref[COL_SUM]).abs() / ref[COL_SUM].abs().clamp(min=1)).max().item()
+    checks["col_sum (rel)"] = (col_rel, 1e-4)
+    # argmax: an index may differ only where two keys are within rounding of each other, so
+    # compare the reference probability of the key Triton chose with the reference maximum
+    same = got[ARGMAX] == ref[ARGMAX]
+    gap = 0.0
+    if not same.all():
+        k_chosen = k.repeat_interleave(h // h_kv, 1).float().gather(
+            2, got[ARGMAX].unsqueeze(-1).expand(-1, -1, -1, d)
+        )
+        s_chosen = (q.float() * k_chosen).sum(-1) * d**-0.5
+        gap = (ref[ARGMAX_PROB] - torch.exp(s_chosen - ref[LSE])).abs().max().item()
+    checks["argmax (prob gap)"] = (gap, 1e-3)
+    if TOPK_PROB in ref.stats:
+        checks["topk_prob"] = ((got[TOPK_PROB] - ref[TOPK_PROB]).abs().max().item(), 1e-3)
+    if b * h * n_q * n_k <= 64 * 2**20:
+        # the reference itself against plain eager attention (full matrix, float32), so that a
+        # failure says which side is wrong
+        kr, vr = (t.repeat_interleave(h // h_kv, 1).float() for t in (k, v))
+        scores = q.float() @ kr.transpose(-1, -2) * d**-0.5
+        if causal:
+            pos = torch.arange(n_q, device=DEVICE) + (n_k - n_q)
+            scores = scores.masked_fill(torch.arange(n_k, device=DEVICE) > pos[:, None], float("-inf"))
+        eager_out = torch.softmax(scores, -1) @ vr
+        checks["torch vs eager: lse"] = ((ref[LSE] - torch.logsumexp(scores, -1)).abs().max().item(), 1e-3)
+        checks["torch vs eager: out"] = ((ref.out.float() - eager_out).abs().max().item(), out_tol)
+        del scores, kr, vr
+    finite = all(torch.isfinite(t.float()).all().item() for t in got.stats.values() if t.is_floating_point())
+    ok = finite and all(val <= tol for val, tol in checks.values())
+    detail = ", ".join(f"{name} {val:.1e}" + ("" if val <= tol else " (!)") for name, (val, tol) in checks.items())
+    if not finite:
+        detail += ", NON-FINITE statistic"
+    detail += f", argmax agree {same.float().mean().item():.4f}"
+    if TOPK_INDEX in ref.stats:
+        detail += f", topk agree {(got[TOPK_INDEX] == ref[TOPK_INDEX]).float().mean().item():.4f}"
+    return ok, detail
+
+
+def run_parity() -> int:
+    log("== parity: Triton vs torch kernel on CUDA tensors ==")
+    failures = 0
+    for name, case in PARITY.items():
+        t = time.time()
+        try:
+            ok, detail = parity_case(*case)
+        except Exception as exc:  # keep going: one failure must not lose the rest
+            ok, detail = False, "ERROR " + short_error(exc)
+            traceback.print_exc(limit=3)
+        failures += not ok
+        log(f"{'PASS' if ok else 'FAIL'}  {name:32s} {time.time() - t:5.1f}s  {detail}")
+        empty_cache()
+    log(f"parity: {len(PARITY) - failures}/{len(PARITY)} passed\n")
+    return failures
+
+
+# --- 2. timing --------------------------------------------------------------------------------------
+
+
+def bench_ms(fn) -> float:
+    if DEVICE != "cuda":
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def memory_mark() -> int:
+    if DEVICE != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def memory_peak_mb(before: int) -> float:
+    if DEVICE != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def empty_cache() -> None:
+    if DEVICE == "cuda":
+        empty_cache()
+
+
+def stat_cases(n: int) -> dict:
+    spans = [(0, 4), (n // 2, min(n, n // 2 + 64))]
+    return {
+        "output only": dict(stats=()),
+        "lse": dict(stats=(LSE,)),
+        "argmax": dict(stats=(ARGMAX,)),
+        "argmax top-4": dict(stats=(ARGMAX,), topk=4),
+        "span_mass (2 spans)": dict(stats=(SPAN_MASS,), spans=spans),
+        "recent_mass (W=256)": dict(stats=(RECENT_MASS,), window=256),
+        "sink_mass (S=4)": dict(stats=(SINK_MASS,), sink_size=4),
+        "entropy": dict(stats=(ENTROPY,)),
+        "col_sum": dict(stats=(COL_SUM,)),
+        "pooled (B=64)": dict(stats=(POOLED,), block_size=64),
+        "rows (4)": dict(stats=(ROWS,), rows=[0, n // 3, n // 2, n - 1]),
+        "all statistics": dict(stats=STATISTICS, spans=spans, window=256, block_size=64,
+                               rows=[0, n // 3, n // 2, n - 1]),
+    }
+
+
+def run_timing(sizes: list[int], heads: int, d: int, budget_s: float) -> None:
+    log(f"== timing: {heads} heads, d_head {d}, bf16, causal; ratio = time / SDPA flash (same size) ==")
+    log(f"{'case':30s} {'tokens':>7s} {'ms':>9s} {'× sdpa':>7s} {'extra MB':>9s}")
+    for n in sizes:
+        if elapsed() > budget_s:
+            log(f"(stopping timings at {n} tokens: time budget)")
+            break
+        try:
+            time_size(n, heads, d, budget_s)
+        except Exception as exc:
+            log(f"{'(size)':30s} {n:7d}  ERROR {short_error(exc)}")
+        empty_cache()
+    log("")
+
+
+def time_size(n: int, heads: int, d: int, budget_s: float) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(1, heads, n, d, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, heads, n, d, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, heads, n, d, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    base = None
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            base = bench_ms(lambda: sdpa(q, k, v, is_causal=True))
+        log(f"{'sdpa flash':30s} {n:7d} {base:9.2f} {1.0:7.2f} {'':>9s}")
+    except Exception as exc:
+        log(f"{'sdpa flash':30s} {n:7d}  ERROR {short_error(exc)}")
+    for label, kw in stat_cases(n).items():
+        if elapsed() > budget_s:
+            log(f"(skipping the rest at {n} tokens: time budget)")
+            break
+        try:
+            def fn(kw=kw):
+                return attention(q, k, v, causal=True, backend="triton", **kw)
+
+            fn()
+            before = memory_mark()
+            fn()
+            extra = memory_peak_mb(before)
+            ms = bench_ms(fn)
+            ratio = f"{ms / base:7.2f}" if base else f"{'-':>7s}"
+            log(f"{'triton: ' + label:30s} {n:7d} {ms:9.2f} {ratio} {extra:9.1f}")
+        except Exception as exc:
+            log(f"{'triton: ' + label:30s} {n:7d}  ERROR {short_error(exc)}")
+        empty_cache()
+    # grouped-query attention (4 query heads per kv head) and one decode row
+    label = "triton: gqa 4:1 lse+ent+col"
+    try:
+        n_kv = max(1, heads // 4)
+        kg, vg = k[:, :n_kv].contiguous(), v[:, :n_kv].contiguous()
+        ms = bench_ms(lambda: attention(q, kg, vg, backend="triton", stats=(LSE, ENTROPY, COL_SUM)))
+        try:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                gbase = bench_ms(lambda: sdpa(q, kg, vg, is_causal=True, enable_gqa=True))
+            gratio = f"{ms / gbase:7.2f}"
+        except Exception:  # flash without GQA support: compare with the MHA time
+            gratio = f"{ms / base:7.2f}" if base else f"{'-':>7s}"
+        log(f"{label:30s} {n:7d} {ms:9.2f} {gratio}")
+    except Exception as exc:
+        log(f"{label:30s} {n:7d}  ERROR {short_error(exc)}")
+    label = "triton: decode row argmax+row"
+    try:
+        q1 = q[:, :, -1:].contiguous()
+        ms = bench_ms(lambda: attention(q1, k, v, backend="triton", stats=(ARGMAX, ROWS), rows=[0]))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            dbase = bench_ms(lambda: sdpa(q1, k, v))
+        log(f"{label:30s} {n:7d} {ms:9.2f} {ms / dbase:7.2f}")
+    except Exception as exc:
+        log(f"{label:30s} {n:7d}  ERROR {short_error(exc)}")
+
+
+# --- 3. tile sweep ----------------------------------------------------------------------------------
+
+FWD_CANDIDATES = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3)]
+STATS_CANDIDATES = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (32, 64, 4, 3), (128, 32, 8, 2)]
+
+
+def run_tile_sweep(n: int, heads: int, d: int, budget_s: float) -> None:
+    log(f"== tile sweep at {n} tokens (BLOCK_M, BLOCK_N, warps, stages); defaults: {ta.TILES} ==")
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q, k, v = (torch.randn(1, heads, n, d, device=DEVICE, dtype=torch.bfloat16, generator=g) for _ in range(3))
+    for which, cands, stats in (("fwd", FWD_CANDIDATES, (LSE,)), ("stats", STATS_CANDIDATES, (ENTROPY, COL_SUM))):
+        for tiles in cands:
+            if elapsed() > budget_s:
+                log("(tile sweep stopped: time budget)")
+                ta.TILE_OVERRIDE.clear()
+                return
+            ta.TILE_OVERRIDE.clear()
+            ta.TILE_OVERRIDE[which] = tiles
+            try:
+                ms = bench_ms(lambda stats=stats: attention(q, k, v, backend="triton", stats=stats))
+                log(f"{which:6s} {str(tiles):20s} {ms:9.2f} ms ({'+'.join(stats)})")
+            except Exception as exc:
+                log(f"{which:6s} {str(tiles):20s} ERROR {short_error(exc)}")
+    ta.TILE_OVERRIDE.clear()
+    log("")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--d-head", type=int, default=128)
+    parser.add_argument("--budget-s", type=float, default=420, help="stop starting new cases after this")
+    parser.add_argument("--skip-parity", action="store_true")
+    parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, TRITON_INTERPRET=1, tiny shapes: exercises this script without a GPU")
+    args = parser.parse_args()
+
+    global DEVICE
+    if args.dry_run:
+        DEVICE = "cpu"
+        for name, (_b, h, h_kv, n_q, n_k, d, dtype, causal, block) in list(PARITY.items()):
+            d_small = min(d, 32) if d & (d - 1) == 0 else 24  # keep a non-power-of-two head size
+            PARITY[name] = (1, min(h, 4), min(h_kv, 2), min(n_q, 33), min(n_k, 47), d_small, dtype, causal,
+                            min(block, 8))
+        args.sizes, args.heads, args.d_head = [64], 2, 16
+
+    import triton
+
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        log("no CUDA device: this script needs a GPU (or --dry-run with TRITON_INTERPRET=1)")
+        return 2
+    where = torch.cuda.get_device_name() + f", capability {torch.cuda.get_device_capability()}" \
+        if DEVICE == "cuda" else "CPU dry run (interpreter)"
+    log(f"torch {torch.__version__}, triton {triton.__version__}, {where}")
+    failures = 0 if args.skip_parity else run_parity()
+    run_timing(args.sizes, args.heads, args.d_head, args.budget_s - 60)
+    if not args.skip_sweep:
+        run_tile_sweep(args.sizes[0] if args.dry_run else 16384, args.heads, args.d_head, args.budget_s)
+    log(f"done in {elapsed():.0f} s; parity failures: {failures}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,541 @@
+"""Triton kernels for :func:`kernels.attention.attention` (the ``"triton"`` backend).
+
+Two passes, in the spirit of Triton's fused-attention tutorial (``06-fused-attention.py``):
+
+1. ``_attn_fwd``: online softmax over key tiles; writes the output and the per-row log-sum-exp.
+2. ``_attn_stats``: recomputes the scores tile by tile and, knowing the row's lse, reads each
+   probability exactly once: :math:`A_{ij} = \\exp(s_{ij} - \\text{lse}_i)`. It reduces entropy,
+   argmax, span / sink / recent mass in registers, column sums and pooled block sums with atomics,
+   and stores the chosen rows.
+
+``topk > 1`` adds ``topk - 1`` launches of ``_attn_topk_next``, each finding the next key below
+the previous one in (score, index) order, so no per-row list is ever held.
+
+Grid: ``(ceil(n_q / BLOCK_M), batch · n_heads)``; the program for query head ``h`` reads key-value
+head ``h // group`` directly, so grouped-query attention never repeats K/V. Scores are kept in
+base-2 units (``s · scale · log2 e``) so that ``exp2`` does the exponentials.
+
+The kernels are importable without a GPU. With ``TRITON_INTERPRET=1`` set before ``triton`` is
+first imported they run on CPU tensors (slowly), which is how the tests check them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.attention import (
+    ARGMAX,
+    ARGMAX_PROB,
+    COL_SUM,
+    ENTROPY,
+    LSE,
+    POOLED,
+    RECENT_MASS,
+    ROWS,
+    SINK_MASS,
+    SPAN_MASS,
+    TOPK_INDEX,
+    TOPK_PROB,
+    _Plan,
+    _pool_counts,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_q(Q, b, h, stride_qb, stride_qh, stride_qm, stride_qd, offs_m, offs_d, row_ok,
+            HEAD_D: tl.constexpr, UPCAST: tl.constexpr):
+    ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    if HEAD_D == offs_d.shape[0]:
+        q = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        q = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
+    if UPCAST:  # the interpreter has no bfloat16 matmul
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _key_range(pid_m, N_K, OFFSET, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(free, hi): tiles in [0, free) need no mask; the block sees no key at or after hi."""
+    if CAUSAL:
+        hi = tl.minimum(N_K, OFFSET + (pid_m + 1) * BLOCK_M)
+        # tiles wholly at or before the block's first query position (and inside n_k)
+        free = tl.minimum(((OFFSET + pid_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N, (N_K // BLOCK_N) * BLOCK_N)
+    else:
+        hi = N_K
+        free = (N_K // BLOCK_N) * BLOCK_N
+    return free, hi
+
+
+@triton.jit
+def _score_tile(q, k_base, stride_kn, stride_kd, offs_d, start_n, offs_n, pos, N_K, qk_scale,
+                HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Scores of one key tile in base-2 units (s · scale · log2 e), -inf where masked."""
+    cols = start_n + offs_n
+    if MASKED:
+        k = tl.load(
+            k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+            mask=(cols[None, :] < N_K) & (offs_d[:, None] < HEAD_D), other=0.0,
+        )
+    elif HEAD_D == offs_d.shape[0]:  # interior tile, no padding: a plain load
+        k = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd)
+    else:
+        k = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                    mask=offs_d[:, None] < HEAD_D, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+    s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+    if MASKED:
+        visible = cols[None, :] < N_K
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+               offs_d, offs_dv, offs_n, pos, N_K, qk_scale, lo, hi,
+               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+               BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax over the key tiles in [lo, hi)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        s = _score_tile(q, k_base, stride_kn, stride_kd, offs_d, start_n, offs_n, pos, N_K, qk_scale,
+                        HEAD_D, CAUSAL, MASKED, PRECISION, UPCAST)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        cols = start_n + offs_n
+        v_ptrs = v_base + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+        if MASKED:
+            v = tl.load(v_ptrs, mask=(cols[:, None] < N_K) & (offs_dv[None, :] < HEAD_DV), other=0.0)
+        elif HEAD_DV == offs_dv.shape[0]:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DV, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    qk_scale,  # scale · log2(e)
+    H, GROUP, N_Q, N_K, OFFSET,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Pass 1: output and natural-log lse per row."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP  # grouped-query attention: this query head's key-value head
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < N_Q
+    q = _load_q(Q, b, h, stride_qb, stride_qh, stride_qm, stride_qd, offs_m, offs_d, row_ok, HEAD_D, UPCAST)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    pos = OFFSET + offs_m  # key position of each query row
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    free, hi = _key_range(pid_m, N_K, OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               offs_d, offs_dv, offs_n, pos, N_K, qk_scale, 0, free,
+                               HEAD_D, HEAD_DV, CAUSAL, False, BLOCK_N, PRECISION, UPCAST)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               offs_d, offs_dv, offs_n, pos, N_K, qk_scale, free, hi,
+                               HEAD_D, HEAD_DV, CAUSAL, True, BLOCK_N, PRECISION, UPCAST)
+    acc = acc / l_i[:, None]
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+        acc.to(Out.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DV),
+    )
+    tl.store(Lse + pid_bh * N_Q + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def _stats_tiles(
+    ent, best, best_i, span_acc, recent,
+    q, k_base, stride_kn, stride_kd, offs_d, offs_n, offs_m, pos, pos_lo, pos_hi, lse2, pid_m, pid_bh,
+    N_K, qk_scale, lo, hi,
+    Spans, span_ids, WINDOW, Col, Pool, POOL_B, N_QB, N_KB, slots, any_row, RowsOut, N_ROWS,
+    HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DO_ENT: tl.constexpr, DO_ARG: tl.constexpr, NUM_SPANS: tl.constexpr,
+    DO_RECENT: tl.constexpr, DO_COL: tl.constexpr,
+    POOL_MODE: tl.constexpr, POOL_PM: tl.constexpr, POOL_PN: tl.constexpr,
+    POOL_QBP: tl.constexpr, POOL_KBP: tl.constexpr, DO_ROWS: tl.constexpr,
+):
+    """Pass 2 over the key tiles in [lo, hi): every statistic from A = exp2(s - lse2)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        s = _score_tile(q, k_base, stride_kn, stride_kd, offs_d, start_n, offs_n, pos, N_K, qk_scale,
+                        HEAD_D, CAUSAL, MASKED, PRECISION, UPCAST)
+        p = tl.math.exp2(s - lse2[:, None])  # masked: exp2(-inf) = 0
+        if DO_ENT:
+            ent += tl.sum(p * tl.where(p > 0, s - lse2[:, None], 0.0), 1)  # no 0 · -inf
+        if DO_ARG:
+            tile_best = tl.max(s, 1)
+            tile_i = tl.argmax(s, 1).to(tl.int32) + start_n
+            better = tile_best > best  # strict: the earlier (lower) index wins ties
+            best_i = tl.where(better, tile_i, best_i)
+            best = tl.where(better, tile_best, best)
+        if NUM_SPANS > 0:
+            for si in tl.static_range(NUM_SPANS):
+                a = tl.load(Spans + 2 * si)
+                z = tl.load(Spans + 2 * si + 1)
+                if (start_n < z) & (start_n + BLOCK_N > a):  # only tiles that touch the span
+                    inside = (cols >= a) & (cols < z)
+                    part = tl.sum(tl.where(inside[None, :], p, 0.0), 1)
+                    span_acc += tl.where(span_ids[None, :] == si, part[:, None], 0.0)
+        if DO_RECENT:
+            if (start_n + BLOCK_N > pos_lo - WINDOW + 1) & (start_n <= pos_hi):
+                band = (cols[None, :] <= pos[:, None]) & (cols[None, :] > pos[:, None] - WINDOW)
+                recent += tl.sum(tl.where(band, p, 0.0), 1)
+        if DO_COL:
+            tl.atomic_add(Col + pid_bh * N_K + cols, tl.sum(p, 0), mask=cols < N_K)
+        if POOL_MODE == 1:
+            # tiles and pooled blocks nest (powers of two): sum sub-blocks in registers
+            blk = tl.reshape(p, (POOL_PM, BLOCK_M // POOL_PM, POOL_PN, BLOCK_N // POOL_PN))
+            sums = tl.sum(tl.sum(blk, 3), 1)
+            qb = (pid_m * BLOCK_M + tl.arange(0, POOL_PM) * (BLOCK_M // POOL_PM)) // POOL_B
+            kb = (start_n + tl.arange(0, POOL_PN) * (BLOCK_N // POOL_PN)) // POOL_B
+            tl.atomic_add(
+                Pool + pid_bh * N_QB * N_KB + qb[:, None] * N_KB + kb[None, :], sums,
+                mask=(qb[:, None] < N_QB) & (kb[None, :] < N_KB),
+            )
+        if POOL_MODE == 2:
+            # any block size: one-hot indicator matmuls, blocks_qᵀ · P · blocks_k
+            qb0 = (pid_m * BLOCK_M) // POOL_B
+            kb0 = start_n // POOL_B
+            ind_q = (tl.arange(0, POOL_QBP)[:, None] == (offs_m // POOL_B - qb0)[None, :]).to(tl.float32)
+            ind_k = ((cols // POOL_B - kb0)[:, None] == tl.arange(0, POOL_KBP)[None, :]).to(tl.float32)
+            sums = tl.dot(tl.dot(ind_q, p, input_precision="ieee"), ind_k, input_precision="ieee")
+            qb = qb0 + tl.arange(0, POOL_QBP)
+            kb = kb0 + tl.arange(0, POOL_KBP)
+            tl.atomic_add(
+                Pool + pid_bh * N_QB * N_KB + qb[:, None] * N_KB + kb[None, :], sums,
+                mask=(qb[:, None] < N_QB) & (kb[None, :] < N_KB)
+                & (qb[:, None] * POOL_B < pid_m * BLOCK_M + BLOCK_M)
+                & (kb[None, :] * POOL_B < start_n + BLOCK_N),
+            )
+        if DO_ROWS:
+            if any_row:
+                tl.store(
+                    RowsOut + (pid_bh * N_ROWS + slots[:, None]) * N_K + cols[None, :], p,
+                    mask=(slots[:, None] >= 0) & (cols[None, :] < N_K),
+                )
+    return ent, best, best_i, span_acc, recent
+
+
+@triton.jit
+def _attn_stats(
+    Q, K, Lse,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    qk_scale,
+    H, GROUP, N_Q, N_K, OFFSET,
+    Ent, ArgIdx, ArgVal,
+    Spans, SpanOut,
+    Recent, WINDOW,
+    Col,
+    Pool, POOL_B, N_QB, N_KB,
+    RowSlot, RowsOut, N_ROWS,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    DO_ENT: tl.constexpr, DO_ARG: tl.constexpr, NUM_SPANS: tl.constexpr, SPAN_PAD: tl.constexpr,
+    DO_RECENT: tl.constexpr, DO_COL: tl.constexpr,
+    POOL_MODE: tl.constexpr, POOL_PM: tl.constexpr, POOL_PN: tl.constexpr,
+    POOL_QBP: tl.constexpr, POOL_KBP: tl.constexpr,
+    DO_ROWS: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Pass 2: recompute scores with the known lse and reduce the requested statistics."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < N_Q
+    q = _load_q(Q, b, h, stride_qb, stride_qh, stride_qm, stride_qd, offs_m, offs_d, row_ok, HEAD_D, UPCAST)
+    k_base = K + b * stride_kb + hk * stride_kh
+    # +inf lse on padding rows makes their probabilities exactly 0 everywhere
+    lse2 = tl.load(Lse + pid_bh * N_Q + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
+    pos = OFFSET + offs_m
+    pos_lo = OFFSET + pid_m * BLOCK_M
+    pos_hi = tl.minimum(OFFSET + (pid_m + 1) * BLOCK_M, OFFSET + N_Q) - 1
+
+    ent = tl.zeros([BLOCK_M], tl.float32)
+    best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK_M], tl.int32)
+    span_acc = tl.zeros([BLOCK_M, SPAN_PAD], tl.float32)
+    span_ids = tl.arange(0, SPAN_PAD)
+    recent = tl.zeros([BLOCK_M], tl.float32)
+    if DO_ROWS:
+        slots = tl.load(RowSlot + offs_m, mask=row_ok, other=-1)
+    else:
+        slots = tl.full([BLOCK_M], -1, tl.int32)
+    any_row = tl.max(slots, 0) >= 0
+    free, hi = _key_range(pid_m, N_K, OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
+    ent, best, best_i, span_acc, recent = _stats_tiles(
+        ent, best, best_i, span_acc, recent,
+        q, k_base, stride_kn, stride_kd, offs_d, offs_n, offs_m, pos, pos_lo, pos_hi, lse2, pid_m, pid_bh,
+        N_K, qk_scale, 0, free,
+        Spans, span_ids, WINDOW, Col, Pool, POOL_B, N_QB, N_KB, slots, any_row, RowsOut, N_ROWS,
+        HEAD_D, CAUSAL, False, BLOCK_M, BLOCK_N, PRECISION, UPCAST, DO_ENT, DO_ARG, NUM_SPANS,
+        DO_RECENT, DO_COL, POOL_MODE, POOL_PM, POOL_PN, POOL_QBP, POOL_KBP, DO_ROWS,
+    )
+    ent, best, best_i, span_acc, recent = _stats_tiles(
+        ent, best, best_i, span_acc, recent,
+        q, k_base, stride_kn, stride_kd, offs_d, offs_n, offs_m, pos, pos_lo, pos_hi, lse2, pid_m, pid_bh,
+        N_K, qk_scale, free, hi,
+        Spans, span_ids, WINDOW, Col, Pool, POOL_B, N_QB, N_KB, slots, any_row, RowsOut, N_ROWS,
+        HEAD_D, CAUSAL, True, BLOCK_M, BLOCK_N, PRECISION, UPCAST, DO_ENT, DO_ARG, NUM_SPANS,
+        DO_RECENT, DO_COL, POOL_MODE, POOL_PM, POOL_PN, POOL_QBP, POOL_KBP, DO_ROWS,
+    )
+
+    if DO_ENT:
+        tl.store(Ent + pid_bh * N_Q + offs_m, -ent * 0.6931471805599453, mask=row_ok)
+    if DO_ARG:
+        tl.store(ArgIdx + pid_bh * N_Q + offs_m, best_i, mask=row_ok)
+        tl.store(ArgVal + pid_bh * N_Q + offs_m, best, mask=row_ok)
+    if NUM_SPANS > 0:
+        tl.store(
+            SpanOut + (pid_bh * N_Q + offs_m[:, None]) * NUM_SPANS + span_ids[None, :], span_acc,
+            mask=row_ok[:, None] & (span_ids[None, :] < NUM_SPANS),
+        )
+    if DO_RECENT:
+        tl.store(Recent + pid_bh * N_Q + offs_m, recent, mask=row_ok)
+
+
+@triton.jit
+def _topk_tiles(best, best_i, prev, prev_i, q, k_base, stride_kn, stride_kd, offs_d, offs_n, pos,
+                N_K, qk_scale, lo, hi,
+                HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        s = _score_tile(q, k_base, stride_kn, stride_kd, offs_d, start_n, offs_n, pos, N_K, qk_scale,
+                        HEAD_D, CAUSAL, MASKED, PRECISION, UPCAST)
+        after = (s < prev[:, None]) | ((s == prev[:, None]) & (cols[None, :] > prev_i[:, None]))
+        s = tl.where(after & (s > float("-inf")), s, float("-inf"))
+        tile_best = tl.max(s, 1)
+        tile_i = tl.argmax(s, 1).to(tl.int32) + start_n
+        better = tile_best > best
+        best_i = tl.where(better, tile_i, best_i)
+        best = tl.where(better, tile_best, best)
+    return best, best_i
+
+
+@triton.jit
+def _attn_topk_next(
+    Q, K,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    qk_scale,
+    H, GROUP, N_Q, N_K, OFFSET,
+    PrevVal, PrevIdx, NextVal, NextIdx,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """The best key strictly after (prev score, prev index) in (score desc, index asc) order."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < N_Q
+    q = _load_q(Q, b, h, stride_qb, stride_qh, stride_qm, stride_qd, offs_m, offs_d, row_ok, HEAD_D, UPCAST)
+    k_base = K + b * stride_kb + hk * stride_kh
+    pos = OFFSET + offs_m
+    prev = tl.load(PrevVal + pid_bh * N_Q + offs_m, mask=row_ok, other=float("-inf"))
+    prev_i = tl.load(PrevIdx + pid_bh * N_Q + offs_m, mask=row_ok, other=0)
+    best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK_M], -1, tl.int32)
+    free, hi = _key_range(pid_m, N_K, OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
+    best, best_i = _topk_tiles(best, best_i, prev, prev_i, q, k_base, stride_kn, stride_kd, offs_d, offs_n,
+                               pos, N_K, qk_scale, 0, free, HEAD_D, CAUSAL, False, BLOCK_N, PRECISION, UPCAST)
+    best, best_i = _topk_tiles(best, best_i, prev, prev_i, q, k_base, stride_kn, stride_kd, offs_d, offs_n,
+                               pos, N_K, qk_scale, free, hi, HEAD_D, CAUSAL, True, BLOCK_N, PRECISION, UPCAST)
+    tl.store(NextVal + pid_bh * N_Q + offs_m, best, mask=row_ok)
+    tl.store(NextIdx + pid_bh * N_Q + offs_m, best_i, mask=row_ok)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages) per pass, by largest head size. Chosen so that ptxas
+#: reports no register spills for sm_90 (bf16, every statistic on), not yet timed on a GPU:
+#: bench/gpu_check.py times alternatives through TILE_OVERRIDE.
+TILES = {
+    "fwd": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+    "stats": {64: (64, 64, 4, 3), 128: (64, 64, 8, 3), 256: (32, 32, 4, 2)},
+}
+TILE_OVERRIDE: dict[str, tuple[int, int, int, int]] = {}
+
+
+def _tiles(d: int, which: str) -> tuple[int, int, int, int]:
+    """Tile shape for a head size; small tiles under the interpreter (fast to emulate)."""
+    if _interpreting():
+        return 16, 16, 1, 1
+    if which in TILE_OVERRIDE:
+        return TILE_OVERRIDE[which]
+    table = TILES[which]
+    return next((table[size] for size in sorted(table) if d <= size), table[max(table)])
+
+
+def _pool_config(B: int, block_m: int, block_n: int) -> dict:
+    nests = all((B % t == 0) or (t % B == 0) for t in (block_m, block_n)) and B & (B - 1) == 0
+    if nests:
+        return dict(POOL_MODE=1, POOL_PM=max(block_m // B, 1), POOL_PN=max(block_n // B, 1),
+                    POOL_QBP=1, POOL_KBP=1)
+    qbp = max(16, triton.next_power_of_2(-(-block_m // B) + 1))
+    kbp = max(16, triton.next_power_of_2(-(-block_n // B) + 1))
+    return dict(POOL_MODE=2, POOL_PM=1, POOL_PN=1, POOL_QBP=qbp, POOL_KBP=kbp)
+
+
+def triton_attention(
+    q: Tensor, k: Tensor, v: Tensor, plan: _Plan, block_m: int | None = None, block_n: int | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Run both passes on validated inputs; returns ``(out, stats)`` as the torch backend does.
+
+    ``block_m`` / ``block_n`` override the tile sizes (powers of two, at least 16), for tests.
+    """
+    b, n_heads, n_q, d = q.shape
+    n_kv, n_k, d_v = k.shape[1], k.shape[2], v.shape[3]
+    group = n_heads // n_kv
+    offset = n_k - n_q
+    dev = q.device
+    st = plan.stats
+    upcast = _interpreting() and q.dtype == torch.bfloat16
+    precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
+    qk_scale = plan.scale * LOG2E
+    block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(d_v))
+
+    bm, bn, warps, stages = _tiles(max(d, d_v), "fwd")
+    bm, bn = block_m or bm, block_n or bn
+    out = torch.empty(b, n_heads, n_q, d_v, dtype=q.dtype, device=dev)
+    lse = torch.empty(b, n_heads, n_q, dtype=torch.float32, device=dev)
+    grid = (triton.cdiv(n_q, bm), b * n_heads)
+    common = (*q.stride(), *k.stride())
+    _attn_fwd[grid](
+        q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), qk_scale,
+        n_heads, group, n_q, n_k, offset,
+        HEAD_D=d, HEAD_DV=d_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        CAUSAL=plan.causal, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision, UPCAST=upcast, num_warps=warps, num_stages=stages,
+    )
+    res: dict[str, Tensor] = {}
+    if LSE in st:
+        res[LSE] = lse
+    second = st - {LSE}
+    if not second:
+        return out, res
+
+    bm, bn, warps, stages = _tiles(d, "stats")
+    bm, bn = block_m or bm, block_n or bn
+    grid = (triton.cdiv(n_q, bm), b * n_heads)
+    f32 = dict(dtype=torch.float32, device=dev)
+    dummy = lse
+    ent = torch.empty(b, n_heads, n_q, **f32) if ENTROPY in st else dummy
+    arg_i = torch.empty(b, n_heads, n_q, dtype=torch.int32, device=dev) if ARGMAX in st else dummy
+    arg_v = torch.empty(b, n_heads, n_q, **f32) if ARGMAX in st else dummy
+    span_list = list(plan.spans) + ([(0, plan.sink_size)] if SINK_MASS in st else [])
+    spans_t = torch.tensor(span_list or [(0, 0)], dtype=torch.int32, device=dev)
+    span_out = torch.empty(b, n_heads, n_q, len(span_list), **f32) if span_list else dummy
+    recent = torch.empty(b, n_heads, n_q, **f32) if RECENT_MASS in st else dummy
+    col = torch.zeros(b, n_heads, n_k, **f32) if COL_SUM in st else dummy
+    pool_cfg = dict(POOL_MODE=0, POOL_PM=1, POOL_PN=1, POOL_QBP=1, POOL_KBP=1)
+    B = plan.block_size or 1
+    n_qb, n_kb = -(-n_q // B), -(-n_k // B)
+    if POOLED in st:
+        pool_cfg = _pool_config(B, bm, bn)
+        pool = torch.zeros(b, n_heads, n_qb, n_kb, **f32)
+    else:
+        pool = dummy
+    unique_rows = sorted(set(plan.rows))
+    if ROWS in st:
+        slot = torch.full((n_q,), -1, dtype=torch.int32)
+        slot[unique_rows] = torch.arange(len(unique_rows), dtype=torch.int32)
+        row_slot = slot.to(dev)
+        rows_out = torch.zeros(b, n_heads, len(unique_rows), n_k, **f32)
+    else:
+        row_slot, rows_out = dummy, dummy
+
+    _attn_stats[grid](
+        q, k, lse, *common, qk_scale, n_heads, group, n_q, n_k, offset,
+        ent, arg_i, arg_v, spans_t, span_out, recent, plan.window, col,
+        pool, B, n_qb, n_kb, row_slot, rows_out, len(unique_rows),
+        HEAD_D=d, BLOCK_D=block_d, CAUSAL=plan.causal, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision,
+        DO_ENT=ENTROPY in st, DO_ARG=ARGMAX in st, NUM_SPANS=len(span_list),
+        SPAN_PAD=max(2, triton.next_power_of_2(max(len(span_list), 1))),
+        DO_RECENT=RECENT_MASS in st, DO_COL=COL_SUM in st, DO_ROWS=ROWS in st, UPCAST=upcast, **pool_cfg,
+        num_warps=warps, num_stages=stages,
+    )
+
+    if ENTROPY in st:
+        res[ENTROPY] = ent
+    if ARGMAX in st:
+        res[ARGMAX] = arg_i.long()
+        res[ARGMAX_PROB] = torch.exp2(arg_v - lse * LOG2E)
+        if plan.topk > 1:
+            vals, idxs = [arg_v], [arg_i]
+            for _ in range(plan.topk - 1):
+                nv, ni = torch.empty_like(arg_v), torch.empty_like(arg_i)
+                _attn_topk_next[grid](
+                    q, k, *common, qk_scale, n_heads, group, n_q, n_k, offset,
+                    vals[-1], idxs[-1], nv, ni,
+                    HEAD_D=d, BLOCK_D=block_d, CAUSAL=plan.causal, BLOCK_M=bm, BLOCK_N=bn,
+                    PRECISION=precision, UPCAST=upcast, num_warps=warps, num_stages=stages,
+                )
+                vals.append(nv)
+                idxs.append(ni)
+            top_v = torch.stack(vals, -1)
+            res[TOPK_INDEX] = torch.stack(idxs, -1).long()
+            res[TOPK_PROB] = torch.exp2(top_v - (lse * LOG2E).unsqueeze(-1))  # -inf → 0
+    if SPAN_MASS in st:
+        res[SPAN_MASS] = span_out[..., : len(plan.spans)]
+    if SINK_MASS in st:
+        res[SINK_MASS] = span_out[..., -1]
+    if RECENT_MASS in st:
+        res[RECENT_MASS] = recent
+    if COL_SUM in st:
+        res[COL_SUM] = col
+    if POOLED in st:
+        res[POOLED] = pool / _pool_counts(n_q, n_k, B, dev, torch.float32)
+    if ROWS in st:
+        index = torch.tensor([unique_rows.index(r) for r in plan.rows], dtype=torch.long, device=dev)
+        res[ROWS] = rows_out.index_select(2, index)
+    return out, res
+
