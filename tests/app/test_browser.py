@@ -110,7 +110,9 @@ def test_prompt_grid_heatmap_strip_and_svg_export(server, page, tmp_path):
     wait_title(page, "hs-heatmap", "layer 3, head 5")
     assert "layer=3" in page.url and "head=5" in page.url
 
-    # Hovering a token in the strip shows that token's attention row.
+    # Hovering a token in the strip shows that token's attention row (once the strip shows this head).
+    wait_title(page, "hs-strip", "layer 3, head 5")
+    page.wait_for_load_state("networkidle")
     box = page.locator("#hs-strip .nsewdrag").first.bounding_box()
     page.mouse.move(box["x"] + box["width"] * 2.5 / 16, box["y"] + 5)
     wait_title(page, "hs-strip", "from token 2")
