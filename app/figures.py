@@ -240,13 +240,27 @@ def token_row(weights: np.ndarray, tokens: Sequence[str], highlight: tuple[int, 
 
 
 def faithfulness_bars(labels: Sequence[str], means: Sequence[float], stds: Sequence[float] | None,
-                      title: str) -> go.Figure:
-    """Spearman ρ with ablation importance per attribution method (error bars: std over inputs)."""
+                      title: str, per_input: np.ndarray | None = None,
+                      input_names: Sequence[str] | None = None) -> go.Figure:
+    """Spearman ρ with ablation importance per attribution method (error bars: std over inputs).
+
+    ``per_input`` (``[input, method]``) adds one dot per input and method, so the spread is visible.
+    """
     fig = go.Figure(go.Bar(
         x=list(labels), y=list(means), marker_color=["#2a6fdb" if (m or 0) >= 0 else "#e4572e" for m in means],
         error_y=None if stds is None else {"type": "data", "array": list(stds), "visible": True},
-        hovertemplate="%{x}<br>ρ = %{y:.3f}<extra></extra>",
+        hovertemplate="%{x}<br>mean ρ = %{y:.3f}<extra></extra>", name="mean ρ", opacity=0.75,
     ))
+    if per_input is not None:
+        rho = np.asarray(per_input, dtype=float)
+        names = list(input_names) if input_names is not None else [str(i) for i in range(rho.shape[0])]
+        for k, label in enumerate(labels):
+            fig.add_trace(go.Box(
+                y=rho[:, k], x=[label] * rho.shape[0], boxpoints="all", jitter=0.5, pointpos=0,
+                fillcolor="rgba(0,0,0,0)", line={"color": "rgba(0,0,0,0)"}, marker={"color": "#1f2328", "size": 5},
+                text=[safe_text(n) for n in names], showlegend=False,
+                hovertemplate="%{text}<br>ρ = %{y:.3f}<extra></extra>",
+            ))
     fig.add_hline(y=0, line_color="#888", line_width=1)
     fig.update_yaxes(title="Spearman ρ with ablation", range=[-1, 1])
     return _layout(fig, title, height=340)

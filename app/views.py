@@ -259,7 +259,8 @@ def faithfulness_set_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, 
     means = [float(np.nanmean(rho[:, k])) for k in range(len(METHODS))]
     stds = [float(np.nanstd(rho[:, k], ddof=1)) for k in range(len(METHODS))]
     labels = [LABELS.get(m, m) for m in METHODS]
-    fig = figures.faithfulness_bars(labels, means, stds, f"Faithfulness over the built-in set ({len(ids_)} inputs)")
+    fig = figures.faithfulness_bars(labels, means, stds, f"Faithfulness over the built-in set ({len(ids_)} inputs)",
+                                    per_input=rho, input_names=ids_)
     rows = [{"input": item, "method": m, "spearman": float(rho[i, k])}
             for i, item in enumerate(ids_) for k, m in enumerate(METHODS)]
     return fig, rows
