@@ -98,10 +98,10 @@ def main() -> None:
 
     print(f"single-head zero-ablation sweep, {args.tokens} tokens, loss metric")
     print(
-        f"{'case':<23} | {'heads':>5} | {'wall s':>7} | {'cpu s':>7} | {'wall/head':>9} | {'clean wall':>10} | "
+        f"{'case':<24} | {'heads':>5} | {'wall s':>7} | {'cpu s':>7} | {'wall/head':>9} | {'clean wall':>10} | "
         f"{'head/fwd wall':>13} | {'head/fwd cpu':>12} | {'peak MB':>7} | {'max |Δ| vs 1st':>14}"
     )
-    print("-" * 132)
+    print("-" * 133)
     reference = None
     for case in args.cases.split(","):
         share = case.endswith("s")
@@ -114,7 +114,7 @@ def main() -> None:
         name = f"batch {batch}" + (" + shared prefix" if share else "")
         per_wall, per_cpu = r["wall"] / r["heads"], r["cpu"] / r["heads"]
         print(
-            f"{name:<23} | {r['heads']:>5} | {r['wall']:>7.1f} | {r['cpu']:>7.1f} | {per_wall:>9.3f} | "
+            f"{name:<24} | {r['heads']:>5} | {r['wall']:>7.1f} | {r['cpu']:>7.1f} | {per_wall:>9.3f} | "
             f"{r['clean_wall']:>10.3f} | {per_wall / r['clean_wall']:>13.2f} | {per_cpu / r['clean_cpu']:>12.2f} | "
             f"{r['peak_mb']:>7.0f} | {diff:>14.2e}",
             flush=True,
