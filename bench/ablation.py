@@ -10,9 +10,9 @@ zero ablation and the loss metric, for several ways of batching (see
   hook on ``hook_resid_pre`` broadcasts the residual to the batch.
 
 Each case runs in a fresh process (so peak memory is its own): load the model, warm up, then run
-the sweep. The baseline, a clean batch-1 forward pass, is timed once before the sweep and about ten
-times *during* it (from the progress callback, its time subtracted from the sweep's), so on a shared
-machine both see the same load; the table gives the median, in wall-clock and process CPU seconds.
+the sweep. The baseline, a clean batch-1 forward pass, is timed about twenty times *during* the
+sweep (from the progress callback, its time subtracted from the sweep's), so on a shared machine
+both see the same load; the table gives its mean, in wall-clock and process CPU seconds.
 Peak MB is the growth of peak RSS over the loaded model. Prints one table.
 
     .venv/bin/python bench/ablation.py [--tokens 256] [--cases 1,9,9s,27s] [--sample 0]
@@ -55,7 +55,7 @@ def clean():
 clean()
 base = rss_mb()
 n_calls = -(-len(heads) // batch)
-every = max(1, n_calls // 10)
+every = max(1, n_calls // 20)
 baseline = [timed(clean)[:2]]
 calls = [0]
 def interleave(fraction):
@@ -68,8 +68,9 @@ wall, cpu, sweep = timed(lambda: single_head_sweep(m, ids, "zero", "loss", heads
 inside = baseline[1:]
 wall -= sum(t[0] for t in inside)
 cpu -= sum(t[1] for t in inside)
-print(json.dumps({"clean_wall": statistics.median(t[0] for t in baseline),
-                  "clean_cpu": statistics.median(t[1] for t in baseline), "n_clean": len(baseline),
+# the mean, like the sweep's own per-head time: a median would drop the load bursts the sweep pays
+print(json.dumps({"clean_wall": statistics.mean(t[0] for t in inside or baseline),
+                  "clean_cpu": statistics.mean(t[1] for t in inside or baseline), "n_clean": len(inside),
                   "wall": wall, "cpu": cpu, "heads": len(heads), "peak_mb": rss_mb() - base,
                   "effect": np.nan_to_num(sweep.effect).tolist()}))
 """
@@ -120,7 +121,7 @@ def main() -> None:
             flush=True,
         )
     print(
-        "\nhead/fwd = seconds per swept head over one clean batch-1 forward pass (median of ~10 timed during "
+        "\nhead/fwd = seconds per swept head over one clean batch-1 forward pass (mean of ~20 timed during "
         "the sweep), "
         "in wall-clock and in process CPU time;\npeak MB = growth of peak RSS over the loaded model "
         "(the batch's logits dominate); max |Δ| = largest difference of the effect map from the first case."
