@@ -124,23 +124,49 @@ def load_needles(path: Path | str | None = None) -> list[Needle]:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise InputError(f"Cannot read needles from {path}: {e}") from None
-    items = raw["needles"] if isinstance(raw, dict) else raw
+    return _needles_from(raw, str(path))
+
+
+def _needles_from(raw: Any, where: str) -> list[Needle]:
+    items = raw["needles"] if isinstance(raw, dict) and "needles" in raw else raw
+    if not isinstance(items, list):
+        raise InputError(f"The needles in {where} must be a list of objects with 'needle', 'question' and 'answer'.")
     needles = []
     for i, item in enumerate(items):
         try:
-            needles.append(
-                Needle(
-                    needle=item["needle"],
-                    question=item["question"],
-                    answer=item["answer"],
-                    id=item.get("id", f"needle-{i}"),
-                    kind=item.get("kind", ""),
-                )
-            )
-        except (KeyError, TypeError):
-            raise InputError(
-                f"Needle {i} in {path} needs the fields 'needle', 'question' and 'answer'."
-            ) from None
+            fields = {k: str(item[k]).strip() for k in ("needle", "question", "answer")}
+            needles.append(Needle(**fields, id=str(item.get("id", f"needle-{i}")), kind=str(item.get("kind", ""))))
+        except (KeyError, TypeError, AttributeError):
+            raise InputError(f"Needle {i} in {where} needs the fields 'needle', 'question' and 'answer'.") from None
+        if not all(fields.values()):
+            raise InputError(f"Needle {i} in {where} has an empty needle, question or answer.")
+    return needles
+
+
+def parse_needles(text: str) -> list[Needle]:
+    """Needles a user typed or uploaded: JSON (as ``needles.json``) or one per line as
+    ``needle | question | answer``. Blank lines and lines starting with ``#`` are skipped."""
+    text = (text or "").strip()
+    if not text:
+        raise InputError("No needles given: write one per line as 'needle | question | answer'.")
+    if text[0] in "[{":
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise InputError(f"The needles look like JSON but do not parse: {e}.") from None
+        return _needles_from(raw, "the needles given")
+    needles = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = [p.strip() for p in line.split("|")]
+        if len(parts) != 3 or not all(parts):
+            raise InputError(f"Needle line {n} must be 'needle | question | answer' (three non-empty parts "
+                             f"separated by '|'); got {line[:80]!r}.")
+        needles.append(Needle(*parts, id=f"custom-{len(needles) + 1}", kind="custom"))
+    if not needles:
+        raise InputError("No needles given: write one per line as 'needle | question | answer'.")
     return needles
 
 

@@ -148,6 +148,7 @@ class Decoded:
     argmax_keys: np.ndarray  # [step, layer, head] int32
     argmax_weight: np.ndarray  # [step, layer, head] float32
     seconds: float
+    rows: list[np.ndarray] | None = None  # with keep_row: the full attention row per step
 
 
 def stop_ids(model: LoadedModel) -> set[int]:
@@ -182,6 +183,8 @@ def greedy_decode(
     record: bool = True,
     cancel: Cancel | None = None,
     progress: Progress | None = None,
+    force: Sequence[int] | None = None,
+    keep_row: tuple[int, int] | None = None,
 ) -> Decoded:
     """Greedy decoding with the KV cache, keeping one attention row per head per step.
 
@@ -198,6 +201,10 @@ def greedy_decode(
     record : False gives plain generation (the baseline of ``bench/retrieval.py``).
     cancel : called between steps; True raises :class:`Cancelled`.
     progress : called with the fraction of ``max_new_tokens`` done.
+    force : feed these tokens instead of the argmax (a replay of an earlier decode: same prefill, same
+        KV-cache steps, so the same numbers); decoding runs ``len(force)`` steps.
+    keep_row : ``(layer, head)`` whose whole attention row (over the prompt and the tokens generated
+        so far) is kept at every step, in ``rows``.
 
     Returns
     -------
@@ -205,6 +212,8 @@ def greedy_decode(
     """
     if not prompt_ids:
         raise InputError("The prompt is empty.")
+    if force is not None:
+        max_new_tokens = len(force)
     if max_new_tokens < 1:
         raise InputError("max_new_tokens must be at least 1.")
     t0 = time.perf_counter()
@@ -214,17 +223,23 @@ def greedy_decode(
     keys = torch.zeros((max_new_tokens, n_layers, n_heads), dtype=torch.int64)
     weights = torch.zeros((max_new_tokens, n_layers, n_heads), dtype=torch.float32)
     step_box = [0]
+    rows: list[np.ndarray] = []
 
-    def keep_row(layer: int):
+    def record_row(layer: int):
         def hook(pattern: torch.Tensor, hook: Any = None) -> None:
             # pattern: [batch, head, query, key]; the decode step has a single query row.
             w, j = pattern[0, :, -1, :].max(dim=-1)
             keys[step_box[0], layer] = j
             weights[step_box[0], layer] = w.float()
+            if keep_row is not None and keep_row[0] == layer:
+                rows.append(pattern[0, keep_row[1], -1, :].float().cpu().numpy().copy())
 
         return hook
 
-    hooks = [(get_act_name("pattern", layer), keep_row(layer)) for layer in range(n_layers)]
+    if keep_row is not None and not (0 <= keep_row[0] < n_layers and 0 <= keep_row[1] < n_heads):
+        raise InputError(f"No head {keep_row}: the model has layers 0..{n_layers - 1} and heads 0..{n_heads - 1}.")
+    record = record or keep_row is not None
+    hooks = [(get_act_name("pattern", layer), record_row(layer)) for layer in range(n_layers)]
     device = model.device
     generated: list[int] = []
     with model.lock:
@@ -243,11 +258,11 @@ def greedy_decode(
                     logits, past = bridge(inp, return_type="logits_and_cache", use_cache=True)
                 else:
                     logits, past = bridge(inp, return_type="logits_and_cache", past_key_values=past)
-                token = int(logits[0, -1].argmax())
+                token = int(force[step]) if force is not None else int(logits[0, -1].argmax())
                 generated.append(token)
                 if progress:
                     progress((step + 1) / max_new_tokens)
-                if token in stops:
+                if token in stops and force is None:
                     break
     n = len(generated)
     return Decoded(
@@ -255,6 +270,7 @@ def greedy_decode(
         argmax_keys=keys[:n].numpy().astype(np.int32),
         argmax_weight=weights[:n].numpy(),
         seconds=time.perf_counter() - t0,
+        rows=rows if keep_row is not None else None,
     )
 
 
@@ -408,6 +424,28 @@ def run_trial(
             },
         )
     return trial
+
+
+def decode_rows(model: LoadedModel, trial: Trial, layer: int, head: int) -> np.ndarray:
+    """One head's whole attention row at every decode step of a trial, by replaying its decode.
+
+    The trial keeps only each step's argmax; this replays the same prefill and KV-cached steps
+    feeding the tokens the trial generated (:func:`greedy_decode` with ``force``), so the rows are
+    the ones the score was computed from. Row t (over keys ``0 .. n_prompt − 1 + t``) is the query
+    that produced ``generated[t]``.
+
+    Returns
+    -------
+    ``[steps, n_prompt + steps − 1]`` float32; row t is zero past key ``n_prompt − 1 + t``.
+    """
+    if not trial.generated:
+        raise InputError("This trial generated no tokens.")
+    decoded = greedy_decode(model, trial.prompt_ids, force=trial.generated, keep_row=(int(layer), int(head)))
+    steps, n = len(trial.generated), len(trial.prompt_ids)
+    out = np.zeros((steps, n + steps - 1), dtype=np.float32)
+    for t, row in enumerate(decoded.rows or []):
+        out[t, : row.shape[0]] = row
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -154,7 +154,7 @@ def cmd_scan(args) -> int:
     from analysis.retrieval import sweep
     from app.context import AppContext, set_context
     from app.export import write_files
-    from app.heads_views import sweep_run
+    from app.heads_views import head_scores_of
 
     store = _store(args)
     set_context(AppContext(store=store, default_model=args.model))
@@ -194,12 +194,24 @@ def cmd_scan(args) -> int:
         "accuracy": np.where(np.isfinite(result.accuracy), result.accuracy, None).tolist(),
         "reused_trials": sum(t.reused for t in result.trials),
     }
+    params = {"model": args.model, "sweep": result.key[:16], "agg": "query", "score": "streaming", "stat": "mean",
+              "sink_size": args.sink, "window": args.window, "trial": 0}
+    with progress_bar(f"per-head scores on {len({tuple(t.prompt_ids) for t in result.trials})} prompts") as bar:
+        scores = head_scores_of(result, params, progress=bar)
+    for name in scores.names:
+        np.savetxt(out / f"{name}_mean.csv", scores.mean[name], delimiter=",", fmt="%.6f")
+        np.savetxt(out / f"{name}_std.csv", scores.std[name], delimiter=",", fmt="%.6f")
+    summary["head_scores"] = {"n_prompts": scores.n_prompts, "sink_size": scores.sink, "window": scores.window,
+                              "scores": scores.names}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    run = sweep_run(result)
-    params = {"sweep": result.key[:16], "agg": "query", "versus": "streaming"}
     formats = tuple(args.formats.split(",")) if args.formats else ("svg", "html")
     for view in ("retrieval_grid", "retrieval_histogram", "retrieval_scatter", "niah_grid"):
-        write_files(run, view, params, out, formats)
+        write_files(None, view, params, out, formats)
+    for score in scores.names:
+        write_files(None, "head_score_grid", {**params, "score": score}, out / score, formats)
+    for score in ("retrieval", "evidence"):
+        if score == "retrieval" or score in scores.names:
+            write_files(None, "score_mass", {**params, "score": score}, out / f"mass_{score}", formats)
     print(f"sweep {result.key}")
     print(f"{result.n_counted}/{result.n_trials} trials answered ({summary['reused_trials']} reused); "
           f"{result.share_above(0.1):.1%} of heads score above 0.1")
@@ -235,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--needles", default="", help="needle ids (default: all shipped needles)")
     p.add_argument("--needles-file", help="a JSON file of needles (fields: needle, question, answer)")
     p.add_argument("--haystack", default="prose", help="prose, passkey, or a UTF-8 text file")
+    p.add_argument("--sink", type=int, default=4, help="streaming score: S, the first tokens kept as sinks")
+    p.add_argument("--window", type=int, default=64, help="streaming score: W, the recent window")
     p.add_argument("--out")
     p.add_argument("--formats", default="svg,html")
     p.set_defaults(func=cmd_scan)

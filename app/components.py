@@ -129,9 +129,11 @@ def view_params(view: str, state: PageState, query: int | None = None) -> dict[s
         return {**relevance, "method": view.split(":", 1)[1]}
     if view == "faithfulness_input":
         return relevance
-    if view in ("retrieval_grid", "retrieval_histogram", "retrieval_scatter", "niah_grid", "trial_steps"):
-        return {"sweep": state.sweep, "agg": state.agg, "layer": state.layer, "head": state.head,
-                "versus": "streaming", "trial": state.trial or 0}
+    if view in ("retrieval_grid", "retrieval_histogram", "retrieval_scatter", "niah_grid", "trial_steps",
+                "head_score_grid", "score_mass"):
+        from app.heads_views import sweep_params
+
+        return sweep_params(state)
     if view in ("qk_scatter", "qk_spectrum"):
         from app.qk_views import qk_params
 
@@ -166,7 +168,7 @@ def register_export(prefix: str, run_of: Any = _stored_run) -> None:
             raise PreventUpdate
         state = parse(search)
         run = run_of(state)
-        if run is None and not trigger["view"].startswith("qk_"):
+        if run is None and VIEWS[trigger["view"].split(":", 1)[0]].needs_run:
             return no_update, "Nothing to export yet: run something first."
         view = trigger["view"]
         params = view_params(view, state, query)

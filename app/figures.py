@@ -264,3 +264,53 @@ def faithfulness_bars(labels: Sequence[str], means: Sequence[float], stds: Seque
     fig.add_hline(y=0, line_color="#888", line_width=1)
     fig.update_yaxes(title="Spearman ρ with ablation", range=[-1, 1])
     return _layout(fig, title, height=340)
+
+
+def mass_curve(head_fraction: np.ndarray, mass_fraction: np.ndarray, level: float, level_fraction: float,
+               label: str) -> go.Figure:
+    """Cumulative share of a score's positive mass held by the top heads (Wu et al. 2024's sparsity view)."""
+    fig = go.Figure(go.Scatter(
+        x=np.asarray(head_fraction) * 100, y=np.asarray(mass_fraction) * 100, mode="lines+markers",
+        marker={"size": 4}, line={"color": "#2a6fdb"},
+        hovertemplate="top %{x:.1f}% of heads hold %{y:.1f}% of the positive mass<extra></extra>",
+    ))
+    if level_fraction == level_fraction:  # not nan
+        fig.add_shape(type="line", x0=0, x1=level_fraction * 100, y0=level * 100, y1=level * 100,
+                      line={"dash": "dot", "color": "#888"})
+        fig.add_shape(type="line", x0=level_fraction * 100, x1=level_fraction * 100, y0=0, y1=level * 100,
+                      line={"dash": "dot", "color": "#888"})
+    fig.update_xaxes(title="heads, best first (% of all heads)", rangemode="tozero")
+    fig.update_yaxes(title="share of positive mass (%)", range=[0, 102])
+    head = "no head scores above 0" if level_fraction != level_fraction else \
+        f"{level_fraction:.1%} of heads hold {level:.0%} of the positive mass"
+    return _layout(fig, safe_text(f"{label}: {head}"), height=380)
+
+
+def decode_rows_heatmap(rows: np.ndarray, span: tuple[int, int], argmax: np.ndarray, hits: Sequence[bool],
+                        generated: Sequence[str], key_tokens: Sequence[str], title: str) -> go.Figure:
+    """One head's attention row at each decode step (step × key), the needle's keys boxed and each
+    step's argmax marked (green where it is a copy-paste hit)."""
+    rows = np.asarray(rows, dtype=np.float32)
+    steps, n_keys = rows.shape
+    labels = [safe_text(t) for t in key_tokens[:n_keys]]
+    gen = [safe_text(t) for t in generated[:steps]]
+    fig = go.Figure(go.Heatmap(
+        z=rows, colorscale="Blues", zmin=0, zmax=max(float(rows.max()), 1e-6),
+        customdata=np.broadcast_to(np.asarray(labels, dtype=object)[None, :], rows.shape),
+        text=np.broadcast_to(np.asarray(gen, dtype=object)[:, None], rows.shape),
+        hovertemplate="step %{y} (generated %{text})<br>key %{x} %{customdata}<br>weight %{z:.4f}<extra></extra>",
+        colorbar={"title": {"text": "attention", "side": "right"}, "thickness": 12},
+    ))
+    start, end = span
+    fig.add_shape(type="rect", x0=start - 0.5, x1=end - 0.5, y0=-0.5, y1=steps - 0.5,
+                  line={"color": "#f4a259", "width": 2}, fillcolor="rgba(244,162,89,0.12)")
+    fig.add_annotation(x=(start + end) / 2, y=steps - 0.5, text="needle", showarrow=False, yshift=10,
+                       font={"color": "#c0601a"})
+    fig.add_trace(go.Scatter(
+        x=np.asarray(argmax), y=np.arange(steps), mode="markers", name="argmax key",
+        marker={"symbol": "x", "size": 8, "color": ["#2ca02c" if h else "#d62728" for h in hits]},
+        hovertemplate="step %{y}: argmax key %{x}<extra></extra>", showlegend=False,
+    ))
+    fig.update_xaxes(title="key position (prompt, then generated tokens)", range=[-0.5, n_keys - 0.5])
+    fig.update_yaxes(title="decode step", autorange="reversed")
+    return _layout(fig, safe_text(title), height=max(320, 60 + 14 * steps))

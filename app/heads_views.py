@@ -1,9 +1,10 @@
 """Views of a needle-in-a-haystack sweep (Retrieval Head, Wu et al. 2024) for the Heads page.
 
-A sweep view is drawn from the stored sweep named in ``params["sweep"]``; the run it is given is
-the sweep's first prompt, captured (stored) so streaming and other per-run scores sit beside the
-retrieval score. Registered into :data:`app.views.VIEWS`, so exports and manifests work as for
-every other figure.
+Drawn from the stored sweep named in ``params["sweep"]`` (and the model in ``params["model"]``), not
+from one run: the other per-head scores (streaming with sink size S and window W, sinks, entropy,
+evidence, previous/duplicate-token, induction) are computed on every distinct prompt of the sweep
+and aggregated (:mod:`analysis.head_scores`). Registered into :data:`app.views.VIEWS`, so exports and
+manifests work as for every other figure.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
-from analysis.capture import InputError, Run
-from analysis.head_summary import HEAD_METRICS
-from analysis.retrieval import RetrievalSweep, load_sweep
+from analysis.capture import InputError
+from analysis.evidence import cumulative_mass
+from analysis.head_scores import LABELS, HeadScores, score_prompts, trial_prompts
+from analysis.retrieval import RetrievalSweep, decode_rows, load_sweep
+from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 from app import figures
-from app.views import VIEWS, Rows, View, check_head, memoised, metric_scores
+from app.views import VIEWS, Rows, View, memoised
 
 AGGREGATES = {
     "query": "per query head",
@@ -25,12 +28,45 @@ AGGREGATES = {
     "group_mean": "per key-value group (mean over its query heads)",
 }
 RETRIEVAL_THRESHOLD = 0.1
+SWEEP_PARAMS = ("model", "sweep", "agg", "layer", "head", "score", "stat", "sink_size", "window", "trial")
+
+
+def sweep_params(state: Any) -> dict[str, Any]:
+    """A sweep view's parameters from the page state (the page and its exports use the same)."""
+    from app.context import get_context
+
+    return {"model": state.model or get_context().default_model, "sweep": state.sweep, "agg": state.agg,
+            "layer": state.layer, "head": state.head, "score": state.score, "stat": state.stat,
+            "sink_size": DEFAULT_SINK if state.sink_size is None else state.sink_size,
+            "window": DEFAULT_WINDOW if state.window is None else state.window, "trial": state.trial or 0}
+
+
+def _model(params: dict[str, Any]):
+    from analysis.models import load_model
+    from app.context import get_context
+
+    return load_model(params.get("model") or get_context().default_model)
+
+
+def check_sweep_head(sweep: RetrievalSweep, layer: Any, head: Any) -> tuple[int, int]:
+    n_layers, n_heads = sweep.scores.shape
+    try:
+        layer, head = int(layer), int(head)
+    except (TypeError, ValueError):
+        raise InputError(f"Layer and head must be whole numbers, got {layer!r} and {head!r}.") from None
+    if not 0 <= layer < n_layers:
+        raise InputError(f"Layer {layer} is out of range: this model has layers 0..{n_layers - 1}.")
+    if not 0 <= head < n_heads:
+        raise InputError(f"Head {head} is out of range: this model has heads 0..{n_heads - 1}.")
+    return layer, head
 
 
 def sweep_of(params: dict[str, Any]) -> RetrievalSweep:
     from app.context import get_context
 
     key = params.get("sweep")
+    if not key:
+        raise InputError("No sweep yet: run a sweep first.")
     store = get_context().store
     keys = store.find(str(key)) if key else []
     sweep = load_sweep(store, keys[0]) if len(keys) == 1 else None
@@ -45,13 +81,13 @@ def retrieval_table(sweep: RetrievalSweep, agg: str) -> np.ndarray:
     return {"query": sweep.scores, "group_max": sweep.group_max, "group_mean": sweep.group_mean}[agg]
 
 
-def retrieval_grid_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+def retrieval_grid_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     sweep = sweep_of(params)
     agg = params.get("agg", "query")
     table = retrieval_table(sweep, agg)
     selected = None
     if agg == "query" and params.get("layer") is not None and params.get("head") is not None:
-        selected = check_head(run, params["layer"], params["head"])
+        selected = check_sweep_head(sweep, params["layer"], params["head"])
     fig = figures.head_grid(table, "Retrieval score", selected)
     fig.update_layout(title_text=f"Retrieval score {AGGREGATES[agg]} — {sweep.n_counted}/{sweep.n_trials} trials counted")
     if agg != "query":
@@ -61,7 +97,7 @@ def retrieval_grid_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Ro
     return fig, rows
 
 
-def retrieval_histogram_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+def retrieval_histogram_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     sweep = sweep_of(params)
     fig = figures.score_histogram(sweep.scores, "Retrieval score", RETRIEVAL_THRESHOLD)
     share = sweep.share_above(RETRIEVAL_THRESHOLD)
@@ -71,18 +107,73 @@ def retrieval_histogram_view(run: Run, params: dict[str, Any]) -> tuple[go.Figur
     return fig, rows
 
 
-def retrieval_scatter_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+def head_scores_of(sweep: RetrievalSweep, params: dict[str, Any], progress=None) -> HeadScores:
+    """Every other per-head score over the sweep's distinct prompts (stored; computed when missing)."""
+    from app.context import get_context
+
+    sink = int(params.get("sink_size", DEFAULT_SINK))
+    window = int(params.get("window", DEFAULT_WINDOW))
+    model = _model(params)
+    return memoised(("head_scores", sweep.key, model.digest, sink, window), lambda: score_prompts(
+        model, trial_prompts(sweep.trials), sink=sink, window=window, store=get_context().store, progress=progress))
+
+
+def _score(scores: HeadScores, params: dict[str, Any]) -> tuple[str, np.ndarray, str]:
+    name, stat = params.get("score", "streaming"), params.get("stat", "mean")
+    if name not in scores.mean:
+        raise InputError(f"No score {name!r} on this sweep; choose one of {', '.join(scores.mean)}.")
+    if stat not in ("mean", "std"):
+        raise InputError(f"stat must be 'mean' or 'std', got {stat!r}.")
+    label = LABELS[name] + (f" (S={scores.sink}, W={scores.window})" if name == "streaming" else "")
+    return name, (scores.mean if stat == "mean" else scores.std)[name], label
+
+
+def head_score_grid_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    """A per-head score's mean (or spread) over the sweep's prompts as a layer × head map."""
     sweep = sweep_of(params)
-    other = params.get("versus", "streaming")
-    versus = metric_scores(run, other)
-    label = HEAD_METRICS[other].label
+    scores = head_scores_of(sweep, params)
+    name, table, label = _score(scores, params)
+    selected = None
+    if params.get("layer") is not None and params.get("head") is not None:
+        selected = check_sweep_head(sweep, params["layer"], params["head"])
+    stat = params.get("stat", "mean")
+    fig = figures.head_grid(table, label if stat == "mean" else f"std of {label}", selected)
+    fig.update_layout(title_text=figures.safe_text(
+        f"{label}: {'mean' if stat == 'mean' else 'standard deviation'} over {scores.n_prompts} prompts"))
+    rows = [{"layer": la, "head": h, "score": name, "mean": float(scores.mean[name][la, h]),
+             "std": float(scores.std[name][la, h]), "n_prompts": scores.n_prompts,
+             **({"sink_size": scores.sink, "window": scores.window} if name == "streaming" else {})}
+            for la in range(table.shape[0]) for h in range(table.shape[1])]
+    return fig, rows
+
+
+def score_mass_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    """Cumulative positive mass of a score over heads: "x% of heads hold 50% of the positive mass"."""
+    sweep = sweep_of(params)
+    if params.get("score", "evidence") == "retrieval":
+        name, table, label = "retrieval", np.nan_to_num(sweep.scores), "Retrieval score"
+    else:
+        name, table, label = _score(head_scores_of(sweep, params), {**params, "stat": "mean"})
+    curve = cumulative_mass(table)
+    fig = figures.mass_curve(curve.head_fraction, curve.mass_fraction, curve.level, curve.half_mass_fraction, label)
+    n_heads = table.shape[1]
+    rows = [{"rank": r + 1, "layer": int(i // n_heads), "head": int(i % n_heads), "score": name,
+             "value": float(table.flat[i]), "heads_fraction": float(curve.head_fraction[r + 1]),
+             "mass_fraction": float(curve.mass_fraction[r + 1])} for r, i in enumerate(curve.order)]
+    return fig, rows
+
+
+def retrieval_scatter_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    """Retrieval score against another per-head score (mean over the sweep's prompts)."""
+    sweep = sweep_of(params)
+    name, versus, label = _score(head_scores_of(sweep, params), {**params, "stat": "mean"})
     fig = figures.head_scatter(np.nan_to_num(sweep.scores, nan=0.0), versus, "Retrieval score", label)
-    rows = [{"layer": la, "head": h, "retrieval": float(sweep.scores[la, h]), other: float(versus[la, h])}
+    rows = [{"layer": la, "head": h, "retrieval": float(sweep.scores[la, h]), name: float(versus[la, h])}
             for la in range(versus.shape[0]) for h in range(versus.shape[1])]
     return fig, rows
 
 
-def niah_grid_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+def niah_grid_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     sweep = sweep_of(params)
     fig = figures.niah_grid(sweep.accuracy, sweep.lengths, sweep.depths)
     rows = [{"length": n, "depth": d, "accuracy": float(sweep.accuracy[i, j]), "recall": float(sweep.recall[i, j])}
@@ -103,65 +194,51 @@ def head_trials(sweep: RetrievalSweep, layer: int, head: int) -> Rows:
     return rows
 
 
-def trial_steps_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
-    """Where one head looked at each decode step of one trial: its argmax key, the needle shaded."""
+def trial_steps_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    """One head's whole attention row over the haystack at each decode step of one trial.
+
+    The rows are recomputed by replaying the trial's decode (:func:`analysis.retrieval.decode_rows`),
+    so they are the rows the copy-paste score was taken from; the needle is boxed and each step's
+    argmax marked (green: a copy-paste hit).
+    """
     sweep = sweep_of(params)
-    layer, head = check_head(run, params.get("layer"), params.get("head"))
+    layer, head = check_sweep_head(sweep, params.get("layer"), params.get("head"))
     k = int(params.get("trial") or 0)
     if not 0 <= k < len(sweep.trials):
         raise InputError(f"Trial {k} is out of range: this sweep has trials 0..{len(sweep.trials) - 1}.")
     t = sweep.trials[k]
-    keys = np.asarray(t.argmax_keys)[:, layer, head]
-    weights = np.asarray(t.argmax_weight)[:, layer, head]
+    model = _model(params)
+    rows = memoised(("decode_rows", t.key, layer, head), lambda: decode_rows(model, t, layer, head))
     start, end = t.settings["needle_span"]
     hit_steps = {s for s, la, h in t.hits if la == layer and h == head}
-    steps = list(range(len(keys)))
-    fig = go.Figure()
-    fig.add_hrect(y0=start - 0.5, y1=end - 0.5, fillcolor="#f4a259", opacity=0.3, line_width=0,
-                  annotation_text="needle", annotation_position="top left")
-    generated = [figures.safe_text(s) for s in _token_strings(t.generated)]
-    fig.add_trace(go.Scatter(
-        x=steps, y=keys, mode="markers+lines",
-        marker={"size": 10, "color": ["#2ca02c" if s in hit_steps else "#2a6fdb" for s in steps]},
-        customdata=np.stack([weights, np.arange(len(keys))], -1).tolist(), text=generated[: len(keys)],
-        hovertemplate="step %{x}: generated %{text}<br>argmax key %{y}, weight %{customdata[0]:.3f}<extra></extra>",
-    ))
-    fig.update_xaxes(title="decode step")
-    fig.update_yaxes(title="argmax key position", range=[-1, t.settings["n_tokens"]])
-    title = (f"Layer {layer}, head {head}, trial {k}: {len(hit_steps)} copy-paste steps (green) of "
-             f"{end - start} needle tokens — response {t.response.strip()[:40]!r}")
-    figures._layout(fig, figures.safe_text(title), height=360)
-    rows = [{"step": s, "argmax_key": int(keys[s]), "weight": float(weights[s]), "copy_paste": s in hit_steps}
-            for s in steps]
-    return fig, rows
-
-
-def _token_strings(ids: list[int]) -> list[str]:
-    from analysis.models import load_model
-    from app.context import get_context
-
-    model = load_model(get_context().default_model)
-    return model.token_strings(ids)
-
-
-def sweep_run(sweep: RetrievalSweep) -> Run:
-    """The sweep's first prompt as a stored run (its patterns give streaming and sink scores)."""
-    from analysis.capture import capture
-    from analysis.models import load_model
-    from app.context import get_context
-
-    context = get_context()
-    model = load_model(context.default_model)
-    ids = sweep.trials[0].prompt_ids
-    return memoised(("sweep_run", sweep.key), lambda: capture(model, ids, store=context.store,
-                                                              max_tokens=max(len(ids), 1)))
+    keys = rows.argmax(-1)
+    tokens = model.token_strings(list(t.prompt_ids) + list(t.generated))
+    generated = model.token_strings(list(t.generated))
+    title = (f"Layer {layer}, head {head}, trial {k}: {len(hit_steps)} copy-paste steps (green ×) of "
+             f"{end - start} needle tokens; response {t.response.strip()[:40]!r}")
+    fig = figures.decode_rows_heatmap(rows, (start, end), keys, [s in hit_steps for s in range(len(rows))],
+                                      generated, tokens, title)
+    n_prompt = len(t.prompt_ids)
+    out: Rows = []
+    for s, row in enumerate(rows):
+        for j in range(n_prompt + s):
+            out.append({"step": s, "generated": generated[s], "key_pos": j, "key_token": tokens[j],
+                        "weight": float(row[j]), "in_needle": start <= j < end,
+                        "argmax": j == int(keys[s]), "copy_paste": j == int(keys[s]) and s in hit_steps})
+    return fig, out
 
 
 for view in [
-    View("retrieval_grid", "Retrieval score map", retrieval_grid_view, ("sweep", "agg", "layer", "head")),
-    View("retrieval_histogram", "Retrieval score histogram", retrieval_histogram_view, ("sweep",)),
-    View("retrieval_scatter", "Retrieval vs another score", retrieval_scatter_view, ("sweep", "versus")),
-    View("niah_grid", "Needle-in-a-haystack accuracy", niah_grid_view, ("sweep",)),
-    View("trial_steps", "A head's argmax per decode step", trial_steps_view, ("sweep", "layer", "head", "trial")),
+    View("retrieval_grid", "Retrieval score map", retrieval_grid_view, ("sweep", "agg", "layer", "head"), False),
+    View("retrieval_histogram", "Retrieval score histogram", retrieval_histogram_view, ("sweep",), False),
+    View("retrieval_scatter", "Retrieval vs another score", retrieval_scatter_view,
+         ("sweep", "score", "sink_size", "window"), False),
+    View("niah_grid", "Needle-in-a-haystack accuracy", niah_grid_view, ("sweep",), False),
+    View("head_score_grid", "Per-head score map over the sweep's prompts", head_score_grid_view,
+         ("sweep", "score", "stat", "sink_size", "window", "layer", "head"), False),
+    View("score_mass", "Cumulative positive mass of a score", score_mass_view,
+         ("sweep", "score", "sink_size", "window"), False),
+    View("trial_steps", "A head's attention row per decode step", trial_steps_view,
+         ("sweep", "layer", "head", "trial"), False),
 ]:
     VIEWS[view.name] = view

@@ -121,7 +121,7 @@ def qk_spectrum_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows
 
 
 for view in (View("qk_scatter", "Joint query-key embedding", qk_scatter_view,
-                  ("model", "layer", "head", "sentences", "method", "colour", "query")),
+                  ("model", "layer", "head", "sentences", "method", "colour", "query"), False),
              View("qk_spectrum", "Contrastive covariance spectrum", qk_spectrum_view,
-                  ("model", "layer", "head", "sentences", "feature"))):
+                  ("model", "layer", "head", "sentences", "feature"), False)):
     VIEWS[view.name] = view

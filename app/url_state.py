@@ -14,9 +14,10 @@ from analysis.head_summary import HEAD_METRICS
 
 _RUN_ID = re.compile(r"^[0-9a-f]{8,64}$")
 _MODEL = re.compile(r"^[\w./~:@+-]{1,256}$")
-_INT_KEYS = ("layer", "head", "query", "target", "trial", "sentences")
+_INT_KEYS = ("layer", "head", "query", "target", "trial", "sentences", "sink_size", "window")
+SCORES = (*HEAD_METRICS, "evidence")
 CHOICES = {"method": ("pca", "umap", "tsne"), "colour": ("position", "kind", "sentence", "norm"),
-           "feature": ("previous_token", "same_token", "category")}
+           "feature": ("previous_token", "same_token", "category"), "score": SCORES, "stat": ("mean", "std")}
 AGGREGATES = ("query", "group_max", "group_mean")
 FUSIONS = ("mean", "max", "min")
 MAX_INDEX = 1_000_000
@@ -40,6 +41,10 @@ class PageState:
     colour: str = "position"
     feature: str = "previous_token"
     sentences: int | None = None
+    score: str = "streaming"
+    stat: str = "mean"
+    sink_size: int | None = None
+    window: int | None = None
     problems: list[str] = field(default_factory=list)
 
     def to_search(self) -> str:
@@ -54,6 +59,9 @@ class PageState:
                 ("colour", None if self.colour == "position" else self.colour),
                 ("feature", None if self.feature == "previous_token" else self.feature),
                 ("sentences", self.sentences),
+                ("score", None if self.score == "streaming" else self.score),
+                ("stat", None if self.stat == "mean" else self.stat),
+                ("sink_size", self.sink_size), ("window", self.window),
                 ("sweep", self.sweep), ("trial", self.trial), ("agg", None if self.agg == "query" else self.agg),
             )
             if v is not None

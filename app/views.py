@@ -66,7 +66,7 @@ def memoised(key: tuple, compute: Callable[[], np.ndarray]) -> np.ndarray:
 def metric_scores(run: Run, metric: str) -> np.ndarray:
     """``[layer, head]`` scores of ``metric`` on ``run``."""
     metric = check_metric(metric)
-    return memoised((run.key, "metric", metric), lambda: HEAD_METRICS[metric].compute(run.patterns))
+    return memoised((run.key, "metric", metric), lambda: HEAD_METRICS[metric].compute(run.patterns, run.token_ids))
 
 
 def head_grid_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
@@ -272,6 +272,7 @@ class View:
     title: str
     build: Callable[[Run, dict[str, Any]], tuple[go.Figure, Rows]]
     params: tuple[str, ...]
+    needs_run: bool = True  # False: drawn from the model and stored results named in the params
 
 
 VIEWS: dict[str, View] = {

@@ -1,15 +1,21 @@
 """Page "Heads": retrieval heads from needle-in-a-haystack sweeps (Wu et al. 2024), beside
-streaming scores; a head's trials show why it scored."""
+streaming, sink, entropy, evidence and induction-type scores over the sweep's prompts; a head's
+trials show why it scored."""
 
 from __future__ import annotations
+
+import base64
+import binascii
 
 import dash
 from dash import Input, Output, State, callback, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
+from analysis.head_scores import LABELS
 from analysis.models import load_model
-from analysis.niah import load_haystack, load_needles
+from analysis.niah import load_haystack, load_needles, parse_needles
 from analysis.retrieval import sweep
+from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 from app import ids
 from app.components import (
     GRAPH_CONFIG,
@@ -22,7 +28,7 @@ from app.components import (
 )
 from app.context import get_context
 from app.errors import guarded, message
-from app.heads_views import AGGREGATES, head_trials, sweep_of, sweep_run
+from app.heads_views import AGGREGATES, head_scores_of, head_trials, sweep_of, sweep_params
 from app.jobs import in_job, progress_reporter
 from app.url_state import parse
 from app.views import VIEWS
@@ -32,6 +38,10 @@ dash.register_page(__name__, path="/heads", name="Heads", title="headscope — r
 PREFIX = "heads"
 EMPTY = empty_figure("Run a sweep to score every head.")
 TOP_K = 20
+MAX_UPLOAD_BYTES = 4_000_000
+KEEP = {"persistence": True, "persistence_type": "session"}  # settings survive the page's re-render
+NEEDLES_HINT = ("Your own needles, one per line: needle | question | answer — e.g. "
+                "The vault code is 7731. | What is the vault code? | 7731 (or paste needles.json).")
 
 
 def _needle_options():
@@ -50,17 +60,34 @@ def layout(**_query) -> html.Div:
             html.Div(
                 [
                     html.Div([html.Label("Needles"), dcc.Checklist(
-                        id=ids.HEADS_NEEDLES, options=options, value=[o["value"] for o in options[:4]],
+                        id=ids.HEADS_NEEDLES, **KEEP, options=options, value=[o["value"] for o in options[:4]],
                         className="hs-needles")], className="hs-field"),
                     html.Div([
                         html.Label("Context lengths (tokens)", htmlFor=ids.HEADS_LENGTHS),
-                        dcc.Input(id=ids.HEADS_LENGTHS, value="512", className="hs-text-input"),
+                        dcc.Input(id=ids.HEADS_LENGTHS, **KEEP, value="512", className="hs-text-input"),
                         html.Label("Depths (%)", htmlFor=ids.HEADS_DEPTHS),
-                        dcc.Input(id=ids.HEADS_DEPTHS, value="10,50,90", className="hs-text-input"),
+                        dcc.Input(id=ids.HEADS_DEPTHS, **KEEP, value="10,50,90", className="hs-text-input"),
                         html.Label("Haystack", htmlFor=ids.HEADS_HAYSTACK),
-                        dcc.Dropdown(id=ids.HEADS_HAYSTACK, options=["prose", "passkey"], value="prose",
-                                     clearable=False),
+                        dcc.Dropdown(id=ids.HEADS_HAYSTACK, **KEEP, clearable=False, value="prose", options=[
+                            {"label": "prose (shipped essays)", "value": "prose"},
+                            {"label": "passkey (synthetic filler)", "value": "passkey"},
+                            {"label": "my own (paste or upload below)", "value": "custom"}]),
+                        html.Label("Streaming score: sink size S, window W", htmlFor=ids.HEADS_SINK),
+                        html.Div([dcc.Input(id=ids.HEADS_SINK, **KEEP, type="number", min=0, value=DEFAULT_SINK,
+                                            className="hs-number"),
+                                  dcc.Input(id=ids.HEADS_WINDOW, **KEEP, type="number", min=1, value=DEFAULT_WINDOW,
+                                            className="hs-number")]),
                     ], className="hs-field"),
+                    html.Div([
+                        html.Label("Own haystack (used when Haystack is 'my own')", htmlFor=ids.HEADS_CUSTOM_HAYSTACK),
+                        dcc.Textarea(id=ids.HEADS_CUSTOM_HAYSTACK, **KEEP, className="hs-textarea",
+                                     placeholder="Paste prose here, or upload a UTF-8 .txt file."),
+                        dcc.Upload(id=ids.HEADS_HAYSTACK_UPLOAD, children=html.Span("Upload a .txt haystack"),
+                                   className="hs-upload", max_size=MAX_UPLOAD_BYTES),
+                        html.Label("Own needles (used instead of the ticked ones when given)",
+                                   htmlFor=ids.HEADS_CUSTOM_NEEDLES),
+                        dcc.Textarea(id=ids.HEADS_CUSTOM_NEEDLES, **KEEP, className="hs-textarea", placeholder=NEEDLES_HINT),
+                    ], className="hs-field hs-wide"),
                 ],
                 className="hs-sweep-settings",
             ),
@@ -102,6 +129,25 @@ def layout(**_query) -> html.Div:
                 ],
                 className="hs-panels hs-even",
             ),
+            html.Div(
+                [
+                    html.H4("Other per-head scores, over every prompt of the sweep", className="hs-section"),
+                    html.Div([
+                        dcc.Dropdown(id=ids.HEADS_SCORE, clearable=False, value="streaming",
+                                     options=[{"label": v, "value": k} for k, v in LABELS.items()],
+                                     className="hs-score-select"),
+                        dcc.RadioItems(id=ids.HEADS_STAT, inline=True, value="mean", options=[
+                            {"label": " mean", "value": "mean"}, {"label": " spread (std)", "value": "std"}]),
+                    ], className="hs-options"),
+                    html.Div([
+                        html.Div([dcc.Graph(id=ids.HEADS_SCORE_GRID, figure=EMPTY, config=GRAPH_CONFIG),
+                                  export_bar(PREFIX, "head_score_grid")], className="hs-panel"),
+                        html.Div([dcc.Graph(id=ids.HEADS_MASS, figure=EMPTY, config=GRAPH_CONFIG),
+                                  export_bar(PREFIX, "score_mass")], className="hs-panel"),
+                    ], className="hs-panels hs-even"),
+                ],
+                className="hs-panel",
+            ),
             html.Div([dcc.Graph(id=ids.HEADS_NIAH, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, "niah_grid")],
                      className="hs-panel"),
             html.Div(
@@ -120,11 +166,7 @@ def layout(**_query) -> html.Div:
     )
 
 
-def _sweep_run(state):
-    return sweep_run(sweep_of({"sweep": state.sweep})) if state.sweep else None
-
-
-register_export(PREFIX, _sweep_run)
+register_export(PREFIX, lambda state: None)  # every view here is drawn from the sweep in its params
 
 
 def _numbers(text: str, what: str, cast=int) -> list:
@@ -139,14 +181,68 @@ def _numbers(text: str, what: str, cast=int) -> list:
     return values
 
 
+def _whole(value, what: str, low: int) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a whole number, got {value!r}.") from None
+    if number < low:
+        raise ValueError(f"{what} must be at least {low}, got {number}.")
+    return number
+
+
+def _haystack(choice: str | None, pasted: str | None) -> str:
+    if choice != "custom":
+        return load_haystack(choice or "prose")
+    text = (pasted or "").strip()
+    if not text:
+        raise ValueError("The own haystack is empty: paste text or upload a .txt file, or choose 'prose'.")
+    return text
+
+
+def _needles(ticked: list[str] | None, custom: str | None):
+    if custom and custom.strip():
+        return parse_needles(custom)
+    chosen = [n for n in load_needles() if n.id in set(ticked or [])]
+    if not chosen:
+        raise ValueError("Choose at least one needle, or write your own.")
+    return chosen
+
+
+@callback(
+    Output(ids.HEADS_CUSTOM_HAYSTACK, "value"),
+    Output(ids.HEADS_HAYSTACK, "value"),
+    Output(ids.HEADS_STATUS, "children", allow_duplicate=True),
+    Input(ids.HEADS_HAYSTACK_UPLOAD, "contents"),
+    State(ids.HEADS_HAYSTACK_UPLOAD, "filename"),
+    prevent_initial_call=True,
+)
+def upload_haystack(contents, filename):
+    """An uploaded .txt becomes the own haystack (shown in the box, so it can be checked and edited)."""
+    if not contents:
+        raise PreventUpdate
+    try:
+        data = base64.b64decode(contents.split(",", 1)[1], validate=True)
+        text = data.decode("utf-8")
+    except (IndexError, binascii.Error, UnicodeDecodeError):
+        return no_update, no_update, f"{filename or 'The file'} is not UTF-8 text; upload a plain .txt file."
+    if "\x00" in text or not text.strip():
+        return no_update, no_update, f"{filename or 'The file'} has no readable text."
+    return text, "custom", f"Loaded {filename} ({len(text):,} characters) as the haystack."
+
+
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Output(ids.HEADS_STATUS, "children"),
     Input(ids.HEADS_RUN, "n_clicks"),
     State(ids.HEADS_NEEDLES, "value"),
+    State(ids.HEADS_CUSTOM_NEEDLES, "value"),
     State(ids.HEADS_LENGTHS, "value"),
     State(ids.HEADS_DEPTHS, "value"),
     State(ids.HEADS_HAYSTACK, "value"),
+    State(ids.HEADS_CUSTOM_HAYSTACK, "value"),
+    State(ids.HEADS_SINK, "value"),
+    State(ids.HEADS_WINDOW, "value"),
     State(url_id(PREFIX), "search"),
     background=True,
     progress=[Output(ids.HEADS_PROGRESS, "value"), Output(ids.HEADS_PROGRESS, "max"),
@@ -155,25 +251,30 @@ def _numbers(text: str, what: str, cast=int) -> list:
     cancel=[Input(ids.HEADS_CANCEL, "n_clicks")],
     prevent_initial_call=True,
 )
-def run_sweep(set_progress, n_clicks, needle_ids, lengths, depths, haystack, search):
+def run_sweep(set_progress, n_clicks, needle_ids, custom_needles, lengths, depths, haystack, custom_haystack,
+              sink, window, search):
     in_job()
     if not n_clicks:
         raise PreventUpdate
     try:
         context = get_context()
         model = load_model(context.default_model)
-        chosen = [n for n in load_needles() if n.id in set(needle_ids or [])]
+        chosen = _needles(needle_ids, custom_needles)
         lengths_ = _numbers(lengths, "Context lengths")
         depths_ = _numbers(depths, "Depths", float)
-        result = sweep(model, chosen, lengths_, depths_, load_haystack(haystack or "prose"), store=context.store,
+        sink_, window_ = _whole(sink, "The sink size S", 0), _whole(window, "The window W", 1)
+        result = sweep(model, chosen, lengths_, depths_, _haystack(haystack, custom_haystack), store=context.store,
                        progress=progress_reporter(set_progress, "sweep"))
         if not result.trials:
             return no_update, "No trial finished."
-        sweep_run(result)  # capture the first prompt now, so the page's scatter is instant
+        state = parse(search)
+        state.sweep, state.trial = result.key[:16], None
+        state.sink_size = None if sink_ == DEFAULT_SINK else sink_
+        state.window = None if window_ == DEFAULT_WINDOW else window_
+        # the other per-head scores, now, so the page renders from the store
+        head_scores_of(result, sweep_params(state), progress=progress_reporter(set_progress, "scoring heads"))
     except ValueError as e:
         return no_update, str(e)
-    state = parse(search)
-    state.sweep, state.trial = result.key[:16], None
     note = f"{result.n_counted}/{result.n_trials} trials answered; {result.share_above(0.1):.1%} of heads score > 0.1"
     return state.to_search(), note
 
@@ -184,66 +285,86 @@ def run_sweep(set_progress, n_clicks, needle_ids, lengths, depths, haystack, sea
     Output(ids.HEADS_HIST, "figure"),
     Output(ids.HEADS_SCATTER, "figure"),
     Output(ids.HEADS_NIAH, "figure"),
+    Output(ids.HEADS_SCORE_GRID, "figure"),
+    Output(ids.HEADS_MASS, "figure"),
     Output(ids.HEADS_TRIALS, "data"),
     Output(ids.HEADS_STEPS, "figure"),
     Output(ids.HEADS_INFO, "children"),
     Output(ids.HEADS_AGG, "value"),
+    Output(ids.HEADS_SCORE, "value"),
+    Output(ids.HEADS_STAT, "value"),
     Output(ids.ERROR, "children", allow_duplicate=True),
     Input(url_id(PREFIX), "search"),
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=10)
+@guarded(outputs=14)
 def render(search):
     state = parse(search)
     problems = list(state.problems)
-    blank = (EMPTY, [], EMPTY, EMPTY, EMPTY, [], empty_figure("Click a head in the map, then a trial."), "",
-             state.agg)
+    blank = (EMPTY, [], EMPTY, EMPTY, EMPTY, EMPTY, EMPTY, [], empty_figure("Click a head in the map, then a trial."),
+             "", state.agg, state.score, state.stat)
     if state.sweep is None:
         return (*blank, message(problems))
     try:
         sw = sweep_of({"sweep": state.sweep})
     except ValueError as e:
         return (*blank, message([*problems, str(e)]))
-    run = sweep_run(sw)
-    params = {"sweep": state.sweep, "agg": state.agg, "layer": state.layer, "head": state.head,
-              "versus": "streaming", "trial": state.trial}
-    grid, grid_rows = VIEWS["retrieval_grid"].build(run, params)
+    params = sweep_params(state)
+    grid, grid_rows = VIEWS["retrieval_grid"].build(None, params)
     top = sorted(grid_rows, key=lambda r: -r["retrieval"] if r["retrieval"] == r["retrieval"] else 1)[:TOP_K]
     for r in top:
         r["retrieval"] = round(r["retrieval"], 4)
-    hist, _ = VIEWS["retrieval_histogram"].build(run, params)
-    scatter, _ = VIEWS["retrieval_scatter"].build(run, params)
-    niah, _ = VIEWS["niah_grid"].build(run, params)
+    hist, _ = VIEWS["retrieval_histogram"].build(None, params)
+    niah, _ = VIEWS["niah_grid"].build(None, params)
+    try:
+        scatter, _ = VIEWS["retrieval_scatter"].build(None, params)
+        score_grid, _ = VIEWS["head_score_grid"].build(None, params)
+        mass, _ = VIEWS["score_mass"].build(None, params)
+    except ValueError as e:  # e.g. a linked score this sweep does not have
+        problems.append(str(e))
+        scatter = score_grid = mass = EMPTY
     trials, steps = [], empty_figure("Click a head in the map, then a trial.")
     if state.layer is not None and state.head is not None:
         trials = head_trials(sw, state.layer, state.head)
-        steps, _ = VIEWS["trial_steps"].build(run, {**params, "trial": state.trial or 0})
+        steps, _ = VIEWS["trial_steps"].build(None, params)
     info = html.Div([
         html.Span(f"sweep {sw.key[:12]}", className="hs-chip"),
         html.Span(f"{sw.n_counted}/{sw.n_trials} trials counted (ROUGE-1 recall > 0.5)", className="hs-chip"),
         html.Span(f"lengths {sw.lengths}, depths {sw.depths}", className="hs-chip"),
+        html.Span(f"streaming S={params['sink_size']}, W={params['window']}", className="hs-chip"),
         html.Span("cancelled: partial" if sw.cancelled else "complete", className="hs-chip"),
     ])
-    return grid, top, hist, scatter, niah, trials, steps, info, state.agg, message(problems)
+    return (grid, top, hist, scatter, niah, score_grid, mass, trials, steps, info, state.agg, state.score,
+            state.stat, message(problems))
 
 
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Input(ids.HEADS_GRID, "clickData"),
+    Input(ids.HEADS_SCORE_GRID, "clickData"),
     Input(ids.HEADS_AGG, "value"),
+    Input(ids.HEADS_SCORE, "value"),
+    Input(ids.HEADS_STAT, "value"),
     Input(ids.HEADS_TRIALS, "active_cell"),
     State(ids.HEADS_TRIALS, "derived_viewport_data"),
     State(url_id(PREFIX), "search"),
     prevent_initial_call=True,
 )
-def select(click, agg, cell, rows, search):
+def select(click, score_click, agg, score, stat, cell, rows, search):
     state = parse(search)
     trigger = dash.ctx.triggered_id
-    if trigger == ids.HEADS_GRID and click and click.get("points") and state.agg == "query":
+    if trigger in (ids.HEADS_GRID, ids.HEADS_SCORE_GRID):
+        click = click if trigger == ids.HEADS_GRID else score_click
+        if not (click and click.get("points")) or (trigger == ids.HEADS_GRID and state.agg != "query"):
+            return no_update
         point = click["points"][0]
         state.layer, state.head, state.trial = int(point["y"]), int(point["x"]), None
     elif trigger == ids.HEADS_AGG and agg and agg != state.agg:
         state.agg = agg
+    elif trigger == ids.HEADS_SCORE and score and score != state.score:
+        state.score = score
+    elif trigger == ids.HEADS_STAT and stat and stat != state.stat:
+        state.stat = stat
     elif trigger == ids.HEADS_TRIALS and cell and rows:
         state.trial = int(rows[cell["row"]]["trial"])
     else:

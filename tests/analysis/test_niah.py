@@ -178,3 +178,18 @@ def test_find_span():
     assert find_span([1, 2, 3, 1, 2], [1, 2]) == [0, 3]
     assert find_span([1, 2], [1, 2, 3]) == []
     assert find_span(np.array([5, 6]).tolist(), [6]) == [1]
+
+
+def test_own_needles_parse_from_lines_or_json_and_bad_ones_say_why():
+    from analysis.niah import parse_needles
+
+    lines = "# mine\nThe vault code is 7731. | What is the vault code? | 7731\n\nPip is a parrot. | Who is Pip? | a parrot"
+    needles = parse_needles(lines)
+    assert [(n.needle, n.question, n.answer) for n in needles] == [
+        ("The vault code is 7731.", "What is the vault code?", "7731"), ("Pip is a parrot.", "Who is Pip?", "a parrot")]
+    assert parse_needles('[{"needle": "A.", "question": "B?", "answer": "C", "id": "x"}]')[0].id == "x"
+    for bad, why in [("", "No needles"), ("only | two", "line 1"), ("a | | c", "line 1"),
+                     ('[{"needle": 1', "do not parse"), ('[{"needle": "A.", "question": "B?"}]', "needs the fields"),
+                     ('[{"needle": "A.", "question": "B?", "answer": " "}]', "empty")]:
+        with pytest.raises(InputError, match=why):
+            parse_needles(bad)

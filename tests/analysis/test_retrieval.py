@@ -290,3 +290,33 @@ def test_small_sweep_finds_few_retrieval_heads(one_thread):
     assert result.share_above(0.1) < 0.10
     # GQA tables agree with the per-query-head table
     np.testing.assert_allclose(result.group_max, scores.reshape(30, 3, 3).max(-1))
+
+
+def test_decode_rows_replay_the_scored_steps(tiny, prompt):
+    from analysis.retrieval import decode_rows
+
+    trial = run_trial(tiny, prompt, max_new_tokens=5)
+    n = len(prompt.token_ids)
+    for layer, head in [(0, 0), (1, 3)]:
+        rows = decode_rows(tiny, trial, layer, head)
+        assert rows.shape == (len(trial.generated), n + len(trial.generated) - 1)
+        for t, row in enumerate(rows):
+            visible = n + t
+            assert row[visible:].sum() == 0.0
+            assert row[:visible].sum() == pytest.approx(1.0, abs=1e-5)
+            assert row.argmax() == trial.argmax_keys[t, layer, head]
+            assert row.max() == pytest.approx(float(trial.argmax_weight[t, layer, head]), abs=1e-5)
+
+
+def test_decode_rows_show_a_forced_head_reading_the_needle(tiny, prompt):
+    from analysis.retrieval import decode_rows
+
+    start, end = prompt.needle_span
+    copy = prompt.token_ids[start:end]
+    with tiny.bridge.hooks(fwd_hooks=forcing_hooks(tiny, prompt, copy)):
+        trial = run_trial(tiny, prompt, max_new_tokens=end - start + 2)
+        rows = decode_rows(tiny, trial, 0, 0)
+    for t in range(end - start):
+        assert rows[t, start + t] == 1.0  # step t reads needle token t, which it then copies
+    with pytest.raises(InputError, match="No head"):
+        decode_rows(tiny, trial, 0, 9)

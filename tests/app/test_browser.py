@@ -89,6 +89,12 @@ def click_cell(page, graph, col, row, n_cols, n_rows):
     page.mouse.click(box["x"] + box["width"] * (col + 0.5) / n_cols, box["y"] + box["height"] * (row + 0.5) / n_rows)
 
 
+def select_option(page, dropdown: str, value_label: str) -> None:
+    """Pick an option of a Dash dropdown by (part of) its label, as a user clicks it."""
+    page.click(f"#{dropdown}")
+    page.get_by_role("option", name=value_label).first.click()
+
+
 def wait_title(page, graph: str, text: str, timeout: float = 60_000) -> None:
     page.wait_for_function(
         "([g, t]) => { const el = document.querySelector(`#${g} .gtitle`); return el && el.textContent.includes(t); }",
@@ -248,15 +254,28 @@ def test_heads_page_runs_a_small_sweep_and_opens_a_heads_trials(server, page, tm
     url, proc, _ = server
     page.goto(url + "heads")
     page.wait_for_selector("#hs-heads-run")
-    for box in page.locator("#hs-heads-needles input").all()[1:]:
-        box.uncheck()
+    # a malformed own needle is refused with a message, nothing runs
+    page.fill("#hs-heads-custom-needles", "The secret passkey is 7731. | What is the secret passkey?")
+    page.click("#hs-heads-run")
+    page.wait_for_function("(document.querySelector('#hs-heads-status')?.innerText || '').includes('needle | question | answer')")
+    # an own needle in the synthetic haystack, with a non-default streaming window
+    page.fill("#hs-heads-custom-needles", "The secret passkey is 7731. | What is the secret passkey? | 7731")
     page.fill("#hs-heads-lengths", "256")
     page.fill("#hs-heads-depths", "50")
+    page.fill("#hs-heads-window", "32")
+    select_option(page, "hs-heads-haystack", "passkey")
     page.click("#hs-heads-run")
     page.wait_for_function("location.search.includes('sweep=')", timeout=240_000)
+    assert "window=32" in page.evaluate("location.search")
     page.wait_for_selector("#hs-heads-grid .heatmaplayer .hm")
-    assert "1 trials" in page.locator("#hs-heads-info").inner_text() or "/1 trials" in page.locator(
-        "#hs-heads-info").inner_text()
+    assert "1/1 trials" in page.locator("#hs-heads-info").inner_text()  # SmolLM2 answers this one
+    # the settings a user typed survive the page update
+    assert page.input_value("#hs-heads-custom-needles").startswith("The secret passkey")
+    assert page.input_value("#hs-heads-window") == "32"
+    wait_title(page, "hs-heads-score-grid", "Streaming score (S=4, W=32): mean over 1 prompts")
+    select_option(page, "hs-heads-score", "evidence")
+    wait_title(page, "hs-heads-score-grid", "Evidence score (question → needle)")
+    wait_title(page, "hs-heads-mass", "of heads hold 50% of the positive mass")
     top_layer = int(page.locator("#hs-heads-topk td[data-dash-column='layer']").first.inner_text())
     top_head = int(page.locator("#hs-heads-topk td[data-dash-column='head']").first.inner_text())
     click_cell(page, "hs-heads-grid", col=top_head, row=top_layer, n_cols=9, n_rows=30)
@@ -267,9 +286,17 @@ def test_heads_page_runs_a_small_sweep_and_opens_a_heads_trials(server, page, tm
         page.click("[data-export='retrieval_grid-csv']")
     path = tmp_path / "grid.zip"
     download.value.save_as(path)
-    z = zipfile.ZipFile(path)
-    rows = z.read("data.csv").decode().splitlines()
+    rows = zipfile.ZipFile(path).read("data.csv").decode().splitlines()
     assert rows[0] == "layer,head,retrieval" and len(rows) == 1 + 270
+    # the decode-step rows export whole: every key of every step, the needle marked
+    with page.expect_download() as download:
+        page.click("[data-export='trial_steps-json']")
+    path = tmp_path / "steps.zip"
+    download.value.save_as(path)
+    z = zipfile.ZipFile(path)
+    steps = json.loads(z.read("data.json"))
+    assert any(r["in_needle"] for r in steps) and sum(r["argmax"] for r in steps) == 1 + max(r["step"] for r in steps)
+    assert json.loads(z.read("manifest.json"))["params"]["layer"] == top_layer
     assert proc.poll() is None
 
 

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -72,6 +73,13 @@ def test_scan_writes_tables_and_figures_and_reuses_trials(tmp_path):
     scores = (tmp_path / "a" / "retrieval_scores.csv").read_text().splitlines()
     assert len(scores) == 30 and all(len(line.split(",")) == 9 for line in scores)
     assert (tmp_path / "a" / "retrieval_grid.svg").exists() and (tmp_path / "a" / "niah_grid.svg").exists()
+    # the other per-head scores, over the sweep's prompts, as tables and maps
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert {"streaming", "induction", "duplicate_token", "mid_sink", "evidence"} <= set(summary["head_scores"]["scores"])
+    evidence = np.loadtxt(tmp_path / "a" / "evidence_mean.csv", delimiter=",")
+    assert evidence.shape == (30, 9) and 0 <= evidence.min() and evidence.max() <= 1
+    assert (tmp_path / "a" / "induction" / "head_score_grid.svg").exists()
+    assert (tmp_path / "a" / "mass_evidence" / "score_mass.csv").exists()
     again = headscope(*args, "--out", str(tmp_path / "b"), home=home)
     assert "(1 reused)" in again.stdout
     assert (tmp_path / "b" / "retrieval_scores.csv").read_text() == (tmp_path / "a" / "retrieval_scores.csv").read_text()

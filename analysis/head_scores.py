@@ -1,0 +1,167 @@
+"""Per-head scores over several prompts, aggregated with mean and spread.
+
+For each prompt one forward pass is captured (patterns are not stored: at 1,024 tokens they are
+~0.6 GB per prompt) and every score of :data:`analysis.head_summary.HEAD_METRICS` is computed on it,
+with the streaming score's sink size S and recent window W as parameters
+(:func:`analysis.streaming.streaming_score`), plus the evidence score when the prompt names a
+question span and an evidence span (:func:`analysis.evidence.evidence_score`: question tokens →
+the needle, as in a needle-in-a-haystack prompt). The per-prompt tables are aggregated with
+:func:`analysis.detectors.aggregate_runs` (mean, sample standard deviation, n) and stored, so the
+Heads page and ``headscope scan`` read them back instantly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from analysis.capture import InputError, capture
+from analysis.detectors import aggregate_runs
+from analysis.evidence import evidence_score
+from analysis.head_summary import HEAD_METRICS
+from analysis.models import LoadedModel
+from analysis.store import Store, content_key
+from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW, streaming_score
+
+HEAD_SCORES_VERSION = 1
+EVIDENCE = "evidence"
+LABELS = {**{name: m.label for name, m in HEAD_METRICS.items()}, EVIDENCE: "Evidence score (question → needle)"}
+
+
+@dataclass(frozen=True)
+class ScoredPrompt:
+    """One prompt to score: its exact token ids and, optionally, the evidence score's spans."""
+
+    token_ids: list[int]
+    question_span: tuple[int, int] | None = None
+    evidence_span: tuple[int, int] | None = None
+
+
+@dataclass
+class HeadScores:
+    """Every per-head score over ``n_prompts`` prompts.
+
+    Attributes
+    ----------
+    runs : score name → ``[prompt, layer, head]`` the per-prompt tables.
+    mean, std : score name → ``[layer, head]`` mean and sample standard deviation over prompts
+        (prompts where a score is nan are skipped; std is 0 with one prompt).
+    sink, window : the streaming score's S and W.
+    """
+
+    runs: dict[str, np.ndarray]
+    mean: dict[str, np.ndarray]
+    std: dict[str, np.ndarray]
+    sink: int
+    window: int
+    n_prompts: int
+    key: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.mean)
+
+
+def _key(model: LoadedModel, prompts: Sequence[ScoredPrompt], sink: int, window: int) -> str:
+    return content_key(
+        "head_scores", HEAD_SCORES_VERSION, model.digest,
+        [[p.token_ids, p.question_span, p.evidence_span] for p in prompts], sink, window,
+    )
+
+
+def score_prompts(
+    model: LoadedModel,
+    prompts: Sequence[ScoredPrompt],
+    *,
+    sink: int = DEFAULT_SINK,
+    window: int = DEFAULT_WINDOW,
+    store: Store | None = None,
+    progress: Callable[[float], None] | None = None,
+) -> HeadScores:
+    """Score every head on every prompt and aggregate (see the module docstring).
+
+    Parameters
+    ----------
+    prompts : at least one; each is captured with its ids exactly as given.
+    sink, window : S >= 0 first tokens and W >= 1 most recent tokens of the streaming score.
+    store : results are loaded from / saved to it under a key of the model digest, the prompts, S and W.
+
+    Returns
+    -------
+    :class:`HeadScores`; ``evidence`` is present when every prompt has both spans.
+    """
+    if not prompts:
+        raise InputError("Give at least one prompt to score heads on.")
+    if sink < 0 or window < 1:
+        raise InputError(f"The streaming score needs a sink size >= 0 and a window >= 1; got S={sink}, W={window}.")
+    key = _key(model, prompts, sink, window)
+    if store is not None:
+        stored = load_head_scores(store, key)
+        if stored is not None:
+            if progress:
+                progress(1.0)
+            return stored
+    with_evidence = all(p.question_span and p.evidence_span for p in prompts)
+    per_run: dict[str, list[np.ndarray]] = {}
+    for k, prompt in enumerate(prompts):
+        run = capture(model, prompt.token_ids, max_tokens=max(len(prompt.token_ids), 1))
+        for name, metric in HEAD_METRICS.items():
+            if name == "streaming":
+                table = streaming_score(run.patterns, sink=sink, window=window)
+            else:
+                table = metric.compute(run.patterns, run.token_ids)
+            per_run.setdefault(name, []).append(np.asarray(table, dtype=np.float64))
+        if with_evidence:
+            per_run.setdefault(EVIDENCE, []).append(
+                evidence_score(run.patterns, tuple(prompt.question_span), tuple(prompt.evidence_span)))
+        del run
+        if progress:
+            progress((k + 1) / len(prompts))
+    runs = {name: np.stack(tables) for name, tables in per_run.items()}
+    mean, std = {}, {}
+    for name, stack in runs.items():
+        agg = aggregate_runs(list(stack))
+        mean[name], std[name] = agg.mean, agg.std
+    meta = {"model_name": model.name, "model_digest": model.digest, "sink": sink, "window": window,
+            "n_prompts": len(prompts), "n_tokens": [len(p.token_ids) for p in prompts],
+            "names": list(runs), "version": HEAD_SCORES_VERSION}
+    result = HeadScores(runs, mean, std, sink, window, len(prompts), key=key, meta=meta)
+    if store is not None:
+        store.put(key, "head_scores", meta, {f"runs_{n}": a.astype(np.float32) for n, a in runs.items()})
+    return result
+
+
+def load_head_scores(store: Store, key: str) -> HeadScores | None:
+    """Stored head scores, or None when absent or corrupt."""
+    record = store.get(key)
+    if record is None or record.kind != "head_scores":
+        return None
+    m = record.meta
+    runs = {n: record.array(f"runs_{n}", mmap=False).astype(np.float64) for n in m["names"]}
+    mean, std = {}, {}
+    for name, stack in runs.items():
+        agg = aggregate_runs(list(stack))
+        mean[name], std[name] = agg.mean, agg.std
+    return HeadScores(runs, mean, std, int(m["sink"]), int(m["window"]), int(m["n_prompts"]), key=key, meta=m)
+
+
+def trial_prompts(trials: Sequence[Any]) -> list[ScoredPrompt]:
+    """The distinct prompts of needle-in-a-haystack trials, with question → needle as the evidence spans.
+
+    ``trials`` are :class:`analysis.retrieval.Trial` (anything with ``prompt_ids`` and ``settings``
+    holding ``question_span`` and ``needle_span``); a prompt repeated across trials is scored once.
+    """
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for t in trials:
+        ids = tuple(int(i) for i in t.prompt_ids)
+        if ids in seen:
+            continue
+        seen.add(ids)
+        q, e = t.settings.get("question_span"), t.settings.get("needle_span")
+        out.append(ScoredPrompt(list(ids), tuple(q) if q else None, tuple(e) if e else None))
+    return out

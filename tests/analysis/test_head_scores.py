@@ -1,0 +1,56 @@
+"""Per-head scores over several prompts: each table equals the score computed directly on that
+prompt's captured patterns, the aggregate is their mean and spread, and results are stored."""
+
+import numpy as np
+import pytest
+
+from analysis.capture import InputError, capture
+from analysis.evidence import evidence_score
+from analysis.head_scores import ScoredPrompt, load_head_scores, score_prompts, trial_prompts
+from analysis.head_summary import HEAD_METRICS
+from analysis.streaming import streaming_score
+
+
+@pytest.fixture
+def prompts(tiny_model):
+    texts = ["The cat sat on the mat. The cat sat on the mat again, said the cat.",
+             "Alice met Bob in Paris. Later Alice met Bob in Rome, and Alice was happy."]
+    return [ScoredPrompt(tiny_model.encode(t), (10, 14), (2, 5)) for t in texts]
+
+
+def test_scores_equal_direct_computation_and_aggregate_over_prompts(tiny_model, prompts, store):
+    result = score_prompts(tiny_model, prompts, sink=2, window=3, store=store)
+    assert result.n_prompts == 2 and set(result.names) == set(HEAD_METRICS) | {"evidence"}
+    for k, p in enumerate(prompts):
+        run = capture(tiny_model, p.token_ids)
+        np.testing.assert_allclose(result.runs["streaming"][k], streaming_score(run.patterns, 2, 3))
+        np.testing.assert_allclose(result.runs["induction"][k],
+                                   HEAD_METRICS["induction"].compute(run.patterns, run.token_ids))
+        np.testing.assert_allclose(result.runs["evidence"][k], evidence_score(run.patterns, (10, 14), (2, 5)))
+    for name in result.names:
+        stack = result.runs[name]
+        np.testing.assert_allclose(result.mean[name], stack.mean(0), equal_nan=True)
+        np.testing.assert_allclose(result.std[name], stack.std(0, ddof=1), equal_nan=True)
+    again = load_head_scores(store, result.key)
+    assert again is not None and again.sink == 2 and again.window == 3
+    np.testing.assert_allclose(again.mean["induction"], result.mean["induction"], atol=1e-6)
+    # streaming S/W are part of the key: other values are computed afresh
+    other = score_prompts(tiny_model, prompts, sink=0, window=1, store=store)
+    assert other.key != result.key
+
+
+def test_bad_requests_say_what_is_wrong(tiny_model, prompts):
+    with pytest.raises(InputError, match="at least one prompt"):
+        score_prompts(tiny_model, [])
+    with pytest.raises(InputError, match="window >= 1"):
+        score_prompts(tiny_model, prompts, window=0)
+
+
+def test_trial_prompts_dedupe_and_carry_the_needle_spans():
+    class T:
+        def __init__(self, ids):
+            self.prompt_ids, self.settings = ids, {"question_span": [5, 7], "needle_span": [1, 3]}
+
+    out = trial_prompts([T([1, 2, 3]), T([1, 2, 3]), T([4, 5])])
+    assert [p.token_ids for p in out] == [[1, 2, 3], [4, 5]]
+    assert out[0].question_span == (5, 7) and out[0].evidence_span == (1, 3)
