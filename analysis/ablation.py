@@ -54,7 +54,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -64,6 +64,8 @@ from transformer_lens.utilities import get_act_name
 
 from analysis.capture import InputError, tokenize_input
 from analysis.models import LoadedModel
+from analysis.niah import NiahPrompt
+from analysis.retrieval import ROUGE_GATE, Cancelled, cancel_requested, rouge1_recall, stop_ids
 from analysis.store import Store, content_key
 
 ABLATION_VERSION = 1
@@ -89,18 +91,6 @@ MetricFn = Callable[[LoadedModel, list[Hook]], float]
 
 MAX_TOKENS = 2048
 MAX_NEW_TOKENS = 256
-
-
-def _cancelled(cancel: Any) -> bool:
-    if cancel is None:
-        return False
-    if hasattr(cancel, "is_set"):
-        return bool(cancel.is_set())
-    return bool(cancel())
-
-
-# ---------------------------------------------------------------------------------------------
-# Naming heads
 
 
 def kv_group_heads(model: LoadedModel, layer: int, group: int) -> list[Head]:
@@ -217,6 +207,15 @@ def head_means_key(model: LoadedModel, reference_ids: Sequence[Sequence[int]]) -
     )
 
 
+def load_head_means(store: Store, key: str) -> HeadMeans | None:
+    """Stored head means under ``key`` (see :func:`head_means`), or None."""
+    record = store.get(key)
+    if record is None or record.kind != "head_means":
+        return None
+    m = record.meta
+    return HeadMeans(key, m["model_digest"], record.array("mean", mmap=False), m["n_runs"], m["n_tokens"])
+
+
 def head_means(
     model: LoadedModel,
     reference: Sequence[str | Sequence[int]],
@@ -247,14 +246,11 @@ def head_means(
     ids_list = [tokenize_input(model, r, MAX_TOKENS) for r in reference]
     key = head_means_key(model, ids_list)
     if store is not None:
-        record = store.get(key)
-        if record is not None and record.kind == "head_means":
-            m = record.meta
+        stored = load_head_means(store, key)
+        if stored is not None:
             if progress:
                 progress(1.0)
-            return HeadMeans(
-                key, m["model_digest"], record.array("mean", mmap=False), m["n_runs"], m["n_tokens"]
-            )
+            return stored
     total = torch.zeros((model.n_layers, model.n_heads, model.d_head), dtype=torch.float64)
 
     def add(layer: int):
@@ -560,19 +556,6 @@ def _token_loss(logprobs: torch.Tensor, ids: Sequence[int]) -> np.ndarray:
     return loss
 
 
-def _stop_ids(model: LoadedModel) -> set[int]:
-    """The tokenizer's EOS and the generation config's EOS ids."""
-    ids: set[int] = set()
-    if getattr(model.tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(model.tokenizer.eos_token_id))
-    eos = getattr(getattr(model.hf_model, "generation_config", None), "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, list | tuple):
-        ids.update(int(e) for e in eos)
-    return ids
-
-
 def greedy_continuation(
     model: LoadedModel,
     ids: Sequence[int],
@@ -598,7 +581,7 @@ def greedy_continuation(
         raise InputError(
             f"The prompt and continuation would pass the model's context of {model.n_ctx:,} tokens."
         )
-    stops = _stop_ids(model) if stop_at_eos else set()
+    stops = stop_ids(model) if stop_at_eos else set()
     bridge = model.bridge
     out: list[int] = []
     if max_new_tokens == 0:
@@ -610,7 +593,7 @@ def greedy_continuation(
             out.append(token)
             if progress:
                 progress(len(out) / max_new_tokens)
-            if token in stops or step == max_new_tokens - 1 or _cancelled(cancel):
+            if token in stops or step == max_new_tokens - 1 or cancel_requested(cancel):
                 break
             logits, past = bridge(
                 _tensor(model, [[token]]), return_type="logits_and_cache", past_key_values=past
@@ -734,7 +717,7 @@ def ablation_effects(
         effects.target_logit_ablated = results["ablated"]["logit"]
         effects.target_prob_clean = results["clean"]["prob"]
         effects.target_prob_ablated = results["ablated"]["prob"]
-    if max_new_tokens > 0 and not _cancelled(cancel):
+    if max_new_tokens > 0 and not cancel_requested(cancel):
         effects.continuation_clean = greedy_continuation(model, ids, [], max_new_tokens, cancel=cancel)
         if progress:
             progress(3 / steps)
@@ -868,7 +851,7 @@ def single_head_sweep(
     done = 0
     complete = True
     for start in range(0, len(todo), batch_size):
-        if _cancelled(cancel):
+        if cancel_requested(cancel):
             complete = False
             break
         chunk = todo[start : start + batch_size]
@@ -960,6 +943,7 @@ def topk_curve(
     method: str | AblationSpec = "zero",
     random_seeds: Sequence[int] = (0, 1, 2, 3, 4),
     *,
+    known: MutableMapping[tuple[Head, ...], float] | None = None,
     progress: Progress | None = None,
     cancel: Cancel | None = None,
 ) -> TopkCurve:
@@ -984,6 +968,8 @@ def topk_curve(
         ``model.bridge.hooks(hooks)``).
     method : a method name or an :class:`AblationSpec` template (its options are used).
     random_seeds : one random curve per seed; empty for none.
+    known : metric values by ablated head set (sorted tuple), read before and written after each
+        evaluation, e.g. a :class:`StoredValues`: a cancelled curve run again resumes where it stopped.
     """
     scores = np.asarray(scores, dtype=np.float64)
     if scores.shape != (model.n_layers, model.n_heads):
@@ -1018,10 +1004,10 @@ def topk_curve(
     for s_i, seed in enumerate(seeds):
         perm = np.random.default_rng(seed).permutation(len(pool))
         jobs += [(s_i, j, [pool[i] for i in perm[:k]]) for j, k in enumerate(ks)]
-    cache: dict[tuple[Head, ...], float] = {}
+    cache: MutableMapping[tuple[Head, ...], float] = known if known is not None else {}
     complete = True
     for done, (s_i, j, heads) in enumerate(jobs):
-        if _cancelled(cancel):
+        if cancel_requested(cancel):
             complete = False
             break
         key = tuple(sorted(heads))
@@ -1036,3 +1022,129 @@ def topk_curve(
         if progress:
             progress((done + 1) / len(jobs))
     return TopkCurve(ks, top, rand, seeds, order, template.method, complete)
+
+
+# ---------------------------------------------------------------------------------------------
+# Retrieval accuracy under an ablation
+
+
+@dataclass
+class RetrievalAccuracy:
+    """Needle-in-a-haystack accuracy of a (possibly ablated) model: ``accuracy`` is the share of
+    prompts whose greedy response recalls the answer (ROUGE-1 recall > 0.5, the gate of
+    :mod:`analysis.retrieval`)."""
+
+    accuracy: float
+    recalls: list[float]
+    responses: list[str]
+
+
+def retrieval_accuracy(
+    model: LoadedModel,
+    prompts: Sequence[NiahPrompt],
+    hooks: Sequence[Hook] = (),
+    *,
+    max_new_tokens: int = 24,
+    cancel: Cancel | None = None,
+) -> RetrievalAccuracy:
+    """Greedy-decode every prompt with ``hooks`` active and score its answer (Wu et al. 2024, §4:
+    masking retrieval heads breaks needle-in-a-haystack retrieval)."""
+    if not prompts:
+        raise InputError("No needle-in-a-haystack prompts to measure retrieval accuracy on.")
+    stops = stop_ids(model)
+    recalls, responses = [], []
+    for prompt in prompts:
+        if cancel_requested(cancel):
+            raise Cancelled("cancelled")
+        out = greedy_continuation(model, prompt.token_ids, hooks, max_new_tokens)
+        text = model.tokenizer.decode([t for t in out if t not in stops], skip_special_tokens=True)
+        responses.append(text)
+        recalls.append(rouge1_recall(prompt.needle.answer, text))
+    return RetrievalAccuracy(float(np.mean([r > ROUGE_GATE for r in recalls])), recalls, responses)
+
+
+def retrieval_accuracy_fn(prompts: Sequence[NiahPrompt], max_new_tokens: int = 24) -> MetricFn:
+    """A ``metric_fn(model, hooks)`` for :func:`topk_curve`: NIAH accuracy on ``prompts``."""
+    prompts = list(prompts)
+    if not prompts:
+        raise InputError("No needle-in-a-haystack prompts to measure retrieval accuracy on.")
+
+    def metric_fn(m: LoadedModel, hooks: list[Hook]) -> float:
+        return retrieval_accuracy(m, prompts, hooks, max_new_tokens=max_new_tokens).accuracy
+
+    return metric_fn
+
+
+# ---------------------------------------------------------------------------------------------
+# Stored results
+
+
+class StoredValues(MutableMapping):
+    """Metric values by ablated head set, kept in the store under a scope (the model, the metric's
+    subject and the ablation method), so finished evaluations survive a cancel or a crash."""
+
+    def __init__(self, store: Store, scope: Any) -> None:
+        self.store, self.scope = store, content_key("ablation_values", ABLATION_VERSION, scope)
+
+    def _key(self, heads: tuple[Head, ...]) -> str:
+        return content_key("ablation_value", self.scope, [list(h) for h in heads])
+
+    def __getitem__(self, heads: tuple[Head, ...]) -> float:
+        record = self.store.get(self._key(heads))
+        if record is None or record.kind != "ablation_value":
+            raise KeyError(heads)
+        return float(record.meta["value"])
+
+    def __setitem__(self, heads: tuple[Head, ...], value: float) -> None:
+        self.store.put(self._key(heads), "ablation_value", {"value": float(value), "heads": [list(h) for h in heads]}, {})
+
+    def __delitem__(self, heads: tuple[Head, ...]) -> None:
+        self.store.remove(self._key(heads))
+
+    def __iter__(self):
+        raise TypeError("StoredValues cannot be listed; look values up by head set")
+
+    def __len__(self) -> int:
+        raise TypeError("StoredValues cannot be counted")
+
+    def __contains__(self, heads: object) -> bool:
+        try:
+            self[heads]  # type: ignore[index]
+        except KeyError:
+            return False
+        return True
+
+
+def save_curve(store: Store, key: str, curve: TopkCurve, meta: dict[str, Any]) -> None:
+    """Store a top-k curve (a cancelled, partial curve too: its missing entries are nan)."""
+    store.put(key, "ablation_curve", {
+        **meta, "k_values": curve.k_values, "seeds": curve.seeds, "order": [list(h) for h in curve.order],
+        "method": curve.method, "complete": curve.complete, "version": ABLATION_VERSION,
+    }, {"top": np.asarray(curve.top, dtype=np.float64), "random": np.asarray(curve.random, dtype=np.float64)})
+
+
+def load_curve(store: Store, key: str) -> tuple[TopkCurve, dict[str, Any]] | None:
+    record = store.get(key)
+    if record is None or record.kind != "ablation_curve":
+        return None
+    m = record.meta
+    curve = TopkCurve(list(m["k_values"]), record.array("top", mmap=False), record.array("random", mmap=False),
+                      list(m["seeds"]), [tuple(h) for h in m["order"]], m["method"], bool(m["complete"]))
+    return curve, m
+
+
+def save_head_sweep(store: Store, key: str, sweep: HeadSweep, meta: dict[str, Any]) -> None:
+    store.put(key, "ablation_head_sweep", {
+        **meta, "clean": sweep.clean, "method": sweep.method, "metric": sweep.metric,
+        "complete": sweep.complete, "seconds": sweep.seconds, "version": ABLATION_VERSION,
+    }, {"effect": np.asarray(sweep.effect, dtype=np.float32)})
+
+
+def load_head_sweep(store: Store, key: str) -> tuple[HeadSweep, dict[str, Any]] | None:
+    record = store.get(key)
+    if record is None or record.kind != "ablation_head_sweep":
+        return None
+    m = record.meta
+    sweep = HeadSweep(record.array("effect", mmap=False), float(m["clean"]), m["method"], m["metric"],
+                      bool(m["complete"]), float(m["seconds"]))
+    return sweep, m

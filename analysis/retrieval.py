@@ -166,7 +166,7 @@ def stop_ids(model: LoadedModel) -> set[int]:
     return ids
 
 
-def _cancelled(cancel: Any) -> bool:
+def cancel_requested(cancel: Any) -> bool:
     if cancel is None:
         return False
     if hasattr(cancel, "is_set"):
@@ -250,7 +250,7 @@ def greedy_decode(
         token = int(prompt_ids[-1])
         with bridge.hooks(fwd_hooks=hooks) if record else nullcontext():
             for step in range(max_new_tokens):
-                if _cancelled(cancel):
+                if cancel_requested(cancel):
                     raise Cancelled("cancelled")
                 step_box[0] = step
                 inp = torch.tensor([[token]], dtype=torch.long, device=device)
@@ -426,6 +426,17 @@ def run_trial(
     return trial
 
 
+def trial_prompt(trial: Trial) -> NiahPrompt:
+    """The prompt a stored trial decoded, rebuilt from its record (ids, spans, needle)."""
+    st = trial.settings
+    return NiahPrompt(
+        token_ids=list(trial.prompt_ids), needle_span=tuple(st["needle_span"]),
+        question_span=tuple(st.get("question_span", (0, 0))), needle=Needle(**st["needle"]),
+        length=int(st["length"]), depth=float(st["depth"]), actual_depth=float(st.get("actual_depth", st["depth"])),
+        haystack_tokens=0, text="",
+    )
+
+
 def decode_rows(model: LoadedModel, trial: Trial, layer: int, head: int) -> np.ndarray:
     """One head's whole attention row at every decode step of a trial, by replaying its decode.
 
@@ -580,7 +591,7 @@ def sweep(
     cancelled = False
     n = len(plan)
     for k, (i, j, prompt) in enumerate(plan):
-        if _cancelled(cancel):
+        if cancel_requested(cancel):
             cancelled = True
             break
         step_progress = (lambda f, k=k: progress((k + f) / n)) if progress else None

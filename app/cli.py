@@ -219,6 +219,153 @@ def cmd_scan(args) -> int:
     return 0
 
 
+def cmd_ablate(args) -> int:
+    """Ablate heads: effects on a text, retrieval accuracy on a needle-in-a-haystack sweep, and the
+    top-k vs random curve; writes tables (CSV, JSON) and figures."""
+    import json
+
+    import numpy as np
+
+    from analysis.ablation import (
+        AblationSpec,
+        StoredValues,
+        format_heads,
+        head_means,
+        loss_metric_fn,
+        parse_heads,
+        rank_heads,
+        retrieval_accuracy,
+        retrieval_accuracy_fn,
+        save_curve,
+        topk_curve,
+    )
+    from analysis.capture import InputError, capture
+    from analysis.models import load_model
+    from analysis.niah import load_haystack, load_needles
+    from analysis.retrieval import sweep, trial_prompt
+    from analysis.store import content_key
+    from app.ablation_views import builtin_reference
+    from app.context import AppContext, set_context
+    from app.export import write_files
+    from app.views import metric_scores
+
+    store = _store(args)
+    set_context(AppContext(store=store, default_model=args.model))
+    if bool(args.heads) == bool(args.top_k):
+        raise InputError("Choose the heads with exactly one of --heads (e.g. 12.3,14.1) and --top-k N --by SCORE.")
+    if not (args.text or args.file or args.sweep):
+        raise InputError("Say what to measure on: --text, --file, or --sweep (needle-in-a-haystack prompts).")
+    text = args.text
+    if args.file:
+        try:
+            text = Path(args.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"Cannot read {args.file} as UTF-8 text: {e}") from None
+    with progress_bar("loading model") as bar:
+        model = load_model(args.model)
+        bar(1.0)
+    run = capture(model, text, store=store) if text else None
+    result = None
+    if args.sweep:
+        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+        depths = [float(x) for x in args.depths.split(",") if x.strip()]
+        needles = load_needles()
+        if args.needles:
+            known = {n.id: n for n in needles}
+            unknown = [w for w in args.needles.split(",") if w.strip() and w.strip() not in known]
+            if unknown:
+                raise InputError(f"Unknown needle ids {unknown}; known: {', '.join(known)}")
+            needles = [known[w.strip()] for w in args.needles.split(",") if w.strip()]
+        with progress_bar("needle-in-a-haystack sweep") as bar:
+            result = sweep(model, needles, lengths, depths, load_haystack(args.haystack), store=store, progress=bar)
+    # the scores heads are ranked by
+    scores, by_label = None, ""
+    if args.top_k:
+        if args.by == "retrieval":
+            if result is None:
+                raise InputError("--by retrieval needs --sweep (the retrieval scores come from its trials).")
+            scores, by_label = np.nan_to_num(result.scores, nan=0.0), "Retrieval score"
+        else:
+            if run is None:
+                raise InputError(f"--by {args.by} is computed on a text: give --text or --file.")
+            from analysis.head_summary import HEAD_METRICS
+
+            if args.by not in HEAD_METRICS:
+                raise InputError(f"Unknown score {args.by!r}: use retrieval or one of {', '.join(HEAD_METRICS)}.")
+            scores, by_label = metric_scores(run, args.by), HEAD_METRICS[args.by].label
+        heads = rank_heads(scores)[: args.top_k]
+        if len(heads) < args.top_k:
+            raise InputError(f"Only {len(heads)} heads have a {by_label} here; --top-k must be at most that.")
+    else:
+        heads = parse_heads(model, args.heads)
+    # the method and what it needs
+    params = {"model": args.model, "heads": format_heads(heads), "ablate": args.method}
+    means = source = None
+    if args.method == "mean":
+        texts = builtin_reference()
+        if args.reference_file:
+            texts = [t for t in Path(args.reference_file).read_text(encoding="utf-8").splitlines() if t.strip()]
+        with progress_bar("reference means") as bar:
+            means = head_means(model, texts, store=store, progress=bar)
+        params["ref"] = means.key[:16]
+    if args.method == "resample":
+        if not args.source:
+            raise InputError("--method resample needs --source TEXT (the input whose head outputs are patched in).")
+        source_run = capture(model, args.source, store=store)
+        source, params["source"] = tuple(source_run.token_ids), source_run.key[:16]
+    spec = AblationSpec(tuple(heads), args.method, means=means, source_ids=source)
+    spec.validate(model)
+    out = Path(args.out) if args.out else store.root / "exports" / f"ablate-{content_key(params)[:12]}"
+    out.mkdir(parents=True, exist_ok=True)
+    formats = tuple(f for f in args.formats.split(",") if f)
+    summary: dict = {"model": model.name, "model_digest": model.digest, "heads": format_heads(heads),
+                     "method": args.method, "by": args.by if args.top_k else None}
+    if run is not None:
+        fig_rows = write_files(run, "ablation_effects", params, out, formats)
+        rows = json.loads(fig_rows[-2].read_text()) if fig_rows else []
+        summary["text"] = rows[-1] if rows else {}
+        print(f"loss {summary['text']['mean_loss_clean']:.4f} -> {summary['text']['mean_loss_ablated']:.4f}; "
+              f"p(next {summary['text']['target_token']!r}) {summary['text']['target_prob_clean']:.4f} -> "
+              f"{summary['text']['target_prob_ablated']:.4f}")
+    if result is not None:
+        prompts = [trial_prompt(t) for t in result.trials]
+        from analysis.ablation import ablation_hooks
+
+        with progress_bar("retrieval accuracy, clean and ablated") as bar:
+            clean = retrieval_accuracy(model, prompts)
+            bar(0.5)
+            ablated = retrieval_accuracy(model, prompts, ablation_hooks(model, spec))
+        summary["niah"] = {"sweep": result.key, "n_prompts": len(prompts), "accuracy_clean": clean.accuracy,
+                           "accuracy_ablated": ablated.accuracy,
+                           "responses_ablated": ablated.responses}
+        print(f"NIAH accuracy over {len(prompts)} prompts: {clean.accuracy:.3f} -> {ablated.accuracy:.3f}")
+    if args.curve:
+        if scores is None:
+            raise InputError("--curve needs --top-k and --by (the score whose top heads are ablated).")
+        ks = sorted({int(k) for k in args.curve.split(",") if k.strip()})
+        seeds = list(range(args.seeds))
+        if result is not None:
+            fn, metric_label, subject = retrieval_accuracy_fn(prompts), "NIAH accuracy", ("sweep", result.key)
+        else:
+            fn, metric_label, subject = loss_metric_fn(run.token_ids, model), "mean loss (nats)", ("run", run.key)
+        key = content_key("ablation_curve", model.digest, subject, args.by, scores.round(6).tolist(), ks, seeds,
+                          args.method, params.get("ref"), params.get("source"))
+        known = StoredValues(store, (model.digest, subject, args.method, params.get("ref"), params.get("source")))
+        with progress_bar(f"top-k vs random curve ({len(ks)} k × {1 + len(seeds)} sets)") as bar:
+            curve = topk_curve(model, scores, ks, fn, spec, seeds, known=known, progress=bar)
+        save_curve(store, key, curve, {"metric_label": metric_label, "by_label": by_label,
+                                       "subject": list(subject), "model_digest": model.digest})
+        write_files(None, "ablation_curve", {**params, "curve": key[:16]}, out, formats)
+        summary["curve"] = {"k": ks, "top": curve.top.tolist(), "random": curve.random.tolist(),
+                            "random_mean": curve.random_mean.tolist(), "random_std": curve.random_std.tolist(),
+                            "metric": metric_label, "top_heads": format_heads(curve.order[: max(ks)])}
+        print(f"{metric_label} vs k {ks}: top {np.round(curve.top, 3).tolist()}; "
+              f"random {np.round(curve.random_mean, 3).tolist()} ± {np.round(curve.random_std, 3).tolist()}")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    print(f"results in {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from analysis.models import DEFAULT_MODEL
 
@@ -252,6 +399,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out")
     p.add_argument("--formats", default="svg,html")
     p.set_defaults(func=cmd_scan)
+
+    p = sub.add_parser("ablate", help="ablate heads: effects on a text or on needle-in-a-haystack retrieval, "
+                                      "and the top-k vs random curve")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--heads", help="e.g. 12.3,14.1 or kv:20.1 (a key-value group) or 7.* (a layer)")
+    p.add_argument("--top-k", type=int, help="ablate the k heads with the highest --by score")
+    p.add_argument("--by", default="retrieval", help="retrieval (needs --sweep) or a per-head score on the text")
+    p.add_argument("--method", default="zero", choices=["zero", "mean", "resample", "uniform", "first_token"])
+    p.add_argument("--text")
+    p.add_argument("--file")
+    p.add_argument("--source", help="resample: the text whose head outputs are patched in")
+    p.add_argument("--reference-file", help="mean: reference texts, one per line (default: built-in sentences)")
+    p.add_argument("--sweep", action="store_true", help="measure needle-in-a-haystack retrieval accuracy")
+    p.add_argument("--lengths", default="512")
+    p.add_argument("--depths", default="25,75")
+    p.add_argument("--needles", default="", help="needle ids (default: all shipped needles)")
+    p.add_argument("--haystack", default="prose")
+    p.add_argument("--curve", default="", help="k values for the top-k vs random curve, e.g. 0,5,10,20")
+    p.add_argument("--seeds", type=int, default=3, help="random head sets per k")
+    p.add_argument("--out")
+    p.add_argument("--formats", default="svg,html")
+    p.set_defaults(func=cmd_ablate)
 
     p = sub.add_parser("models", help="list what can be loaded offline")
     p.set_defaults(func=cmd_models)

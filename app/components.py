@@ -138,6 +138,10 @@ def view_params(view: str, state: PageState, query: int | None = None) -> dict[s
         from app.qk_views import qk_params
 
         return qk_params(state)
+    if view.startswith("ablation_"):
+        from app.ablation_views import ablation_params
+
+        return ablation_params(state)
     if view == "faithfulness_set":
         return {"fusion": state.fusion, "drop_sink": state.drop_sink, "_compute": False}
     raise PreventUpdate

@@ -314,3 +314,61 @@ def decode_rows_heatmap(rows: np.ndarray, span: tuple[int, int], argmax: np.ndar
     fig.update_xaxes(title="key position (prompt, then generated tokens)", range=[-0.5, n_keys - 0.5])
     fig.update_yaxes(title="decode step", autorange="reversed")
     return _layout(fig, safe_text(title), height=max(320, 60 + 14 * steps))
+
+
+def head_selection(scores: np.ndarray, label: str, chosen: Sequence[tuple[int, int]]) -> go.Figure:
+    """The ranking score per head with the heads chosen for ablation marked (click toggles them)."""
+    fig = head_grid(scores, label)
+    if chosen:
+        fig.add_trace(go.Scatter(
+            x=[h for _, h in chosen], y=[la for la, _ in chosen], mode="markers", showlegend=False,
+            marker={"symbol": "square-open", "size": 13, "color": "#e4572e", "line": {"width": 3}},
+            hovertemplate="layer %{y}, head %{x}: chosen<extra></extra>",
+        ))
+    fig.update_layout(title_text=safe_text(f"{len(chosen)} heads chosen (boxed) — colour: {label}"))
+    return fig
+
+
+def loss_change(tokens: Sequence[str], clean: np.ndarray, ablated: np.ndarray, title: str) -> go.Figure:
+    """Per-token loss after minus before an ablation (up: the ablation hurts that token)."""
+    diff = np.asarray(ablated, dtype=float) - np.asarray(clean, dtype=float)
+    labels = token_labels(tokens)
+    fig = go.Figure(go.Bar(
+        x=list(range(len(tokens))), y=np.where(np.isfinite(diff), diff, None).tolist(),
+        marker={"color": ["#d62728" if d > 0 else "#2a6fdb" for d in np.nan_to_num(diff)]},
+        customdata=np.stack([labels, np.nan_to_num(clean), np.nan_to_num(ablated)], -1).tolist(),
+        hovertemplate="%{customdata[0]} (pos %{x})<br>loss %{customdata[1]:.3f} → %{customdata[2]:.3f}"
+                      "<br>Δ %{y:.3f}<extra></extra>",
+    ))
+    fig.update_xaxes(title="token", tickvals=list(range(len(tokens))), ticktext=labels if len(tokens) <= 80 else None,
+                     tickangle=-60)
+    fig.update_yaxes(title="Δ loss (ablated − clean, nats)", zeroline=True)
+    return _layout(fig, safe_text(title), height=360)
+
+
+def topk_curve(k_values: Sequence[int], top: np.ndarray, random: np.ndarray, metric_label: str,
+               title: str) -> go.Figure:
+    """Metric against k: the top-k heads by a score, and k random heads (each seed faint, mean ± std)."""
+    k = list(k_values)
+    random = np.asarray(random, dtype=float)
+    fig = go.Figure()
+    for s, row in enumerate(random):
+        fig.add_trace(go.Scatter(x=k, y=np.where(np.isfinite(row), row, None).tolist(), mode="lines",
+                                 line={"color": "#999", "width": 1}, opacity=0.5, showlegend=s == 0,
+                                 name="random heads (each seed)", hoverinfo="skip"))
+    if len(random):
+        with np.errstate(all="ignore"):
+            mean, std = np.nanmean(random, 0), np.nanstd(random, 0)
+        fig.add_trace(go.Scatter(x=k + k[::-1], y=np.concatenate([mean + std, (mean - std)[::-1]]).tolist(),
+                                 fill="toself", fillcolor="rgba(120,120,120,0.15)", line={"width": 0}, mode="lines",
+                                 name="random ± std", hoverinfo="skip"))
+        fig.add_trace(go.Scatter(x=k, y=np.where(np.isfinite(mean), mean, None).tolist(), mode="lines+markers",
+                                 line={"color": "#555", "dash": "dash"}, name="random heads (mean)",
+                                 hovertemplate="k=%{x}: %{y:.3f} (random, mean)<extra></extra>"))
+    fig.add_trace(go.Scatter(x=k, y=np.where(np.isfinite(top), top, None).tolist(), mode="lines+markers",
+                             line={"color": "#e4572e", "width": 3}, name="top-k heads",
+                             hovertemplate="k=%{x}: %{y:.3f} (top)<extra></extra>"))
+    fig.update_xaxes(title="k (heads ablated)", tickvals=k)
+    fig.update_yaxes(title=metric_label)
+    fig.update_layout(legend={"orientation": "h", "y": -0.25})
+    return _layout(fig, safe_text(title), height=400)

@@ -14,10 +14,15 @@ from analysis.head_summary import HEAD_METRICS
 
 _RUN_ID = re.compile(r"^[0-9a-f]{8,64}$")
 _MODEL = re.compile(r"^[\w./~:@+-]{1,256}$")
-_INT_KEYS = ("layer", "head", "query", "target", "trial", "sentences", "sink_size", "window")
+_INT_KEYS = ("layer", "head", "query", "target", "trial", "sentences", "sink_size", "window", "k", "seed")
 SCORES = (*HEAD_METRICS, "evidence")
+ABLATION_METHODS = ("zero", "mean", "resample", "uniform", "first_token")
+RANK_BY = ("retrieval", "effect", *HEAD_METRICS)
+_HEADS = re.compile(r"^[\w.:*,; ]{1,2000}$")
+_HEX_KEYS = ("curve", "hsweep", "source", "ref")
 CHOICES = {"method": ("pca", "umap", "tsne"), "colour": ("position", "kind", "sentence", "norm"),
-           "feature": ("previous_token", "same_token", "category"), "score": SCORES, "stat": ("mean", "std")}
+           "feature": ("previous_token", "same_token", "category"), "score": SCORES, "stat": ("mean", "std"),
+           "ablate": ABLATION_METHODS, "by": RANK_BY}
 AGGREGATES = ("query", "group_max", "group_mean")
 FUSIONS = ("mean", "max", "min")
 MAX_INDEX = 1_000_000
@@ -45,6 +50,15 @@ class PageState:
     stat: str = "mean"
     sink_size: int | None = None
     window: int | None = None
+    heads: str | None = None
+    ablate: str = "zero"
+    by: str = "retrieval"
+    k: int | None = None
+    seed: int | None = None
+    curve: str | None = None
+    hsweep: str | None = None
+    source: str | None = None
+    ref: str | None = None
     problems: list[str] = field(default_factory=list)
 
     def to_search(self) -> str:
@@ -62,6 +76,9 @@ class PageState:
                 ("score", None if self.score == "streaming" else self.score),
                 ("stat", None if self.stat == "mean" else self.stat),
                 ("sink_size", self.sink_size), ("window", self.window),
+                ("heads", self.heads), ("ablate", None if self.ablate == "zero" else self.ablate),
+                ("by", None if self.by == "retrieval" else self.by), ("k", self.k), ("seed", self.seed),
+                ("curve", self.curve), ("hsweep", self.hsweep), ("source", self.source), ("ref", self.ref),
                 ("sweep", self.sweep), ("trial", self.trial), ("agg", None if self.agg == "query" else self.agg),
             )
             if v is not None
@@ -120,6 +137,17 @@ def parse(search: str | None) -> PageState:
             state.sweep = first["sweep"].lower()
         else:
             state.problems.append(f"The link's sweep id {first['sweep'][:40]!r} is not valid (8–64 hex digits).")
+    if "heads" in first:
+        if _HEADS.match(first["heads"]):
+            state.heads = first["heads"]
+        else:
+            state.problems.append(f"The link's head list {first['heads'][:40]!r} has characters a head list cannot have.")
+    for key in _HEX_KEYS:
+        if key in first:
+            if _RUN_ID.match(first[key].lower()):
+                setattr(state, key, first[key].lower())
+            else:
+                state.problems.append(f"The link's {key} id {first[key][:40]!r} is not valid (8–64 hex digits).")
     if "agg" in first:
         if first["agg"] in AGGREGATES:
             state.agg = first["agg"]

@@ -293,4 +293,4 @@ VIEWS: dict[str, View] = {
 
 # Views of sweeps and of query-key space live beside their pages' code; importing them registers them
 # here, so exports and `headscope figure` find every view.
-from app import heads_views, qk_views  # noqa: E402,F401
+from app import ablation_views, heads_views, qk_views  # noqa: E402,F401

@@ -333,6 +333,8 @@ def render(search):
         html.Span(f"lengths {sw.lengths}, depths {sw.depths}", className="hs-chip"),
         html.Span(f"streaming S={params['sink_size']}, W={params['window']}", className="hs-chip"),
         html.Span("cancelled: partial" if sw.cancelled else "complete", className="hs-chip"),
+        dcc.Link("Ablate the top retrieval heads →", href=f"/ablation?sweep={sw.key[:16]}&by=retrieval",
+                 id=ids.HEADS_ABLATE_LINK, className="hs-chip"),
     ])
     return (grid, top, hist, scatter, niah, score_grid, mass, trials, steps, info, state.agg, state.score,
             state.stat, message(problems))

@@ -394,3 +394,32 @@ def test_real_model_pattern_edits_propagate_and_ablation_changes_the_answer(real
     effects = ablation_effects(real_model, ids, spec, target_position=-1, target_token=paris)
     assert effects.top_ids_clean[-1, 0] == paris and effects.target_prob_clean > 0.3
     assert effects.target_prob_ablated < effects.target_prob_clean
+
+
+def test_a_cancelled_curve_resumes_from_stored_values(tiny_model, ids, store):
+    from analysis.ablation import StoredValues, load_curve, save_curve
+
+    scores = np.arange(8, dtype=float).reshape(2, 4)
+    calls = []
+
+    def metric(model, hooks):
+        calls.append(len(hooks))
+        return float(len(calls))
+
+    known = StoredValues(store, ("tiny", "metric-a"))
+    stop_after = {"n": 3}
+
+    def cancel():
+        return len(calls) >= stop_after["n"]
+
+    first = topk_curve(tiny_model, scores, [0, 1, 2], metric, "zero", random_seeds=(0,), known=known, cancel=cancel)
+    assert not first.complete and len(calls) == 3 and np.isnan(first.random).all()
+    again = topk_curve(tiny_model, scores, [0, 1, 2], metric, "zero", random_seeds=(0,), known=known)
+    assert again.complete and len(calls) == 3 + 2  # only the two unfinished head sets ran
+    np.testing.assert_array_equal(again.top, first.top)  # finished values were reused, not recomputed
+    # another scope shares nothing
+    assert (((0, 1),) in StoredValues(store, ("tiny", "metric-b"))) is False
+    save_curve(store, "c" * 64, again, {"metric_label": "m"})
+    loaded, meta = load_curve(store, "c" * 64)
+    assert loaded.k_values == [0, 1, 2] and loaded.order == again.order and meta["metric_label"] == "m"
+    np.testing.assert_array_equal(loaded.random, again.random)

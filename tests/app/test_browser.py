@@ -321,3 +321,54 @@ def test_qk_page_embeds_a_head_and_shows_a_querys_keys(server, page, tmp_path):
     page.goto(url + "qk?layer=99&head=0")
     assert "out of range" in error_text(page).lower() or "layer" in error_text(page).lower()
     assert proc.poll() is None
+
+
+def test_ablation_page_effects_kept_sets_curve_and_bad_inputs(server, page, tmp_path):
+    url, proc, _ = server
+    page.goto(url + "ablation")
+    page.wait_for_selector("#hs-abl-topk")
+    page.click("#hs-abl-topk")  # ranking by retrieval with no sweep: a message, nothing breaks
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('No retrieval scores')")
+    page.fill("#abl-hs-text", PROMPT)
+    page.click("#abl-hs-run")
+    page.wait_for_function("location.search.includes('run=')")
+    wait_title(page, "hs-abl-grid", "0 heads chosen")
+    page.fill("#hs-abl-heads", "31.2")
+    page.press("#hs-abl-heads", "Enter")
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('out of range')")
+    page.fill("#hs-abl-heads", "3.1, kv:5.0")
+    page.press("#hs-abl-heads", "Enter")
+    page.wait_for_function("decodeURIComponent(location.search).includes('heads=3.1,5.0,5.1,5.2')")
+    wait_title(page, "hs-abl-effects", "zero ablation of 4 heads: mean loss")
+    assert "Continuation, ablated" in page.locator("#hs-abl-summary").inner_text()
+    page.click("#hs-abl-keep")
+    page.wait_for_selector("#hs-abl-kept-table td[data-dash-column='heads']")
+    # the paper's masking, applied to the same heads
+    page.check("#hs-abl-method input[value='uniform']")
+    page.click("#hs-abl-apply")
+    page.wait_for_function("location.search.includes('ablate=uniform')")
+    wait_title(page, "hs-abl-effects", "uniform ablation of 4 heads")
+    page.click("#hs-abl-keep")
+    page.wait_for_function("document.querySelectorAll('#hs-abl-kept-table td[data-dash-column=\"method\"]').length == 2")
+    # top-k by a score on this text, then the top-k vs random curve on its loss
+    select_option(page, "hs-abl-by", "Attention on first token")
+    page.fill("#hs-abl-k", "3")
+    page.click("#hs-abl-topk")
+    page.wait_for_function("location.search.includes('by=first_token') && !decodeURIComponent(location.search).includes('3.1,5.0')")
+    wait_title(page, "hs-abl-grid", "3 heads chosen")
+    page.fill("#hs-abl-curve-ks", "0,1,3")
+    page.fill("#hs-abl-curve-seeds", "2")
+    page.click("#hs-abl-curve-run")
+    page.wait_for_function("location.search.includes('curve=')", timeout=240_000)
+    wait_title(page, "hs-abl-curve", "top-k vs random heads (uniform ablation)")
+    with page.expect_download() as download:
+        page.click("[data-export='ablation_curve-csv']")
+    path = tmp_path / "curve.zip"
+    download.value.save_as(path)
+    rows = zipfile.ZipFile(path).read("data.csv").decode().splitlines()
+    assert rows[0].startswith("k,set,seed,value") and len(rows) == 1 + 3 + 2 * 3
+    # NIAH accuracy needs a sweep: said plainly
+    page.check("#hs-abl-curve-metric input[value='niah']")
+    page.click("#hs-abl-curve-run")
+    page.wait_for_function("(document.querySelector('#hs-abl-curve-status')?.innerText || '').includes('needs a sweep')")
+    assert proc.poll() is None

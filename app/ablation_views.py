@@ -1,0 +1,236 @@
+"""Views of head ablations (:mod:`analysis.ablation`) for the Ablation page and its exports.
+
+- ``ablation_selection``: the layer × head map of the score heads are ranked by, chosen heads boxed;
+- ``ablation_effects``: per-token loss before/after on the run, with the next-token target, top-k
+  and greedy continuations in its data;
+- ``ablation_curve``: metric against k for the top-k heads by a score and for k random heads
+  (Wu et al. 2024, §4), from a stored curve;
+- ``ablation_head_sweep``: the effect of ablating each head alone, from a stored sweep.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import plotly.graph_objects as go
+
+from analysis.ablation import (
+    METHOD_DESCRIPTIONS,
+    AblationSpec,
+    ablation_effects,
+    format_heads,
+    load_curve,
+    load_head_means,
+    load_head_sweep,
+    parse_heads,
+    rank_heads,
+)
+from analysis.capture import InputError, Run
+from analysis.head_summary import HEAD_METRICS
+from app import figures
+from app.views import VIEWS, Rows, View, memoised, metric_scores
+
+CONTINUATION_TOKENS = 20
+REFERENCE_SENTENCES = 100  # the built-in mean-ablation reference: the first sentences of data/probes
+RANK_LABELS = {"retrieval": "Retrieval score (a sweep)", "effect": "Single-head ablation effect",
+               **{k: m.label for k, m in HEAD_METRICS.items()}}
+
+
+def _context():
+    from app.context import get_context
+
+    return get_context()
+
+
+def _model(params: dict[str, Any]):
+    from analysis.models import load_model
+
+    return load_model(params.get("model") or _context().default_model)
+
+
+def _stored(key: str | None, what: str, loader):
+    if not key:
+        return None
+    store = _context().store
+    keys = store.find(str(key))
+    found = loader(store, keys[0]) if len(keys) == 1 else None
+    if found is None:
+        raise InputError(f"No stored {what} has the id {key!r}: compute it again.")
+    return found
+
+
+def builtin_reference() -> list[str]:
+    """The default reference set of mean ablation: the first built-in probe sentences."""
+    from analysis.paths import DATA_DIR
+
+    lines = (DATA_DIR / "probes" / "sentences.txt").read_text(encoding="utf-8").splitlines()
+    return [t for t in lines if t.strip() and not t.startswith("#")][:REFERENCE_SENTENCES]
+
+
+def ablation_params(state: Any) -> dict[str, Any]:
+    """What the Ablation page's views are drawn with (and exported with), from its URL state."""
+    return {"model": state.model or _context().default_model, "heads": state.heads, "ablate": state.ablate,
+            "by": state.by, "sweep": state.sweep, "hsweep": state.hsweep, "curve": state.curve,
+            "ref": state.ref, "source": state.source}
+
+
+def ablation_spec(model, params: dict[str, Any]) -> AblationSpec:
+    """The :class:`AblationSpec` named by a page's parameters (heads, method, mean reference, source)."""
+    heads_text = params.get("heads")
+    if not heads_text:
+        raise InputError("No heads chosen: click heads in the map, type a list (e.g. 12.3, kv:14.1), "
+                         "or pick the top k by a score.")
+    heads = parse_heads(model, heads_text)
+    method = params.get("ablate") or "zero"
+    means = source = None
+    if method == "mean":
+        if not params.get("ref"):
+            raise InputError("Mean ablation needs a reference set: press Apply to compute the means "
+                             "(the built-in set, or your own texts).")
+        means = _stored(params["ref"], "reference mean", load_head_means)
+    if method == "resample":
+        if not params.get("source"):
+            raise InputError("Resample ablation needs a source text: write one and press Apply.")
+        run = _context().run(params["source"])
+        if run is None:
+            raise InputError(f"The source run {params['source']!r} is not stored: write the source text again.")
+        source = tuple(run.token_ids)
+    spec = AblationSpec(tuple(heads), method, means=means, source_ids=source)
+    spec.validate(model)
+    return spec
+
+
+def rank_scores(run: Run | None, params: dict[str, Any]) -> tuple[np.ndarray, str]:
+    """The ``[layer, head]`` score heads are ranked by, and its label."""
+    by = params.get("by") or "retrieval"
+    if by == "retrieval":
+        if not params.get("sweep"):
+            raise InputError("No retrieval scores yet: run a needle-in-a-haystack sweep on the Heads page "
+                             "(its 'Ablate' link brings them here), or rank heads by another score.")
+        from app.heads_views import sweep_of
+
+        sweep = sweep_of({"sweep": params["sweep"]})
+        return np.nan_to_num(sweep.scores, nan=0.0), f"Retrieval score (sweep {sweep.key[:8]})"
+    if by == "effect":
+        found = _stored(params.get("hsweep"), "single-head sweep", load_head_sweep)
+        if found is None:
+            raise InputError("No single-head sweep yet: run one below, then rank heads by its effect.")
+        return np.nan_to_num(found[0].effect, nan=-np.inf), f"Single-head {found[0].method} effect on {found[0].metric}"
+    if by not in HEAD_METRICS:
+        raise InputError(f"Unknown score {by!r}; choose one of {', '.join(RANK_LABELS)}.")
+    if run is None:
+        raise InputError("Run a text first: this score is computed on it.")
+    return metric_scores(run, by), HEAD_METRICS[by].label + " (this text)"
+
+
+def top_heads(run: Run | None, params: dict[str, Any], k: int) -> list[tuple[int, int]]:
+    table, label = rank_scores(run, params)
+    order = rank_heads(table)
+    if not order:
+        raise InputError(f"No head has a {label} on this input (the text may be too short for it: the "
+                         "streaming score needs more than S + W tokens); choose another score or a longer text.")
+    if not 1 <= k <= len(order):
+        raise InputError(f"k must be between 1 and {len(order)}, got {k}.")
+    return order[:k]
+
+
+def random_heads(n_layers: int, n_heads: int, k: int, seed: int) -> list[tuple[int, int]]:
+    if not 1 <= k <= n_layers * n_heads:
+        raise InputError(f"k must be between 1 and {n_layers * n_heads}, got {k}.")
+    pick = np.random.default_rng(seed).choice(n_layers * n_heads, size=k, replace=False)
+    return sorted((int(i // n_heads), int(i % n_heads)) for i in pick)
+
+
+def selection_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    model = _model(params)
+    try:
+        table, label = rank_scores(run, params)
+    except InputError:
+        table, label = np.zeros((model.n_layers, model.n_heads)), "(no score)"
+    chosen = parse_heads(model, params["heads"]) if params.get("heads") else []
+    fig = figures.head_selection(table, label, chosen)
+    rows = [{"layer": la, "head": h, "score": float(table[la, h]), "chosen": (la, h) in set(chosen)}
+            for la in range(table.shape[0]) for h in range(table.shape[1])]
+    return fig, rows
+
+
+def effects_of(run: Run, params: dict[str, Any]):
+    model = _model(params)
+    spec = ablation_spec(model, params)
+    target = int(run.top_ids[-1, 0])  # the clean model's next-token prediction after the last token
+    n_new = int(params.get("continue", CONTINUATION_TOKENS))
+    key = ("ablation_effects", run.key, spec.method, spec.heads, params.get("ref"), params.get("source"), n_new)
+    return spec, memoised(key, lambda: ablation_effects(
+        model, run.token_ids, spec, target_position=-1, target_token=target, max_new_tokens=n_new))
+
+
+def effects_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    spec, fx = effects_of(run, params)
+    model = _model(params)
+    tokens = run.tokens
+    title = (f"{spec.method} ablation of {len(spec.heads)} heads: mean loss {fx.mean_loss_clean:.3f} → "
+             f"{fx.mean_loss_ablated:.3f}; p({model.token_strings([fx.target_token])[0]}) next "
+             f"{fx.target_prob_clean:.3f} → {fx.target_prob_ablated:.3f}")
+    fig = figures.loss_change(tokens, fx.loss_clean, fx.loss_ablated, title)
+    strings = model.token_strings
+    rows: Rows = []
+    for i in range(len(tokens)):
+        rows.append({
+            "pos": i, "token": tokens[i], "loss_clean": float(fx.loss_clean[i]), "loss_ablated": float(fx.loss_ablated[i]),
+            "loss_diff": float(fx.loss_diff[i]),
+            "top1_clean": strings([int(fx.top_ids_clean[i, 0])])[0], "p_top1_clean": float(fx.top_probs_clean[i, 0]),
+            "top1_ablated": strings([int(fx.top_ids_ablated[i, 0])])[0],
+            "p_top1_ablated": float(fx.top_probs_ablated[i, 0]),
+        })
+    rows.append({"pos": "summary", "heads": format_heads(spec.heads), "method": spec.method,
+                 "method_does": METHOD_DESCRIPTIONS[spec.method],
+                 "mean_loss_clean": fx.mean_loss_clean, "mean_loss_ablated": fx.mean_loss_ablated,
+                 "target_token": strings([fx.target_token])[0], "target_logit_clean": fx.target_logit_clean,
+                 "target_logit_ablated": fx.target_logit_ablated, "target_prob_clean": fx.target_prob_clean,
+                 "target_prob_ablated": fx.target_prob_ablated,
+                 "continuation_clean": model.tokenizer.decode(fx.continuation_clean),
+                 "continuation_ablated": model.tokenizer.decode(fx.continuation_ablated)})
+    return fig, rows
+
+
+def curve_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    found = _stored(params.get("curve"), "top-k curve", load_curve)
+    if found is None:
+        raise InputError("No curve yet: run the top-k vs random curve first.")
+    curve, meta = found
+    fig = figures.topk_curve(curve.k_values, curve.top, curve.random, meta.get("metric_label", "metric"),
+                             f"{meta.get('by_label', 'score')}: top-k vs random heads ({curve.method} ablation)"
+                             + ("" if curve.complete else " — cancelled, partial"))
+    rows: Rows = [{"k": k, "set": "top", "seed": "", "value": float(curve.top[j]),
+                   "heads": format_heads(curve.order[:k])} for j, k in enumerate(curve.k_values)]
+    for s_i, seed in enumerate(curve.seeds):
+        rows += [{"k": k, "set": "random", "seed": seed, "value": float(curve.random[s_i, j]), "heads": ""}
+                 for j, k in enumerate(curve.k_values)]
+    return fig, rows
+
+
+def head_sweep_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    found = _stored(params.get("hsweep"), "single-head sweep", load_head_sweep)
+    if found is None:
+        raise InputError("No single-head sweep yet: run it first.")
+    sweep, meta = found
+    label = f"Δ {sweep.metric} ({sweep.method} ablation)"
+    fig = figures.head_grid(sweep.effect, label, None)
+    fig.update_layout(title_text=figures.safe_text(
+        f"Ablating each head alone: change in {sweep.metric} (clean {sweep.clean:.3f})"
+        + ("" if sweep.complete else " — cancelled, partial")))
+    rows = [{"layer": la, "head": h, "effect": float(sweep.effect[la, h]), "clean": sweep.clean,
+             "metric": sweep.metric, "method": sweep.method}
+            for la in range(sweep.effect.shape[0]) for h in range(sweep.effect.shape[1])]
+    return fig, rows
+
+
+for view in [
+    View("ablation_selection", "Heads chosen for ablation", selection_view,
+         ("heads", "by", "sweep", "hsweep")),
+    View("ablation_effects", "Effects of an ablation", effects_view, ("heads", "ablate", "ref", "source")),
+    View("ablation_curve", "Top-k vs random ablation curve", curve_view, ("curve",), False),
+    View("ablation_head_sweep", "Single-head ablation map", head_sweep_view, ("hsweep",), False),
+]:
+    VIEWS[view.name] = view

@@ -1,0 +1,502 @@
+"""Page "Ablation": remove heads and watch loss, the next-token prediction and the continuation
+move; the top-k heads by a score against k random heads (Wu et al. 2024, §4); single-head sweeps."""
+
+from __future__ import annotations
+
+import dash
+import numpy as np
+from dash import Input, Output, State, callback, dash_table, dcc, html, no_update
+from dash.exceptions import PreventUpdate
+
+from analysis.ablation import (
+    METHOD_DESCRIPTIONS,
+    METHODS,
+    HeadSweep,
+    StoredValues,
+    format_heads,
+    head_means,
+    load_head_sweep,
+    loss_metric_fn,
+    parse_heads,
+    retrieval_accuracy_fn,
+    save_curve,
+    save_head_sweep,
+    single_head_sweep,
+    topk_curve,
+)
+from analysis.capture import capture
+from analysis.models import load_model
+from analysis.retrieval import trial_prompt
+from analysis.store import content_key
+from app import ids
+from app.ablation_views import (
+    RANK_LABELS,
+    REFERENCE_SENTENCES,
+    ablation_params,
+    ablation_spec,
+    builtin_reference,
+    effects_of,
+    random_heads,
+    rank_scores,
+    top_heads,
+)
+from app.components import (
+    GRAPH_CONFIG,
+    empty_figure,
+    export_bar,
+    input_bar,
+    model_id,
+    page_location,
+    query_store_id,
+    register_export,
+    register_run,
+    text_id,
+    url_id,
+)
+from app.context import get_context
+from app.errors import guarded, message
+from app.jobs import in_job, progress_reporter
+from app.url_state import PageState, parse
+from app.views import VIEWS
+
+dash.register_page(__name__, path="/ablation", name="Ablation", title="headscope — head ablation", order=3)
+
+PREFIX = "abl"
+EMPTY = empty_figure("Run a text, then choose heads to ablate.")
+KEEP = {"persistence": True, "persistence_type": "session"}
+MAX_CURVE_K = 135
+
+
+def layout(**_query) -> html.Div:
+    return html.Div(
+        [
+            page_location(PREFIX),
+            dcc.Store(id=query_store_id(PREFIX)),
+            dcc.Store(id=ids.ABL_KEPT, storage_type="local", data=[]),
+            input_bar(PREFIX, "Text to ablate heads on (loss, next-token prediction, continuation)…"),
+            html.Div(
+                [
+                    html.Div([
+                        dcc.Graph(id=ids.ABL_GRID, figure=EMPTY, config=GRAPH_CONFIG),
+                        html.P("Click a head to add or remove it.", className="hs-hint"),
+                        export_bar(PREFIX, "ablation_selection"),
+                    ], className="hs-panel"),
+                    html.Div([
+                        html.Label("Heads (e.g. 12.3, L14H1, kv:20.2 for a key-value group, 7.* for a layer)",
+                                   htmlFor=ids.ABL_HEADS),
+                        dcc.Input(id=ids.ABL_HEADS, className="hs-text-input", debounce=True, value=""),
+                        html.Label("Method", htmlFor=ids.ABL_METHOD),
+                        dcc.RadioItems(id=ids.ABL_METHOD, value="zero", options=[
+                            {"label": html.Span([html.B(f" {m} "), html.Span(METHOD_DESCRIPTIONS[m], className="hs-hint")]),
+                             "value": m} for m in METHODS], className="hs-methods"),
+                        html.Label("Resample: the source text whose head outputs are patched in", htmlFor=ids.ABL_SOURCE),
+                        dcc.Textarea(id=ids.ABL_SOURCE, className="hs-textarea", **KEEP,
+                                     placeholder="Another input, e.g. the same sentence with other names."),
+                        html.Label(f"Mean: reference texts, one per line (empty: the first {REFERENCE_SENTENCES} "
+                                   "built-in probe sentences)", htmlFor=ids.ABL_REFERENCE),
+                        dcc.Textarea(id=ids.ABL_REFERENCE, className="hs-textarea", **KEEP),
+                        html.Button("Apply", id=ids.ABL_APPLY, n_clicks=0, className="hs-run"),
+                        html.Hr(),
+                        html.Label("Choose by a score", htmlFor=ids.ABL_BY),
+                        dcc.Dropdown(id=ids.ABL_BY, clearable=False, value="retrieval",
+                                     options=[{"label": v, "value": k} for k, v in RANK_LABELS.items()]),
+                        html.Label("Retrieval sweep id (from the Heads page)", htmlFor=ids.ABL_SWEEP),
+                        dcc.Input(id=ids.ABL_SWEEP, className="hs-text-input", debounce=True, value=""),
+                        html.Div([
+                            html.Label("k", htmlFor=ids.ABL_K),
+                            dcc.Input(id=ids.ABL_K, type="number", min=1, value=5, className="hs-number", **KEEP),
+                            html.Button("Top k", id=ids.ABL_TOPK, n_clicks=0, className="hs-button"),
+                            html.Label("seed", htmlFor=ids.ABL_SEED),
+                            dcc.Input(id=ids.ABL_SEED, type="number", min=0, value=0, className="hs-number", **KEEP),
+                            html.Button("Random k", id=ids.ABL_RANDOM, n_clicks=0, className="hs-button"),
+                            html.Button("Clear", id=ids.ABL_CLEAR, n_clicks=0, className="hs-button"),
+                        ], className="hs-options"),
+                    ], className="hs-panel hs-field"),
+                ],
+                className="hs-panels hs-even",
+            ),
+            dcc.Loading(html.Div(id=ids.ABL_INFO, className="hs-run-info"), type="dot"),
+            html.Div([
+                dcc.Graph(id=ids.ABL_EFFECTS, figure=EMPTY, config=GRAPH_CONFIG),
+                export_bar(PREFIX, "ablation_effects"),
+                html.Div(id=ids.ABL_SUMMARY, className="hs-abl-summary"),
+                html.Button("Keep this set for comparison", id=ids.ABL_KEEP, n_clicks=0, className="hs-button"),
+                dash_table.DataTable(id=ids.ABL_KEPT_TABLE, sort_action="native", row_deletable=True,
+                                     style_cell={"fontFamily": "inherit", "fontSize": 13, "padding": "3px 8px",
+                                                 "textAlign": "left", "whiteSpace": "normal"}),
+            ], className="hs-panel"),
+            html.H3("Top-k heads by the score against k random heads", className="hs-section"),
+            html.Div(
+                [
+                    html.Label("k values", htmlFor=ids.ABL_CURVE_KS),
+                    dcc.Input(id=ids.ABL_CURVE_KS, value="0,2,5,10,20", className="hs-text-input", **KEEP),
+                    html.Label("random seeds", htmlFor=ids.ABL_CURVE_SEEDS),
+                    dcc.Input(id=ids.ABL_CURVE_SEEDS, type="number", min=0, max=10, value=3, className="hs-number",
+                              **KEEP),
+                    dcc.RadioItems(id=ids.ABL_CURVE_METRIC, inline=True, value="loss", **KEEP, options=[
+                        {"label": " mean loss on this text", "value": "loss"},
+                        {"label": " needle-in-a-haystack accuracy on the sweep's prompts", "value": "niah"}]),
+                    html.Button("Run curve", id=ids.ABL_CURVE_RUN, n_clicks=0, className="hs-run"),
+                    html.Button("Cancel", id=ids.ABL_CURVE_CANCEL, n_clicks=0, className="hs-button hs-cancel",
+                                disabled=True),
+                    html.Progress(id=ids.ABL_CURVE_PROGRESS, value="0", max="100", className="hs-progress"),
+                    html.Span(id=ids.ABL_CURVE_STATUS, className="hs-hint"),
+                ],
+                className="hs-options",
+            ),
+            html.Div([dcc.Graph(id=ids.ABL_CURVE, figure=empty_figure("No curve yet."), config=GRAPH_CONFIG),
+                      export_bar(PREFIX, "ablation_curve")], className="hs-panel"),
+            html.H3("Ablate each head alone", className="hs-section"),
+            html.Div(
+                [
+                    dcc.RadioItems(id=ids.ABL_SWEEP_METRIC, inline=True, value="loss", **KEEP, options=[
+                        {"label": " Δ mean loss", "value": "loss"},
+                        {"label": " KL from the clean next-token distribution", "value": "kl"}]),
+                    html.Button("Sweep all heads", id=ids.ABL_SWEEP_RUN, n_clicks=0, className="hs-run"),
+                    html.Button("Cancel", id=ids.ABL_SWEEP_CANCEL, n_clicks=0, className="hs-button hs-cancel",
+                                disabled=True),
+                    html.Progress(id=ids.ABL_SWEEP_PROGRESS, value="0", max="100", className="hs-progress"),
+                    html.Span(id=ids.ABL_SWEEP_STATUS, className="hs-hint"),
+                ],
+                className="hs-options",
+            ),
+            html.Div([dcc.Graph(id=ids.ABL_HEAD_SWEEP, figure=empty_figure("No single-head sweep yet."),
+                                config=GRAPH_CONFIG), export_bar(PREFIX, "ablation_head_sweep")], className="hs-panel"),
+        ]
+    )
+
+
+def _after_run(old: PageState, model, run) -> PageState:
+    """A new text keeps the chosen heads, method and the sweep/reference ids; per-text results go."""
+    return PageState(model=model.name, run=run.key[:16], heads=old.heads, ablate=old.ablate, by=old.by,
+                     sweep=old.sweep, ref=old.ref, source=old.source, k=old.k, seed=old.seed)
+
+
+register_run(PREFIX, _after_run)
+register_export(PREFIX)
+
+
+@callback(
+    Output(ids.ABL_GRID, "figure"),
+    Output(ids.ABL_EFFECTS, "figure"),
+    Output(ids.ABL_SUMMARY, "children"),
+    Output(ids.ABL_CURVE, "figure"),
+    Output(ids.ABL_HEAD_SWEEP, "figure"),
+    Output(ids.ABL_INFO, "children"),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Output(text_id(PREFIX), "value"),
+    Output(model_id(PREFIX), "value"),
+    Output(ids.ABL_HEADS, "value"),
+    Output(ids.ABL_METHOD, "value"),
+    Output(ids.ABL_BY, "value"),
+    Output(ids.ABL_SWEEP, "value"),
+    Input(url_id(PREFIX), "search"),
+    prevent_initial_call="initial_duplicate",
+)
+@guarded(outputs=13, error_index=6)
+def render(search):
+    state = parse(search)
+    problems = list(state.problems)
+    params = ablation_params(state)
+    controls = (state.heads or "", state.ablate, state.by, state.sweep or "")
+    context = get_context()
+    run = context.run(state.run) if state.run else None
+    if state.run and run is None:
+        problems.append(f"No stored run has the id {state.run!r}: run the text again.")
+    curve = head_sweep = None
+    for view, name in (("ablation_curve", "curve"), ("ablation_head_sweep", "hsweep")):
+        fig = None
+        if params[name]:
+            try:
+                fig, _ = VIEWS[view].build(None, params)
+            except ValueError as e:
+                problems.append(str(e))
+        if view == "ablation_curve":
+            curve = fig or empty_figure("No curve yet.")
+        else:
+            head_sweep = fig or empty_figure("No single-head sweep yet.")
+    if run is None:
+        grid = EMPTY
+        if state.by == "retrieval" and state.sweep:  # a sweep's scores need no text
+            try:
+                grid, _ = VIEWS["ablation_selection"].build(None, params)
+            except ValueError as e:
+                problems.append(str(e))
+        return (grid, EMPTY, "", curve, head_sweep, "", message(problems), no_update, no_update, *controls)
+    grid, _ = VIEWS["ablation_selection"].build(run, params)
+    effects, summary = EMPTY, ""
+    if state.heads:
+        try:
+            effects, _ = VIEWS["ablation_effects"].build(run, params)
+            summary = _summary(run, params)
+        except ValueError as e:
+            problems.append(str(e))
+    info = html.Div([html.Span(f"run {run.short_id}", className="hs-chip"),
+                     html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
+                     html.Span(f"method: {state.ablate}", className="hs-chip")])
+    return (grid, effects, summary, curve, head_sweep, info, message(problems), run.text or "", run.model_name,
+            *controls)
+
+
+def _summary(run, params) -> html.Div:
+    """Next-token top-5 before/after and the greedy continuations side by side."""
+    spec, fx = effects_of(run, params)
+    model = load_model(params["model"])
+    strings = model.token_strings
+
+    def top(ids_, probs):
+        return html.Ol([html.Li(f"{s!r}  {p:.3f}") for s, p in zip(strings([int(i) for i in ids_]), probs, strict=True)])
+
+    return html.Div([
+        html.Div([html.H4("Next token, clean"), top(fx.top_ids_clean[-1], fx.top_probs_clean[-1]),
+                  html.H4("Continuation, clean"), html.Pre(model.tokenizer.decode(fx.continuation_clean),
+                                                          className="hs-continuation")], className="hs-panel"),
+        html.Div([html.H4(f"Next token, {spec.method} ablation of {len(spec.heads)} heads"),
+                  top(fx.top_ids_ablated[-1], fx.top_probs_ablated[-1]),
+                  html.H4("Continuation, ablated"), html.Pre(model.tokenizer.decode(fx.continuation_ablated),
+                                                            className="hs-continuation")], className="hs-panel"),
+    ], className="hs-panels hs-even")
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Input(ids.ABL_GRID, "clickData"),
+    Input(ids.ABL_APPLY, "n_clicks"),
+    Input(ids.ABL_HEADS, "value"),
+    Input(ids.ABL_TOPK, "n_clicks"),
+    Input(ids.ABL_RANDOM, "n_clicks"),
+    Input(ids.ABL_CLEAR, "n_clicks"),
+    Input(ids.ABL_BY, "value"),
+    Input(ids.ABL_SWEEP, "value"),
+    State(ids.ABL_METHOD, "value"),
+    State(ids.ABL_SOURCE, "value"),
+    State(ids.ABL_REFERENCE, "value"),
+    State(ids.ABL_K, "value"),
+    State(ids.ABL_SEED, "value"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+@guarded(outputs=2)
+def choose(click, _apply, heads_text, _top, _random, _clear, by, sweep_id, method, source, reference, k, seed, search):
+    state = parse(search)
+    trigger = dash.ctx.triggered_id
+    context = get_context()
+    model = load_model(state.model or context.default_model)
+    chosen = set(parse_heads(model, state.heads)) if state.heads else set()
+    run = context.run(state.run) if state.run else None
+    if trigger == ids.ABL_GRID:
+        if not (click and click.get("points")):
+            raise PreventUpdate
+        point = click["points"][0]
+        chosen ^= {(int(point["y"]), int(point["x"]))}
+    elif trigger == ids.ABL_HEADS:
+        if (heads_text or "") == (state.heads or ""):
+            raise PreventUpdate
+        chosen = set(parse_heads(model, heads_text)) if (heads_text or "").strip() else set()
+    elif trigger == ids.ABL_TOPK:
+        chosen = set(top_heads(run, {**ablation_params(state), "by": by, "sweep": sweep_id or None},
+                               int(k or 0)))
+    elif trigger == ids.ABL_RANDOM:
+        chosen = set(random_heads(model.n_layers, model.n_heads, int(k or 0), int(seed or 0)))
+    elif trigger == ids.ABL_CLEAR:
+        chosen = set()
+    elif trigger == ids.ABL_BY:
+        if by == state.by:
+            raise PreventUpdate
+        state.by = by
+    elif trigger == ids.ABL_SWEEP:
+        new = (sweep_id or "").strip().lower() or None
+        if new == state.sweep:
+            raise PreventUpdate
+        if new is not None:
+            from app.heads_views import sweep_of
+
+            sweep_of({"sweep": new})  # a clear message now if there is no such sweep
+        state.sweep = new
+    elif trigger == ids.ABL_APPLY:
+        if heads_text and heads_text.strip():
+            chosen = set(parse_heads(model, heads_text))
+        state.ablate = method or "zero"
+        if state.ablate == "resample":
+            if not (source or "").strip():
+                return no_update, "Resample ablation needs a source text: write one in the box, then Apply."
+            state.source = capture(model, source, store=context.store, max_tokens=context.max_tokens).key[:16]
+        if state.ablate == "mean":
+            texts = [t for t in (reference or "").splitlines() if t.strip()] or builtin_reference()
+            state.ref = head_means(model, texts, store=context.store).key[:16]
+    else:
+        raise PreventUpdate
+    state.heads = format_heads(sorted(chosen)) or None
+    return state.to_search(), ""
+
+
+@callback(
+    Output(ids.ABL_KEPT, "data"),
+    Input(ids.ABL_KEEP, "n_clicks"),
+    Input(ids.ABL_KEPT_TABLE, "data"),
+    State(ids.ABL_KEPT, "data"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+def keep(n_clicks, table, kept, search):
+    """Keep the current set's numbers (stored in the browser) to compare sets; deleting a row forgets it."""
+    kept = list(kept or [])
+    if dash.ctx.triggered_id == ids.ABL_KEPT_TABLE:
+        remaining = {r["set"] for r in table or []}
+        return [r for r in kept if r["set"] in remaining]
+    if not n_clicks:
+        raise PreventUpdate
+    state = parse(search)
+    run = get_context().run(state.run) if state.run else None
+    if run is None or not state.heads:
+        raise PreventUpdate
+    try:
+        spec, fx = effects_of(run, ablation_params(state))
+    except ValueError:
+        raise PreventUpdate from None
+    row = {"set": len(kept) + 1 if not kept else max(r["set"] for r in kept) + 1, "run": run.short_id,
+           "heads": format_heads(spec.heads), "n_heads": len(spec.heads), "method": spec.method,
+           "loss_clean": round(fx.mean_loss_clean, 4), "loss_ablated": round(fx.mean_loss_ablated, 4),
+           "d_loss": round(fx.mean_loss_ablated - fx.mean_loss_clean, 4),
+           "p_next_clean": round(fx.target_prob_clean, 4), "p_next_ablated": round(fx.target_prob_ablated, 4),
+           "link": state.to_search()}
+    return [*kept, row]
+
+
+@callback(Output(ids.ABL_KEPT_TABLE, "data"), Output(ids.ABL_KEPT_TABLE, "columns"), Input(ids.ABL_KEPT, "data"))
+def show_kept(kept):
+    columns = [{"name": c, "id": c} for c in ("set", "run", "heads", "n_heads", "method", "loss_clean",
+                                               "loss_ablated", "d_loss", "p_next_clean", "p_next_ablated")]
+    return kept or [], columns
+
+
+def _ks(text: str) -> list[int]:
+    try:
+        ks = sorted({int(x) for x in str(text or "").replace(";", ",").split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"k values must be whole numbers separated by commas, got {text!r}.") from None
+    if not ks:
+        raise ValueError("Give at least one k value.")
+    if ks[0] < 0 or ks[-1] > MAX_CURVE_K:
+        raise ValueError(f"k values must be between 0 and {MAX_CURVE_K}.")
+    return ks
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(ids.ABL_CURVE_STATUS, "children"),
+    Input(ids.ABL_CURVE_RUN, "n_clicks"),
+    State(ids.ABL_CURVE_KS, "value"),
+    State(ids.ABL_CURVE_SEEDS, "value"),
+    State(ids.ABL_CURVE_METRIC, "value"),
+    State(url_id(PREFIX), "search"),
+    background=True,
+    progress=[Output(ids.ABL_CURVE_PROGRESS, "value"), Output(ids.ABL_CURVE_PROGRESS, "max"),
+              Output(ids.ABL_CURVE_STATUS, "children")],
+    running=[(Output(ids.ABL_CURVE_RUN, "disabled"), True, False),
+             (Output(ids.ABL_CURVE_CANCEL, "disabled"), False, True)],
+    cancel=[Input(ids.ABL_CURVE_CANCEL, "n_clicks")],
+    prevent_initial_call=True,
+)
+def run_curve(set_progress, n_clicks, ks_text, n_seeds, metric, search):
+    in_job()
+    if not n_clicks:
+        raise PreventUpdate
+    state = parse(search)
+    try:
+        context = get_context()
+        model = load_model(state.model or context.default_model)
+        params = ablation_params(state)
+        ks = _ks(ks_text)
+        seeds = list(range(int(n_seeds or 0)))
+        run = context.run(state.run) if state.run else None
+        scores, by_label = rank_scores(run, params)
+        spec = ablation_spec(model, {**params, "heads": "0.0"})  # the method and its options
+        if metric == "niah":
+            from app.heads_views import sweep_of
+
+            if not state.sweep:
+                raise ValueError("Needle-in-a-haystack accuracy needs a sweep: give its id (from the Heads page).")
+            prompts = [trial_prompt(t) for t in sweep_of({"sweep": state.sweep}).trials]
+            fn, metric_label, subject = retrieval_accuracy_fn(prompts), "NIAH accuracy", ("sweep", state.sweep)
+        else:
+            if run is None:
+                raise ValueError("Run a text first: the curve's loss is measured on it.")
+            fn, metric_label, subject = loss_metric_fn(run.token_ids, model), "mean loss (nats)", ("run", run.key)
+        key = content_key("ablation_curve", model.digest, subject, state.by, state.sweep, state.hsweep,
+                          scores.round(6).tolist(), ks, seeds, spec.method, state.ref, state.source)
+        # every evaluation is stored as it finishes: a cancelled curve resumes when run again
+        known = StoredValues(context.store, (model.digest, subject, spec.method, state.ref, state.source))
+        curve = topk_curve(model, scores, ks, fn, spec, seeds, known=known,
+                           progress=progress_reporter(set_progress, "curve"))
+        save_curve(context.store, key, curve, {"metric_label": metric_label, "by_label": by_label,
+                                               "subject": list(subject), "model_digest": model.digest})
+    except ValueError as e:
+        return no_update, str(e)
+    state.curve = key[:16]
+    top_k = curve.top[-1]
+    rand = curve.random_mean[-1] if seeds else float("nan")
+    return state.to_search(), f"k={ks[-1]}: top {top_k:.3f}, random {rand:.3f} ({metric_label})"
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(ids.ABL_SWEEP_STATUS, "children"),
+    Input(ids.ABL_SWEEP_RUN, "n_clicks"),
+    State(ids.ABL_SWEEP_METRIC, "value"),
+    State(url_id(PREFIX), "search"),
+    background=True,
+    progress=[Output(ids.ABL_SWEEP_PROGRESS, "value"), Output(ids.ABL_SWEEP_PROGRESS, "max"),
+              Output(ids.ABL_SWEEP_STATUS, "children")],
+    running=[(Output(ids.ABL_SWEEP_RUN, "disabled"), True, False),
+             (Output(ids.ABL_SWEEP_CANCEL, "disabled"), False, True)],
+    cancel=[Input(ids.ABL_SWEEP_CANCEL, "n_clicks")],
+    prevent_initial_call=True,
+)
+def run_head_sweep(set_progress, n_clicks, metric, search):
+    in_job()
+    if not n_clicks:
+        raise PreventUpdate
+    state = parse(search)
+    try:
+        context = get_context()
+        model = load_model(state.model or context.default_model)
+        run = context.run(state.run) if state.run else None
+        if run is None:
+            raise ValueError("Run a text first: each head is ablated on it.")
+        spec = ablation_spec(model, {**ablation_params(state), "heads": "0.0"})
+        key = content_key("ablation_head_sweep", model.digest, run.key, spec.method, metric, state.ref, state.source)
+        result = _resumable_head_sweep(model, run, spec, metric or "loss", key, progress_reporter(set_progress, "sweep"))
+    except ValueError as e:
+        return no_update, str(e)
+    state.hsweep = key[:16]
+    return state.to_search(), f"{model.n_layers * model.n_heads} heads in {result.seconds:.1f} s"
+
+
+SWEEP_LAYERS_PER_SAVE = 3
+
+
+def _resumable_head_sweep(model, run, spec, metric: str, key: str, progress) -> HeadSweep:
+    """:func:`single_head_sweep` a few layers at a time, saving after each block: a cancelled sweep
+    keeps the layers it finished (shown, marked partial) and resumes from them when run again."""
+    store = get_context().store
+    found = load_head_sweep(store, key)
+    if found is not None and found[0].complete:
+        progress(1.0)
+        return found[0]
+    effect = found[0].effect.copy() if found else np.full((model.n_layers, model.n_heads), np.nan, np.float32)
+    seconds = found[0].seconds if found else 0.0
+    clean = found[0].clean if found else float("nan")
+    todo_layers = [la for la in range(model.n_layers) if np.isnan(effect[la]).any()]
+    done = model.n_layers - len(todo_layers)
+    for i in range(0, len(todo_layers), SWEEP_LAYERS_PER_SAVE):
+        block = todo_layers[i : i + SWEEP_LAYERS_PER_SAVE]
+        part = single_head_sweep(model, run.token_ids, spec, metric,
+                                 heads=[(la, h) for la in block for h in range(model.n_heads)],
+                                 progress=lambda f, d=done, n=len(block): progress((d + f * n) / model.n_layers))
+        effect[block] = part.effect[block]
+        clean, seconds, done = part.clean, seconds + part.seconds, done + len(block)
+        result = HeadSweep(effect.copy(), clean, part.method, part.metric, done == model.n_layers, seconds)
+        save_head_sweep(store, key, result, {"run": run.key, "model_digest": model.digest})
+    return load_head_sweep(store, key)[0]
