@@ -59,3 +59,15 @@ def tiny_hf_model(vocab_size: int, seed: int = 0):
     config.architectures = ["LlamaForCausalLM"]
     config._attn_implementation = "eager"
     return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: decoding is a long run of tiny matmuls, and on a shared 2-core machine two
+    OpenMP threads thrash (measured: this sweep took 314 s with 2 threads under load, 26 s with 1)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

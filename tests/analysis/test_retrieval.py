@@ -263,16 +263,6 @@ def test_sweep_validates_every_prompt_before_decoding(tiny):
 # -- the embedded model ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def one_thread():
-    """One torch thread: decoding is a long run of tiny matmuls, and on a shared 2-core machine two
-    OpenMP threads thrash (measured: this sweep took 314 s with 2 threads under load, 26 s with 1)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.integration
 def test_small_sweep_finds_few_retrieval_heads(one_thread):
     """Wu et al. 2024 find retrieval heads (score > 0.1) to be under 5% of heads. On SmolLM2-135M a

@@ -85,3 +85,25 @@ def test_scan_writes_tables_and_figures_and_reuses_trials(tmp_path):
     assert (tmp_path / "b" / "retrieval_scores.csv").read_text() == (tmp_path / "a" / "retrieval_scores.csv").read_text()
     bad = headscope("scan", "--depths", "150", "--needles", "locker-code", home=home)
     assert bad.returncode == 2 and "depth" in bad.stderr.lower() and "Traceback" not in bad.stderr
+
+
+def test_ablate_writes_effects_and_a_curve_and_refuses_bad_heads(tmp_path):
+    home = tmp_path / "home"
+    text = "When Mary and John went to the store, John gave a drink to Mary."
+    first = headscope("ablate", "--text", text, "--heads", "3.1,kv:5.0", "--method", "uniform", "--formats", "svg",
+                      "--out", str(tmp_path / "a"), home=home)
+    assert first.returncode == 0, first.stderr
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["heads"] == "3.1,5.0,5.1,5.2" and summary["method"] == "uniform"
+    assert summary["text"]["mean_loss_ablated"] != summary["text"]["mean_loss_clean"]
+    assert (tmp_path / "a" / "ablation_effects.svg").exists()
+    curve = headscope("ablate", "--text", text, "--top-k", "3", "--by", "first_token", "--curve", "0,1,3",
+                      "--seeds", "2", "--formats", "svg", "--out", str(tmp_path / "b"), home=home)
+    assert curve.returncode == 0, curve.stderr
+    rows = (tmp_path / "b" / "ablation_curve.csv").read_text().splitlines()
+    assert rows[0].startswith("k,set,seed,value") and len(rows) == 1 + 3 + 2 * 3
+    assert "top [" in curve.stdout and "random [" in curve.stdout
+    for args, why in [(("--heads", "99.1"), "out of range"), (("--heads", "1.1", "--top-k", "2"), "exactly one"),
+                      (("--top-k", "2", "--by", "retrieval"), "needs --sweep")]:
+        bad = headscope("ablate", "--text", text, *args, home=home)
+        assert bad.returncode == 2 and why in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
