@@ -119,6 +119,8 @@ def view_params(view: str, state: PageState, query: int | None = None) -> dict[s
         return {"metric": state.metric, **head}
     if view == "attention":
         return head
+    if view == "sink_map":
+        return {}
     if view == "token_strip":
         return {**head, "query": query if query is not None else state.query}
     if view.startswith("relevance:"):

@@ -152,7 +152,8 @@ def token_strip(
     return _layout(fig, title, height=max(140, 34 * rows + 80))
 
 
-def layer_position_heatmap(values: np.ndarray, tokens: Sequence[str], title: str) -> go.Figure:
+def layer_position_heatmap(values: np.ndarray, tokens: Sequence[str], title: str,
+                           value_label: str = "relevance") -> go.Figure:
     """``[layer, position]`` values (e.g. cumulative rollout to one token after each layer)."""
     values = np.asarray(values, dtype=float)
     labels = token_labels(tokens)
@@ -162,8 +163,8 @@ def layer_position_heatmap(values: np.ndarray, tokens: Sequence[str], title: str
             x=labels,
             y=list(range(values.shape[0])),
             colorscale=ATTENTION_SCALE,
-            colorbar={"title": {"text": "relevance", "side": "right"}, "thickness": 12},
-            hovertemplate="after layer %{y}<br>input %{x}<br>%{z:.4f}<extra></extra>",
+            colorbar={"title": {"text": value_label, "side": "right"}, "thickness": 12},
+            hovertemplate="layer %{y}<br>token %{x}<br>" + value_label + " %{z:.4f}<extra></extra>",
         )
     )
     fig.update_xaxes(title="input token", type="category", tickangle=-60, showticklabels=len(tokens) <= 80)

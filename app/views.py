@@ -266,6 +266,27 @@ def faithfulness_set_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, 
     return fig, rows
 
 
+def sink_map_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    """Attention each key receives from later queries, per layer (mean over heads), and the sinks.
+
+    ``received(l, h, j) = Σ_{i>j} A[i, j] / (N − 1 − j)`` (:func:`analysis.streaming.sink_map`); a
+    position is a sink of a head when it receives at least 0.2 with 16 or more later queries. Sinks
+    after position 0 are the mid-sequence sinks (Gu et al. 2024).
+    """
+    from analysis.streaming import sink_map
+
+    sm = memoised((run.key, "sink_map"), lambda: sink_map(run.patterns))
+    per_layer = np.nanmean(sm.received, axis=1)  # [layer, position]
+    mid = ", ".join(f"{p} {run.tokens[p]} ({int(sm.head_counts[p])} heads)" for p in sm.mid_sequence[:6])
+    title = (f"Attention received per key, mean over heads — position 0 is a sink for {int(sm.head_counts[0])} "
+             f"heads; mid-sequence sinks: {mid or 'none'}")
+    fig = figures.layer_position_heatmap(per_layer, run.tokens, figures.safe_text(title), "received attention")
+    rows: Rows = [{"layer": la, "pos": j, "token": run.tokens[j], "mean_received": float(per_layer[la, j])}
+                  for la in range(per_layer.shape[0]) for j in range(per_layer.shape[1])]
+    rows += [{"sink_pos": p, "token": run.tokens[p], "heads_flagging": int(sm.head_counts[p])} for p in sm.positions]
+    return fig, rows
+
+
 @dataclass(frozen=True)
 class View:
     name: str
@@ -281,6 +302,7 @@ VIEWS: dict[str, View] = {
         View("head_grid", "Per-head summary grid", head_grid_view, ("metric", "layer", "head")),
         View("attention", "Attention heatmap", attention_view, ("layer", "head")),
         View("token_strip", "Attention row over tokens", token_strip_view, ("layer", "head", "query")),
+        View("sink_map", "Attention sinks per layer and position", sink_map_view, ()),
         View("relevance", "Token relevance", relevance_view, ("target", "method", "fusion", "drop_sink")),
         View("rollout_layers", "Rollout per layer", rollout_layers_view, ("target", "fusion", "drop_sink")),
         View("gradient", "Gradient or ablation attribution", gradient_view, ("target", "method", "fusion", "drop_sink")),

@@ -81,6 +81,8 @@ def layout(**_query) -> html.Div:
                 ],
                 className="hs-panel",
             ),
+            html.Div([dcc.Graph(id=ids.SINKS, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, "sink_map")],
+                     className="hs-panel"),
         ]
     )
 
@@ -106,6 +108,7 @@ def _with(search: str | None, **changes) -> str:
     Output(ids.GRID, "figure"),
     Output(ids.HEATMAP, "figure"),
     Output(ids.STRIP, "figure"),
+    Output(ids.SINKS, "figure"),
     Output(ids.RUN_INFO, "children"),
     Output(ids.ERROR, "children", allow_duplicate=True),
     Output(text_id(PREFIX), "value"),
@@ -115,7 +118,7 @@ def _with(search: str | None, **changes) -> str:
     Input(url_id(PREFIX), "search"),
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=9, error_index=4)
+@guarded(outputs=10, error_index=5)
 def render(search):
     state = parse(search)
     problems = list(state.problems)
@@ -123,11 +126,11 @@ def render(search):
     if state.model and state.run is None:
         load_model(state.model)  # a model named on its own: check it loads, so a bad link says so
     if state.run is None:
-        return EMPTY, EMPTY, EMPTY, "", message(problems), no_update, state.model or no_update, state.metric, None
+        return EMPTY, EMPTY, EMPTY, EMPTY, "", message(problems), no_update, state.model or no_update, state.metric, None
     run = context.run(state.run)
     if run is None:
         problems.append(f"No stored run has the id {state.run!r}. Run the text again to recompute it.")
-        return EMPTY, EMPTY, EMPTY, "", message(problems), no_update, no_update, state.metric, None
+        return EMPTY, EMPTY, EMPTY, EMPTY, "", message(problems), no_update, no_update, state.metric, None
     n_layers, n_heads = run.patterns.shape[:2]
     layer, head = state.layer or 0, state.head or 0
     if layer >= n_layers or head >= n_heads:
@@ -141,6 +144,7 @@ def render(search):
     grid, _ = VIEWS["head_grid"].build(run, params)
     heat, _ = VIEWS["attention"].build(run, params)
     strip, _ = VIEWS["token_strip"].build(run, params)
+    sinks, _ = VIEWS["sink_map"].build(run, params)
     loss = np.nanmean(run.token_loss) if run.n_tokens > 1 else float("nan")
     info = html.Div(
         [
@@ -151,7 +155,7 @@ def render(search):
             html.Span(f"selected: layer {layer}, head {head}", className="hs-chip hs-selected"),
         ]
     )
-    return (grid, heat, strip, info, message(problems), run.text or no_update, run.model_name, state.metric,
+    return (grid, heat, strip, sinks, info, message(problems), run.text or no_update, run.model_name, state.metric,
             query)
 
 

@@ -111,6 +111,7 @@ def test_prompt_grid_heatmap_strip_and_svg_export(server, page, tmp_path):
     wait_for_run(page)
     assert "run=" in page.url and "layer=0" in page.url
     assert heatmap_title(page) == "Attention of layer 0, head 0"
+    wait_title(page, "hs-sinks", "position 0 is a sink for")
 
     click_cell(page, "hs-grid", col=5, row=3, n_cols=9, n_rows=30)
     wait_title(page, "hs-heatmap", "layer 3, head 5")

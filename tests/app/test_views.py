@@ -38,3 +38,13 @@ def test_flow_limit_and_bad_targets_are_explained(run, monkeypatch):
     monkeypatch.setattr(views, "MAX_FLOW_TOKENS", 4)
     with pytest.raises(InputError, match="limited to 4 tokens"):
         views.token_relevance(run, "flow", 2, "max", False)
+
+
+def test_sink_map_view_is_received_attention_averaged_over_heads(run):
+    _, rows = views.sink_map_view(run, {})
+    p = run.patterns.astype(float)
+    n = run.n_tokens
+    j = 2  # attention key 2 receives from queries 3..n-1, averaged, then over heads
+    expected = p[1, :, j + 1 :, j].sum(-1).mean() / (n - 1 - j)
+    got = next(r["mean_received"] for r in rows if r.get("layer") == 1 and r.get("pos") == j)
+    assert got == pytest.approx(expected, rel=1e-6)
