@@ -23,6 +23,7 @@ first call in a process compiles far less numba code, and one small warm-up
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 import warnings
@@ -349,13 +350,26 @@ def warm_up_umap(progress: Progress = None) -> float:
 
 
 def start_umap_warmup() -> threading.Thread:
-    """Start :func:`warm_up_umap` in a daemon thread (idempotent); for the app's start-up."""
+    """Start :func:`warm_up_umap` in a daemon thread (idempotent); for the app's start-up.
+
+    A process forked while the thread compiles would inherit numba's compiler lock held by a thread
+    that does not exist in the child, and hang at its first compile; so an at-fork hook makes a
+    fork wait (at most two minutes) for the warm-up to finish. Forked children then inherit the
+    compiled code: their first UMAP costs no compilation.
+    """
     global _warm_thread
     with _warm_lock:
         if _warm_thread is None:
             _warm_thread = threading.Thread(target=_warm_quietly, name="umap-warmup", daemon=True)
+            os.register_at_fork(before=_finish_warmup_before_fork)
             _warm_thread.start()
         return _warm_thread
+
+
+def _finish_warmup_before_fork() -> None:
+    thread = _warm_thread
+    if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+        thread.join(timeout=120)
 
 
 def _warm_quietly() -> None:

@@ -57,6 +57,9 @@ def cmd_serve(args) -> int:
     t = time.time()
     warm_up(args.model)
     print(f"headscope: model ready in {time.time() - t:.1f} s", file=sys.stderr)
+    from analysis.joint_embedding import start_umap_warmup
+
+    start_umap_warmup()  # compiles UMAP's numba code in the background (~15 s), before anyone asks
     app = create_app(context)
     print(f"headscope: serving on http://{host}:{args.port}  (store: {context.store.root})", file=sys.stderr)
     app.run(host=host, port=args.port, debug=False, threaded=True)

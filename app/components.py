@@ -34,8 +34,14 @@ def url_id(prefix: str) -> str:
 
 
 def page_location(prefix: str) -> dcc.Location:
-    """Each page has its own Location, so its callbacks only run while it is shown."""
-    return dcc.Location(id=url_id(prefix), refresh="callback-nav")
+    """Each page has its own Location, so its callbacks only run while it is shown.
+
+    ``refresh=False``: a page writing its state into the URL pushes history without telling Dash
+    Pages' router, so the page is not rebuilt on every change (a rebuild while a background job
+    runs lost the job's result, and reset what the user had typed). Links and the back button
+    still go through the router.
+    """
+    return dcc.Location(id=url_id(prefix), refresh=False)
 
 
 def text_id(prefix: str) -> str:
@@ -136,7 +142,7 @@ def view_params(view: str, state: PageState, query: int | None = None) -> dict[s
         from app.heads_views import sweep_params
 
         return sweep_params(state)
-    if view in ("qk_scatter", "qk_spectrum"):
+    if view.startswith("qk_"):
         from app.qk_views import qk_params
 
         return qk_params(state)

@@ -11,8 +11,15 @@ import plotly.graph_objects as go
 
 from analysis.capture import InputError
 from analysis.joint_embedding import joint_embedding, query_attention
-from analysis.qk_collect import HeadQK, collect_head, load_probe_tasks, load_sentences
-from analysis.qk_decomposition import decompose_head
+from analysis.qk_collect import HeadQK, collect_head, collect_layer, load_probe_tasks, load_sentences
+from analysis.qk_decomposition import (
+    ablate_query_subspace,
+    attribute_sentence,
+    decompose_head,
+    effective_rank,
+    parse_label_csv,
+    wqk_spectra,
+)
 from app import figures
 from app.views import VIEWS, Rows, View, memoised
 
@@ -22,13 +29,48 @@ MAX_SENTENCES = 341
 
 
 DEFAULT_SENTENCES = 60
+MAX_TSNE_POINTS = 6000  # Barnes-Hut t-SNE on one thread: ~2 minutes at this size on a 2-core machine
 
 
 def qk_params(state: Any) -> dict[str, Any]:
     """A QK view's parameters from the page state (the page and its exports use the same)."""
     return {"model": state.model, "layer": state.layer or 0, "head": state.head or 0,
             "sentences": state.sentences or DEFAULT_SENTENCES, "method": state.method, "colour": state.colour,
-            "feature": state.feature, "query": state.query}
+            "feature": state.feature, "query": state.query, "find": state.find, "labels": state.labels}
+
+
+def _model(params: dict[str, Any]):
+    from analysis.models import load_model
+    from app.context import get_context
+
+    return load_model(params.get("model") or get_context().default_model)
+
+
+def user_labels(key: str | None) -> dict[str, Any]:
+    """Features of a label file a user uploaded (stored as text under ``key``), by name."""
+    if not key:
+        return {}
+    from app.context import get_context
+
+    store = get_context().store
+    keys = store.find(str(key))
+    record = store.get(keys[0]) if len(keys) == 1 else None
+    if record is None or record.kind != "qk_labels":
+        raise InputError(f"No uploaded label file has the id {key!r}: upload it again.")
+    return parse_label_csv(record.meta["text"])
+
+
+def feature_of(params: dict[str, Any]) -> tuple[str, Any]:
+    """The feature named in the params: a built-in probe task or a rule of an uploaded label file."""
+    name = params.get("feature", "previous_token")
+    labels = user_labels(params.get("labels"))
+    if name in labels:
+        return name, labels[name]
+    tasks = load_probe_tasks()
+    if name not in tasks:
+        known = ", ".join([*tasks, *labels])
+        raise InputError(f"Unknown feature {name!r}; choose one of {known}.")
+    return name, tasks[name]
 
 
 def head_of(params: dict[str, Any]) -> HeadQK:
@@ -55,6 +97,9 @@ def qk_scatter_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]
     colour = params.get("colour", "position")
     if colour not in COLOUR_BY:
         raise InputError(f"Colour by one of {', '.join(COLOUR_BY)}, not {colour!r}.")
+    if method == "tsne" and head.n_points > MAX_TSNE_POINTS:
+        raise InputError(f"t-SNE is limited to {MAX_TSNE_POINTS:,} points here (this head has {head.n_points:,}: "
+                         "about two minutes at the limit on a 2-core machine). Use fewer sentences, or UMAP.")
     emb = joint_embedding(head, method, store=get_context().store, progress=params.get("_progress"))
     table = head.point_table()
     n = len(table["token"]) // 2
@@ -76,6 +121,16 @@ def qk_scatter_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]
             hovertemplate=kind + " %{customdata[0]} (pos %{customdata[1]}, sentence %{customdata[2]})"
                                  "<br>%{text}<extra></extra>",
         ))
+    find = (params.get("find") or "").strip()
+    found = 0
+    if find:
+        want = find.casefold()
+        match = np.array([t.replace("·", " ").strip().casefold() == want for t in table["token"]])
+        found = int(match[:n].sum())
+        fig.add_trace(go.Scattergl(
+            x=xy[match, 0], y=xy[match, 1], mode="markers", name=f"'{figures.safe_text(find)}' ({found} tokens)",
+            marker={"symbol": "circle-open", "size": 14, "color": "#e4572e", "line": {"width": 2}},
+            hoverinfo="skip"))
     query = params.get("query")
     rows_hits: Rows = []
     if query is not None:
@@ -91,7 +146,8 @@ def qk_scatter_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]
         rows_hits = [{"query": q, "key": h.token_index, "key_token": h.token, "weight": h.weight,
                       "distance": h.distance} for h in hits]
     title = (f"Layer {params.get('layer', 0)}, head {params.get('head', 0)}: joint query-key embedding "
-             f"({METHODS[method]}, {n} tokens)")
+             f"({METHODS[method]}, {n} tokens)" + (f" — '{find}' found {found} times" if find else ""))
+    title = figures.safe_text(title)
     figures._layout(fig, title, height=620)
     fig.update_layout(legend={"orientation": "h", "x": 0, "y": 1.0, "yanchor": "bottom", "xanchor": "left"})
     rows = [{"kind": k, "token_index": i, "token": t, "position": p, "sentence": s, "x": float(x), "y": float(y)}
@@ -102,10 +158,8 @@ def qk_scatter_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]
 
 def qk_spectrum_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     head = head_of(params)
-    feature = params.get("feature", "previous_token")
-    tasks = load_probe_tasks()
-    target = tasks.get(feature, feature)
-    dec = memoised((id(head), "decomp", feature), lambda: decompose_head(head, target))
+    feature, target = feature_of(params)
+    dec = memoised((id(head), "decomp", feature, params.get("labels")), lambda: decompose_head(head, target))
     sv = np.asarray(dec.singular_values, dtype=float)
     fig = go.Figure(go.Bar(x=list(range(1, sv.size + 1)), y=sv,
                            marker_color=["#2a6fdb" if i < dec.rank else "#b8c4d6" for i in range(sv.size)],
@@ -115,13 +169,111 @@ def qk_spectrum_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows
                       annotation_text="shuffled-label noise level")
     fig.update_xaxes(title="singular value index", range=[0.5, min(sv.size, 24) + 0.5])
     fig.update_yaxes(title="singular value of ΔC")
-    figures._layout(fig, f"Contrastive covariance ΔC for '{feature}': rank {dec.rank} "
-                         f"({dec.n_positive} positive / {dec.n_negative} negative pairs)", height=360)
+    figures._layout(fig, figures.safe_text(f"Contrastive covariance ΔC for '{feature}': rank {dec.rank} "
+                                           f"({dec.n_positive} positive / {dec.n_negative} negative pairs)"), height=360)
     return fig, [{"index": i + 1, "singular_value": float(v), "in_rank": i < dec.rank} for i, v in enumerate(sv)]
 
 
+def qk_attribution_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    """For the clicked query: each key's logit split into the feature's subspace term, cross terms and
+    residual (Lee et al. 2026), and the query's attention before/after projecting the feature's
+    query subspace out."""
+    from plotly.subplots import make_subplots
+
+    head = head_of(params)
+    if params.get("query") is None:
+        raise InputError("Click a query in the embedding to attribute its attention logits.")
+    q = int(params["query"])
+    if not 0 <= q < head.n_tokens:
+        raise InputError(f"Query {q} is out of range 0..{head.n_tokens - 1}.")
+    feature, target = feature_of(params)
+    dec = memoised((id(head), "decomp", feature, params.get("labels")), lambda: decompose_head(head, target))
+    s_i = int(head.sentence_index[q])
+    start = int(head.offsets[s_i])
+    row = q - start
+    parts = attribute_sentence(head, s_i, [dec])
+    iv = ablate_query_subspace(head, dec, s_i)
+    keys = list(range(row + 1))
+    labels = [figures.safe_text(f"{j} {head.tokens[start + j]}") for j in keys]
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=("logit = feature term + cross + residual",
+                                        f"attention before / after removing the '{feature}' query subspace"))
+    colours = {feature: "#2a6fdb", "cross": "#aaa", "residual": "#f4a259"}
+    for name in (feature, "cross", "residual"):
+        fig.add_trace(go.Bar(x=labels, y=parts[name][row, : row + 1], name=name, marker_color=colours[name]), 1, 1)
+    fig.add_trace(go.Scatter(x=labels, y=parts["logits"][row, : row + 1], mode="markers", name="logit",
+                             marker={"symbol": "line-ew-open", "size": 16, "color": "#111", "line": {"width": 2}}), 1, 1)
+    fig.add_trace(go.Bar(x=labels, y=iv.before[row, : row + 1], name="attention", marker_color="#555"), 2, 1)
+    fig.add_trace(go.Bar(x=labels, y=iv.after[row, : row + 1], name="after intervention", marker_color="#e4572e"), 2, 1)
+    fig.update_layout(barmode="relative")
+    fig.update_xaxes(tickangle=-60)
+    title = (f"Layer {head.layer}, head {head.head}, query {q} ({head.tokens[q]}): rank-{dec.rank} '{feature}' "
+             f"subspace")
+    figures._layout(fig, figures.safe_text(title), height=560)
+    rows = [{"query": q, "key": start + j, "key_token": head.tokens[start + j], "logit": float(parts["logits"][row, j]),
+             feature: float(parts[feature][row, j]), "cross": float(parts["cross"][row, j]),
+             "residual": float(parts["residual"][row, j]), "attention": float(iv.before[row, j]),
+             "attention_after": float(iv.after[row, j])} for j in keys]
+    return fig, rows
+
+
+def qk_layer_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    """A layer at a glance: one joint-embedding PCA panel per head (queries blue, keys orange)."""
+    from plotly.subplots import make_subplots
+
+    from app.context import get_context
+
+    model = _model(params)
+    layer = int(params.get("layer", 0))
+    n = int(params.get("sentences", DEFAULT_SENTENCES))
+    qkset = memoised((model.digest, "qk_layer", n, layer), lambda: collect_layer(
+        model, load_sentences(limit=n), layer, store=get_context().store))
+    n_heads = model.n_heads
+    cols = min(n_heads, 5)
+    n_rows = -(-n_heads // cols)
+    fig = make_subplots(rows=n_rows, cols=cols, subplot_titles=[f"head {h}" for h in range(n_heads)],
+                        horizontal_spacing=0.03, vertical_spacing=0.08)
+    rows: Rows = []
+    for h in range(n_heads):
+        head = qkset.head(h)
+        emb = joint_embedding(head, "pca")
+        m = head.n_tokens
+        r, c = divmod(h, cols)
+        for kind, sl, colour in (("query", slice(0, m), "#2a6fdb"), ("key", slice(m, 2 * m), "#f4a259")):
+            fig.add_trace(go.Scattergl(x=emb.coords[sl, 0], y=emb.coords[sl, 1], mode="markers",
+                                       marker={"size": 3, "color": colour, "opacity": 0.6}, name=f"{kind}s",
+                                       showlegend=h == 0, hoverinfo="skip"), r + 1, c + 1)
+        rows.append({"layer": layer, "head": h, "explained_variance": sum(emb.explained_variance),
+                     "points": head.n_points})
+    fig.update_xaxes(showticklabels=False)
+    fig.update_yaxes(showticklabels=False)
+    figures._layout(fig, f"Layer {layer}: every head's joint query-key PCA ({n} sentences)",
+                    height=260 * n_rows + 80)
+    return fig, rows
+
+
+def qk_rank_map_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    """Entropy effective rank of every head's W_QK = W_Q W_Kᵀ (pre-rotary interaction; RMSNorm gain folded)."""
+    from app.context import get_context
+
+    model = _model(params)
+    spectra = memoised((model.digest, "wqk"), lambda: wqk_spectra(model, store=get_context().store))
+    ranks = effective_rank(spectra)
+    fig = figures.head_grid(ranks, "effective rank of W_QK")
+    fig.update_layout(title_text=f"Effective rank of W_QK per head (of at most {spectra.shape[-1]}; pre-rotary)")
+    rows = [{"layer": la, "head": h, "effective_rank": float(ranks[la, h]),
+             "top_singular_value": float(spectra[la, h, 0])}
+            for la in range(ranks.shape[0]) for h in range(ranks.shape[1])]
+    return fig, rows
+
+
 for view in (View("qk_scatter", "Joint query-key embedding", qk_scatter_view,
-                  ("model", "layer", "head", "sentences", "method", "colour", "query"), False),
+                  ("model", "layer", "head", "sentences", "method", "colour", "query", "find"), False),
              View("qk_spectrum", "Contrastive covariance spectrum", qk_spectrum_view,
-                  ("model", "layer", "head", "sentences", "feature"), False)):
+                  ("model", "layer", "head", "sentences", "feature", "labels"), False),
+             View("qk_attribution", "Logit attribution and intervention", qk_attribution_view,
+                  ("model", "layer", "head", "sentences", "feature", "labels", "query"), False),
+             View("qk_layer", "Layer overview of joint embeddings", qk_layer_view, ("model", "layer", "sentences"),
+                  False),
+             View("qk_rank_map", "W_QK effective rank per head", qk_rank_map_view, ("model",), False)):
     VIEWS[view.name] = view

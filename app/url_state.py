@@ -19,9 +19,10 @@ SCORES = (*HEAD_METRICS, "evidence")
 ABLATION_METHODS = ("zero", "mean", "resample", "uniform", "first_token")
 RANK_BY = ("retrieval", "effect", *HEAD_METRICS)
 _HEADS = re.compile(r"^[\w.:*,; ]{1,2000}$")
-_HEX_KEYS = ("curve", "hsweep", "source", "ref")
+_HEX_KEYS = ("curve", "hsweep", "source", "ref", "labels")
+_FIND = re.compile(r"^[^\x00-\x1f<>]{1,40}$")
 CHOICES = {"method": ("pca", "umap", "tsne"), "colour": ("position", "kind", "sentence", "norm"),
-           "feature": ("previous_token", "same_token", "category"), "score": SCORES, "stat": ("mean", "std"),
+           "score": SCORES, "stat": ("mean", "std"),
            "ablate": ABLATION_METHODS, "by": RANK_BY}
 AGGREGATES = ("query", "group_max", "group_mean")
 FUSIONS = ("mean", "max", "min")
@@ -59,6 +60,8 @@ class PageState:
     hsweep: str | None = None
     source: str | None = None
     ref: str | None = None
+    labels: str | None = None
+    find: str | None = None
     problems: list[str] = field(default_factory=list)
 
     def to_search(self) -> str:
@@ -79,6 +82,7 @@ class PageState:
                 ("heads", self.heads), ("ablate", None if self.ablate == "zero" else self.ablate),
                 ("by", None if self.by == "retrieval" else self.by), ("k", self.k), ("seed", self.seed),
                 ("curve", self.curve), ("hsweep", self.hsweep), ("source", self.source), ("ref", self.ref),
+                ("labels", self.labels), ("find", self.find),
                 ("sweep", self.sweep), ("trial", self.trial), ("agg", None if self.agg == "query" else self.agg),
             )
             if v is not None
@@ -142,12 +146,22 @@ def parse(search: str | None) -> PageState:
             state.heads = first["heads"]
         else:
             state.problems.append(f"The link's head list {first['heads'][:40]!r} has characters a head list cannot have.")
+    if "find" in first:
+        if _FIND.match(first["find"]):
+            state.find = first["find"]
+        else:
+            state.problems.append("The link's token search must be 1–40 printable characters without < or >.")
     for key in _HEX_KEYS:
         if key in first:
             if _RUN_ID.match(first[key].lower()):
                 setattr(state, key, first[key].lower())
             else:
                 state.problems.append(f"The link's {key} id {first[key][:40]!r} is not valid (8–64 hex digits).")
+    if "feature" in first:  # a built-in probe task or a feature of an uploaded label file
+        if re.fullmatch(r"[\w .:-]{1,64}", first["feature"]):
+            state.feature = first["feature"]
+        else:
+            state.problems.append(f"The link's feature {first['feature'][:40]!r} is not a valid feature name.")
     if "agg" in first:
         if first["agg"] in AGGREGATES:
             state.agg = first["agg"]

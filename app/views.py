@@ -276,7 +276,9 @@ def sink_map_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     from analysis.streaming import sink_map
 
     sm = memoised((run.key, "sink_map"), lambda: sink_map(run.patterns))
-    per_layer = np.nanmean(sm.received, axis=1)  # [layer, position]
+    with np.errstate(all="ignore"):  # the last position has no later query: nan for every head
+        per_layer = np.where(np.isnan(sm.received).all(1), np.nan,
+                             np.nansum(sm.received, axis=1) / np.maximum((~np.isnan(sm.received)).sum(1), 1))
     mid = ", ".join(f"{p} {run.tokens[p]} ({int(sm.head_counts[p])} heads)" for p in sm.mid_sequence[:6])
     title = (f"Attention received per key, mean over heads — position 0 is a sink for {int(sm.head_counts[0])} "
              f"heads; mid-sequence sinks: {mid or 'none'}")

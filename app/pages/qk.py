@@ -3,9 +3,15 @@ query's attention, and the contrastive-covariance spectrum of a labelled feature
 
 from __future__ import annotations
 
+import base64
+import binascii
+
 import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
 
+from analysis.qk_collect import load_probe_tasks
+from analysis.qk_decomposition import parse_label_csv
+from analysis.store import content_key
 from app import ids
 from app.components import (
     GRAPH_CONFIG,
@@ -16,16 +22,18 @@ from app.components import (
     register_export,
     url_id,
 )
-from app.errors import message
+from app.context import get_context
+from app.errors import guarded, message
 from app.jobs import in_job, progress_reporter
-from app.qk_views import COLOUR_BY, DEFAULT_SENTENCES, MAX_SENTENCES, METHODS, qk_params
+from app.qk_views import COLOUR_BY, DEFAULT_SENTENCES, MAX_SENTENCES, METHODS, qk_params, user_labels
 from app.url_state import parse
 from app.views import VIEWS
 
-dash.register_page(__name__, path="/qk", name="QK space", title="headscope — query-key space", order=3)
+dash.register_page(__name__, path="/qk", name="QK space", title="headscope — query-key space", order=4)
 
 PREFIX = "qk"
 EMPTY = empty_figure("Pick a layer and head, then Show.")
+MAX_LABEL_BYTES = 200_000
 
 
 def layout(**_query) -> html.Div:
@@ -49,8 +57,12 @@ def layout(**_query) -> html.Div:
                     dcc.Dropdown(id=ids.QK_COLOUR, options=list(COLOUR_BY), value="position", clearable=False,
                                  className="hs-small-dropdown"),
                     html.Label("Feature", htmlFor=ids.QK_FEATURE),
-                    dcc.Dropdown(id=ids.QK_FEATURE, options=["previous_token", "same_token", "category"],
+                    dcc.Dropdown(id=ids.QK_FEATURE, options=list(load_probe_tasks()),
                                  value="previous_token", clearable=False, className="hs-small-dropdown"),
+                    dcc.Upload(id=ids.QK_LABELS_UPLOAD, children=html.Span("Upload labels (.csv)"),
+                               className="hs-upload", max_size=MAX_LABEL_BYTES),
+                    html.Label("Find token", htmlFor=ids.QK_FIND),
+                    dcc.Input(id=ids.QK_FIND, debounce=True, placeholder="e.g. cat", className="hs-number"),
                     html.Button("Show", id=ids.QK_SHOW, n_clicks=0, className="hs-run"),
                     html.Progress(id=ids.QK_PROGRESS, value="0", max="100", className="hs-progress"),
                     html.Span(id=ids.QK_STATUS, className="hs-hint"),
@@ -64,6 +76,13 @@ def layout(**_query) -> html.Div:
                       export_bar(PREFIX, "qk_scatter")], className="hs-panel"),
             html.Div([dcc.Graph(id=ids.QK_SPECTRUM, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, "qk_spectrum")],
                      className="hs-panel"),
+            html.Div([dcc.Graph(id=ids.QK_ATTRIBUTION, figure=empty_figure("Click a query to attribute its logits."),
+                                config=GRAPH_CONFIG), export_bar(PREFIX, "qk_attribution")], className="hs-panel"),
+            html.Div([dcc.Graph(id=ids.QK_LAYER_VIEW, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, "qk_layer")],
+                     className="hs-panel"),
+            html.Div([dcc.Graph(id=ids.QK_RANK_MAP, figure=EMPTY, config=GRAPH_CONFIG),
+                      html.P("Click a head to show it.", className="hs-hint"), export_bar(PREFIX, "qk_rank_map")],
+                     className="hs-panel"),
         ]
     )
 
@@ -76,17 +95,84 @@ register_export(PREFIX, lambda state: None)
     Input(ids.QK_SHOW, "n_clicks"),
     State(ids.QK_LAYER, "value"), State(ids.QK_HEAD, "value"), State(ids.QK_SENTENCES, "value"),
     State(ids.QK_METHOD, "value"), State(ids.QK_COLOUR, "value"), State(ids.QK_FEATURE, "value"),
+    State(ids.QK_FIND, "value"),
     State(url_id(PREFIX), "search"),
     prevent_initial_call=True,
 )
-def show(n_clicks, layer, head, sentences, method, colour, feature, search):
+def show(n_clicks, layer, head, sentences, method, colour, feature, find, search):
     if not n_clicks:
         return no_update
     state = parse(search)
+    state.find = (find or "").strip()[:40] or None
     state.layer, state.head = int(layer or 0), int(head or 0)
     state.sentences = int(sentences or DEFAULT_SENTENCES)
     state.method, state.colour, state.feature, state.query = method, colour, feature, None
     return state.to_search()
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Input(ids.QK_RANK_MAP, "clickData"),
+    Input(ids.QK_FIND, "value"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+def pick_head_or_find(click, find, search):
+    state = parse(search)
+    if dash.ctx.triggered_id == ids.QK_FIND:
+        new = (find or "").strip()[:40] or None
+        if new == state.find or state.layer is None:
+            return no_update
+        state.find = new
+        return state.to_search()
+    if not click or not click.get("points"):
+        return no_update
+    point = click["points"][0]
+    state.layer, state.head, state.query = int(point["y"]), int(point["x"]), None
+    return state.to_search()
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(ids.QK_STATUS, "children", allow_duplicate=True),
+    Input(ids.QK_LABELS_UPLOAD, "contents"),
+    State(ids.QK_LABELS_UPLOAD, "filename"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+def upload_labels(contents, filename, search):
+    """A label CSV (feature,side,label,match) becomes features of the decomposition; bad files say why."""
+    if not contents:
+        return no_update, no_update
+    try:
+        text = base64.b64decode(contents.split(",", 1)[1], validate=True).decode("utf-8")
+    except (IndexError, binascii.Error, UnicodeDecodeError):
+        return no_update, f"{filename or 'The file'} is not UTF-8 text: upload a CSV label file."
+    try:
+        features = parse_label_csv(text if "\n" in text else text + "\n")
+    except ValueError as e:
+        return no_update, str(e)
+    key = content_key("qk_labels", text)
+    get_context().store.put(key, "qk_labels", {"text": text, "filename": filename or "", "features": list(features)}, {})
+    state = parse(search)
+    state.labels, state.feature = key[:16], next(iter(features))
+    return state.to_search(), no_update  # the page re-renders with the new features in the Feature list
+
+
+@callback(
+    Output(ids.QK_FEATURE, "options"),
+    Output(ids.QK_FEATURE, "value"),
+    Input(url_id(PREFIX), "search"),
+)
+@guarded(outputs=2, error_index=0)
+def feature_options(search):
+    state = parse(search)
+    names = list(load_probe_tasks())
+    try:
+        names += [f for f in user_labels(state.labels) if f not in names]
+    except ValueError:
+        pass
+    return names, state.feature if state.feature in names else "previous_token"
 
 
 @callback(
@@ -110,6 +196,9 @@ def pick_query(click, search):
     Output(ids.QK_SCATTER, "figure"),
     Output(ids.QK_SPECTRUM, "figure"),
     Output(ids.QK_HITS, "children"),
+    Output(ids.QK_ATTRIBUTION, "figure"),
+    Output(ids.QK_LAYER_VIEW, "figure"),
+    Output(ids.QK_RANK_MAP, "figure"),
     Output(ids.QK_STATUS, "children"),
     Output(ids.ERROR, "children", allow_duplicate=True),
     Input(url_id(PREFIX), "search"),
@@ -122,21 +211,32 @@ def render(set_progress, search):
     in_job()
     state = parse(search)
     problems = list(state.problems)
-    if state.layer is None or state.head is None:
-        return EMPTY, EMPTY, "", "", message(problems)
     params = qk_params(state)
+    rank_map = _optional("qk_rank_map", params)
+    if state.layer is None or state.head is None:
+        return EMPTY, EMPTY, "", NO_QUERY, EMPTY, rank_map, "", message(problems)
     try:
         scatter, rows = VIEWS["qk_scatter"].build(None, {**params, "_progress": progress_reporter(set_progress,
                                                                                                   state.method)})
     except ValueError as e:
-        return EMPTY, EMPTY, "", "", message([*problems, str(e)])
-    try:
-        spectrum, _ = VIEWS["qk_spectrum"].build(None, params)
-    except ValueError as e:
-        spectrum = empty_figure(str(e))
+        return EMPTY, EMPTY, "", NO_QUERY, EMPTY, rank_map, "", message([*problems, str(e)])
+    spectrum = _optional("qk_spectrum", params)
+    attribution = _optional("qk_attribution", params) if state.query is not None else NO_QUERY
+    layer_view = _optional("qk_layer", params)
     hits = ""
     if state.query is not None:
         top = [r for r in rows if "key_token" in r]
         hits = html.Ul([html.Li(f"key {r['key']} {r['key_token']!r}: attention {r['weight']:.3f}, "
                                 f"distance {r['distance']:.2f}") for r in top], className="hs-hits")
-    return scatter, spectrum, hits, "ready", message(problems)
+    return scatter, spectrum, hits, attribution, layer_view, rank_map, "ready", message(problems)
+
+
+NO_QUERY = empty_figure("Click a query to attribute its logits.")
+
+
+def _optional(view: str, params: dict):
+    """A secondary figure: its problem is shown in its place, the rest of the page still renders."""
+    try:
+        return VIEWS[view].build(None, params)[0]
+    except ValueError as e:
+        return empty_figure(str(e))

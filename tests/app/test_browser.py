@@ -85,6 +85,7 @@ def wait_for_run(page):
 
 
 def click_cell(page, graph, col, row, n_cols, n_rows):
+    page.locator(f"#{graph}").scroll_into_view_if_needed()
     box = page.locator(f"#{graph} .nsewdrag").first.bounding_box()
     page.mouse.click(box["x"] + box["width"] * (col + 0.5) / n_cols, box["y"] + box["height"] * (row + 0.5) / n_rows)
 
@@ -318,6 +319,29 @@ def test_qk_page_embeds_a_head_and_shows_a_querys_keys(server, page, tmp_path):
     assert manifest["view"] == "qk_scatter" and manifest["params"]["layer"] == 16
     rows = json.loads(z.read("data.json"))
     assert rows[0]["query"] == 5 and {"x", "y"} <= set(rows[-1])
+
+    # the clicked query's logits split by the feature subspace, the layer at a glance, the weight-space map
+    wait_title(page, "hs-qk-attribution", "query 5")
+    wait_title(page, "hs-qk-layer-view", "Layer 16: every head's joint query-key PCA")
+    wait_title(page, "hs-qk-rank-map", "Effective rank of W_QK per head", timeout=120_000)
+    page.fill("#hs-qk-find", "the")
+    page.press("#hs-qk-find", "Enter")
+    page.wait_for_function("location.search.includes('find=the')")
+    wait_title(page, "hs-qk-scatter", "'the' found")
+    # a label file: a bad one says which line is wrong, a good one adds its features
+    bad = tmp_path / "bad.csv"
+    bad.write_text("feature,side,label,match\ncolour,sideways,colour,word:red\n")
+    page.set_input_files("#hs-qk-labels-upload input[type=file]", str(bad))
+    page.wait_for_function("(document.querySelector('#hs-qk-status')?.innerText || '').includes('line 2')")
+    good = tmp_path / "labels.csv"
+    good.write_text("feature,side,label,match\ndeterminer,both,det,word:the|a|an\ncolour,both,colour,word:red|green\n")
+    page.set_input_files("#hs-qk-labels-upload input[type=file]", str(good))
+    page.wait_for_function("location.search.includes('labels=') && location.search.includes('feature=determiner')")
+    wait_title(page, "hs-qk-spectrum", "for 'determiner'", timeout=120_000)
+    # a feature the probe sentences never pair up is explained in the figure's place
+    page.goto(page.url.replace("feature=determiner", "feature=colour"))
+    page.wait_for_function("(document.querySelector('#hs-qk-spectrum')?.textContent || '').includes('no positive pairs')",
+                           timeout=120_000)
 
     page.goto(url + "qk?layer=99&head=0")
     assert "out of range" in error_text(page).lower() or "layer" in error_text(page).lower()
