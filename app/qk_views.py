@@ -36,7 +36,26 @@ def qk_params(state: Any) -> dict[str, Any]:
     """A QK view's parameters from the page state (the page and its exports use the same)."""
     return {"model": state.model, "layer": state.layer or 0, "head": state.head or 0,
             "sentences": state.sentences or DEFAULT_SENTENCES, "method": state.method, "colour": state.colour,
-            "feature": state.feature, "query": state.query, "find": state.find, "labels": state.labels}
+            "feature": state.feature, "query": state.query, "find": state.find, "labels": state.labels,
+            "texts": state.texts}
+
+
+def probe_sentences(params: dict[str, Any]) -> list[str]:
+    """The probe sentences of a view: the user's uploaded set (``texts``) or the built-in one, the
+    first ``sentences`` of them."""
+    n = int(params.get("sentences", DEFAULT_SENTENCES))
+    if not 1 <= n <= MAX_SENTENCES:
+        raise InputError(f"Choose between 1 and {MAX_SENTENCES} probe sentences, got {n}.")
+    if not params.get("texts"):
+        return load_sentences(limit=n)
+    from app.context import get_context
+
+    store = get_context().store
+    keys = store.find(str(params["texts"]))
+    record = store.get(keys[0]) if len(keys) == 1 else None
+    if record is None or record.kind != "qk_sentences":
+        raise InputError(f"No uploaded probe set has the id {params['texts']!r}: upload it again.")
+    return list(record.meta["sentences"])[:n]
 
 
 def _model(params: dict[str, Any]):
@@ -79,12 +98,10 @@ def head_of(params: dict[str, Any]) -> HeadQK:
 
     context = get_context()
     model = load_model(params.get("model") or context.default_model)
-    n = int(params.get("sentences", 60))
-    if not 1 <= n <= MAX_SENTENCES:
-        raise InputError(f"Choose between 1 and {MAX_SENTENCES} probe sentences, got {n}.")
+    sentences = probe_sentences(params)
     layer, head = int(params.get("layer", 0)), int(params.get("head", 0))
-    return memoised((model.digest, "qk", n, layer, head),
-                    lambda: collect_head(model, load_sentences(limit=n), layer, head, store=context.store))
+    return memoised((model.digest, "qk", params.get("texts"), len(sentences), layer, head),
+                    lambda: collect_head(model, sentences, layer, head, store=context.store))
 
 
 def qk_scatter_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
@@ -225,9 +242,10 @@ def qk_layer_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
 
     model = _model(params)
     layer = int(params.get("layer", 0))
-    n = int(params.get("sentences", DEFAULT_SENTENCES))
-    qkset = memoised((model.digest, "qk_layer", n, layer), lambda: collect_layer(
-        model, load_sentences(limit=n), layer, store=get_context().store))
+    sentences = probe_sentences(params)
+    n = len(sentences)
+    qkset = memoised((model.digest, "qk_layer", params.get("texts"), n, layer), lambda: collect_layer(
+        model, sentences, layer, store=get_context().store))
     n_heads = model.n_heads
     cols = min(n_heads, 5)
     n_rows = -(-n_heads // cols)
@@ -268,12 +286,12 @@ def qk_rank_map_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows
 
 
 for view in (View("qk_scatter", "Joint query-key embedding", qk_scatter_view,
-                  ("model", "layer", "head", "sentences", "method", "colour", "query", "find"), False),
+                  ("model", "layer", "head", "sentences", "texts", "method", "colour", "query", "find"), False),
              View("qk_spectrum", "Contrastive covariance spectrum", qk_spectrum_view,
-                  ("model", "layer", "head", "sentences", "feature", "labels"), False),
+                  ("model", "layer", "head", "sentences", "texts", "feature", "labels"), False),
              View("qk_attribution", "Logit attribution and intervention", qk_attribution_view,
-                  ("model", "layer", "head", "sentences", "feature", "labels", "query"), False),
-             View("qk_layer", "Layer overview of joint embeddings", qk_layer_view, ("model", "layer", "sentences"),
+                  ("model", "layer", "head", "sentences", "texts", "feature", "labels", "query"), False),
+             View("qk_layer", "Layer overview of joint embeddings", qk_layer_view, ("model", "layer", "sentences", "texts"),
                   False),
              View("qk_rank_map", "W_QK effective rank per head", qk_rank_map_view, ("model",), False)):
     VIEWS[view.name] = view

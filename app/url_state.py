@@ -19,7 +19,7 @@ SCORES = (*HEAD_METRICS, "evidence")
 ABLATION_METHODS = ("zero", "mean", "resample", "uniform", "first_token")
 RANK_BY = ("retrieval", "effect", *HEAD_METRICS)
 _HEADS = re.compile(r"^[\w.:*,; ]{1,2000}$")
-_HEX_KEYS = ("curve", "hsweep", "source", "ref", "labels")
+_HEX_KEYS = ("curve", "hsweep", "source", "ref", "labels", "texts")
 _FIND = re.compile(r"^[^\x00-\x1f<>]{1,40}$")
 CHOICES = {"method": ("pca", "umap", "tsne"), "colour": ("position", "kind", "sentence", "norm"),
            "score": SCORES, "stat": ("mean", "std"),
@@ -61,6 +61,7 @@ class PageState:
     source: str | None = None
     ref: str | None = None
     labels: str | None = None
+    texts: str | None = None
     find: str | None = None
     problems: list[str] = field(default_factory=list)
 
@@ -82,7 +83,7 @@ class PageState:
                 ("heads", self.heads), ("ablate", None if self.ablate == "zero" else self.ablate),
                 ("by", None if self.by == "retrieval" else self.by), ("k", self.k), ("seed", self.seed),
                 ("curve", self.curve), ("hsweep", self.hsweep), ("source", self.source), ("ref", self.ref),
-                ("labels", self.labels), ("find", self.find),
+                ("labels", self.labels), ("texts", self.texts), ("find", self.find),
                 ("sweep", self.sweep), ("trial", self.trial), ("agg", None if self.agg == "query" else self.agg),
             )
             if v is not None

@@ -34,6 +34,7 @@ dash.register_page(__name__, path="/qk", name="QK space", title="headscope — q
 PREFIX = "qk"
 EMPTY = empty_figure("Pick a layer and head, then Show.")
 MAX_LABEL_BYTES = 200_000
+MAX_TEXTS_BYTES = 1_000_000
 
 
 def layout(**_query) -> html.Div:
@@ -59,6 +60,8 @@ def layout(**_query) -> html.Div:
                     html.Label("Feature", htmlFor=ids.QK_FEATURE),
                     dcc.Dropdown(id=ids.QK_FEATURE, options=list(load_probe_tasks()),
                                  value="previous_token", clearable=False, className="hs-small-dropdown"),
+                    dcc.Upload(id=ids.QK_TEXTS_UPLOAD, children=html.Span("Upload sentences (.txt)"),
+                               className="hs-upload", max_size=MAX_TEXTS_BYTES),
                     dcc.Upload(id=ids.QK_LABELS_UPLOAD, children=html.Span("Upload labels (.csv)"),
                                className="hs-upload", max_size=MAX_LABEL_BYTES),
                     html.Label("Find token", htmlFor=ids.QK_FIND),
@@ -157,6 +160,34 @@ def upload_labels(contents, filename, search):
     state = parse(search)
     state.labels, state.feature = key[:16], next(iter(features))
     return state.to_search(), no_update  # the page re-renders with the new features in the Feature list
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(ids.QK_STATUS, "children", allow_duplicate=True),
+    Input(ids.QK_TEXTS_UPLOAD, "contents"),
+    State(ids.QK_TEXTS_UPLOAD, "filename"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+def upload_texts(contents, filename, search):
+    """Own probe sentences, one per line (blank lines and # comments skipped), replace the built-in set."""
+    if not contents:
+        return no_update, no_update
+    try:
+        text = base64.b64decode(contents.split(",", 1)[1], validate=True).decode("utf-8")
+    except (IndexError, binascii.Error, UnicodeDecodeError):
+        return no_update, f"{filename or 'The file'} is not UTF-8 text: upload sentences, one per line."
+    sentences = [t.strip() for t in text.splitlines() if t.strip() and not t.lstrip().startswith("#")]
+    if not sentences:
+        return no_update, f"{filename or 'The file'} has no sentences: write one sentence per line."
+    if len(sentences) > MAX_SENTENCES:
+        return no_update, f"{filename} has {len(sentences)} sentences; the limit is {MAX_SENTENCES}."
+    key = content_key("qk_sentences", sentences)
+    get_context().store.put(key, "qk_sentences", {"sentences": sentences, "filename": filename or ""}, {})
+    state = parse(search)
+    state.texts, state.sentences, state.query = key[:16], len(sentences), None
+    return state.to_search(), no_update
 
 
 @callback(

@@ -343,6 +343,17 @@ def test_qk_page_embeds_a_head_and_shows_a_querys_keys(server, page, tmp_path):
     page.wait_for_function("(document.querySelector('#hs-qk-spectrum')?.textContent || '').includes('no positive pairs')",
                            timeout=120_000)
 
+    # own probe sentences replace the built-in set
+    own = tmp_path / "mine.txt"
+    own.write_text("# my probes\nThe red fox saw the red barn.\nA green frog sat on a green leaf.\n")
+    page.set_input_files("#hs-qk-texts-upload input[type=file]", str(own))
+    page.wait_for_function("location.search.includes('texts=') && location.search.includes('sentences=2')")
+    page.wait_for_function("(document.querySelector('#hs-qk-scatter .gtitle')?.textContent || '').match(/PCA, 1\\d tokens/)",
+                           timeout=120_000)
+
+    page.goto(url + "qk?layer=3&head=0&sentences=5000")  # more points than allowed
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('between 1 and')")
+
     page.goto(url + "qk?layer=99&head=0")
     assert "out of range" in error_text(page).lower() or "layer" in error_text(page).lower()
     assert proc.poll() is None
