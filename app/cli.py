@@ -40,6 +40,7 @@ def _store(args):
 
 
 def cmd_serve(args) -> int:
+    from app.access import new_token, protect
     from app.context import AppContext
     from app.server import create_app, warm_up
 
@@ -48,9 +49,9 @@ def cmd_serve(args) -> int:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = host == "localhost"
-    if not loopback:
-        print(f"headscope: refusing to listen on {host}: only loopback addresses are supported until "
-              "access tokens exist. Use an SSH tunnel to reach it from elsewhere.", file=sys.stderr)
+    token = args.token or os.environ.get("HEADSCOPE_TOKEN") or (None if loopback else new_token())
+    if token is not None and len(token) < 16:
+        print("headscope: an access token must have at least 16 characters.", file=sys.stderr)
         return EXIT_USER_ERROR
     context = AppContext(store=_store(args), default_model=args.model)
     print(f"headscope: loading {args.model} …", file=sys.stderr)
@@ -61,6 +62,10 @@ def cmd_serve(args) -> int:
 
     start_umap_warmup()  # compiles UMAP's numba code in the background (~15 s), before anyone asks
     app = create_app(context)
+    if token is not None:
+        protect(app.server, token)
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        print(f"headscope: access token required; open http://{shown}:{args.port}/?token={token}", file=sys.stderr)
     print(f"headscope: serving on http://{host}:{args.port}  (store: {context.store.root})", file=sys.stderr)
     app.run(host=host, port=args.port, debug=False, threaded=True)
     return 0
@@ -380,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8050)
+    p.add_argument("--token", help="access token (default: a random one when --host is not a loopback address; "
+                                   "also HEADSCOPE_TOKEN)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("run", help="run a text and write its results")

@@ -408,3 +408,44 @@ def test_ablation_page_effects_kept_sets_curve_and_bad_inputs(server, page, tmp_
     page.click("#hs-abl-curve-run")
     page.wait_for_function("(document.querySelector('#hs-abl-curve-status')?.innerText || '').includes('needs a sweep')")
     assert proc.poll() is None
+
+
+HOSTILE = ('Hi <script>window.__pwned=1</script><img src=x onerror="window.__pwned=2"> '
+           '<b>bold</b> <a href="javascript:window.__pwned=3">link</a>')
+
+
+def test_hostile_text_renders_as_text_in_pages_and_exported_html(server, page, browser, tmp_path):
+    url, proc, _ = server
+    run_prompt(page, url, HOSTILE)
+    wait_for_run(page)
+    click_cell(page, "hs-grid", col=2, row=1, n_cols=9, n_rows=30)
+    wait_title(page, "hs-heatmap", "layer 1, head 2")
+    page.hover("#hs-heatmap .nsewdrag")
+    labels = " ".join(page.locator("#hs-heatmap .xtick text").all_text_contents())
+    assert "<script>" in labels or "script" in labels  # shown, as characters
+    assert page.evaluate("window.__pwned") is None
+    assert page.locator("img[src='x']").count() == 0 and page.locator("a[href^='javascript:']").count() == 0
+    with page.expect_download() as download:
+        page.click("[data-export='attention-html']")
+    path = tmp_path / "attention.zip"
+    download.value.save_as(path)
+    z = zipfile.ZipFile(path)
+    name = next(n for n in z.namelist() if n.endswith(".html"))
+    html_text = z.read(name).decode()
+    assert "<script>window.__pwned" not in html_text and "onerror=\"window" not in html_text
+    exported = tmp_path / "figure.html"
+    exported.write_text(html_text)
+    other = browser.new_page()
+    other.goto(exported.as_uri())
+    other.wait_for_selector(".js-plotly-plot .xtick")
+    assert other.evaluate("window.__pwned") is None
+    assert other.locator("img[src='x']").count() == 0
+    other.close()
+    # the same text as an own needle on the Heads page is refused or shown as text, never run
+    page.goto(url + "heads")
+    page.fill("#hs-heads-custom-needles", HOSTILE + " | <script>q</script>? | <b>a</b>")
+    page.fill("#hs-heads-lengths", "99999999")
+    page.click("#hs-heads-run")
+    page.wait_for_function("(document.querySelector('#hs-heads-status')?.innerText || '').length > 0")
+    assert page.evaluate("window.__pwned") is None
+    assert proc.poll() is None

@@ -49,7 +49,7 @@ def test_run_list_figure_rm(tmp_path):
         (("run", "hello", "--model", "no-such-model"), "Cannot load model"),
         (("run", "--file", "/nonexistent/file.txt"), "cannot read"),
         (("figure", "/nonexistent/manifest.json"), "Cannot read manifest"),
-        (("serve", "--host", "0.0.0.0"), "refusing to listen"),
+        (("serve", "--host", "0.0.0.0", "--token", "short"), "at least 16 characters"),
     ],
 )
 def test_user_errors_are_messages_not_tracebacks(tmp_path, args, message):
@@ -107,3 +107,34 @@ def test_ablate_writes_effects_and_a_curve_and_refuses_bad_heads(tmp_path):
                       (("--top-k", "2", "--by", "retrieval"), "needs --sweep")]:
         bad = headscope("ablate", "--text", text, *args, home=home)
         assert bad.returncode == 2 and why in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_a_sweep_killed_mid_run_is_resumed_from_its_stored_trials(tmp_path):
+    """SIGKILL ``headscope scan`` after its first trial is stored; running it again reuses that
+    trial, finishes, and the store serves every record it lists."""
+    import signal
+    import time
+
+    from analysis.store import Store
+
+    home = tmp_path / "home"
+    args = ["scan", "--lengths", "256", "--depths", "25,50,75", "--needles", "locker-code", "--formats", "svg",
+            "--out", str(tmp_path / "out")]
+    env = {**os.environ, "HEADSCOPE_HOME": str(home)}
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if home.exists() and Store(home).list(kind="retrieval_trial"):
+            break
+        assert proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    store = Store(home)
+    stored = len(store.list(kind="retrieval_trial"))
+    assert 1 <= stored < 3
+    assert all(store.get(r.key) is not None for r in store.list())
+    again = headscope(*args, home=home)
+    assert again.returncode == 0, again.stderr
+    assert f"({stored} reused)" in again.stdout
