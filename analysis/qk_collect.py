@@ -40,7 +40,7 @@ SENTENCES_FILE = PROBES_DIR / "sentences.txt"
 FEATURES_FILE = PROBES_DIR / "features.json"
 
 QK_VERSION = 1
-MAX_POINTS = 20_000
+MAX_POINTS = 20_000  # the default; the app passes analysis.limits.limit("HEADSCOPE_MAX_QK_POINTS")
 """Most points (queries + keys of one head) collected at once; UMAP/t-SNE past this take minutes."""
 MAX_SENTENCE_TOKENS = 256
 """Longest probe sentence: probes are short inputs pooled in numbers, not long documents."""
@@ -377,7 +377,7 @@ def _check_points(n_tokens: int, n_sentences: int, max_points: int) -> None:
         raise InputError(
             f"The probe set has {n_tokens:,} tokens, i.e. {2 * n_tokens:,} query and key points per head, "
             f"over the limit of {max_points:,}. Use fewer sentences (about {keep:,} of these "
-            f"{n_sentences:,}) or raise max_points."
+            f"{n_sentences:,}), or raise the limit (HEADSCOPE_MAX_QK_POINTS in the app)."
         )
 
 

@@ -39,6 +39,7 @@ from transformer_lens.utilities import get_act_name
 
 from analysis.capture import InputError
 from analysis.detectors import group_heads
+from analysis.limits import hint, limit
 from analysis.models import LoadedModel
 from analysis.niah import DEFAULT_TEMPLATE, Needle, NiahPrompt, build_prompt
 from analysis.store import Store, content_key
@@ -580,6 +581,10 @@ def sweep(
         raise InputError("Choose at least one context length and one depth.")
     lengths = [int(x) for x in lengths]
     depths = [float(x) for x in depths]
+    n_planned = len(lengths) * len(depths) * len(needles)
+    if n_planned > limit("HEADSCOPE_MAX_SWEEP_TRIALS"):
+        raise InputError(f"This sweep would run {n_planned:,} trials (needles × lengths × depths) "
+                         f"{hint('HEADSCOPE_MAX_SWEEP_TRIALS')}. Choose fewer needles, lengths or depths.")
     plan = [
         (i, j, build_prompt(model, needle, haystack, length, depth, template=template))
         for i, length in enumerate(lengths)

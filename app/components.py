@@ -190,6 +190,40 @@ def register_export(prefix: str, run_of: Any = _stored_run) -> None:
     export.__name__ = f"export_{prefix}"
 
 
+UPLOAD_HARD_CAP = 10  # the browser refuses files over 10× the limit; the callback explains the limit
+
+
+def upload_text(contents: str | None, filename: str | None, what: str) -> str:
+    """The text of a dcc.Upload's ``contents`` (a base64 data URL), or an ``InputError`` saying why not:
+    over ``HEADSCOPE_MAX_UPLOAD_BYTES``, not base64, not UTF-8, or empty."""
+    import base64
+    import binascii
+
+    from analysis.capture import InputError
+    from analysis.limits import hint, limit
+
+    name = filename or "The file"
+    try:
+        data = base64.b64decode((contents or "").split(",", 1)[1], validate=True)
+    except (IndexError, binascii.Error):
+        raise InputError(f"{name} could not be read: upload {what}.") from None
+    if len(data) > limit("HEADSCOPE_MAX_UPLOAD_BYTES"):
+        raise InputError(f"{name} has {len(data):,} bytes {hint('HEADSCOPE_MAX_UPLOAD_BYTES')}.")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{name} is not UTF-8 text: upload {what}.") from None
+    if "\x00" in text or not text.strip():
+        raise InputError(f"{name} has no readable text: upload {what}.")
+    return text
+
+
+def upload_max_size() -> int:
+    from analysis.limits import limit
+
+    return UPLOAD_HARD_CAP * limit("HEADSCOPE_MAX_UPLOAD_BYTES")
+
+
 def query_store_id(prefix: str) -> str:
     """A page's selected query token (hovered, not in the URL: hovering must not re-render)."""
     return f"{prefix}-{ids.QUERY_STORE}"

@@ -6,21 +6,14 @@ which memoises them, so each is loaded once per process.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from analysis.capture import Run, load_run
+from analysis.limits import limit
 from analysis.models import DEFAULT_MODEL, available_models
 from analysis.store import Store
-
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
 
 
 @dataclass
@@ -28,7 +21,7 @@ class AppContext:
     store: Store
     default_model: str = DEFAULT_MODEL
     extra_models: list[str] = field(default_factory=list)
-    max_tokens: int = field(default_factory=lambda: _env_int("HEADSCOPE_MAX_TOKENS", 1024))
+    max_tokens: int = field(default_factory=lambda: limit("HEADSCOPE_MAX_TOKENS"))
     _runs: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

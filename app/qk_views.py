@@ -11,6 +11,7 @@ import plotly.graph_objects as go
 
 from analysis.capture import InputError
 from analysis.joint_embedding import joint_embedding, query_attention
+from analysis.limits import limit
 from analysis.qk_collect import HeadQK, collect_head, collect_layer, load_probe_tasks, load_sentences
 from analysis.qk_decomposition import (
     ablate_query_subspace,
@@ -101,7 +102,8 @@ def head_of(params: dict[str, Any]) -> HeadQK:
     sentences = probe_sentences(params)
     layer, head = int(params.get("layer", 0)), int(params.get("head", 0))
     return memoised((model.digest, "qk", params.get("texts"), len(sentences), layer, head),
-                    lambda: collect_head(model, sentences, layer, head, store=context.store))
+                    lambda: collect_head(model, sentences, layer, head, store=context.store,
+                                         max_points=limit("HEADSCOPE_MAX_QK_POINTS")))
 
 
 def qk_scatter_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
@@ -245,7 +247,7 @@ def qk_layer_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     sentences = probe_sentences(params)
     n = len(sentences)
     qkset = memoised((model.digest, "qk_layer", params.get("texts"), n, layer), lambda: collect_layer(
-        model, sentences, layer, store=get_context().store))
+        model, sentences, layer, store=get_context().store, max_points=limit("HEADSCOPE_MAX_QK_POINTS")))
     n_heads = model.n_heads
     cols = min(n_heads, 5)
     n_rows = -(-n_heads // cols)

@@ -6,7 +6,6 @@ figure regenerated from a manifest is built by exactly the code that drew it in 
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -19,6 +18,7 @@ import plotly.graph_objects as go
 from analysis.capture import InputError, Run
 from analysis.flow import attention_flow
 from analysis.head_summary import HEAD_METRICS
+from analysis.limits import limit
 from analysis.rollout import rollout, rollout_per_layer
 from app import figures
 
@@ -118,7 +118,7 @@ def token_strip_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]
     return fig, rows
 
 
-MAX_FLOW_TOKENS = int(os.environ.get("HEADSCOPE_MAX_FLOW_TOKENS", "128"))
+MAX_FLOW_TOKENS = limit("HEADSCOPE_MAX_FLOW_TOKENS")
 RELEVANCE_METHODS = {
     "attention": "Raw attention (last layer, head-fused)",
     "rollout": "Attention rollout",

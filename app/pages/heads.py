@@ -4,9 +4,6 @@ trials show why it scored."""
 
 from __future__ import annotations
 
-import base64
-import binascii
-
 import dash
 from dash import Input, Output, State, callback, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
@@ -24,6 +21,8 @@ from app.components import (
     page_location,
     query_store_id,
     register_export,
+    upload_max_size,
+    upload_text,
     url_id,
 )
 from app.context import get_context
@@ -38,7 +37,6 @@ dash.register_page(__name__, path="/heads", name="Heads", title="headscope — r
 PREFIX = "heads"
 EMPTY = empty_figure("Run a sweep to score every head.")
 TOP_K = 20
-MAX_UPLOAD_BYTES = 4_000_000
 KEEP = {"persistence": True, "persistence_type": "session"}  # settings survive the page's re-render
 NEEDLES_HINT = ("Your own needles, one per line: needle | question | answer — e.g. "
                 "The vault code is 7731. | What is the vault code? | 7731 (or paste needles.json).")
@@ -83,7 +81,7 @@ def layout(**_query) -> html.Div:
                         dcc.Textarea(id=ids.HEADS_CUSTOM_HAYSTACK, **KEEP, className="hs-textarea",
                                      placeholder="Paste prose here, or upload a UTF-8 .txt file."),
                         dcc.Upload(id=ids.HEADS_HAYSTACK_UPLOAD, children=html.Span("Upload a .txt haystack"),
-                                   className="hs-upload", max_size=MAX_UPLOAD_BYTES),
+                                   className="hs-upload", max_size=upload_max_size()),
                         html.Label("Own needles (used instead of the ticked ones when given)",
                                    htmlFor=ids.HEADS_CUSTOM_NEEDLES),
                         dcc.Textarea(id=ids.HEADS_CUSTOM_NEEDLES, **KEEP, className="hs-textarea", placeholder=NEEDLES_HINT),
@@ -222,12 +220,9 @@ def upload_haystack(contents, filename):
     if not contents:
         raise PreventUpdate
     try:
-        data = base64.b64decode(contents.split(",", 1)[1], validate=True)
-        text = data.decode("utf-8")
-    except (IndexError, binascii.Error, UnicodeDecodeError):
-        return no_update, no_update, f"{filename or 'The file'} is not UTF-8 text; upload a plain .txt file."
-    if "\x00" in text or not text.strip():
-        return no_update, no_update, f"{filename or 'The file'} has no readable text."
+        text = upload_text(contents, filename, "a plain UTF-8 .txt haystack")
+    except ValueError as e:
+        return no_update, no_update, str(e)
     return text, "custom", f"Loaded {filename} ({len(text):,} characters) as the haystack."
 
 

@@ -3,9 +3,6 @@ query's attention, and the contrastive-covariance spectrum of a labelled feature
 
 from __future__ import annotations
 
-import base64
-import binascii
-
 import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
 
@@ -20,6 +17,8 @@ from app.components import (
     page_location,
     query_store_id,
     register_export,
+    upload_max_size,
+    upload_text,
     url_id,
 )
 from app.context import get_context
@@ -33,8 +32,6 @@ dash.register_page(__name__, path="/qk", name="QK space", title="headscope — q
 
 PREFIX = "qk"
 EMPTY = empty_figure("Pick a layer and head, then Show.")
-MAX_LABEL_BYTES = 200_000
-MAX_TEXTS_BYTES = 1_000_000
 
 
 def layout(**_query) -> html.Div:
@@ -61,9 +58,9 @@ def layout(**_query) -> html.Div:
                     dcc.Dropdown(id=ids.QK_FEATURE, options=list(load_probe_tasks()),
                                  value="previous_token", clearable=False, className="hs-small-dropdown"),
                     dcc.Upload(id=ids.QK_TEXTS_UPLOAD, children=html.Span("Upload sentences (.txt)"),
-                               className="hs-upload", max_size=MAX_TEXTS_BYTES),
+                               className="hs-upload", max_size=upload_max_size()),
                     dcc.Upload(id=ids.QK_LABELS_UPLOAD, children=html.Span("Upload labels (.csv)"),
-                               className="hs-upload", max_size=MAX_LABEL_BYTES),
+                               className="hs-upload", max_size=upload_max_size()),
                     html.Label("Find token", htmlFor=ids.QK_FIND),
                     dcc.Input(id=ids.QK_FIND, debounce=True, placeholder="e.g. cat", className="hs-number"),
                     html.Button("Show", id=ids.QK_SHOW, n_clicks=0, className="hs-run"),
@@ -148,9 +145,9 @@ def upload_labels(contents, filename, search):
     if not contents:
         return no_update, no_update
     try:
-        text = base64.b64decode(contents.split(",", 1)[1], validate=True).decode("utf-8")
-    except (IndexError, binascii.Error, UnicodeDecodeError):
-        return no_update, f"{filename or 'The file'} is not UTF-8 text: upload a CSV label file."
+        text = upload_text(contents, filename, "a CSV label file")
+    except ValueError as e:
+        return no_update, str(e)
     try:
         features = parse_label_csv(text if "\n" in text else text + "\n")
     except ValueError as e:
@@ -175,9 +172,9 @@ def upload_texts(contents, filename, search):
     if not contents:
         return no_update, no_update
     try:
-        text = base64.b64decode(contents.split(",", 1)[1], validate=True).decode("utf-8")
-    except (IndexError, binascii.Error, UnicodeDecodeError):
-        return no_update, f"{filename or 'The file'} is not UTF-8 text: upload sentences, one per line."
+        text = upload_text(contents, filename, "sentences, one per line")
+    except ValueError as e:
+        return no_update, str(e)
     sentences = [t.strip() for t in text.splitlines() if t.strip() and not t.lstrip().startswith("#")]
     if not sentences:
         return no_update, f"{filename or 'The file'} has no sentences: write one sentence per line."

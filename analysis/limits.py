@@ -1,0 +1,42 @@
+"""Limits on work a request may ask for, each set by an environment variable.
+
+Every limit is read when it is checked, so a server started with another value uses it; a message
+that reports a limit names its variable, so the user knows how to change it.
+
+=============================  =======  ==========================================================
+variable                       default  what it bounds
+=============================  =======  ==========================================================
+``HEADSCOPE_MAX_TOKENS``         1024   tokens of a page run with full attention patterns
+``HEADSCOPE_MAX_FLOW_TOKENS``     128   tokens for exact attention flow
+``HEADSCOPE_MAX_QK_POINTS``    20000    query + key points of one head's joint embedding
+``HEADSCOPE_MAX_SWEEP_TRIALS``   200    trials (needles × lengths × depths) of one NIAH sweep
+``HEADSCOPE_MAX_UPLOAD_BYTES`` 4000000  bytes of one uploaded file (haystack, sentences, labels)
+=============================  =======  ==========================================================
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULTS = {
+    "HEADSCOPE_MAX_TOKENS": 1024,
+    "HEADSCOPE_MAX_FLOW_TOKENS": 128,
+    "HEADSCOPE_MAX_QK_POINTS": 20_000,
+    "HEADSCOPE_MAX_SWEEP_TRIALS": 200,
+    "HEADSCOPE_MAX_UPLOAD_BYTES": 4_000_000,
+}
+
+
+def limit(name: str) -> int:
+    """The current value of limit ``name`` (a key of :data:`DEFAULTS`); a malformed value falls
+    back to the default rather than failing the request."""
+    default = DEFAULTS[name]
+    try:
+        value = int(os.environ.get(name, default))
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+def hint(name: str) -> str:
+    return f"(the limit is {limit(name):,}; set {name} to change it)"

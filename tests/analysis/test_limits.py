@@ -1,0 +1,45 @@
+"""Limits come from the environment, fall back to their defaults on bad values, and every message
+that reports one names its variable."""
+
+import base64
+
+import pytest
+
+from analysis.capture import InputError
+from analysis.limits import DEFAULTS, hint, limit
+
+
+def test_limits_read_the_environment_at_check_time(monkeypatch):
+    monkeypatch.setenv("HEADSCOPE_MAX_SWEEP_TRIALS", "7")
+    assert limit("HEADSCOPE_MAX_SWEEP_TRIALS") == 7
+    assert "HEADSCOPE_MAX_SWEEP_TRIALS" in hint("HEADSCOPE_MAX_SWEEP_TRIALS") and "7" in hint("HEADSCOPE_MAX_SWEEP_TRIALS")
+    for bad in ("lots", "-3", "0"):
+        monkeypatch.setenv("HEADSCOPE_MAX_SWEEP_TRIALS", bad)
+        assert limit("HEADSCOPE_MAX_SWEEP_TRIALS") == DEFAULTS["HEADSCOPE_MAX_SWEEP_TRIALS"]
+
+
+def test_a_sweep_over_the_trial_limit_is_refused_before_any_work(tiny_model, monkeypatch):
+    from analysis.niah import load_haystack, load_needles
+    from analysis.retrieval import sweep
+
+    monkeypatch.setenv("HEADSCOPE_MAX_SWEEP_TRIALS", "5")
+    with pytest.raises(InputError, match="6 trials.*HEADSCOPE_MAX_SWEEP_TRIALS"):
+        sweep(tiny_model, load_needles()[:2], [128], [10, 50, 90], load_haystack("passkey"))
+
+
+def test_uploads_over_the_limit_or_not_text_say_why(monkeypatch):
+    from app.components import upload_text
+
+    def url(data: bytes) -> str:
+        return "data:text/plain;base64," + base64.b64encode(data).decode()
+
+    assert upload_text(url("hello\nworld".encode()), "a.txt", "text") == "hello\nworld"
+    monkeypatch.setenv("HEADSCOPE_MAX_UPLOAD_BYTES", "10")
+    with pytest.raises(InputError, match="11 bytes.*HEADSCOPE_MAX_UPLOAD_BYTES"):
+        upload_text(url(b"x" * 11), "big.txt", "text")
+    monkeypatch.delenv("HEADSCOPE_MAX_UPLOAD_BYTES")
+    for data, why in [(b"\xff\xfe\x00bad", "not UTF-8"), (b"   \n", "no readable text"), (b"a\x00b", "no readable")]:
+        with pytest.raises(InputError, match=why):
+            upload_text(url(data), "f.bin", "text")
+    with pytest.raises(InputError, match="could not be read"):
+        upload_text("not a data url", "f", "text")
