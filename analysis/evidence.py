@@ -37,6 +37,8 @@ def _positions(spans: Span | Sequence[Span], n: int, what: str) -> np.ndarray:
                 f"{what} span {span} is not inside the {n}-token sequence (half-open, non-empty)"
             )
         out.extend(range(start, end))
+    if not out:
+        raise ValueError(f"no {what} span given: name at least one (start, end) span")
     return np.unique(np.asarray(out, dtype=np.int64))
 
 

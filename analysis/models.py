@@ -60,6 +60,15 @@ class ModelError(ValueError):
     """A model spec that cannot be loaded; the message says what can be."""
 
 
+def check_unicode(text: str) -> None:
+    """Refuse text that cannot be encoded as UTF-8 (lone surrogates), saying where."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ModelError(f"The text has a character that is not valid Unicode at position {e.start} "
+                         f"({text[e.start]!r}); remove it or paste the text again.") from None
+
+
 @dataclass(eq=False)
 class LoadedModel:
     """One loaded model and the facts about it that analyses and pages need.
@@ -102,10 +111,16 @@ class LoadedModel:
         return getattr(self.tokenizer, "chat_template", None)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` exactly as written: no BOS or other special token is added."""
+        """Token ids of ``text`` exactly as written: no BOS or other special token is added.
+
+        Raises ``ModelError`` (a ``ValueError``) for text that is not valid Unicode, e.g. a lone
+        surrogate from undecodable bytes on a command line: tokenizers refuse it with a TypeError.
+        """
+        check_unicode(text)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def chat_ids(self, user_message: str) -> list[int]:
+        check_unicode(user_message)
         """Token ids of a one-turn chat with the generation prompt, when the model has a template."""
         if not self.chat_template:
             return self.encode(user_message)

@@ -33,7 +33,7 @@ def test_uploads_over_the_limit_or_not_text_say_why(monkeypatch):
     def url(data: bytes) -> str:
         return "data:text/plain;base64," + base64.b64encode(data).decode()
 
-    assert upload_text(url("hello\nworld".encode()), "a.txt", "text") == "hello\nworld"
+    assert upload_text(url(b"hello\nworld"), "a.txt", "text") == "hello\nworld"
     monkeypatch.setenv("HEADSCOPE_MAX_UPLOAD_BYTES", "10")
     with pytest.raises(InputError, match="11 bytes.*HEADSCOPE_MAX_UPLOAD_BYTES"):
         upload_text(url(b"x" * 11), "big.txt", "text")

@@ -449,3 +449,44 @@ def test_hostile_text_renders_as_text_in_pages_and_exported_html(server, page, b
     page.wait_for_function("(document.querySelector('#hs-heads-status')?.innerText || '').length > 0")
     assert page.evaluate("window.__pwned") is None
     assert proc.poll() is None
+
+
+def _rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def test_ten_sessions_at_once_each_see_only_their_own_run(server, browser):
+    """Ten independent browser sessions (own cookies and storage) run ten different texts at the same
+    time: no errors, each page shows its own run (its text, its token count), the server keeps
+    serving, and its memory stays bounded."""
+    url, proc, _ = server
+    before = _rss_mb(proc.pid)
+    texts = [f"Session {i} asks about the {w} near the old mill." for i, w in
+             enumerate(["river", "bridge", "orchard", "chapel", "quarry", "harbour", "meadow", "forge", "tower",
+                        "granary"])]
+    contexts = [browser.new_context(viewport={"width": 1200, "height": 900}) for _ in texts]
+    pages = [c.new_page() for c in contexts]
+    for p in pages:
+        p.set_default_timeout(180_000)
+        p.goto(url)
+        p.wait_for_selector("#attn-hs-run")
+    for p, text in zip(pages, texts, strict=True):
+        p.fill("#attn-hs-text", text)
+    # click all Run buttons together (as close to simultaneous as one driver thread allows)
+    for p in pages:
+        p.evaluate("document.querySelector('#attn-hs-run').click()")
+    run_ids = []
+    for p, text in zip(pages, texts, strict=True):
+        p.wait_for_function("(document.querySelector('#hs-run-info')?.innerText || '').includes('tokens')")
+        assert p.input_value("#attn-hs-text") == text
+        assert p.locator("#hs-error").inner_text() == ""
+        run_ids.append(p.evaluate("new URLSearchParams(location.search).get('run')"))
+    assert len(set(run_ids)) == len(texts)  # ten runs, none shown in another session
+    after = _rss_mb(proc.pid)
+    for c in contexts:
+        c.close()
+    assert proc.poll() is None
+    assert after - before < 1500, (before, after)  # ten short runs, memory bounded
