@@ -49,6 +49,7 @@ query heads. Only the query heads' outputs (or patterns) change; the shared keys
 from __future__ import annotations
 
 import math
+import os
 import re
 import threading
 import time
@@ -398,6 +399,14 @@ def check_pattern_seam(model: LoadedModel) -> None:
 
 _SOURCE_CACHE: OrderedDict[tuple[str, tuple[int, ...]], list[torch.Tensor]] = OrderedDict()
 _SOURCE_LOCK = threading.Lock()
+
+
+def _fresh_lock_in_child() -> None:
+    global _SOURCE_LOCK
+    _SOURCE_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
 def source_z(model: LoadedModel, source_ids: Sequence[int]) -> list[torch.Tensor]:

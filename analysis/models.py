@@ -336,6 +336,25 @@ _models_lock = threading.Lock()
 _spec_locks: dict[tuple[str, str], threading.Lock] = {}
 
 
+def _fresh_locks_in_child() -> None:
+    """After a fork only the forking thread exists; a lock another thread held (a forward pass on
+    the model, a conversion) would stay held in the child forever, and the hooks of that forward
+    pass would stay attached. Background jobs fork, so the child starts with fresh locks and no
+    temporary hooks."""
+    global _models_lock, _convert_lock
+    torch.set_num_threads(1)  # torch's thread pool does not survive a fork: more threads hang
+    _models_lock, _convert_lock = threading.Lock(), threading.Lock()
+    _spec_locks.clear()
+    for model in _models.values():
+        model.lock = threading.RLock()
+        # a forward pass another thread was running at the fork left its hooks attached here
+        with contextlib.suppress(Exception):
+            model.bridge.reset_hooks()
+
+
+os.register_at_fork(after_in_child=_fresh_locks_in_child)
+
+
 def load_model(spec: str = DEFAULT_MODEL, device: str = "cpu") -> LoadedModel:
     """Load a model by spec (memoised per process: a model is never loaded twice at once).
 

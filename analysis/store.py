@@ -27,6 +27,7 @@ import sqlite3
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,14 +124,30 @@ def _verify(path: Path, sha256: str) -> None:
         _verified[stamp] = sha256
 
 
+_stores: weakref.WeakSet = weakref.WeakSet()
+
+
+def _fresh_state_in_child() -> None:
+    """SQLite connections must not cross a fork, and a lock held by another thread would stay
+    held: a forked child (a background job) opens its own connections."""
+    global _verified_lock
+    _verified_lock = threading.Lock()
+    for store in list(_stores):
+        store._local = threading.local()
+
+
+os.register_at_fork(after_in_child=_fresh_state_in_child)
+
+
 class Store:
-    """The run and result store. Thread-safe; safe to share between processes."""
+    """The run and result store. Thread-safe; safe to share between processes (and across a fork)."""
 
     def __init__(self, root: Path | str | None = None):
         self.root = Path(root) if root is not None else home()
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / "records").mkdir(exist_ok=True)
         self._local = threading.local()
+        _stores.add(self)
         with self._db() as db:
             db.executescript(SCHEMA)
 

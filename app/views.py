@@ -6,6 +6,7 @@ figure regenerated from a manifest is built by exactly the code that drew it in 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -47,6 +48,14 @@ def check_metric(metric: Any) -> str:
 
 _memo: OrderedDict[tuple, np.ndarray] = OrderedDict()
 _memo_lock = threading.Lock()
+
+
+def _fresh_lock_in_child() -> None:
+    global _memo_lock
+    _memo_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
 def memoised(key: tuple, compute: Callable[[], np.ndarray]) -> np.ndarray:

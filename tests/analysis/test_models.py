@@ -70,3 +70,70 @@ def test_loading_a_safetensors_folder(tmp_path, tiny_model):
     assert (m.n_layers, m.n_heads, m.n_kv_heads) == (2, 4, 2)
     assert len(m.digest) == 64 and m.digest != tiny_model.digest
     assert not list((tmp_path / "tiny").glob("*.bin"))  # safetensors only
+
+
+def test_a_forked_child_does_not_inherit_a_held_model_lock(real_model, store):
+    """Background jobs fork the server. If another thread is mid forward pass (holding the model's
+    lock) at that moment, the child must still be able to use the model and the store."""
+    import os
+    import threading
+
+    holding, release = threading.Event(), threading.Event()
+
+    def busy():
+        with real_model.lock:
+            holding.set()
+            release.wait(30)
+
+    t = threading.Thread(target=busy)
+    t.start()
+    holding.wait(10)
+    store.put("before-fork", "test", {}, {})
+    pid = os.fork()
+    if pid == 0:  # the child: the lock and the store work
+        ok = real_model.lock.acquire(timeout=5)
+        ok = ok and store.get("before-fork") is not None
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    release.set()
+    t.join()
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_forked_child_does_not_inherit_hooks_of_a_forward_pass_in_flight(real_model):
+    """A fork while another thread runs a hooked forward pass: the child's forward passes run clean."""
+    import os
+    import threading
+
+    import torch
+
+    inside, release = threading.Event(), threading.Event()
+    parent = os.getpid()
+
+    def stall(t, hook=None):
+        if os.getpid() != parent:
+            os._exit(3)  # the parent's hook fired in the child: it was inherited
+        inside.set()
+        release.wait(30)
+
+    def hooked():
+        with real_model.lock, torch.inference_mode():
+            real_model.bridge.run_with_hooks(torch.tensor([[1, 2, 3]]), fwd_hooks=[("blocks.0.attn.hook_pattern", stall)])
+
+    t = threading.Thread(target=hooked)
+    t.start()
+    inside.wait(30)
+    pid = os.fork()
+    if pid == 0:
+        calls = []
+        try:
+            with real_model.lock, torch.inference_mode():
+                real_model.bridge.run_with_hooks(torch.tensor([[4, 5]]), fwd_hooks=[("blocks.0.attn.hook_pattern",
+                                                                                     lambda t, hook=None: calls.append(1))])
+            os._exit(0 if calls == [1] else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    release.set()
+    t.join()
+    assert os.waitstatus_to_exitcode(status) == 0

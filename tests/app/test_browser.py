@@ -299,6 +299,22 @@ def test_heads_page_runs_a_small_sweep_and_opens_a_heads_trials(server, page, tm
     steps = json.loads(z.read("data.json"))
     assert any(r["in_needle"] for r in steps) and sum(r["argmax"] for r in steps) == 1 + max(r["step"] for r in steps)
     assert json.loads(z.read("manifest.json"))["params"]["layer"] == top_layer
+    # the paper's experiment from here: the sweep's top retrieval heads against random heads
+    page.click("#hs-heads-ablate-link")
+    page.wait_for_function("location.pathname == '/ablation' && location.search.includes('by=retrieval')")
+    wait_title(page, "hs-abl-grid", "Retrieval score (sweep")
+    page.fill("#hs-abl-curve-ks", "0,3")
+    page.fill("#hs-abl-curve-seeds", "1")
+    page.check("#hs-abl-curve-metric input[value='niah']")
+    page.click("#hs-abl-curve-run")
+    page.wait_for_function("location.search.includes('curve=')", timeout=240_000)
+    wait_title(page, "hs-abl-curve", "top-k vs random heads (zero ablation)")
+    with page.expect_download() as download:
+        page.click("[data-export='ablation_curve-csv']")
+    path = tmp_path / "niah_curve.zip"
+    download.value.save_as(path)
+    rows = zipfile.ZipFile(path).read("data.csv").decode().splitlines()
+    assert len(rows) == 1 + 2 + 2 and rows[1].startswith("0,top,,1.0")  # k=0: the sweep's answered trial
     assert proc.poll() is None
 
 
