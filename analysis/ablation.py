@@ -1157,3 +1157,50 @@ def load_head_sweep(store: Store, key: str) -> tuple[HeadSweep, dict[str, Any]] 
     sweep = HeadSweep(record.array("effect", mmap=False), float(m["clean"]), m["method"], m["metric"],
                       bool(m["complete"]), float(m["seconds"]))
     return sweep, m
+
+
+def resumable_head_sweep(
+    model: LoadedModel,
+    tokens: str | Sequence[int],
+    method: str | AblationSpec,
+    metric: str,
+    store: Store,
+    key: str,
+    *,
+    layers_per_save: int = 3,
+    meta: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+    cancel: Cancel | None = None,
+) -> HeadSweep:
+    """:func:`single_head_sweep` a few layers at a time, stored under ``key`` after each block.
+
+    A sweep that is cancelled, or whose process is killed, keeps the layers it finished (stored with
+    ``complete=False``, shown as partial) and resumes from them when called again with the same key;
+    a complete stored sweep is returned at once.
+    """
+    found = load_head_sweep(store, key)
+    if found is not None and found[0].complete:
+        if progress:
+            progress(1.0)
+        return found[0]
+    n_layers, n_heads = model.n_layers, model.n_heads
+    effect = found[0].effect.copy() if found else np.full((n_layers, n_heads), np.nan, np.float32)
+    seconds = found[0].seconds if found else 0.0
+    todo = [la for la in range(n_layers) if np.isnan(effect[la]).any()]
+    done = n_layers - len(todo)
+    result = found[0] if found else None
+    for i in range(0, len(todo), max(1, layers_per_save)):
+        if cancel_requested(cancel):
+            break
+        block = todo[i : i + layers_per_save]
+        part = single_head_sweep(
+            model, tokens, method, metric, heads=[(la, h) for la in block for h in range(n_heads)],
+            progress=(lambda f, d=done, n=len(block): progress((d + f * n) / n_layers)) if progress else None,
+        )
+        effect[block] = part.effect[block]
+        seconds, done = seconds + part.seconds, done + len(block)
+        result = HeadSweep(effect.copy(), part.clean, part.method, part.metric, done == n_layers, seconds)
+        save_head_sweep(store, key, result, {**(meta or {}), "model_digest": model.digest})
+    if result is None:
+        raise Cancelled("cancelled before the first block finished")
+    return result

@@ -4,24 +4,20 @@ move; the top-k heads by a score against k random heads (Wu et al. 2024, §4); s
 from __future__ import annotations
 
 import dash
-import numpy as np
 from dash import Input, Output, State, callback, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
 from analysis.ablation import (
     METHOD_DESCRIPTIONS,
     METHODS,
-    HeadSweep,
     StoredValues,
     format_heads,
     head_means,
-    load_head_sweep,
     loss_metric_fn,
     parse_heads,
+    resumable_head_sweep,
     retrieval_accuracy_fn,
     save_curve,
-    save_head_sweep,
-    single_head_sweep,
     topk_curve,
 )
 from analysis.capture import capture
@@ -467,36 +463,9 @@ def run_head_sweep(set_progress, n_clicks, metric, search):
             raise ValueError("Run a text first: each head is ablated on it.")
         spec = ablation_spec(model, {**ablation_params(state), "heads": "0.0"})
         key = content_key("ablation_head_sweep", model.digest, run.key, spec.method, metric, state.ref, state.source)
-        result = _resumable_head_sweep(model, run, spec, metric or "loss", key, progress_reporter(set_progress, "sweep"))
+        result = resumable_head_sweep(model, run.token_ids, spec, metric or "loss", context.store, key,
+                                      meta={"run": run.key}, progress=progress_reporter(set_progress, "sweep"))
     except ValueError as e:
         return no_update, str(e)
     state.hsweep = key[:16]
     return state.to_search(), f"{model.n_layers * model.n_heads} heads in {result.seconds:.1f} s"
-
-
-SWEEP_LAYERS_PER_SAVE = 3
-
-
-def _resumable_head_sweep(model, run, spec, metric: str, key: str, progress) -> HeadSweep:
-    """:func:`single_head_sweep` a few layers at a time, saving after each block: a cancelled sweep
-    keeps the layers it finished (shown, marked partial) and resumes from them when run again."""
-    store = get_context().store
-    found = load_head_sweep(store, key)
-    if found is not None and found[0].complete:
-        progress(1.0)
-        return found[0]
-    effect = found[0].effect.copy() if found else np.full((model.n_layers, model.n_heads), np.nan, np.float32)
-    seconds = found[0].seconds if found else 0.0
-    clean = found[0].clean if found else float("nan")
-    todo_layers = [la for la in range(model.n_layers) if np.isnan(effect[la]).any()]
-    done = model.n_layers - len(todo_layers)
-    for i in range(0, len(todo_layers), SWEEP_LAYERS_PER_SAVE):
-        block = todo_layers[i : i + SWEEP_LAYERS_PER_SAVE]
-        part = single_head_sweep(model, run.token_ids, spec, metric,
-                                 heads=[(la, h) for la in block for h in range(model.n_heads)],
-                                 progress=lambda f, d=done, n=len(block): progress((d + f * n) / model.n_layers))
-        effect[block] = part.effect[block]
-        clean, seconds, done = part.clean, seconds + part.seconds, done + len(block)
-        result = HeadSweep(effect.copy(), clean, part.method, part.metric, done == model.n_layers, seconds)
-        save_head_sweep(store, key, result, {"run": run.key, "model_digest": model.digest})
-    return load_head_sweep(store, key)[0]

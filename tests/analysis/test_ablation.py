@@ -447,3 +447,25 @@ def test_masking_top_retrieval_heads_breaks_retrieval_more_than_random_heads(rea
     assert clean >= 0.5  # the model answers most of these needles
     assert top5 <= clean - 0.3  # masking the retrieval heads breaks retrieval
     assert random5.min() > top5  # random heads of the same number break it less
+
+
+def test_a_cancelled_single_head_sweep_keeps_finished_layers_and_resumes(tiny_model, ids, store):
+    from analysis.ablation import load_head_sweep, resumable_head_sweep
+
+    calls = {"n": 0}
+
+    def cancel_after_first_block():
+        calls["n"] += 1
+        return calls["n"] > 1
+
+    first = resumable_head_sweep(tiny_model, ids, "zero", "loss", store, "k" * 64, layers_per_save=1,
+                                 cancel=cancel_after_first_block)
+    assert not first.complete
+    assert np.isfinite(first.effect[0]).all() and np.isnan(first.effect[1]).all()  # layer 0 kept
+    stored, _ = load_head_sweep(store, "k" * 64)
+    assert not stored.complete
+    done = resumable_head_sweep(tiny_model, ids, "zero", "loss", store, "k" * 64, layers_per_save=1)
+    assert done.complete
+    np.testing.assert_array_equal(done.effect[0], first.effect[0])  # not recomputed
+    full = single_head_sweep(tiny_model, ids, "zero", "loss")
+    np.testing.assert_allclose(done.effect, full.effect, atol=1e-5)
