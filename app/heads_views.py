@@ -20,7 +20,7 @@ from analysis.head_scores import LABELS, HeadScores, score_prompts, trial_prompt
 from analysis.retrieval import RetrievalSweep, decode_rows, load_sweep
 from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 from app import figures
-from app.views import VIEWS, Rows, View, memoised
+from app.views import VIEWS, Rows, View, check_head_index, memoised
 
 AGGREGATES = {
     "query": "per query head",
@@ -49,16 +49,7 @@ def _model(params: dict[str, Any]):
 
 
 def check_sweep_head(sweep: RetrievalSweep, layer: Any, head: Any) -> tuple[int, int]:
-    n_layers, n_heads = sweep.scores.shape
-    try:
-        layer, head = int(layer), int(head)
-    except (TypeError, ValueError):
-        raise InputError(f"Layer and head must be whole numbers, got {layer!r} and {head!r}.") from None
-    if not 0 <= layer < n_layers:
-        raise InputError(f"Layer {layer} is out of range: this model has layers 0..{n_layers - 1}.")
-    if not 0 <= head < n_heads:
-        raise InputError(f"Head {head} is out of range: this model has heads 0..{n_heads - 1}.")
-    return layer, head
+    return check_head_index(*sweep.scores.shape, layer, head)
 
 
 def sweep_of(params: dict[str, Any]) -> RetrievalSweep:

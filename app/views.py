@@ -28,7 +28,11 @@ Rows = list[dict[str, Any]]
 
 def check_head(run: Run, layer: Any, head: Any) -> tuple[int, int]:
     """Validated (layer, head) for ``run``; a clear ``InputError`` otherwise."""
-    n_layers, n_heads = run.patterns.shape[:2]
+    return check_head_index(run.patterns.shape[0], run.patterns.shape[1], layer, head)
+
+
+def check_head_index(n_layers: int, n_heads: int, layer: Any, head: Any) -> tuple[int, int]:
+    """Validated (layer, head) for a model of ``n_layers`` × ``n_heads``; a clear ``InputError`` otherwise."""
     try:
         layer, head = int(layer), int(head)
     except (TypeError, ValueError):
