@@ -46,7 +46,20 @@ def tiny_model(real_model):
     return wrap_model(hf, real_model.tokenizer, name="tiny-llama", digest="tiny-random-llama-seed0")
 
 
-def tiny_hf_model(vocab_size: int, seed: int = 0):
+@pytest.fixture(scope="session")
+def make_tiny_model(real_model):
+    """Tiny random Llamas (2 layers, 4 query heads, 2 key-value heads) with the real tokenizer and
+    chat template, for tests that need another seed or longer positions than ``tiny_model``."""
+    from analysis.models import wrap_model
+
+    def make(seed: int = 0, max_positions: int = 512, name: str = "tiny-llama"):
+        hf = tiny_hf_model(len(real_model.tokenizer), seed=seed, max_positions=max_positions)
+        return wrap_model(hf, real_model.tokenizer, name=name, digest=f"{name}-seed{seed}-pos{max_positions}")
+
+    return make
+
+
+def tiny_hf_model(vocab_size: int, seed: int = 0, max_positions: int = 512):
     """A fresh tiny random Llama (the bridge rewires a model it wraps, so wrap a fresh one)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -54,7 +67,7 @@ def tiny_hf_model(vocab_size: int, seed: int = 0):
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
     )
     config.architectures = ["LlamaForCausalLM"]
     config._attn_implementation = "eager"

@@ -3,7 +3,6 @@ key-value-group aggregation by hand."""
 
 import numpy as np
 import pytest
-import torch
 
 from analysis.capture import capture
 from analysis.detectors import (
@@ -14,7 +13,6 @@ from analysis.detectors import (
     group_heads,
     head_detector_scores,
 )
-from analysis.models import ModelError, converted_gguf, embedded_gguf, wrap_model
 
 
 def one_hot_rows(n, targets):
@@ -71,25 +69,8 @@ def test_bad_inputs():
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    try:
-        folder, _ = converted_gguf(embedded_gguf())
-    except ModelError as e:
-        pytest.skip(str(e))
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    torch.manual_seed(1)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    cfg.architectures = ["LlamaForCausalLM"]
-    return wrap_model(LlamaForCausalLM(cfg), tok, name="tiny", digest="tiny-detectors")
+def tiny(make_tiny_model):
+    return make_tiny_model(seed=1, max_positions=2048, name="tiny-detectors")
 
 
 @pytest.mark.parametrize("measure", ["mul", "abs"])

@@ -2,10 +2,8 @@
 
 import numpy as np
 import pytest
-import torch
 
 from analysis.capture import InputError
-from analysis.models import ModelError, converted_gguf, embedded_gguf, wrap_model
 from analysis.niah import (
     Needle,
     build_prompt,
@@ -25,27 +23,9 @@ NEEDLE = Needle(
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    """A random 2-layer Llama with SmolLM2's tokenizer and chat template (weights do not matter here)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    try:
-        folder, _ = converted_gguf(embedded_gguf())
-    except ModelError as e:
-        pytest.skip(str(e))
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=4096,
-    )
-    cfg.architectures = ["LlamaForCausalLM"]
-    return wrap_model(LlamaForCausalLM(cfg), tok, name="tiny", digest="tiny-niah")
+def tiny(make_tiny_model):
+    """A random Llama with SmolLM2's tokenizer and chat template (weights do not matter here)."""
+    return make_tiny_model(max_positions=4096, name="tiny-niah")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from analysis.capture import InputError
-from analysis.models import ModelError, converted_gguf, embedded_gguf, wrap_model
 from analysis.niah import Needle, build_prompt, load_haystack, load_needles
 from analysis.retrieval import (
     Trial,
@@ -33,27 +32,9 @@ NEEDLE = Needle(
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny(make_tiny_model):
     """A random 2-layer Llama (4 query heads, 2 key-value heads) with SmolLM2's tokenizer."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    try:
-        folder, _ = converted_gguf(embedded_gguf())
-    except ModelError as e:
-        pytest.skip(str(e))
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
-    cfg.architectures = ["LlamaForCausalLM"]
-    return wrap_model(LlamaForCausalLM(cfg), tok, name="tiny", digest="tiny-random-0")
+    return make_tiny_model(max_positions=1024, name="tiny-retrieval")
 
 
 @pytest.fixture(scope="module")
