@@ -340,6 +340,8 @@ def keep(n_clicks, table, kept, search):
     kept = list(kept or [])
     if dash.ctx.triggered_id == ids.ABL_KEPT_TABLE:
         remaining = {r["set"] for r in table or []}
+        if remaining == {r["set"] for r in kept}:
+            raise PreventUpdate  # the table only echoed the store: no row was deleted
         return [r for r in kept if r["set"] in remaining]
     if not n_clicks:
         raise PreventUpdate

@@ -402,6 +402,8 @@ def test_ablation_page_effects_kept_sets_curve_and_bad_inputs(server, page, tmp_
     wait_title(page, "hs-abl-effects", "uniform ablation of 4 heads")
     page.click("#hs-abl-keep")
     page.wait_for_function("document.querySelectorAll('#hs-abl-kept-table td[data-dash-column=\"method\"]').length == 2")
+    page.locator("#hs-abl-kept-table .dash-delete-cell").first.click()  # forget a kept set
+    page.wait_for_function("document.querySelectorAll('#hs-abl-kept-table td[data-dash-column=\"method\"]').length == 1")
     # top-k by a score on this text, then the top-k vs random curve on its loss
     select_option(page, "hs-abl-by", "Attention on first token")
     page.fill("#hs-abl-k", "3")
