@@ -98,7 +98,8 @@ def cmd_run(args) -> int:
     paths = write_files(run, "head_grid", {"metric": "entropy"}, out, tuple(args.formats.split(",")) if args.formats else ())
     np.save(out / "patterns.npy", np.asarray(run.patterns), allow_pickle=False)
     print(f"run {run.key}")
-    print(f"{run.n_tokens} tokens, mean loss {float(np.nanmean(run.token_loss)):.4f}")
+    loss = float(np.nanmean(run.token_loss)) if run.n_tokens > 1 else float("nan")  # one token: no loss
+    print(f"{run.n_tokens} tokens, mean loss {loss:.4f}")
     print(f"results in {out}")
     for p in [*paths, out / "patterns.npy"]:
         print(f"  {p.name}")
