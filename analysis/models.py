@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -331,7 +332,7 @@ def _resolve(spec: str) -> tuple[Path | str, str, str]:
     return folder, _digest_files(weights), spec
 
 
-_models: dict[tuple[str, str], LoadedModel] = {}
+_models: OrderedDict[tuple[str, str], LoadedModel] = OrderedDict()  # least recently used first
 _models_lock = threading.Lock()
 _spec_locks: dict[tuple[str, str], threading.Lock] = {}
 
@@ -368,6 +369,7 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "cpu") -> LoadedModel:
     key = (spec, device)
     with _models_lock:
         if key in _models:
+            _models.move_to_end(key)
             return _models[key]
         spec_lock = _spec_locks.setdefault(key, threading.Lock())
     with spec_lock:
@@ -390,7 +392,42 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "cpu") -> LoadedModel:
         model = wrap_model(hf, tok, name=spec, digest=digest, device=device, bridge_name=bridge_name)
         with _models_lock:
             _models[key] = model
+            _evict_over_budget(keep=key)
         return model
+
+
+def model_bytes(model: LoadedModel) -> int:
+    """Bytes of a loaded model's parameters and buffers (what keeping it resident costs)."""
+    tensors = [*model.hf_model.parameters(), *model.hf_model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _evict_over_budget(keep: tuple[str, str]) -> list[tuple[str, str]]:
+    """Drop least recently used models until the resident ones fit ``HEADSCOPE_MODEL_MEMORY_MB``
+    (unset or 0: no budget). The model just loaded stays, and so does any model in use (its lock
+    held by a job); a dropped model is freed once nothing else refers to it. Call under ``_models_lock``."""
+    try:
+        budget = int(float(os.environ.get("HEADSCOPE_MODEL_MEMORY_MB", "0")) * 2**20)
+    except ValueError:
+        budget = 0
+    if budget <= 0:
+        return []
+    evicted = []
+    total = sum(model_bytes(m) for m in _models.values())
+    for key in list(_models):
+        if total <= budget:
+            break
+        model = _models[key]
+        if key == keep or not model.lock.acquire(blocking=False):
+            continue
+        try:
+            del _models[key]
+        finally:
+            model.lock.release()
+        total -= model_bytes(model)
+        evicted.append(key)
+        log.info("unloaded %s to stay within HEADSCOPE_MODEL_MEMORY_MB", key[0])
+    return evicted
 
 
 def wrap_model(

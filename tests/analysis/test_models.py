@@ -137,3 +137,52 @@ def test_a_forked_child_does_not_inherit_hooks_of_a_forward_pass_in_flight(real_
     release.set()
     t.join()
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_models_over_the_memory_budget_are_unloaded_least_recently_used_first(real_model, tmp_path, monkeypatch):
+    """HEADSCOPE_MODEL_MEMORY_MB keeps resident models within a budget: loading a third evicts the
+    least recently used, never the one just loaded nor one in use."""
+    import threading
+
+    from analysis import models
+    from tests.conftest import tiny_hf_model
+
+    saved = dict(models._models)  # models other tests left resident would change who is least recent
+    models._models.clear()
+    models._models[("smollm2-135m", "cpu")] = real_model
+    folders = []
+    for seed in range(3):
+        folder = tmp_path / f"tiny{seed}"
+        tiny_hf_model(len(real_model.tokenizer), seed=seed).save_pretrained(folder, safe_serialization=True)
+        real_model.tokenizer.save_pretrained(folder)
+        folders.append(str(folder))
+    try:
+        a = models.load_model(folders[0])
+        size = models.model_bytes(a)
+        monkeypatch.setenv("HEADSCOPE_MODEL_MEMORY_MB", str((size * 2.5 + models.model_bytes(real_model)) / 2**20))
+        models.load_model(folders[1])
+        models.load_model(folders[0])  # a is used again: b is now the least recently used
+        # the embedded model (least recently used of all) and a are busy in another thread: they stay; b goes
+        busy, done = threading.Event(), threading.Event()
+
+        def use_both():
+            with real_model.lock, a.lock:
+                busy.set()
+                done.wait(60)
+
+        user = threading.Thread(target=use_both)
+        user.start()
+        busy.wait(30)
+        try:
+            models.load_model(folders[2])
+        finally:
+            done.set()
+            user.join()
+        resident = [k[0] for k in models._models]
+        assert folders[1] not in resident and folders[0] in resident and folders[2] in resident
+        assert "smollm2-135m" in resident
+        again = models.load_model(folders[1])  # loads again when asked
+        assert again is not None and folders[1] in [k[0] for k in models._models]
+    finally:
+        models._models.clear()
+        models._models.update(saved)
