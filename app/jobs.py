@@ -17,6 +17,19 @@ from typing import Any
 _manager = None
 
 
+def cancellable_job(run: str, cancel: str, progress: str, status: str) -> dict[str, Any]:
+    """The keyword arguments of a cancellable background callback: progress bar ``progress`` with its
+    caption ``status``, the ``run`` button disabled and the ``cancel`` button enabled while it runs."""
+    from dash import Input, Output
+
+    return {
+        "background": True,
+        "progress": [Output(progress, "value"), Output(progress, "max"), Output(status, "children")],
+        "running": [(Output(run, "disabled"), True, False), (Output(cancel, "disabled"), False, True)],
+        "cancel": [Input(cancel, "n_clicks")],
+    }
+
+
 def background_manager():
     """The process-wide background-callback manager (created on first use)."""
     global _manager

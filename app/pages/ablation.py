@@ -51,7 +51,7 @@ from app.components import (
 )
 from app.context import get_context
 from app.errors import guarded, message
-from app.jobs import in_job, progress_reporter
+from app.jobs import cancellable_job, in_job, progress_reporter
 from app.url_state import PageState, parse
 from app.views import VIEWS
 
@@ -389,12 +389,7 @@ def _ks(text: str) -> list[int]:
     State(ids.ABL_CURVE_SEEDS, "value"),
     State(ids.ABL_CURVE_METRIC, "value"),
     State(url_id(PREFIX), "search"),
-    background=True,
-    progress=[Output(ids.ABL_CURVE_PROGRESS, "value"), Output(ids.ABL_CURVE_PROGRESS, "max"),
-              Output(ids.ABL_CURVE_STATUS, "children")],
-    running=[(Output(ids.ABL_CURVE_RUN, "disabled"), True, False),
-             (Output(ids.ABL_CURVE_CANCEL, "disabled"), False, True)],
-    cancel=[Input(ids.ABL_CURVE_CANCEL, "n_clicks")],
+    **cancellable_job(ids.ABL_CURVE_RUN, ids.ABL_CURVE_CANCEL, ids.ABL_CURVE_PROGRESS, ids.ABL_CURVE_STATUS),
     prevent_initial_call=True,
 )
 def run_curve(set_progress, n_clicks, ks_text, n_seeds, metric, search):
@@ -444,12 +439,7 @@ def run_curve(set_progress, n_clicks, ks_text, n_seeds, metric, search):
     Input(ids.ABL_SWEEP_RUN, "n_clicks"),
     State(ids.ABL_SWEEP_METRIC, "value"),
     State(url_id(PREFIX), "search"),
-    background=True,
-    progress=[Output(ids.ABL_SWEEP_PROGRESS, "value"), Output(ids.ABL_SWEEP_PROGRESS, "max"),
-              Output(ids.ABL_SWEEP_STATUS, "children")],
-    running=[(Output(ids.ABL_SWEEP_RUN, "disabled"), True, False),
-             (Output(ids.ABL_SWEEP_CANCEL, "disabled"), False, True)],
-    cancel=[Input(ids.ABL_SWEEP_CANCEL, "n_clicks")],
+    **cancellable_job(ids.ABL_SWEEP_RUN, ids.ABL_SWEEP_CANCEL, ids.ABL_SWEEP_PROGRESS, ids.ABL_SWEEP_STATUS),
     prevent_initial_call=True,
 )
 def run_head_sweep(set_progress, n_clicks, metric, search):

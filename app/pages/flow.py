@@ -23,7 +23,7 @@ from app.components import (
 )
 from app.context import get_context
 from app.errors import guarded, message
-from app.jobs import in_job, progress_reporter
+from app.jobs import cancellable_job, in_job, progress_reporter
 from app.url_state import PageState, parse
 from app.views import MAX_FLOW_TOKENS, RELEVANCE_METHODS, VIEWS, check_target
 
@@ -195,12 +195,7 @@ def faithfulness_on_input(n_clicks, search):
     Output(ids.FAITH_SET_STATUS, "children"),
     Input(ids.FAITH_SET_BUTTON, "n_clicks"),
     State(url_id(PREFIX), "search"),
-    background=True,
-    progress=[Output(ids.FAITH_SET_PROGRESS, "value"), Output(ids.FAITH_SET_PROGRESS, "max"),
-              Output(ids.FAITH_SET_STATUS, "children")],
-    running=[(Output(ids.FAITH_SET_BUTTON, "disabled"), True, False),
-             (Output(ids.FAITH_SET_CANCEL, "disabled"), False, True)],
-    cancel=[Input(ids.FAITH_SET_CANCEL, "n_clicks")],
+    **cancellable_job(ids.FAITH_SET_BUTTON, ids.FAITH_SET_CANCEL, ids.FAITH_SET_PROGRESS, ids.FAITH_SET_STATUS),
     prevent_initial_call=True,
 )
 def faithfulness_on_set(set_progress, n_clicks, search):

@@ -28,7 +28,7 @@ from app.components import (
 from app.context import get_context
 from app.errors import guarded, message
 from app.heads_views import AGGREGATES, head_scores_of, head_trials, sweep_of, sweep_params
-from app.jobs import in_job, progress_reporter
+from app.jobs import cancellable_job, in_job, progress_reporter
 from app.url_state import parse
 from app.views import VIEWS
 
@@ -239,11 +239,7 @@ def upload_haystack(contents, filename):
     State(ids.HEADS_SINK, "value"),
     State(ids.HEADS_WINDOW, "value"),
     State(url_id(PREFIX), "search"),
-    background=True,
-    progress=[Output(ids.HEADS_PROGRESS, "value"), Output(ids.HEADS_PROGRESS, "max"),
-              Output(ids.HEADS_STATUS, "children")],
-    running=[(Output(ids.HEADS_RUN, "disabled"), True, False), (Output(ids.HEADS_CANCEL, "disabled"), False, True)],
-    cancel=[Input(ids.HEADS_CANCEL, "n_clicks")],
+    **cancellable_job(ids.HEADS_RUN, ids.HEADS_CANCEL, ids.HEADS_PROGRESS, ids.HEADS_STATUS),
     prevent_initial_call=True,
 )
 def run_sweep(set_progress, n_clicks, needle_ids, custom_needles, lengths, depths, haystack, custom_haystack,
