@@ -182,7 +182,7 @@ def memory_peak_mb(before: int) -> float:
 
 def empty_cache() -> None:
     if DEVICE == "cuda":
-        empty_cache()
+        torch.cuda.empty_cache()
 
 
 def stat_cases(n: int) -> dict:
