@@ -351,6 +351,10 @@ def _fresh_locks_in_child() -> None:
         # a forward pass another thread was running at the fork left its hooks attached here
         with contextlib.suppress(Exception):
             model.bridge.reset_hooks()
+        # ...and a statistics-mode block it was inside left the kernel forward patched in
+        from analysis.attention_statistics import restore_eager
+
+        restore_eager(model.bridge)
 
 
 os.register_at_fork(after_in_child=_fresh_locks_in_child)

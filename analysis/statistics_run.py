@@ -1,0 +1,410 @@
+"""Long runs: one forward pass in statistics mode, per-head statistics stored instead of patterns.
+
+A :class:`StatsRun` is what :func:`capture_statistics` keeps of one forward pass whose attention ran
+through :func:`kernels.attention` (:mod:`analysis.attention_statistics`): per layer, head and query
+row the statistics the per-head scores need, the attention received per key, a block-pooled map of
+every head, plus the per-token loss and top-5 predictions. Memory is O(layers · heads · n) plus the
+pooled maps (at most ``MAX_BLOCKS²`` per head): a 4,096-token run of the embedded model stores about
+60 MB where its float16 patterns would take 9 GB.
+
+Per-head scores from statistics (:func:`statistics_scores`) follow the same definitions as the
+pattern-based ones in :mod:`analysis.head_summary`, :mod:`analysis.entropy`,
+:mod:`analysis.streaming` and :mod:`analysis.evidence` (tested equal on a 512-token run):
+
+- entropy: ``mean_{i≥1} H_i / log(i+1)`` with ``H_i`` the kernel's row entropy;
+- first_token: ``mean_{i≥1} A[i, 0]``; previous_token: ``mean_{i≥1} A[i, i−1]`` (a pair term);
+- max_attention: ``mean_{i≥1} max_j A[i, j]`` (the kernel's argmax probability);
+- streaming: ``mean_{i≥S+W} (Σ_{j<S} A[i, j] + Σ_{i−W<j≤i} A[i, j])`` (sink and recent mass);
+- received (sink map): ``(Σ_i A[i, j] − A[j, j]) / (n − 1 − j)`` from the column sums and the
+  diagonal pair term; mid_sink its maximum over ``1 ≤ j < n − 16``;
+- evidence: ``mean_{i∈Q} Σ_{j∈E} A[i, j]`` from the span masses of the evidence spans.
+
+Duplicate-token and induction scores need whole rows (TransformerLens' detection patterns): they
+are not available from statistics (nan, and the page says so).
+
+Exact values of a region (:func:`exact_region`) come from the kernel too: the forward pass is run
+again in statistics mode with the region's query rows requested as exact rows in one layer, and
+stopped after that layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from analysis.attention_statistics import LayerRequest, LayerStats, statistics_mode
+from analysis.capture import TOP_K, InputError
+from analysis.models import LoadedModel
+from analysis.store import Store, content_key
+from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW, SINK_MIN_LATER, SINK_THRESHOLD
+from kernels.attention import (
+    ARGMAX,
+    ARGMAX_PROB,
+    COL_SUM,
+    ENTROPY,
+    LSE,
+    POOLED,
+    RECENT_MASS,
+    ROWS,
+    SINK_MASS,
+    SPAN_MASS,
+)
+
+STATS_RUN_VERSION = 1
+MAX_BLOCKS = 128
+"""Pooled maps have at most this many blocks per side: block size ``B = ceil(n / MAX_BLOCKS)``."""
+MAX_REGION = 512
+"""Largest side of a region whose exact attention is recomputed."""
+LOSS_CHUNK = 256  # rows of logits turned into losses at a time
+#: Per-row statistics kept per layer: name → what it is.
+ROW_STATS = {
+    "entropy": "row entropy H_i (nats)",
+    "argmax": "argmax key",
+    "argmax_prob": "largest weight of the row",
+    "sink_mass": "mass on the first S keys",
+    "recent_mass": "mass on the last W keys up to the query",
+    "first": "A[i, 0]",
+    "diag": "A[i, i]",
+    "prev": "A[i, i-1]",
+}
+#: Metrics computable from statistics (the rest of HEAD_METRICS need patterns).
+STATS_METRICS = ("entropy", "first_token", "mid_sink", "previous_token", "max_attention", "streaming")
+
+
+@dataclass
+class StatsRun:
+    """What one statistics-mode forward pass kept (see the module docstring).
+
+    Attributes
+    ----------
+    rows : name (:data:`ROW_STATS`) → ``[layer, head, n]``.
+    col_sum : ``[layer, head, n]`` attention received per key, ``Σ_i A[i, j]``.
+    pooled : ``[layer, head, ceil(n/B), ceil(n/B)]`` mean attention per ``B × B`` block.
+    span_mass : ``[layer, head, n, n_spans]`` mass on ``settings["spans"]`` (absent without spans).
+    """
+
+    key: str
+    model_name: str
+    model_digest: str
+    token_ids: list[int]
+    tokens: list[str]
+    text: str | None
+    settings: dict[str, Any]
+    rows: dict[str, np.ndarray]
+    col_sum: np.ndarray
+    pooled: np.ndarray
+    token_loss: np.ndarray
+    top_ids: np.ndarray
+    top_probs: np.ndarray
+    span_mass: np.ndarray | None = None
+    seconds: float = float("nan")
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    kind = "stats_run"
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def short_id(self) -> str:
+        return self.key[:12]
+
+    @property
+    def block_size(self) -> int:
+        return int(self.settings["block_size"])
+
+    @property
+    def n_layers(self) -> int:
+        return self.col_sum.shape[0]
+
+    @property
+    def n_heads(self) -> int:
+        return self.col_sum.shape[1]
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "model_digest": self.model_digest,
+            "token_ids": self.token_ids,
+            "tokens": self.tokens,
+            "text": self.text,
+            "settings": self.settings,
+            "n_tokens": self.n_tokens,
+            "seconds": self.seconds,
+            "version": STATS_RUN_VERSION,
+        }
+
+
+def block_size_for(n: int) -> int:
+    return max(1, -(-n // MAX_BLOCKS))
+
+
+def _merge_spans(spans: Sequence[Sequence[int]], n: int, what: str) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for s in spans:
+        a, e = int(s[0]), int(s[1])
+        if not 0 <= a < e <= n:
+            raise InputError(f"The {what} span ({a}, {e}) is outside the {n}-token input.")
+        out.append((a, e))
+    return out
+
+
+def stats_key(model: LoadedModel, token_ids: Sequence[int], settings: dict[str, Any]) -> str:
+    return content_key("stats_run", STATS_RUN_VERSION, model.digest, list(map(int, token_ids)), settings)
+
+
+def capture_statistics(
+    model: LoadedModel,
+    text_or_ids: str | Sequence[int],
+    *,
+    sink: int = DEFAULT_SINK,
+    window: int = DEFAULT_WINDOW,
+    spans: Sequence[Sequence[int]] = (),
+    store: Store | None = None,
+    max_tokens: int | None = None,
+    progress: Callable[[float], None] | None = None,
+) -> StatsRun:
+    """One forward pass of ``model`` in statistics mode; statistics kept, patterns never built.
+
+    Parameters
+    ----------
+    text_or_ids : text (tokenised without adding a BOS) or token ids, used exactly as given.
+    sink, window : S and W of the sink and recent-window masses (the streaming score).
+    spans : half-open key spans whose mass each query row puts on them (e.g. a needle).
+    store : a stored run with the same key is loaded instead of recomputed; a new one is stored.
+    max_tokens : longest input accepted (default: the model's context).
+    """
+    from analysis.capture import tokenize_input
+
+    if sink < 0 or window < 1:
+        raise InputError(f"The sink size must be >= 0 and the window >= 1; got S={sink}, W={window}.")
+    ids = tokenize_input(model, text_or_ids, max_tokens or model.n_ctx)
+    n = len(ids)
+    spans = _merge_spans(spans, n, "key")
+    B = block_size_for(n)
+    settings = {"sink": int(sink), "window": int(window), "spans": [list(s) for s in spans], "block_size": B}
+    key = stats_key(model, ids, settings)
+    if store is not None:
+        stored = load_stats_run(store, key)
+        if stored is not None:
+            if progress:
+                progress(1.0)
+            return stored
+
+    L, H = model.n_layers, model.n_heads
+    rows = {name: np.zeros((L, H, n), dtype=np.int64 if name == "argmax" else np.float32) for name in ROW_STATS}
+    col_sum = np.zeros((L, H, n), dtype=np.float32)
+    n_b = -(-n // B)
+    pooled = np.zeros((L, H, n_b, n_b), dtype=np.float32)
+    span_mass = np.zeros((L, H, n, len(spans)), dtype=np.float32) if spans else None
+    kernel_spans = [(0, 1), *spans]
+    request = LayerRequest(
+        kernel={"stats": (ENTROPY, ARGMAX, SINK_MASS, RECENT_MASS, SPAN_MASS, COL_SUM, POOLED, LSE),
+                "sink_size": max(int(sink), 1) if sink else 1, "window": int(window), "spans": kernel_spans,
+                "block_size": B},
+        pairs=(0, 1),
+    )
+
+    def keep(ls: LayerStats) -> None:
+        s, la = ls.stats, ls.layer
+        rows["entropy"][la] = s[ENTROPY][0].cpu().numpy()
+        rows["argmax"][la] = s[ARGMAX][0].cpu().numpy()
+        rows["argmax_prob"][la] = s[ARGMAX_PROB][0].cpu().numpy()
+        rows["sink_mass"][la] = s[SINK_MASS][0].cpu().numpy() if sink else 0.0
+        rows["recent_mass"][la] = s[RECENT_MASS][0].cpu().numpy()
+        sm = s[SPAN_MASS][0].cpu().numpy()
+        rows["first"][la] = sm[..., 0]
+        if span_mass is not None:
+            span_mass[la] = sm[..., 1:]
+        rows["diag"][la] = ls.pairs[0][0].cpu().numpy()
+        rows["prev"][la] = ls.pairs[1][0].cpu().numpy()
+        col_sum[la] = s[COL_SUM][0].cpu().numpy()
+        pooled[la] = s[POOLED][0].cpu().numpy()
+        if progress:
+            progress((la + 1) / (L + 1))
+
+    import time
+
+    t0 = time.perf_counter()
+    tokens_t = torch.tensor([ids], dtype=torch.long, device=model.device)
+    with torch.inference_mode(), statistics_mode(model, lambda layer, n_q, n_k: request, keep):
+        logits = model.bridge(tokens_t, return_type="logits")
+    token_loss, top_ids, top_probs = _losses(logits[0], tokens_t[0])
+    del logits
+    run = StatsRun(
+        key=key, model_name=model.name, model_digest=model.digest, token_ids=ids,
+        tokens=model.token_strings(ids), text=text_or_ids if isinstance(text_or_ids, str) else None,
+        settings=settings, rows=rows, col_sum=col_sum, pooled=pooled, token_loss=token_loss,
+        top_ids=top_ids, top_probs=top_probs, span_mass=span_mass, seconds=time.perf_counter() - t0,
+    )
+    if store is not None:
+        save_stats_run(store, run)
+    if progress:
+        progress(1.0)
+    return run
+
+
+def _losses(logits: torch.Tensor, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-token loss and top-5, ``LOSS_CHUNK`` rows at a time (no second ``n × vocab`` array)."""
+    n = logits.shape[0]
+    loss = np.full(n, np.nan, dtype=np.float32)
+    top_ids = np.zeros((n, min(TOP_K, logits.shape[-1])), dtype=np.int64)
+    top_probs = np.zeros(top_ids.shape, dtype=np.float32)
+    for a in range(0, n, LOSS_CHUNK):
+        e = min(a + LOSS_CHUNK, n)
+        lp = torch.log_softmax(logits[a:e].float(), dim=-1)
+        top = torch.topk(lp, k=top_ids.shape[1], dim=-1)
+        top_ids[a:e] = top.indices.cpu().numpy()
+        top_probs[a:e] = top.values.exp().cpu().numpy()
+        stop = min(e, n - 1)
+        if stop > a:
+            target = ids[a + 1 : stop + 1]
+            loss[a + 1 : stop + 1] = (-lp[: stop - a].gather(1, target[:, None])[:, 0]).cpu().numpy()
+    return loss, top_ids, top_probs
+
+
+def save_stats_run(store: Store, run: StatsRun) -> None:
+    arrays = {f"row_{name}": arr for name, arr in run.rows.items()}
+    arrays.update(col_sum=run.col_sum, pooled=run.pooled, token_loss=run.token_loss, top_ids=run.top_ids,
+                  top_probs=run.top_probs)
+    if run.span_mass is not None:
+        arrays["span_mass"] = run.span_mass
+    store.put(run.key, StatsRun.kind, run.meta(), arrays)
+
+
+def load_stats_run(store: Store, key: str) -> StatsRun | None:
+    """A stored statistics run, or ``None`` when absent or corrupt."""
+    record = store.get(key)
+    if record is None or record.kind != StatsRun.kind:
+        return None
+    m = record.meta
+    names = record.array_info
+    return StatsRun(
+        key=key, model_name=m["model_name"], model_digest=m["model_digest"], token_ids=m["token_ids"],
+        tokens=m["tokens"], text=m.get("text"), settings=m["settings"],
+        rows={n[4:]: record.array(n, mmap=False) for n in names if n.startswith("row_")},
+        col_sum=record.array("col_sum", mmap=False), pooled=record.array("pooled", mmap=False),
+        token_loss=record.array("token_loss", mmap=False), top_ids=record.array("top_ids", mmap=False),
+        top_probs=record.array("top_probs", mmap=False),
+        span_mass=record.array("span_mass", mmap=False) if "span_mass" in names else None,
+        seconds=float(m.get("seconds", float("nan"))),
+    )
+
+
+# --- scores from statistics -----------------------------------------------------------------------
+
+
+def received(run: StatsRun) -> np.ndarray:
+    """``[layer, head, n]`` attention received from strictly later queries, averaged over them
+    (:func:`analysis.streaming.sink_map`'s ``received``); nan at the last position."""
+    if "received" not in run._memo:
+        n = run.n_tokens
+        later = (n - 1 - np.arange(n)).astype(np.float64)
+        column = run.col_sum.astype(np.float64) - run.rows["diag"].astype(np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            run._memo["received"] = np.where(later > 0, column / np.maximum(later, 1), np.nan)
+    return run._memo["received"]
+
+
+def sink_positions(run: StatsRun, threshold: float = SINK_THRESHOLD, min_later: int = SINK_MIN_LATER) -> np.ndarray:
+    """``[n]`` number of heads for which each position is a sink (as in :func:`analysis.streaming.sink_map`)."""
+    rec = np.nan_to_num(received(run), nan=0.0)
+    later = run.n_tokens - 1 - np.arange(run.n_tokens)
+    return ((rec >= threshold) & (later >= min_later)).sum((0, 1))
+
+
+def statistics_score(run: StatsRun, name: str, sink: int | None = None, window: int | None = None) -> np.ndarray:
+    """``[layer, head]`` score ``name`` (:data:`STATS_METRICS`) from the run's statistics.
+
+    ``sink``/``window`` must match the run's (the masses were taken with them); nan where the
+    pattern-based definition is nan (too short a run)."""
+    n = run.n_tokens
+    L, H = run.n_layers, run.n_heads
+    nan = np.full((L, H), np.nan)
+    r = run.rows
+    if name == "entropy":
+        if n < 2:
+            return nan
+        norm = np.log(np.arange(2, n + 1, dtype=np.float64))
+        return (r["entropy"][..., 1:].astype(np.float64) / norm).mean(-1)
+    if name in ("first_token", "previous_token", "max_attention"):
+        if n < 2:
+            return nan
+        src = {"first_token": "first", "previous_token": "prev", "max_attention": "argmax_prob"}[name]
+        return r[src][..., 1:].astype(np.float64).mean(-1)
+    if name == "streaming":
+        S, W = run.settings["sink"], run.settings["window"]
+        if (sink is not None and sink != S) or (window is not None and window != W):
+            raise InputError(f"This run's masses were taken with S={S}, W={W}; capture it again for S={sink}, W={window}.")
+        first = S + W
+        if n <= first:
+            return nan
+        m = r["sink_mass"][..., first:].astype(np.float64) + r["recent_mass"][..., first:].astype(np.float64)
+        return m.mean(-1)
+    if name == "mid_sink":
+        if n < SINK_MIN_LATER + 2:
+            return nan
+        return received(run)[..., 1 : n - SINK_MIN_LATER].max(-1)
+    raise InputError(f"The score {name!r} needs full attention patterns; statistics give: {', '.join(STATS_METRICS)}.")
+
+
+def evidence_from_statistics(run: StatsRun, question: tuple[int, int], evidence: Sequence[int]) -> np.ndarray:
+    """``mean_{i∈Q} Σ_{j∈E} A[i, j]`` with ``E`` the union of the run's spans listed in ``evidence``
+    (indices into ``settings["spans"]``; spans must not overlap)."""
+    if run.span_mass is None:
+        raise InputError("This run was captured without spans: no evidence score.")
+    a, e = int(question[0]), int(question[1])
+    if not 0 <= a < e <= run.n_tokens:
+        raise InputError(f"The question span ({a}, {e}) is outside the {run.n_tokens}-token input.")
+    mass = run.span_mass[:, :, a:e][..., list(evidence)].astype(np.float64).sum(-1)
+    return mass.mean(-1)
+
+
+# --- exact values of a region -----------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    pass
+
+
+def exact_region(model: LoadedModel, run: StatsRun, layer: int, head: int,
+                 queries: tuple[int, int], keys: tuple[int, int]) -> np.ndarray:
+    """Exact attention ``A[q0:q1, k0:k1]`` of one head, recomputed through the kernel.
+
+    The forward pass runs again in statistics mode; layer ``layer`` returns the region's query
+    rows (``"rows"``), and the pass stops there (later layers are not computed).
+    """
+    n = run.n_tokens
+    if not (0 <= layer < run.n_layers and 0 <= head < run.n_heads):
+        raise InputError(f"No head {layer}.{head}: the model has layers 0..{run.n_layers - 1} and heads "
+                         f"0..{run.n_heads - 1}.")
+    q0, q1 = max(0, int(queries[0])), min(n, int(queries[1]))
+    k0, k1 = max(0, int(keys[0])), min(n, int(keys[1]))
+    if q1 <= q0 or k1 <= k0:
+        raise InputError(f"The region {queries} × {keys} holds no cell of the {n}-token run.")
+    if q1 - q0 > MAX_REGION or k1 - k0 > MAX_REGION:
+        raise InputError(f"The region is {q1 - q0} × {k1 - k0} cells; exact values are shown for at most "
+                         f"{MAX_REGION} × {MAX_REGION}. Zoom in further.")
+    if model.digest != run.model_digest:
+        raise InputError("This run was made with another model (its digest differs): load that model.")
+    out: dict[str, np.ndarray] = {}
+
+    def request(la: int, n_q: int, n_k: int) -> LayerRequest | None:
+        return LayerRequest(kernel={"stats": (ROWS,), "rows": list(range(q0, q1))}) if la == layer else None
+
+    def keep(ls: LayerStats) -> None:
+        out["rows"] = ls.stats[ROWS][0, head, :, k0:k1].cpu().numpy()
+        raise _Stop
+
+    tokens_t = torch.tensor([run.token_ids], dtype=torch.long, device=model.device)
+    try:
+        with torch.inference_mode(), statistics_mode(model, request, keep):
+            model.bridge(tokens_t, return_type="logits")
+    except _Stop:
+        pass
+    return out["rows"]

@@ -1,0 +1,124 @@
+"""Statistics mode: the model's forward pass through kernels.attention, checked against eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from analysis.attention_statistics import (
+    LayerRequest,
+    StatisticsModeError,
+    _check_causal_mask,
+    statistics_mode,
+)
+from kernels.attention import ARGMAX, ENTROPY, ROWS
+
+
+@pytest.fixture(scope="module")
+def ids(real_model):
+    text = open("data/niah/haystack_prose.txt", encoding="utf-8").read()
+    return torch.tensor([real_model.encode(text)[:300]])
+
+
+def logits(model, ids, **kw):
+    with torch.inference_mode():
+        return model.bridge(ids, return_type="logits", **kw)
+
+
+def test_logits_equal_eager_and_every_layer_runs_through_the_kernel(real_model, ids):
+    eager = logits(real_model, ids)
+    seen = []
+    with statistics_mode(real_model, lambda layer, n_q, n_k: LayerRequest({"stats": (ENTROPY,)}), seen.append):
+        stats = logits(real_model, ids)
+    assert (stats - eager).abs().max().item() < 1e-4
+    assert [s.layer for s in seen] == list(range(real_model.n_layers))
+    assert seen[0].stats[ENTROPY].shape == (1, real_model.n_heads, ids.shape[1])
+    # restored on exit: the eager path (and its pattern hook) works again
+    assert all("forward" not in block.attn.__dict__ for block in real_model.bridge.blocks)
+    assert torch.equal(logits(real_model, ids), eager)
+
+
+def test_z_ablation_and_q_hooks_work_in_statistics_mode(real_model, ids):
+    def zero_head(z, hook):
+        z[:, :, 2] = 0.0  # head 2 (hook_z is [batch, pos, head, d_head])
+        return z
+
+    seen_q = []
+    hooks = [("blocks.5.attn.hook_z", zero_head), ("blocks.5.attn.hook_q", lambda q, hook: seen_q.append(q.shape))]
+    with torch.inference_mode():
+        eager = real_model.bridge.run_with_hooks(ids, fwd_hooks=hooks, return_type="logits")
+        with statistics_mode(real_model):
+            stats = real_model.bridge.run_with_hooks(ids, fwd_hooks=hooks, return_type="logits")
+    clean = logits(real_model, ids)
+    assert (eager - clean).abs().max().item() > 0.1  # the ablation changes the logits...
+    assert (stats - eager).abs().max().item() < 1e-4  # ...by the same amount in both modes
+    assert len(seen_q) == 2 and seen_q[0] == seen_q[1]
+
+
+def test_kv_cached_decoding_matches_eager_and_returns_decode_row_statistics(real_model, ids):
+    with torch.inference_mode():
+        _, past = real_model.bridge(ids[:, :-1], return_type="logits_and_cache", use_cache=True)
+        eager, _ = real_model.bridge(ids[:, -1:], return_type="logits_and_cache", past_key_values=past)
+        rows = []
+        req = LayerRequest({"stats": (ARGMAX, ROWS), "rows": [0]})
+        with statistics_mode(real_model, lambda layer, n_q, n_k: req if n_q == 1 else None, rows.append):
+            _, past = real_model.bridge(ids[:, :-1], return_type="logits_and_cache", use_cache=True)
+            stats, _ = real_model.bridge(ids[:, -1:], return_type="logits_and_cache", past_key_values=past)
+    assert (stats - eager).abs().max().item() < 1e-4
+    assert len(rows) == real_model.n_layers and rows[0].n_q == 1 and rows[0].n_k == ids.shape[1]
+    # the decode row's argmax is the argmax of the eager pattern of the full sequence's last row
+    pattern = {}
+    with torch.inference_mode():
+        real_model.bridge.run_with_hooks(
+            ids, fwd_hooks=[("blocks.9.attn.hook_pattern", lambda p, hook: pattern.update(p=p[0, :, -1].clone()))])
+    assert torch.equal(rows[9].stats[ARGMAX][0, :, 0], pattern["p"].argmax(-1))
+    assert torch.allclose(rows[9].stats[ROWS][0, :, 0], pattern["p"], atol=1e-6)
+
+
+def test_pair_terms_are_the_diagonal_and_previous_token_weights(real_model, ids):
+    seen = []
+    with statistics_mode(real_model, lambda layer, n_q, n_k: LayerRequest(pairs=(0, 1)), seen.append):
+        logits(real_model, ids)
+    pattern = {}
+    with torch.inference_mode():
+        real_model.bridge.run_with_hooks(
+            ids, fwd_hooks=[("blocks.3.attn.hook_pattern", lambda p, hook: pattern.update(p=p[0].clone()))])
+    p, n = pattern["p"], ids.shape[1]
+    i = torch.arange(n)
+    assert torch.allclose(seen[3].pairs[0][0], p[:, i, i], atol=1e-6)
+    assert torch.allclose(seen[3].pairs[1][0, :, 1:], p[:, i[1:], i[1:] - 1], atol=1e-6)
+    assert torch.all(seen[3].pairs[1][0, :, 0] == 0)
+
+
+def test_a_pattern_hook_is_refused_not_ignored(real_model, ids):
+    with pytest.raises(StatisticsModeError, match="patterns are not built in statistics mode"):
+        with torch.inference_mode(), statistics_mode(real_model):
+            real_model.bridge.run_with_hooks(ids, fwd_hooks=[("blocks.2.attn.hook_pattern", lambda p, hook: None)])
+    # restored after the error
+    assert all("forward" not in block.attn.__dict__ for block in real_model.bridge.blocks)
+    assert not real_model.bridge.blocks[2].attn.hook_pattern._forward_hooks
+
+
+def test_masks_that_are_not_plain_causal_are_refused():
+    n = 6
+    causal = torch.triu(torch.full((n, n), torch.finfo(torch.float32).min), 1)[None, None]
+    _check_causal_mask(causal, n, n)  # fine
+    _check_causal_mask(None, n, n)
+    _check_causal_mask(causal[..., -1:, :], 1, n)  # a decode step
+    padded = causal.clone()
+    padded[..., :, 0] = torch.finfo(torch.float32).min  # left padding
+    with pytest.raises(StatisticsModeError, match="not plain causal"):
+        _check_causal_mask(padded, n, n)
+    with pytest.raises(StatisticsModeError, match="Padded"):
+        _check_causal_mask(torch.tensor([[0, 1, 1, 1, 1, 1]]), n, n)
+    window = causal.clone()
+    window[..., 5, 0] = torch.finfo(torch.float32).min  # a sliding window hides key 0 from the last row
+    with pytest.raises(StatisticsModeError):
+        _check_causal_mask(window, n, n)
+
+
+def test_nested_use_is_refused(real_model):
+    with statistics_mode(real_model):
+        with pytest.raises(StatisticsModeError, match="already active"):
+            with statistics_mode(real_model):
+                pass
