@@ -129,6 +129,16 @@ def check_supported(bridge: Any) -> None:
         )
 
 
+def pattern_hooks_attached(bridge: Any) -> bool:
+    """Whether any layer has a hook on ``hook_attn_scores`` or ``hook_pattern`` (an edit of the
+    pattern, such as a masking ablation, that only the eager path can apply)."""
+    for block in getattr(bridge, "blocks", ()):
+        for hp in (block.attn.hook_attn_scores, block.attn.hook_pattern):
+            if hp._forward_hooks or hp._forward_pre_hooks:
+                return True
+    return False
+
+
 @contextlib.contextmanager
 def statistics_mode(
     model: Any, request: Request | None = None, on_layer: OnLayer | None = None

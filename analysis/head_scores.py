@@ -1,7 +1,12 @@
 """Per-head scores over several prompts, aggregated with mean and spread.
 
-For each prompt one forward pass is captured (patterns are not stored: at 1,024 tokens they are
-~0.6 GB per prompt) and every score of :data:`analysis.head_summary.HEAD_METRICS` is computed on it,
+For each prompt one forward pass runs in statistics mode (:mod:`analysis.statistics_run`: attention
+through the kernels, per-row statistics kept, never an N × N matrix), which gives entropy, sink,
+mid-sequence sink, previous-token, max-attention, streaming and evidence scores at any length, equal
+to their pattern-based definitions. The duplicate-token and induction detectors need whole patterns:
+for prompts up to ``HEADSCOPE_MAX_TOKENS`` tokens one more forward pass captures them (patterns are
+not stored), above it those two scores are nan. Every score of
+:data:`analysis.head_summary.HEAD_METRICS` is computed this way,
 with the streaming score's sink size S and recent window W as parameters
 (:func:`analysis.streaming.streaming_score`), plus the evidence score when the prompt names a
 question span and an evidence span (:func:`analysis.evidence.evidence_score`: question tokens →
@@ -22,11 +27,19 @@ from analysis.capture import InputError, capture
 from analysis.detectors import aggregate_runs
 from analysis.evidence import evidence_score
 from analysis.head_summary import HEAD_METRICS
+from analysis.limits import limit
 from analysis.models import LoadedModel
+from analysis.retrieval import statistics_supported
+from analysis.statistics_run import (
+    STATS_METRICS,
+    capture_statistics,
+    evidence_from_statistics,
+    statistics_score,
+)
 from analysis.store import Store, content_key
 from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW, streaming_score
 
-HEAD_SCORES_VERSION = 1
+HEAD_SCORES_VERSION = 2  # 2: statistics mode; pattern-only scores nan above HEADSCOPE_MAX_TOKENS
 EVIDENCE = "evidence"
 LABELS = {**{name: m.label for name, m in HEAD_METRICS.items()}, EVIDENCE: "Evidence score (question → needle)"}
 
@@ -106,19 +119,39 @@ def score_prompts(
                 progress(1.0)
             return stored
     with_evidence = all(p.question_span and p.evidence_span for p in prompts)
+    kernel = statistics_supported(model)
+    pattern_limit = limit("HEADSCOPE_MAX_TOKENS")
     per_run: dict[str, list[np.ndarray]] = {}
     for k, prompt in enumerate(prompts):
-        run = capture(model, prompt.token_ids, max_tokens=max(len(prompt.token_ids), 1))
-        for name, metric in HEAD_METRICS.items():
-            if name == "streaming":
-                table = streaming_score(run.patterns, sink=sink, window=window)
-            else:
-                table = metric.compute(run.patterns, run.token_ids)
+        n = len(prompt.token_ids)
+        tables: dict[str, np.ndarray] = {}
+        if kernel:
+            # statistics mode: one forward pass, O(n) memory, whatever the prompt's length
+            spans = [tuple(prompt.evidence_span)] if with_evidence else []
+            stats = capture_statistics(model, prompt.token_ids, sink=sink, window=window, spans=spans,
+                                       max_tokens=max(n, 1))
+            for name in STATS_METRICS:
+                tables[name] = statistics_score(stats, name)
+            if with_evidence:
+                tables[EVIDENCE] = evidence_from_statistics(stats, tuple(prompt.question_span), [0])
+            del stats
+        need_patterns = [name for name in HEAD_METRICS if name not in tables]
+        if need_patterns and (not kernel or n <= pattern_limit):
+            run = capture(model, prompt.token_ids, max_tokens=max(n, 1))
+            for name in need_patterns:
+                if name == "streaming":
+                    tables[name] = streaming_score(run.patterns, sink=sink, window=window)
+                else:
+                    tables[name] = HEAD_METRICS[name].compute(run.patterns, run.token_ids)
+            if with_evidence and EVIDENCE not in tables:
+                tables[EVIDENCE] = evidence_score(run.patterns, tuple(prompt.question_span),
+                                                  tuple(prompt.evidence_span))
+            del run
+        for name in [*HEAD_METRICS, EVIDENCE]:
+            if name == EVIDENCE and not with_evidence:
+                continue
+            table = tables.get(name, np.full((model.n_layers, model.n_heads), np.nan))
             per_run.setdefault(name, []).append(np.asarray(table, dtype=np.float64))
-        if with_evidence:
-            per_run.setdefault(EVIDENCE, []).append(
-                evidence_score(run.patterns, tuple(prompt.question_span), tuple(prompt.evidence_span)))
-        del run
         if progress:
             progress((k + 1) / len(prompts))
     runs = {name: np.stack(tables) for name, tables in per_run.items()}

@@ -18,9 +18,11 @@ scores over counted trials. Scores are per query head ``[layer, head]``; with gr
 attention they are also aggregated per key-value group (max and mean over the group's query heads).
 
 Only one attention row per head per decode step is read: the prompt (all but its last token) is
-pre-filled through the KV cache with no hook attached, so its N x N attention is never kept, and at
-each decode step a hook on ``hook_pattern`` reduces the single query row ``[head, key]`` to its
-argmax and maximum before the next layer runs.
+pre-filled through the KV cache in statistics mode (:mod:`analysis.attention_statistics`: attention
+through :func:`kernels.attention`, so no N x N matrix is ever built, not even per layer), and at
+each decode step the kernel reduces the single query row ``[head, key]`` to its argmax and maximum
+in the same pass as the output. Models that cannot run in statistics mode use the eager path with a
+hook on ``hook_pattern`` (same numbers).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from analysis.limits import hint, limit
 from analysis.models import LoadedModel
 from analysis.niah import DEFAULT_TEMPLATE, Needle, NiahPrompt, build_prompt
 from analysis.store import Store, content_key
+from kernels.attention import ARGMAX, ARGMAX_PROB, ROWS
 
 RETRIEVAL_VERSION = 1
 ROUGE_GATE = 0.5
@@ -175,6 +178,18 @@ def cancel_requested(cancel: Any) -> bool:
     return bool(cancel())
 
 
+def statistics_supported(model: LoadedModel) -> bool:
+    """Whether ``model`` runs in statistics mode now (:mod:`analysis.attention_statistics`): its
+    architecture is supported and no hook edits its patterns (a masking ablation needs eager)."""
+    from analysis.attention_statistics import StatisticsModeError, check_supported, pattern_hooks_attached
+
+    try:
+        check_supported(model.bridge)
+    except StatisticsModeError:
+        return False
+    return not pattern_hooks_attached(model.bridge)
+
+
 @torch.inference_mode()
 def greedy_decode(
     model: LoadedModel,
@@ -189,10 +204,12 @@ def greedy_decode(
 ) -> Decoded:
     """Greedy decoding with the KV cache, keeping one attention row per head per step.
 
-    The prompt minus its last token is pre-filled with no hook attached (its attention is never
-    kept); then each step feeds one token and, when ``record``, a hook on every layer's
-    ``hook_pattern`` (``[batch, head, 1, key]`` at decode time) stores the row's argmax key and
-    maximum. The first step's query is the prompt's last token, so row t produces token t.
+    The prompt minus its last token is pre-filled without keeping any attention; then each step
+    feeds one token and, when ``record``, every layer's decode row ``[head, key]`` is reduced to its
+    argmax key and maximum. The first step's query is the prompt's last token, so row t produces
+    token t. Models that run in statistics mode (the Llama family) do all of it through
+    :func:`kernels.attention` (the prefill builds no N × N matrix; the argmax comes from the
+    kernel); others through a hook on ``hook_pattern``, which gives the same numbers.
 
     Parameters
     ----------
@@ -240,16 +257,41 @@ def greedy_decode(
     if keep_row is not None and not (0 <= keep_row[0] < n_layers and 0 <= keep_row[1] < n_heads):
         raise InputError(f"No head {keep_row}: the model has layers 0..{n_layers - 1} and heads 0..{n_heads - 1}.")
     record = record or keep_row is not None
-    hooks = [(get_act_name("pattern", layer), record_row(layer)) for layer in range(n_layers)]
+    kernel = statistics_supported(model)
+    if kernel:
+        # statistics mode: the prefill never builds an N × N matrix, each decode row's argmax (and
+        # the kept row) come from the kernel in the same pass as the output
+        from analysis.attention_statistics import LayerRequest, statistics_mode
+
+        argmax_only = LayerRequest({"stats": (ARGMAX,)})
+        with_row = LayerRequest({"stats": (ARGMAX, ROWS), "rows": [0]})
+
+        def request(layer: int, n_q: int, n_k: int):
+            if not record or n_q != 1:
+                return None
+            return with_row if keep_row is not None and keep_row[0] == layer else argmax_only
+
+        def on_layer(ls) -> None:
+            keys[step_box[0], ls.layer] = ls.stats[ARGMAX][0, :, 0]
+            weights[step_box[0], ls.layer] = ls.stats[ARGMAX_PROB][0, :, 0]
+            if ROWS in ls.stats:
+                rows.append(ls.stats[ROWS][0, keep_row[1], 0].float().cpu().numpy().copy())
+
+        mode = statistics_mode(model, request, on_layer)
+        hooked = nullcontext()
+    else:
+        hooks = [(get_act_name("pattern", layer), record_row(layer)) for layer in range(n_layers)]
+        mode = nullcontext()
+        hooked = bridge.hooks(fwd_hooks=hooks) if record else nullcontext()
     device = model.device
     generated: list[int] = []
-    with model.lock:
+    with model.lock, mode:
         past = None
         if len(prompt_ids) > 1:
             prefix = torch.tensor([list(prompt_ids[:-1])], dtype=torch.long, device=device)
             _, past = bridge(prefix, return_type="logits_and_cache", use_cache=True)
         token = int(prompt_ids[-1])
-        with bridge.hooks(fwd_hooks=hooks) if record else nullcontext():
+        with hooked:
             for step in range(max_new_tokens):
                 if cancel_requested(cancel):
                     raise Cancelled("cancelled")

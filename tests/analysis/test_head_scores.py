@@ -22,11 +22,17 @@ def test_scores_equal_direct_computation_and_aggregate_over_prompts(tiny_model, 
     result = score_prompts(tiny_model, prompts, sink=2, window=3, store=store)
     assert result.n_prompts == 2 and set(result.names) == set(HEAD_METRICS) | {"evidence"}
     for k, p in enumerate(prompts):
-        run = capture(tiny_model, p.token_ids)
-        np.testing.assert_allclose(result.runs["streaming"][k], streaming_score(run.patterns, 2, 3))
-        np.testing.assert_allclose(result.runs["induction"][k],
-                                   HEAD_METRICS["induction"].compute(run.patterns, run.token_ids))
-        np.testing.assert_allclose(result.runs["evidence"][k], evidence_score(run.patterns, (10, 14), (2, 5)))
+        run = capture(tiny_model, p.token_ids, pattern_dtype="float32")
+        # streaming and evidence come from statistics mode, the detectors from patterns
+        np.testing.assert_allclose(result.runs["streaming"][k], streaming_score(run.patterns, 2, 3), atol=1e-6)
+        half = capture(tiny_model, p.token_ids)  # the detectors read float16 patterns, as the pages do
+        for name in set(HEAD_METRICS) - {"streaming"}:  # streaming: S=2, W=3 above
+            source = half if name in ("duplicate_token", "induction") else run
+            np.testing.assert_allclose(result.runs[name][k],
+                                       HEAD_METRICS[name].compute(source.patterns, source.token_ids),
+                                       atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(result.runs["evidence"][k], evidence_score(run.patterns, (10, 14), (2, 5)),
+                                   atol=1e-6)
     for name in result.names:
         stack = result.runs[name]
         np.testing.assert_allclose(result.mean[name], stack.mean(0), equal_nan=True)
@@ -37,6 +43,15 @@ def test_scores_equal_direct_computation_and_aggregate_over_prompts(tiny_model, 
     # streaming S/W are part of the key: other values are computed afresh
     other = score_prompts(tiny_model, prompts, sink=0, window=1, store=store)
     assert other.key != result.key
+
+
+def test_long_prompts_skip_only_the_pattern_detectors(tiny_model, prompts, monkeypatch):
+    monkeypatch.setenv("HEADSCOPE_MAX_TOKENS", "5")  # every prompt is "long": no pattern capture
+    result = score_prompts(tiny_model, prompts, sink=2, window=3)
+    for name in ("duplicate_token", "induction"):
+        assert np.isnan(result.runs[name]).all()
+    for name in ("entropy", "streaming", "previous_token", "evidence"):
+        assert np.isfinite(result.runs[name]).all(), name
 
 
 def test_bad_requests_say_what_is_wrong(tiny_model, prompts):
