@@ -7,6 +7,8 @@ that reports a limit names its variable, so the user knows how to change it.
 variable                       default  what it bounds
 =============================  =======  ==========================================================
 ``HEADSCOPE_MAX_TOKENS``         1024   tokens of a page run with full attention patterns
+``HEADSCOPE_MAX_STATS_TOKENS`` 32768   tokens of a long page run (statistics mode; also bounded
+                                        by the model's context)
 ``HEADSCOPE_MAX_FLOW_TOKENS``     128   tokens for exact attention flow
 ``HEADSCOPE_MAX_QK_POINTS``    20000    query + key points of one head's joint embedding
 ``HEADSCOPE_MAX_SWEEP_TRIALS``   200    trials (needles × lengths × depths) of one NIAH sweep
@@ -20,6 +22,7 @@ import os
 
 DEFAULTS = {
     "HEADSCOPE_MAX_TOKENS": 1024,
+    "HEADSCOPE_MAX_STATS_TOKENS": 32_768,
     "HEADSCOPE_MAX_FLOW_TOKENS": 128,
     "HEADSCOPE_MAX_QK_POINTS": 20_000,
     "HEADSCOPE_MAX_SWEEP_TRIALS": 200,

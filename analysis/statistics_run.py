@@ -57,7 +57,7 @@ from kernels.attention import (
 STATS_RUN_VERSION = 1
 MAX_BLOCKS = 128
 """Pooled maps have at most this many blocks per side: block size ``B = ceil(n / MAX_BLOCKS)``."""
-MAX_REGION = 512
+MAX_REGION = 256
 """Largest side of a region whose exact attention is recomputed."""
 LOSS_CHUNK = 256  # rows of logits turned into losses at a time
 #: Per-row statistics kept per layer: name → what it is.
@@ -296,6 +296,33 @@ def load_stats_run(store: Store, key: str) -> StatsRun | None:
     )
 
 
+def capture_for_page(model: LoadedModel, text: str, store: Store | None, max_tokens: int) -> Any:
+    """What the Attention page runs: full patterns (:func:`analysis.capture.capture`) up to
+    ``max_tokens`` tokens on CPU, a statistics run above that (up to ``HEADSCOPE_MAX_STATS_TOKENS``
+    and the model's context), and a statistics run at any length on CUDA, where it is the default."""
+    from analysis.capture import capture, tokenize_input
+    from analysis.limits import hint, limit
+
+    long_limit = min(limit("HEADSCOPE_MAX_STATS_TOKENS"), model.n_ctx)
+    if isinstance(text, str) and len(text) > long_limit * 32:
+        raise InputError(f"The text has {len(text):,} characters, far above the {long_limit:,} tokens a run can "
+                         f"take {hint('HEADSCOPE_MAX_STATS_TOKENS')}. Shorten it.")
+    ids = tokenize_input(model, text, max(long_limit, max_tokens))
+    if len(ids) > long_limit:
+        raise InputError(f"The input has {len(ids):,} tokens; runs are limited to {long_limit:,} "
+                         f"{hint('HEADSCOPE_MAX_STATS_TOKENS')}, and to the model's context of {model.n_ctx:,}.")
+    stats_ok = True
+    try:
+        from analysis.attention_statistics import check_supported
+
+        check_supported(model.bridge)
+    except ValueError:
+        stats_ok = False
+    if stats_ok and (len(ids) > max_tokens or model.device.type == "cuda"):
+        return capture_statistics(model, text, store=store, max_tokens=long_limit)
+    return capture(model, text, store=store, max_tokens=max_tokens)
+
+
 # --- scores from statistics -----------------------------------------------------------------------
 
 
@@ -366,6 +393,19 @@ def evidence_from_statistics(run: StatsRun, question: tuple[int, int], evidence:
 
 
 # --- exact values of a region -----------------------------------------------------------------------
+
+
+def parse_region(region: str, n: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``"q0-q1,k0-k1"`` (half-open, as written in a page's URL) → ``((q0, q1), (k0, k1))``."""
+    import re
+
+    m = re.fullmatch(r"(\d{1,7})-(\d{1,7}),(\d{1,7})-(\d{1,7})", str(region).strip())
+    if not m:
+        raise InputError(f"The region {str(region)[:40]!r} is not of the form q0-q1,k0-k1.")
+    q0, q1, k0, k1 = (int(x) for x in m.groups())
+    if not (q0 < q1 <= n and k0 < k1 <= n):
+        raise InputError(f"The region {region} is outside the {n:,}-token run.")
+    return (q0, q1), (k0, k1)
 
 
 class _Stop(Exception):

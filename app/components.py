@@ -13,6 +13,7 @@ from dash.exceptions import PreventUpdate
 
 from analysis.capture import capture
 from analysis.models import load_model
+from analysis.statistics_run import capture_for_page
 from app import ids
 from app.context import get_context
 from app.errors import guarded
@@ -75,10 +76,12 @@ def input_bar(prefix: str, placeholder: str = "Type or paste text to analyse…"
     )
 
 
-def register_run(prefix: str, state_after: Any) -> None:
+def register_run(prefix: str, state_after: Any, long_runs: bool = False) -> None:
     """Wire a page's Run button: capture (or load) the run, then write it into the URL.
 
-    ``state_after(old_state, model, run) -> PageState`` says what the page shows next.
+    ``state_after(old_state, model, run) -> PageState`` says what the page shows next. With
+    ``long_runs`` a text longer than the patterns limit runs in statistics mode
+    (:func:`analysis.statistics_run.capture_for_page`); without, it is refused with the limit.
     """
 
     @callback(
@@ -96,7 +99,10 @@ def register_run(prefix: str, state_after: Any) -> None:
             raise PreventUpdate
         context = get_context()
         model = load_model(model_spec or context.default_model)
-        run = capture(model, text or "", store=context.store, max_tokens=context.max_tokens)
+        if long_runs:
+            run = capture_for_page(model, text or "", context.store, context.max_tokens)
+        else:
+            run = capture(model, text or "", store=context.store, max_tokens=context.max_tokens)
         context.remember(run)
         return state_after(parse(search), model, run).to_search(), ""
 
@@ -128,7 +134,7 @@ def view_params(view: str, state: PageState, query: int | None = None) -> dict[s
     if view == "sink_map":
         return {}
     if view == "token_strip":
-        return {**head, "query": query if query is not None else state.query}
+        return {**head, "query": query if query is not None else state.query, "region": state.region}
     if view.startswith("relevance:"):
         return {**relevance, "method": view.split(":", 1)[1]}
     if view == "rollout_layers":

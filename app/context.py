@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from analysis.capture import Run, load_run
 from analysis.limits import limit
 from analysis.models import DEFAULT_MODEL, available_models
+from analysis.statistics_run import StatsRun, load_stats_run
 from analysis.store import Store
 
 
@@ -30,8 +31,9 @@ class AppContext:
         specs += [m["spec"] for m in available_models() if m["spec"] not in specs]
         return [{"label": s, "value": s} for s in specs]
 
-    def run(self, run_id: str) -> Run | None:
-        """A stored run by full key or unique prefix (≥ 8 hex digits), cached in memory."""
+    def run(self, run_id: str) -> Run | StatsRun | None:
+        """A stored run (patterns, or statistics for a long one) by full key or unique prefix
+        (≥ 8 hex digits), cached in memory."""
         with self._lock:
             for key in self._runs:
                 if key.startswith(run_id):
@@ -40,12 +42,12 @@ class AppContext:
         keys = self.store.find(run_id) if len(run_id) >= 8 else []
         if len(keys) != 1:
             return None
-        run = load_run(self.store, keys[0])
+        run = load_run(self.store, keys[0]) or load_stats_run(self.store, keys[0])
         if run is not None:
             self.remember(run)
         return run
 
-    def remember(self, run: Run) -> None:
+    def remember(self, run: Run | StatsRun) -> None:
         with self._lock:
             self._runs[run.key] = run
             self._runs.move_to_end(run.key)

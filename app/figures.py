@@ -101,6 +101,70 @@ def attention_heatmap(pattern: np.ndarray, tokens: Sequence[str], layer: int, he
     return _layout(fig, f"Attention of layer {layer}, head {head}", height=max(420, min(900, 12 * n + 200)))
 
 
+def pooled_attention_map(pooled: np.ndarray, block: int, n: int, layer: int, head: int) -> go.Figure:
+    """A long run's head: mean attention per ``block × block`` cell of (query, key), axes in token
+    positions (each cell drawn at its first position). Colour on a log scale: pooled means span
+    decades, and the sink column would otherwise wash out the rest."""
+    pooled = np.asarray(pooled, dtype=float)
+    n_q, n_k = pooled.shape
+    starts_q, starts_k = np.arange(n_q) * block, np.arange(n_k) * block
+    visible = starts_k[None, :] <= (starts_q[:, None] + block - 1)
+    positive = pooled[visible & (pooled > 0)]
+    floor = float(np.quantile(positive, 0.01)) if positive.size else 1e-6
+    z = np.where(visible & (pooled > 0), np.log10(np.maximum(pooled, floor)), np.nan)
+    fig = go.Figure(
+        go.Heatmap(
+            z=np.where(np.isfinite(z), z, None).tolist(), x=starts_k.tolist(), y=starts_q.tolist(),
+            colorscale=ATTENTION_SCALE, customdata=pooled.tolist(),
+            colorbar={"title": {"text": "log10 mean weight", "side": "right"}, "thickness": 12},
+            hovertemplate=(f"{block} queries from %{{y}}<br>{block} keys from %{{x}}<br>"
+                           "mean weight %{customdata:.2e}<extra></extra>"),
+        )
+    )
+    fig.update_xaxes(title="key position", range=[-0.5 * block, n - 0.5 * block])
+    fig.update_yaxes(title="query position", autorange="reversed")
+    title = (f"Layer {layer}, head {head}: mean attention per {block}×{block} block of {n:,} tokens — "
+             "drag a box to see exact values")
+    fig = _layout(fig, title, height=620)
+    fig.update_layout(uirevision=f"pooled-{n}-{layer}-{head}")  # a re-render keeps the user's zoom
+    return fig
+
+
+def attention_region(values: np.ndarray, q0: int, k0: int, tokens: Sequence[str], layer: int, head: int) -> go.Figure:
+    """Exact attention of a region ``[q0:q0+rows, k0:k0+cols]`` of one head (future keys blank)."""
+    values = np.asarray(values, dtype=float)
+    rows, cols = values.shape
+    qs, ks = np.arange(q0, q0 + rows), np.arange(k0, k0 + cols)
+    z = np.where(ks[None, :] <= qs[:, None], values, np.nan)
+    labels = token_labels(tokens)
+    fig = go.Figure(
+        go.Heatmap(
+            z=np.where(np.isfinite(z), z, None).tolist(), x=ks.tolist(), y=qs.tolist(),
+            colorscale=ATTENTION_SCALE, zmin=0.0,
+            colorbar={"title": {"text": "weight", "side": "right"}, "thickness": 12},
+            hovertemplate="query %{y}<br>key %{x}<br>weight %{z:.4f}<extra></extra>",
+        )
+    )
+    if cols <= 60:
+        fig.update_xaxes(tickvals=ks.tolist(), ticktext=[labels[k] for k in ks], tickangle=-60)
+    if rows <= 60:
+        fig.update_yaxes(tickvals=qs.tolist(), ticktext=[labels[q] for q in qs])
+    fig.update_xaxes(title="key position")
+    fig.update_yaxes(title="query position", autorange="reversed")
+    title = (f"Exact attention of layer {layer}, head {head}: queries {q0}–{q0 + rows - 1}, "
+             f"keys {k0}–{k0 + cols - 1} (recomputed through the kernel)")
+    return _layout(fig, title, height=max(420, min(800, 8 * rows + 220)))
+
+
+def message_figure(text: str) -> go.Figure:
+    """An empty figure that says what to do (shown where a view needs an action first)."""
+    fig = go.Figure()
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    fig.add_annotation(text=safe_text(text), showarrow=False, font={"size": 14, "color": "#888"})
+    return _layout(fig, "", height=300)
+
+
 def token_strip(
     tokens: Sequence[str],
     weights: np.ndarray | None,

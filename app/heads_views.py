@@ -81,6 +81,11 @@ def retrieval_grid_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, R
         selected = check_sweep_head(sweep, params["layer"], params["head"])
     fig = figures.head_grid(table, "Retrieval score", selected)
     fig.update_layout(title_text=f"Retrieval score {AGGREGATES[agg]} — {sweep.n_counted}/{sweep.n_trials} trials counted")
+    if sweep.n_counted == 0:  # every score is undefined: say why instead of an empty map
+        fig.add_annotation(text=("No trial was answered (ROUGE-1 recall of the answer ≤ 0.5), so no head has a "
+                                 "retrieval score.<br>Try shorter contexts, other depths, or the passkey haystack."),
+                           xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False,
+                           font={"size": 13, "color": "#666"})
     if agg != "query":
         fig.update_xaxes(title="key-value head")
     rows = [{"layer": la, "head" if agg == "query" else "kv_head": h, "retrieval": float(table[la, h])}

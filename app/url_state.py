@@ -63,6 +63,7 @@ class PageState:
     labels: str | None = None
     texts: str | None = None
     find: str | None = None
+    region: str | None = None
     problems: list[str] = field(default_factory=list)
 
     def to_search(self) -> str:
@@ -83,7 +84,7 @@ class PageState:
                 ("heads", self.heads), ("ablate", None if self.ablate == "zero" else self.ablate),
                 ("by", None if self.by == "retrieval" else self.by), ("k", self.k), ("seed", self.seed),
                 ("curve", self.curve), ("hsweep", self.hsweep), ("source", self.source), ("ref", self.ref),
-                ("labels", self.labels), ("texts", self.texts), ("find", self.find),
+                ("labels", self.labels), ("texts", self.texts), ("find", self.find), ("region", self.region),
                 ("sweep", self.sweep), ("trial", self.trial), ("agg", None if self.agg == "query" else self.agg),
             )
             if v is not None
@@ -163,6 +164,11 @@ def parse(search: str | None) -> PageState:
             state.feature = first["feature"]
         else:
             state.problems.append(f"The link's feature {first['feature'][:40]!r} is not a valid feature name.")
+    if "region" in first:  # a zoomed region of a long run: q0-q1,k0-k1
+        if re.fullmatch(r"\d{1,7}-\d{1,7},\d{1,7}-\d{1,7}", first["region"]):
+            state.region = first["region"]
+        else:
+            state.problems.append("The link's region must be written q0-q1,k0-k1 (token positions).")
     if "agg" in first:
         if first["agg"] in AGGREGATES:
             state.agg = first["agg"]

@@ -21,14 +21,30 @@ from analysis.flow import attention_flow
 from analysis.head_summary import HEAD_METRICS
 from analysis.limits import limit
 from analysis.rollout import rollout, rollout_per_layer
+from analysis.statistics_run import (
+    StatsRun,
+    parse_region,
+    received,
+    sink_positions,
+    statistics_score,
+)
 from app import figures
 
 Rows = list[dict[str, Any]]
 
 
-def check_head(run: Run, layer: Any, head: Any) -> tuple[int, int]:
+def check_head(run: Run | StatsRun, layer: Any, head: Any) -> tuple[int, int]:
     """Validated (layer, head) for ``run``; a clear ``InputError`` otherwise."""
+    if isinstance(run, StatsRun):
+        return check_head_index(run.n_layers, run.n_heads, layer, head)
     return check_head_index(run.patterns.shape[0], run.patterns.shape[1], layer, head)
+
+
+def needs_patterns(run: Any, what: str) -> None:
+    """A clear error for a view that needs full patterns, asked of a long (statistics) run."""
+    if isinstance(run, StatsRun):
+        raise InputError(f"{what} needs full attention patterns; this {run.n_tokens:,}-token run kept statistics "
+                         "only (longer than HEADSCOPE_MAX_TOKENS). Run a shorter text.")
 
 
 def check_head_index(n_layers: int, n_heads: int, layer: Any, head: Any) -> tuple[int, int]:
@@ -76,9 +92,11 @@ def memoised(key: tuple, compute: Callable[[], np.ndarray]) -> np.ndarray:
     return value
 
 
-def metric_scores(run: Run, metric: str) -> np.ndarray:
-    """``[layer, head]`` scores of ``metric`` on ``run``."""
+def metric_scores(run: Run | StatsRun, metric: str) -> np.ndarray:
+    """``[layer, head]`` scores of ``metric`` on ``run`` (from statistics for a long run)."""
     metric = check_metric(metric)
+    if isinstance(run, StatsRun):
+        return memoised((run.key, "metric", metric), lambda: statistics_score(run, metric))
     return memoised((run.key, "metric", metric), lambda: HEAD_METRICS[metric].compute(run.patterns, run.token_ids))
 
 
@@ -99,6 +117,8 @@ def head_grid_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
 
 def attention_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     layer, head = check_head(run, params.get("layer"), params.get("head"))
+    if isinstance(run, StatsRun):
+        return pooled_attention_view(run, layer, head)
     pattern = np.asarray(run.patterns[layer, head], dtype=np.float32)
     fig = figures.attention_heatmap(pattern, run.tokens, layer, head)
     rows = [
@@ -110,8 +130,38 @@ def attention_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     return fig, rows
 
 
+def pooled_attention_view(run: StatsRun, layer: int, head: int) -> tuple[go.Figure, Rows]:
+    """A long run's head as its block-pooled map: mean attention per ``B × B`` block of (query, key)."""
+    B, n = run.block_size, run.n_tokens
+    pooled = np.asarray(run.pooled[layer, head], dtype=np.float64)
+    fig = figures.pooled_attention_map(pooled, B, n, layer, head)
+    rows = [{"query_block_start": i * B, "key_block_start": j * B, "block": B, "mean_weight": float(pooled[i, j])}
+            for i in range(pooled.shape[0]) for j in range(min(i + 1, pooled.shape[1]))]
+    return fig, rows
+
+
+def region_view(run: StatsRun, layer: int, head: int, region: str | None) -> tuple[go.Figure, Rows]:
+    """Exact attention of a zoomed region of a long run, recomputed through the kernel."""
+    from analysis.models import load_model
+    from analysis.statistics_run import exact_region
+
+    if not region:
+        return figures.message_figure("Drag a box on the pooled map to see the exact attention of that region "
+                                      "(recomputed through the kernel)."), []
+    (q0, q1), (k0, k1) = parse_region(region, run.n_tokens)
+    values = memoised((run.key, "region", layer, head, q0, q1, k0, k1),
+                      lambda: exact_region(load_model(run.model_name), run, layer, head, (q0, q1), (k0, k1)))
+    fig = figures.attention_region(values, q0, k0, run.tokens, layer, head)
+    rows = [{"query_pos": q0 + i, "query_token": run.tokens[q0 + i], "key_pos": k0 + j,
+             "key_token": run.tokens[k0 + j], "weight": float(values[i, j])}
+            for i in range(values.shape[0]) for j in range(values.shape[1]) if k0 + j <= q0 + i]
+    return fig, rows
+
+
 def token_strip_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     layer, head = check_head(run, params.get("layer"), params.get("head"))
+    if isinstance(run, StatsRun):
+        return region_view(run, layer, head, params.get("region"))
     query = params.get("query")
     if query is None:
         query = run.n_tokens - 1
@@ -140,6 +190,7 @@ RELEVANCE_METHODS = {
 
 
 def check_target(run: Run, target: Any) -> int:
+    needs_patterns(run, "Attention rollout, flow and attribution")
     if target is None:
         return run.n_tokens - 1
     try:
@@ -288,17 +339,22 @@ def sink_map_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """
     from analysis.streaming import sink_map
 
-    sm = memoised((run.key, "sink_map"), lambda: sink_map(run.patterns))
+    if isinstance(run, StatsRun):
+        rec, counts = received(run), sink_positions(run)
+    else:
+        sm = memoised((run.key, "sink_map"), lambda: sink_map(run.patterns))
+        rec, counts = sm.received, sm.head_counts
+    positions = [int(p) for p in np.flatnonzero(counts)]
     with np.errstate(all="ignore"):  # the last position has no later query: nan for every head
-        per_layer = np.where(np.isnan(sm.received).all(1), np.nan,
-                             np.nansum(sm.received, axis=1) / np.maximum((~np.isnan(sm.received)).sum(1), 1))
-    mid = ", ".join(f"{p} {run.tokens[p]} ({int(sm.head_counts[p])} heads)" for p in sm.mid_sequence[:6])
-    title = (f"Attention received per key, mean over heads — position 0 is a sink for {int(sm.head_counts[0])} "
+        per_layer = np.where(np.isnan(rec).all(1), np.nan,
+                             np.nansum(rec, axis=1) / np.maximum((~np.isnan(rec)).sum(1), 1))
+    mid = ", ".join([f"{p} {run.tokens[p]} ({int(counts[p])} heads)" for p in positions if p > 0][:6])
+    title = (f"Attention received per key, mean over heads — position 0 is a sink for {int(counts[0])} "
              f"heads; mid-sequence sinks: {mid or 'none'}")
     fig = figures.layer_position_heatmap(per_layer, run.tokens, figures.safe_text(title), "received attention")
     rows: Rows = [{"layer": la, "pos": j, "token": run.tokens[j], "mean_received": float(per_layer[la, j])}
                   for la in range(per_layer.shape[0]) for j in range(per_layer.shape[1])]
-    rows += [{"sink_pos": p, "token": run.tokens[p], "heads_flagging": int(sm.head_counts[p])} for p in sm.positions]
+    rows += [{"sink_pos": p, "token": run.tokens[p], "heads_flagging": int(counts[p])} for p in positions]
     return fig, rows
 
 
@@ -316,7 +372,7 @@ VIEWS: dict[str, View] = {
     for v in [
         View("head_grid", "Per-head summary grid", head_grid_view, ("metric", "layer", "head")),
         View("attention", "Attention heatmap", attention_view, ("layer", "head")),
-        View("token_strip", "Attention row over tokens", token_strip_view, ("layer", "head", "query")),
+        View("token_strip", "Attention row over tokens", token_strip_view, ("layer", "head", "query", "region")),
         View("sink_map", "Attention sinks per layer and position", sink_map_view, ()),
         View("relevance", "Token relevance", relevance_view, ("target", "method", "fusion", "drop_sink")),
         View("rollout_layers", "Rollout per layer", rollout_layers_view, ("target", "fusion", "drop_sink")),

@@ -10,8 +10,10 @@ import dash
 import numpy as np
 from dash import Input, Output, State, callback, ctx, dcc, html, no_update
 
+from analysis.capture import InputError
 from analysis.head_summary import HEAD_METRICS
 from analysis.models import load_model
+from analysis.statistics_run import STATS_METRICS, StatsRun
 from app import ids
 from app.components import (
     GRAPH_CONFIG,
@@ -93,7 +95,7 @@ def _after_run(old: PageState, model, run) -> PageState:
     return PageState(model=model.name, run=run.key[:16], layer=layer, head=head, metric=old.metric)
 
 
-register_run(PREFIX, _after_run)
+register_run(PREFIX, _after_run, long_runs=True)
 register_export(PREFIX)
 
 
@@ -131,7 +133,12 @@ def render(search):
     if run is None:
         problems.append(f"No stored run has the id {state.run!r}. Run the text again to recompute it.")
         return EMPTY, EMPTY, EMPTY, EMPTY, "", message(problems), no_update, no_update, state.metric, None
-    n_layers, n_heads = run.patterns.shape[:2]
+    long_run = isinstance(run, StatsRun)
+    n_layers, n_heads = (run.n_layers, run.n_heads) if long_run else run.patterns.shape[:2]
+    if long_run and state.metric not in STATS_METRICS:
+        problems.append(f"{HEAD_METRICS[state.metric].label} needs full attention patterns, which a "
+                        f"{run.n_tokens:,}-token run does not keep; showing normalised entropy.")
+        state.metric = "entropy"
     layer, head = state.layer or 0, state.head or 0
     if layer >= n_layers or head >= n_heads:
         problems.append(
@@ -140,10 +147,14 @@ def render(search):
         )
         layer, head = 0, 0
     query = state.query if state.query is not None and state.query < run.n_tokens else run.n_tokens - 1
-    params = {"metric": state.metric, "layer": layer, "head": head, "query": query}
+    params = {"metric": state.metric, "layer": layer, "head": head, "query": query, "region": state.region}
     grid, _ = VIEWS["head_grid"].build(run, params)
     heat, _ = VIEWS["attention"].build(run, params)
-    strip, _ = VIEWS["token_strip"].build(run, params)
+    try:
+        strip, _ = VIEWS["token_strip"].build(run, params)
+    except InputError as e:  # a bad region in the link: say so, keep the rest of the page
+        problems.append(str(e))
+        strip = EMPTY
     sinks, _ = VIEWS["sink_map"].build(run, params)
     loss = np.nanmean(run.token_loss) if run.n_tokens > 1 else float("nan")
     info = html.Div(
@@ -151,6 +162,10 @@ def render(search):
             html.Span(f"run {run.short_id}", className="hs-chip"),
             html.Span(run.model_name, className="hs-chip"),
             html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
+            *([html.Span(f"statistics mode (no patterns kept; {run.seconds:.1f} s)", className="hs-chip",
+                         title="Attention ran through the statistics kernels: the grid, sink map and pooled "
+                               "map come from per-row statistics; zoom into the map for exact values.")]
+              if long_run else []),
             html.Span(f"mean loss {loss:.3f}", className="hs-chip"),
             html.Span(f"selected: layer {layer}, head {head}", className="hs-chip hs-selected"),
         ]
@@ -211,3 +226,32 @@ def follow_query(hover, heat_click, search):
         return no_update, no_update, no_update
     fig, _ = VIEWS["token_strip"].build(run, {"layer": state.layer or 0, "head": state.head or 0, "query": query})
     return fig, query, ""
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Input(ids.HEATMAP, "relayoutData"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+def zoom_long_run(relayout, search):
+    """On a long run's pooled map, a drag-zoom writes the region into the URL (exact values below);
+    a double-click (autorange) clears it. Short runs zoom their full heatmap in the browser."""
+    state = parse(search)
+    if not relayout or state.run is None or not isinstance(get_context().run(state.run), StatsRun):
+        return no_update
+    run = get_context().run(state.run)
+    if relayout.get("xaxis.autorange") or relayout.get("yaxis.autorange"):
+        return _with(search, region=None) if state.region else no_update
+    try:
+        x0, x1 = sorted((float(relayout["xaxis.range[0]"]), float(relayout["xaxis.range[1]"])))
+        y0, y1 = sorted((float(relayout["yaxis.range[0]"]), float(relayout["yaxis.range[1]"])))
+    except (KeyError, TypeError, ValueError):
+        return no_update
+    B, n = run.block_size, run.n_tokens
+    # cells are drawn at their first position and span B positions: ranges in cell units, ± half a cell
+    q0, q1 = max(0, int(np.floor(y0 + B / 2))), min(n, int(np.ceil(y1 + B / 2)))
+    k0, k1 = max(0, int(np.floor(x0 + B / 2))), min(n, int(np.ceil(x1 + B / 2)))
+    if q1 <= q0 or k1 <= k0:
+        return no_update
+    return _with(search, region=f"{q0}-{q1},{k0}-{k1}")

@@ -62,14 +62,14 @@ def test_sink_map_evidence_pooled_loss_and_exact_region(real_model, both):
     np.testing.assert_allclose(stats.pooled, brute, atol=1e-7)
     np.testing.assert_allclose(stats.token_loss, run.token_loss, atol=1e-4, equal_nan=True)
     assert (stats.top_ids == run.top_ids).mean() > 0.999
-    region = exact_region(real_model, stats, 7, 3, (200, 260), (0, 300))
-    np.testing.assert_allclose(region, run.patterns[7, 3, 200:260, 0:300], atol=1e-6)
+    region = exact_region(real_model, stats, 7, 3, (200, 260), (0, 250))
+    np.testing.assert_allclose(region, run.patterns[7, 3, 200:260, 0:250], atol=1e-6)
 
 
 def test_pattern_only_scores_and_bad_regions_say_why(real_model, both, monkeypatch):
     import analysis.statistics_run as sr
 
-    monkeypatch.setattr(sr, "MAX_REGION", 100)
+    monkeypatch.setattr(sr, "MAX_REGION", 100)  # the default is 256
     _, stats = both
     with pytest.raises(InputError, match="needs full attention patterns"):
         statistics_score(stats, "induction")

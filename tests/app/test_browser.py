@@ -10,8 +10,11 @@ import sys
 import time
 import urllib.request
 import zipfile
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
@@ -508,3 +511,69 @@ def test_ten_sessions_at_once_each_see_only_their_own_run(server, browser):
         c.close()
     assert proc.poll() is None
     assert after - before < 1500, (before, after)  # ten short runs, memory bounded
+
+
+def drag_box(page, graph: str, x0: float, y0: float, x1: float, y1: float) -> None:
+    """Drag-zoom a box on a graph, corners as fractions of the plot area (as a user drags)."""
+    page.locator(f"#{graph}").scroll_into_view_if_needed()
+    box = page.locator(f"#{graph} .nsewdrag").first.bounding_box()
+    page.mouse.move(box["x"] + box["width"] * x0, box["y"] + box["height"] * y0)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * (x0 + x1) / 2, box["y"] + box["height"] * (y0 + y1) / 2, steps=4)
+    page.mouse.move(box["x"] + box["width"] * x1, box["y"] + box["height"] * y1, steps=4)
+    page.mouse.up()
+
+
+def test_a_long_text_runs_in_statistics_mode_with_a_pooled_map_and_exact_zoom(server, page, tmp_path):
+    """3,585 tokens (above the 1,024-token patterns limit): statistics mode, pooled map, zoom → exact."""
+    url, proc, _ = server
+    text = (ROOT / "data" / "niah" / "haystack_prose.txt").read_text(encoding="utf-8")[:16000]
+    run_prompt(page, url, text)
+    page.wait_for_function("(document.querySelector('#hs-run-info')?.innerText || '').includes('statistics mode')",
+                           timeout=300_000)
+    assert "3585 tokens" in page.locator("#hs-run-info").inner_text()
+    wait_title(page, "hs-heatmap", "mean attention per 29×29 block of 3,585 tokens")
+    wait_title(page, "hs-grid", "Normalised entropy")
+    # a score that needs patterns says so and falls back
+    select_option(page, "hs-metric", "Induction score")
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('needs full attention patterns')")
+    # drag a box on the pooled map: the region goes into the URL, its exact values appear below
+    drag_box(page, "hs-heatmap", 0.30, 0.40, 0.36, 0.46)
+    page.wait_for_function("location.search.includes('region=')")
+    search = page.evaluate("location.search")
+    wait_title(page, "hs-strip", "Exact attention of layer 0, head 0", timeout=180_000)
+    with page.expect_download() as download:
+        page.click("[data-export='token_strip-csv']")
+    path = tmp_path / "region.zip"
+    download.value.save_as(path)
+    rows = zipfile.ZipFile(path).read("data.csv").decode().splitlines()
+    assert rows[0].startswith("query_pos,query_token,key_pos,key_token,weight") and len(rows) > 100
+    weights = [float(r.rsplit(",", 1)[1]) for r in rows[1:]]
+    assert all(0.0 <= w <= 1.0 for w in weights)
+    # the copied link reopens the same region; a malformed region is refused with a message
+    page.goto(url + search)
+    wait_title(page, "hs-strip", "Exact attention of layer 0, head 0", timeout=180_000)
+    page.goto(url + search.replace("region=", "region=9000-9100%2C1-2&x="))
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('outside the 3,585-token run')")
+    assert proc.poll() is None
+
+
+def test_heads_page_retrieval_sweep_at_4096_tokens(server, page):
+    """A 4,096-token needle-in-a-haystack trial from the page: statistics-mode prefill and decode."""
+    url, proc, _ = server
+    page.goto(url + "heads")
+    page.wait_for_selector("#hs-heads-run")
+    page.fill("#hs-heads-custom-needles", "The secret passkey is 7731. | What is the secret passkey? | 7731")
+    page.fill("#hs-heads-lengths", "4096")
+    page.fill("#hs-heads-depths", "50")
+    select_option(page, "hs-heads-haystack", "passkey")
+    page.click("#hs-heads-run")
+    page.wait_for_function("location.search.includes('sweep=')", timeout=600_000)
+    page.wait_for_function("(document.querySelector('#hs-heads-info')?.innerText || '').includes('trials counted')",
+                           timeout=120_000)
+    info = page.locator("#hs-heads-info").inner_text()
+    assert "lengths [4096]" in info
+    wait_title(page, "hs-heads-score-grid", "Streaming score (S=4, W=64): mean over 1 prompts", timeout=120_000)
+    wait_title(page, "hs-heads-grid", "trials counted")
+    assert page.locator("#hs-error").inner_text().strip() == ""
+    assert proc.poll() is None
