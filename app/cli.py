@@ -74,8 +74,15 @@ def cmd_serve(args) -> int:
 def cmd_run(args) -> int:
     import numpy as np
 
-    from analysis.capture import capture
+    from analysis.limits import limit
     from analysis.models import load_model
+    from analysis.statistics_run import (
+        STATS_METRICS,
+        StatsRun,
+        capture_for_page,
+        capture_statistics,
+        statistics_score,
+    )
     from app.export import write_files
 
     if args.file:
@@ -93,15 +100,38 @@ def cmd_run(args) -> int:
         model = load_model(args.model)
         bar(1.0)
     with progress_bar("capturing") as bar:
-        run = capture(model, text, store=store, progress=bar)
+        if args.stats:
+            run = capture_statistics(model, text, store=store, max_tokens=limit("HEADSCOPE_MAX_STATS_TOKENS"),
+                                     progress=bar)
+        else:
+            run = capture_for_page(model, text, store, limit("HEADSCOPE_MAX_TOKENS"))
+            bar(1.0)
     out = Path(args.out) if args.out else store.root / "exports" / run.short_id
     paths = write_files(run, "head_grid", {"metric": "entropy"}, out, tuple(args.formats.split(",")) if args.formats else ())
-    np.save(out / "patterns.npy", np.asarray(run.patterns), allow_pickle=False)
+    if isinstance(run, StatsRun):
+        # statistics mode: no patterns; the per-row statistics, column sums, pooled maps and scores
+        arrays = {f"row_{name}": a for name, a in run.rows.items()}
+        arrays.update(col_sum=run.col_sum, pooled=run.pooled)
+        for name, arr in arrays.items():
+            np.save(out / f"{name}.npy", arr, allow_pickle=False)
+            paths.append(out / f"{name}.npy")
+        with open(out / "scores.csv", "w", encoding="utf-8") as f:
+            f.write("layer,head," + ",".join(STATS_METRICS) + "\n")
+            tables = [statistics_score(run, name) for name in STATS_METRICS]
+            for la in range(run.n_layers):
+                for h in range(run.n_heads):
+                    f.write(f"{la},{h}," + ",".join(f"{t[la, h]:.6g}" for t in tables) + "\n")
+        paths.append(out / "scores.csv")
+        mode = f"statistics mode, no patterns kept, pooled block {run.block_size}"
+    else:
+        np.save(out / "patterns.npy", np.asarray(run.patterns), allow_pickle=False)
+        paths.append(out / "patterns.npy")
+        mode = "full patterns"
     print(f"run {run.key}")
     loss = float(np.nanmean(run.token_loss)) if run.n_tokens > 1 else float("nan")  # one token: no loss
-    print(f"{run.n_tokens} tokens, mean loss {loss:.4f}")
+    print(f"{run.n_tokens} tokens ({mode}), mean loss {loss:.4f}")
     print(f"results in {out}")
-    for p in [*paths, out / "patterns.npy"]:
+    for p in dict.fromkeys(paths):
         print(f"  {p.name}")
     return 0
 
@@ -396,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--out")
     p.add_argument("--formats", default="", help="figure formats to write, e.g. svg,png,html")
+    p.add_argument("--stats", action="store_true",
+                   help="statistics mode at any length (attention through the kernels, no patterns kept); "
+                        "texts above HEADSCOPE_MAX_TOKENS use it anyway")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("scan", help="needle-in-a-haystack sweep: retrieval scores per head")

@@ -168,6 +168,13 @@ def regenerate(man: dict[str, Any], store: Store | None = None) -> tuple[Run | N
         fig, rows = VIEWS[man["view"]].build(None, man["params"])
         return None, fig, rows
     settings = man["settings"]
+    if "block_size" in settings:  # a long run: statistics mode, same settings
+        from analysis.statistics_run import capture_statistics
+
+        run = capture_statistics(model, man["token_ids"], sink=settings["sink"], window=settings["window"],
+                                 spans=settings.get("spans", ()), store=store)
+        fig, rows = VIEWS[man["view"]].build(run, man["params"])
+        return run, fig, rows
     run = capture(
         model,
         man["token_ids"],

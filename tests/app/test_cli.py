@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,6 +41,29 @@ def test_run_list_figure_rm(tmp_path):
     removed = headscope("runs", "rm", run_id[:12], home=home)
     assert removed.returncode == 0 and "removed" in removed.stdout
     assert run_id[:16] not in headscope("runs", "list", home=home).stdout
+
+
+def test_run_in_statistics_mode_writes_statistics_and_regenerates(tmp_path):
+    """A text above HEADSCOPE_MAX_TOKENS runs in statistics mode: scores, no patterns, and the
+    manifest rebuilds the same figure data from the stored statistics."""
+    home, out = tmp_path / "home", tmp_path / "out"
+    text = (Path(__file__).resolve().parents[2] / "data" / "niah" / "haystack_prose.txt").read_text()[:1500]
+    env_limit = {"HEADSCOPE_MAX_TOKENS": "64"}
+    r = subprocess.run([sys.executable, "-m", "app.cli", "run", text, "--out", str(out)],
+                       env={**os.environ, "HEADSCOPE_HOME": str(home), **env_limit}, capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert "statistics mode, no patterns kept" in r.stdout
+    assert not (out / "patterns.npy").exists()
+    rows = (out / "scores.csv").read_text().splitlines()
+    assert rows[0] == "layer,head,entropy,first_token,mid_sink,previous_token,max_attention,streaming"
+    assert len(rows) == 1 + 270
+    pooled = np.load(out / "pooled.npy", allow_pickle=False)
+    assert pooled.shape[:2] == (30, 9)
+    again = headscope("figure", str(out / "head_grid.manifest.json"), "--out", str(tmp_path / "re"), home=home)
+    assert again.returncode == 0, again.stderr
+    assert json.loads((tmp_path / "re" / "head_grid.json").read_text()) == json.loads(
+        (out / "head_grid.json").read_text())
 
 
 @pytest.mark.parametrize(
