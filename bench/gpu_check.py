@@ -98,6 +98,9 @@ def parity_case(b, h, h_kv, n_q, n_k, d, dtype, causal, block) -> tuple[bool, st
         checks[name] = ((got[name] - ref[name]).abs().max().item(), 1e-4)
     col_rel = ((got[COL_SUM] - ref[COL_SUM]).abs() / ref[COL_SUM].abs().clamp(min=1)).max().item()
     checks["col_sum (rel)"] = (col_rel, 1e-4)
+    col_alone = attention(q, k, v, backend="triton", causal=causal, stats=(COL_SUM,)).stats[COL_SUM]  # own kernel
+    checks["col_sum alone (rel)"] = (((col_alone - ref[COL_SUM]).abs() / ref[COL_SUM].abs().clamp(min=1)).max().item(),
+                                     1e-4)
     # argmax: an index may differ only where two keys are within rounding of each other, so
     # compare the reference probability of the key Triton chose with the reference maximum
     same = got[ARGMAX] == ref[ARGMAX]
@@ -282,13 +285,15 @@ def time_size(n: int, heads: int, d: int, budget_s: float) -> None:
 
 FWD_CANDIDATES = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3)]
 STATS_CANDIDATES = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (32, 64, 4, 3), (128, 32, 8, 2)]
+COLS_CANDIDATES = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 3), (32, 64, 4, 3)]
 
 
 def run_tile_sweep(n: int, heads: int, d: int, budget_s: float) -> None:
     log(f"== tile sweep at {n} tokens (BLOCK_M, BLOCK_N, warps, stages); defaults: {ta.TILES} ==")
     g = torch.Generator(device=DEVICE).manual_seed(0)
     q, k, v = (torch.randn(1, heads, n, d, device=DEVICE, dtype=torch.bfloat16, generator=g) for _ in range(3))
-    for which, cands, stats in (("fwd", FWD_CANDIDATES, (LSE,)), ("stats", STATS_CANDIDATES, (ENTROPY, COL_SUM))):
+    for which, cands, stats in (("fwd", FWD_CANDIDATES, (LSE,)), ("stats", STATS_CANDIDATES, (ENTROPY, COL_SUM)),
+                                ("cols", COLS_CANDIDATES, (COL_SUM,))):
         for tiles in cands:
             if elapsed() > budget_s:
                 log("(tile sweep stopped: time budget)")

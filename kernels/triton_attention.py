@@ -336,6 +336,50 @@ def _attn_stats(
 
 
 @triton.jit
+def _attn_colsum(
+    Q, K, Lse, Col,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    qk_scale,
+    H, GROUP, N_Q, N_K, OFFSET,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Pass 2 for column sums alone: one program per key tile walks the query blocks that see it
+    (FlashAttention's backward loop order), so each column sum stays in registers, no atomics.
+    ``Σ_i A[i, j]`` with ``A = exp2(s − lse2)`` from pass 1's lse."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    col_ok = offs_n < N_K
+    kt_ptrs = K + b * stride_kb + hk * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
+    kt = tl.load(kt_ptrs, mask=col_ok[None, :] & (offs_d[:, None] < HEAD_D), other=0.0)  # [D, BLOCK_N]
+    if UPCAST:
+        kt = kt.to(tl.float32)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    m_lo = 0
+    if CAUSAL:  # query i (at position OFFSET + i) sees key j when j <= OFFSET + i
+        m_lo = (tl.maximum(pid_n * BLOCK_N - OFFSET, 0) // BLOCK_M) * BLOCK_M
+    for start_m in range(m_lo, N_Q, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < N_Q
+        q = _load_q(Q, b, h, stride_qb, stride_qh, stride_qm, stride_qd, offs_m, offs_d, row_ok, HEAD_D, UPCAST)
+        lse2 = tl.load(Lse + pid_bh * N_Q + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        p = tl.math.exp2(s - lse2[:, None])
+        valid = row_ok[:, None] & col_ok[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= (OFFSET + offs_m)[:, None])
+        acc += tl.sum(tl.where(valid, p, 0.0), 0)
+    tl.store(Col + pid_bh * N_K + offs_n, acc, mask=col_ok)
+
+
+@triton.jit
 def _topk_tiles(best, best_i, prev, prev_i, q, k_base, stride_kn, stride_kd, offs_d, offs_n, pos,
                 N_K, qk_scale, lo, hi,
                 HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
@@ -402,6 +446,7 @@ def _interpreting() -> bool:
 TILES = {
     "fwd": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     "stats": {64: (64, 64, 4, 3), 128: (64, 64, 8, 3), 256: (32, 32, 4, 2)},
+    "cols": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (32, 32, 4, 2)},
 }
 TILE_OVERRIDE: dict[str, tuple[int, int, int, int]] = {}
 
@@ -461,6 +506,18 @@ def triton_attention(
         res[LSE] = lse
     second = st - {LSE}
     if not second:
+        return out, res
+    if second == {COL_SUM}:
+        # column sums alone: walk queries per key tile (no atomics; one more recompute either way)
+        bm, bn, warps, stages = _tiles(d, "cols")
+        bm, bn = block_m or bm, block_n or bn
+        col = torch.empty(b, n_heads, n_k, dtype=torch.float32, device=dev)
+        _attn_colsum[(triton.cdiv(n_k, bn), b * n_heads)](
+            q, k, lse, col, *q.stride(), *k.stride(), qk_scale, n_heads, group, n_q, n_k, offset,
+            HEAD_D=d, BLOCK_D=block_d, CAUSAL=plan.causal, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision,
+            UPCAST=upcast, num_warps=warps, num_stages=stages,
+        )
+        res[COL_SUM] = col
         return out, res
 
     bm, bn, warps, stages = _tiles(d, "stats")

@@ -62,7 +62,9 @@ def _worker() -> None:
             out, stats = res.out, res.stats
         only_out = attention(q, k, v, backend="triton", causal=causal)
         lse_only = attention(q, k, v, backend="triton", causal=causal, stats="lse")
+        col_only = attention(q, k, v, backend="triton", causal=causal, stats="col_sum")  # its own kernel
         diffs = {
+            "col_sum/alone": (col_only.col_sum - ref.col_sum).abs().max().item(),
             "out": (out.float() - ref.out.float()).abs().max().item(),
             "out/no-stats": (only_out.out.float() - ref.out.float()).abs().max().item(),
             "lse/alone": (lse_only.lse - ref.lse).abs().max().item(),
@@ -125,7 +127,9 @@ def _compile_worker() -> None:
           PRECISION="ieee", POOL_MODE=2, POOL_PM=1, POOL_PN=1, POOL_QBP=16, POOL_KBP=16, **every)
     build(ta._attn_topk_next, "fp16", 4, HEAD_D=64, BLOCK_D=64, CAUSAL=True, BLOCK_M=64, BLOCK_N=64,
           PRECISION="tf32", UPCAST=False)
-    print(json.dumps({"compiled": 4}))
+    build(ta._attn_colsum, "bf16", 4, HEAD_D=128, BLOCK_D=128, CAUSAL=True, BLOCK_M=64, BLOCK_N=64,
+          PRECISION="tf32", UPCAST=False)
+    print(json.dumps({"compiled": 5}))
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +173,7 @@ def test_triton_matches_torch_kernel(report, case):
     assert diffs["out"] <= out_tol
     assert diffs["out/no-stats"] <= out_tol
     assert diffs["lse/alone"] <= 1e-5
+    assert diffs["col_sum/alone"] <= 2e-6 * max(1, CASES[case][3])  # a sum over up to n_q rows
     expected = {*ALL, "argmax_prob"} | ({"topk_index", "topk_prob"} if CASES[case][4] > 1 else set())
     assert expected <= set(diffs)
     for key in expected:
@@ -193,7 +198,7 @@ def test_kernels_compile_for_hopper_without_a_gpu(workers):
     if code != 0 and "ptxas" in err and "No such file" in err:
         pytest.skip("triton's CUDA toolchain (ptxas) is not installed")
     assert code == 0, err[-4000:]
-    assert json.loads(out.strip().splitlines()[-1]) == {"compiled": 4}
+    assert json.loads(out.strip().splitlines()[-1]) == {"compiled": 5}
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
