@@ -54,11 +54,13 @@ class LayerRequest:
 
     ``kernel`` holds keyword arguments of :func:`kernels.attention.attention` (``stats``,
     ``sink_size``, ``window``, ``spans``, ``block_size``, ``rows``, ``topk``); ``pairs`` the
-    offsets of the pair terms (module docstring).
+    offsets of the pair terms (module docstring); ``pair_index`` any set of cells (query row,
+    key position) whose weights are wanted, by the same exact formula.
     """
 
     kernel: dict[str, Any] = field(default_factory=dict)
     pairs: tuple[int, ...] = ()
+    pair_index: tuple[Tensor, Tensor] | None = None  # (query rows [P], key positions [P]): A at those cells
 
 
 @dataclass
@@ -72,6 +74,7 @@ class LayerStats:
     n_k: int
     stats: dict[str, Tensor]
     pairs: dict[int, Tensor]
+    cells: Tensor | None = None  # [batch, head, P] weights of ``pair_index``
 
 
 Request = Callable[[int, int, int], LayerRequest | None]
@@ -237,12 +240,15 @@ def _kernel_forward(self: Any, layer: int, request: Request | None, on_layer: On
     kernel_kwargs = dict(req.kernel) if req is not None else {}
     stats = kernel_kwargs.pop("stats", ())
     stats = (stats,) if isinstance(stats, str) else tuple(stats)
-    if req is not None and req.pairs and LSE not in stats:
+    if req is not None and (req.pairs or req.pair_index is not None) and LSE not in stats:
         stats = (*stats, LSE)
     result = attention(q, k, v, causal=True, scale=scale, stats=stats, **kernel_kwargs)
     if req is not None and on_layer is not None and (stats or req.pairs):
         pairs = {o: _pair_weights(q, k, result.stats[LSE], scale, o) for o in req.pairs}
-        on_layer(LayerStats(layer=layer, n_q=n_q, n_k=n_k, stats=dict(result.stats), pairs=pairs))
+        cells = None
+        if req.pair_index is not None:
+            cells = cell_weights(q, k, result.stats[LSE], scale, *req.pair_index)
+        on_layer(LayerStats(layer=layer, n_q=n_q, n_k=n_k, stats=dict(result.stats), pairs=pairs, cells=cells))
 
     attn_output = result.out.transpose(1, 2).reshape(*input_shape, -1)
     o_weight = getattr(getattr(self.o, "original_component", None), "weight", None)
@@ -284,3 +290,21 @@ def _pair_weights(q: Tensor, k: Tensor, lse: Tensor, scale: float, offset: int) 
     keys = k[:, :, pos.clamp(min=0)].repeat_interleave(group, dim=1)  # [b, h, n_q, d]: O(n · d)
     s = (q.float() * keys.float()).sum(-1) * scale
     return torch.where(valid, torch.exp(s - lse), torch.zeros((), device=q.device))
+
+
+def cell_weights(q: Tensor, k: Tensor, lse: Tensor, scale: float, rows: Tensor, keys: Tensor,
+                 chunk: int = 1 << 14) -> Tensor:
+    """``A[r, c] = exp(scale · q_r · k_c − lse_r)`` for listed cells (query row ``r``, key position
+    ``c``), ``[b, h, P]``; ``chunk`` cells at a time, so memory is O(chunk · h · d) whatever P is.
+    Cells a causal query cannot see must not be listed."""
+    b, h, _, _ = q.shape
+    group = h // k.shape[1]
+    out = torch.empty(b, h, rows.numel(), dtype=torch.float32, device=q.device)
+    rows, keys = rows.to(q.device), keys.to(q.device)
+    for a in range(0, rows.numel(), chunk):
+        r, c = rows[a : a + chunk], keys[a : a + chunk]
+        qr = q[:, :, r].float()  # [b, h, p, d]
+        kc = k[:, :, c].float().repeat_interleave(group, dim=1)
+        out[:, :, a : a + chunk] = torch.exp((qr * kc).sum(-1) * scale - lse[:, :, r])
+    return out
+

@@ -1,12 +1,11 @@
 """Per-head scores over several prompts, aggregated with mean and spread.
 
 For each prompt one forward pass runs in statistics mode (:mod:`analysis.statistics_run`: attention
-through the kernels, per-row statistics kept, never an N × N matrix), which gives entropy, sink,
-mid-sequence sink, previous-token, max-attention, streaming and evidence scores at any length, equal
-to their pattern-based definitions. The duplicate-token and induction detectors need whole patterns:
-for prompts up to ``HEADSCOPE_MAX_TOKENS`` tokens one more forward pass captures them (patterns are
-not stored), above it those two scores are nan. Every score of
-:data:`analysis.head_summary.HEAD_METRICS` is computed this way,
+through the kernels, per-row statistics kept, never an N × N matrix), which gives every score of
+:data:`analysis.head_summary.HEAD_METRICS` (entropy, first-token and mid-sequence sinks,
+previous-token, duplicate-token, induction, max attention, streaming) and the evidence score at any
+length, equal to their pattern-based definitions (models that cannot run in statistics mode capture
+full patterns instead). The scores are computed
 with the streaming score's sink size S and recent window W as parameters
 (:func:`analysis.streaming.streaming_score`), plus the evidence score when the prompt names a
 question span and an evidence span (:func:`analysis.evidence.evidence_score`: question tokens →
@@ -27,7 +26,6 @@ from analysis.capture import InputError, capture
 from analysis.detectors import aggregate_runs
 from analysis.evidence import evidence_score
 from analysis.head_summary import HEAD_METRICS
-from analysis.limits import limit
 from analysis.models import LoadedModel
 from analysis.retrieval import statistics_supported
 from analysis.statistics_run import (
@@ -39,7 +37,7 @@ from analysis.statistics_run import (
 from analysis.store import Store, content_key
 from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW, streaming_score
 
-HEAD_SCORES_VERSION = 2  # 2: statistics mode; pattern-only scores nan above HEADSCOPE_MAX_TOKENS
+HEAD_SCORES_VERSION = 2  # 2: statistics mode
 EVIDENCE = "evidence"
 LABELS = {**{name: m.label for name, m in HEAD_METRICS.items()}, EVIDENCE: "Evidence score (question → needle)"}
 
@@ -120,7 +118,6 @@ def score_prompts(
             return stored
     with_evidence = all(p.question_span and p.evidence_span for p in prompts)
     kernel = statistics_supported(model)
-    pattern_limit = limit("HEADSCOPE_MAX_TOKENS")
     per_run: dict[str, list[np.ndarray]] = {}
     for k, prompt in enumerate(prompts):
         n = len(prompt.token_ids)
@@ -136,7 +133,7 @@ def score_prompts(
                 tables[EVIDENCE] = evidence_from_statistics(stats, tuple(prompt.question_span), [0])
             del stats
         need_patterns = [name for name in HEAD_METRICS if name not in tables]
-        if need_patterns and (not kernel or n <= pattern_limit):
+        if need_patterns:  # a model that cannot run in statistics mode: full patterns, as before
             run = capture(model, prompt.token_ids, max_tokens=max(n, 1))
             for name in need_patterns:
                 if name == "streaming":

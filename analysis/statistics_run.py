@@ -19,8 +19,10 @@ pattern-based ones in :mod:`analysis.head_summary`, :mod:`analysis.entropy`,
   diagonal pair term; mid_sink its maximum over ``1 ≤ j < n − 16``;
 - evidence: ``mean_{i∈Q} Σ_{j∈E} A[i, j]`` from the span masses of the evidence spans.
 
-Duplicate-token and induction scores need whole rows (TransformerLens' detection patterns): they
-are not available from statistics (nan, and the page says so).
+- duplicate-token and induction (TransformerLens' ``head_detector``, ``mul``): ``Σ_{D[i,j]=1} A[i, j]
+  / Σ_ij A[i, j]`` with the detection pattern's cells (``t_j = t_i, j < i``; induction the same
+  cells shifted one key right) read exactly from the lse (pair terms over listed cells), and
+  ``Σ_ij A[i, j] = n``; nan above :data:`MAX_DETECTOR_CELLS` cells.
 
 Exact values of a region (:func:`exact_region`) come from the kernel too: the forward pass is run
 again in statistics mode with the region's query rows requested as exact rows in one layer, and
@@ -54,7 +56,7 @@ from kernels.attention import (
     SPAN_MASS,
 )
 
-STATS_RUN_VERSION = 1
+STATS_RUN_VERSION = 2  # 2: duplicate-token and induction cells
 MAX_BLOCKS = 128
 """Pooled maps have at most this many blocks per side: block size ``B = ceil(n / MAX_BLOCKS)``."""
 MAX_REGION = 256
@@ -71,8 +73,13 @@ ROW_STATS = {
     "diag": "A[i, i]",
     "prev": "A[i, i-1]",
 }
-#: Metrics computable from statistics (the rest of HEAD_METRICS need patterns).
-STATS_METRICS = ("entropy", "first_token", "mid_sink", "previous_token", "max_attention", "streaming")
+#: Metrics computable from statistics: all of HEAD_METRICS.
+STATS_METRICS = ("entropy", "first_token", "mid_sink", "previous_token", "duplicate_token", "induction",
+                 "max_attention", "streaming")
+DETECTORS = ("duplicate_token", "induction")
+MAX_DETECTOR_CELLS = 4_000_000
+"""Most (query, key) cells the duplicate-token and induction scores read (a text that repeats one
+token thousands of times has ~N²/2 of them); above it those two scores are nan."""
 
 
 @dataclass
@@ -82,6 +89,8 @@ class StatsRun:
     Attributes
     ----------
     rows : name (:data:`ROW_STATS`) → ``[layer, head, n]``.
+    detectors : ``duplicate_token`` / ``induction`` → ``[layer, head]`` attention on the detection
+        pattern's cells, summed (absent when there were too many cells).
     col_sum : ``[layer, head, n]`` attention received per key, ``Σ_i A[i, j]``.
     pooled : ``[layer, head, ceil(n/B), ceil(n/B)]`` mean attention per ``B × B`` block.
     span_mass : ``[layer, head, n, n_spans]`` mass on ``settings["spans"]`` (absent without spans).
@@ -101,6 +110,7 @@ class StatsRun:
     top_ids: np.ndarray
     top_probs: np.ndarray
     span_mass: np.ndarray | None = None
+    detectors: dict[str, np.ndarray] = field(default_factory=dict)
     seconds: float = float("nan")
     _memo: dict = field(default_factory=dict, repr=False)
 
@@ -154,6 +164,26 @@ def _merge_spans(spans: Sequence[Sequence[int]], n: int, what: str) -> list[tupl
     return out
 
 
+def detection_cells(token_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The duplicate-token detection pattern's cells ``(i, j)``, ``j < i``, ``t_j = t_i`` (rows,
+    keys; the induction cells are the same with ``j + 1``); None above :data:`MAX_DETECTOR_CELLS`."""
+    positions: dict[int, list[int]] = {}
+    for i, t in enumerate(token_ids):
+        positions.setdefault(int(t), []).append(i)
+    total = sum(len(p) * (len(p) - 1) // 2 for p in positions.values())
+    if total > MAX_DETECTOR_CELLS:
+        return None
+    rows = np.empty(total, dtype=np.int64)
+    keys = np.empty(total, dtype=np.int64)
+    at = 0
+    for pos in positions.values():
+        for a in range(1, len(pos)):
+            rows[at : at + a] = pos[a]
+            keys[at : at + a] = pos[:a]
+            at += a
+    return rows, keys
+
+
 def stats_key(model: LoadedModel, token_ids: Sequence[int], settings: dict[str, Any]) -> str:
     return content_key("stats_run", STATS_RUN_VERSION, model.digest, list(map(int, token_ids)), settings)
 
@@ -203,11 +233,20 @@ def capture_statistics(
     pooled = np.zeros((L, H, n_b, n_b), dtype=np.float32)
     span_mass = np.zeros((L, H, n, len(spans)), dtype=np.float32) if spans else None
     kernel_spans = [(0, 1), *spans]
+    cells = detection_cells(ids)
+    detectors = {name: np.zeros((L, H), dtype=np.float64) for name in DETECTORS} if cells is not None else {}
+    pair_index = None
+    n_dup = 0
+    if cells is not None:
+        n_dup = len(cells[0])  # induction cells: the duplicate cells one key to the right
+        pair_index = (torch.from_numpy(np.concatenate([cells[0], cells[0]])),
+                      torch.from_numpy(np.concatenate([cells[1], cells[1] + 1])))
     request = LayerRequest(
         kernel={"stats": (ENTROPY, ARGMAX, SINK_MASS, RECENT_MASS, SPAN_MASS, COL_SUM, POOLED, LSE),
                 "sink_size": max(int(sink), 1) if sink else 1, "window": int(window), "spans": kernel_spans,
                 "block_size": B},
         pairs=(0, 1),
+        pair_index=pair_index,
     )
 
     def keep(ls: LayerStats) -> None:
@@ -225,6 +264,10 @@ def capture_statistics(
         rows["prev"][la] = ls.pairs[1][0].cpu().numpy()
         col_sum[la] = s[COL_SUM][0].cpu().numpy()
         pooled[la] = s[POOLED][0].cpu().numpy()
+        if ls.cells is not None:
+            w = ls.cells[0].double()
+            detectors["duplicate_token"][la] = w[:, :n_dup].sum(-1).cpu().numpy()
+            detectors["induction"][la] = w[:, n_dup:].sum(-1).cpu().numpy()
         if progress:
             progress((la + 1) / (L + 1))
 
@@ -240,7 +283,8 @@ def capture_statistics(
         key=key, model_name=model.name, model_digest=model.digest, token_ids=ids,
         tokens=model.token_strings(ids), text=text_or_ids if isinstance(text_or_ids, str) else None,
         settings=settings, rows=rows, col_sum=col_sum, pooled=pooled, token_loss=token_loss,
-        top_ids=top_ids, top_probs=top_probs, span_mass=span_mass, seconds=time.perf_counter() - t0,
+        top_ids=top_ids, top_probs=top_probs, span_mass=span_mass, detectors=detectors,
+        seconds=time.perf_counter() - t0,
     )
     if store is not None:
         save_stats_run(store, run)
@@ -274,6 +318,8 @@ def save_stats_run(store: Store, run: StatsRun) -> None:
                   top_probs=run.top_probs)
     if run.span_mass is not None:
         arrays["span_mass"] = run.span_mass
+    for name, table in run.detectors.items():
+        arrays[f"det_{name}"] = table
     store.put(run.key, StatsRun.kind, run.meta(), arrays)
 
 
@@ -292,6 +338,7 @@ def load_stats_run(store: Store, key: str) -> StatsRun | None:
         token_loss=record.array("token_loss", mmap=False), top_ids=record.array("top_ids", mmap=False),
         top_probs=record.array("top_probs", mmap=False),
         span_mass=record.array("span_mass", mmap=False) if "span_mass" in names else None,
+        detectors={n[4:]: record.array(n, mmap=False) for n in names if n.startswith("det_")},
         seconds=float(m.get("seconds", float("nan"))),
     )
 
@@ -377,7 +424,11 @@ def statistics_score(run: StatsRun, name: str, sink: int | None = None, window: 
         if n < SINK_MIN_LATER + 2:
             return nan
         return received(run)[..., 1 : n - SINK_MIN_LATER].max(-1)
-    raise InputError(f"The score {name!r} needs full attention patterns; statistics give: {', '.join(STATS_METRICS)}.")
+    if name in DETECTORS:
+        if n < 2 or name not in run.detectors:
+            return nan
+        return run.detectors[name] / n  # Σ_ij A[i, j] = n: every row sums to 1
+    raise InputError(f"Unknown score {name!r}; statistics give: {', '.join(STATS_METRICS)}.")
 
 
 def evidence_from_statistics(run: StatsRun, question: tuple[int, int], evidence: Sequence[int]) -> np.ndarray:

@@ -41,6 +41,23 @@ def test_scores_from_statistics_equal_scores_from_patterns(both, name):
     np.testing.assert_allclose(got, expected, atol=2e-6, rtol=0)
 
 
+def test_detectors_on_a_repeated_text_and_too_many_cells(real_model, monkeypatch):
+    """Induction on text repeated twice is high for induction heads; the cell cap gives nan."""
+    import analysis.statistics_run as sr
+
+    ids = real_model.encode("The quick brown fox jumps over the lazy dog while seven wizards juggle.") * 3
+    run = capture(real_model, ids, pattern_dtype="float32", max_tokens=len(ids))
+    stats = capture_statistics(real_model, ids)
+    for name in ("duplicate_token", "induction"):
+        np.testing.assert_allclose(statistics_score(stats, name), HEAD_METRICS[name].compute(run.patterns, ids),
+                                   atol=2e-6)
+    assert statistics_score(stats, "induction").max() > 0.5  # SmolLM2 has induction heads
+    monkeypatch.setattr(sr, "MAX_DETECTOR_CELLS", 10)
+    capped = capture_statistics(real_model, ids[:-1])
+    assert np.isnan(statistics_score(capped, "induction")).all()
+    assert np.isfinite(statistics_score(capped, "entropy")).all()
+
+
 def test_streaming_with_other_sink_and_window(real_model, both):
     run, _ = both
     stats = capture_statistics(real_model, run.token_ids, sink=1, window=16)
@@ -66,13 +83,13 @@ def test_sink_map_evidence_pooled_loss_and_exact_region(real_model, both):
     np.testing.assert_allclose(region, run.patterns[7, 3, 200:260, 0:250], atol=1e-6)
 
 
-def test_pattern_only_scores_and_bad_regions_say_why(real_model, both, monkeypatch):
+def test_unknown_scores_and_bad_regions_say_why(real_model, both, monkeypatch):
     import analysis.statistics_run as sr
 
     monkeypatch.setattr(sr, "MAX_REGION", 100)  # the default is 256
     _, stats = both
-    with pytest.raises(InputError, match="needs full attention patterns"):
-        statistics_score(stats, "induction")
+    with pytest.raises(InputError, match="Unknown score 'nonexistent'"):
+        statistics_score(stats, "nonexistent")
     with pytest.raises(InputError, match="at most 100 × 100"):
         exact_region(real_model, stats, 0, 0, (0, 101), (0, 10))
     with pytest.raises(InputError, match="No head 30.0"):

@@ -56,7 +56,8 @@ def test_run_in_statistics_mode_writes_statistics_and_regenerates(tmp_path):
     assert "statistics mode, no patterns kept" in r.stdout
     assert not (out / "patterns.npy").exists()
     rows = (out / "scores.csv").read_text().splitlines()
-    assert rows[0] == "layer,head,entropy,first_token,mid_sink,previous_token,max_attention,streaming"
+    assert rows[0] == ("layer,head,entropy,first_token,mid_sink,previous_token,duplicate_token,induction,"
+                       "max_attention,streaming")
     assert len(rows) == 1 + 270
     pooled = np.load(out / "pooled.npy", allow_pickle=False)
     assert pooled.shape[:2] == (30, 9)
