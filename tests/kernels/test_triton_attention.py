@@ -88,7 +88,32 @@ def _worker() -> None:
         "topk_in_index_order": bool((tied.topk_index == torch.tensor([0, 1, 2])).all()),
         "prob": (tied.topk_prob - 1 / (torch.arange(31, 40) + 1.0).view(1, 1, 9, 1)).abs().max().item(),
     }
+    report["model"] = _model_through_triton()
     print(json.dumps(report))
+
+
+def _model_through_triton() -> dict:
+    """Statistics mode with the Triton backend (interpreted) inside a tiny Llama's own forward pass:
+    the integration that runs by default on CUDA, checked against the eager path."""
+    import torch
+
+    from analysis.attention_statistics import LayerRequest, statistics_mode
+    from analysis.models import load_model, wrap_model
+    from tests.conftest import tiny_hf_model
+
+    tokenizer = load_model("smollm2-135m").tokenizer
+    model = wrap_model(tiny_hf_model(len(tokenizer)), tokenizer, name="tiny", digest="tiny-triton")
+    ids = torch.tensor([tokenizer.encode("Triton inside the bridge: the same logits as eager, twice over.")])
+    seen = []
+    with torch.inference_mode():
+        eager = model.bridge(ids, return_type="logits")
+        req = LayerRequest({"stats": ("entropy", "argmax"), "backend": "triton"})
+        with statistics_mode(model, lambda layer, n_q, n_k: req, seen.append):
+            stats = model.bridge(ids, return_type="logits")
+            _, past = model.bridge(ids[:, :-1], return_type="logits_and_cache", use_cache=True)
+            step, _ = model.bridge(ids[:, -1:], return_type="logits_and_cache", past_key_values=past)
+    return {"logits": (stats - eager).abs().max().item(), "decode": (step[0, -1] - eager[0, -1]).abs().max().item(),
+            "layers": len(seen)}
 
 
 def _compile_worker() -> None:
@@ -183,6 +208,12 @@ def test_triton_matches_torch_kernel(report, case):
             assert diffs[key] <= 1e-5, key
         else:  # probabilities and masses
             assert diffs[key] <= 2e-6, key
+
+
+def test_statistics_mode_through_triton_matches_eager_logits(report):
+    model = report["model"]
+    assert model["layers"] == 2 + 2 * 2  # the prefill, then the cached prefill and one decode step
+    assert model["logits"] <= 1e-5 and model["decode"] <= 1e-5
 
 
 def test_ties_go_to_the_lowest_key_index(report):
