@@ -101,8 +101,9 @@ def cmd_worker(args) -> int:
         print("headscope worker: set HEADSCOPE_REDIS_URL to the Redis server the web front end uses, e.g. "
               "HEADSCOPE_REDIS_URL=redis://127.0.0.1:6379/0 headscope worker", file=sys.stderr)
         return EXIT_USER_ERROR
-    if args.concurrency < 1:
-        print("headscope worker: --concurrency must be at least 1", file=sys.stderr)
+    if args.concurrency < 1 or args.page_concurrency < 0:
+        print("headscope worker: --concurrency must be at least 1 and --page-concurrency at least 0",
+              file=sys.stderr)
         return EXIT_USER_ERROR
     import redis
 
@@ -116,7 +117,7 @@ def cmd_worker(args) -> int:
     if args.home:
         os.environ["HEADSCOPE_HOME"] = args.home
     start_worker(models=args.model or [DEFAULT_MODEL], concurrency=args.concurrency, device=args.device,
-                 name=args.name)
+                 name=args.name, page_concurrency=args.page_concurrency)
     return 0
 
 
@@ -440,7 +441,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("worker", help="run the app's jobs as a Celery worker (needs HEADSCOPE_REDIS_URL)")
-    p.add_argument("--concurrency", type=int, default=1, help="jobs at once (pool processes; default 1)")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="long jobs (sweeps, curves, embeddings) at once: pool processes (default 1)")
+    p.add_argument("--page-concurrency", type=int, default=1,
+                   help="page callbacks at once, beside the jobs, so a long job never blocks a page "
+                        "(default 1; 0: this worker takes no page callbacks)")
     p.add_argument("--device", default="cpu", help="torch device for models, e.g. cuda:0 (default cpu)")
     p.add_argument("--model", action="append",
                    help=f"model to load before the pool forks (repeatable; default {DEFAULT_MODEL}); "

@@ -20,6 +20,12 @@ Losing a worker: tasks are acknowledged late and retried when the pool process r
 the page says so). A whole worker host that dies leaves its job unacknowledged in Redis; Redis hands
 it to another worker after ``HEADSCOPE_JOB_VISIBILITY_S`` (default one hour).
 
+Two queues, so one user's long job never blocks another user's page: jobs with a progress bar
+(sweeps, curves, evaluations, embeddings) go to the ``jobs`` queue, the short callbacks that draw
+pages (:func:`app.jobs.on_workers`) to ``pages``. ``headscope worker`` forks, after loading its
+models, one Celery worker per queue: ``--concurrency`` pool processes for jobs and
+``--page-concurrency`` (default 1) for pages.
+
 Cancel: Dash's ``CeleryManager`` revokes the task with ``terminate=True``; the prefork pool sends
 SIGTERM to the process running it, which stops at once, and the pool forks a fresh one.
 """
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -38,6 +45,13 @@ from functools import wraps
 log = logging.getLogger("headscope.jobs")
 
 MAX_RETRIES = 2  # a job whose pool process dies is run again at most this many times
+JOBS, PAGES = "jobs", "pages"  # the two queues
+_queues: dict[str, str] = {}  # Celery task name → queue, filled as Dash registers callbacks
+
+
+def _route(name, args, kwargs, options, task=None, **kw):
+    """Celery router: the queue of a background callback's task (jobs with progress, or pages)."""
+    return {"queue": _queues.get(name, JOBS)}
 
 
 def redis_url() -> str | None:
@@ -75,6 +89,7 @@ def celery_app():
             task_retry_on_worker_lost=True,
             task_annotations={"*": {"max_retries": MAX_RETRIES, "default_retry_delay": 0}},
             task_track_started=True,
+            task_routes=(_route,),
             # one job at a time per pool process: a free worker takes the next job, not a busy one
             worker_prefetch_multiplier=1,
             broker_transport_options={"visibility_timeout": visibility_timeout_s()},
@@ -102,6 +117,7 @@ def job_manager():
             self._delivered_lock = threading.Lock()
 
         def make_job_fn(self, fn, progress, key=None):
+            _queues[f"background_callback_{key}"] = JOBS if progress else PAGES
             return super().make_job_fn(_logged(fn), progress, key)
 
         def get_result(self, key, job):
@@ -143,12 +159,14 @@ def _logged(fn):
     return job
 
 
-def start_worker(*, models: list[str], concurrency: int, device: str, name: str | None) -> None:
-    """Run a Celery worker for the app's background callbacks until it is stopped.
+def start_worker(*, models: list[str], concurrency: int, device: str, name: str | None,
+                 page_concurrency: int = 1) -> None:
+    """Run Celery workers for the app's background callbacks until they are stopped.
 
     The same Dash app as the web process is created first (its background callbacks become Celery
-    tasks), then ``models`` are loaded in this process, before the pool forks (see the module
-    docstring), then Celery's worker runs with a prefork pool of ``concurrency`` processes.
+    tasks), then ``models`` are loaded in this process, before anything forks (see the module
+    docstring). Then this process forks a child that runs Celery's worker on the ``pages`` queue
+    (``page_concurrency`` pool processes) and runs the ``jobs`` worker itself (``concurrency``).
     """
     from analysis.models import load_model
     from analysis.store import Store
@@ -166,7 +184,13 @@ def start_worker(*, models: list[str], concurrency: int, device: str, name: str 
             load_model(spec, device=device)
             print(f"headscope worker: {spec} loaded on {device} in {time.time() - t:.1f} s, before forking "
                   f"{concurrency} pool process(es)", file=sys.stderr)
-    argv = ["worker", "--pool=prefork", f"--concurrency={concurrency}", "--loglevel=INFO",
-            f"--hostname={name or f'headscope-{os.getpid()}'}@%h", "--without-gossip", "--without-mingle"]
-    celery_app().worker_main(argv)
+    name = name or f"headscope-{os.getpid()}"
+    queue, n, host = JOBS, concurrency, name
+    if page_concurrency > 0 and os.fork() == 0:
+        from billiard.util import set_pdeathsig
+
+        set_pdeathsig(signal.SIGTERM)  # the pages worker ends with the worker that forked it
+        queue, n, host = PAGES, page_concurrency, f"{name}-pages"
+    celery_app().worker_main(["worker", "--pool=prefork", f"--concurrency={n}", f"--queues={queue}",
+                              "--loglevel=INFO", f"--hostname={host}@%h", "--without-gossip", "--without-mingle"])
 

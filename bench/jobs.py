@@ -66,7 +66,7 @@ def start_workers(n: int, folder: Path, url: str) -> list[subprocess.Popen]:
                                       stderr=subprocess.STDOUT, start_new_session=True))
         logs.append(log)
     deadline = time.time() + 300
-    while not all(" ready." in log.read_text(errors="replace") for log in logs):
+    while not all(log.read_text(errors="replace").count(" ready.") >= 2 for log in logs):  # jobs + pages
         if time.time() > deadline or any(p.poll() is not None for p in procs):
             raise SystemExit("a worker did not start:\n" + "\n".join(log.read_text()[-2000:] for log in logs))
         time.sleep(0.5)

@@ -66,8 +66,9 @@ class Worker:
                                      start_new_session=True)
 
     def wait_ready(self, since: int = 0, timeout: float = 180) -> None:
+        """Until both of its Celery workers (long jobs, page callbacks) are ready."""
         deadline = time.time() + timeout
-        while " ready." not in self.log()[since:]:
+        while self.log()[since:].count(" ready.") < 2:
             assert self.proc.poll() is None, self.log()
             assert time.time() < deadline, f"worker {self.name} did not start:\n{self.log()}"
             time.sleep(0.5)
