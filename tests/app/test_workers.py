@@ -301,3 +301,33 @@ def test_records_cross_disks_through_redis_within_limits(redis_url, tmp_path, mo
     assert b.get(key) is None
     a.remove("ab12" + "0" * 60)
     assert Store(tmp_path / "c").get("ab12" + "0" * 60) is None
+
+
+def test_a_job_that_failed_outside_its_callback_ends_with_a_message(redis_url, monkeypatch):
+    """A task Celery marked failed (its pool process lost more often than it is retried) gives the page
+    an error to show, not an endless spinner; a job that delivered its result is not terminated."""
+    from billiard.exceptions import WorkerLostError
+
+    import app.workers as workers
+
+    monkeypatch.setenv("HEADSCOPE_REDIS_URL", redis_url)
+    monkeypatch.setattr(workers, "_celery", None)
+    manager = workers.job_manager()
+    manager.handle.backend.mark_as_failure("lost-job", WorkerLostError("Worker exited prematurely: signal 9"))
+    out = manager.get_result("no-result-key", "lost-job")
+    assert "Worker exited prematurely" in out["background_callback_error"]["msg"]
+    manager.handle.backend.set("done-key", b'["figure", ""]')
+    assert manager.get_result("done-key", "done-job") == ["figure", ""]
+    assert manager.terminate_job("done-job") is None  # delivered: no revoke sent to the workers
+    monkeypatch.setattr(workers, "_celery", None)
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("", "set HEADSCOPE_REDIS_URL"),
+    ("redis://127.0.0.1:1/0", "cannot reach Redis at redis://127.0.0.1:1/0"),
+])
+def test_worker_without_a_reachable_redis_says_what_to_do(url, expected):
+    env = {**os.environ, "HEADSCOPE_REDIS_URL": url}
+    out = subprocess.run([sys.executable, "-m", "app.cli", "worker"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and expected in out.stderr and "Traceback" not in out.stderr
