@@ -64,7 +64,6 @@ def cmd_serve(args) -> int:
                        "(HEADSCOPE_REDIS_URL is set), and this page asked it to load one. Please report it.")
         print(f"headscope: jobs run on Celery workers through {_redacted(redis_url())}; "
               "start them with `headscope worker`", file=sys.stderr)
-        warm_up(None)
     else:
         print(f"headscope: loading {args.model} …", file=sys.stderr)
         t = time.time()

@@ -72,16 +72,14 @@ def show_error(error: Exception) -> None:
     set_props(ids.ERROR, {"children": message(text or f"Something went wrong ({type(error).__name__}).")})
 
 
-def warm_up(model_spec: str | None) -> None:
-    """Load the model (unless None: a web front end whose workers hold the models) and start the
-    export browser before the first request needs them."""
+def warm_up(model_spec: str) -> None:
+    """Load the model and start the export browser before the first request needs them."""
     import plotly.graph_objects as go
 
     from analysis.models import load_model
     from app.export import figure_bytes
 
-    if model_spec is not None:
-        load_model(model_spec)
+    load_model(model_spec)
 
     def _export() -> None:
         try:
