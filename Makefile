@@ -17,6 +17,9 @@ $(STAMP): requirements.txt pyproject.toml Makefile
 	@command -v chromium >/dev/null 2>&1 || { \
 	  echo "Installing Debian's chromium (figure export and browser tests)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "Installing Debian's redis-server (multi-worker set-up and its tests; not started here)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 	@test -x $(PY) || python3 -m venv $(VENV)
 	# torch first and pinned, in the same step as everything else (requirements.txt lists it first)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt

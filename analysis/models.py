@@ -360,16 +360,35 @@ def _fresh_locks_in_child() -> None:
 os.register_at_fork(after_in_child=_fresh_locks_in_child)
 
 
-def load_model(spec: str = DEFAULT_MODEL, device: str = "cpu") -> LoadedModel:
+_refusal: str | None = None
+
+
+def refuse_loading(reason: str | None) -> None:
+    """Make :func:`load_model` raise ``ModelError(reason)`` in this process (``None``: allow again).
+
+    A web front end whose jobs run on Celery workers must never load a model: if some path still
+    tries, the user sees why instead of the web process quietly taking a model's memory.
+    """
+    global _refusal
+    _refusal = reason
+
+
+def load_model(spec: str = DEFAULT_MODEL, device: str | None = None) -> LoadedModel:
     """Load a model by spec (memoised per process: a model is never loaded twice at once).
+
+    ``device`` defaults to ``$HEADSCOPE_DEVICE`` or ``cpu`` (``headscope worker --device`` sets it).
 
     Raises
     ------
     ModelError
         Unknown spec, missing files or an unsupported architecture, with a message that says what
-        can be loaded.
+        can be loaded; or loading is refused in this process (:func:`refuse_loading`).
     """
+    if _refusal is not None:
+        log.error("refused to load model %s in this process: %s", spec, _refusal)
+        raise ModelError(_refusal)
     spec = (spec or DEFAULT_MODEL).strip()
+    device = device or os.environ.get("HEADSCOPE_DEVICE") or "cpu"
     key = (spec, device)
     with _models_lock:
         if key in _models:

@@ -14,6 +14,8 @@ Guarantees
 - Several processes may share one store: SQLite serialises index writes, each writer uses its own
   folder name, and readers only follow committed rows.
 - Arrays are plain ``.npy`` read with ``allow_pickle=False``: no pickles anywhere.
+- With ``HEADSCOPE_REDIS_URL`` set, records are also written to and read from Redis
+  (:mod:`analysis.shared_records`), so processes with different ``HEADSCOPE_HOME``s share results.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from analysis.paths import home
+from analysis.shared_records import SharedRecords
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -142,7 +145,9 @@ os.register_at_fork(after_in_child=_fresh_state_in_child)
 class Store:
     """The run and result store. Thread-safe; safe to share between processes (and across a fork)."""
 
-    def __init__(self, root: Path | str | None = None):
+    def __init__(self, root: Path | str | None = None, shared: SharedRecords | None | bool = True):
+        """``shared``: True (default) shares records through ``HEADSCOPE_REDIS_URL`` when it is set."""
+        self.shared = SharedRecords.from_env() if shared is True else (shared or None)
         self.root = Path(root) if root is not None else home()
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / "records").mkdir(exist_ok=True)
@@ -164,8 +169,10 @@ class Store:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def put(self, key: str, kind: str, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Record:
-        """Store a record atomically, replacing any earlier record with the same key."""
+    def put(self, key: str, kind: str, meta: dict[str, Any], arrays: dict[str, np.ndarray],
+            share: bool = True) -> Record:
+        """Store a record atomically, replacing any earlier record with the same key (and share it,
+        when the store is shared)."""
         folder = self.root / "records" / key[:2] / f"{key}-{uuid.uuid4().hex[:8]}"
         tmp = folder.with_name(f".tmp-{folder.name}")
         tmp.mkdir(parents=True)
@@ -193,6 +200,7 @@ class Store:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         created = time.time()
+        meta_json = json.dumps(meta, default=_json_default)
         old_folder = None
         with self._db() as db:
             db.execute("BEGIN IMMEDIATE")
@@ -202,7 +210,7 @@ class Store:
                 db.execute("DELETE FROM arrays WHERE key=?", (key,))
                 db.execute(
                     "INSERT OR REPLACE INTO records(key, kind, folder, meta, created) VALUES (?,?,?,?,?)",
-                    (key, kind, str(folder.relative_to(self.root)), json.dumps(meta, default=_json_default), created),
+                    (key, kind, str(folder.relative_to(self.root)), meta_json, created),
                 )
                 db.executemany(
                     "INSERT INTO arrays(key, name, sha256, shape, dtype, nbytes) VALUES (?,?,?,?,?,?)",
@@ -215,16 +223,23 @@ class Store:
                 raise
         if old_folder and old_folder != str(folder.relative_to(self.root)):
             shutil.rmtree(self.root / old_folder, ignore_errors=True)
+        if share and self.shared is not None:
+            self.shared.publish(key, kind, meta_json, created, folder, info)
         return Record(key, kind, meta, created, folder, info)
 
     # -- reading -------------------------------------------------------------------------------
 
     def get(self, key: str, verify: bool = True) -> Record | None:
-        """The record under ``key``, or ``None`` if absent or corrupt (a corrupt one is removed)."""
+        """The record under ``key``, or ``None`` if absent or corrupt (a corrupt one is removed).
+        A shared store copies a record it lacks from Redis first."""
         with self._db() as db:
             row = db.execute("SELECT kind, folder, meta, created FROM records WHERE key=?", (key,)).fetchone()
             if row is None:
-                return None
+                fetched = self.shared.fetch(key) if self.shared is not None else None
+                if fetched is None:
+                    return None
+                kind, meta, arrays = fetched
+                return self.put(key, kind, meta, arrays, share=False)
             arrays = db.execute("SELECT name, sha256, shape, dtype, nbytes FROM arrays WHERE key=?", (key,)).fetchall()
         kind, folder, meta, created = row
         info = {
@@ -258,7 +273,10 @@ class Store:
             return []
         with self._db() as db:
             rows = db.execute("SELECT key FROM records WHERE key LIKE ?", (prefix.lower() + "%",)).fetchall()
-        return [r[0] for r in rows]
+        keys = [r[0] for r in rows]
+        if self.shared is not None:
+            keys += [k for k in self.shared.find(prefix.lower()) if k not in keys]
+        return keys
 
     def remove(self, key: str) -> bool:
         with self._db() as db:
@@ -269,6 +287,8 @@ class Store:
             db.execute("COMMIT")
         if row:
             shutil.rmtree(self.root / row[0], ignore_errors=True)
+        if self.shared is not None:
+            self.shared.remove(key)
         return row is not None
 
     def collect_garbage(self, older_than_s: float = 3600) -> int:

@@ -53,14 +53,25 @@ def cmd_serve(args) -> int:
     if token is not None and len(token) < 16:
         print("headscope: an access token must have at least 16 characters.", file=sys.stderr)
         return EXIT_USER_ERROR
-    context = AppContext(store=_store(args), default_model=args.model)
-    print(f"headscope: loading {args.model} …", file=sys.stderr)
-    t = time.time()
-    warm_up(args.model)
-    print(f"headscope: model ready in {time.time() - t:.1f} s", file=sys.stderr)
-    from analysis.joint_embedding import start_umap_warmup
+    from app.workers import redis_url
 
-    start_umap_warmup()  # compiles UMAP's numba code in the background (~15 s), before anyone asks
+    context = AppContext(store=_store(args), default_model=args.model)
+    if redis_url():
+        from analysis.models import refuse_loading
+
+        # jobs and every model-using callback run on `headscope worker`s: this process loads no model
+        refuse_loading("This web front end loads no model: its jobs run on headscope workers "
+                       "(HEADSCOPE_REDIS_URL is set), and this page asked it to load one. Please report it.")
+        print(f"headscope: jobs run on Celery workers through {_redacted(redis_url())}; "
+              "start them with `headscope worker`", file=sys.stderr)
+    else:
+        print(f"headscope: loading {args.model} …", file=sys.stderr)
+        t = time.time()
+        warm_up(args.model)
+        print(f"headscope: model ready in {time.time() - t:.1f} s", file=sys.stderr)
+        from analysis.joint_embedding import start_umap_warmup
+
+        start_umap_warmup()  # compiles UMAP's numba code in the background (~15 s), before anyone asks
     app = create_app(context)
     if token is not None:
         protect(app.server, token)
@@ -68,6 +79,44 @@ def cmd_serve(args) -> int:
         print(f"headscope: access token required; open http://{shown}:{args.port}/?token={token}", file=sys.stderr)
     print(f"headscope: serving on http://{host}:{args.port}  (store: {context.store.root})", file=sys.stderr)
     app.run(host=host, port=args.port, debug=False, threaded=True)
+    return 0
+
+
+def _redacted(url: str) -> str:
+    """A Redis URL without its password, for messages."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.password:
+        return url.replace(f":{parts.password}@", ":***@", 1)
+    return url
+
+
+def cmd_worker(args) -> int:
+    """A Celery worker for the app's jobs (needs HEADSCOPE_REDIS_URL)."""
+    from app.workers import redis_url, start_worker
+
+    if not redis_url():
+        print("headscope worker: set HEADSCOPE_REDIS_URL to the Redis server the web front end uses, e.g. "
+              "HEADSCOPE_REDIS_URL=redis://127.0.0.1:6379/0 headscope worker", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if args.concurrency < 1 or args.page_concurrency < 0:
+        print("headscope worker: --concurrency must be at least 1 and --page-concurrency at least 0",
+              file=sys.stderr)
+        return EXIT_USER_ERROR
+    import redis
+
+    from analysis.models import DEFAULT_MODEL
+
+    try:
+        redis.Redis.from_url(redis_url(), socket_connect_timeout=5).ping()
+    except (redis.RedisError, ValueError) as e:
+        print(f"headscope worker: cannot reach Redis at {_redacted(redis_url())}: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if args.home:
+        os.environ["HEADSCOPE_HOME"] = args.home
+    start_worker(models=args.model or [DEFAULT_MODEL], concurrency=args.concurrency, device=args.device,
+                 name=args.name, page_concurrency=args.page_concurrency)
     return 0
 
 
@@ -419,6 +468,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help="access token (default: a random one when --host is not a loopback address; "
                                    "also HEADSCOPE_TOKEN)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("worker", help="run the app's jobs as a Celery worker (needs HEADSCOPE_REDIS_URL)")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="long jobs (sweeps, curves, embeddings) at once: pool processes (default 1)")
+    p.add_argument("--page-concurrency", type=int, default=1,
+                   help="page callbacks at once, beside the jobs, so a long job never blocks a page "
+                        "(default 1; 0: this worker takes no page callbacks)")
+    p.add_argument("--device", default="cpu", help="torch device for models, e.g. cuda:0 (default cpu)")
+    p.add_argument("--model", action="append",
+                   help=f"model to load before the pool forks (repeatable; default {DEFAULT_MODEL}); "
+                        "the first is the default model of jobs")
+    p.add_argument("--name", help="worker name (default headscope-<pid>); unique per host")
+    p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("run", help="run a text and write its results")
     p.add_argument("text", nargs="?")

@@ -18,6 +18,7 @@ from app import ids
 from app.context import get_context
 from app.errors import guarded
 from app.export import FORMATS, bundle
+from app.jobs import on_workers
 from app.url_state import PageState, parse
 from app.views import VIEWS
 
@@ -91,6 +92,7 @@ def register_run(prefix: str, state_after: Any, long_runs: bool = False) -> None
         State(text_id(prefix), "value"),
         State(model_id(prefix), "value"),
         State(url_id(prefix), "search"),
+        **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
         prevent_initial_call=True,
     )
     @guarded(outputs=2)
@@ -177,6 +179,7 @@ def register_export(prefix: str, run_of: Any = _stored_run) -> None:
         Input({"type": ids.EXPORT, "page": prefix, "view": ALL, "fmt": ALL}, "n_clicks"),
         State(url_id(prefix), "search"),
         State(query_store_id(prefix), "data"),
+        **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
         prevent_initial_call=True,
     )
     @guarded(outputs=2)

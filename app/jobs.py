@@ -4,6 +4,11 @@ Embedded (default): ``DiskcacheManager`` — each job runs in a process forked f
 shares the already-loaded model's memory; its progress and result pass through a disk cache under
 ``HEADSCOPE_HOME``. Results that matter land in the store, so a reload or a second tab finds them.
 
+With ``HEADSCOPE_REDIS_URL`` set: Dash's ``CeleryManager`` (:mod:`app.workers`) — the same
+callbacks run on Celery workers started with ``headscope worker``, and the web process loads no
+model: every callback that loads a model or reads analysis results is a background callback then
+(:func:`on_workers`), so it runs on a worker too.
+
 Forked children must run torch single-threaded: PyTorch's CPU thread pool does not survive a fork
 (a child that uses more than one intra-op thread hangs). :func:`in_job` does that first.
 """
@@ -30,10 +35,25 @@ def cancellable_job(run: str, cancel: str, progress: str, status: str) -> dict[s
     }
 
 
+def on_workers(interval_ms: int = 250) -> dict[str, Any]:
+    """Keyword arguments for a callback that loads a model or reads analysis results: with
+    ``HEADSCOPE_REDIS_URL`` set it becomes a background callback, run by a worker (polled every
+    ``interval_ms``); embedded, nothing changes and it runs in the server as before."""
+    from app.workers import redis_url
+
+    return {"background": True, "interval": interval_ms} if redis_url() else {}
+
+
 def background_manager():
-    """The process-wide background-callback manager (created on first use)."""
+    """The process-wide background-callback manager (created on first use): Celery workers when
+    ``HEADSCOPE_REDIS_URL`` is set, else a disk cache and processes forked from the server."""
     global _manager
     if _manager is None:
+        from app.workers import job_manager, redis_url
+
+        if redis_url():
+            _manager = job_manager()
+            return _manager
         import diskcache
         from dash import DiskcacheManager
 

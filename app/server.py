@@ -29,6 +29,7 @@ def create_app(context: AppContext) -> Dash:
         title="headscope",
         suppress_callback_exceptions=True,
         background_callback_manager=background_manager(),
+        on_error=show_error,
     )
     app.layout = html.Div(
         [
@@ -54,6 +55,21 @@ def create_app(context: AppContext) -> Dash:
         ]
     )
     return app
+
+
+def show_error(error: Exception) -> None:
+    """An error no callback turned into a message (e.g. a job whose worker was lost too often, or a
+    bug in a background job): logged, and shown in the page's error banner instead of a spinner."""
+    from dash import set_props
+    from dash.exceptions import BackgroundCallbackError
+
+    from app.errors import message
+
+    text = str(error)
+    if isinstance(error, BackgroundCallbackError):  # "An error occurred inside …: MSG\nTRACEBACK"
+        text = text.split(": ", 1)[-1].split("\n", 1)[0]
+    log.error("callback failed: %s", error)
+    set_props(ids.ERROR, {"children": message(text or f"Something went wrong ({type(error).__name__}).")})
 
 
 def warm_up(model_spec: str) -> None:

@@ -51,7 +51,7 @@ from app.components import (
 )
 from app.context import get_context
 from app.errors import guarded, message
-from app.jobs import cancellable_job, in_job, progress_reporter
+from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
 from app.url_state import PageState, parse
 from app.views import VIEWS
 
@@ -187,6 +187,7 @@ register_export(PREFIX)
     Output(ids.ABL_BY, "value"),
     Output(ids.ABL_SWEEP, "value"),
     Input(url_id(PREFIX), "search"),
+    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
 @guarded(outputs=13, error_index=6)
@@ -271,6 +272,7 @@ def _summary(run, params) -> html.Div:
     State(ids.ABL_K, "value"),
     State(ids.ABL_SEED, "value"),
     State(url_id(PREFIX), "search"),
+    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call=True,
 )
 @guarded(outputs=2)

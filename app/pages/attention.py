@@ -30,6 +30,7 @@ from app.components import (
 )
 from app.context import get_context
 from app.errors import guarded, message
+from app.jobs import on_workers
 from app.url_state import PageState, parse
 from app.views import VIEWS
 
@@ -118,6 +119,7 @@ def _with(search: str | None, **changes) -> str:
     Output(ids.METRIC, "value"),
     Output(query_store_id(PREFIX), "data"),
     Input(url_id(PREFIX), "search"),
+    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
 @guarded(outputs=10, error_index=5)
@@ -206,6 +208,7 @@ def select_metric(metric, search):
     Input(ids.STRIP, "hoverData"),
     Input(ids.HEATMAP, "clickData"),
     State(url_id(PREFIX), "search"),
+    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call=True,
 )
 @guarded(outputs=3)

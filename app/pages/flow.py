@@ -23,7 +23,7 @@ from app.components import (
 )
 from app.context import get_context
 from app.errors import guarded, message
-from app.jobs import cancellable_job, in_job, progress_reporter
+from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
 from app.url_state import PageState, parse
 from app.views import MAX_FLOW_TOKENS, RELEVANCE_METHODS, VIEWS, check_target
 
@@ -106,6 +106,7 @@ register_export(PREFIX)
     Output(ids.FLOW_FUSION, "value"),
     Output(ids.FLOW_SINK, "value"),
     Input(url_id(PREFIX), "search"),
+    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
 @guarded(outputs=len(RELEVANCE_METHODS) + 9, error_index=len(RELEVANCE_METHODS) + 3)
@@ -169,6 +170,7 @@ def change_options(target, fusion, sink, search):
     Output(ids.ERROR, "children", allow_duplicate=True),
     Input(ids.FAITH_INPUT_BUTTON, "n_clicks"),
     State(url_id(PREFIX), "search"),
+    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call=True,
 )
 @guarded(outputs=2)

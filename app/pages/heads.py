@@ -28,7 +28,7 @@ from app.components import (
 from app.context import get_context
 from app.errors import guarded, message
 from app.heads_views import AGGREGATES, head_scores_of, head_trials, sweep_of, sweep_params
-from app.jobs import cancellable_job, in_job, progress_reporter
+from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
 from app.url_state import parse
 from app.views import VIEWS
 
@@ -286,6 +286,7 @@ def run_sweep(set_progress, n_clicks, needle_ids, custom_needles, lengths, depth
     Output(ids.HEADS_STAT, "value"),
     Output(ids.ERROR, "children", allow_duplicate=True),
     Input(url_id(PREFIX), "search"),
+    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
 @guarded(outputs=14)

@@ -1,0 +1,196 @@
+"""Celery workers for the app's background callbacks, when ``HEADSCOPE_REDIS_URL`` names a Redis server.
+
+One web front end and any number of workers share one Redis: it is the Celery broker (the job
+queue), Celery's result backend (where Dash's ``CeleryManager`` keeps each job's progress and
+result, JSON only) and the shared record store (:mod:`analysis.shared_records`). Dash registers
+every background callback as a Celery task when the app is created, so a worker creates the same
+Dash app as the web process and then runs Celery's worker on it: no queue of our own.
+
+Pool: Celery's *prefork* pool. The worker loads its models in the parent process *before* the pool
+forks, so every pool process shares the weights copy-on-write and no model is loaded twice at once;
+the at-fork handlers of :mod:`analysis.models` and :mod:`analysis.store` give each pool process
+fresh locks, no stray hooks, one torch thread and its own SQLite connections. A model a job asks
+for that the parent did not preload is loaded by that pool process (within
+``HEADSCOPE_MODEL_MEMORY_MB``, least recently used first). CUDA cannot cross a fork: with a
+``cuda`` device nothing is preloaded and each pool process loads on first use (run one worker per
+GPU with ``--concurrency 1``).
+
+Losing a worker: tasks are acknowledged late and retried when the pool process running them dies
+(``task_retry_on_worker_lost``, at most :data:`MAX_RETRIES` times, then the job is marked failed and
+the page says so). A whole worker host that dies leaves its job unacknowledged in Redis; Redis hands
+it to another worker after ``HEADSCOPE_JOB_VISIBILITY_S`` (default one hour).
+
+Two queues, so one user's long job never blocks another user's page: jobs with a progress bar
+(sweeps, curves, evaluations, embeddings) go to the ``jobs`` queue, the short callbacks that draw
+pages (:func:`app.jobs.on_workers`) to ``pages``. ``headscope worker`` forks, after loading its
+models, one Celery worker per queue: ``--concurrency`` pool processes for jobs and
+``--page-concurrency`` (default 1) for pages.
+
+Cancel: Dash's ``CeleryManager`` revokes the task with ``terminate=True``; the prefork pool sends
+SIGTERM to the process running it, which stops at once, and the pool forks a fresh one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import OrderedDict
+from functools import wraps
+
+log = logging.getLogger("headscope.jobs")
+
+MAX_RETRIES = 2  # a job whose pool process dies is run again at most this many times
+JOBS, PAGES = "jobs", "pages"  # the two queues
+_queues: dict[str, str] = {}  # Celery task name → queue, filled as Dash registers callbacks
+
+
+def _route(name, args, kwargs, options, task=None, **kw):
+    """Celery router: the queue of a background callback's task (jobs with progress, or pages)."""
+    return {"queue": _queues.get(name, JOBS)}
+
+
+def redis_url() -> str | None:
+    """``HEADSCOPE_REDIS_URL`` (e.g. ``redis://127.0.0.1:6379/0``), or None: embedded mode."""
+    return os.environ.get("HEADSCOPE_REDIS_URL", "").strip() or None
+
+
+def visibility_timeout_s() -> int:
+    """Seconds after which Redis gives an unacknowledged job (its worker host died) to another worker."""
+    try:
+        return max(60, int(float(os.environ.get("HEADSCOPE_JOB_VISIBILITY_S", "3600"))))
+    except ValueError:
+        return 3600
+
+
+_celery = None
+
+
+def celery_app():
+    """The process-wide Celery app on ``HEADSCOPE_REDIS_URL`` (broker and result backend)."""
+    global _celery
+    if _celery is None:
+        from celery import Celery
+
+        url = redis_url()
+        if url is None:
+            raise RuntimeError("HEADSCOPE_REDIS_URL is not set: there are no Celery workers to use.")
+        app = Celery("headscope", broker=url, backend=url)
+        app.conf.update(
+            # JSON only, both ways: nothing is unpickled from the broker or the backend
+            task_serializer="json", result_serializer="json",
+            accept_content=["json"], result_accept_content=["json"],
+            # a job is acknowledged when it ends, so a lost pool process's job is run again
+            task_acks_late=True,
+            task_retry_on_worker_lost=True,
+            task_annotations={"*": {"max_retries": MAX_RETRIES, "default_retry_delay": 0}},
+            task_track_started=True,
+            task_routes=(_route,),
+            # one job at a time per pool process: a free worker takes the next job, not a busy one
+            worker_prefetch_multiplier=1,
+            broker_transport_options={"visibility_timeout": visibility_timeout_s()},
+            result_backend_transport_options={"visibility_timeout": visibility_timeout_s()},
+            result_expires=24 * 3600,
+            broker_connection_retry_on_startup=True,
+        )
+        _celery = app
+    return _celery
+
+
+def job_manager():
+    """Dash's ``CeleryManager`` over :func:`celery_app`, with two additions (:class:`_Jobs`)."""
+    from dash import CeleryManager
+
+    class _Jobs(CeleryManager):
+        """Dash's Celery manager, plus: a job whose task failed outside the callback (its pool process
+        was lost more than :data:`MAX_RETRIES` times) ends with a message instead of spinning, and a
+        job that has delivered its result is not terminated afterwards (Dash revokes every finished
+        job with ``terminate=True``; if the task is still closing, that would kill its process)."""
+
+        def __init__(self, celery):
+            super().__init__(celery, expire=24 * 3600)
+            self._delivered: OrderedDict[str, None] = OrderedDict()
+            self._delivered_lock = threading.Lock()
+
+        def make_job_fn(self, fn, progress, key=None):
+            _queues[f"background_callback_{key}"] = JOBS if progress else PAGES
+            return super().make_job_fn(_logged(fn), progress, key)
+
+        def get_result(self, key, job):
+            result = self.handle.backend.get(key)
+            if result is not None and job:
+                with self._delivered_lock:
+                    self._delivered[job] = None
+                    while len(self._delivered) > 10_000:
+                        self._delivered.popitem(last=False)
+            result = super().get_result(key, job)
+            if result is self.UNDEFINED and job:
+                task = self.get_task(job)
+                if task is not None and task.state == "FAILURE":
+                    return {"background_callback_error": {
+                        "msg": f"The job failed on its worker ({task.result!r}). Run it again; results "
+                               "finished before the failure are reused.", "tb": ""}}
+            return result
+
+        def terminate_job(self, job):
+            with self._delivered_lock:
+                if job in self._delivered:
+                    return None
+            return super().terminate_job(job)
+
+    return _Jobs(celery_app())
+
+
+def _logged(fn):
+    """Log a job's start and end with the callback's name, host and pid (what ran where)."""
+
+    @wraps(fn)
+    def job(*args, **kwargs):
+        where = f"{socket.gethostname()} pid {os.getpid()}"
+        log.info("job %s started in %s", fn.__name__, where)
+        result = fn(*args, **kwargs)
+        log.info("job %s finished in %s", fn.__name__, where)
+        return result
+
+    return job
+
+
+def start_worker(*, models: list[str], concurrency: int, device: str, name: str | None,
+                 page_concurrency: int = 1) -> None:
+    """Run Celery workers for the app's background callbacks until they are stopped.
+
+    The same Dash app as the web process is created first (its background callbacks become Celery
+    tasks), then ``models`` are loaded in this process, before anything forks (see the module
+    docstring). Then this process forks a child that runs Celery's worker on the ``pages`` queue
+    (``page_concurrency`` pool processes) and runs the ``jobs`` worker itself (``concurrency``).
+    """
+    from analysis.models import load_model
+    from analysis.store import Store
+    from app.context import AppContext
+    from app.server import create_app
+
+    os.environ["HEADSCOPE_DEVICE"] = device
+    create_app(AppContext(store=Store(), default_model=models[0]))
+    if device.startswith("cuda"):
+        print(f"headscope worker: {device}: models load in each pool process on first use "
+              "(CUDA cannot be forked)", file=sys.stderr)
+    else:
+        for spec in models:
+            t = time.time()
+            load_model(spec, device=device)
+            print(f"headscope worker: {spec} loaded on {device} in {time.time() - t:.1f} s, before forking "
+                  f"{concurrency} pool process(es)", file=sys.stderr)
+    name = name or f"headscope-{os.getpid()}"
+    queue, n, host = JOBS, concurrency, name
+    if page_concurrency > 0 and os.fork() == 0:
+        from billiard.util import set_pdeathsig
+
+        set_pdeathsig(signal.SIGTERM)  # the pages worker ends with the worker that forked it
+        queue, n, host = PAGES, page_concurrency, f"{name}-pages"
+    celery_app().worker_main(["worker", "--pool=prefork", f"--concurrency={n}", f"--queues={queue}",
+                              "--loglevel=INFO", f"--hostname={host}@%h", "--without-gossip", "--without-mingle"])
+
