@@ -31,7 +31,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -87,14 +87,25 @@ class Record:
     created: float
     folder: Path
     array_info: dict[str, dict[str, Any]]
+    store: Any = field(default=None, repr=False, compare=False)
 
     def array(self, name: str, mmap: bool = True) -> np.ndarray:
-        """Load one array (memory-mapped by default). Raises ``CorruptRecord`` if its checksum fails."""
+        """Load one array (memory-mapped by default). Raises ``CorruptRecord`` if its checksum fails.
+
+        Another process may replace the record (same key, new folder) after this one was read and
+        remove the old folder: a missing file is then read from the record now under the key."""
         info = self.array_info[name]
         path = self.folder / f"{name}.npy"
-        _verify(path, info["sha256"])
-        arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
-        return arr
+        try:
+            _verify(path, info["sha256"])
+            return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+        except (CorruptRecord, FileNotFoundError):
+            if path.exists() or self.store is None:
+                raise
+            fresh = self.store.get(self.key)
+            if fresh is None or fresh.folder == self.folder or name not in fresh.array_info:
+                raise
+            return fresh.array(name, mmap)
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: self.array(name) for name in self.array_info}
@@ -225,11 +236,11 @@ class Store:
             shutil.rmtree(self.root / old_folder, ignore_errors=True)
         if share and self.shared is not None:
             self.shared.publish(key, kind, meta_json, created, folder, info)
-        return Record(key, kind, meta, created, folder, info)
+        return Record(key, kind, meta, created, folder, info, store=self)
 
     # -- reading -------------------------------------------------------------------------------
 
-    def get(self, key: str, verify: bool = True) -> Record | None:
+    def get(self, key: str, verify: bool = True, _retry: int = 0) -> Record | None:
         """The record under ``key``, or ``None`` if absent or corrupt (a corrupt one is removed).
         A shared store copies a record it lacks from Redis first."""
         with self._db() as db:
@@ -245,15 +256,22 @@ class Store:
         info = {
             n: {"sha256": s, "shape": json.loads(shape), "dtype": d, "nbytes": nb} for n, s, shape, d, nb in arrays
         }
-        record = Record(key, kind, json.loads(meta), created, self.root / folder, info)
+        record = Record(key, kind, json.loads(meta), created, self.root / folder, info, store=self)
         if verify:
             try:
                 for name, i in info.items():
                     _verify(record.folder / f"{name}.npy", i["sha256"])
             except CorruptRecord:
+                if _retry < 2 and self._folder_of(key) not in (None, folder):
+                    return self.get(key, verify, _retry=_retry + 1)  # replaced meanwhile: read the new one
                 self.remove(key)
                 return None
         return record
+
+    def _folder_of(self, key: str) -> str | None:
+        with self._db() as db:
+            row = db.execute("SELECT folder FROM records WHERE key=?", (key,)).fetchone()
+        return row[0] if row else None
 
     def list(self, kind: str | None = None, limit: int = 1000) -> list[Record]:
         """Records newest first (metadata only; arrays are verified when read)."""
