@@ -354,7 +354,7 @@ def capture_for_page(model: LoadedModel, text: str, store: Store | None, max_tok
     if isinstance(text, str) and len(text) > long_limit * 32:
         raise InputError(f"The text has {len(text):,} characters, far above the {long_limit:,} tokens a run can "
                          f"take {hint('HEADSCOPE_MAX_STATS_TOKENS')}. Shorten it.")
-    ids = tokenize_input(model, text, max(long_limit, max_tokens))
+    ids = tokenize_input(model, text, 1 << 30)  # the limits are checked below, with their own names
     if len(ids) > long_limit:
         raise InputError(f"The input has {len(ids):,} tokens; runs are limited to {long_limit:,} "
                          f"{hint('HEADSCOPE_MAX_STATS_TOKENS')}, and to the model's context of {model.n_ctx:,}.")
@@ -365,7 +365,7 @@ def capture_for_page(model: LoadedModel, text: str, store: Store | None, max_tok
         check_supported(model.bridge)
     except ValueError:
         stats_ok = False
-    if stats_ok and (len(ids) > max_tokens or model.device.type == "cuda"):
+    if stats_ok and (len(ids) > max_tokens or str(model.device).startswith("cuda")):
         return capture_statistics(model, text, store=store, max_tokens=long_limit)
     return capture(model, text, store=store, max_tokens=max_tokens)
 

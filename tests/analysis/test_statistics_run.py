@@ -111,3 +111,19 @@ def test_stored_and_loaded(real_model, store, both):
     np.testing.assert_array_equal(loaded.pooled, first.pooled)
     again = capture_statistics(real_model, ids, store=store)  # loaded, not recomputed
     assert again.seconds == first.seconds
+
+
+def test_page_runs_keep_patterns_up_to_the_limit_and_statistics_above(real_model, store, monkeypatch):
+    from analysis.capture import Run
+    from analysis.statistics_run import StatsRun, capture_for_page
+
+    short = capture_for_page(real_model, "A short text keeps its full patterns.", store, max_tokens=64)
+    assert isinstance(short, Run) and short.patterns.shape[-1] == short.n_tokens
+    long = capture_for_page(real_model, "A text longer than the limit. " * 20, store, max_tokens=64)
+    assert isinstance(long, StatsRun) and long.n_tokens > 64
+    with pytest.raises(InputError, match="more than the model's context of 8,192"):
+        capture_for_page(real_model, "far too long " * 5000, store, max_tokens=64)
+    monkeypatch.setenv("HEADSCOPE_MAX_STATS_TOKENS", "100")
+    with pytest.raises(InputError, match="HEADSCOPE_MAX_STATS_TOKENS"):
+        capture_for_page(real_model, "A text longer than the limit. " * 20, store, max_tokens=64)
+
