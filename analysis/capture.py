@@ -83,7 +83,9 @@ def run_key(model: LoadedModel, token_ids: Sequence[int], settings: dict[str, An
     return content_key("run", CAPTURE_VERSION, model.digest, list(map(int, token_ids)), settings)
 
 
-def tokenize_input(model: LoadedModel, text_or_ids: str | Sequence[int], max_tokens: int) -> list[int]:
+def tokenize_input(model: LoadedModel, text_or_ids: str | Sequence[int], max_tokens: int, *,
+                   limited: str = "full attention patterns are limited to",
+                   variable: str = "HEADSCOPE_MAX_TOKENS") -> list[int]:
     """Token ids for a string (no BOS added behind the user's back) or validated ids."""
     if isinstance(text_or_ids, str):
         if not text_or_ids.strip():
@@ -92,7 +94,7 @@ def tokenize_input(model: LoadedModel, text_or_ids: str | Sequence[int], max_tok
         if len(text_or_ids) > max_tokens * 32:
             raise InputError(
                 f"The text has {len(text_or_ids):,} characters, far above the limit of {max_tokens:,} "
-                "tokens for full attention patterns. Shorten it."
+                f"tokens ({limited} {max_tokens:,} tokens; set {variable} to change it). Shorten it."
             )
         ids = model.encode(text_or_ids)
     else:
@@ -104,8 +106,8 @@ def tokenize_input(model: LoadedModel, text_or_ids: str | Sequence[int], max_tok
         raise InputError("The input has no tokens.")
     if len(ids) > max_tokens:
         raise InputError(
-            f"The input has {len(ids):,} tokens; full attention patterns are limited to {max_tokens:,} "
-            "tokens (set HEADSCOPE_MAX_TOKENS to change it). Shorten the text."
+            f"The input has {len(ids):,} tokens; {limited} {max_tokens:,} "
+            f"tokens (set {variable} to change it). Shorten the text."
         )
     if len(ids) > model.n_ctx:
         raise InputError(f"The input has {len(ids):,} tokens, more than the model's context of {model.n_ctx:,}.")

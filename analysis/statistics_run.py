@@ -348,16 +348,12 @@ def capture_for_page(model: LoadedModel, text: str, store: Store | None, max_tok
     ``max_tokens`` tokens on CPU, a statistics run above that (up to ``HEADSCOPE_MAX_STATS_TOKENS``
     and the model's context), and a statistics run at any length on CUDA, where it is the default."""
     from analysis.capture import capture, tokenize_input
-    from analysis.limits import hint, limit
+    from analysis.limits import limit
 
     long_limit = min(limit("HEADSCOPE_MAX_STATS_TOKENS"), model.n_ctx)
-    if isinstance(text, str) and len(text) > long_limit * 32:
-        raise InputError(f"The text has {len(text):,} characters, far above the {long_limit:,} tokens a run can "
-                         f"take {hint('HEADSCOPE_MAX_STATS_TOKENS')}. Shorten it.")
-    ids = tokenize_input(model, text, 1 << 30)  # the limits are checked below, with their own names
-    if len(ids) > long_limit:
-        raise InputError(f"The input has {len(ids):,} tokens; runs are limited to {long_limit:,} "
-                         f"{hint('HEADSCOPE_MAX_STATS_TOKENS')}, and to the model's context of {model.n_ctx:,}.")
+    ids = tokenize_input(model, text, max(long_limit, max_tokens), variable="HEADSCOPE_MAX_STATS_TOKENS",
+                         limited=f"runs (statistics mode above {max_tokens:,} tokens; the model's context is "
+                                 f"{model.n_ctx:,}) are limited to")
     stats_ok = True
     try:
         from analysis.attention_statistics import check_supported

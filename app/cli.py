@@ -178,7 +178,7 @@ def cmd_run(args) -> int:
         mode = "full patterns"
     print(f"run {run.key}")
     loss = float(np.nanmean(run.token_loss)) if run.n_tokens > 1 else float("nan")  # one token: no loss
-    print(f"{run.n_tokens} tokens ({mode}), mean loss {loss:.4f}")
+    print(f"{run.n_tokens} tokens, mean loss {loss:.4f} ({mode})")
     print(f"results in {out}")
     for p in dict.fromkeys(paths):
         print(f"  {p.name}")
