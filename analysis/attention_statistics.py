@@ -142,6 +142,17 @@ def pattern_hooks_attached(bridge: Any) -> bool:
     return False
 
 
+def statistics_supported(model: Any) -> bool:
+    """Whether ``model`` can run in statistics mode now: its architecture is supported and no hook
+    edits its patterns (a masking ablation needs the eager path). Callers fall back to eager."""
+    bridge = getattr(model, "bridge", model)
+    try:
+        check_supported(bridge)
+    except StatisticsModeError:
+        return False
+    return not pattern_hooks_attached(bridge)
+
+
 @contextlib.contextmanager
 def statistics_mode(
     model: Any, request: Request | None = None, on_layer: OnLayer | None = None

@@ -22,12 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from analysis.attention_statistics import statistics_supported
 from analysis.capture import InputError, capture
 from analysis.detectors import aggregate_runs
 from analysis.evidence import evidence_score
 from analysis.head_summary import HEAD_METRICS
 from analysis.models import LoadedModel
-from analysis.retrieval import statistics_supported
 from analysis.statistics_run import (
     STATS_METRICS,
     capture_statistics,

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from transformer_lens.utilities import get_act_name
 
+from analysis.attention_statistics import statistics_supported
 from analysis.capture import InputError
 from analysis.detectors import group_heads
 from analysis.limits import hint, limit
@@ -176,18 +177,6 @@ def cancel_requested(cancel: Any) -> bool:
     if hasattr(cancel, "is_set"):
         return bool(cancel.is_set())
     return bool(cancel())
-
-
-def statistics_supported(model: LoadedModel) -> bool:
-    """Whether ``model`` runs in statistics mode now (:mod:`analysis.attention_statistics`): its
-    architecture is supported and no hook edits its patterns (a masking ablation needs eager)."""
-    from analysis.attention_statistics import StatisticsModeError, check_supported, pattern_hooks_attached
-
-    try:
-        check_supported(model.bridge)
-    except StatisticsModeError:
-        return False
-    return not pattern_hooks_attached(model.bridge)
 
 
 @torch.inference_mode()

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from analysis.attention_statistics import LayerRequest, LayerStats, statistics_mode
+from analysis.attention_statistics import LayerRequest, LayerStats, statistics_mode, statistics_supported
 from analysis.capture import TOP_K, InputError
 from analysis.models import LoadedModel
 from analysis.store import Store, content_key
@@ -354,14 +354,7 @@ def capture_for_page(model: LoadedModel, text: str, store: Store | None, max_tok
     ids = tokenize_input(model, text, max(long_limit, max_tokens), variable="HEADSCOPE_MAX_STATS_TOKENS",
                          limited=f"runs (statistics mode above {max_tokens:,} tokens; the model's context is "
                                  f"{model.n_ctx:,}) are limited to")
-    stats_ok = True
-    try:
-        from analysis.attention_statistics import check_supported
-
-        check_supported(model.bridge)
-    except ValueError:
-        stats_ok = False
-    if stats_ok and (len(ids) > max_tokens or str(model.device).startswith("cuda")):
+    if statistics_supported(model) and (len(ids) > max_tokens or str(model.device).startswith("cuda")):
         return capture_statistics(model, text, store=store, max_tokens=long_limit)
     return capture(model, text, store=store, max_tokens=max_tokens)
 
