@@ -1,10 +1,13 @@
 """Export bundles: a figure (PNG, SVG, PDF or HTML), its data (CSV, JSON) and a manifest.
 
-HTML figures in a bundle or an output folder share one copy of the plotting library,
-``plotly.min.js`` (about 4.6 MB), written beside them and referenced by a relative path: a scan's
-fifteen figures cost one copy, not fifteen, and the pages still open offline (no CDN). A page opened
-without that file beside it says so instead of staying blank. :func:`figure_bytes` without a
-``plotlyjs_src`` gives a standalone page with the library inlined, for a single file.
+HTML figures written into an output folder (:func:`write_files`: ``headscope run``, ``scan``,
+``ablate``, ``figure``) share one copy of the plotting library, ``plotly.min.js`` (about 4.6 MB),
+written beside them and referenced by a relative path: a scan's fifteen figures cost one copy, not
+fifteen, and the pages still open offline (no CDN). A page copied out of its folder without that
+file says so instead of staying blank. The app's download (:func:`bundle`) holds one figure, so its
+HTML page stays standalone, library inlined: sharing would save nothing in a one-figure zip
+(deflate already shrinks it to about 1.5 MB), and the page opens even when a user double-clicks it
+inside the zip viewer or copies it out alone.
 
 The manifest names the model and its digest, the token ids, the capture settings, the view and its
 parameters, and the headscope version; ``headscope figure manifest.json`` rebuilds the same figure
@@ -126,8 +129,7 @@ def write_plotlyjs(path: Path) -> Path:
 _MISSING_LIBRARY = """
 <div id="headscope-missing-plotlyjs" hidden style="font: 15px system-ui, sans-serif; margin: 2em; max-width: 44em">
   <p><b>This figure needs {src}</b>, the plotting library headscope wrote beside this page.
-  Keep the page and that file together (extract the whole zip or copy the whole folder), then open
-  this page again.</p>
+  Keep the page and that file together (copy the whole folder), then open this page again.</p>
 </div>
 <script>if (!window.Plotly) document.getElementById("headscope-missing-plotlyjs").hidden = false;</script>
 """
@@ -165,8 +167,10 @@ def figure_bytes(fig: go.Figure, fmt: str, *, plotlyjs_src: str | None = None) -
 
 
 def bundle(run: Run | None, view: str, params: dict[str, Any], fmt: str) -> tuple[str, bytes]:
-    """A zip with ``<view>.<fmt>`` (for figure formats), ``data.csv``, ``data.json``, ``manifest.json``;
-    an html bundle also holds ``plotly.min.js``, which the page loads from beside it."""
+    """A zip with ``<view>.<fmt>`` (for figure formats), ``data.csv``, ``data.json``, ``manifest.json``.
+
+    An html figure is a standalone page (library inlined): the zip holds one figure, so there is
+    nothing to share, and the page must open on its own, wherever the user puts it."""
     if view not in VIEWS:
         raise InputError(f"Unknown view {view!r}.")
     if fmt not in FORMATS:
@@ -175,10 +179,7 @@ def bundle(run: Run | None, view: str, params: dict[str, Any], fmt: str) -> tupl
     man = manifest(run, view, {k: v for k, v in params.items() if not k.startswith("_")})
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-        if fmt == "html":
-            z.writestr(f"{view}.html", figure_bytes(fig, "html", plotlyjs_src=PLOTLYJS_NAME))
-            z.writestr(PLOTLYJS_NAME, plotlyjs())
-        elif fmt in FIGURE_FORMATS:
+        if fmt in FIGURE_FORMATS:
             z.writestr(f"{view}.{fmt}", figure_bytes(fig, fmt))
         z.writestr("data.csv", rows_to_csv(rows))
         z.writestr("data.json", json.dumps(rows))
