@@ -71,3 +71,22 @@ def test_sink_title_says_when_a_text_is_too_short_to_call_sinks(real_model):
     assert "too short" not in title
     assert int(re.search(r"position 0 is a sink for (\d+) heads", title)[1]) > 0  # SmolLM2 sinks on 0
     assert f"positions 0–{long.n_tokens - 1 - SINK_MIN_LATER} checked" in title
+
+
+def test_sink_title_in_statistics_mode_says_the_same(tiny_model):
+    from analysis.statistics_run import capture_statistics
+    from analysis.streaming import SINK_MIN_LATER
+
+    for text in ("The keys to the cabinet are on the table.",
+                 "The keys to the cabinet are on the table, and the table stands in the hall by the door "
+                 "that opens onto the garden."):
+        full = capture(tiny_model, text, pattern_dtype="float32")
+        stats = capture_statistics(tiny_model, text)
+        titles = [views.sink_map_view(r, {})[0].layout.title.text for r in (full, stats)]
+        if full.n_tokens <= SINK_MIN_LATER:
+            assert all("too short to call sinks" in t for t in titles)
+        else:
+            checked = f"positions 0–{full.n_tokens - 1 - SINK_MIN_LATER} checked"
+            assert all(checked in t and "too short" not in t for t in titles)
+        assert titles[0].split(":")[0] == titles[1].split(":")[0]
+    assert full.n_tokens > SINK_MIN_LATER  # the second text is long enough to check position 0
