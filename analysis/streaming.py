@@ -98,6 +98,19 @@ def streaming_score(
     return total / (n - first)
 
 
+def sink_checked_positions(n_tokens: int, min_later: int = SINK_MIN_LATER) -> int:
+    """How many leading positions of an ``n_tokens`` text can be called a sink or not.
+
+    Position j has ``N − 1 − j`` later queries and is tested only when that is at least
+    ``min_later``, so positions ``0 .. N − 1 − min_later`` are checked: ``max(0, N − min_later)`` of
+    them. 0 means the text is too short to call any sink, position 0 included, however much
+    attention it receives.
+    """
+    if min_later < 1:
+        raise ValueError(f"min_later must be >= 1; got {min_later}")
+    return max(0, int(n_tokens) - min_later)
+
+
 @dataclass
 class SinkMap:
     """Attention received per key position and the positions flagged as sinks.
@@ -165,7 +178,7 @@ def sink_map(
     later = (n - 1 - np.arange(n)).astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         received = np.where(later > 0, column / np.maximum(later, 1), np.nan)
-    flags = (np.nan_to_num(received, nan=0.0) >= threshold) & (later >= min_later)
+    flags = (np.nan_to_num(received, nan=0.0) >= threshold) & (np.arange(n) < sink_checked_positions(n, min_later))
     head_counts = flags.sum((0, 1))
     positions = [int(p) for p in np.flatnonzero(head_counts)]
     return SinkMap(

@@ -1,4 +1,13 @@
-"""Export bundles: a figure (PNG, SVG, PDF or standalone HTML), its data (CSV, JSON) and a manifest.
+"""Export bundles: a figure (PNG, SVG, PDF or HTML), its data (CSV, JSON) and a manifest.
+
+HTML figures written into an output folder (:func:`write_files`: ``headscope run``, ``scan``,
+``ablate``, ``figure``) share one copy of the plotting library, ``plotly.min.js`` (about 4.6 MB),
+written beside them and referenced by a relative path: a scan's fifteen figures cost one copy, not
+fifteen, and the pages still open offline (no CDN). A page copied out of its folder without that
+file says so instead of staying blank. The app's download (:func:`bundle`) holds one figure, so its
+HTML page stays standalone, library inlined: sharing would save nothing in a one-figure zip
+(deflate already shrinks it to about 1.5 MB), and the page opens even when a user double-clicks it
+inside the zip viewer or copies it out alone.
 
 The manifest names the model and its digest, the token ids, the capture settings, the view and its
 parameters, and the headscope version; ``headscope figure manifest.json`` rebuilds the same figure
@@ -8,14 +17,17 @@ from it (recomputing the run, or loading it from the store).
 from __future__ import annotations
 
 import csv
+import html
 import io
 import json
+import os
 import threading
 import warnings
 import zipfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import plotly.graph_objects as go
 import plotly.io as pio
@@ -30,6 +42,7 @@ FIGURE_FORMATS = (*IMAGE_FORMATS, "html")
 DATA_FORMATS = ("csv", "json")
 FORMATS = FIGURE_FORMATS + DATA_FORMATS
 MANIFEST_VERSION = 1
+PLOTLYJS_NAME = "plotly.min.js"  # the shared copy of the plotting library beside exported HTML pages
 
 
 def headscope_version() -> str:
@@ -90,10 +103,59 @@ def _start_kaleido() -> None:
     _kaleido_started = True
 
 
-def figure_bytes(fig: go.Figure, fmt: str) -> bytes:
-    """One figure rendered as ``fmt`` (png, svg, pdf via kaleido + Chromium; html standalone)."""
+def plotlyjs() -> bytes:
+    """The plotting library (plotly.js, minified) that exported HTML pages load, as bytes."""
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs().encode()
+
+
+def write_plotlyjs(path: Path) -> Path:
+    """Write :func:`plotlyjs` to ``path`` unless the same bytes are already there; return ``path``.
+
+    Written to a temporary name and renamed, so a page never finds half a library (two exports
+    writing into one folder at once both leave the whole file)."""
+    path = Path(path)
+    js = plotlyjs()
+    if path.is_file() and path.stat().st_size == len(js) and path.read_bytes() == js:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(js)
+    os.replace(tmp, path)
+    return path
+
+
+_MISSING_LIBRARY = """
+<div id="headscope-missing-plotlyjs" hidden style="font: 15px system-ui, sans-serif; margin: 2em; max-width: 44em">
+  <p><b>This figure needs {src}</b>, the plotting library headscope wrote beside this page.
+  Keep the page and that file together (copy the whole folder), then open this page again.</p>
+</div>
+<script>if (!window.Plotly) document.getElementById("headscope-missing-plotlyjs").hidden = false;</script>
+"""
+
+
+def figure_bytes(fig: go.Figure, fmt: str, *, plotlyjs_src: str | None = None) -> bytes:
+    """One figure rendered as ``fmt``: png, svg or pdf (via kaleido + Chromium), or html.
+
+    Parameters
+    ----------
+    fig : the figure.
+    fmt : one of :data:`FIGURE_FORMATS`.
+    plotlyjs_src : html only. ``None`` (default): a standalone page with the plotting library
+        inlined (about 4.8 MB). A relative path such as ``"plotly.min.js"``: the page loads the
+        library from there (a few kB per page; write the file with :func:`write_plotlyjs`), and
+        shows a plain message if it is missing.
+    """
     if fmt == "html":
-        return fig.to_html(include_plotlyjs=True, full_html=True).encode()
+        if plotlyjs_src is None:
+            return fig.to_html(include_plotlyjs=True, full_html=True).encode()
+        if not plotlyjs_src.endswith(".js"):
+            raise InputError(f"plotlyjs_src must name a .js file (e.g. {PLOTLYJS_NAME!r}), got {plotlyjs_src!r}.")
+        page = fig.to_html(include_plotlyjs=plotlyjs_src, full_html=True)
+        notice = _MISSING_LIBRARY.format(src=html.escape(plotlyjs_src))
+        head, tail = page.rsplit("</body>", 1)
+        return (head + notice + "</body>" + tail).encode()
     if fmt not in IMAGE_FORMATS:
         raise InputError(f"Unknown figure format {fmt!r}; choose one of {', '.join(FORMATS)}.")
     with _kaleido_lock, warnings.catch_warnings():
@@ -105,7 +167,10 @@ def figure_bytes(fig: go.Figure, fmt: str) -> bytes:
 
 
 def bundle(run: Run | None, view: str, params: dict[str, Any], fmt: str) -> tuple[str, bytes]:
-    """A zip with ``<view>.<fmt>`` (for figure formats), ``data.csv``, ``data.json``, ``manifest.json``."""
+    """A zip with ``<view>.<fmt>`` (for figure formats), ``data.csv``, ``data.json``, ``manifest.json``.
+
+    An html figure is a standalone page (library inlined): the zip holds one figure, so there is
+    nothing to share, and the page must open on its own, wherever the user puts it."""
     if view not in VIEWS:
         raise InputError(f"Unknown view {view!r}.")
     if fmt not in FORMATS:
@@ -123,13 +188,26 @@ def bundle(run: Run | None, view: str, params: dict[str, Any], fmt: str) -> tupl
     return name, buf.getvalue()
 
 
-def write_files(run: Run | None, view: str, params: dict[str, Any], out: Path, formats: tuple[str, ...]) -> list[Path]:
-    """Write the figure in ``formats`` plus data and manifest into ``out``; return the paths."""
+def write_files(run: Run | None, view: str, params: dict[str, Any], out: Path, formats: tuple[str, ...],
+                *, plotlyjs_path: Path | None = None) -> list[Path]:
+    """Write the figure in ``formats`` plus data and manifest into ``out``; return the paths.
+
+    An html figure loads the plotting library from ``plotlyjs_path`` (default ``out/plotly.min.js``),
+    written there once and referenced by a relative path. Several folders of one export (a scan's
+    per-score subfolders) pass the same ``plotlyjs_path`` in their common folder to share one copy;
+    the returned paths include it when this call needed it.
+    """
     fig, rows = VIEWS[view].build(run, params)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for fmt in formats:
-        if fmt in FIGURE_FORMATS:
+        if fmt == "html":
+            js = write_plotlyjs(Path(plotlyjs_path) if plotlyjs_path is not None else out / PLOTLYJS_NAME)
+            src = quote(Path(os.path.relpath(js.resolve(), out.resolve())).as_posix())
+            p = out / f"{view}.html"
+            p.write_bytes(figure_bytes(fig, "html", plotlyjs_src=src))
+            paths += [p, js]
+        elif fmt in FIGURE_FORMATS:
             p = out / f"{view}.{fmt}"
             p.write_bytes(figure_bytes(fig, fmt))
             paths.append(p)

@@ -334,10 +334,11 @@ def sink_map_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """Attention each key receives from later queries, per layer (mean over heads), and the sinks.
 
     ``received(l, h, j) = Σ_{i>j} A[i, j] / (N − 1 − j)`` (:func:`analysis.streaming.sink_map`); a
-    position is a sink of a head when it receives at least 0.2 with 16 or more later queries. Sinks
-    after position 0 are the mid-sequence sinks (Gu et al. 2024).
+    position is a sink of a head when it receives at least ``SINK_THRESHOLD`` with ``SINK_MIN_LATER``
+    or more later queries. Sinks after position 0 are the mid-sequence sinks (Gu et al. 2024). The
+    title says which positions were checked, and when a text is too short to call any sink.
     """
-    from analysis.streaming import sink_map
+    from analysis.streaming import SINK_MIN_LATER, sink_checked_positions, sink_map
 
     if isinstance(run, StatsRun):
         rec, counts = received(run), sink_positions(run)
@@ -349,8 +350,14 @@ def sink_map_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
         per_layer = np.where(np.isnan(rec).all(1), np.nan,
                              np.nansum(rec, axis=1) / np.maximum((~np.isnan(rec)).sum(1), 1))
     mid = ", ".join([f"{p} {run.tokens[p]} ({int(counts[p])} heads)" for p in positions if p > 0][:6])
-    title = (f"Attention received per key, mean over heads — position 0 is a sink for {int(counts[0])} "
-             f"heads; mid-sequence sinks: {mid or 'none'}")
+    checked = sink_checked_positions(run.n_tokens)
+    if checked == 0:
+        title = (f"Attention received per key, mean over heads — too short to call sinks: a sink needs at least "
+                 f"{SINK_MIN_LATER} later tokens, this text has {run.n_tokens} tokens")
+    else:
+        title = (f"Attention received per key, mean over heads — positions 0–{checked - 1} checked "
+                 f"({SINK_MIN_LATER}+ later tokens): position 0 is a sink for {int(counts[0])} heads; "
+                 f"mid-sequence sinks: {mid or 'none'}")
     fig = figures.layer_position_heatmap(per_layer, run.tokens, figures.safe_text(title), "received attention")
     rows: Rows = [{"layer": la, "pos": j, "token": run.tokens[j], "mean_received": float(per_layer[la, j])}
                   for la in range(per_layer.shape[0]) for j in range(per_layer.shape[1])]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from analysis.head_summary import HEAD_METRICS
-from analysis.streaming import sink_map, streaming_score
+from analysis.streaming import SINK_MIN_LATER, sink_checked_positions, sink_map, streaming_score
 
 
 def random_causal(rng, n_layers, n_heads, n, alpha=1.0):
@@ -130,3 +130,17 @@ def test_embedded_model_has_streaming_and_full_context_heads_and_a_first_token_s
     assert s.max() > 0.95 and s.min() < 0.5  # measured: 0.37 .. 1.0, median 0.83
     sm = sink_map(patterns)
     assert sm.positions[0] == 0 and sm.head_counts[0] > 0.5 * s.size  # position 0 sinks most heads
+
+
+def test_a_sink_needs_min_later_later_tokens():
+    # A head that puts every query's whole attention on key 0: position 0 receives 1.0, but it is
+    # only called a sink once 16 queries follow it (17 tokens), never in a 16-token text.
+    for n, called in ((SINK_MIN_LATER, False), (SINK_MIN_LATER + 1, True)):
+        a = np.zeros((1, 1, n, n))
+        a[..., 0] = 1.0
+        sm = sink_map(a)
+        assert sm.received[0, 0, 0] == 1.0
+        assert bool(sm.flags[0, 0, 0]) is called
+        assert (sink_checked_positions(n) > 0) is called
+    assert sink_checked_positions(40) == 40 - SINK_MIN_LATER  # positions 0 .. 23 have 16+ later tokens
+    assert sink_checked_positions(3, min_later=1) == 2
