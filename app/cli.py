@@ -830,6 +830,7 @@ def _quiet_libraries() -> None:
     """Off a terminal, silence transformers' and huggingface_hub's own progress bars (they write
     carriage returns into captured output)."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # plain tqdm bars, e.g. transformers' GGUF conversion
     if "transformers" in sys.modules:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
 
