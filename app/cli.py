@@ -167,6 +167,17 @@ def _check_formats(value: str, allowed: tuple[str, ...], flag: str = "--formats"
     return formats
 
 
+@contextlib.contextmanager
+def _argument(name: str) -> Iterator[None]:
+    """Report a user error raised inside (analysis' InputError, ModelError) as one about ``name``."""
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, UsageError) or not _is_user_error(e):
+            raise
+        raise UsageError(f"argument {name}: {e}") from None
+
+
 def _model_spec(args) -> str:
     """``--model``, or the default model (read from analysis only once it is imported)."""
     from analysis.models import DEFAULT_MODEL
@@ -257,7 +268,8 @@ def cmd_serve(args) -> int:
     else:
         print(f"headscope: loading {model} …", file=sys.stderr)
         t = time.time()
-        warm_up(model)
+        with _argument("--model"):
+            warm_up(model)
         print(f"headscope: model ready in {time.time() - t:.1f} s", file=sys.stderr)
         from analysis.joint_embedding import start_umap_warmup
 
@@ -334,10 +346,10 @@ def cmd_run(args) -> int:
 
     formats = _check_formats(args.formats, FIGURE_FORMATS)
     store = _store(args)
-    with progress_bar("loading model") as bar:
+    with progress_bar("loading model") as bar, _argument("--model"):
         model = load_model(_model_spec(args))
         bar(1.0)
-    with progress_bar("capturing") as bar:
+    with progress_bar("capturing") as bar, _argument("--file" if args.file else "TEXT"):
         if args.stats:
             run = capture_statistics(model, text, store=store, max_tokens=limit("HEADSCOPE_MAX_STATS_TOKENS"),
                                      progress=bar)
@@ -425,8 +437,10 @@ def cmd_figure(args) -> int:
                          f"known: {', '.join(VIEWS)}")
     formats = _check_formats(args.formats, FIGURE_FORMATS) if args.formats else FIGURE_FORMATS
     with progress_bar("rebuilding") as bar:
+        store = _store(args)
         try:
-            run, _fig, _rows = regenerate(manifest, store=_store(args))
+            with _argument("manifest"):
+                run, _fig, _rows = regenerate(manifest, store=store)
         except (KeyError, TypeError, IndexError) as e:
             # an edited manifest whose params or settings the view cannot use
             raise UsageError(f"argument manifest: the view {manifest['view']!r} cannot use this manifest's "
@@ -442,7 +456,8 @@ def _needles(args) -> list:
     """The needles chosen by ``--needles-file`` and ``--needles`` (ids), checked."""
     from analysis.niah import load_needles
 
-    needles = load_needles(args.needles_file) if args.needles_file else load_needles()
+    with _argument("--needles-file"):
+        needles = load_needles(args.needles_file) if args.needles_file else load_needles()
     if args.needles:
         wanted = [n.strip() for n in args.needles.split(",") if n.strip()]
         known = {n.id: n for n in needles}
@@ -470,14 +485,16 @@ def cmd_scan(args) -> int:
     formats = _check_formats(args.formats, FIGURE_FORMATS)
     lengths, depths = args.lengths, args.depths
     needles = _needles(args)
-    hay = load_haystack(args.haystack)
+    with _argument("--haystack"):
+        hay = load_haystack(args.haystack)
     store = _store(args)
     spec = _model_spec(args)
     set_context(AppContext(store=store, default_model=spec))
-    with progress_bar("loading model") as bar:
+    with progress_bar("loading model") as bar, _argument("--model"):
         model = load_model(spec)
         bar(1.0)
-    with progress_bar(f"sweep ({len(needles)} needles × {len(lengths)} lengths × {len(depths)} depths)") as bar:
+    with progress_bar(f"sweep ({len(needles)} needles × {len(lengths)} lengths × {len(depths)} depths)") as bar, \
+            _argument("--lengths/--depths/--needles"):
         result = sweep(model, needles, lengths, depths, hay, store=store, progress=bar)
     if not result.trials:
         print("headscope scan: no trial finished", file=sys.stderr)
@@ -626,12 +643,13 @@ def cmd_ablate(args) -> int:
     needles = hay = None
     if args.sweep:
         needles = _needles(args)
-        hay = load_haystack(args.haystack or "prose")
+        with _argument("--haystack"):
+            hay = load_haystack(args.haystack or "prose")
     lengths, depths = args.lengths or [512], args.depths or [25.0, 75.0]
     store = _store(args)
     spec_name = _model_spec(args)
     set_context(AppContext(store=store, default_model=spec_name))
-    with progress_bar("loading model") as bar:
+    with progress_bar("loading model") as bar, _argument("--model"):
         model = load_model(spec_name)
         bar(1.0)
     n_heads = model.n_layers * model.n_heads
@@ -640,11 +658,13 @@ def cmd_ablate(args) -> int:
     if args.curve and max(args.curve) > n_heads:
         raise UsageError(f"argument --curve: k must be at most {n_heads} (the heads of {spec_name}), "
                          f"got {max(args.curve)}")
-    heads = parse_heads(model, args.heads) if args.heads else None  # checked before any long work
-    run = capture(model, text, store=store) if text else None
+    with _argument("--heads"):
+        heads = parse_heads(model, args.heads) if args.heads else None  # checked before any long work
+    with _argument("--file" if args.file else "--text"):
+        run = capture(model, text, store=store) if text else None
     result = None
     if args.sweep:
-        with progress_bar("needle-in-a-haystack sweep") as bar:
+        with progress_bar("needle-in-a-haystack sweep") as bar, _argument("--sweep"):
             result = sweep(model, needles, lengths, depths, hay, store=store, progress=bar)
     # the scores heads are ranked by
     scores, by_label = None, ""
@@ -664,7 +684,8 @@ def cmd_ablate(args) -> int:
             means = head_means(model, reference or builtin_reference(), store=store, progress=bar)
         params["ref"] = means.key[:16]
     if args.method == "resample":
-        source_run = capture(model, args.source, store=store)
+        with _argument("--source"):
+            source_run = capture(model, args.source, store=store)
         source, params["source"] = tuple(source_run.token_ids), source_run.key[:16]
     spec = AblationSpec(tuple(heads), args.method, means=means, source_ids=source)
     spec.validate(model)
@@ -683,7 +704,8 @@ def cmd_ablate(args) -> int:
             clean = retrieval_accuracy(model, prompts)
             bar(0.5)
             ablated = retrieval_accuracy(model, prompts, ablation_hooks(model, spec))
-        summary["niah"] = {"sweep": result.key, "n_prompts": len(prompts), "accuracy_clean": clean.accuracy,
+        summary["niah"] = {"sweep": result.key, "needles": [n.id for n in needles], "lengths": lengths,
+                           "depths": depths, "n_prompts": len(prompts), "accuracy_clean": clean.accuracy,
                            "accuracy_ablated": ablated.accuracy,
                            "responses_ablated": ablated.responses}
     if args.curve:
