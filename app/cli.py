@@ -452,10 +452,29 @@ def cmd_figure(args) -> int:
     return 0
 
 
+def _check_needle_types(path: str) -> None:
+    """Refuse a needles file whose fields are not strings (``analysis.niah`` reads the shape and
+    would turn a number or a list into text)."""
+    import json
+
+    try:
+        raw = json.loads(read_text_file(path))
+    except ValueError:
+        return  # not JSON at all: load_needles says so
+    items = raw.get("needles") if isinstance(raw, dict) else raw
+    for i, item in enumerate(items if isinstance(items, list) else []):
+        for key in ("needle", "question", "answer", "id", "kind"):
+            if isinstance(item, dict) and key in item and not isinstance(item[key], str):
+                kind = "a number" if isinstance(item[key], (int, float)) else type(item[key]).__name__
+                raise UsageError(f"argument --needles-file: needle {i}: field {key!r} must be a string, got {kind}")
+
+
 def _needles(args) -> list:
     """The needles chosen by ``--needles-file`` and ``--needles`` (ids), checked."""
     from analysis.niah import load_needles
 
+    if args.needles_file:
+        _check_needle_types(args.needles_file)
     with _argument("--needles-file"):
         needles = load_needles(args.needles_file) if args.needles_file else load_needles()
     if args.needles:
