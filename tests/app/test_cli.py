@@ -122,16 +122,58 @@ def test_ablate_writes_effects_and_a_curve_and_refuses_bad_heads(tmp_path):
     assert summary["heads"] == "3.1,5.0,5.1,5.2" and summary["method"] == "uniform"
     assert summary["text"]["mean_loss_ablated"] != summary["text"]["mean_loss_clean"]
     assert (tmp_path / "a" / "ablation_effects.svg").exists()
+    # the numbers of summary.json, as a table on stdout
+    table = first.stdout.splitlines()
+    assert table[0].startswith("ablated 4 heads (3.1,5.0,5.1,5.2) by uniform: attention spread uniformly")
+    assert table[1].split() == ["clean", "ablated", "change"]
+    t = summary["text"]
+    assert table[2].split()[-3:] == [f"{t['mean_loss_clean']:.4f}", f"{t['mean_loss_ablated']:.4f}",
+                                     f"{t['mean_loss_ablated'] - t['mean_loss_clean']:+.4f}"]
+    assert table[2].startswith("mean loss on the text (nats)")
+    assert table[3].startswith(f"p(next token {t['target_token']!r})")
+    assert table[3].split()[-3:] == [f"{t['target_prob_clean']:.4f}", f"{t['target_prob_ablated']:.4f}",
+                                     f"{t['target_prob_ablated'] - t['target_prob_clean']:+.4f}"]
+    assert table[4].startswith("continuation") and table[-1] == f"results in {tmp_path / 'a'}"
+    assert "\r" not in first.stdout + first.stderr and "\x1b" not in first.stdout + first.stderr
     curve = headscope("ablate", "--text", text, "--top-k", "3", "--by", "first_token", "--curve", "0,1,3",
                       "--seeds", "2", "--formats", "svg", "--out", str(tmp_path / "b"), home=home)
     assert curve.returncode == 0, curve.stderr
     rows = (tmp_path / "b" / "ablation_curve.csv").read_text().splitlines()
     assert rows[0].startswith("k,set,seed,value") and len(rows) == 1 + 3 + 2 * 3
-    assert "top [" in curve.stdout and "random [" in curve.stdout
+    # the curve as table rows: k, top-k, random mean ± std, equal to summary.json's numbers
+    c = json.loads((tmp_path / "b" / "summary.json").read_text())["curve"]
+    lines = curve.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("top-k vs random curve: mean loss (nats)"))
+    assert "First-token" in lines[start] or "first" in lines[start].lower()
+    assert lines[start + 1].split() == ["k", "top-k", "random", "mean", "±", "std"]
+    rows = [line.split() for line in lines[start + 2: start + 5]]
+    assert rows == [[str(k), f"{top:.4f}", f"{m:.4f}", f"{sd:.4f}"]
+                    for k, top, m, sd in zip(c["k"], c["top"], c["random_mean"], c["random_std"], strict=True)]
+    assert [r[0] for r in rows] == ["0", "1", "3"] and rows[0][1] == rows[0][2]  # k = 0: nothing ablated
     for args, why in [(("--heads", "99.1"), "out of range"), (("--heads", "1.1", "--top-k", "2"), "exactly one"),
                       (("--top-k", "2", "--by", "retrieval"), "needs --sweep")]:
         bad = headscope("ablate", "--text", text, *args, home=home)
         assert bad.returncode == 2 and why in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_ablate_sweep_takes_scan_needle_and_haystack_options_and_prints_niah_accuracy(tmp_path):
+    """``ablate --sweep`` with a needles file and a haystack file (as ``scan`` takes them): the NIAH
+    accuracy row in the table, from the needles and haystack given."""
+    haystack = tmp_path / "hay.txt"
+    prose = (Path(__file__).resolve().parents[2] / "data" / "niah" / "haystack_prose.txt").read_text()
+    haystack.write_text("\n".join(line for line in prose.splitlines() if not line.startswith("#"))[:3000])
+    needles = tmp_path / "needles.json"
+    needles.write_text(json.dumps([{"id": "violet-door", "needle": "The door of the old mill is painted violet.",
+                                    "question": "What colour is the door of the old mill?", "answer": "violet"}]))
+    r = headscope("ablate", "--sweep", "--lengths", "160", "--depths", "50", "--needles-file", str(needles),
+                  "--haystack", str(haystack), "--heads", "3.1", "--formats", "", "--out", str(tmp_path / "out"),
+                  home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr
+    niah = json.loads((tmp_path / "out" / "summary.json").read_text())["niah"]
+    assert niah["needles"] == ["violet-door"] and niah["n_prompts"] == 1 and niah["lengths"] == [160]
+    row = next(line for line in r.stdout.splitlines() if line.startswith("NIAH accuracy (1 prompts)"))
+    assert row.split()[-3:] == [f"{niah['accuracy_clean']:.3f}", f"{niah['accuracy_ablated']:.3f}",
+                                f"{niah['accuracy_ablated'] - niah['accuracy_clean']:+.3f}"]
 
 
 def test_a_sweep_killed_mid_run_is_resumed_from_its_stored_trials(tmp_path):
