@@ -596,8 +596,6 @@ def ablation_table(summary: dict) -> list[str]:
                      f"{t['mean_loss_ablated'] - t['mean_loss_clean']:+.4f}"))
         rows.append((f"p(next token {t['target_token']!r})", f"{t['target_prob_clean']:.4f}",
                      f"{t['target_prob_ablated']:.4f}", f"{t['target_prob_ablated'] - t['target_prob_clean']:+.4f}"))
-        if "continuation_clean" in t:
-            rows.append(("continuation", repr(t["continuation_clean"]), repr(t["continuation_ablated"]), ""))
     if "niah" in summary:
         n = summary["niah"]
         rows.append((f"NIAH accuracy ({n['n_prompts']} prompts)", f"{n['accuracy_clean']:.3f}",
@@ -607,6 +605,11 @@ def ablation_table(summary: dict) -> list[str]:
         cols = [max(len(r[i]) for r in rows + [("", "clean", "ablated", "change")]) for i in (1, 2, 3)]
         lines.append(f"{'':<{width}}  {'clean':>{cols[0]}}  {'ablated':>{cols[1]}}  {'change':>{cols[2]}}")
         lines += [f"{r[0]:<{width}}  {r[1]:>{cols[0]}}  {r[2]:>{cols[1]}}  {r[3]:>{cols[2]}}".rstrip() for r in rows]
+    t = summary.get("text") or {}
+    for which in ("clean", "ablated"):
+        if f"continuation_{which}" in t:
+            shown = repr(t[f"continuation_{which}"])
+            lines.append(f"continuation, {which + ':':<8} {shown if len(shown) <= 80 else shown[:77] + '...'}")
     if "curve" in summary:
         c = summary["curve"]
         lines.append(f"top-k vs random curve: {c['metric']} with the top k heads by {c['by_label']} ablated, "
