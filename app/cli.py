@@ -319,8 +319,9 @@ def cmd_worker(args) -> int:
 
     if args.home:
         os.environ["HEADSCOPE_HOME"] = args.home
-    start_worker(models=args.model or [DEFAULT_MODEL], concurrency=args.concurrency, device=args.device,
-                 name=args.name, page_concurrency=args.page_concurrency)
+    with _argument("--model"):  # the models load first, before the pool forks
+        start_worker(models=args.model or [DEFAULT_MODEL], concurrency=args.concurrency, device=args.device,
+                     name=args.name, page_concurrency=args.page_concurrency)
     return 0
 
 
@@ -686,7 +687,8 @@ def cmd_ablate(args) -> int:
         run = capture(model, text, store=store) if text else None
     result = None
     if args.sweep:
-        with progress_bar("needle-in-a-haystack sweep") as bar, _argument("--sweep"):
+        with progress_bar("needle-in-a-haystack sweep") as bar, \
+                _argument("--lengths/--depths/--needles"):
             result = sweep(model, needles, lengths, depths, hay, store=store, progress=bar)
     # the scores heads are ranked by
     scores, by_label = None, ""

@@ -79,7 +79,7 @@ def test_run_in_statistics_mode_writes_statistics_and_regenerates(tmp_path):
 )
 def test_user_errors_are_messages_not_tracebacks(tmp_path, args, message):
     r = headscope(*args, home=tmp_path / "home")
-    assert r.returncode != 0
+    assert r.returncode == 2
     assert message in r.stderr
     assert "Traceback" not in r.stderr
 
@@ -306,7 +306,10 @@ BAD_INPUTS = [
     (("scan", "--needles-file", "{needles_types_json}"), "--needles-file"),
     (("scan", "--needles-file", "{needles_obj_json}"), "--needles-file"),
     (("scan", "--needles-file", "{text}"), "--needles-file"),
-    (("scan", "--needles", "no-such-needle"), "--needles"), (("scan", "--formats", "svg,jpeg"), "--formats"),
+    (("scan", "--needles", "no-such-needle"), "--needles"),
+    (("scan", "--lengths", "100000", "--needles", "locker-code", "--depths", "50"), "--lengths"),
+    (("scan", "--lengths", "6", "--needles", "locker-code", "--depths", "50"), "--lengths"),
+    (("ablate", "--sweep", "--heads", "1.1", "--lengths", "100000", "--depths", "50"), "--lengths"), (("scan", "--formats", "svg,jpeg"), "--formats"),
     # ablate: counts, lists, heads, files, options that need others
     (("ablate", *T, "--top-k", "-3", "--by", "first_token"), "--top-k"),
     (("ablate", *T, "--top-k", "0", "--by", "first_token"), "--top-k"),
@@ -442,3 +445,19 @@ def test_captured_output_has_no_progress_bars_and_clean_result_lines(tmp_path):
     assert lines[0].startswith("run ") and len(lines[0].split()) == 2
     assert lines[1].startswith("7 tokens, mean loss ") and lines[1].endswith("(full patterns)")
     assert lines[2] == f"results in {out}"
+
+
+def test_worker_with_an_unreachable_redis_is_one_line_exit_2(monkeypatch, capsys):
+    """A Redis URL nothing listens on, or one that is not a URL: the variable is named, no traceback."""
+    import socket
+
+    from app.cli import main
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for url in (f"redis://127.0.0.1:{port}/0", "not a url"):
+        monkeypatch.setenv("HEADSCOPE_REDIS_URL", url)
+        assert main(["worker"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "HEADSCOPE_REDIS_URL" in lines[0] and "cannot reach Redis" in lines[0], lines
