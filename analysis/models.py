@@ -224,7 +224,17 @@ _convert_lock = threading.Lock()
 
 
 def converted_gguf(gguf: Path) -> tuple[Path, str]:
-    """Convert a GGUF once into a safetensors folder keyed by its sha256; return (folder, sha256)."""
+    """Convert a GGUF once into a safetensors folder keyed by its sha256; return (folder, sha256).
+
+    Raises ``ModelError`` for a file that is not a readable GGUF (wrong magic bytes, empty, truncated).
+    """
+    try:
+        with open(gguf, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise _unknown(str(gguf), f"the file cannot be read ({e.strerror})") from None
+    if magic != b"GGUF":
+        raise _unknown(str(gguf), "the file is not a GGUF model (it does not start with the GGUF magic bytes)")
     digest = _digest_files([gguf])
     target = model_cache() / f"gguf-{digest[:24]}"
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
@@ -235,10 +245,13 @@ def converted_gguf(gguf: Path) -> tuple[Path, str]:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         log.info("Converting %s to a safetensors cache (once, ~25 s)", gguf.name)
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        hf = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, attn_implementation="eager"
-        )
+        try:
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            hf = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, attn_implementation="eager"
+            )
+        except Exception as e:  # the GGUF reader raises many types for a corrupt or truncated file
+            raise _unknown(str(gguf), f"the GGUF file could not be read ({type(e).__name__}: {e})") from None
         hf.config.quantization_config = None
         hf.hf_quantizer = None
         tmp = Path(tempfile.mkdtemp(dir=model_cache(), prefix=".convert-"))
@@ -410,8 +423,8 @@ def load_model(spec: str = DEFAULT_MODEL, device: str | None = None) -> LoadedMo
                 use_safetensors=True,
                 trust_remote_code=False,
             )
-        except (OSError, ValueError, KeyError) as e:
-            raise _unknown(spec, f"its files could not be read ({e})") from None
+        except Exception as e:  # OSError, ValueError, KeyError, safetensors' SafetensorError for corrupt files
+            raise _unknown(spec, f"its files could not be read ({type(e).__name__}: {e})") from None
         model = wrap_model(hf, tok, name=spec, digest=digest, device=device, bridge_name=bridge_name)
         with _models_lock:
             _models[key] = model

@@ -1,4 +1,10 @@
-"""The ``headscope`` command: serve the app, run texts, list models and runs, rebuild figures."""
+"""The ``headscope`` command: serve the app, run texts, list models and runs, rebuild figures.
+
+Every argument is checked at this boundary, before anything heavy is imported (torch, transformers,
+dash and the analysis modules load only after parsing and validation, so ``--help`` and a mistyped
+argument answer at once). A bad input ends in one line on stderr that names the argument, and exit
+status 2; progress bars are drawn only on a terminal.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +13,191 @@ import contextlib
 import ipaddress
 import logging
 import os
+import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 EXIT_USER_ERROR = 2
 
 
+class UsageError(ValueError):
+    """A bad argument found by the command line itself; the message names the argument."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with an error as one line naming the argument (not a usage block) and status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{self.prog}: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        raise SystemExit(EXIT_USER_ERROR)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument types: each checks one value and raises ArgumentTypeError, which argparse reports as
+# "argument --name: message".
+
+
+def _whole(text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def count(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """A whole number in ``[minimum, maximum]``."""
+
+    def parse(text: str) -> int:
+        n = _whole(text)
+        if n < minimum or (maximum is not None and n > maximum):
+            bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {n}")
+        return n
+
+    return parse
+
+
+def number_list(kind: type, minimum: float, maximum: float | None = None, what: str = "numbers"
+                ) -> Callable[[str], list]:
+    """Comma-separated numbers, at least one, each in ``[minimum, maximum]``."""
+
+    def parse(text: str) -> list:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"give one or more {what} separated by commas, e.g. "
+                                             f"{int(minimum) if kind is int else minimum},{int(minimum) + 1}")
+        try:
+            values = [kind(x) for x in items]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a list of {what} separated by commas") from None
+        for v in values:
+            if v != v or v < minimum or (maximum is not None and v > maximum):
+                bound = f"between {minimum:g} and {maximum:g}" if maximum is not None else f"at least {minimum:g}"
+                raise argparse.ArgumentTypeError(f"each value must be {bound}, got {v:g}")
+        return values
+
+    return parse
+
+
+def read_text_file(path: str) -> str:
+    """The contents of a UTF-8 text file, or ArgumentTypeError saying why it cannot be used."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise argparse.ArgumentTypeError(f"cannot read {path}: no such file")
+    if p.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot read {path}: it is a folder, not a text file")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {e.strerror}") from None
+    if b"\0" in raw:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: it is a binary file, not UTF-8 text")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: not UTF-8 text (byte {e.start})") from None
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{path} is empty")
+    return text
+
+
+def text_file(path: str) -> str:
+    """A path that :func:`read_text_file` accepts (returned as given)."""
+    read_text_file(path)
+    return path
+
+
+def haystack(value: str) -> str:
+    """A haystack name (``prose``, ``passkey``: checked by ``analysis.niah.load_haystack``) or a text file."""
+    if value.isidentifier() and not Path(value).is_file():
+        return value  # a name; an unknown one is refused by load_haystack with the list of names
+    return text_file(value)
+
+
+def folder(path: str) -> str:
+    """A folder that exists or can be created (an output or store folder)."""
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a file, not a folder")
+    parent = p
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write in {parent}")
+    return path
+
+
+def non_empty(what: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"{what} is empty")
+        return text
+
+    return parse
+
+
+def text_arg(text: str) -> str:
+    """Text given on the command line: not empty, and valid Unicode (bytes that are not UTF-8 come
+    through as lone surrogates)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the text is empty: give some text to analyse")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise argparse.ArgumentTypeError(f"the text is not valid UTF-8 at character {e.start}") from None
+    return text
+
+
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?|mps)$")
+
+
+def device(text: str) -> str:
+    if not _DEVICE.match(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device: use cpu, cuda, cuda:N or mps")
+    return text
+
+
+def _check_formats(value: str, allowed: tuple[str, ...], flag: str = "--formats") -> tuple[str, ...]:
+    formats = tuple(f.strip() for f in value.split(",") if f.strip())
+    unknown = [f for f in formats if f not in allowed]
+    if unknown:
+        raise UsageError(f"argument {flag}: unknown format(s) {', '.join(unknown)}; choose from {', '.join(allowed)}")
+    return formats
+
+
 @contextlib.contextmanager
-def progress_bar(desc: str, enabled: bool = True) -> Iterator:
-    """A tqdm bar driven by a ``progress(fraction)`` callback; shown only when the work takes time."""
+def _argument(name: str) -> Iterator[None]:
+    """Report a user error raised inside (analysis' InputError, ModelError) as one about ``name``."""
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, UsageError) or not _is_user_error(e):
+            raise
+        raise UsageError(f"argument {name}: {e}") from None
+
+
+def _model_spec(args) -> str:
+    """``--model``, or the default model (read from analysis only once it is imported)."""
+    from analysis.models import DEFAULT_MODEL
+
+    return args.model or DEFAULT_MODEL
+
+
+@contextlib.contextmanager
+def progress_bar(desc: str, enabled: bool | None = None) -> Iterator:
+    """A tqdm bar driven by a ``progress(fraction)`` callback, on a terminal only (``enabled=None``:
+    when stderr is a terminal); shown only when the work takes time. Captured output gets no bar,
+    so no carriage returns or escape codes run into the result lines."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        yield lambda fraction: None
+        return
     from tqdm import tqdm
 
-    bar = tqdm(total=100, desc=desc, disable=not enabled, leave=False, file=sys.stderr,
+    bar = tqdm(total=100, desc=desc, leave=False, file=sys.stderr,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}", delay=1.0)
 
     def update(fraction: float) -> None:
@@ -36,26 +213,50 @@ def progress_bar(desc: str, enabled: bool = True) -> Iterator:
 def _store(args):
     from analysis.store import Store
 
-    return Store(args.home) if getattr(args, "home", None) else Store()
+    try:
+        return Store(args.home) if getattr(args, "home", None) else Store()
+    except OSError as e:
+        where = args.home or os.environ.get("HEADSCOPE_HOME") or "the user data dir"
+        flag = "--home" if args.home else "HEADSCOPE_HOME"
+        raise UsageError(f"{flag}: cannot use {where} as the store folder ({e.strerror or e}); "
+                         "give a writable folder") from None
+
+
+def _port_free(host: str, port: int) -> None:
+    """Refuse a host that does not resolve or a port already taken, before the model loads."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UsageError(f"argument --host: cannot resolve {host!r} ({e.strerror})") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise UsageError(f"argument --port: cannot listen on {host}:{port} ({e.strerror})") from None
 
 
 def cmd_serve(args) -> int:
-    from app.access import new_token, protect
-    from app.context import AppContext
-    from app.server import create_app, warm_up
-
     host = args.host
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = host == "localhost"
-    token = args.token or os.environ.get("HEADSCOPE_TOKEN") or (None if loopback else new_token())
-    if token is not None and len(token) < 16:
-        print("headscope: an access token must have at least 16 characters.", file=sys.stderr)
-        return EXIT_USER_ERROR
+    given = args.token or os.environ.get("HEADSCOPE_TOKEN")
+    if given is not None and len(given) < 16:
+        raise UsageError("argument --token: an access token must have at least 16 characters.")
+    _port_free(host, args.port)
+    from app.access import new_token, protect
+    from app.context import AppContext
+    from app.server import create_app, warm_up
     from app.workers import redis_url
 
-    context = AppContext(store=_store(args), default_model=args.model)
+    token = given or (None if loopback else new_token())
+    model = _model_spec(args)
+    context = AppContext(store=_store(args), default_model=model)
     if redis_url():
         from analysis.models import refuse_loading
 
@@ -65,9 +266,10 @@ def cmd_serve(args) -> int:
         print(f"headscope: jobs run on Celery workers through {_redacted(redis_url())}; "
               "start them with `headscope worker`", file=sys.stderr)
     else:
-        print(f"headscope: loading {args.model} …", file=sys.stderr)
+        print(f"headscope: loading {model} …", file=sys.stderr)
         t = time.time()
-        warm_up(args.model)
+        with _argument("--model"):
+            warm_up(model)
         print(f"headscope: model ready in {time.time() - t:.1f} s", file=sys.stderr)
         from analysis.joint_embedding import start_umap_warmup
 
@@ -94,33 +296,42 @@ def _redacted(url: str) -> str:
 
 def cmd_worker(args) -> int:
     """A Celery worker for the app's jobs (needs HEADSCOPE_REDIS_URL)."""
-    from app.workers import redis_url, start_worker
+    from app.workers import redis_url
 
     if not redis_url():
-        print("headscope worker: set HEADSCOPE_REDIS_URL to the Redis server the web front end uses, e.g. "
-              "HEADSCOPE_REDIS_URL=redis://127.0.0.1:6379/0 headscope worker", file=sys.stderr)
-        return EXIT_USER_ERROR
-    if args.concurrency < 1 or args.page_concurrency < 0:
-        print("headscope worker: --concurrency must be at least 1 and --page-concurrency at least 0",
-              file=sys.stderr)
-        return EXIT_USER_ERROR
+        raise UsageError("set HEADSCOPE_REDIS_URL to the Redis server the web front end uses, e.g. "
+                         "HEADSCOPE_REDIS_URL=redis://127.0.0.1:6379/0 headscope worker")
     import redis
-
-    from analysis.models import DEFAULT_MODEL
 
     try:
         redis.Redis.from_url(redis_url(), socket_connect_timeout=5).ping()
     except (redis.RedisError, ValueError) as e:
-        print(f"headscope worker: cannot reach Redis at {_redacted(redis_url())}: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        raise UsageError(f"HEADSCOPE_REDIS_URL: cannot reach Redis at {_redacted(redis_url())}: {e}") from None
+    if args.device.startswith("cuda"):
+        import torch
+
+        n = torch.cuda.device_count()
+        index = int(args.device.split(":")[1]) if ":" in args.device else 0
+        if index >= n:
+            raise UsageError(f"argument --device: {args.device} is not here ({n} CUDA device(s) found)")
+    from analysis.models import DEFAULT_MODEL
+    from app.workers import start_worker
+
     if args.home:
         os.environ["HEADSCOPE_HOME"] = args.home
-    start_worker(models=args.model or [DEFAULT_MODEL], concurrency=args.concurrency, device=args.device,
-                 name=args.name, page_concurrency=args.page_concurrency)
+    with _argument("--model"):  # the models load first, before the pool forks
+        start_worker(models=args.model or [DEFAULT_MODEL], concurrency=args.concurrency, device=args.device,
+                     name=args.name, page_concurrency=args.page_concurrency)
     return 0
 
 
 def cmd_run(args) -> int:
+    if args.text is not None and args.file:
+        raise UsageError("give the text either as TEXT or with --file, not both")
+    if args.text is None and not args.file:
+        raise UsageError("give a TEXT or --file F")
+    text = read_text_file(args.file) if args.file else args.text
+
     import numpy as np
 
     from analysis.limits import limit
@@ -132,23 +343,14 @@ def cmd_run(args) -> int:
         capture_statistics,
         statistics_score,
     )
-    from app.export import write_files
+    from app.export import FIGURE_FORMATS, write_files
 
-    if args.file:
-        try:
-            text = Path(args.file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise SystemExit(f"headscope: cannot read {args.file}: {e}") from None
-    else:
-        text = args.text
-    if text is None:
-        print("headscope run: give a TEXT or --file F", file=sys.stderr)
-        return EXIT_USER_ERROR
+    formats = _check_formats(args.formats, FIGURE_FORMATS)
     store = _store(args)
-    with progress_bar("loading model") as bar:
-        model = load_model(args.model)
+    with progress_bar("loading model") as bar, _argument("--model"):
+        model = load_model(_model_spec(args))
         bar(1.0)
-    with progress_bar("capturing") as bar:
+    with progress_bar("capturing") as bar, _argument("--file" if args.file else "TEXT"):
         if args.stats:
             run = capture_statistics(model, text, store=store, max_tokens=limit("HEADSCOPE_MAX_STATS_TOKENS"),
                                      progress=bar)
@@ -156,7 +358,7 @@ def cmd_run(args) -> int:
             run = capture_for_page(model, text, store, limit("HEADSCOPE_MAX_TOKENS"))
             bar(1.0)
     out = Path(args.out) if args.out else store.root / "exports" / run.short_id
-    paths = write_files(run, "head_grid", {"metric": "entropy"}, out, tuple(args.formats.split(",")) if args.formats else ())
+    paths = write_files(run, "head_grid", {"metric": "entropy"}, out, formats)
     if isinstance(run, StatsRun):
         # statistics mode: no patterns; the per-row statistics, column sums, pooled maps and scores
         arrays = {f"row_{name}": a for name, a in run.rows.items()}
@@ -195,6 +397,10 @@ def cmd_models(args) -> int:
 
 
 def cmd_runs(args) -> int:
+    if args.action == "list" and args.ids:
+        raise UsageError("argument ids: `runs list` takes no run ids (did you mean `runs rm`?)")
+    if args.action == "rm" and not args.ids:
+        raise UsageError("argument ids: give the ids of the runs to remove (`headscope runs list` shows them)")
     store = _store(args)
     if args.action == "list":
         records = store.list("run")
@@ -209,7 +415,7 @@ def cmd_runs(args) -> int:
     for run_id in args.ids:
         keys = store.find(run_id)
         if len(keys) != 1:
-            print(f"headscope runs rm: {run_id!r} matches {len(keys)} runs", file=sys.stderr)
+            print(f"headscope runs rm: argument ids: {run_id!r} matches {len(keys)} runs", file=sys.stderr)
             missing += 1
             continue
         store.remove(keys[0])
@@ -218,17 +424,69 @@ def cmd_runs(args) -> int:
 
 
 def cmd_figure(args) -> int:
-    from app.export import FIGURE_FORMATS, read_manifest, regenerate, write_files
+    from app.manifest_schema import ManifestError, read_manifest_file
 
-    manifest = read_manifest(Path(args.manifest))
+    try:
+        manifest = read_manifest_file(args.manifest)
+    except ManifestError as e:
+        raise UsageError(f"argument manifest: {e}") from None
+    from app.export import FIGURE_FORMATS, regenerate, write_files
+    from app.views import VIEWS
+
+    if manifest["view"] not in VIEWS:
+        raise UsageError(f"argument manifest: field 'view' names an unknown view {manifest['view']!r}; "
+                         f"known: {', '.join(VIEWS)}")
+    formats = _check_formats(args.formats, FIGURE_FORMATS) if args.formats else FIGURE_FORMATS
     with progress_bar("rebuilding") as bar:
-        run, _fig, _rows = regenerate(manifest, store=_store(args))
+        store = _store(args)
+        try:
+            with _argument("manifest"):
+                run, _fig, _rows = regenerate(manifest, store=store)
+        except (KeyError, TypeError, IndexError) as e:
+            # an edited manifest whose params or settings the view cannot use
+            raise UsageError(f"argument manifest: the view {manifest['view']!r} cannot use this manifest's "
+                             f"params or settings ({type(e).__name__}: {e})") from None
         bar(1.0)
     out = Path(args.out) if args.out else Path(args.manifest).resolve().parent / "regenerated"
-    formats = tuple(args.formats.split(",")) if args.formats else FIGURE_FORMATS
     for p in write_files(run, manifest["view"], manifest["params"], out, formats):
         print(p)
     return 0
+
+
+def _check_needle_types(path: str) -> None:
+    """Refuse a needles file whose fields are not strings (``analysis.niah`` reads the shape and
+    would turn a number or a list into text)."""
+    import json
+
+    try:
+        raw = json.loads(read_text_file(path))
+    except ValueError:
+        return  # not JSON at all: load_needles says so
+    items = raw.get("needles") if isinstance(raw, dict) else raw
+    for i, item in enumerate(items if isinstance(items, list) else []):
+        for key in ("needle", "question", "answer", "id", "kind"):
+            if isinstance(item, dict) and key in item and not isinstance(item[key], str):
+                kind = "a number" if isinstance(item[key], (int, float)) else type(item[key]).__name__
+                raise UsageError(f"argument --needles-file: needle {i}: field {key!r} must be a string, got {kind}")
+
+
+def _needles(args) -> list:
+    """The needles chosen by ``--needles-file`` and ``--needles`` (ids), checked."""
+    from analysis.niah import load_needles
+
+    if args.needles_file:
+        _check_needle_types(args.needles_file)
+    with _argument("--needles-file"):
+        needles = load_needles(args.needles_file) if args.needles_file else load_needles()
+    if args.needles:
+        wanted = [n.strip() for n in args.needles.split(",") if n.strip()]
+        known = {n.id: n for n in needles}
+        unknown = [w for w in wanted if w not in known]
+        if unknown:
+            raise UsageError(f"argument --needles: unknown needle id(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(known)}")
+        needles = [known[w] for w in wanted]
+    return needles
 
 
 def cmd_scan(args) -> int:
@@ -238,34 +496,26 @@ def cmd_scan(args) -> int:
     import numpy as np
 
     from analysis.models import load_model
-    from analysis.niah import load_haystack, load_needles
+    from analysis.niah import load_haystack
     from analysis.retrieval import sweep
     from app.context import AppContext, set_context
-    from app.export import write_files
+    from app.export import FIGURE_FORMATS, write_files
     from app.heads_views import head_scores_of
 
+    formats = _check_formats(args.formats, FIGURE_FORMATS)
+    lengths, depths = args.lengths, args.depths
+    needles = _needles(args)
+    with _argument("--haystack"):
+        hay = load_haystack(args.haystack)
     store = _store(args)
-    set_context(AppContext(store=store, default_model=args.model))
-    try:
-        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-        depths = [float(x) for x in args.depths.split(",") if x.strip()]
-    except ValueError:
-        print("headscope scan: --lengths and --depths take numbers separated by commas", file=sys.stderr)
-        return EXIT_USER_ERROR
-    needles = load_needles(args.needles_file) if args.needles_file else load_needles()
-    if args.needles:
-        wanted = [n.strip() for n in args.needles.split(",") if n.strip()]
-        known = {n.id: n for n in needles}
-        unknown = [w for w in wanted if w not in known]
-        if unknown:
-            print(f"headscope scan: unknown needle ids {unknown}; known: {', '.join(known)}", file=sys.stderr)
-            return EXIT_USER_ERROR
-        needles = [known[w] for w in wanted]
-    with progress_bar("loading model") as bar:
-        model = load_model(args.model)
+    spec = _model_spec(args)
+    set_context(AppContext(store=store, default_model=spec))
+    with progress_bar("loading model") as bar, _argument("--model"):
+        model = load_model(spec)
         bar(1.0)
-    with progress_bar(f"sweep ({len(needles)} needles × {len(lengths)} lengths × {len(depths)} depths)") as bar:
-        result = sweep(model, needles, lengths, depths, load_haystack(args.haystack), store=store, progress=bar)
+    with progress_bar(f"sweep ({len(needles)} needles × {len(lengths)} lengths × {len(depths)} depths)") as bar, \
+            _argument("--lengths/--depths/--needles"):
+        result = sweep(model, needles, lengths, depths, hay, store=store, progress=bar)
     if not result.trials:
         print("headscope scan: no trial finished", file=sys.stderr)
         return 1
@@ -282,7 +532,7 @@ def cmd_scan(args) -> int:
         "accuracy": np.where(np.isfinite(result.accuracy), result.accuracy, None).tolist(),
         "reused_trials": sum(t.reused for t in result.trials),
     }
-    params = {"model": args.model, "sweep": result.key[:16], "agg": "query", "score": "streaming", "stat": "mean",
+    params = {"model": spec, "sweep": result.key[:16], "agg": "query", "score": "streaming", "stat": "mean",
               "sink_size": args.sink, "window": args.window, "trial": 0}
     with progress_bar(f"per-head scores on {len({tuple(t.prompt_ids) for t in result.trials})} prompts") as bar:
         scores = head_scores_of(result, params, progress=bar)
@@ -292,7 +542,6 @@ def cmd_scan(args) -> int:
     summary["head_scores"] = {"n_prompts": scores.n_prompts, "sink_size": scores.sink, "window": scores.window,
                               "scores": scores.names}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    formats = tuple(args.formats.split(",")) if args.formats else ("svg", "html")
     for view in ("retrieval_grid", "retrieval_histogram", "retrieval_scatter", "niah_grid"):
         write_files(None, view, params, out, formats)
     for score in scores.names:
@@ -307,16 +556,89 @@ def cmd_scan(args) -> int:
     return 0
 
 
+def _check_ablate_args(args) -> None:
+    """What ``ablate`` can check before anything is imported: which options go together."""
+    if bool(args.heads) == bool(args.top_k):
+        raise UsageError("choose the heads with exactly one of --heads (e.g. 12.3,14.1) and --top-k N --by SCORE")
+    if args.text is not None and args.file:
+        raise UsageError("give the text either with --text or with --file, not both")
+    if args.text is None and not args.file and not args.sweep:
+        raise UsageError("say what to measure on: --text, --file, or --sweep (needle-in-a-haystack prompts)")
+    if not args.sweep:
+        given = [flag for flag, value in (("--lengths", args.lengths), ("--depths", args.depths),
+                                          ("--needles", args.needles), ("--needles-file", args.needles_file),
+                                          ("--haystack", args.haystack)) if value]
+        if given:
+            raise UsageError(f"argument {given[0]}: only used with --sweep")
+    if args.top_k:
+        if args.by == "retrieval" and not args.sweep:
+            raise UsageError("argument --by: --by retrieval needs --sweep (the retrieval scores come from its trials)")
+        if args.by != "retrieval" and args.text is None and not args.file:
+            raise UsageError(f"argument --by: --by {args.by} is computed on a text: give --text or --file")
+    if args.curve and not args.top_k:
+        raise UsageError("argument --curve: needs --top-k and --by (the score whose top heads are ablated)")
+    if args.method == "resample" and not args.source:
+        raise UsageError("argument --source: --method resample needs --source TEXT "
+                         "(the input whose head outputs are patched in)")
+    if args.source and args.method != "resample":
+        raise UsageError("argument --source: only used with --method resample")
+    if args.reference_file and args.method != "mean":
+        raise UsageError("argument --reference-file: only used with --method mean")
+
+
+def ablation_table(summary: dict) -> list[str]:
+    """The numbers of an ablation's ``summary.json`` as a readable table, one line per row."""
+    lines = [f"ablated {len(summary['heads'].split(','))} heads ({summary['heads']}) by {summary['method']}: "
+             f"{summary.get('method_does', '')}".rstrip(": ")]
+    rows: list[tuple[str, str, str, str]] = []
+    if "text" in summary and summary["text"]:
+        t = summary["text"]
+        rows.append(("mean loss on the text (nats)", f"{t['mean_loss_clean']:.4f}", f"{t['mean_loss_ablated']:.4f}",
+                     f"{t['mean_loss_ablated'] - t['mean_loss_clean']:+.4f}"))
+        rows.append((f"p(next token {t['target_token']!r})", f"{t['target_prob_clean']:.4f}",
+                     f"{t['target_prob_ablated']:.4f}", f"{t['target_prob_ablated'] - t['target_prob_clean']:+.4f}"))
+    if "niah" in summary:
+        n = summary["niah"]
+        rows.append((f"NIAH accuracy ({n['n_prompts']} prompts)", f"{n['accuracy_clean']:.3f}",
+                     f"{n['accuracy_ablated']:.3f}", f"{n['accuracy_ablated'] - n['accuracy_clean']:+.3f}"))
+    if rows:
+        width = max(len(r[0]) for r in rows)
+        cols = [max(len(r[i]) for r in rows + [("", "clean", "ablated", "change")]) for i in (1, 2, 3)]
+        lines.append(f"{'':<{width}}  {'clean':>{cols[0]}}  {'ablated':>{cols[1]}}  {'change':>{cols[2]}}")
+        lines += [f"{r[0]:<{width}}  {r[1]:>{cols[0]}}  {r[2]:>{cols[1]}}  {r[3]:>{cols[2]}}".rstrip() for r in rows]
+    t = summary.get("text") or {}
+    for which in ("clean", "ablated"):
+        if f"continuation_{which}" in t:
+            shown = repr(t[f"continuation_{which}"])
+            lines.append(f"continuation, {which + ':':<8} {shown if len(shown) <= 80 else shown[:77] + '...'}")
+    if "curve" in summary:
+        c = summary["curve"]
+        lines.append(f"top-k vs random curve: {c['metric']} with the top k heads by {c['by_label']} ablated, "
+                     f"and k random heads ({c['n_seeds']} sets)")
+        lines.append(f"{'k':>5}  {'top-k':>10}  {'random mean':>12}  {'± std':>8}")
+        for k, top, mean, std in zip(c["k"], c["top"], c["random_mean"], c["random_std"], strict=True):
+            lines.append(f"{k:>5}  {top:>10.4f}  {mean:>12.4f}  {std:>8.4f}")
+    return lines
+
+
 def cmd_ablate(args) -> int:
     """Ablate heads: effects on a text, retrieval accuracy on a needle-in-a-haystack sweep, and the
-    top-k vs random curve; writes tables (CSV, JSON) and figures."""
+    top-k vs random curve; writes tables (CSV, JSON) and figures, and prints the numbers as a table."""
+    _check_ablate_args(args)
+    text = read_text_file(args.file) if args.file else args.text
+    reference = None
+    if args.reference_file:
+        reference = [t for t in read_text_file(args.reference_file).splitlines() if t.strip()]
+
     import json
 
     import numpy as np
 
     from analysis.ablation import (
+        METHOD_DESCRIPTIONS,
         AblationSpec,
         StoredValues,
+        ablation_hooks,
         format_heads,
         head_means,
         loss_metric_fn,
@@ -328,109 +650,90 @@ def cmd_ablate(args) -> int:
         topk_curve,
     )
     from analysis.capture import InputError, capture
+    from analysis.head_summary import HEAD_METRICS
     from analysis.models import load_model
-    from analysis.niah import load_haystack, load_needles
+    from analysis.niah import load_haystack
     from analysis.retrieval import sweep, trial_prompt
     from analysis.store import content_key
     from app.ablation_views import builtin_reference
     from app.context import AppContext, set_context
-    from app.export import write_files
+    from app.export import FIGURE_FORMATS, write_files
     from app.views import metric_scores
 
+    formats = _check_formats(args.formats, FIGURE_FORMATS)
+    if args.top_k and args.by != "retrieval" and args.by not in HEAD_METRICS:
+        raise UsageError(f"argument --by: unknown score {args.by!r}; use retrieval or one of {', '.join(HEAD_METRICS)}")
+    needles = hay = None
+    if args.sweep:
+        needles = _needles(args)
+        with _argument("--haystack"):
+            hay = load_haystack(args.haystack or "prose")
+    lengths, depths = args.lengths or [512], args.depths or [25.0, 75.0]
     store = _store(args)
-    set_context(AppContext(store=store, default_model=args.model))
-    if bool(args.heads) == bool(args.top_k):
-        raise InputError("Choose the heads with exactly one of --heads (e.g. 12.3,14.1) and --top-k N --by SCORE.")
-    if not (args.text or args.file or args.sweep):
-        raise InputError("Say what to measure on: --text, --file, or --sweep (needle-in-a-haystack prompts).")
-    text = args.text
-    if args.file:
-        try:
-            text = Path(args.file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise InputError(f"Cannot read {args.file} as UTF-8 text: {e}") from None
-    with progress_bar("loading model") as bar:
-        model = load_model(args.model)
+    spec_name = _model_spec(args)
+    set_context(AppContext(store=store, default_model=spec_name))
+    with progress_bar("loading model") as bar, _argument("--model"):
+        model = load_model(spec_name)
         bar(1.0)
-    run = capture(model, text, store=store) if text else None
+    n_heads = model.n_layers * model.n_heads
+    if args.top_k and args.top_k > n_heads:
+        raise UsageError(f"argument --top-k: must be at most {n_heads} (the heads of {spec_name}), got {args.top_k}")
+    if args.curve and max(args.curve) > n_heads:
+        raise UsageError(f"argument --curve: k must be at most {n_heads} (the heads of {spec_name}), "
+                         f"got {max(args.curve)}")
+    with _argument("--heads"):
+        heads = parse_heads(model, args.heads) if args.heads else None  # checked before any long work
+    with _argument("--file" if args.file else "--text"):
+        run = capture(model, text, store=store) if text else None
     result = None
     if args.sweep:
-        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-        depths = [float(x) for x in args.depths.split(",") if x.strip()]
-        needles = load_needles()
-        if args.needles:
-            known = {n.id: n for n in needles}
-            unknown = [w for w in args.needles.split(",") if w.strip() and w.strip() not in known]
-            if unknown:
-                raise InputError(f"Unknown needle ids {unknown}; known: {', '.join(known)}")
-            needles = [known[w.strip()] for w in args.needles.split(",") if w.strip()]
-        with progress_bar("needle-in-a-haystack sweep") as bar:
-            result = sweep(model, needles, lengths, depths, load_haystack(args.haystack), store=store, progress=bar)
+        with progress_bar("needle-in-a-haystack sweep") as bar, \
+                _argument("--lengths/--depths/--needles"):
+            result = sweep(model, needles, lengths, depths, hay, store=store, progress=bar)
     # the scores heads are ranked by
     scores, by_label = None, ""
     if args.top_k:
         if args.by == "retrieval":
-            if result is None:
-                raise InputError("--by retrieval needs --sweep (the retrieval scores come from its trials).")
             scores, by_label = np.nan_to_num(result.scores, nan=0.0), "Retrieval score"
         else:
-            if run is None:
-                raise InputError(f"--by {args.by} is computed on a text: give --text or --file.")
-            from analysis.head_summary import HEAD_METRICS
-
-            if args.by not in HEAD_METRICS:
-                raise InputError(f"Unknown score {args.by!r}: use retrieval or one of {', '.join(HEAD_METRICS)}.")
             scores, by_label = metric_scores(run, args.by), HEAD_METRICS[args.by].label
         heads = rank_heads(scores)[: args.top_k]
         if len(heads) < args.top_k:
             raise InputError(f"Only {len(heads)} heads have a {by_label} here; --top-k must be at most that.")
-    else:
-        heads = parse_heads(model, args.heads)
     # the method and what it needs
-    params = {"model": args.model, "heads": format_heads(heads), "ablate": args.method}
+    params = {"model": spec_name, "heads": format_heads(heads), "ablate": args.method}
     means = source = None
     if args.method == "mean":
-        texts = builtin_reference()
-        if args.reference_file:
-            texts = [t for t in Path(args.reference_file).read_text(encoding="utf-8").splitlines() if t.strip()]
         with progress_bar("reference means") as bar:
-            means = head_means(model, texts, store=store, progress=bar)
+            means = head_means(model, reference or builtin_reference(), store=store, progress=bar)
         params["ref"] = means.key[:16]
     if args.method == "resample":
-        if not args.source:
-            raise InputError("--method resample needs --source TEXT (the input whose head outputs are patched in).")
-        source_run = capture(model, args.source, store=store)
+        with _argument("--source"):
+            source_run = capture(model, args.source, store=store)
         source, params["source"] = tuple(source_run.token_ids), source_run.key[:16]
     spec = AblationSpec(tuple(heads), args.method, means=means, source_ids=source)
     spec.validate(model)
     out = Path(args.out) if args.out else store.root / "exports" / f"ablate-{content_key(params)[:12]}"
     out.mkdir(parents=True, exist_ok=True)
-    formats = tuple(f for f in args.formats.split(",") if f)
     summary: dict = {"model": model.name, "model_digest": model.digest, "heads": format_heads(heads),
-                     "method": args.method, "by": args.by if args.top_k else None}
+                     "method": args.method, "method_does": METHOD_DESCRIPTIONS[args.method],
+                     "by": args.by if args.top_k else None}
     if run is not None:
         fig_rows = write_files(run, "ablation_effects", params, out, formats)
         rows = json.loads(fig_rows[-2].read_text()) if fig_rows else []
         summary["text"] = rows[-1] if rows else {}
-        print(f"loss {summary['text']['mean_loss_clean']:.4f} -> {summary['text']['mean_loss_ablated']:.4f}; "
-              f"p(next {summary['text']['target_token']!r}) {summary['text']['target_prob_clean']:.4f} -> "
-              f"{summary['text']['target_prob_ablated']:.4f}")
     if result is not None:
         prompts = [trial_prompt(t) for t in result.trials]
-        from analysis.ablation import ablation_hooks
-
         with progress_bar("retrieval accuracy, clean and ablated") as bar:
             clean = retrieval_accuracy(model, prompts)
             bar(0.5)
             ablated = retrieval_accuracy(model, prompts, ablation_hooks(model, spec))
-        summary["niah"] = {"sweep": result.key, "n_prompts": len(prompts), "accuracy_clean": clean.accuracy,
+        summary["niah"] = {"sweep": result.key, "needles": [n.id for n in needles], "lengths": lengths,
+                           "depths": depths, "n_prompts": len(prompts), "accuracy_clean": clean.accuracy,
                            "accuracy_ablated": ablated.accuracy,
                            "responses_ablated": ablated.responses}
-        print(f"NIAH accuracy over {len(prompts)} prompts: {clean.accuracy:.3f} -> {ablated.accuracy:.3f}")
     if args.curve:
-        if scores is None:
-            raise InputError("--curve needs --top-k and --by (the score whose top heads are ablated).")
-        ks = sorted({int(k) for k in args.curve.split(",") if k.strip()})
+        ks = sorted(set(args.curve))
         seeds = list(range(args.seeds))
         if result is not None:
             fn, metric_label, subject = retrieval_accuracy_fn(prompts), "NIAH accuracy", ("sweep", result.key)
@@ -446,85 +749,96 @@ def cmd_ablate(args) -> int:
         write_files(None, "ablation_curve", {**params, "curve": key[:16]}, out, formats)
         summary["curve"] = {"k": ks, "top": curve.top.tolist(), "random": curve.random.tolist(),
                             "random_mean": curve.random_mean.tolist(), "random_std": curve.random_std.tolist(),
-                            "metric": metric_label, "top_heads": format_heads(curve.order[: max(ks)])}
-        print(f"{metric_label} vs k {ks}: top {np.round(curve.top, 3).tolist()}; "
-              f"random {np.round(curve.random_mean, 3).tolist()} ± {np.round(curve.random_std, 3).tolist()}")
+                            "metric": metric_label, "by_label": by_label, "n_seeds": len(seeds),
+                            "top_heads": format_heads(curve.order[: max(ks)])}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    for line in ablation_table(summary):
+        print(line)
     print(f"results in {out}")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from analysis.models import DEFAULT_MODEL
+MODEL_HELP = "model spec: an embedded model, a .gguf file, a folder of safetensors (default: the embedded " \
+             "model; `headscope models` lists them)"
 
-    parser = argparse.ArgumentParser(prog="headscope", description="A workbench for attention heads.")
-    parser.add_argument("--home", help="store folder (default: $HEADSCOPE_HOME or the user data dir)")
-    sub = parser.add_subparsers(dest="command", required=True)
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's arguments, each with a type that checks it (nothing heavy is imported)."""
+    parser = _Parser(prog="headscope", description="A workbench for attention heads.")
+    parser.add_argument("--home", type=folder, help="store folder (default: $HEADSCOPE_HOME or the user data dir)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="start the web app")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8050)
-    p.add_argument("--token", help="access token (default: a random one when --host is not a loopback address; "
-                                   "also HEADSCOPE_TOKEN)")
+    p.add_argument("--model", type=non_empty("the model spec"), help=MODEL_HELP)
+    p.add_argument("--host", default="127.0.0.1", type=non_empty("the host"))
+    p.add_argument("--port", type=count(1, 65535), default=8050)
+    p.add_argument("--token", help="access token of at least 16 characters (default: a random one when --host is "
+                                   "not a loopback address; also HEADSCOPE_TOKEN)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("worker", help="run the app's jobs as a Celery worker (needs HEADSCOPE_REDIS_URL)")
-    p.add_argument("--concurrency", type=int, default=1,
+    p.add_argument("--concurrency", type=count(1), default=1,
                    help="long jobs (sweeps, curves, embeddings) at once: pool processes (default 1)")
-    p.add_argument("--page-concurrency", type=int, default=1,
+    p.add_argument("--page-concurrency", type=count(0), default=1,
                    help="page callbacks at once, beside the jobs, so a long job never blocks a page "
                         "(default 1; 0: this worker takes no page callbacks)")
-    p.add_argument("--device", default="cpu", help="torch device for models, e.g. cuda:0 (default cpu)")
-    p.add_argument("--model", action="append",
-                   help=f"model to load before the pool forks (repeatable; default {DEFAULT_MODEL}); "
+    p.add_argument("--device", type=device, default="cpu", help="torch device for models, e.g. cuda:0 (default cpu)")
+    p.add_argument("--model", action="append", type=non_empty("the model spec"),
+                   help="model to load before the pool forks (repeatable; default: the embedded model); "
                         "the first is the default model of jobs")
-    p.add_argument("--name", help="worker name (default headscope-<pid>); unique per host")
+    p.add_argument("--name", type=non_empty("the worker name"), help="worker name (default headscope-<pid>); "
+                                                                    "unique per host")
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("run", help="run a text and write its results")
-    p.add_argument("text", nargs="?")
-    p.add_argument("--file")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--out")
+    p.add_argument("text", nargs="?", type=text_arg, metavar="TEXT")
+    p.add_argument("--file", type=text_file, help="read the text from a UTF-8 file")
+    p.add_argument("--model", type=non_empty("the model spec"), help=MODEL_HELP)
+    p.add_argument("--out", type=folder)
     p.add_argument("--formats", default="", help="figure formats to write, e.g. svg,png,html")
     p.add_argument("--stats", action="store_true",
                    help="statistics mode at any length (attention through the kernels, no patterns kept); "
                         "texts above HEADSCOPE_MAX_TOKENS use it anyway")
     p.set_defaults(func=cmd_run)
 
+    lengths = number_list(int, 1, what="token counts")
+    depths = number_list(float, 0, 100, what="depths in percent")
     p = sub.add_parser("scan", help="needle-in-a-haystack sweep: retrieval scores per head")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--lengths", default="512", help="context lengths in tokens, e.g. 512,1024")
-    p.add_argument("--depths", default="10,50,90", help="needle depths in percent, e.g. 0,50,100")
+    p.add_argument("--model", type=non_empty("the model spec"), help=MODEL_HELP)
+    p.add_argument("--lengths", type=lengths, default=[512], help="context lengths in tokens, e.g. 512,1024")
+    p.add_argument("--depths", type=depths, default=[10.0, 50.0, 90.0], help="needle depths in percent, e.g. 0,50,100")
     p.add_argument("--needles", default="", help="needle ids (default: all shipped needles)")
-    p.add_argument("--needles-file", help="a JSON file of needles (fields: needle, question, answer)")
-    p.add_argument("--haystack", default="prose", help="prose, passkey, or a UTF-8 text file")
-    p.add_argument("--sink", type=int, default=4, help="streaming score: S, the first tokens kept as sinks")
-    p.add_argument("--window", type=int, default=64, help="streaming score: W, the recent window")
-    p.add_argument("--out")
+    p.add_argument("--needles-file", type=text_file, help="a JSON file of needles (fields: needle, question, answer)")
+    p.add_argument("--haystack", type=haystack, default="prose", help="prose, passkey, or a UTF-8 text file")
+    p.add_argument("--sink", type=count(0), default=4, help="streaming score: S, the first tokens kept as sinks")
+    p.add_argument("--window", type=count(1), default=64, help="streaming score: W, the recent window")
+    p.add_argument("--out", type=folder)
     p.add_argument("--formats", default="svg,html")
     p.set_defaults(func=cmd_scan)
 
     p = sub.add_parser("ablate", help="ablate heads: effects on a text or on needle-in-a-haystack retrieval, "
                                       "and the top-k vs random curve")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--model", type=non_empty("the model spec"), help=MODEL_HELP)
     p.add_argument("--heads", help="e.g. 12.3,14.1 or kv:20.1 (a key-value group) or 7.* (a layer)")
-    p.add_argument("--top-k", type=int, help="ablate the k heads with the highest --by score")
+    p.add_argument("--top-k", type=count(1), help="ablate the k heads with the highest --by score")
     p.add_argument("--by", default="retrieval", help="retrieval (needs --sweep) or a per-head score on the text")
     p.add_argument("--method", default="zero", choices=["zero", "mean", "resample", "uniform", "first_token"])
-    p.add_argument("--text")
-    p.add_argument("--file")
-    p.add_argument("--source", help="resample: the text whose head outputs are patched in")
-    p.add_argument("--reference-file", help="mean: reference texts, one per line (default: built-in sentences)")
+    p.add_argument("--text", type=text_arg)
+    p.add_argument("--file", type=text_file, help="read the text from a UTF-8 file")
+    p.add_argument("--source", type=text_arg, help="resample: the text whose head outputs are patched in")
+    p.add_argument("--reference-file", type=text_file,
+                   help="mean: reference texts, one per line (default: built-in sentences)")
     p.add_argument("--sweep", action="store_true", help="measure needle-in-a-haystack retrieval accuracy")
-    p.add_argument("--lengths", default="512")
-    p.add_argument("--depths", default="25,75")
-    p.add_argument("--needles", default="", help="needle ids (default: all shipped needles)")
-    p.add_argument("--haystack", default="prose")
-    p.add_argument("--curve", default="", help="k values for the top-k vs random curve, e.g. 0,5,10,20")
-    p.add_argument("--seeds", type=int, default=3, help="random head sets per k")
-    p.add_argument("--out")
+    p.add_argument("--lengths", type=lengths, help="--sweep: context lengths in tokens (default 512)")
+    p.add_argument("--depths", type=depths, help="--sweep: needle depths in percent (default 25,75)")
+    p.add_argument("--needles", default="", help="--sweep: needle ids (default: all shipped needles)")
+    p.add_argument("--needles-file", type=text_file,
+                   help="--sweep: a JSON file of needles (fields: needle, question, answer)")
+    p.add_argument("--haystack", type=haystack, help="--sweep: prose (default), passkey, or a UTF-8 text file")
+    p.add_argument("--curve", type=number_list(int, 0, what="head counts"),
+                   help="k values for the top-k vs random curve, e.g. 0,5,10,20")
+    p.add_argument("--seeds", type=count(1), default=3, help="random head sets per k (at least 1)")
+    p.add_argument("--out", type=folder)
     p.add_argument("--formats", default="svg,html")
     p.set_defaults(func=cmd_ablate)
 
@@ -538,27 +852,52 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("figure", help="rebuild a figure from an export's manifest.json")
     p.add_argument("manifest")
-    p.add_argument("--out")
+    p.add_argument("--out", type=folder)
     p.add_argument("--formats", default="")
     p.set_defaults(func=cmd_figure)
     return parser
 
 
+def _is_user_error(e: BaseException) -> bool:
+    """An error the user can fix: ours, or analysis' InputError/ModelError (checked without importing
+    analysis: if one was raised, its module is loaded)."""
+    if isinstance(e, (UsageError, argparse.ArgumentTypeError)):
+        return True
+    from app.manifest_schema import ManifestError
+
+    kinds = [ManifestError]
+    for module, name in (("analysis.capture", "InputError"), ("analysis.models", "ModelError")):
+        if module in sys.modules:
+            kinds.append(getattr(sys.modules[module], name))
+    return isinstance(e, tuple(kinds))
+
+
+def _quiet_libraries() -> None:
+    """Off a terminal, silence transformers' and huggingface_hub's own progress bars (they write
+    carriage returns into captured output)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # plain tqdm bars, e.g. transformers' GGUF conversion
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = build_parser().parse_args(argv)
-    from analysis.capture import InputError
-    from analysis.models import ModelError
-
+    if not sys.stderr.isatty():
+        _quiet_libraries()
     try:
         return args.func(args)
-    except (InputError, ModelError) as e:
-        print(f"headscope: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("headscope: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not _is_user_error(e):
+            raise
+        message = " ".join(str(e).split("\n")).strip()
+        print(f"headscope {args.command}: {message}", file=sys.stderr)
+        return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

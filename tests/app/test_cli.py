@@ -79,7 +79,7 @@ def test_run_in_statistics_mode_writes_statistics_and_regenerates(tmp_path):
 )
 def test_user_errors_are_messages_not_tracebacks(tmp_path, args, message):
     r = headscope(*args, home=tmp_path / "home")
-    assert r.returncode != 0
+    assert r.returncode == 2
     assert message in r.stderr
     assert "Traceback" not in r.stderr
 
@@ -122,16 +122,58 @@ def test_ablate_writes_effects_and_a_curve_and_refuses_bad_heads(tmp_path):
     assert summary["heads"] == "3.1,5.0,5.1,5.2" and summary["method"] == "uniform"
     assert summary["text"]["mean_loss_ablated"] != summary["text"]["mean_loss_clean"]
     assert (tmp_path / "a" / "ablation_effects.svg").exists()
+    # the numbers of summary.json, as a table on stdout
+    table = first.stdout.splitlines()
+    assert table[0].startswith("ablated 4 heads (3.1,5.0,5.1,5.2) by uniform: attention spread uniformly")
+    assert table[1].split() == ["clean", "ablated", "change"]
+    t = summary["text"]
+    assert table[2].split()[-3:] == [f"{t['mean_loss_clean']:.4f}", f"{t['mean_loss_ablated']:.4f}",
+                                     f"{t['mean_loss_ablated'] - t['mean_loss_clean']:+.4f}"]
+    assert table[2].startswith("mean loss on the text (nats)")
+    assert table[3].startswith(f"p(next token {t['target_token']!r})")
+    assert table[3].split()[-3:] == [f"{t['target_prob_clean']:.4f}", f"{t['target_prob_ablated']:.4f}",
+                                     f"{t['target_prob_ablated'] - t['target_prob_clean']:+.4f}"]
+    assert table[4].startswith("continuation") and table[-1] == f"results in {tmp_path / 'a'}"
+    assert "\r" not in first.stdout + first.stderr and "\x1b" not in first.stdout + first.stderr
     curve = headscope("ablate", "--text", text, "--top-k", "3", "--by", "first_token", "--curve", "0,1,3",
                       "--seeds", "2", "--formats", "svg", "--out", str(tmp_path / "b"), home=home)
     assert curve.returncode == 0, curve.stderr
     rows = (tmp_path / "b" / "ablation_curve.csv").read_text().splitlines()
     assert rows[0].startswith("k,set,seed,value") and len(rows) == 1 + 3 + 2 * 3
-    assert "top [" in curve.stdout and "random [" in curve.stdout
+    # the curve as table rows: k, top-k, random mean ± std, equal to summary.json's numbers
+    c = json.loads((tmp_path / "b" / "summary.json").read_text())["curve"]
+    lines = curve.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("top-k vs random curve: mean loss (nats)"))
+    assert "First-token" in lines[start] or "first" in lines[start].lower()
+    assert lines[start + 1].split() == ["k", "top-k", "random", "mean", "±", "std"]
+    rows = [line.split() for line in lines[start + 2: start + 5]]
+    assert rows == [[str(k), f"{top:.4f}", f"{m:.4f}", f"{sd:.4f}"]
+                    for k, top, m, sd in zip(c["k"], c["top"], c["random_mean"], c["random_std"], strict=True)]
+    assert [r[0] for r in rows] == ["0", "1", "3"] and rows[0][1] == rows[0][2]  # k = 0: nothing ablated
     for args, why in [(("--heads", "99.1"), "out of range"), (("--heads", "1.1", "--top-k", "2"), "exactly one"),
                       (("--top-k", "2", "--by", "retrieval"), "needs --sweep")]:
         bad = headscope("ablate", "--text", text, *args, home=home)
         assert bad.returncode == 2 and why in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_ablate_sweep_takes_scan_needle_and_haystack_options_and_prints_niah_accuracy(tmp_path):
+    """``ablate --sweep`` with a needles file and a haystack file (as ``scan`` takes them): the NIAH
+    accuracy row in the table, from the needles and haystack given."""
+    haystack = tmp_path / "hay.txt"
+    prose = (Path(__file__).resolve().parents[2] / "data" / "niah" / "haystack_prose.txt").read_text()
+    haystack.write_text("\n".join(line for line in prose.splitlines() if not line.startswith("#"))[:3000])
+    needles = tmp_path / "needles.json"
+    needles.write_text(json.dumps([{"id": "violet-door", "needle": "The door of the old mill is painted violet.",
+                                    "question": "What colour is the door of the old mill?", "answer": "violet"}]))
+    r = headscope("ablate", "--sweep", "--lengths", "160", "--depths", "50", "--needles-file", str(needles),
+                  "--haystack", str(haystack), "--heads", "3.1", "--formats", "", "--out", str(tmp_path / "out"),
+                  home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr
+    niah = json.loads((tmp_path / "out" / "summary.json").read_text())["niah"]
+    assert niah["needles"] == ["violet-door"] and niah["n_prompts"] == 1 and niah["lengths"] == [160]
+    row = next(line for line in r.stdout.splitlines() if line.startswith("NIAH accuracy (1 prompts)"))
+    assert row.split()[-3:] == [f"{niah['accuracy_clean']:.3f}", f"{niah['accuracy_ablated']:.3f}",
+                                f"{niah['accuracy_ablated'] - niah['accuracy_clean']:+.3f}"]
 
 
 def test_a_sweep_killed_mid_run_is_resumed_from_its_stored_trials(tmp_path):
@@ -163,3 +205,259 @@ def test_a_sweep_killed_mid_run_is_resumed_from_its_stored_trials(tmp_path):
     again = headscope(*args, home=home)
     assert again.returncode == 0, again.stderr
     assert f"({stored} reused)" in again.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The boundary: every bad input is one line on stderr naming the argument, exit status 2.
+
+
+@pytest.fixture
+def bad_files(tmp_path):
+    """Files a user might pass by mistake, by name (for ``{name}`` in the argument tables)."""
+    d = tmp_path / "inputs"
+    d.mkdir()
+    files = {
+        "binary": b"\x00\x01\x02GGUF\xff" * 50,
+        "latin1": "caf\xe9 cr\xe8me".encode("latin-1"),
+        "empty": b"",
+        "blank": b"  \n\t\n",
+        "text": b"The cat sat on the mat.",
+        "random.gguf": bytes(range(256)) * 16,
+        "truncated.gguf": b"GGUF\x03\x00\x00\x00" + b"\xff" * 40,
+        "empty.gguf": b"",
+        "needles_types.json": json.dumps([{"needle": 3, "question": ["q"], "answer": None}]).encode(),
+        "needles_obj.json": json.dumps({"needle": "n"}).encode(),
+    }
+    paths = {"dir": str(d), "missing": str(d / "no-such-file.txt"), "home": str(tmp_path / "home")}
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+        paths[name.replace(".", "_")] = str(d / name)
+    weights = d / "corrupt-safetensors"
+    weights.mkdir()
+    (weights / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    (weights / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    paths["corrupt_safetensors"] = str(weights)
+    good = {"manifest_version": 1, "view": "head_grid", "params": {"metric": "entropy"},
+            "model": {"name": "smollm2-135m", "digest": "0" * 64}, "token_ids": [504, 3575], "settings": {}}
+    broken = {
+        "view_list": {"view": ["head_grid"]}, "view_unknown": {"view": "no_such_view"},
+        "settings_str": {"settings": "float16"}, "params_list": {"params": [1, 2]},
+        "ids_str": {"token_ids": ["a", "b"]}, "ids_float": {"token_ids": [1.5]}, "ids_negative": {"token_ids": [-4]},
+        "ids_bool": {"token_ids": [True]}, "model_str": {"model": "smollm2-135m"},
+        "model_name_int": {"model": {"name": 7, "digest": "x"}}, "version_str": {"manifest_version": "1"},
+        "tokens_len": {"tokens": ["a"]}, "qk_str": {"settings": {"qk_layers": "all"}},
+        "block_no_sink": {"settings": {"block_size": 64}}, "spans_bad": {"settings": {"spans": [[1]]}},
+    }
+    for name, change in broken.items():
+        p = d / f"manifest_{name}.json"
+        p.write_text(json.dumps({**good, **change}))
+        paths[f"manifest_{name}"] = str(p)
+    (d / "manifest_wrong_digest.json").write_text(json.dumps(good))  # well formed; the weights differ
+    paths["manifest_wrong_digest"] = str(d / "manifest_wrong_digest.json")
+    missing_field = dict(good)
+    del missing_field["token_ids"]
+    (d / "manifest_missing.json").write_text(json.dumps(missing_field))
+    paths["manifest_missing"] = str(d / "manifest_missing.json")
+    (d / "manifest_list.json").write_text("[1, 2]")
+    paths["manifest_list"] = str(d / "manifest_list.json")
+    (d / "manifest_bad_json.json").write_text("{\"view\": ")
+    paths["manifest_bad_json"] = str(d / "manifest_bad_json.json")
+    return paths
+
+
+T = ("--text", "The cat sat on the mat.")
+# (argv, what the message must name); ``{name}`` is a path from ``bad_files``
+BAD_INPUTS = [
+    # the command itself
+    ((), "COMMAND"), (("nosuch",), "COMMAND"), (("--home", "{text}", "runs", "list"), "--home"),
+    # run: texts and files
+    (("run",), "TEXT"), (("run", "   "), "TEXT"), (("run", "\udcff\udcfe"), "TEXT"),
+    (("run", "hi", "--file", "{text}"), "--file"),
+    (("run", "--file", "{missing}"), "--file"), (("run", "--file", "{binary}"), "--file"),
+    (("run", "--file", "{latin1}"), "--file"), (("run", "--file", "{empty}"), "--file"),
+    (("run", "--file", "{blank}"), "--file"), (("run", "--file", "{dir}"), "--file"),
+    (("run", "--file", "{text}/below-a-file"), "--file"),
+    (("run", "hi", "--out", "{text}"), "--out"), (("run", "hi", "--formats", "svg,bmp"), "--formats"),
+    # run: model files
+    (("run", "hi", "--model", "{random_gguf}"), "--model"), (("run", "hi", "--model", "{truncated_gguf}"), "--model"),
+    (("run", "hi", "--model", "{empty_gguf}"), "--model"), (("run", "hi", "--model", "{corrupt_safetensors}"), "--model"),
+    (("run", "hi", "--model", "{dir}"), "--model"), (("run", "hi", "--model", "{missing}.gguf"), "--model"),
+    (("run", "hi", "--model", "no-such-model"), "--model"), (("run", "hi", "--model", ""), "--model"),
+    # models, runs
+    (("models", "extra"), "extra"), (("runs", "purge"), "action"), (("runs", "rm"), "ids"),
+    (("runs", "list", "abc"), "ids"), (("runs", "rm", "zz-not-hex"), "ids"), (("runs", "rm", "abc123"), "ids"),
+    # figure: files and the manifest's fields
+    *[(("figure", "{" + name + "}"), "manifest") for name in (
+        "missing", "binary", "latin1", "empty", "dir", "text", "manifest_view_list", "manifest_view_unknown",
+        "manifest_settings_str", "manifest_params_list", "manifest_ids_str", "manifest_ids_float",
+        "manifest_ids_negative", "manifest_ids_bool", "manifest_model_str", "manifest_model_name_int",
+        "manifest_version_str", "manifest_tokens_len", "manifest_qk_str", "manifest_block_no_sink",
+        "manifest_spans_bad", "manifest_missing", "manifest_list", "manifest_bad_json", "manifest_wrong_digest")],
+    (("figure", "{manifest_ids_str}", "--formats", "gif"), "manifest"),
+    # scan: lists, counts, needles, haystacks
+    (("scan", "--lengths", "abc"), "--lengths"), (("scan", "--lengths", "0"), "--lengths"),
+    (("scan", "--lengths", "-512"), "--lengths"), (("scan", "--lengths", ",,"), "--lengths"),
+    (("scan", "--lengths", "1.5"), "--lengths"), (("scan", "--depths", "150"), "--depths"),
+    (("scan", "--depths", "-1"), "--depths"), (("scan", "--depths", "50,x"), "--depths"),
+    (("scan", "--depths", "nan"), "--depths"), (("scan", "--sink", "-1"), "--sink"), (("scan", "--window", "0"), "--window"),
+    (("scan", "--haystack", "{binary}"), "--haystack"), (("scan", "--haystack", "{missing}"), "--haystack"),
+    (("scan", "--haystack", "{empty}"), "--haystack"), (("scan", "--haystack", "nosuch"), "--haystack"),
+    (("scan", "--needles-file", "{latin1}"), "--needles-file"), (("scan", "--needles-file", "{missing}"), "--needles-file"),
+    (("scan", "--needles-file", "{needles_types_json}"), "--needles-file"),
+    (("scan", "--needles-file", "{needles_obj_json}"), "--needles-file"),
+    (("scan", "--needles-file", "{text}"), "--needles-file"),
+    (("scan", "--needles", "no-such-needle"), "--needles"),
+    (("scan", "--lengths", "100000", "--needles", "locker-code", "--depths", "50"), "--lengths"),
+    (("scan", "--lengths", "6", "--needles", "locker-code", "--depths", "50"), "--lengths"),
+    (("ablate", "--sweep", "--heads", "1.1", "--lengths", "100000", "--depths", "50"), "--lengths"), (("scan", "--formats", "svg,jpeg"), "--formats"),
+    # ablate: counts, lists, heads, files, options that need others
+    (("ablate", *T, "--top-k", "-3", "--by", "first_token"), "--top-k"),
+    (("ablate", *T, "--top-k", "0", "--by", "first_token"), "--top-k"),
+    (("ablate", *T, "--top-k", "abc"), "--top-k"), (("ablate", *T, "--top-k", "300", "--by", "first_token"), "--top-k"),
+    (("ablate", *T, "--heads", "1.1", "--seeds", "-1"), "--seeds"), (("ablate", *T, "--heads", "1.1", "--seeds", "0"), "--seeds"),
+    (("ablate", *T, "--top-k", "2", "--by", "first_token", "--curve", "a,b"), "--curve"),
+    (("ablate", *T, "--top-k", "2", "--by", "first_token", "--curve", "-1,2"), "--curve"),
+    (("ablate", *T, "--top-k", "2", "--by", "first_token", "--curve", ""), "--curve"),
+    (("ablate", *T, "--top-k", "2", "--by", "first_token", "--curve", "0,300"), "--curve"),
+    (("ablate", *T, "--heads", "1.1", "--curve", "0,1"), "--curve"),
+    (("ablate", *T, "--top-k", "2", "--by", "no_such_score"), "--by"), (("ablate", *T, "--top-k", "2"), "--by"),
+    (("ablate", "--sweep", "--top-k", "2", "--by", "first_token"), "--by"),
+    (("ablate", *T, "--heads", "99.1"), "--heads"), (("ablate", *T, "--heads", "1.99"), "--heads"),
+    (("ablate", *T, "--heads", "kv:1.7"), "--heads"), (("ablate", *T, "--heads", "3-1"), "--heads"),
+    (("ablate", *T, "--heads", "1.1", "--top-k", "2"), "--heads"), (("ablate", *T), "--heads"),
+    (("ablate", "--heads", "1.1"), "--text"), (("ablate", "--text", " ", "--heads", "1.1"), "--text"),
+    (("ablate", *T, "--file", "{text}", "--heads", "1.1"), "--file"),
+    (("ablate", "--file", "{binary}", "--heads", "1.1"), "--file"),
+    (("ablate", *T, "--heads", "1.1", "--method", "mean", "--reference-file", "{binary}"), "--reference-file"),
+    (("ablate", *T, "--heads", "1.1", "--method", "mean", "--reference-file", "{empty}"), "--reference-file"),
+    (("ablate", *T, "--heads", "1.1", "--reference-file", "{text}"), "--reference-file"),
+    (("ablate", *T, "--heads", "1.1", "--method", "resample"), "--source"),
+    (("ablate", *T, "--heads", "1.1", "--source", "Another text."), "--source"),
+    (("ablate", *T, "--heads", "1.1", "--method", "bogus"), "--method"),
+    (("ablate", *T, "--heads", "1.1", "--lengths", "256"), "--lengths"),
+    (("ablate", *T, "--heads", "1.1", "--haystack", "passkey"), "--haystack"),
+    (("ablate", "--sweep", "--heads", "1.1", "--lengths", "abc"), "--lengths"),
+    (("ablate", "--sweep", "--heads", "1.1", "--depths", "101"), "--depths"),
+    (("ablate", "--sweep", "--heads", "1.1", "--haystack", "{binary}"), "--haystack"),
+    (("ablate", "--sweep", "--heads", "1.1", "--needles-file", "{needles_types_json}"), "--needles-file"),
+    (("ablate", "--sweep", "--heads", "1.1", "--needles", "no-such-needle"), "--needles"),
+    (("ablate", *T, "--heads", "1.1", "--model", "{random_gguf}"), "--model"),
+    (("ablate", *T, "--heads", "1.1", "--formats", "svg,tiff"), "--formats"),
+    # serve, worker
+    (("serve", "--port", "0"), "--port"), (("serve", "--port", "70000"), "--port"), (("serve", "--port", "http"), "--port"),
+    (("serve", "--port", "{busy_port}"), "--port"), (("serve", "--host", ""), "--host"),
+    (("serve", "--host", "0.0.0.0", "--token", "short"), "--token"),
+    (("worker", "--concurrency", "0"), "--concurrency"), (("worker", "--page-concurrency", "-1"), "--page-concurrency"),
+    (("worker", "--device", "gpu"), "--device"), (("worker", "--name", ""), "--name"), (("worker",), "HEADSCOPE_REDIS_URL"),
+]
+
+
+def _case_id(case):
+    argv, _ = case
+    return " ".join(a or "''" for a in argv)[:60] or "no-args"
+
+
+@pytest.mark.parametrize("argv, names", BAD_INPUTS, ids=[_case_id(c) for c in BAD_INPUTS])
+def test_bad_input_is_one_line_naming_the_argument_and_exit_2(real_model, bad_files, monkeypatch, capsys, argv, names):
+    """In-process (the model is loaded once for the session): the status, the message, no traceback.
+    An uncaught exception fails the test by itself."""
+    import socket
+
+    from app.cli import main
+
+    for var in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"):  # main sets them; restore after
+        monkeypatch.setenv(var, os.environ.get(var, "1"))
+    monkeypatch.delenv("HEADSCOPE_REDIS_URL", raising=False)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        files = {**bad_files, "busy_port": str(busy.getsockname()[1])}
+        args = ["--home", files["home"], *(a.format(**files) for a in argv)] if argv and argv[0] != "--home" else \
+            [a.format(**files) for a in argv]
+        try:
+            code = main(args)
+        except SystemExit as e:  # argparse
+            code = e.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("headscope"), err
+    assert names in lines[0], err
+
+
+def test_bad_inputs_in_a_real_process_exit_2_without_traceback(bad_files, tmp_path):
+    """The same boundary as a user meets it: separate processes, output captured."""
+    for argv, names in [(("ablate", *T, "--top-k", "-3"), "--top-k"), (("figure", bad_files["manifest_view_list"]), "view"),
+                        (("run", "hi", "--model", bad_files["random_gguf"]), "--model"),
+                        (("run", "--file", bad_files["missing"]), "--file")]:
+        r = headscope(*argv, home=tmp_path / "home")
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and names in r.stderr, r.stderr
+
+
+HEAVY = ("torch", "transformers", "dash", "plotly", "transformer_lens", "numpy", "analysis.models")
+
+
+def test_help_and_argument_errors_import_nothing_heavy_and_answer_fast(tmp_path):
+    """Parsing every subcommand's arguments (good and bad) imports none of torch, transformers, dash:
+    checked in a fresh process, which cannot flake; and the real command answers well within 5 s."""
+    import time
+
+    probe = (
+        "import sys\n"
+        "from app.cli import build_parser\n"
+        "argvs = [['serve', '--port', '9000'], ['worker', '--concurrency', '2'], ['run', 'hi', '--formats', 'svg'],\n"
+        "         ['scan', '--lengths', '256,512', '--depths', '0,50'], ['models'], ['runs', 'list'],\n"
+        "         ['figure', 'm.json'], ['ablate', '--text', 'x', '--top-k', '3', '--curve', '0,1,3'],\n"
+        "         ['ablate', '--top-k', '-3'], ['scan', '--lengths', 'abc'], ['--help'], ['ablate', '--help']]\n"
+        "for argv in argvs:\n"
+        "    try:\n"
+        "        build_parser().parse_args(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m in {HEAVY!r}))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"
+    for argv, code in [(("--help",), 0), (("ablate", "--help"), 0), (("scan", "--help"), 0),
+                       (("ablate", "--top-k", "-3"), 2), (("run", "--file", str(tmp_path / "missing.txt")), 2)]:
+        t = time.perf_counter()
+        r = headscope(*argv, home=tmp_path / "home", timeout=60)
+        took = time.perf_counter() - t
+        assert r.returncode == code, r.stderr
+        assert took < 5, f"headscope {' '.join(argv)} took {took:.1f} s"
+
+
+def test_captured_output_has_no_progress_bars_and_clean_result_lines(tmp_path):
+    """Output to a pipe: no carriage returns or escape codes (headscope's bars and transformers'
+    'Loading weights' bar are off), and each result is one clean line."""
+    out = tmp_path / "out"
+    r = headscope("run", "The capital of France is Paris.", "--out", str(out), home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr
+    for stream in (r.stdout, r.stderr):
+        assert "\r" not in stream and "\x1b" not in stream, repr(stream[:300])
+    assert "Loading weights" not in r.stderr and "%|" not in r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("run ") and len(lines[0].split()) == 2
+    assert lines[1].startswith("7 tokens, mean loss ") and lines[1].endswith("(full patterns)")
+    assert lines[2] == f"results in {out}"
+
+
+def test_worker_with_an_unreachable_redis_is_one_line_exit_2(monkeypatch, capsys):
+    """A Redis URL nothing listens on, or one that is not a URL: the variable is named, no traceback."""
+    import socket
+
+    from app.cli import main
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for url in (f"redis://127.0.0.1:{port}/0", "not a url"):
+        monkeypatch.setenv("HEADSCOPE_REDIS_URL", url)
+        assert main(["worker"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "HEADSCOPE_REDIS_URL" in lines[0] and "cannot reach Redis" in lines[0], lines
