@@ -545,10 +545,12 @@ def cmd_scan(args) -> int:
     for view in ("retrieval_grid", "retrieval_histogram", "retrieval_scatter", "niah_grid"):
         write_files(None, view, params, out, formats)
     for score in scores.names:
-        write_files(None, "head_score_grid", {**params, "score": score}, out / score, formats)
+        write_files(None, "head_score_grid", {**params, "score": score}, out / score, formats,
+                    plotlyjs_path=out / "plotly.min.js")
     for score in ("retrieval", "evidence"):
         if score == "retrieval" or score in scores.names:
-            write_files(None, "score_mass", {**params, "score": score}, out / f"mass_{score}", formats)
+            write_files(None, "score_mass", {**params, "score": score}, out / f"mass_{score}", formats,
+                        plotlyjs_path=out / "plotly.min.js")
     print(f"sweep {result.key}")
     print(f"{result.n_counted}/{result.n_trials} trials answered ({summary['reused_trials']} reused); "
           f"{result.share_above(0.1):.1%} of heads score above 0.1")

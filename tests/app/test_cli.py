@@ -105,8 +105,12 @@ def test_scan_writes_tables_and_figures_and_reuses_trials(tmp_path):
     assert evidence.shape == (30, 9) and 0 <= evidence.min() and evidence.max() <= 1
     assert (tmp_path / "a" / "induction" / "head_score_grid.svg").exists()
     assert (tmp_path / "a" / "mass_evidence" / "score_mass.csv").exists()
-    again = headscope(*args, "--out", str(tmp_path / "b"), home=home)
+    again = headscope(*args[:-1], "svg,html", "--out", str(tmp_path / "b"), home=home)
     assert "(1 reused)" in again.stdout
+    # every HTML figure of the scan, subfolders included, shares one copy of the plotting library
+    pages = list((tmp_path / "b").rglob("*.html"))
+    assert len(pages) > 10 and [p.name for p in (tmp_path / "b").rglob("*.js")] == ["plotly.min.js"]
+    assert all(p.stat().st_size < 200_000 for p in pages)
     assert (tmp_path / "b" / "retrieval_scores.csv").read_text() == (tmp_path / "a" / "retrieval_scores.csv").read_text()
     bad = headscope("scan", "--depths", "150", "--needles", "locker-code", home=home)
     assert bad.returncode == 2 and "depth" in bad.stderr.lower() and "Traceback" not in bad.stderr
