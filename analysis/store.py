@@ -237,7 +237,8 @@ class Store:
         if empty and any(m is not None for _, m in self._manifests()):
             self._rebuild_index(f"{path.name} was empty" if existed else f"{path.name} was missing", move_aside=False)
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Close this thread's index connection (it is reopened when needed)."""
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
@@ -260,7 +261,7 @@ class Store:
         """Rebuild the index from the record folders' manifests: a corrupt one is moved aside first;
         an empty one is filled in place (a writer may be committing into it right now, and its row
         wins over the manifest's)."""
-        self._close()
+        self.close()
         index = self.root / "index.sqlite"
         aside = None
         if move_aside:

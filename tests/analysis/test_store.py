@@ -217,7 +217,7 @@ def _fill(root) -> dict[str, np.ndarray]:
     for key, arr in want.items():
         s.put(key, "run", {"i": int(arr[0])}, {"a": arr})
     s.put(next(iter(want)), "run", {"i": 0}, {"a": want[next(iter(want))]})  # a replaced version too
-    s._close()
+    s.close()
     return want
 
 
