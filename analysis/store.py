@@ -223,7 +223,7 @@ class Store:
 
     def _open_index(self) -> None:
         path = self.root / "index.sqlite"
-        existed = path.exists() and path.stat().st_size > 0
+        state = "was missing" if not path.exists() else "was empty" if path.stat().st_size == 0 else "had no records"
         try:
             with self._db() as db:
                 check = db.execute("PRAGMA quick_check").fetchone()
@@ -235,7 +235,7 @@ class Store:
             self._rebuild_index(f"{path.name} is corrupt ({e})", move_aside=True)
             return
         if empty and any(m is not None for _, m in self._manifests()):
-            self._rebuild_index(f"{path.name} was empty" if existed else f"{path.name} was missing", move_aside=False)
+            self._rebuild_index(f"{path.name} {state}", move_aside=False)
 
     def close(self) -> None:
         """Close this thread's index connection (it is reopened when needed)."""

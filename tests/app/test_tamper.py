@@ -71,15 +71,19 @@ def stop(proc: subprocess.Popen) -> None:
 
 def render_attention(url: str, search: str) -> dict:
     """What the Attention page's ``render`` callback answers for ``search``, as the browser asks it."""
+    from app import ids
+    from app.components import url_id
+
+    location = url_id("attn")
     deps = json.load(urllib.request.urlopen(url + "_dash-dependencies", timeout=30))
-    dep = next(d for d in deps if "hs-heatmap.figure" in d["output"]
-               and {"id": "attn-url", "property": "search"} in d["inputs"])
+    dep = next(d for d in deps if f"{ids.HEATMAP}.figure" in d["output"]
+               and {"id": location, "property": "search"} in d["inputs"])
     outputs = []
     for part in dep["output"].strip(".").split("..."):
         cid, prop = part.rsplit(".", 1)
         outputs.append({"id": cid, "property": prop})
-    body = {"output": dep["output"], "outputs": outputs, "changedPropIds": ["attn-url.search"], "state": [],
-            "inputs": [{"id": "attn-url", "property": "search", "value": search}]}
+    body = {"output": dep["output"], "outputs": outputs, "changedPropIds": [f"{location}.search"], "state": [],
+            "inputs": [{"id": location, "property": "search", "value": search}]}
     req = urllib.request.Request(url + "_dash-update-component", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -178,6 +182,8 @@ def test_tampered_run_files_never_reach_a_live_server_and_are_recomputed(tmp_pat
     raw = bytearray(pristine)
     raw[data_start] ^= 0xFF
     patterns_file.write_bytes(bytes(raw))
+    for suffix in ("-wal", "-shm"):  # a WAL holding page 1 would mask the garbled file: SQLite reads it there
+        (home / f"index.sqlite{suffix}").unlink(missing_ok=True)
     (home / "index.sqlite").write_bytes(b"this is not a database" * 200)
     before = len(log.read_text())
     proc, url = start_server(home, log)
@@ -226,7 +232,8 @@ def test_cli_reports_a_corrupt_index_in_one_line_and_lists_the_rebuilt_runs(tmp_
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "rebuilt 2 records from the record folders" in done.stderr and "Traceback" not in done.stderr
     assert {line.split()[0] for line in done.stdout.splitlines()} == {k[:16] for k in keys}
-    print(done.stderr)
+    assert ("index.sqlite is corrupt (file is not a database)" if damage == "garbage"
+            else "index.sqlite was empty") in done.stderr
 
 
 # -- the job cache holds JSON, and never loads a pickle --------------------------------------------
