@@ -113,9 +113,10 @@ class Record:
     _loaded: dict[str, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     def array(self, name: str, mmap: bool = True) -> np.ndarray:
-        """One array, from bytes that passed their sha256 (read-only; ``mmap=False`` gives a writable
-        copy — nothing is memory-mapped any more, the name stays for callers). Raises
-        ``CorruptRecord`` if the file is missing or fails its checksum.
+        """One array, from bytes that passed their sha256. Nothing is memory-mapped any more (the
+        name stays for callers): ``mmap=True`` gives the record's read-only array; ``mmap=False``
+        hands it over writable, without a copy (asked again, it is read and verified again).
+        Raises ``CorruptRecord`` if the file is missing or fails its checksum.
 
         Another process may replace the record (same key, new folder) after this one was read and
         remove the old folder: a missing file is then read from the record now under the key."""
@@ -133,7 +134,11 @@ class Record:
                     raise
                 arr = fresh.array(name)
             self._loaded[name] = arr
-        return arr if mmap else arr.copy()
+        if mmap:
+            return arr
+        del self._loaded[name]
+        arr.flags.writeable = True  # its own buffer, read for this record only
+        return arr
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: self.array(name) for name in self.array_info}

@@ -279,3 +279,13 @@ def test_a_live_writers_temporary_folder_is_left_alone_a_dead_ones_is_collected(
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_writable_array_is_the_callers_own(store):
+    """``mmap=False`` hands over a writable array; changing it never changes what is served next."""
+    store.put("k", "run", {}, {"a": np.arange(5.0)})
+    record = store.get("k")
+    mine = record.array("a", mmap=False)
+    mine[0] = 9
+    np.testing.assert_array_equal(record.array("a"), np.arange(5.0))
+    np.testing.assert_array_equal(store.get("k").array("a"), np.arange(5.0))
