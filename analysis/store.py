@@ -54,6 +54,8 @@ from analysis.shared_records import SharedRecords
 log = logging.getLogger(__name__)
 
 MANIFEST = "record.json"
+#: ``PRAGMA user_version`` of an index whose every record folder has its manifest.
+MANIFESTS_COMPLETE = 1
 TMP_PREFIX = ".tmp-"
 #: A temporary folder of a writer on another host (whose pid cannot be checked), or of a pid that
 #: was reused, is collected only when nothing in it changed for this long.
@@ -238,11 +240,34 @@ class Store:
                     raise sqlite3.DatabaseError(f"integrity check: {check[0] if check else 'no answer'}")
                 db.executescript(SCHEMA)
                 empty = db.execute("SELECT 1 FROM records LIMIT 1").fetchone() is None
+                if db.execute("PRAGMA user_version").fetchone()[0] < MANIFESTS_COMPLETE:
+                    self._backfill_manifests(db)
+                    db.execute(f"PRAGMA user_version={MANIFESTS_COMPLETE}")
         except sqlite3.DatabaseError as e:
             self._rebuild_index(f"{path.name} is corrupt ({e})", move_aside=True)
             return
         if empty and any(m is not None for _, m in self._manifests()):
             self._rebuild_index(f"{path.name} {state}", move_aside=False)
+
+    def _backfill_manifests(self, db: sqlite3.Connection) -> None:
+        """Write the manifest of every record stored before manifests existed (from its index rows,
+        once per store), so a later rebuild of the index loses none of them."""
+        rows = db.execute("SELECT key, kind, folder, meta, created FROM records").fetchall()
+        written = 0
+        for key, kind, folder, meta, created in rows:
+            target = self.root / folder / MANIFEST
+            if target.exists() or not target.parent.is_dir():
+                continue
+            arrays = db.execute("SELECT name, sha256, shape, dtype, nbytes FROM arrays WHERE key=?", (key,)).fetchall()
+            manifest = {"key": key, "kind": kind, "meta": json.loads(meta), "created": created,
+                        "arrays": {n: {"sha256": h, "shape": json.loads(sh), "dtype": d, "nbytes": nb}
+                                   for n, h, sh, d, nb in arrays}}
+            tmp = target.with_name(f".{MANIFEST}.{os.getpid()}")
+            tmp.write_text(json.dumps(manifest))
+            os.replace(tmp, target)
+            written += 1
+        if written:
+            log.info("wrote the manifests of %d records stored by an older version", written)
 
     def close(self) -> None:
         """Close this thread's index connection (it is reopened when needed)."""
@@ -292,6 +317,7 @@ class Store:
                     rel = folder.relative_to(self.root)
                     self._insert(db, key, m["kind"], rel, json.dumps(m["meta"]), m["created"], m["arrays"])
             db.execute("COMMIT")
+            db.execute(f"PRAGMA user_version={MANIFESTS_COMPLETE}")
         log.warning("%s%s; rebuilt %d records from the record folders%s", reason,
                     f": moved to {aside.name}" if aside else "", len(newest),
                     f" ({unreadable} folders without a readable manifest left out)" if unreadable else "")

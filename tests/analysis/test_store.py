@@ -289,3 +289,21 @@ def test_a_writable_array_is_the_callers_own(store):
     mine[0] = 9
     np.testing.assert_array_equal(record.array("a"), np.arange(5.0))
     np.testing.assert_array_equal(store.get("k").array("a"), np.arange(5.0))
+
+
+def test_records_stored_before_manifests_survive_a_later_index_rebuild(tmp_path):
+    """A store written by the previous version (no ``record.json`` in its folders) gets its manifests
+    written from the index at the next open, so garbling the index afterwards loses nothing."""
+    root = tmp_path / "old"
+    s = Store(root)
+    s.put("ab" * 32, "run", {"v": 1}, {"a": np.arange(4.0)})
+    (s.get("ab" * 32).folder / "record.json").unlink()
+    with s._db() as db:
+        db.execute("PRAGMA user_version=0")  # as the previous version left it
+    s.close()
+    Store(root).close()
+    (root / "index.sqlite-wal").unlink(missing_ok=True)
+    (root / "index.sqlite").write_bytes(b"garbage" * 100)
+    r = Store(root).get("ab" * 32)
+    assert r.meta == {"v": 1}
+    np.testing.assert_array_equal(r.array("a"), np.arange(4.0))
