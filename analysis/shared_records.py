@@ -98,15 +98,19 @@ class SharedRecords:
             return None
         if not fields or b"header" not in fields:
             return None
-        header = json.loads(fields[b"header"])
-        arrays = {}
-        for name, info in header["arrays"].items():
-            data = fields.get(f"array:{name}".encode())
-            if data is None or hashlib.sha256(data).hexdigest() != info["sha256"]:
-                log.warning("shared record %s: array %s is missing or fails its checksum", key[:12], name)
-                return None
-            arrays[name] = np.load(io.BytesIO(data), allow_pickle=False)
-        return header["kind"], header["meta"], arrays
+        try:
+            header = json.loads(fields[b"header"])
+            arrays = {}
+            for name, info in header["arrays"].items():
+                data = fields.get(f"array:{name}".encode())  # immutable bytes: hashed, then parsed
+                if data is None or hashlib.sha256(data).hexdigest() != info["sha256"]:
+                    log.warning("shared record %s: array %s is missing or fails its checksum", key[:12], name)
+                    return None
+                arrays[name] = np.load(io.BytesIO(data), allow_pickle=False)
+            return str(header["kind"]), dict(header["meta"]), arrays
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # malformed header or .npy, or a pickle
+            log.warning("shared record %s is malformed (%s): not used", key[:12], e)
+            return None
 
     def find(self, prefix: str) -> list[str]:
         """Shared keys starting with ``prefix`` (expired ones left out)."""

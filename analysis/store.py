@@ -3,14 +3,21 @@
 Layout::
 
     index.sqlite            WAL-mode index: one row per record, one row per array with its sha256
-    records/ab/<key>-<n>/   one folder per stored record version, one ``.npy`` per array
+    records/ab/<key>-<n>/   one folder per stored record version, one ``.npy`` per array and a
+                            ``record.json`` manifest (key, kind, metadata, each array's sha256)
 
 Guarantees
 ----------
 - Writes are atomic: arrays go into a temporary folder which is renamed into place, and only then
   is the index row committed. A crash at any point leaves either the old record or the new one.
-- Every array file is checked against its sha256 before it is served; a truncated or corrupted file
-  makes the record count as missing (so callers recompute), never served.
+- The bytes served are the bytes verified: an array is read into memory and the sha256 of exactly
+  what was read is checked before it is used (no memory map, so a file changed, truncated or
+  deleted afterwards cannot change a served array or kill the process with SIGBUS). A record that
+  fails is logged, dropped and counts as missing (so callers recompute), never served.
+- A corrupt index (``file is not a database``, truncated, emptied) is logged in one line, moved
+  aside and rebuilt from the manifests in the record folders.
+- Crash leftovers (temporary folders of a killed writer, folders no index row points to) are
+  collected when a store is opened; a temporary folder whose writer is alive is never touched.
 - Several processes may share one store: SQLite serialises index writes, each writer uses its own
   folder name, and readers only follow committed rows.
 - Arrays are plain ``.npy`` read with ``allow_pickle=False``: no pickles anywhere.
@@ -21,10 +28,14 @@ Guarantees
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
+import io
 import json
+import logging
 import os
 import shutil
+import socket
 import sqlite3
 import threading
 import time
@@ -39,6 +50,19 @@ import numpy as np
 
 from analysis.paths import home
 from analysis.shared_records import SharedRecords
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "record.json"
+#: ``PRAGMA user_version`` of an index whose every record folder has its manifest.
+MANIFESTS_COMPLETE = 1
+TMP_PREFIX = ".tmp-"
+#: A temporary folder of a writer on another host (whose pid cannot be checked), or of a pid that
+#: was reused, is collected only when nothing in it changed for this long.
+STALE_TMP_S = 15 * 60
+#: A record folder no index row points to (a crash between rename and commit) is collected after this.
+ORPHAN_S = 3600
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -79,7 +103,7 @@ def _json_default(obj: Any) -> Any:
 
 @dataclass
 class Record:
-    """One stored record: its metadata and lazily loaded, verified arrays."""
+    """One stored record: its metadata and its arrays, read into memory and verified."""
 
     key: str
     kind: str
@@ -88,24 +112,35 @@ class Record:
     folder: Path
     array_info: dict[str, dict[str, Any]]
     store: Any = field(default=None, repr=False, compare=False)
+    _loaded: dict[str, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     def array(self, name: str, mmap: bool = True) -> np.ndarray:
-        """Load one array (memory-mapped by default). Raises ``CorruptRecord`` if its checksum fails.
+        """One array, from bytes that passed their sha256. Nothing is memory-mapped any more (the
+        name stays for callers): ``mmap=True`` gives the record's read-only array; ``mmap=False``
+        hands it over writable, without a copy (asked again, it is read and verified again).
+        Raises ``CorruptRecord`` if the file is missing or fails its checksum.
 
         Another process may replace the record (same key, new folder) after this one was read and
         remove the old folder: a missing file is then read from the record now under the key."""
-        info = self.array_info[name]
-        path = self.folder / f"{name}.npy"
-        try:
-            _verify(path, info["sha256"])
-            return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
-        except (CorruptRecord, FileNotFoundError):
-            if path.exists() or self.store is None:
-                raise
-            fresh = self.store.get(self.key)
-            if fresh is None or fresh.folder == self.folder or name not in fresh.array_info:
-                raise
-            return fresh.array(name, mmap)
+        arr = self._loaded.get(name)
+        if arr is None:
+            info = self.array_info[name]
+            path = self.folder / f"{name}.npy"
+            try:
+                arr = _read_verified(path, info["sha256"])
+            except CorruptRecord:
+                if path.exists() or self.store is None:
+                    raise
+                fresh = self.store.get(self.key)
+                if fresh is None or fresh.folder == self.folder or name not in fresh.array_info:
+                    raise
+                arr = fresh.array(name)
+            self._loaded[name] = arr
+        if mmap:
+            return arr
+        del self._loaded[name]
+        arr.flags.writeable = True  # its own buffer, read for this record only
+        return arr
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: self.array(name) for name in self.array_info}
@@ -115,41 +150,55 @@ class CorruptRecord(RuntimeError):
     """A stored array failed its checksum or could not be read."""
 
 
-_verified: dict[tuple[str, int, int], str] = {}
-_verified_lock = threading.Lock()
-
-
-def _verify(path: Path, sha256: str) -> None:
-    try:
-        st = path.stat()
-    except OSError as e:
-        raise CorruptRecord(f"{path.name} is missing") from e
-    stamp = (str(path), st.st_size, st.st_mtime_ns)
-    with _verified_lock:
-        if _verified.get(stamp) == sha256:
-            return
+def _read_verified(path: Path, sha256: str) -> np.ndarray:
+    """The array in ``path``, parsed from the very bytes whose sha256 was checked (one read, no
+    memory map: later changes to the file cannot reach the returned array)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            buf = np.empty(size, dtype=np.uint8)  # not zero-filled, unlike a bytearray
+            view = memoryview(buf)
+            got = 0
+            while got < size:  # hash each block while it is still in the CPU cache: one pass
+                n = f.readinto(view[got:got + (1 << 22)])
+                if not n:
+                    break
+                h.update(view[got:got + n])
+                got += n
+    except FileNotFoundError as e:
+        raise CorruptRecord(f"{path.name} is missing") from e
+    except OSError as e:
+        raise CorruptRecord(f"{path.name} could not be read: {e}") from e
+    if got != size:
+        raise CorruptRecord(f"{path.name} shrank while it was read")
     if h.hexdigest() != sha256:
-        raise CorruptRecord(f"{path} failed its checksum")
-    with _verified_lock:
-        _verified[stamp] = sha256
-
-
-_stores: weakref.WeakSet = weakref.WeakSet()
+        raise CorruptRecord(f"{path.name} failed its checksum")
+    try:
+        header = io.BytesIO(view[:min(size, 1 << 16)])
+        read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                       (2, 0): np.lib.format.read_array_header_2_0}.get(np.lib.format.read_magic(header))
+        if read_header is None:
+            raise ValueError("unknown .npy version")
+        shape, fortran, dtype = read_header(header, max_header_size=1 << 16)
+        if dtype.hasobject:
+            raise ValueError("object arrays are never loaded")
+        count = int(np.prod(shape, dtype=np.int64))
+        arr = np.frombuffer(buf, dtype=dtype, count=count, offset=header.tell())
+    except ValueError as e:
+        raise CorruptRecord(f"{path.name} is not a plain .npy array: {e}") from e
+    arr = arr.reshape(shape, order="F" if fortran else "C")
+    arr.flags.writeable = False
+    return arr
 
 
 def _fresh_state_in_child() -> None:
-    """SQLite connections must not cross a fork, and a lock held by another thread would stay
-    held: a forked child (a background job) opens its own connections."""
-    global _verified_lock
-    _verified_lock = threading.Lock()
+    """SQLite connections must not cross a fork: a forked child (a background job) opens its own."""
     for store in list(_stores):
         store._local = threading.local()
 
 
+_stores: weakref.WeakSet = weakref.WeakSet()
 os.register_at_fork(after_in_child=_fresh_state_in_child)
 
 
@@ -157,24 +206,147 @@ class Store:
     """The run and result store. Thread-safe; safe to share between processes (and across a fork)."""
 
     def __init__(self, root: Path | str | None = None, shared: SharedRecords | None | bool = True):
-        """``shared``: True (default) shares records through ``HEADSCOPE_REDIS_URL`` when it is set."""
+        """Open (or create) the store at ``root``: a corrupt index is rebuilt from the record folders
+        and crash leftovers are collected (both logged).
+
+        ``shared``: True (default) shares records through ``HEADSCOPE_REDIS_URL`` when it is set."""
         self.shared = SharedRecords.from_env() if shared is True else (shared or None)
         self.root = Path(root) if root is not None else home()
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / "records").mkdir(exist_ok=True)
         self._local = threading.local()
         _stores.add(self)
+        with self._exclusive():
+            self._open_index()
+        self.collect_garbage()
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Between processes sharing this root: one at a time checks, moves and rebuilds the index."""
+        with open(self.root / "index.lock", "a+b") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _open_index(self) -> None:
+        path = self.root / "index.sqlite"
+        state = "was missing" if not path.exists() else "was empty" if path.stat().st_size == 0 else "had no records"
+        try:
+            with self._db() as db:
+                check = db.execute("PRAGMA quick_check").fetchone()
+                if not check or check[0] != "ok":
+                    raise sqlite3.DatabaseError(f"integrity check: {check[0] if check else 'no answer'}")
+                db.executescript(SCHEMA)
+                empty = db.execute("SELECT 1 FROM records LIMIT 1").fetchone() is None
+                if db.execute("PRAGMA user_version").fetchone()[0] < MANIFESTS_COMPLETE:
+                    self._backfill_manifests(db)
+                    db.execute(f"PRAGMA user_version={MANIFESTS_COMPLETE}")
+        except sqlite3.DatabaseError as e:
+            self._rebuild_index(f"{path.name} is corrupt ({e})", move_aside=True)
+            return
+        if empty and any(m is not None for _, m in self._manifests()):
+            self._rebuild_index(f"{path.name} {state}", move_aside=False)
+
+    def _backfill_manifests(self, db: sqlite3.Connection) -> None:
+        """Write the manifest of every record stored before manifests existed (from its index rows,
+        once per store), so a later rebuild of the index loses none of them."""
+        rows = db.execute("SELECT key, kind, folder, meta, created FROM records").fetchall()
+        written = 0
+        for key, kind, folder, meta, created in rows:
+            target = self.root / folder / MANIFEST
+            if target.exists() or not target.parent.is_dir():
+                continue
+            arrays = db.execute("SELECT name, sha256, shape, dtype, nbytes FROM arrays WHERE key=?", (key,)).fetchall()
+            manifest = {"key": key, "kind": kind, "meta": json.loads(meta), "created": created,
+                        "arrays": {n: {"sha256": h, "shape": json.loads(sh), "dtype": d, "nbytes": nb}
+                                   for n, h, sh, d, nb in arrays}}
+            tmp = target.with_name(f".{MANIFEST}.{os.getpid()}")
+            tmp.write_text(json.dumps(manifest))
+            os.replace(tmp, target)
+            written += 1
+        if written:
+            log.info("wrote the manifests of %d records stored by an older version", written)
+
+    def close(self) -> None:
+        """Close this thread's index connection (it is reopened when needed)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    def _manifests(self) -> Iterator[tuple[Path, dict[str, Any] | None]]:
+        """(folder, its manifest or None when unreadable) for every committed record folder."""
+        for folder in sorted((self.root / "records").glob("*/*")):
+            if folder.name.startswith(TMP_PREFIX) or not folder.is_dir():
+                continue
+            try:
+                manifest = json.loads((folder / MANIFEST).read_text())
+                if not isinstance(manifest, dict) or not {"key", "kind", "meta", "created", "arrays"} <= manifest.keys():
+                    manifest = None
+            except (OSError, ValueError):
+                manifest = None
+            yield folder, manifest
+
+    def _rebuild_index(self, reason: str, move_aside: bool) -> None:
+        """Rebuild the index from the record folders' manifests: a corrupt one is moved aside first;
+        an empty one is filled in place (a writer may be committing into it right now, and its row
+        wins over the manifest's)."""
+        self.close()
+        index = self.root / "index.sqlite"
+        aside = None
+        if move_aside:
+            aside = index.with_name(f"index.sqlite.corrupt-{int(time.time())}")
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.replace(index.with_name(index.name + suffix), aside.with_name(aside.name + suffix))
+        newest: dict[str, tuple[Path, dict[str, Any]]] = {}
+        unreadable = 0
+        for folder, manifest in self._manifests():
+            if manifest is None:
+                unreadable += 1
+                continue
+            if manifest["key"] not in newest or manifest["created"] > newest[manifest["key"]][1]["created"]:
+                newest[manifest["key"]] = (folder, manifest)
         with self._db() as db:
             db.executescript(SCHEMA)
+            db.execute("BEGIN IMMEDIATE")
+            for key, (folder, m) in newest.items():
+                if db.execute("SELECT 1 FROM records WHERE key=?", (key,)).fetchone() is None:
+                    rel = folder.relative_to(self.root)
+                    self._insert(db, key, m["kind"], rel, json.dumps(m["meta"]), m["created"], m["arrays"])
+            db.execute("COMMIT")
+            db.execute(f"PRAGMA user_version={MANIFESTS_COMPLETE}")
+        log.warning("%s%s; rebuilt %d records from the record folders%s", reason,
+                    f": moved to {aside.name}" if aside else "", len(newest),
+                    f" ({unreadable} folders without a readable manifest left out)" if unreadable else "")
+
+    @staticmethod
+    def _insert(db: sqlite3.Connection, key: str, kind: str, folder: Path | str, meta_json: str, created: float,
+                info: dict[str, dict[str, Any]]) -> None:
+        db.execute("DELETE FROM arrays WHERE key=?", (key,))
+        db.execute(
+            "INSERT OR REPLACE INTO records(key, kind, folder, meta, created) VALUES (?,?,?,?,?)",
+            (key, kind, str(folder), meta_json, created),
+        )
+        db.executemany(
+            "INSERT INTO arrays(key, name, sha256, shape, dtype, nbytes) VALUES (?,?,?,?,?,?)",
+            [(key, n, i["sha256"], json.dumps(i["shape"]), i["dtype"], i["nbytes"]) for n, i in info.items()],
+        )
 
     @contextlib.contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = sqlite3.connect(self.root / "index.sqlite", timeout=30, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute("PRAGMA busy_timeout=30000")
+            try:
+                conn.execute("PRAGMA busy_timeout=30000")
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+            except sqlite3.DatabaseError:
+                conn.close()
+                raise
             self._local.conn = conn
         yield conn
 
@@ -185,9 +357,12 @@ class Store:
         """Store a record atomically, replacing any earlier record with the same key (and share it,
         when the store is shared)."""
         folder = self.root / "records" / key[:2] / f"{key}-{uuid.uuid4().hex[:8]}"
-        tmp = folder.with_name(f".tmp-{folder.name}")
+        # the writer's pid and host in the name: leftovers of a dead writer are collected at once
+        tmp = folder.with_name(f"{TMP_PREFIX}{os.getpid()}-{_HOST}-{folder.name}")
         tmp.mkdir(parents=True)
         info: dict[str, dict[str, Any]] = {}
+        created = time.time()
+        meta_json = json.dumps(meta, default=_json_default)
         try:
             for name, arr in arrays.items():
                 if not name.replace("_", "").replace("-", "").isalnum():
@@ -206,33 +381,30 @@ class Store:
                     "dtype": str(arr.dtype),
                     "nbytes": int(arr.nbytes),
                 }
+            # what a rebuild of the index needs, beside the arrays it describes
+            manifest = {"key": key, "kind": kind, "meta": json.loads(meta_json), "created": created, "arrays": info}
+            with open(tmp / MANIFEST, "w") as f:
+                json.dump(manifest, f)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, folder)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        created = time.time()
-        meta_json = json.dumps(meta, default=_json_default)
         old_folder = None
+        rel = str(folder.relative_to(self.root))
         with self._db() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
                 row = db.execute("SELECT folder FROM records WHERE key=?", (key,)).fetchone()
                 old_folder = row[0] if row else None
-                db.execute("DELETE FROM arrays WHERE key=?", (key,))
-                db.execute(
-                    "INSERT OR REPLACE INTO records(key, kind, folder, meta, created) VALUES (?,?,?,?,?)",
-                    (key, kind, str(folder.relative_to(self.root)), meta_json, created),
-                )
-                db.executemany(
-                    "INSERT INTO arrays(key, name, sha256, shape, dtype, nbytes) VALUES (?,?,?,?,?,?)",
-                    [(key, n, i["sha256"], json.dumps(i["shape"]), i["dtype"], i["nbytes"]) for n, i in info.items()],
-                )
+                self._insert(db, key, kind, rel, meta_json, created, info)
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
                 shutil.rmtree(folder, ignore_errors=True)
                 raise
-        if old_folder and old_folder != str(folder.relative_to(self.root)):
+        if old_folder and old_folder != rel:
             shutil.rmtree(self.root / old_folder, ignore_errors=True)
         if share and self.shared is not None:
             self.shared.publish(key, kind, meta_json, created, folder, info)
@@ -241,8 +413,10 @@ class Store:
     # -- reading -------------------------------------------------------------------------------
 
     def get(self, key: str, verify: bool = True, _retry: int = 0) -> Record | None:
-        """The record under ``key``, or ``None`` if absent or corrupt (a corrupt one is removed).
-        A shared store copies a record it lacks from Redis first."""
+        """The record under ``key``, or ``None`` if absent or corrupt (a corrupt one is logged and
+        removed). With ``verify`` (default) every array is read into memory and checked here, so
+        the record's arrays never touch the disk again. A shared store copies a record it lacks
+        from Redis first."""
         with self._db() as db:
             row = db.execute("SELECT kind, folder, meta, created FROM records WHERE key=?", (key,)).fetchone()
             if row is None:
@@ -260,10 +434,11 @@ class Store:
         if verify:
             try:
                 for name, i in info.items():
-                    _verify(record.folder / f"{name}.npy", i["sha256"])
-            except CorruptRecord:
+                    record._loaded[name] = _read_verified(record.folder / f"{name}.npy", i["sha256"])
+            except CorruptRecord as e:
                 if _retry < 2 and self._folder_of(key) not in (None, folder):
                     return self.get(key, verify, _retry=_retry + 1)  # replaced meanwhile: read the new one
+                log.warning("stored %s %s: %s; dropped, it will be computed again", kind, key[:12], e)
                 self.remove(key)
                 return None
         return record
@@ -309,18 +484,67 @@ class Store:
             self.shared.remove(key)
         return row is not None
 
-    def collect_garbage(self, older_than_s: float = 3600) -> int:
-        """Remove folders no index row points to (left by a crash between rename and commit)."""
+    def collect_garbage(self, older_than_s: float = ORPHAN_S) -> int:
+        """Remove crash leftovers; called whenever a store is opened. Returns how many were removed.
+
+        - a temporary folder of a writer on this host whose process is gone: at once;
+        - a temporary folder of a live writer: never (another process may be writing it right now);
+        - any other temporary folder (another host, an old name): when nothing in it changed for
+          ``STALE_TMP_S`` (or ``older_than_s``, if smaller);
+        - a committed folder no index row points to (a crash between rename and commit, or a
+          replaced version not yet removed): when older than ``older_than_s``."""
         with self._db() as db:
             live = {r[0] for r in db.execute("SELECT folder FROM records")}
         removed = 0
         now = time.time()
         for folder in (self.root / "records").glob("*/*"):
-            rel = str(folder.relative_to(self.root))
-            if rel not in live and now - folder.stat().st_mtime > older_than_s:
+            try:
+                if folder.name.startswith(TMP_PREFIX):
+                    writer = _tmp_writer(folder.name)
+                    if writer is not None and writer[1] == _HOST:
+                        stale = not _pid_alive(writer[0])
+                    else:
+                        stale = now - _last_change(folder) > min(STALE_TMP_S, older_than_s)
+                else:
+                    rel = str(folder.relative_to(self.root))
+                    stale = rel not in live and now - folder.stat().st_mtime > older_than_s
+            except FileNotFoundError:  # removed by another process meanwhile
+                continue
+            if stale:
                 shutil.rmtree(folder, ignore_errors=True)
                 removed += 1
+        if removed:
+            log.info("collected %d leftover record folders under %s", removed, self.root / "records")
         return removed
+
+
+def _tmp_writer(name: str) -> tuple[int, str] | None:
+    """(pid, host tag) from a temporary folder's name, or None for a name without them."""
+    parts = name[len(TMP_PREFIX):].split("-", 2)
+    if len(parts) == 3 and parts[0].isdigit() and len(parts[1]) == 8:
+        return int(parts[0]), parts[1]
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _last_change(folder: Path) -> float:
+    """Latest mtime of a folder and the files in it (a writer's file grows while it writes)."""
+    times = [folder.stat().st_mtime]
+    for f in folder.iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            times.append(f.stat().st_mtime)
+    return max(times)
 
 
 def _sha256_path(path: Path) -> str:

@@ -2,7 +2,9 @@
 
 Embedded (default): ``DiskcacheManager`` — each job runs in a process forked from the server, so it
 shares the already-loaded model's memory; its progress and result pass through a disk cache under
-``HEADSCOPE_HOME``. Results that matter land in the store, so a reload or a second tab finds them.
+``HEADSCOPE_HOME/jobs``. Results that matter land in the store, so a reload or a second tab finds them.
+That cache holds JSON (:class:`JSONJobDisk`), not diskcache's default pickles: a value that is not
+JSON is an error, and a pickle found in it is never loaded.
 
 With ``HEADSCOPE_REDIS_URL`` set: Dash's ``CeleryManager`` (:mod:`app.workers`) — the same
 callbacks run on Celery workers started with ``headscope worker``, and the web process loads no
@@ -15,11 +17,68 @@ Forked children must run torch single-threaded: PyTorch's CPU thread pool does n
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import sqlite3
 from collections.abc import Callable
 from typing import Any
 
+import diskcache
+from diskcache.core import MODE_BINARY, MODE_RAW, MODE_TEXT
+
+log = logging.getLogger(__name__)
+
 _manager = None
+
+
+class RefusedPickle(OSError):
+    """A job-cache entry that is not JSON (a pickle, say): never loaded. An ``OSError``, because
+    that is how diskcache's ``Cache.get`` is told an entry cannot be read: the entry then counts as
+    absent instead of raising into Dash's polling request."""
+
+
+class JSONJobDisk(diskcache.Disk):
+    """A ``diskcache.Disk`` for Dash's background-job cache that never pickles and never unpickles.
+
+    Keys are strings. Values are stored as JSON text (Dash components, plotly figures and numpy
+    arrays through plotly's encoder, as Dash itself sends them to the browser), except ``bytes``
+    (Dash's signing secret), stored as raw bytes. A value that cannot be JSON is stored as Dash's
+    background-callback error, so the page shows a message instead of waiting forever. Reading
+    accepts exactly these forms; anything else (a pickle planted in the cache) raises
+    :class:`RefusedPickle` and is treated as absent.
+    """
+
+    def put(self, key):
+        if type(key) is not str:
+            raise TypeError(f"job-cache keys are strings, not {type(key).__name__}")
+        return key, True
+
+    def get(self, key, raw):
+        if not raw or type(key) is not str:
+            raise RefusedPickle("a job-cache key that is not a plain string was not loaded")
+        return key
+
+    def store(self, value, read, key=diskcache.core.UNKNOWN):
+        if read or type(value) is bytes:
+            return super().store(value, read, key=key)
+        from plotly.io.json import to_json_plotly
+
+        try:
+            text = to_json_plotly(value)
+        except (TypeError, ValueError) as e:
+            log.error("a background job's value is not JSON (%s); stored as an error instead", e)
+            text = json.dumps({"background_callback_error": {
+                "msg": f"The job's result could not be passed back ({e}).", "tb": ""}})
+        return super().store(text, False, key=key)
+
+    def fetch(self, mode, filename, value, read):
+        if mode == MODE_RAW and type(value) is str or mode == MODE_TEXT:
+            return json.loads(super().fetch(mode, filename, value, False))
+        if mode == MODE_RAW and type(value) in (bytes, sqlite3.Binary) or mode == MODE_BINARY:
+            return super().fetch(mode, filename, value, read)
+        log.warning("refused to load a job-cache entry of mode %s (only JSON and bytes are read)", mode)
+        raise RefusedPickle(f"job-cache entry of mode {mode} was not loaded")
 
 
 def cancellable_job(run: str, cancel: str, progress: str, status: str) -> dict[str, Any]:
@@ -54,14 +113,18 @@ def background_manager():
         if redis_url():
             _manager = job_manager()
             return _manager
-        import diskcache
         from dash import DiskcacheManager
 
         from analysis.paths import home
 
-        cache = diskcache.Cache(str(home() / "jobs"))
+        cache = job_cache(home() / "jobs")
         _manager = DiskcacheManager(cache, expire=24 * 3600)
     return _manager
+
+
+def job_cache(folder) -> diskcache.Cache:
+    """The disk cache Dash's background jobs pass progress and results through (JSON only)."""
+    return diskcache.Cache(str(folder), disk=JSONJobDisk)
 
 
 def in_job() -> None:

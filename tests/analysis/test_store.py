@@ -1,3 +1,5 @@
+import contextlib
+import hashlib
 import os
 import subprocess
 import sys
@@ -139,7 +141,169 @@ def test_sigkill_during_writes_leaves_a_consistent_store(tmp_path):
             continue
         a = full.array("a")
         assert a.shape == (300_000,) and (a == full.meta["i"]).all()  # one whole write, not a mix
-    s.collect_garbage(older_than_s=0)
+    # the killed writers' temporaries were collected by opening the store, without being asked
     assert not [p for p in (root / "records").glob("*/.tmp-*")]
     s.put("after", "test", {}, {"a": np.zeros(3)})
     assert s.get("after") is not None
+
+
+# -- served bytes are verified bytes ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tamper", ["flip", "truncate", "delete"])
+def test_a_file_changed_after_reading_never_changes_what_was_served(store, tamper, caplog):
+    """Arrays are read into memory and verified once: flipping bytes in place (same size and mtime),
+    truncating or deleting the file afterwards changes nothing already served (with a memory map,
+    flipped bytes showed through and a truncation killed the process with SIGBUS); the next read
+    from disk logs the problem, drops the record, and a recompute stores the right numbers again."""
+    a = np.arange(200_000, dtype=np.float32)
+    store.put("k", "run", {"n": 1}, {"a": a})
+    held = store.get("k")
+    served = held.array("a")
+    path = held.folder / "a.npy"
+    st = path.stat()
+    if tamper == "flip":
+        raw = bytearray(path.read_bytes())
+        raw[-4000:] = bytes(b ^ 0xFF for b in raw[-4000:])
+        path.write_bytes(bytes(raw))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # a stat check alone would miss it
+    elif tamper == "truncate":
+        with open(path, "r+b") as f:
+            f.truncate(st.st_size // 2)
+    else:
+        path.unlink()
+    np.testing.assert_array_equal(served, a)
+    np.testing.assert_array_equal(held.array("a"), a)
+    with pytest.raises(ValueError):
+        served[0] = 1  # read-only, as the memory map was
+    with caplog.at_level("WARNING", logger="analysis.store"):
+        assert store.get("k") is None
+    assert "dropped, it will be computed again" in caplog.text and "k" in caplog.text
+    store.put("k", "run", {"n": 1}, {"a": a})
+    np.testing.assert_array_equal(store.get("k").array("a"), a)
+
+
+def test_a_planted_object_array_is_never_unpickled(store, tmp_path):
+    """An .npy holding a pickled object array, even with a matching checksum in the index, is refused."""
+    import pickle
+
+    canary = tmp_path / "canary"
+
+    class Bomb:
+        def __reduce__(self):
+            return (open, (str(canary), "w"))
+
+    record = store.put("k", "run", {}, {"a": np.zeros(3)})
+    path = record.folder / "a.npy"
+    arr = np.empty(1, dtype=object)
+    arr[0] = Bomb()
+    with open(path, "wb") as f:
+        np.lib.format.write_array(f, arr, allow_pickle=True)
+    with store._db() as db:
+        db.execute("UPDATE arrays SET sha256=? WHERE key='k'", (hashlib.sha256(path.read_bytes()).hexdigest(),))
+    assert pickle.PROTO in path.read_bytes() or b"canary" in path.read_bytes()
+    assert store.get("k") is None
+    assert not canary.exists()
+
+
+# -- a corrupt index is rebuilt from the record folders ---------------------------------------------
+
+
+def _fill(root) -> dict[str, np.ndarray]:
+    s = Store(root)
+    want = {}
+    for i in range(5):
+        want[f"{i:02d}" + "ab" * 31] = np.full(10, i, dtype=np.float32)
+    for key, arr in want.items():
+        s.put(key, "run", {"i": int(arr[0])}, {"a": arr})
+    s.put(next(iter(want)), "run", {"i": 0}, {"a": want[next(iter(want))]})  # a replaced version too
+    s.close()
+    return want
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "zero-length", "deleted"])
+def test_a_corrupt_index_is_reported_once_and_rebuilt_losing_nothing(tmp_path, damage, caplog):
+    root = tmp_path / "home"
+    want = _fill(root)
+    index = root / "index.sqlite"
+    with contextlib.suppress(FileNotFoundError):
+        (root / "index.sqlite-wal").unlink()
+    if damage == "garbage":
+        index.write_bytes(os.urandom(8192))
+    elif damage == "truncated":
+        index.write_bytes(index.read_bytes()[: index.stat().st_size // 3])
+    elif damage == "zero-length":
+        index.write_bytes(b"")
+    else:
+        index.unlink()
+    with caplog.at_level("WARNING", logger="analysis.store"):
+        s = Store(root)
+    lines = [r.getMessage() for r in caplog.records if r.name == "analysis.store"]
+    assert len(lines) == 1 and "rebuilt 5 records from the record folders" in lines[0], lines
+    assert {r.key for r in s.list()} == set(want)
+    for key, arr in want.items():
+        r = s.get(key)
+        assert r.meta == {"i": int(arr[0])} and r.kind == "run"
+        np.testing.assert_array_equal(r.array("a"), arr)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="analysis.store"):
+        Store(root)  # rebuilt once: the next open says nothing
+    assert not caplog.records
+
+
+# -- crash leftovers ---------------------------------------------------------------------------------
+
+
+def test_a_live_writers_temporary_folder_is_left_alone_a_dead_ones_is_collected(tmp_path):
+    root = tmp_path / "home"
+    s = Store(root)
+    from analysis.store import _HOST
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        live_tmp = root / "records" / "ab" / f".tmp-{sleeper.pid}-{_HOST}-ab12-00000000"
+        dead_tmp = root / "records" / "ab" / f".tmp-{dead.pid}-{_HOST}-ab34-00000000"
+        foreign_tmp = root / "records" / "ab" / ".tmp-123-ffffffff-ab56-00000000"  # another host
+        for folder in (live_tmp, dead_tmp, foreign_tmp):
+            folder.mkdir(parents=True)
+            (folder / "a.npy").write_bytes(b"half")
+        Store(root)
+        assert live_tmp.exists() and foreign_tmp.exists() and not dead_tmp.exists()
+        old = time.time() - 3 * 3600
+        for path in (foreign_tmp / "a.npy", foreign_tmp, live_tmp / "a.npy", live_tmp):
+            os.utime(path, (old, old))
+        assert s.collect_garbage() == 1
+        assert live_tmp.exists() and not foreign_tmp.exists()  # the live writer's, however old, stays
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_writable_array_is_the_callers_own(store):
+    """``mmap=False`` hands over a writable array; changing it never changes what is served next."""
+    store.put("k", "run", {}, {"a": np.arange(5.0)})
+    record = store.get("k")
+    mine = record.array("a", mmap=False)
+    mine[0] = 9
+    np.testing.assert_array_equal(record.array("a"), np.arange(5.0))
+    np.testing.assert_array_equal(store.get("k").array("a"), np.arange(5.0))
+
+
+def test_records_stored_before_manifests_survive_a_later_index_rebuild(tmp_path):
+    """A store written by the previous version (no ``record.json`` in its folders) gets its manifests
+    written from the index at the next open, so garbling the index afterwards loses nothing."""
+    root = tmp_path / "old"
+    s = Store(root)
+    s.put("ab" * 32, "run", {"v": 1}, {"a": np.arange(4.0)})
+    (s.get("ab" * 32).folder / "record.json").unlink()
+    with s._db() as db:
+        db.execute("PRAGMA user_version=0")  # as the previous version left it
+    s.close()
+    Store(root).close()
+    (root / "index.sqlite-wal").unlink(missing_ok=True)
+    (root / "index.sqlite").write_bytes(b"garbage" * 100)
+    r = Store(root).get("ab" * 32)
+    assert r.meta == {"v": 1}
+    np.testing.assert_array_equal(r.array("a"), np.arange(4.0))
