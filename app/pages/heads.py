@@ -10,7 +10,7 @@ from dash.exceptions import PreventUpdate
 
 from analysis.head_scores import LABELS
 from analysis.models import load_model
-from analysis.niah import load_haystack, load_needles, parse_needles
+from analysis.niah import load_needles, named_haystack, parse_needles
 from analysis.retrieval import sweep
 from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 from app import ids
@@ -190,8 +190,8 @@ def _whole(value, what: str, low: int) -> int:
 
 
 def _haystack(choice: str | None, pasted: str | None) -> str:
-    if choice != "custom":
-        return load_haystack(choice or "prose")
+    if choice != "custom":  # a shipped one by name; never a path (a request could name any file)
+        return named_haystack(choice or "prose")
     text = (pasted or "").strip()
     if not text:
         raise ValueError("The own haystack is empty: paste text or upload a .txt file, or choose 'prose'.")
