@@ -15,7 +15,7 @@ from analysis.capture import capture
 from analysis.models import load_model
 from analysis.statistics_run import capture_for_page
 from app import ids
-from app.context import get_context
+from app.context import get_context, offered_model
 from app.errors import guarded
 from app.export import FORMATS, bundle
 from app.jobs import on_workers
@@ -100,7 +100,7 @@ def register_run(prefix: str, state_after: Any, long_runs: bool = False) -> None
         if not n_clicks:  # the page's layout arriving is not a click
             raise PreventUpdate
         context = get_context()
-        model = load_model(model_spec or context.default_model)
+        model = load_model(offered_model(model_spec))  # the allowlist, never a path from the request
         if long_runs:
             run = capture_for_page(model, text or "", context.store, context.max_tokens)
         else:
