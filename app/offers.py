@@ -16,6 +16,7 @@ the page state in the URL (:func:`app.url_state.parse`), heads and layers
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -48,7 +49,7 @@ def text_limit() -> int:
 class Offer:
     """The values one property of one control may take."""
 
-    kind: str  # "choice", "number", "text", "count" or "structure"
+    kind: str  # "choice", "number", "text", "path", "count" or "structure"
     values: frozenset = frozenset()
     multi: bool = False
     types: Any = None
@@ -77,6 +78,10 @@ class Offer:
             if len(value) > text_limit():
                 return (f"has {len(value):,} characters (the limit is {text_limit():,}; "
                         "set HEADSCOPE_MAX_UPLOAD_BYTES to change it)")
+            return None
+        if self.kind == "path":  # a page's path, as the browser's location has it
+            if not isinstance(value, str) or not value.startswith("/") or len(value) > 2000:
+                return "is not a page's path"
             return None
         if self.kind == "structure" and not isinstance(value, self.types):
             return "does not have the shape this control sends"
@@ -110,8 +115,9 @@ def offers_of(component: Component) -> Iterator[tuple[str, Offer]]:
     elif isinstance(component, dcc.Textarea):
         yield "value", Offer("text")
     elif isinstance(component, dcc.Location):
-        for prop in ("search", "pathname", "hash", "href"):
+        for prop in ("search", "hash", "href"):
             yield prop, Offer("text")
+        yield "pathname", Offer("path")
     elif isinstance(component, dcc.Upload):
         yield "contents", Offer("text")
         yield "filename", Offer("text")
@@ -209,7 +215,11 @@ def check_callback_requests(app: Any, server: Flask) -> Offers:
     def refuse_values_not_offered():
         if request.method != "POST" or not request.path.endswith("/" + UPDATE_PATH):
             return None
-        problems = offers.problems(request.get_json(silent=True))
+        try:  # reading passes the size cap: 413 (app.server.cap_request_size), not "malformed"
+            body = json.loads(request.get_data(cache=True) or b"null")
+        except ValueError:
+            body = None
+        problems = offers.problems(body)
         if not problems:
             return None
         log.warning("refused a callback request: %s", " ".join(problems)[:300])

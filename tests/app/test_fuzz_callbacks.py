@@ -5,8 +5,9 @@ file), the controls' own values from the app shell and every page's layout (thro
 router, as a browser gets them). Each Input and State then gets, one at a time, values of the
 wrong type, out of range, paths (absolute, relative, ``..``, a canary file and its folder outside
 ``HEADSCOPE_HOME``), a ~1 MB string and the values of other controls, posted straight to
-``/_dash-update-component``. Asserts: no 500, the server still serves ``GET /``, and the canary
-file's unique word appears in no response, no file under ``HEADSCOPE_HOME`` and not the server log.
+``/_dash-update-component``. Asserts: no 500, no callback failing without a message, the server
+still serves ``GET /``, and the canary file's unique word appears in no response, no file under
+``HEADSCOPE_HOME`` and not the server log.
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def test_every_callback_survives_forged_values_and_never_reads_a_path(served):
     others = sorted({v for k, v in base.items() if isinstance(v, (str, int, float)) and not isinstance(v, bool)
                      and k.endswith(".value")}, key=str)[:12]
     values = fuzz_values(served, others)
-    problems, fuzzed = [], 0
+    problems, fuzzed, failures, unexplained = [], 0, 0, {}
     for dep in deps:
         targets = dep["inputs"] + dep["state"]
         fuzzed += 1
@@ -219,11 +220,16 @@ def test_every_callback_survives_forged_values_and_never_reads_a_path(served):
                     break  # one concrete id of a pattern stands for the rest
         status, _ = served.request("")
         assert status == 200, f"the server stopped serving after fuzzing {dep['output']}"
+        failed = served.log.read_text(errors="replace").count("callback failed")
+        if failed > failures:
+            unexplained[dep["output"]] = failed - failures
+            failures = failed
     seconds = time.time() - t0
     print(f"\nfuzzed {fuzzed} callbacks with {served.sent} requests in {seconds:.0f} s; statuses "
-          f"{dict(served.statuses)}")
+          f"{dict(served.statuses)}; errors without a message, by callback: {unexplained}")
     assert served.proc.poll() is None, "the server died"
     assert not problems, "\n".join(problems[:20])
+    assert not unexplained, f"callbacks failed without a message: {unexplained}"
     assert not served.leaks, "the canary's word came back in:\n" + "\n".join(served.leaks[:10])
     for path in served.home.rglob("*"):
         if path.is_file():
