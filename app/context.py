@@ -80,7 +80,7 @@ def offered_model(spec: object) -> str:
     if isinstance(spec, str) and spec.strip() in allowed:
         return spec.strip()
     shown = spec[:60] if isinstance(spec, str) else type(spec).__name__
-    raise ModelError(f"The model {shown!r} is not offered by this server: choose one of {', '.join(allowed)}. "
+    raise ModelError(f"Cannot load model {shown!r}: it is not offered by this server; choose one of {', '.join(allowed)}. "
                      "To offer another model, start the server with `headscope serve --model SPEC` "
                      "or list it in HEADSCOPE_MODELS.")
 

@@ -46,7 +46,7 @@ def test_link_model_must_be_offered_and_refusal_does_not_probe_paths(tmp_path, m
     for spec in (str(folder), str(tmp_path / "missing"), "../../models/x.gguf"):
         state = parse("?" + urlencode({"model": spec}))
         assert state.model is None
-        refusals.append(state.problems[0].split(" is not offered")[1])  # all but the name
+        refusals.append(state.problems[0].split(" it is not offered")[1])  # all but the name
     assert len(set(refusals)) == 1 and refusals[0].startswith(" by this server")
     assert "HEADSCOPE_MODELS" in refusals[0]
     assert parse("?model=smollm2-135m").model == "smollm2-135m"
