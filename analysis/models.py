@@ -294,6 +294,8 @@ def available_models() -> list[dict[str, str]]:
 
 
 def _unknown(spec: str, why: str) -> ModelError:
+    if "trust_remote_code" in why or "custom code" in why:  # transformers' own text says to enable it
+        return _needs_remote_code(spec)
     names = ", ".join(EMBEDDED)
     return ModelError(
         f"Cannot load model {spec!r}: {why}. Headscope loads an embedded model ({names}), "
@@ -435,8 +437,6 @@ def load_model(spec: str = DEFAULT_MODEL, device: str | None = None) -> LoadedMo
                 trust_remote_code=False,
             )
         except (OSError, ValueError, KeyError) as e:
-            if "trust_remote_code" in str(e) or "custom code" in str(e):
-                raise _needs_remote_code(spec) from None  # transformers' text says to enable it
             raise _unknown(spec, f"its files could not be read ({e})") from None
         model = wrap_model(hf, tok, name=spec, digest=digest, device=device, bridge_name=bridge_name)
         with _models_lock:
