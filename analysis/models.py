@@ -307,12 +307,37 @@ def available_models() -> list[dict[str, str]]:
 
 
 def _unknown(spec: str, why: str) -> ModelError:
+    if "trust_remote_code" in why or "custom code" in why:  # transformers' own text says to enable it
+        return _needs_remote_code(spec)
     names = ", ".join(EMBEDDED)
     return ModelError(
         f"Cannot load model {spec!r}: {why}. Headscope loads an embedded model ({names}), "
         "a .gguf file, a local folder with config.json and *.safetensors, or a Hugging Face id "
         "already in the local cache (nothing is downloaded). Run `headscope models` to list them."
     )
+
+
+def _needs_remote_code(spec: str) -> ModelError:
+    return ModelError(
+        f"Cannot load model {spec!r}: its architecture is defined by Python code shipped with the model "
+        "(config.json names custom classes in auto_map), and headscope never runs code that comes with a "
+        "model. Choose a model whose architecture transformers supports natively (Llama, Qwen, Gemma, "
+        "Mistral, GPT-2, …), as a folder of safetensors or a .gguf file."
+    )
+
+
+def _check_no_remote_code(spec: str, folder: Path | str) -> None:
+    """Refuse a folder whose config needs the model's own code, before transformers is asked."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # transformers reports an unreadable config itself
+    if not isinstance(config, dict) or not config.get("auto_map"):
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if config.get("model_type") not in CONFIG_MAPPING:
+        raise _needs_remote_code(spec)
 
 
 def _resolve(spec: str) -> tuple[Path | str, str, str]:
@@ -414,6 +439,7 @@ def load_model(spec: str = DEFAULT_MODEL, device: str | None = None) -> LoadedMo
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         source, digest, bridge_name = _resolve(spec)
+        _check_no_remote_code(spec, source)
         try:
             tok = AutoTokenizer.from_pretrained(str(source), trust_remote_code=False)
             hf = AutoModelForCausalLM.from_pretrained(

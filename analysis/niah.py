@@ -170,20 +170,40 @@ def parse_needles(text: str) -> list[Needle]:
     return needles
 
 
-def load_haystack(name: str = "prose") -> str:
-    """A haystack by name: ``prose`` (the shipped essays) or ``passkey`` (synthetic filler).
+HAYSTACK_NAMES = ("prose", "passkey")
 
-    Any other value is read as a path to a UTF-8 text file. Leading lines that start with ``#`` are
-    a header (the shipped file's provenance and licence) and are dropped.
+
+def named_haystack(name: str) -> str:
+    """A shipped haystack by name: ``prose`` (the shipped essays) or ``passkey`` (synthetic filler).
+
+    This is what a request may ask for: anything else, paths included, is refused with the names on
+    offer (own text reaches a sweep as content, never as a path). Leading lines that start with ``#``
+    are a header (the shipped file's provenance and licence) and are dropped.
     """
     if name == "passkey":
         return passkey_filler(2000)
-    path = HAYSTACKS.get(name) or Path(name).expanduser()
+    if not isinstance(name, str) or name not in HAYSTACKS:
+        raise InputError(f"Unknown haystack {str(name)[:40]!r}: choose one of {', '.join(HAYSTACK_NAMES)}, "
+                         "or paste or upload your own text.")
+    return _without_header(HAYSTACKS[name].read_text(encoding="utf-8"))
+
+
+def load_haystack(name: str = "prose") -> str:
+    """A haystack by name (:func:`named_haystack`) or, for the command line only, a UTF-8 text file.
+
+    A server never calls this with a request's value: it would read any file the server can read.
+    """
+    if name in HAYSTACK_NAMES:
+        return named_haystack(name)
+    path = Path(name).expanduser()
     if not path.is_file():
         raise InputError(
             f"Unknown haystack {name!r}: use 'prose', 'passkey' or the path of a UTF-8 text file."
         )
-    text = path.read_text(encoding="utf-8")
+    return _without_header(path.read_text(encoding="utf-8"))
+
+
+def _without_header(text: str) -> str:
     # Leading lines starting with "#" are a header (provenance, licence), not haystack.
     lines = text.splitlines(keepends=True)
     while lines and lines[0].startswith("#"):

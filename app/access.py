@@ -4,12 +4,15 @@ As in Jupyter, ``headscope serve --host 0.0.0.0`` generates a random token (or t
 ``--token``/``HEADSCOPE_TOKEN``) and prints a URL carrying it. The first request with
 ``?token=...`` (or an ``Authorization: Bearer ...`` header) sets an HttpOnly, SameSite=Strict
 cookie; later requests carry the cookie. Anything else gets 403 with a short text, never the app.
-Tokens are compared in constant time.
+Tokens are compared in constant time, and never written to a log: :func:`redact_tokens_in_logs`
+masks ``token=…`` in every line the web server logs (its access log prints each request's URL).
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
+import re
 import secrets
 
 from flask import Flask, Response, request
@@ -29,7 +32,6 @@ def protect(server: Flask, token: str) -> None:
     def matches(value: str | None) -> bool:
         return bool(value) and hmac.compare_digest(value.encode(), token.encode())
 
-    @server.before_request
     def check_token():
         given = request.args.get("token")
         auth = request.headers.get("Authorization", "")
@@ -42,8 +44,33 @@ def protect(server: Flask, token: str) -> None:
         return Response("headscope: this server needs its access token. Open the URL it printed at start "
                         "(…/?token=…).\n", status=403, mimetype="text/plain")
 
+    # first of all request checks: nothing else answers (or explains itself to) a request without the token
+    server.before_request_funcs.setdefault(None, []).insert(0, check_token)
+
     @server.after_request
     def remember(response: Response) -> Response:
         if request.environ.get("headscope.set_cookie"):
             response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", max_age=30 * 24 * 3600)
         return response
+
+
+_TOKEN_IN_URL = re.compile(r"(?i)(token=)[^&\s\"']*")
+
+
+class RedactTokens(logging.Filter):
+    """Masks ``token=…`` (a URL's access token) in a log record's text."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and "token=" in record.msg.lower() + str(record.args).lower():
+            record.msg = _TOKEN_IN_URL.sub(r"\1***", record.getMessage())
+            record.args = ()
+        return True
+
+
+def redact_tokens_in_logs() -> None:
+    """Keep access tokens out of the logs of this process: werkzeug's access log (one line per request,
+    with its URL) and headscope's own."""
+    for name in ("werkzeug", "headscope", "headscope.app"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactTokens) for f in logger.filters):
+            logger.addFilter(RedactTokens())

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
+from dash import ALL, Input, Output, State, callback, clientside_callback, ctx, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
 from analysis.capture import capture
 from analysis.models import load_model
 from analysis.statistics_run import capture_for_page
 from app import ids
-from app.context import get_context
+from app.context import get_context, offered_model
 from app.errors import guarded
 from app.export import FORMATS, bundle
 from app.jobs import on_workers
@@ -100,7 +100,7 @@ def register_run(prefix: str, state_after: Any, long_runs: bool = False) -> None
         if not n_clicks:  # the page's layout arriving is not a click
             raise PreventUpdate
         context = get_context()
-        model = load_model(model_spec or context.default_model)
+        model = load_model(offered_model(model_spec))  # the allowlist, never a path from the request
         if long_runs:
             run = capture_for_page(model, text or "", context.store, context.max_tokens)
         else:
@@ -185,26 +185,94 @@ def register_export(prefix: str, run_of: Any = _stored_run) -> None:
     @guarded(outputs=2)
     def export(clicks, search, query):
         trigger = ctx.triggered_id
-        if not trigger or not any(clicks):
+        if not isinstance(clicks, list) or not any(isinstance(c, int) and c > 0 for c in clicks):
             raise PreventUpdate
+        view, fmt = (trigger.get("view"), trigger.get("fmt")) if isinstance(trigger, dict) else (None, None)
+        if not isinstance(view, str) or view.split(":", 1)[0] not in VIEWS or fmt not in FORMATS:
+            raise PreventUpdate  # not one of the page's export buttons
+        if isinstance(query, bool) or not isinstance(query, int):
+            query = None  # the hovered token, when the page has one
         state = parse(search)
         run = run_of(state)
-        if run is None and VIEWS[trigger["view"].split(":", 1)[0]].needs_run:
+        if run is None and VIEWS[view.split(":", 1)[0]].needs_run:
             return no_update, "Nothing to export yet: run something first."
-        view = trigger["view"]
         params = view_params(view, state, query)
-        name, data = bundle(run, view.split(":", 1)[0], params, trigger["fmt"])
+        name, data = bundle(run, view.split(":", 1)[0], params, fmt)
         return dcc.send_bytes(data, name), ""
 
     export.__name__ = f"export_{prefix}"
 
 
-UPLOAD_HARD_CAP = 10  # the browser refuses files over 10× the limit; the callback explains the limit
+def upload_file_id(upload_id: str) -> str:
+    """The store an upload's file reaches the server through, once its size is checked in the browser."""
+    return f"{upload_id}-file"
+
+
+def upload_field(upload_id: str, label: str) -> list:
+    """A file upload that says so in the page when a file is too large.
+
+    ``dcc.Upload``'s own ``max_size`` drops a larger file in the browser without a word, and a file
+    over the request cap would be refused by the server (413) with nothing shown. So the browser
+    takes any file, a clientside check compares its size with ``HEADSCOPE_MAX_UPLOAD_BYTES`` and
+    either shows the limit in the error banner or passes ``{contents, filename}`` on to the store
+    :func:`upload_file_id`, which the page's callback reads (with :func:`upload_text`). Register the
+    check once per upload with :func:`register_upload`.
+    """
+    from analysis.limits import limit
+
+    return [
+        dcc.Upload(id=upload_id, children=html.Span(label), className="hs-upload", max_size=-1),
+        dcc.Store(id=upload_file_id(upload_id)),
+        dcc.Store(id=f"{upload_id}-limit", data=limit("HEADSCOPE_MAX_UPLOAD_BYTES")),
+    ]
+
+
+_CHECK_UPLOAD_SIZE = """
+function(contents, filename, limit) {
+    const skip = window.dash_clientside.no_update;
+    if (!contents) { return [skip, skip]; }
+    const b64 = contents.slice(contents.indexOf(",") + 1);
+    const bytes = Math.floor(b64.length * 3 / 4) - (b64.endsWith("==") ? 2 : b64.endsWith("=") ? 1 : 0);
+    if (bytes > limit) {
+        const n = (x) => x.toLocaleString("en-US");
+        return [skip, (filename || "The file") + " has " + n(bytes) + " bytes (the limit is " + n(limit) +
+                      "; set HEADSCOPE_MAX_UPLOAD_BYTES to change it)."];
+    }
+    return [{contents: contents, filename: filename}, skip];
+}
+"""
+
+
+def register_upload(upload_id: str) -> None:
+    """The browser-side size check of :func:`upload_field` ``upload_id``."""
+    clientside_callback(
+        _CHECK_UPLOAD_SIZE,
+        Output(upload_file_id(upload_id), "data"),
+        Output(ids.ERROR, "children", allow_duplicate=True),
+        Input(upload_id, "contents"),
+        State(upload_id, "filename"),
+        State(f"{upload_id}-limit", "data"),
+        prevent_initial_call=True,
+    )
+
+
+def upload_file(file: Any, what: str) -> tuple[str, str]:
+    """(text, name) of an upload's file as :func:`upload_file_id` holds it (``{"contents": base64 data
+    URL, "filename": ...}``), or an ``InputError`` (see :func:`upload_text`)."""
+    from analysis.capture import InputError
+
+    contents = file.get("contents") if isinstance(file, dict) else None
+    filename = file.get("filename") if isinstance(file, dict) else None
+    name = filename[:200] if isinstance(filename, str) and filename else "The file"
+    if not isinstance(contents, str):
+        raise InputError(f"{name} could not be read: upload {what}.")
+    return upload_text(contents, name, what), name
 
 
 def upload_text(contents: str | None, filename: str | None, what: str) -> str:
     """The text of a dcc.Upload's ``contents`` (a base64 data URL), or an ``InputError`` saying why not:
-    over ``HEADSCOPE_MAX_UPLOAD_BYTES``, not base64, not UTF-8, or empty."""
+    over ``HEADSCOPE_MAX_UPLOAD_BYTES``, not base64, not UTF-8, or empty. Uploads are content:
+    nothing here is ever read as a path."""
     import base64
     import binascii
 
@@ -214,7 +282,7 @@ def upload_text(contents: str | None, filename: str | None, what: str) -> str:
     name = filename or "The file"
     try:
         data = base64.b64decode((contents or "").split(",", 1)[1], validate=True)
-    except (IndexError, binascii.Error):
+    except (IndexError, binascii.Error, ValueError):
         raise InputError(f"{name} could not be read: upload {what}.") from None
     if len(data) > limit("HEADSCOPE_MAX_UPLOAD_BYTES"):
         raise InputError(f"{name} has {len(data):,} bytes {hint('HEADSCOPE_MAX_UPLOAD_BYTES')}.")
@@ -225,12 +293,6 @@ def upload_text(contents: str | None, filename: str | None, what: str) -> str:
     if "\x00" in text or not text.strip():
         raise InputError(f"{name} has no readable text: upload {what}.")
     return text
-
-
-def upload_max_size() -> int:
-    from analysis.limits import limit
-
-    return UPLOAD_HARD_CAP * limit("HEADSCOPE_MAX_UPLOAD_BYTES")
 
 
 def query_store_id(prefix: str) -> str:

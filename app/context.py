@@ -2,17 +2,23 @@
 
 Pages read it; ``app.server.create_app`` sets it. Models are loaded through ``analysis.models``,
 which memoises them, so each is loaded once per process.
+
+Models on offer (the allowlist, :func:`offered_model`): the embedded ones, the server's default
+(``headscope serve --model``), ``extra_models``, and the specs listed in ``HEADSCOPE_MODELS``
+(comma-separated). A request naming anything else is refused with the same message whether or not
+such a file or folder exists, so a request can neither load nor probe server paths.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from analysis.capture import Run, load_run
 from analysis.limits import limit
-from analysis.models import DEFAULT_MODEL, available_models
+from analysis.models import DEFAULT_MODEL, EMBEDDED, ModelError
 from analysis.statistics_run import StatsRun, load_stats_run
 from analysis.store import Store
 
@@ -26,10 +32,12 @@ class AppContext:
     _runs: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def allowed_models(self) -> list[str]:
+        """Every model spec a request may name (the default first)."""
+        return list(dict.fromkeys([self.default_model, *self.extra_models, *EMBEDDED, *env_models()]))
+
     def model_options(self) -> list[dict[str, str]]:
-        specs = [self.default_model, *self.extra_models]
-        specs += [m["spec"] for m in available_models() if m["spec"] not in specs]
-        return [{"label": s, "value": s} for s in specs]
+        return [{"label": s, "value": s} for s in self.allowed_models()]
 
     def run(self, run_id: str) -> Run | StatsRun | None:
         """A stored run (patterns, or statistics for a long one) by full key or unique prefix
@@ -53,6 +61,34 @@ class AppContext:
             self._runs.move_to_end(run.key)
             while len(self._runs) > 16:
                 self._runs.popitem(last=False)
+
+
+def env_models() -> list[str]:
+    """The specs listed in ``HEADSCOPE_MODELS`` (comma-separated), read when checked."""
+    return [s.strip() for s in os.environ.get("HEADSCOPE_MODELS", "").split(",") if s.strip()]
+
+
+def offered_model(spec: object) -> str:
+    """``spec`` if this server offers it (``None`` or empty: the default model); else ``ModelError``.
+
+    The one check for a model named by a request (a dropdown's value, a link's ``model=``). The
+    message is the same for every refused value: it never says whether a path exists.
+    """
+    allowed = _context.allowed_models() if _context is not None else AppContext.allowed_models(_Defaults())
+    if spec is None or spec == "":
+        return allowed[0]
+    if isinstance(spec, str) and spec.strip() in allowed:
+        return spec.strip()
+    shown = spec[:60] if isinstance(spec, str) else type(spec).__name__
+    raise ModelError(f"Cannot load model {shown!r}: it is not offered by this server; choose one of {', '.join(allowed)}. "
+                     "To offer another model, start the server with `headscope serve --model SPEC` "
+                     "or list it in HEADSCOPE_MODELS.")
+
+
+@dataclass
+class _Defaults:  # the allowlist's inputs before any app set a context (no store needed)
+    default_model: str = DEFAULT_MODEL
+    extra_models: list[str] = field(default_factory=list)
 
 
 _context: AppContext | None = None

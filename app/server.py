@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 
 import dash
 from dash import Dash, dcc, html
+from flask import Flask, Response, request
 
+from analysis.limits import limit
 from analysis.paths import REPO_ROOT
 from app import ids
+from app.access import redact_tokens_in_logs
 from app.context import AppContext, set_context
 from app.jobs import background_manager
 
@@ -54,7 +58,49 @@ def create_app(context: AppContext) -> Dash:
             ),
         ]
     )
+    redact_tokens_in_logs()
+    cap_request_size(app.server)
+    from app.offers import check_callback_requests
+
+    check_callback_requests(app, app.server)
     return app
+
+
+def max_request_bytes() -> int:
+    """Bytes of one request body: ``HEADSCOPE_MAX_REQUEST_BYTES``, by default room for the largest
+    upload (``HEADSCOPE_MAX_UPLOAD_BYTES``) after base64 plus 1 MiB for the rest of the callback."""
+    try:
+        value = int(os.environ.get("HEADSCOPE_MAX_REQUEST_BYTES", "0"))
+    except ValueError:
+        value = 0
+    return value if value > 0 else -(-limit("HEADSCOPE_MAX_UPLOAD_BYTES") * 4 // 3) + (1 << 20)
+
+
+def cap_request_size(server: Flask) -> None:
+    """Refuse a request body over :func:`max_request_bytes` with 413 and a message, before reading it:
+    by its Content-Length, or (chunked, no length) as soon as reading passes the cap. (What is left of
+    the body is then dropped by the HTTP server, a bounded buffer at a time; the app never holds it.)"""
+
+    def too_large() -> Response:
+        cap = max_request_bytes()
+        response = Response(f"headscope: this request is larger than {cap:,} bytes, the limit for one request "
+                            "(set HEADSCOPE_MAX_REQUEST_BYTES to change it; an uploaded file may have up to "
+                            f"{limit('HEADSCOPE_MAX_UPLOAD_BYTES'):,} bytes).\n", status=413, mimetype="text/plain")
+        return response
+
+    @server.before_request
+    def refuse_large_bodies():
+        cap = max_request_bytes()
+        request.max_content_length = cap  # a chunked body is cut off when reading passes the cap
+        if request.content_length is not None and request.content_length > cap:
+            return too_large()
+        if request.content_length is None and request.environ.get("wsgi.input_terminated"):
+            # chunked: the stream stops at the cap without a word, so a body that reaches it is too large
+            if len(request.get_data(cache=True)) >= cap:
+                return too_large()
+        return None
+
+    server.register_error_handler(413, lambda _e: too_large())
 
 
 def show_error(error: Exception) -> None:
@@ -63,12 +109,18 @@ def show_error(error: Exception) -> None:
     from dash import set_props
     from dash.exceptions import BackgroundCallbackError
 
-    from app.errors import message
+    from app.errors import USER_ERRORS, message
 
     text = str(error)
     if isinstance(error, BackgroundCallbackError):  # "An error occurred inside …: MSG\nTRACEBACK"
         text = text.split(": ", 1)[-1].split("\n", 1)[0]
-    log.error("callback failed: %s", error)
+    elif not isinstance(error, USER_ERRORS):  # a bug, or a forged value no check caught: no internals
+        text = f"Something went wrong ({type(error).__name__}). The server log has the details."
+    try:
+        where = dash.callback_context.outputs_list
+    except Exception:
+        where = None
+    log.error("callback failed (%s): %s", str(where)[:200], str(error).split("\n", 1)[0][:300])
     set_props(ids.ERROR, {"children": message(text or f"Something went wrong ({type(error).__name__}).")})
 
 

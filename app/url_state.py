@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlencode
 
 from analysis.head_summary import HEAD_METRICS
+from app.context import offered_model
 
 _RUN_ID = re.compile(r"^[0-9a-f]{8,64}$")
-_MODEL = re.compile(r"^[\w./~:@+-]{1,256}$")
 _INT_KEYS = ("layer", "head", "query", "target", "trial", "sentences", "sink_size", "window", "k", "seed")
 SCORES = (*HEAD_METRICS, "evidence")
 ABLATION_METHODS = ("zero", "mean", "resample", "uniform", "first_token")
@@ -27,6 +27,7 @@ CHOICES = {"method": ("pca", "umap", "tsne"), "colour": ("position", "kind", "se
 AGGREGATES = ("query", "group_max", "group_mean")
 FUSIONS = ("mean", "max", "min")
 MAX_INDEX = 1_000_000
+MAX_SEARCH = 20_000  # characters of a query string (a head list is at most 2,000)
 
 
 @dataclass
@@ -97,6 +98,9 @@ def parse(search: str | None) -> PageState:
     state = PageState()
     if not search:
         return state
+    if not isinstance(search, str) or len(search) > MAX_SEARCH:
+        state.problems.append("The link's parameters could not be read; starting fresh.")
+        return state
     try:
         raw = parse_qs(search.lstrip("?"), keep_blank_values=True, max_num_fields=50)
     except ValueError:
@@ -104,10 +108,10 @@ def parse(search: str | None) -> PageState:
         return state
     first = {k: v[0] for k, v in raw.items() if v}
     if "model" in first:
-        if _MODEL.match(first["model"]):
-            state.model = first["model"]
-        else:
-            state.problems.append("The link's model name is not valid; using the default model.")
+        try:  # models come from the server's allowlist, never from a path in a link
+            state.model = offered_model(first["model"])
+        except ValueError as e:
+            state.problems.append(f"{e} Using the default model.")
     if "run" in first:
         if _RUN_ID.match(first["run"].lower()):
             state.run = first["run"].lower()

@@ -339,9 +339,9 @@ def choose(click, _apply, heads_text, _top, _random, _clear, by, sweep_id, metho
 )
 def keep(n_clicks, table, kept, search):
     """Keep the current set's numbers (stored in the browser) to compare sets; deleting a row forgets it."""
-    kept = list(kept or [])
+    kept = _rows(kept)  # kept in the browser's storage: whatever is there is checked, not trusted
     if dash.ctx.triggered_id == ids.ABL_KEPT_TABLE:
-        remaining = {r["set"] for r in table or []}
+        remaining = {r["set"] for r in _rows(table)}
         if remaining == {r["set"] for r in kept}:
             raise PreventUpdate  # the table only echoed the store: no row was deleted
         return [r for r in kept if r["set"] in remaining]
@@ -364,11 +364,18 @@ def keep(n_clicks, table, kept, search):
     return [*kept, row]
 
 
+def _rows(value) -> list[dict]:
+    """The kept sets' rows in ``value``; anything that is not a row with a whole-number set is dropped."""
+    if not isinstance(value, list):
+        return []
+    return [r for r in value if isinstance(r, dict) and isinstance(r.get("set"), int) and not isinstance(r["set"], bool)]
+
+
 @callback(Output(ids.ABL_KEPT_TABLE, "data"), Output(ids.ABL_KEPT_TABLE, "columns"), Input(ids.ABL_KEPT, "data"))
 def show_kept(kept):
     columns = [{"name": c, "id": c} for c in ("set", "run", "heads", "n_heads", "method", "loss_clean",
                                                "loss_ablated", "d_loss", "p_next_clean", "p_next_ablated")]
-    return kept or [], columns
+    return _rows(kept), columns
 
 
 def _ks(text: str) -> list[int]:

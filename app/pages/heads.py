@@ -10,7 +10,7 @@ from dash.exceptions import PreventUpdate
 
 from analysis.head_scores import LABELS
 from analysis.models import load_model
-from analysis.niah import load_haystack, load_needles, parse_needles
+from analysis.niah import load_needles, named_haystack, parse_needles
 from analysis.retrieval import sweep
 from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 from app import ids
@@ -21,8 +21,10 @@ from app.components import (
     page_location,
     query_store_id,
     register_export,
-    upload_max_size,
-    upload_text,
+    register_upload,
+    upload_field,
+    upload_file,
+    upload_file_id,
     url_id,
 )
 from app.context import get_context
@@ -80,8 +82,7 @@ def layout(**_query) -> html.Div:
                         html.Label("Own haystack (used when Haystack is 'my own')", htmlFor=ids.HEADS_CUSTOM_HAYSTACK),
                         dcc.Textarea(id=ids.HEADS_CUSTOM_HAYSTACK, **KEEP, className="hs-textarea",
                                      placeholder="Paste prose here, or upload a UTF-8 .txt file."),
-                        dcc.Upload(id=ids.HEADS_HAYSTACK_UPLOAD, children=html.Span("Upload a .txt haystack"),
-                                   className="hs-upload", max_size=upload_max_size()),
+                        *upload_field(ids.HEADS_HAYSTACK_UPLOAD, "Upload a .txt haystack"),
                         html.Label("Own needles (used instead of the ticked ones when given)",
                                    htmlFor=ids.HEADS_CUSTOM_NEEDLES),
                         dcc.Textarea(id=ids.HEADS_CUSTOM_NEEDLES, **KEEP, className="hs-textarea", placeholder=NEEDLES_HINT),
@@ -190,8 +191,8 @@ def _whole(value, what: str, low: int) -> int:
 
 
 def _haystack(choice: str | None, pasted: str | None) -> str:
-    if choice != "custom":
-        return load_haystack(choice or "prose")
+    if choice != "custom":  # a shipped one by name; never a path (a request could name any file)
+        return named_haystack(choice or "prose")
     text = (pasted or "").strip()
     if not text:
         raise ValueError("The own haystack is empty: paste text or upload a .txt file, or choose 'prose'.")
@@ -211,19 +212,21 @@ def _needles(ticked: list[str] | None, custom: str | None):
     Output(ids.HEADS_CUSTOM_HAYSTACK, "value"),
     Output(ids.HEADS_HAYSTACK, "value"),
     Output(ids.HEADS_STATUS, "children", allow_duplicate=True),
-    Input(ids.HEADS_HAYSTACK_UPLOAD, "contents"),
-    State(ids.HEADS_HAYSTACK_UPLOAD, "filename"),
+    Input(upload_file_id(ids.HEADS_HAYSTACK_UPLOAD), "data"),
     prevent_initial_call=True,
 )
-def upload_haystack(contents, filename):
+def upload_haystack(file):
     """An uploaded .txt becomes the own haystack (shown in the box, so it can be checked and edited)."""
-    if not contents:
+    if not file:
         raise PreventUpdate
     try:
-        text = upload_text(contents, filename, "a plain UTF-8 .txt haystack")
+        text, name = upload_file(file, "a plain UTF-8 .txt haystack")
     except ValueError as e:
         return no_update, no_update, str(e)
-    return text, "custom", f"Loaded {filename} ({len(text):,} characters) as the haystack."
+    return text, "custom", f"Loaded {name} ({len(text):,} characters) as the haystack."
+
+
+register_upload(ids.HEADS_HAYSTACK_UPLOAD)
 
 
 @callback(

@@ -17,8 +17,10 @@ from app.components import (
     page_location,
     query_store_id,
     register_export,
-    upload_max_size,
-    upload_text,
+    register_upload,
+    upload_field,
+    upload_file,
+    upload_file_id,
     url_id,
 )
 from app.context import get_context
@@ -57,10 +59,8 @@ def layout(**_query) -> html.Div:
                     html.Label("Feature", htmlFor=ids.QK_FEATURE),
                     dcc.Dropdown(id=ids.QK_FEATURE, options=list(load_probe_tasks()),
                                  value="previous_token", clearable=False, className="hs-small-dropdown"),
-                    dcc.Upload(id=ids.QK_TEXTS_UPLOAD, children=html.Span("Upload sentences (.txt)"),
-                               className="hs-upload", max_size=upload_max_size()),
-                    dcc.Upload(id=ids.QK_LABELS_UPLOAD, children=html.Span("Upload labels (.csv)"),
-                               className="hs-upload", max_size=upload_max_size()),
+                    *upload_field(ids.QK_TEXTS_UPLOAD, "Upload sentences (.txt)"),
+                    *upload_field(ids.QK_LABELS_UPLOAD, "Upload labels (.csv)"),
                     html.Label("Find token", htmlFor=ids.QK_FIND),
                     dcc.Input(id=ids.QK_FIND, debounce=True, placeholder="e.g. cat", className="hs-number"),
                     html.Button("Show", id=ids.QK_SHOW, n_clicks=0, className="hs-run"),
@@ -135,17 +135,16 @@ def pick_head_or_find(click, find, search):
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Output(ids.QK_STATUS, "children", allow_duplicate=True),
-    Input(ids.QK_LABELS_UPLOAD, "contents"),
-    State(ids.QK_LABELS_UPLOAD, "filename"),
+    Input(upload_file_id(ids.QK_LABELS_UPLOAD), "data"),
     State(url_id(PREFIX), "search"),
     prevent_initial_call=True,
 )
-def upload_labels(contents, filename, search):
+def upload_labels(file, search):
     """A label CSV (feature,side,label,match) becomes features of the decomposition; bad files say why."""
-    if not contents:
+    if not file:
         return no_update, no_update
     try:
-        text = upload_text(contents, filename, "a CSV label file")
+        text, filename = upload_file(file, "a CSV label file")
     except ValueError as e:
         return no_update, str(e)
     try:
@@ -162,17 +161,16 @@ def upload_labels(contents, filename, search):
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Output(ids.QK_STATUS, "children", allow_duplicate=True),
-    Input(ids.QK_TEXTS_UPLOAD, "contents"),
-    State(ids.QK_TEXTS_UPLOAD, "filename"),
+    Input(upload_file_id(ids.QK_TEXTS_UPLOAD), "data"),
     State(url_id(PREFIX), "search"),
     prevent_initial_call=True,
 )
-def upload_texts(contents, filename, search):
+def upload_texts(file, search):
     """Own probe sentences, one per line (blank lines and # comments skipped), replace the built-in set."""
-    if not contents:
+    if not file:
         return no_update, no_update
     try:
-        text = upload_text(contents, filename, "sentences, one per line")
+        text, filename = upload_file(file, "sentences, one per line")
     except ValueError as e:
         return no_update, str(e)
     sentences = [t.strip() for t in text.splitlines() if t.strip() and not t.lstrip().startswith("#")]
@@ -185,6 +183,10 @@ def upload_texts(contents, filename, search):
     state = parse(search)
     state.texts, state.sentences, state.query = key[:16], len(sentences), None
     return state.to_search(), no_update
+
+
+register_upload(ids.QK_TEXTS_UPLOAD)
+register_upload(ids.QK_LABELS_UPLOAD)
 
 
 @callback(

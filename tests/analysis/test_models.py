@@ -186,3 +186,20 @@ def test_models_over_the_memory_budget_are_unloaded_least_recently_used_first(re
     finally:
         models._models.clear()
         models._models.update(saved)
+
+
+def test_folder_that_needs_remote_code_is_refused_plainly(tmp_path):
+    """A model whose architecture is custom code: refused, without telling the user to enable remote
+    code and without transformers' broken link."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "headscope-custom", "architectures": ["CustomLM"],
+        "auto_map": {"AutoConfig": "configuration_custom.CustomConfig",
+                     "AutoModelForCausalLM": "modeling_custom.CustomLM"}}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelError) as e:
+        load_model(str(tmp_path))
+    text = str(e.value)
+    assert "never runs code that comes with a model" in text
+    assert "trust_remote_code" not in text and "hf.co" not in text and "http" not in text

@@ -173,3 +173,16 @@ def test_own_needles_parse_from_lines_or_json_and_bad_ones_say_why():
                      ('[{"needle": "A.", "question": "B?", "answer": " "}]', "empty")]:
         with pytest.raises(InputError, match=why):
             parse_needles(bad)
+
+
+def test_named_haystack_refuses_paths(tmp_path):
+    """What a request may name: the shipped haystacks only; a path is refused, its file never read."""
+    from analysis.niah import named_haystack
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("canary-word-in-a-file")
+    assert named_haystack("prose") == load_haystack("prose")
+    for value in (str(secret), str(tmp_path), "../../etc/passwd", "/etc/passwd", "~/.bashrc"):
+        with pytest.raises(InputError, match="choose one of prose, passkey") as e:
+            named_haystack(value)
+        assert "canary-word" not in str(e.value)

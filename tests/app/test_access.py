@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.cookiejar
 import os
 import re
@@ -60,3 +61,138 @@ def test_non_loopback_server_requires_its_token(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+TOKEN = "a-token-for-the-tests-" + "7" * 10
+UPLOAD_LIMIT = 1000
+
+
+@pytest.fixture(scope="module")
+def guarded_server(tmp_path_factory):
+    """A loopback server given a token (so it asks for one), with a small upload limit."""
+    home = tmp_path_factory.mktemp("access-home")
+    log = home.parent / f"{home.name}-server.log"
+    port = free_port()
+    env = {**os.environ, "HEADSCOPE_HOME": str(home), "HEADSCOPE_TOKEN": TOKEN, "OMP_NUM_THREADS": "1",
+           "HEADSCOPE_MAX_UPLOAD_BYTES": str(UPLOAD_LIMIT)}
+    env.pop("HEADSCOPE_MAX_REQUEST_BYTES", None)
+    out = open(log, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], env=env,
+                            stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 180
+    while True:
+        try:
+            status(base)
+            break
+        except OSError:  # not listening yet
+            assert proc.poll() is None and time.time() < deadline, log.read_text()
+            time.sleep(0.5)
+    yield base, port, log, proc
+    proc.terminate()
+    proc.wait(timeout=30)
+    out.close()
+
+
+def test_the_token_never_reaches_the_log(guarded_server):
+    base, _, log, _ = guarded_server
+    assert status(base + "?token=" + TOKEN) == 200
+    assert status(base + "_dash-layout?x=1&token=" + TOKEN + "&y=2") == 200
+    assert status(base + "_dash-dependencies?TOKEN=" + TOKEN) in (200, 403)
+    time.sleep(0.5)
+    lines = log.read_text().splitlines()
+    # the one line that prints the URL to open, at start, is for whoever started the server
+    logged = [line for line in lines if "open http" not in line]
+    assert any("token=***" in line and "_dash-layout" in line for line in logged), logged[-5:]
+    assert not [line for line in logged if TOKEN in line]
+
+
+def test_a_60_mb_request_is_refused_before_it_is_read(guarded_server):
+    """413 answers the headers of a 60 MB POST at once: the app never waits for (or reads) the body."""
+    import socket
+
+    _, port, _, proc = guarded_server
+    t0 = time.time()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /_dash-update-component HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {60_000_000}\r\n\r\n".encode()
+                  + b"{" + b" " * 65_536)
+        reply = read_reply(s)
+    assert reply.startswith("HTTP/1.1 413"), reply[:200]
+    assert "HEADSCOPE_MAX_REQUEST_BYTES" in reply
+    assert time.time() - t0 < 10
+    # a chunked body (no length) is cut off once reading passes the cap
+    sent, chunk = 0, b"x" * (1 << 20)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /_dash-update-component HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  + f"Authorization: Bearer {TOKEN}\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+        reply = ""
+        try:
+            while sent < 60_000_000:
+                s.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+                sent += len(chunk)
+                s.settimeout(0.01)
+                try:
+                    reply = s.recv(65_536).decode(errors="replace")
+                    s.settimeout(10)
+                    reply += read_reply(s)
+                    break
+                except TimeoutError:
+                    s.settimeout(10)
+        except OSError:  # the server closed the connection: what it answered is waiting to be read
+            s.settimeout(10)
+            reply = read_reply(s)
+    assert sent < 20_000_000, f"the server read {sent:,} bytes of a chunked body"
+    if reply:  # a reset can swallow the answer; the cut-off above is what matters
+        assert reply.startswith("HTTP/1.1 413"), reply[:200]
+    assert proc.poll() is None
+    assert status(base_of(port) + "?token=" + TOKEN) == 200
+
+
+def read_reply(s) -> str:
+    """One HTTP response: its headers and its Content-Length's worth of body."""
+    data = b""
+    with contextlib.suppress(OSError):
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
+                re.search(rb"Content-Length: (\d+)", data)[1] if re.search(rb"Content-Length: (\d+)", data) else 0):
+            chunk = s.recv(65_536)
+            if not chunk:
+                break
+            data += chunk
+    return data.decode(errors="replace")
+
+
+def base_of(port: int) -> str:
+    return f"http://127.0.0.1:{port}/"
+
+
+@pytest.mark.browser
+def test_an_oversized_upload_says_so_in_the_page(guarded_server, tmp_path):
+    """A file over HEADSCOPE_MAX_UPLOAD_BYTES: a message naming the limit (dcc.Upload alone drops it
+    silently); a file within it becomes the own haystack."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.app.test_browser import CHROMIUM_ARGS
+
+    base, _, _, _ = guarded_server
+    big, small = tmp_path / "big.txt", tmp_path / "small.txt"
+    big.write_text("word " * 1000)  # 5,000 bytes
+    small.write_text("A short own haystack. It has two sentences.")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(60_000)
+            page.goto(base + "?token=" + TOKEN)
+            page.goto(base + "heads")
+            page.set_input_files("#hs-heads-haystack-upload input[type=file]", str(big))
+            page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('big.txt')")
+            text = page.locator("#hs-error").inner_text()
+            assert "big.txt has 5,000 bytes (the limit is 1,000; set HEADSCOPE_MAX_UPLOAD_BYTES" in text
+            assert page.locator("#hs-heads-custom-haystack").input_value() == ""
+            page.set_input_files("#hs-heads-haystack-upload input[type=file]", str(small))
+            page.wait_for_function("(document.querySelector('#hs-heads-custom-haystack')?.value || '')"
+                                   ".includes('two sentences')")
+            assert "Loaded small.txt" in page.locator("#hs-heads-status").inner_text()
+        finally:
+            browser.close()

@@ -1,3 +1,5 @@
+from urllib.parse import urlencode
+
 import pytest
 
 from app.url_state import PageState, parse
@@ -32,3 +34,21 @@ def test_unknown_keys_and_garbage_are_ignored():
     assert parse("?foo=bar&&&=&layer=2").layer == 2
     assert parse("%%%").problems == [] or parse("%%%").run is None
     assert parse(None).run is None
+
+
+def test_link_model_must_be_offered_and_refusal_does_not_probe_paths(tmp_path, monkeypatch):
+    """A link naming a model path gets the same refusal whether or not the path exists."""
+    monkeypatch.delenv("HEADSCOPE_MODELS", raising=False)
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    refusals = []
+    for spec in (str(folder), str(tmp_path / "missing"), "../../models/x.gguf"):
+        state = parse("?" + urlencode({"model": spec}))
+        assert state.model is None
+        refusals.append(state.problems[0].split(" it is not offered")[1])  # all but the name
+    assert len(set(refusals)) == 1 and refusals[0].startswith(" by this server")
+    assert "HEADSCOPE_MODELS" in refusals[0]
+    assert parse("?model=smollm2-135m").model == "smollm2-135m"
+    monkeypatch.setenv("HEADSCOPE_MODELS", f"{folder}, other-model")
+    assert parse("?" + urlencode({"model": str(folder)})).model == str(folder)
