@@ -278,7 +278,10 @@ def cmd_serve(args) -> int:
     if token is not None:
         protect(app.server, token)
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        print(f"headscope: access token required; open http://{shown}:{args.port}/?token={token}", file=sys.stderr)
+        # a token the operator chose is never echoed (logs keep stderr); a generated one must be shown once
+        shown_token = "<your token>" if given else token
+        print(f"headscope: access token required; open http://{shown}:{args.port}/?token={shown_token}",
+              file=sys.stderr)
     print(f"headscope: serving on http://{host}:{args.port}  (store: {context.store.root})", file=sys.stderr)
     app.run(host=host, port=args.port, debug=False, threaded=True)
     return 0
