@@ -16,6 +16,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from analysis.capture import Run, load_run
 from analysis.limits import limit
 from analysis.models import DEFAULT_MODEL, EMBEDDED, ModelError
@@ -56,11 +58,41 @@ class AppContext:
         return run
 
     def remember(self, run: Run | StatsRun) -> None:
+        """Keep ``run`` in memory; drop the least recently used runs beyond 16 or beyond
+        ``HEADSCOPE_RUN_CACHE_MB`` (runs are read into memory and verified, never memory-mapped, so
+        the budget bounds what the server holds; the latest run is always kept)."""
+        budget = run_cache_bytes()
         with self._lock:
             self._runs[run.key] = run
             self._runs.move_to_end(run.key)
-            while len(self._runs) > 16:
-                self._runs.popitem(last=False)
+            held = sum(run_bytes(r) for r in self._runs.values())
+            while len(self._runs) > 1 and (len(self._runs) > 16 or held > budget):
+                _, dropped = self._runs.popitem(last=False)
+                held -= run_bytes(dropped)
+
+    def cached_keys(self) -> list[str]:
+        """Keys of the runs held in memory, least recently used first."""
+        with self._lock:
+            return list(self._runs)
+
+
+def run_cache_bytes() -> float:
+    """``HEADSCOPE_RUN_CACHE_MB`` (default 2048, fractions allowed) in bytes, read when checked."""
+    try:
+        mb = float(os.environ.get("HEADSCOPE_RUN_CACHE_MB", "2048"))
+    except ValueError:
+        mb = 2048.0
+    return (mb if mb > 0 else 2048.0) * 2**20
+
+
+def run_bytes(run: Run | StatsRun) -> int:
+    """Bytes of the arrays a run holds (patterns or statistics, loss, top-k; dicts of arrays too)."""
+    total = 0
+    for value in vars(run).values():
+        for item in value.values() if isinstance(value, dict) else (value,):
+            if isinstance(item, np.ndarray):
+                total += item.nbytes
+    return total
 
 
 def env_models() -> list[str]:

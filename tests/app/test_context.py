@@ -1,0 +1,36 @@
+"""app/context.py: the server's in-memory runs stay within HEADSCOPE_RUN_CACHE_MB."""
+
+from __future__ import annotations
+
+from analysis.capture import capture
+from analysis.store import Store
+from app.context import AppContext, run_bytes
+
+TEXTS = [f"Sentence number {i} is about " + "the quick brown fox and the lazy dog " * 12 for i in range(4)]
+
+
+def test_served_runs_are_kept_within_the_memory_budget_and_reread_verified(tiny_model, tmp_path, monkeypatch):
+    store = Store(tmp_path / "store")
+    runs = [capture(tiny_model, text, store=store) for text in TEXTS]
+    size = run_bytes(runs[0])
+    assert size >= runs[0].patterns.nbytes > 0
+    # room for two of the four runs
+    monkeypatch.setenv("HEADSCOPE_RUN_CACHE_MB", str(2.5 * size / 2**20))
+    context = AppContext(store=Store(tmp_path / "store"))
+    for run in runs:
+        assert context.run(run.key[:12]).key == run.key
+    kept = context.cached_keys()
+    assert kept == [runs[2].key, runs[3].key]  # least recently used dropped first
+    assert sum(run_bytes(context.run(k)) for k in kept) <= 2.5 * size
+    # a dropped run is read again from the store (verified bytes), with the same numbers
+    again = context.run(runs[0].key[:12])
+    assert (again.patterns == runs[0].patterns).all()
+
+
+def test_the_latest_run_is_kept_even_when_it_alone_exceeds_the_budget(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADSCOPE_RUN_CACHE_MB", "0.001")
+    store = Store(tmp_path / "store")
+    context = AppContext(store=store)
+    run = capture(tiny_model, TEXTS[0], store=store)
+    context.remember(run)
+    assert context.cached_keys() == [run.key]
