@@ -11,6 +11,9 @@ One public entry, :func:`attention`, with two implementations of identical seman
   output comes from ``scaled_dot_product_attention`` where its causal mask agrees with ours.
 - ``backend="triton"``: two fused passes (:mod:`kernels.triton_attention`), for CUDA tensors.
 
+The statistic names, their defaults and the validation of a request live in
+:mod:`kernels.statistics` and are re-exported here.
+
 Grouped-query attention is native: query head ``h`` reads key-value head ``h // (n_heads //
 n_kv_heads)``; the torch path views the queries of one group as ``[n_kv_heads, group · rows, d]``
 so that one matmul serves the whole group, and K/V are never repeated.
@@ -23,7 +26,6 @@ row ``i`` see keys ``j <= p_i``.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,26 +35,52 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# --- statistic names: the one place that spells them --------------------------------------------
-LSE = "lse"
-ARGMAX = "argmax"
-SPAN_MASS = "span_mass"
-RECENT_MASS = "recent_mass"
-SINK_MASS = "sink_mass"
-ENTROPY = "entropy"
-COL_SUM = "col_sum"
-POOLED = "pooled"
-ROWS = "rows"
-#: Everything ``stats=`` accepts.
-STATISTICS: tuple[str, ...] = (LSE, ARGMAX, SPAN_MASS, RECENT_MASS, SINK_MASS, ENTROPY, COL_SUM, POOLED, ROWS)
-# Extra outputs that come with ARGMAX.
-ARGMAX_PROB = "argmax_prob"
-TOPK_INDEX = "topk_index"
-TOPK_PROB = "topk_prob"
+# the statistic vocabulary lives in kernels.statistics; it is re-exported here because callers
+# (analysis/, the tests, bench/) import the names together with attention()
+from kernels.statistics import (
+    ARGMAX,
+    ARGMAX_PROB,
+    BACKENDS,
+    COL_SUM,
+    DEFAULT_SINK_SIZE,
+    DEFAULT_WINDOW,
+    ENTROPY,
+    LSE,
+    POOLED,
+    RECENT_MASS,
+    ROWS,
+    SINK_MASS,
+    SPAN_MASS,
+    STATISTICS,
+    TOPK_INDEX,
+    TOPK_PROB,
+    Plan,
+    pool_counts,
+    split_span_masses,
+    use_triton,
+    validate,
+)
 
-BACKENDS = ("auto", "torch", "triton")
-DEFAULT_SINK_SIZE = 4  # StreamingLLM's four attention sinks
-DEFAULT_WINDOW = 64
+__all__ = [
+    "ARGMAX",
+    "ARGMAX_PROB",
+    "BACKENDS",
+    "COL_SUM",
+    "DEFAULT_SINK_SIZE",
+    "DEFAULT_WINDOW",
+    "ENTROPY",
+    "LSE",
+    "POOLED",
+    "RECENT_MASS",
+    "ROWS",
+    "SINK_MASS",
+    "SPAN_MASS",
+    "STATISTICS",
+    "TOPK_INDEX",
+    "TOPK_PROB",
+    "AttentionResult",
+    "attention",
+]
 
 # Score elements per chunk on CPU: 2^19 float32 = 2 MiB per worker, so the chunk stays in cache
 # (bench/kernels_micro.py at 4k tokens: 1-2 MiB beat 4 MiB by ~5%, 8 MiB and up lose 20-40%).
@@ -90,21 +118,6 @@ class AttentionResult:
         if name in stats:
             return stats[name]
         raise AttributeError(f"statistic {name!r} was not requested; pass stats=({name!r}, ...)")
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Validated, normalised arguments shared by both backends."""
-
-    causal: bool
-    scale: float
-    stats: frozenset[str]
-    sink_size: int
-    window: int
-    spans: tuple[tuple[int, int], ...]
-    block_size: int | None
-    rows: tuple[int, ...]
-    topk: int
 
 
 def attention(
@@ -211,167 +224,16 @@ def attention(
     >>> res.out.shape, res.entropy.shape, res.sink_mass.shape
     (torch.Size([1, 6, 10, 16]), torch.Size([1, 6, 10]), torch.Size([1, 6, 10]))
     """
-    plan = _validate(q, k, v, causal, scale, stats, sink_size, window, spans, block_size, rows, topk, backend)
+    plan = validate(q, k, v, causal, scale, stats, sink_size, window, spans, block_size, rows, topk, backend)
     if chunk_elements is not None and (not isinstance(chunk_elements, int) or chunk_elements < 1):
         raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
-    if _use_triton(q, backend):
+    if use_triton(q, backend):
         from kernels.triton_attention import triton_attention
 
         out, out_stats = triton_attention(q, k, v, plan)
     else:
         out, out_stats = _torch_attention(q, k, v, plan, chunk_elements)
     return AttentionResult(out=out, stats=out_stats)
-
-
-# --- validation -----------------------------------------------------------------------------------
-
-
-def _triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _use_triton(q: Tensor, backend: str) -> bool:
-    if backend == "torch":
-        return False
-    if backend == "triton":
-        if q.device.type != "cuda" and not _triton_interpreting():
-            raise ValueError(
-                f"backend='triton' needs CUDA tensors (got {q.device}); use backend='torch' or 'auto', "
-                "or set TRITON_INTERPRET=1 before importing triton to run the kernels on CPU (slow)"
-            )
-        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"backend='triton' supports float16, bfloat16 and float32, got {q.dtype}")
-        return True
-    # auto
-    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:  # pragma: no cover - triton is a dependency, but stay usable without it
-        return False
-    return True
-
-
-def _as_int(value: object, what: str) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{what} must be an int, got {value!r}")
-    try:
-        as_int = int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be an int, got {value!r}") from None
-    if as_int != value:
-        raise ValueError(f"{what} must be an int, got {value!r}")
-    return as_int
-
-
-def _validate(q, k, v, causal, scale, stats, sink_size, window, spans, block_size, rows, topk, backend) -> _Plan:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be 4-D [batch, heads, positions, d_head], got shape {tuple(t.shape)}"
-            )
-    if not q.dtype.is_floating_point:
-        raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    b, n_heads, n_q, d = q.shape
-    if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k and v must agree on [batch, kv_heads, n_k], got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[3] != d:
-        raise ValueError(f"q and k must share d_head, got {d} and {k.shape[3]}")
-    n_kv, n_k = k.shape[1], k.shape[2]
-    if n_kv == 0 or n_heads % n_kv != 0:
-        raise ValueError(
-            f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv}) for grouped-query attention"
-        )
-    if n_q == 0 or n_k == 0 or d == 0 or b == 0:
-        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if causal and n_q > n_k:
-        raise ValueError(
-            f"causal attention needs n_q <= n_k (queries are the last n_q positions), got n_q={n_q}, n_k={n_k}"
-        )
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    else:
-        try:
-            scale = float(scale)
-        except (TypeError, ValueError):
-            raise ValueError(f"scale must be a number, got {scale!r}") from None
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
-
-    names = (stats,) if isinstance(stats, str) else tuple(stats)
-    unknown = [s for s in names if s not in STATISTICS]
-    if unknown:
-        raise ValueError(f"unknown statistic(s) {unknown}; choose from {list(STATISTICS)}")
-    wanted = frozenset(names)
-
-    sink_size = _as_int(sink_size, "sink_size")
-    if sink_size < 1:
-        raise ValueError(f"sink_size must be >= 1, got {sink_size}")
-    window = _as_int(window, "window")
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    topk = _as_int(topk, "topk")
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1, got {topk}")
-    if topk > n_k:
-        raise ValueError(f"topk ({topk}) exceeds the number of keys ({n_k})")
-
-    norm_spans: list[tuple[int, int]] = []
-    if spans is not None:
-        for span in spans:
-            try:
-                start, end = span
-            except (TypeError, ValueError):
-                raise ValueError(f"each span must be a (start, end) pair, got {span!r}") from None
-            start, end = _as_int(start, "span start"), _as_int(end, "span end")
-            if not 0 <= start < end <= n_k:
-                raise ValueError(
-                    f"span ({start}, {end}) is outside the sequence: need 0 <= start < end <= n_k = {n_k}"
-                )
-            norm_spans.append((start, end))
-    if SPAN_MASS in wanted and not norm_spans:
-        raise ValueError("'span_mass' needs spans=[(start, end), ...] with at least one span")
-
-    if block_size is not None:
-        block_size = _as_int(block_size, "block_size")
-        if block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size}")
-    if POOLED in wanted and block_size is None:
-        raise ValueError("'pooled' needs block_size=B (a positive int)")
-
-    norm_rows: list[int] = []
-    if rows is not None:
-        row_list = rows.tolist() if isinstance(rows, Tensor) else list(rows)
-        for r in row_list:
-            r = _as_int(r, "row index")
-            if not -n_q <= r < n_q:
-                raise ValueError(f"row {r} is out of range for n_q = {n_q} (use -n_q <= row < n_q)")
-            norm_rows.append(r % n_q)
-    if ROWS in wanted and rows is None:
-        raise ValueError("'rows' needs rows=[query index, ...]")
-
-    return _Plan(
-        causal=bool(causal),
-        scale=scale,
-        stats=wanted,
-        sink_size=min(sink_size, n_k),
-        window=window,
-        spans=tuple(norm_spans),
-        block_size=block_size,
-        rows=tuple(norm_rows),
-        topk=topk,
-    )
 
 
 # --- torch backend ------------------------------------------------------------------------------------
@@ -395,7 +257,7 @@ def _chunk_rows(start: int, n_q: int, offset: int, n_k: int, causal: bool, group
 
 
 def _torch_attention(
-    q: Tensor, k: Tensor, v: Tensor, plan: _Plan, chunk_elements: int | None = None
+    q: Tensor, k: Tensor, v: Tensor, plan: Plan, chunk_elements: int | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Chunked exact attention with statistics; see :func:`attention` for the semantics."""
     b, n_heads, n_q, _ = q.shape
@@ -464,7 +326,7 @@ def _run_threaded(job: _Job, tasks: list[tuple[int, int, int, int]], n_workers: 
 class _Job:
     """Inputs, outputs and per-chunk constants of one call of the torch backend."""
 
-    def __init__(self, q: Tensor, k: Tensor, v: Tensor, plan: _Plan, chunk_elements: int | None):
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, plan: Plan, chunk_elements: int | None):
         b, n_heads, n_q, d = q.shape
         n_kv, n_k, d_v = k.shape[1], k.shape[2], v.shape[3]
         self.plan, self.st = plan, plan.stats
@@ -496,7 +358,7 @@ class _Job:
             if plan.topk > 1:
                 self.top_i = torch.full((*shape, plan.topk), -1, dtype=torch.int64, device=dev)
                 self.top_p = torch.zeros(*shape, plan.topk, **f32)
-        self.span_list = list(plan.spans) + ([(0, plan.sink_size)] if SINK_MASS in st else [])
+        self.span_list = plan.mass_spans
         self.span_out = torch.empty(*shape, len(self.span_list), **f32) if self.span_list else None
         self.recent = torch.empty(*shape, **f32) if RECENT_MASS in st else None
         self.col = torch.zeros(self.units, self.group, n_k, **f32) if COL_SUM in st else None
@@ -536,10 +398,8 @@ class _Job:
             if self.plan.topk > 1:
                 res[TOPK_INDEX] = heads(self.top_i)
                 res[TOPK_PROB] = heads(self.top_p)
-        if SPAN_MASS in st:
-            res[SPAN_MASS] = heads(self.span_out[..., : len(self.plan.spans)])
-        if SINK_MASS in st:
-            res[SINK_MASS] = heads(self.span_out[..., -1])
+        if self.span_list:
+            res.update({name: heads(mass) for name, mass in split_span_masses(self.plan, self.span_out).items()})
         if RECENT_MASS in st:
             res[RECENT_MASS] = heads(self.recent)
         if ENTROPY in st:
@@ -547,7 +407,7 @@ class _Job:
         if COL_SUM in st:
             res[COL_SUM] = heads(self.col)
         if POOLED in st:
-            res[POOLED] = heads(self.pool / _pool_counts(self.n_q, self.n_k, self.plan.block_size, self.dev, self.cdt))
+            res[POOLED] = heads(self.pool / pool_counts(self.n_q, self.n_k, self.plan.block_size, self.dev, self.cdt))
         if ROWS in st:
             res[ROWS] = heads(self.row_out)
         out = self.out.reshape(self.b, self.n_heads, self.n_q, self.d_v)
@@ -712,10 +572,3 @@ def _pool_add(pool: Tensor, row_blocks: Tensor, s: int, n_ke: int, B: int) -> No
         pool[:, :, qb0:qb1, : full // B] += row_blocks[..., :full].unflatten(-1, (full // B, B)).sum(-1)
     if full < n_ke:
         pool[:, :, qb0:qb1, full // B] += row_blocks[..., full:].sum(-1)
-
-
-def _pool_counts(n_q: int, n_k: int, B: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """Cells per pooled block: ``rows_in_block × cols_in_block`` (edge blocks are smaller)."""
-    rq = torch.clamp(n_q - torch.arange(0, n_q, B, device=device), max=B)
-    rk = torch.clamp(n_k - torch.arange(0, n_k, B, device=device), max=B)
-    return (rq.unsqueeze(1) * rk.unsqueeze(0)).to(dtype)

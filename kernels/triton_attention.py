@@ -21,14 +21,12 @@ first imported they run on CPU tensors (slowly), which is how the tests check th
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.attention import (
+from kernels.statistics import (
     ARGMAX,
     ARGMAX_PROB,
     COL_SUM,
@@ -37,12 +35,12 @@ from kernels.attention import (
     POOLED,
     RECENT_MASS,
     ROWS,
-    SINK_MASS,
-    SPAN_MASS,
     TOPK_INDEX,
     TOPK_PROB,
-    _Plan,
-    _pool_counts,
+    Plan,
+    pool_counts,
+    split_span_masses,
+    triton_interpreting,
 )
 
 LOG2E = 1.4426950408889634
@@ -436,10 +434,6 @@ def _attn_topk_next(
     tl.store(NextIdx + pid_bh * N_Q + offs_m, best_i, mask=row_ok)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) per pass, by largest head size. Chosen so that ptxas
 #: reports no register spills for sm_90 (bf16, every statistic on), not yet timed on a GPU:
 #: bench/gpu_check.py times alternatives through TILE_OVERRIDE.
@@ -453,7 +447,7 @@ TILE_OVERRIDE: dict[str, tuple[int, int, int, int]] = {}
 
 def _tiles(d: int, which: str) -> tuple[int, int, int, int]:
     """Tile shape for a head size; small tiles under the interpreter (fast to emulate)."""
-    if _interpreting():
+    if triton_interpreting():
         return 16, 16, 1, 1
     if which in TILE_OVERRIDE:
         return TILE_OVERRIDE[which]
@@ -472,7 +466,7 @@ def _pool_config(B: int, block_m: int, block_n: int) -> dict:
 
 
 def triton_attention(
-    q: Tensor, k: Tensor, v: Tensor, plan: _Plan, block_m: int | None = None, block_n: int | None = None
+    q: Tensor, k: Tensor, v: Tensor, plan: Plan, block_m: int | None = None, block_n: int | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Run both passes on validated inputs; returns ``(out, stats)`` as the torch backend does.
 
@@ -484,7 +478,7 @@ def triton_attention(
     offset = n_k - n_q
     dev = q.device
     st = plan.stats
-    upcast = _interpreting() and q.dtype == torch.bfloat16
+    upcast = triton_interpreting() and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
     qk_scale = plan.scale * LOG2E
     block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(d_v))
@@ -528,7 +522,7 @@ def triton_attention(
     ent = torch.empty(b, n_heads, n_q, **f32) if ENTROPY in st else dummy
     arg_i = torch.empty(b, n_heads, n_q, dtype=torch.int32, device=dev) if ARGMAX in st else dummy
     arg_v = torch.empty(b, n_heads, n_q, **f32) if ARGMAX in st else dummy
-    span_list = list(plan.spans) + ([(0, plan.sink_size)] if SINK_MASS in st else [])
+    span_list = plan.mass_spans
     spans_t = torch.tensor(span_list or [(0, 0)], dtype=torch.int32, device=dev)
     span_out = torch.empty(b, n_heads, n_q, len(span_list), **f32) if span_list else dummy
     recent = torch.empty(b, n_heads, n_q, **f32) if RECENT_MASS in st else dummy
@@ -581,16 +575,14 @@ def triton_attention(
             top_v = torch.stack(vals, -1)
             res[TOPK_INDEX] = torch.stack(idxs, -1).long()
             res[TOPK_PROB] = torch.exp2(top_v - (lse * LOG2E).unsqueeze(-1))  # -inf → 0
-    if SPAN_MASS in st:
-        res[SPAN_MASS] = span_out[..., : len(plan.spans)]
-    if SINK_MASS in st:
-        res[SINK_MASS] = span_out[..., -1]
+    if span_list:
+        res.update(split_span_masses(plan, span_out))
     if RECENT_MASS in st:
         res[RECENT_MASS] = recent
     if COL_SUM in st:
         res[COL_SUM] = col
     if POOLED in st:
-        res[POOLED] = pool / _pool_counts(n_q, n_k, B, dev, torch.float32)
+        res[POOLED] = pool / pool_counts(n_q, n_k, B, dev, torch.float32)
     if ROWS in st:
         index = torch.tensor([unique_rows.index(r) for r in plan.rows], dtype=torch.long, device=dev)
         res[ROWS] = rows_out.index_select(2, index)
