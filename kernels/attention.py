@@ -12,7 +12,8 @@ One public entry, :func:`attention`, with two implementations of identical seman
 - ``backend="triton"``: two fused passes (:mod:`kernels.triton_attention`), for CUDA tensors.
 
 The statistic names, their defaults and the validation of a request live in
-:mod:`kernels.statistics` and are re-exported here.
+:mod:`kernels.statistics` and are re-exported here. :mod:`kernels.reference` is the eager
+full-matrix reference that both backends are tested against.
 
 Grouped-query attention is native: query head ``h`` reads key-value head ``h // (n_heads //
 n_kv_heads)``; the torch path views the queries of one group as ``[n_kv_heads, group · rows, d]``

@@ -1,8 +1,6 @@
-"""The torch attention kernel against plain eager attention in float64 (the full matrix, built here)."""
+"""The torch attention kernel against plain eager attention in float64 (the full matrix: kernels/reference.py)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -24,50 +22,7 @@ from kernels.attention import (
     AttentionResult,
     attention,
 )
-
-
-def eager_reference(q, k, v, *, causal, scale=None, sink_size=4, window=64, spans=(), block_size=None,
-                    rows=(), topk=1):
-    """Materialise A = softmax(q kᵀ · scale + mask) in float64 and read every statistic off it."""
-    b, n_heads, n_q, d = q.shape
-    n_kv, n_k = k.shape[1], k.shape[2]
-    group = n_heads // n_kv
-    scale = 1 / math.sqrt(d) if scale is None else scale
-    kr = k.double().repeat_interleave(group, 1)
-    vr = v.double().repeat_interleave(group, 1)
-    s = q.double() @ kr.transpose(-1, -2) * scale
-    pos = torch.arange(n_q) + (n_k - n_q)
-    keys = torch.arange(n_k)
-    visible = keys[None, :] <= pos[:, None] if causal else torch.ones(n_q, n_k, dtype=torch.bool)
-    s = s.masked_fill(~visible, float("-inf"))
-    a = torch.softmax(s, -1)
-    ref = {"out": a @ vr, LSE: torch.logsumexp(s, -1), ENTROPY: torch.special.entr(a).sum(-1)}
-    ref[ARGMAX] = a.argmax(-1)
-    ref[ARGMAX_PROB] = a.amax(-1)
-    if topk > 1:
-        probs, idx = a.topk(topk, -1)
-        n_vis = visible.sum(-1).view(1, 1, n_q, 1)
-        dead = torch.arange(topk).view(1, 1, 1, topk) >= n_vis
-        ref[TOPK_INDEX] = idx.masked_fill(dead, -1)
-        ref[TOPK_PROB] = probs.masked_fill(dead, 0.0)
-    if spans:
-        ref[SPAN_MASS] = torch.stack([a[..., st:en].sum(-1) for st, en in spans], -1)
-    ref[SINK_MASS] = a[..., : min(sink_size, n_k)].sum(-1)
-    band = (keys[None, :] <= pos[:, None]) & (keys[None, :] > pos[:, None] - window)
-    ref[RECENT_MASS] = (a * band).sum(-1)
-    ref[COL_SUM] = a.sum(-2)
-    if block_size:
-        B = block_size
-        nqb, nkb = -(-n_q // B), -(-n_k // B)
-        padded = torch.zeros(b, n_heads, nqb * B, nkb * B, dtype=torch.float64)
-        padded[..., :n_q, :n_k] = a
-        sums = padded.view(b, n_heads, nqb, B, nkb, B).sum((3, 5))
-        cells = torch.zeros(nqb * B, nkb * B, dtype=torch.float64)
-        cells[:n_q, :n_k] = 1
-        ref[POOLED] = sums / cells.view(nqb, B, nkb, B).sum((1, 3))
-    if rows:
-        ref[ROWS] = a[:, :, list(rows)]
-    return ref
+from kernels.reference import reference_attention
 
 
 def make_qkv(b, n_heads, n_kv, n_q, n_k, d, dtype=torch.float32, seed=0, d_v=None):
@@ -111,7 +66,7 @@ def test_every_statistic_matches_eager(b, n_heads, n_kv, n_q, n_k, d, causal, ch
     topk = min(3, n_k)
     kw = dict(causal=causal, sink_size=3, window=5, spans=spans, block_size=4, rows=rows, topk=topk)
     result = attention(q, k, v, stats=STATISTICS, backend="torch", chunk_elements=chunk_elements, **kw)
-    ref = eager_reference(q, k, v, **{**kw, "rows": [r % n_q for r in rows]})
+    ref = reference_attention(q, k, v, **{**kw, "rows": [r % n_q for r in rows]})
     names = [*STATISTICS, ARGMAX_PROB] + ([TOPK_INDEX, TOPK_PROB] if topk > 1 else [])
     assert_matches(result, ref, names)
     assert result[POOLED].shape == (b, n_heads, -(-n_q // 4), -(-n_k // 4))
@@ -127,7 +82,7 @@ def test_each_statistic_alone(name):
     kw = dict(causal=True, sink_size=2, window=4, spans=[(3, 9)], block_size=5, rows=[4, 22], topk=2)
     result = attention(q, k, v, stats=name, backend="torch", chunk_elements=200, **kw)
     assert set(result.stats) >= {name}
-    ref = eager_reference(q, k, v, **kw)
+    ref = reference_attention(q, k, v, **kw)
     assert_matches(result, ref, [name])
 
 
@@ -140,7 +95,7 @@ def test_output_without_statistics(n_q, n_k, causal):
     result = attention(q, k, v, causal=causal, backend="torch")
     assert result.stats == {}
     assert result.out.shape == (2, 6, n_q, 8)
-    assert_matches(result, eager_reference(q, k, v, causal=causal), [])
+    assert_matches(result, reference_attention(q, k, v, causal=causal), [])
 
 
 @pytest.mark.parametrize("n", [64, 150, 257])
@@ -150,7 +105,7 @@ def test_longer_rows_cross_argmax_blocks(n):
     stats = (ARGMAX, LSE, ENTROPY, COL_SUM, POOLED, ROWS)
     kw = dict(block_size=7, rows=[n - 1, n // 2])
     result = attention(q, k, v, stats=stats, backend="torch", chunk_elements=5000, **kw)
-    assert_matches(result, eager_reference(q, k, v, causal=True, **kw), [*stats, ARGMAX_PROB])
+    assert_matches(result, reference_attention(q, k, v, causal=True, **kw), [*stats, ARGMAX_PROB])
 
 
 def test_ties_go_to_the_lowest_key_index():
@@ -180,7 +135,7 @@ def test_worker_threads_give_the_same_numbers_and_restore_the_thread_count():
     torch.testing.assert_close(threaded.out, inline.out, atol=0, rtol=0)
     for name, value in inline.stats.items():
         torch.testing.assert_close(threaded[name], value, atol=1e-6, rtol=0, msg=name)
-    assert_matches(threaded, eager_reference(q, k, v, causal=True, spans=[(2, 9)], block_size=6, rows=[44],
+    assert_matches(threaded, reference_attention(q, k, v, causal=True, spans=[(2, 9)], block_size=6, rows=[44],
                                              topk=2), STATISTICS)
 
 
@@ -202,14 +157,14 @@ def test_works_under_inference_mode_and_with_grad_inputs(mode):
             assert not attention(q, k, v, backend="torch").out.requires_grad  # the SDPA route too
     finally:
         torch.set_num_threads(before)
-    assert_matches(res, eager_reference(q.detach(), k, v, causal=True), [LSE, COL_SUM])
+    assert_matches(res, reference_attention(q.detach(), k, v, causal=True), [LSE, COL_SUM])
 
 
 def test_low_precision_inputs_computed_in_float32():
     q, k, v = make_qkv(1, 4, 2, 19, 19, 16, dtype=torch.bfloat16, seed=5)
     result = attention(q, k, v, stats=(LSE, ENTROPY, COL_SUM), backend="torch")
     assert result.out.dtype == torch.bfloat16
-    ref = eager_reference(q, k, v, causal=True)  # same bf16 values, exact arithmetic
+    ref = reference_attention(q, k, v, causal=True)  # same bf16 values, exact arithmetic
     assert_matches(result, ref, [LSE, ENTROPY, COL_SUM], out_atol=1e-2)
 
 
@@ -221,14 +176,14 @@ def test_float64_and_strided_inputs():
     v = torch.randn(2, 17, 3, 8, generator=g, dtype=torch.float64).transpose(1, 2)
     result = attention(q, k, v, stats=(LSE, ENTROPY, ROWS), rows=[3], backend="torch", chunk_elements=100)
     assert result.out.dtype == torch.float64
-    assert_matches(result, eager_reference(q, k, v, causal=True, rows=[3]), [LSE, ENTROPY, ROWS], atol=1e-6)
+    assert_matches(result, reference_attention(q, k, v, causal=True, rows=[3]), [LSE, ENTROPY, ROWS], atol=1e-6)
 
 
 def test_large_scores_stay_finite():
     """Peaked rows (scores ~ 1e3) must not overflow the lse or give NaN entropy."""
     q, k, v = make_qkv(1, 2, 1, 12, 12, 8, seed=2)
     result = attention(q * 30, k * 30, v, stats=(LSE, ENTROPY, ARGMAX), backend="torch")
-    ref = eager_reference(q * 30, k * 30, v, causal=True)
+    ref = reference_attention(q * 30, k * 30, v, causal=True)
     assert torch.isfinite(result[ENTROPY]).all()
     assert_matches(result, ref, [LSE, ARGMAX], atol=1e-3)
     torch.testing.assert_close(result[ENTROPY].double(), ref[ENTROPY], atol=1e-4, rtol=0)
@@ -237,7 +192,7 @@ def test_large_scores_stay_finite():
 def test_scale_and_attribute_access():
     q, k, v = make_qkv(1, 2, 2, 6, 6, 8)
     result = attention(q, k, v, scale=0.5, stats=[LSE], backend="torch")
-    ref = eager_reference(q, k, v, causal=True, scale=0.5)
+    ref = reference_attention(q, k, v, causal=True, scale=0.5)
     torch.testing.assert_close(result.lse.double(), ref[LSE], atol=1e-5, rtol=0)
     with pytest.raises(AttributeError, match="not requested"):
         _ = result.entropy
