@@ -41,6 +41,7 @@ from kernels.attention import (  # noqa: E402
     TOPK_PROB,
     attention,
 )
+from kernels.reference import OUT, reference_attention  # noqa: E402
 
 T0 = time.time()
 DEVICE = "cuda"  # "cpu" with --dry-run (TRITON_INTERPRET=1, tiny shapes): checks this script itself
@@ -115,17 +116,12 @@ def parity_case(b, h, h_kv, n_q, n_k, d, dtype, causal, block) -> tuple[bool, st
     if TOPK_PROB in ref.stats:
         checks["topk_prob"] = ((got[TOPK_PROB] - ref[TOPK_PROB]).abs().max().item(), 1e-3)
     if b * h * n_q * n_k <= 64 * 2**20:
-        # the reference itself against plain eager attention (full matrix, float32), so that a
-        # failure says which side is wrong
-        kr, vr = (t.repeat_interleave(h // h_kv, 1).float() for t in (k, v))
-        scores = q.float() @ kr.transpose(-1, -2) * d**-0.5
-        if causal:
-            pos = torch.arange(n_q, device=DEVICE) + (n_k - n_q)
-            scores = scores.masked_fill(torch.arange(n_k, device=DEVICE) > pos[:, None], float("-inf"))
-        eager_out = torch.softmax(scores, -1) @ vr
-        checks["torch vs eager: lse"] = ((ref[LSE] - torch.logsumexp(scores, -1)).abs().max().item(), 1e-3)
-        checks["torch vs eager: out"] = ((ref.out.float() - eager_out).abs().max().item(), out_tol)
-        del scores, kr, vr
+        # the torch kernel itself against plain eager attention (kernels/reference.py: the full
+        # matrix, here in float32), so that a failure says which side is wrong
+        eager = reference_attention(q, k, v, causal=causal, dtype=torch.float32)
+        checks["torch vs eager: lse"] = ((ref[LSE] - eager[LSE]).abs().max().item(), 1e-3)
+        checks["torch vs eager: out"] = ((ref.out.float() - eager[OUT]).abs().max().item(), out_tol)
+        del eager
     finite = all(torch.isfinite(t.float()).all().item() for t in got.stats.values() if t.is_floating_point())
     ok = finite and all(val <= tol for val, tol in checks.values())
     detail = ", ".join(f"{name} {val:.1e}" + ("" if val <= tol else " (!)") for name, (val, tol) in checks.items())
