@@ -36,52 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# the statistic vocabulary lives in kernels.statistics; it is re-exported here because callers
-# (analysis/, the tests, bench/) import the names together with attention()
-from kernels.statistics import (
-    ARGMAX,
-    ARGMAX_PROB,
-    BACKENDS,
-    COL_SUM,
-    DEFAULT_SINK_SIZE,
-    DEFAULT_WINDOW,
-    ENTROPY,
-    LSE,
-    POOLED,
-    RECENT_MASS,
-    ROWS,
-    SINK_MASS,
-    SPAN_MASS,
-    STATISTICS,
-    TOPK_INDEX,
-    TOPK_PROB,
-    Plan,
-    pool_counts,
-    split_span_masses,
-    use_triton,
-    validate,
-)
+from kernels import statistics as stat
+from kernels.statistics import *  # noqa: F403  (re-exported: callers import the names with attention())
+from kernels.statistics import Plan, pool_counts, split_span_masses, use_triton, validate
 
-__all__ = [
-    "ARGMAX",
-    "ARGMAX_PROB",
-    "BACKENDS",
-    "COL_SUM",
-    "DEFAULT_SINK_SIZE",
-    "DEFAULT_WINDOW",
-    "ENTROPY",
-    "LSE",
-    "POOLED",
-    "RECENT_MASS",
-    "ROWS",
-    "SINK_MASS",
-    "SPAN_MASS",
-    "STATISTICS",
-    "TOPK_INDEX",
-    "TOPK_PROB",
-    "AttentionResult",
-    "attention",
-]
+__all__ = [*stat.__all__, "AttentionResult", "attention"]
 
 # Score elements per chunk on CPU: 2^19 float32 = 2 MiB per worker, so the chunk stays in cache
 # (bench/kernels_micro.py at 4k tokens: 1-2 MiB beat 4 MiB by ~5%, 8 MiB and up lose 20-40%).
@@ -129,8 +88,8 @@ def attention(
     causal: bool = True,
     scale: float | None = None,
     stats: str | Iterable[str] = (),
-    sink_size: int = DEFAULT_SINK_SIZE,
-    window: int = DEFAULT_WINDOW,
+    sink_size: int = stat.DEFAULT_SINK_SIZE,
+    window: int = stat.DEFAULT_WINDOW,
     spans: Sequence[tuple[int, int]] | None = None,
     block_size: int | None = None,
     rows: Sequence[int] | Tensor | None = None,
@@ -158,7 +117,7 @@ def attention(
     scale : float, optional
         Score scale; default ``1 / sqrt(d)``.
     stats : str or iterable of str
-        Statistics to return, from :data:`STATISTICS`:
+        Statistics to return, from :data:`kernels.statistics.STATISTICS`:
 
         - ``"lse"`` ``[b, h, n_q]``: :math:`\text{lse}_i = \log \sum_j \exp(s_{ij})` (natural log).
         - ``"argmax"`` ``[b, h, n_q]`` (int64): :math:`\arg\max_j A_{ij}`, the lowest index on ties;
@@ -350,10 +309,10 @@ class _Job:
         shape = (self.units, self.group, n_q)
         self.out = torch.empty(*shape, d_v, dtype=q.dtype, device=dev)
         st = self.st
-        self.need_lse = LSE in st or ENTROPY in st
-        self.lse = torch.empty(*shape, **f32) if LSE in st else None
-        self.ent = torch.empty(*shape, **f32) if ENTROPY in st else None
-        if ARGMAX in st:
+        self.need_lse = stat.LSE in st or stat.ENTROPY in st
+        self.lse = torch.empty(*shape, **f32) if stat.LSE in st else None
+        self.ent = torch.empty(*shape, **f32) if stat.ENTROPY in st else None
+        if stat.ARGMAX in st:
             self.arg = torch.empty(*shape, dtype=torch.int64, device=dev)
             self.arg_p = torch.empty(*shape, **f32)
             if plan.topk > 1:
@@ -361,12 +320,12 @@ class _Job:
                 self.top_p = torch.zeros(*shape, plan.topk, **f32)
         self.span_list = plan.mass_spans
         self.span_out = torch.empty(*shape, len(self.span_list), **f32) if self.span_list else None
-        self.recent = torch.empty(*shape, **f32) if RECENT_MASS in st else None
-        self.col = torch.zeros(self.units, self.group, n_k, **f32) if COL_SUM in st else None
-        if POOLED in st:
+        self.recent = torch.empty(*shape, **f32) if stat.RECENT_MASS in st else None
+        self.col = torch.zeros(self.units, self.group, n_k, **f32) if stat.COL_SUM in st else None
+        if stat.POOLED in st:
             B = plan.block_size
             self.pool = torch.zeros(self.units, self.group, -(-n_q // B), -(-n_k // B), **f32)
-        if ROWS in st:
+        if stat.ROWS in st:
             self.row_out = torch.zeros(self.units, self.group, len(plan.rows), n_k, **f32)
             self.row_slots: dict[int, list[int]] = {}
             for slot, r in enumerate(plan.rows):
@@ -391,26 +350,27 @@ class _Job:
             return t.to(torch.float32) if t.is_floating_point() else t
 
         st, res = self.st, {}
-        if LSE in st:
-            res[LSE] = heads(self.lse)
-        if ARGMAX in st:
-            res[ARGMAX] = heads(self.arg)
-            res[ARGMAX_PROB] = heads(self.arg_p)
+        if stat.LSE in st:
+            res[stat.LSE] = heads(self.lse)
+        if stat.ARGMAX in st:
+            res[stat.ARGMAX] = heads(self.arg)
+            res[stat.ARGMAX_PROB] = heads(self.arg_p)
             if self.plan.topk > 1:
-                res[TOPK_INDEX] = heads(self.top_i)
-                res[TOPK_PROB] = heads(self.top_p)
+                res[stat.TOPK_INDEX] = heads(self.top_i)
+                res[stat.TOPK_PROB] = heads(self.top_p)
         if self.span_list:
             res.update({name: heads(mass) for name, mass in split_span_masses(self.plan, self.span_out).items()})
-        if RECENT_MASS in st:
-            res[RECENT_MASS] = heads(self.recent)
-        if ENTROPY in st:
-            res[ENTROPY] = heads(self.ent)
-        if COL_SUM in st:
-            res[COL_SUM] = heads(self.col)
-        if POOLED in st:
-            res[POOLED] = heads(self.pool / pool_counts(self.n_q, self.n_k, self.plan.block_size, self.dev, self.cdt))
-        if ROWS in st:
-            res[ROWS] = heads(self.row_out)
+        if stat.RECENT_MASS in st:
+            res[stat.RECENT_MASS] = heads(self.recent)
+        if stat.ENTROPY in st:
+            res[stat.ENTROPY] = heads(self.ent)
+        if stat.COL_SUM in st:
+            res[stat.COL_SUM] = heads(self.col)
+        if stat.POOLED in st:
+            counts = pool_counts(self.n_q, self.n_k, self.plan.block_size, self.dev, self.cdt)
+            res[stat.POOLED] = heads(self.pool / counts)
+        if stat.ROWS in st:
+            res[stat.ROWS] = heads(self.row_out)
         out = self.out.reshape(self.b, self.n_heads, self.n_q, self.d_v)
         return out, res
 
@@ -456,17 +416,17 @@ class _Worker:
             sc.view(nu, group, c, n_ke)[..., n_ke - c :].masked_fill_(tri, j.neg)
         # row maxima (and argmax) from the raw scores, before anything overwrites them
         idx = None
-        if ARGMAX in st:
+        if stat.ARGMAX in st:
             m, idx = _row_argmax(sc)
             if plan.topk > 1:
                 kk = min(plan.topk, n_ke)
                 top_idx = sc.topk(kk, -1).indices
         elif j.need_lse:
             m = sc.amax(-1)
-        if ENTROPY in st:
+        if stat.ENTROPY in st:
             sc.sub_(m.unsqueeze(-1))  # shift first so that sum(p · s) is computed near zero
         # in place unless entropy needs the scores (each row is read before it is written)
-        p = self._buffer("prob_buf", rows * n_ke).view(nu, group * c, n_ke) if ENTROPY in st else sc
+        p = self._buffer("prob_buf", rows * n_ke).view(nu, group * c, n_ke) if stat.ENTROPY in st else sc
         torch.softmax(sc, -1, out=p)
         j.out[u0:u1, :, s:e] = torch.bmm(p, j.vu[u0:u1, :n_ke]).view(nu, group, c, j.d_v)
 
@@ -483,9 +443,9 @@ class _Worker:
             p_max = p.amax(-1)
         if j.need_lse:
             log_l = -torch.log(p_max)  # p_max = 1 / sum_j exp(s_j - m)
-            if LSE in st:
+            if stat.LSE in st:
                 put(j.lse, m + log_l)
-        if ARGMAX in st:
+        if stat.ARGMAX in st:
             put(j.arg, idx)
             put(j.arg_p, p_max)
             if plan.topk > 1:
@@ -498,10 +458,10 @@ class _Worker:
         for si, (a, z) in enumerate(j.span_list):
             z = min(z, n_ke)
             j.span_out[u0:u1, :, s:e, si] = pv[..., a:z].sum(-1) if a < z else 0.0
-        if RECENT_MASS in st:
+        if stat.RECENT_MASS in st:
             r_lo, band = self._band(s, e, n_ke)
             j.recent[here] = torch.linalg.vecdot(pv[..., r_lo : r_lo + band.shape[1]], band)
-        if POOLED in st:
+        if stat.POOLED in st:
             key = (s % plan.block_size, c)
             rows_ind = self.pool_rows.get(key)
             if rows_ind is None:
@@ -509,20 +469,20 @@ class _Worker:
             row_blocks = torch.matmul(rows_ind, pv)
             with j.lock:
                 _pool_add(j.pool[u0:u1], row_blocks, s, n_ke, plan.block_size)
-                if COL_SUM in st:
+                if stat.COL_SUM in st:
                     j.col[u0:u1, :, :n_ke] += row_blocks.sum(2)
-        elif COL_SUM in st:
+        elif stat.COL_SUM in st:
             ones = self.ones.get(c)
             if ones is None:
                 ones = self.ones[c] = torch.ones(1, 1, c, **j.f32)
             col = torch.matmul(ones, pv).squeeze(2)  # a ones-vector matmul: 2× faster than sum(2)
             with j.lock:
                 j.col[u0:u1, :, :n_ke] += col
-        if ROWS in st:
+        if stat.ROWS in st:
             for r in range(s, e):
                 for slot in j.row_slots.get(r, ()):
                     j.row_out[u0:u1, :, slot, :n_ke] = pv[:, :, r - s]
-        if ENTROPY in st:
+        if stat.ENTROPY in st:
             # last: overwrites the scores. H = lse - sum p s = log l - sum p (s - m)
             put(j.ent, log_l - sc.mul_(p).sum(-1))
 

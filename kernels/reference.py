@@ -21,22 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from kernels.statistics import (
-    ARGMAX,
-    ARGMAX_PROB,
-    COL_SUM,
-    DEFAULT_SINK_SIZE,
-    DEFAULT_WINDOW,
-    ENTROPY,
-    LSE,
-    POOLED,
-    RECENT_MASS,
-    ROWS,
-    SINK_MASS,
-    SPAN_MASS,
-    TOPK_INDEX,
-    TOPK_PROB,
-)
+from kernels import statistics as stat
 
 #: Key of the attention output in :func:`reference_attention`'s dictionary.
 OUT = "out"
@@ -61,7 +46,13 @@ def attention_scores(
 
 
 def eager_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, scale: float | None = None, dtype: torch.dtype | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
     """``softmax(scores) @ V`` with the full matrix, in ``dtype`` (default: ``q``'s).
 
@@ -80,8 +71,8 @@ def reference_attention(
     *,
     causal: bool = True,
     scale: float | None = None,
-    sink_size: int = DEFAULT_SINK_SIZE,
-    window: int = DEFAULT_WINDOW,
+    sink_size: int = stat.DEFAULT_SINK_SIZE,
+    window: int = stat.DEFAULT_WINDOW,
     spans: Sequence[tuple[int, int]] = (),
     block_size: int | None = None,
     rows: Sequence[int] = (),
@@ -111,25 +102,25 @@ def reference_attention(
     a = torch.softmax(s, -1)
     ref = {
         OUT: a @ v.to(dtype).repeat_interleave(n_heads // n_kv, 1),
-        LSE: torch.logsumexp(s, -1),
-        ENTROPY: torch.special.entr(a).sum(-1),  # -Σ A ln A, with 0 ln 0 = 0
-        ARGMAX: a.argmax(-1),
-        ARGMAX_PROB: a.amax(-1),
-        SINK_MASS: a[..., : min(sink_size, n_k)].sum(-1),
-        COL_SUM: a.sum(-2),
+        stat.LSE: torch.logsumexp(s, -1),
+        stat.ENTROPY: torch.special.entr(a).sum(-1),  # -Σ A ln A, with 0 ln 0 = 0
+        stat.ARGMAX: a.argmax(-1),
+        stat.ARGMAX_PROB: a.amax(-1),
+        stat.SINK_MASS: a[..., : min(sink_size, n_k)].sum(-1),
+        stat.COL_SUM: a.sum(-2),
     }
     visible = _visible(n_q, n_k, causal, q.device)
     if topk > 1:
         probs, idx = a.topk(topk, -1)
         dead = torch.arange(topk, device=q.device) >= visible.sum(-1, keepdim=True)  # [n_q, topk]
-        ref[TOPK_INDEX] = idx.masked_fill(dead, -1)
-        ref[TOPK_PROB] = probs.masked_fill(dead, 0.0)
+        ref[stat.TOPK_INDEX] = idx.masked_fill(dead, -1)
+        ref[stat.TOPK_PROB] = probs.masked_fill(dead, 0.0)
     if spans:
-        ref[SPAN_MASS] = torch.stack([a[..., start:end].sum(-1) for start, end in spans], -1)
+        ref[stat.SPAN_MASS] = torch.stack([a[..., start:end].sum(-1) for start, end in spans], -1)
     pos = torch.arange(n_q, device=q.device) + (n_k - n_q)
     keys = torch.arange(n_k, device=q.device)
     recent = (keys[None, :] <= pos[:, None]) & (keys[None, :] > pos[:, None] - window)
-    ref[RECENT_MASS] = (a * recent).sum(-1)
+    ref[stat.RECENT_MASS] = (a * recent).sum(-1)
     if block_size:
         B = block_size
         nqb, nkb = -(-n_q // B), -(-n_k // B)
@@ -137,9 +128,9 @@ def reference_attention(
         padded[..., :n_q, :n_k] = a
         cells = torch.zeros(nqb * B, nkb * B, dtype=dtype, device=q.device)
         cells[:n_q, :n_k] = 1
-        ref[POOLED] = padded.view(b, n_heads, nqb, B, nkb, B).sum((3, 5)) / cells.view(nqb, B, nkb, B).sum((1, 3))
+        ref[stat.POOLED] = padded.view(b, n_heads, nqb, B, nkb, B).sum((3, 5)) / cells.view(nqb, B, nkb, B).sum((1, 3))
     if rows:
-        ref[ROWS] = a[:, :, list(rows)]
+        ref[stat.ROWS] = a[:, :, list(rows)]
     return ref
 
 

@@ -21,6 +21,26 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+#: The vocabulary: what ``kernels.attention`` re-exports (callers import the names with ``attention``).
+__all__ = [
+    "ARGMAX",
+    "ARGMAX_PROB",
+    "BACKENDS",
+    "COL_SUM",
+    "DEFAULT_SINK_SIZE",
+    "DEFAULT_WINDOW",
+    "ENTROPY",
+    "LSE",
+    "POOLED",
+    "RECENT_MASS",
+    "ROWS",
+    "SINK_MASS",
+    "SPAN_MASS",
+    "STATISTICS",
+    "TOPK_INDEX",
+    "TOPK_PROB",
+]
+
 # --- statistic names: the one place that spells them --------------------------------------------
 LSE = "lse"
 ARGMAX = "argmax"

@@ -14,21 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kernels import statistics as stat
 from kernels.reference import OUT, eager_attention, reference_attention
-from kernels.statistics import (
-    ARGMAX,
-    ARGMAX_PROB,
-    COL_SUM,
-    ENTROPY,
-    LSE,
-    POOLED,
-    RECENT_MASS,
-    ROWS,
-    SINK_MASS,
-    SPAN_MASS,
-    TOPK_INDEX,
-    TOPK_PROB,
-)
 
 
 def test_uniform_attention_gives_the_hand_computed_statistics():
@@ -40,28 +27,29 @@ def test_uniform_attention_gives_the_hand_computed_statistics():
     ref = reference_attention(q, k, v, sink_size=2, window=2, spans=[(1, 3)], block_size=4, rows=[-1, 0], topk=5)
 
     seen = [3, 4, 5, 6]  # visible keys per row
-    row = {name: ref[name][0, 1].tolist() for name in (LSE, ENTROPY, ARGMAX, ARGMAX_PROB, SINK_MASS, RECENT_MASS)}
-    assert row[LSE] == pytest.approx([math.log(n) for n in seen])
-    assert row[ENTROPY] == pytest.approx([math.log(n) for n in seen])
-    assert row[ARGMAX] == [0, 0, 0, 0]  # ties: the lowest key index
-    assert row[ARGMAX_PROB] == pytest.approx([1 / n for n in seen])
-    assert row[SINK_MASS] == pytest.approx([2 / n for n in seen])
-    assert row[RECENT_MASS] == pytest.approx([2 / n for n in seen])
-    assert ref[SPAN_MASS][0, 0, :, 0].tolist() == pytest.approx([2 / n for n in seen])
+    per_row = (stat.LSE, stat.ENTROPY, stat.ARGMAX, stat.ARGMAX_PROB, stat.SINK_MASS, stat.RECENT_MASS)
+    row = {name: ref[name][0, 1].tolist() for name in per_row}
+    assert row[stat.LSE] == pytest.approx([math.log(n) for n in seen])
+    assert row[stat.ENTROPY] == pytest.approx([math.log(n) for n in seen])
+    assert row[stat.ARGMAX] == [0, 0, 0, 0]  # ties: the lowest key index
+    assert row[stat.ARGMAX_PROB] == pytest.approx([1 / n for n in seen])
+    assert row[stat.SINK_MASS] == pytest.approx([2 / n for n in seen])
+    assert row[stat.RECENT_MASS] == pytest.approx([2 / n for n in seen])
+    assert ref[stat.SPAN_MASS][0, 0, :, 0].tolist() == pytest.approx([2 / n for n in seen])
     assert ref[OUT][0, 0, :, 0].tolist() == pytest.approx([(n - 1) / 2 for n in seen])  # mean of 0..n-1
 
     # key j is seen by the rows with n > j, each giving it 1/n
-    assert ref[COL_SUM][0, 0].tolist() == pytest.approx([sum(1 / n for n in seen if n > j) for j in range(n_k)])
+    assert ref[stat.COL_SUM][0, 0].tolist() == pytest.approx([sum(1 / n for n in seen if n > j) for j in range(n_k)])
     # pooled, B = 4: blocks rows 0-3 × keys 0-3 (16 cells) and rows 0-3 × keys 4-5 (8 cells)
     left = sum(min(n, 4) / n for n in seen) / 16
     right = sum(max(n - 4, 0) / n for n in seen) / 8
-    assert ref[POOLED].shape == (1, 2, 1, 2)
-    assert ref[POOLED][0, 0, 0].tolist() == pytest.approx([left, right])
-    assert ref[ROWS][0, 0].flatten().tolist() == pytest.approx([1 / 6] * 6 + [1 / 3] * 3 + [0.0] * 3)
+    assert ref[stat.POOLED].shape == (1, 2, 1, 2)
+    assert ref[stat.POOLED][0, 0, 0].tolist() == pytest.approx([left, right])
+    assert ref[stat.ROWS][0, 0].flatten().tolist() == pytest.approx([1 / 6] * 6 + [1 / 3] * 3 + [0.0] * 3)
     # top-5 of row 0 (3 visible keys): two empty slots
-    assert ref[TOPK_INDEX][0, 0, 0].tolist()[3:] == [-1, -1]
-    assert ref[TOPK_PROB][0, 0, 0].tolist() == pytest.approx([1 / 3] * 3 + [0.0] * 2)
-    assert ref[TOPK_PROB][0, 0, 3].tolist() == pytest.approx([1 / 6] * 5)
+    assert ref[stat.TOPK_INDEX][0, 0, 0].tolist()[3:] == [-1, -1]
+    assert ref[stat.TOPK_PROB][0, 0, 0].tolist() == pytest.approx([1 / 3] * 3 + [0.0] * 2)
+    assert ref[stat.TOPK_PROB][0, 0, 3].tolist() == pytest.approx([1 / 6] * 5)
 
 
 @pytest.mark.parametrize("n_q,n_k,causal", [(9, 9, True), (3, 11, True), (7, 5, False)])
