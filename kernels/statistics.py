@@ -62,7 +62,8 @@ TOPK_PROB = "topk_prob"
 BACKENDS = ("auto", "torch", "triton")
 #: ``S`` of ``"sink_mass"``: StreamingLLM's four attention sinks (Xiao et al. 2023, arXiv:2309.17453).
 DEFAULT_SINK_SIZE = 4
-#: ``W`` of ``"recent_mass"``: the recent window of DuoAttention's streaming heads (Xiao et al. 2024).
+#: ``W`` of ``"recent_mass"``: the last W keys up to each query (DuoAttention's streaming heads keep
+#: sinks plus such a window; Xiao et al. 2024, arXiv:2410.10819).
 DEFAULT_WINDOW = 64
 
 
