@@ -24,23 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels import statistics as stat  # noqa: E402
 from kernels import triton_attention as ta  # noqa: E402
-from kernels.attention import (  # noqa: E402
-    ARGMAX,
-    ARGMAX_PROB,
-    COL_SUM,
-    ENTROPY,
-    LSE,
-    POOLED,
-    RECENT_MASS,
-    ROWS,
-    SINK_MASS,
-    SPAN_MASS,
-    STATISTICS,
-    TOPK_INDEX,
-    TOPK_PROB,
-    attention,
-)
+from kernels.attention import attention  # noqa: E402
+from kernels.reference import OUT, reference_attention  # noqa: E402
 
 T0 = time.time()
 DEVICE = "cuda"  # "cpu" with --dry-run (TRITON_INTERPRET=1, tiny shapes): checks this script itself
@@ -84,7 +71,7 @@ def parity_case(b, h, h_kv, n_q, n_k, d, dtype, causal, block) -> tuple[bool, st
     q = torch.randn(b, h, n_q, d, device=DEVICE, dtype=dtype, generator=g)
     k = torch.randn(b, h_kv, n_k, d, device=DEVICE, dtype=dtype, generator=g)
     v = torch.randn(b, h_kv, n_k, d, device=DEVICE, dtype=dtype, generator=g)
-    kw = dict(causal=causal, stats=STATISTICS, spans=[(0, min(4, n_k)), (n_k // 2, n_k)], sink_size=4,
+    kw = dict(causal=causal, stats=stat.STATISTICS, spans=[(0, min(4, n_k)), (n_k // 2, n_k)], sink_size=4,
               window=min(256, n_k), block_size=block, rows=[0, n_q - 1, n_q // 2], topk=min(4, n_k))
     ref = attention(q, k, v, backend="torch", **kw)
     got = attention(q, k, v, backend="triton", **kw)
@@ -92,48 +79,43 @@ def parity_case(b, h, h_kv, n_q, n_k, d, dtype, causal, block) -> tuple[bool, st
 
     out_tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
     checks = {"out": ((got.out.float() - ref.out.float()).abs().max().item(), out_tol)}
-    for name in (LSE, ENTROPY):
+    for name in (stat.LSE, stat.ENTROPY):
         checks[name] = ((got[name] - ref[name]).abs().max().item(), 2e-3)
-    for name in (SPAN_MASS, SINK_MASS, RECENT_MASS, POOLED, ROWS, ARGMAX_PROB):
+    for name in (stat.SPAN_MASS, stat.SINK_MASS, stat.RECENT_MASS, stat.POOLED, stat.ROWS, stat.ARGMAX_PROB):
         checks[name] = ((got[name] - ref[name]).abs().max().item(), 1e-4)
-    col_rel = ((got[COL_SUM] - ref[COL_SUM]).abs() / ref[COL_SUM].abs().clamp(min=1)).max().item()
+    col_rel = ((got[stat.COL_SUM] - ref[stat.COL_SUM]).abs() / ref[stat.COL_SUM].abs().clamp(min=1)).max().item()
     checks["col_sum (rel)"] = (col_rel, 1e-4)
-    col_alone = attention(q, k, v, backend="triton", causal=causal, stats=(COL_SUM,)).stats[COL_SUM]  # own kernel
-    checks["col_sum alone (rel)"] = (((col_alone - ref[COL_SUM]).abs() / ref[COL_SUM].abs().clamp(min=1)).max().item(),
-                                     1e-4)
+    col_alone = attention(q, k, v, backend="triton", causal=causal, stats=(stat.COL_SUM,))[stat.COL_SUM]  # own kernel
+    col_alone_rel = ((col_alone - ref[stat.COL_SUM]).abs() / ref[stat.COL_SUM].abs().clamp(min=1)).max().item()
+    checks["col_sum alone (rel)"] = (col_alone_rel, 1e-4)
     # argmax: an index may differ only where two keys are within rounding of each other, so
     # compare the reference probability of the key Triton chose with the reference maximum
-    same = got[ARGMAX] == ref[ARGMAX]
+    same = got[stat.ARGMAX] == ref[stat.ARGMAX]
     gap = 0.0
     if not same.all():
         k_chosen = k.repeat_interleave(h // h_kv, 1).float().gather(
-            2, got[ARGMAX].unsqueeze(-1).expand(-1, -1, -1, d)
+            2, got[stat.ARGMAX].unsqueeze(-1).expand(-1, -1, -1, d)
         )
         s_chosen = (q.float() * k_chosen).sum(-1) * d**-0.5
-        gap = (ref[ARGMAX_PROB] - torch.exp(s_chosen - ref[LSE])).abs().max().item()
+        gap = (ref[stat.ARGMAX_PROB] - torch.exp(s_chosen - ref[stat.LSE])).abs().max().item()
     checks["argmax (prob gap)"] = (gap, 1e-3)
-    if TOPK_PROB in ref.stats:
-        checks["topk_prob"] = ((got[TOPK_PROB] - ref[TOPK_PROB]).abs().max().item(), 1e-3)
+    if stat.TOPK_PROB in ref.stats:
+        checks["topk_prob"] = ((got[stat.TOPK_PROB] - ref[stat.TOPK_PROB]).abs().max().item(), 1e-3)
     if b * h * n_q * n_k <= 64 * 2**20:
-        # the reference itself against plain eager attention (full matrix, float32), so that a
-        # failure says which side is wrong
-        kr, vr = (t.repeat_interleave(h // h_kv, 1).float() for t in (k, v))
-        scores = q.float() @ kr.transpose(-1, -2) * d**-0.5
-        if causal:
-            pos = torch.arange(n_q, device=DEVICE) + (n_k - n_q)
-            scores = scores.masked_fill(torch.arange(n_k, device=DEVICE) > pos[:, None], float("-inf"))
-        eager_out = torch.softmax(scores, -1) @ vr
-        checks["torch vs eager: lse"] = ((ref[LSE] - torch.logsumexp(scores, -1)).abs().max().item(), 1e-3)
-        checks["torch vs eager: out"] = ((ref.out.float() - eager_out).abs().max().item(), out_tol)
-        del scores, kr, vr
+        # the torch kernel itself against plain eager attention (kernels/reference.py: the full
+        # matrix, here in float32), so that a failure says which side is wrong
+        eager = reference_attention(q, k, v, causal=causal, dtype=torch.float32)
+        checks["torch vs eager: lse"] = ((ref[stat.LSE] - eager[stat.LSE]).abs().max().item(), 1e-3)
+        checks["torch vs eager: out"] = ((ref.out.float() - eager[OUT]).abs().max().item(), out_tol)
+        del eager
     finite = all(torch.isfinite(t.float()).all().item() for t in got.stats.values() if t.is_floating_point())
     ok = finite and all(val <= tol for val, tol in checks.values())
     detail = ", ".join(f"{name} {val:.1e}" + ("" if val <= tol else " (!)") for name, (val, tol) in checks.items())
     if not finite:
         detail += ", NON-FINITE statistic"
     detail += f", argmax agree {same.float().mean().item():.4f}"
-    if TOPK_INDEX in ref.stats:
-        detail += f", topk agree {(got[TOPK_INDEX] == ref[TOPK_INDEX]).float().mean().item():.4f}"
+    if stat.TOPK_INDEX in ref.stats:
+        detail += f", topk agree {(got[stat.TOPK_INDEX] == ref[stat.TOPK_INDEX]).float().mean().item():.4f}"
     return ok, detail
 
 
@@ -192,17 +174,17 @@ def stat_cases(n: int) -> dict:
     spans = [(0, 4), (n // 2, min(n, n // 2 + 64))]
     return {
         "output only": dict(stats=()),
-        "lse": dict(stats=(LSE,)),
-        "argmax": dict(stats=(ARGMAX,)),
-        "argmax top-4": dict(stats=(ARGMAX,), topk=4),
-        "span_mass (2 spans)": dict(stats=(SPAN_MASS,), spans=spans),
-        "recent_mass (W=256)": dict(stats=(RECENT_MASS,), window=256),
-        "sink_mass (S=4)": dict(stats=(SINK_MASS,), sink_size=4),
-        "entropy": dict(stats=(ENTROPY,)),
-        "col_sum": dict(stats=(COL_SUM,)),
-        "pooled (B=64)": dict(stats=(POOLED,), block_size=64),
-        "rows (4)": dict(stats=(ROWS,), rows=[0, n // 3, n // 2, n - 1]),
-        "all statistics": dict(stats=STATISTICS, spans=spans, window=256, block_size=64,
+        "lse": dict(stats=(stat.LSE,)),
+        "argmax": dict(stats=(stat.ARGMAX,)),
+        "argmax top-4": dict(stats=(stat.ARGMAX,), topk=4),
+        "span_mass (2 spans)": dict(stats=(stat.SPAN_MASS,), spans=spans),
+        "recent_mass (W=256)": dict(stats=(stat.RECENT_MASS,), window=256),
+        "sink_mass (S=4)": dict(stats=(stat.SINK_MASS,), sink_size=4),
+        "entropy": dict(stats=(stat.ENTROPY,)),
+        "col_sum": dict(stats=(stat.COL_SUM,)),
+        "pooled (B=64)": dict(stats=(stat.POOLED,), block_size=64),
+        "rows (4)": dict(stats=(stat.ROWS,), rows=[0, n // 3, n // 2, n - 1]),
+        "all statistics": dict(stats=stat.STATISTICS, spans=spans, window=256, block_size=64,
                                rows=[0, n // 3, n // 2, n - 1]),
     }
 
@@ -260,7 +242,7 @@ def time_size(n: int, heads: int, d: int, budget_s: float) -> None:
     try:
         n_kv = max(1, heads // 4)
         kg, vg = k[:, :n_kv].contiguous(), v[:, :n_kv].contiguous()
-        ms = bench_ms(lambda: attention(q, kg, vg, backend="triton", stats=(LSE, ENTROPY, COL_SUM)))
+        ms = bench_ms(lambda: attention(q, kg, vg, backend="triton", stats=(stat.LSE, stat.ENTROPY, stat.COL_SUM)))
         try:
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 gbase = bench_ms(lambda: sdpa(q, kg, vg, is_causal=True, enable_gqa=True))
@@ -273,7 +255,7 @@ def time_size(n: int, heads: int, d: int, budget_s: float) -> None:
     label = "triton: decode row argmax+row"
     try:
         q1 = q[:, :, -1:].contiguous()
-        ms = bench_ms(lambda: attention(q1, k, v, backend="triton", stats=(ARGMAX, ROWS), rows=[0]))
+        ms = bench_ms(lambda: attention(q1, k, v, backend="triton", stats=(stat.ARGMAX, stat.ROWS), rows=[0]))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             dbase = bench_ms(lambda: sdpa(q1, k, v))
         log(f"{label:30s} {n:7d} {ms:9.2f} {ms / dbase:7.2f}")
@@ -292,8 +274,9 @@ def run_tile_sweep(n: int, heads: int, d: int, budget_s: float) -> None:
     log(f"== tile sweep at {n} tokens (BLOCK_M, BLOCK_N, warps, stages); defaults: {ta.TILES} ==")
     g = torch.Generator(device=DEVICE).manual_seed(0)
     q, k, v = (torch.randn(1, heads, n, d, device=DEVICE, dtype=torch.bfloat16, generator=g) for _ in range(3))
-    for which, cands, stats in (("fwd", FWD_CANDIDATES, (LSE,)), ("stats", STATS_CANDIDATES, (ENTROPY, COL_SUM)),
-                                ("cols", COLS_CANDIDATES, (COL_SUM,))):
+    for which, cands, stats in (("fwd", FWD_CANDIDATES, (stat.LSE,)),
+                                ("stats", STATS_CANDIDATES, (stat.ENTROPY, stat.COL_SUM)),
+                                ("cols", COLS_CANDIDATES, (stat.COL_SUM,))):
         for tiles in cands:
             if elapsed() > budget_s:
                 log("(tile sweep stopped: time budget)")

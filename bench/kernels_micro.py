@@ -74,6 +74,7 @@ def run_micro_case(method: str, n: int, threads: int, reps: int) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from kernels.attention import attention
+    from kernels.reference import eager_attention
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -87,10 +88,7 @@ def run_micro_case(method: str, n: int, threads: int, reps: int) -> dict:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     elif method.startswith("eager"):
         def fn():  # what attn_implementation="eager" does: repeat K/V, materialise the matrix
-            kr, vr = k.repeat_interleave(h // h_kv, 1), v.repeat_interleave(h // h_kv, 1)
-            s = q @ kr.transpose(-1, -2) * d**-0.5
-            s = s + torch.full((n, n), float("-inf")).triu_(1)
-            return torch.softmax(s, -1) @ vr
+            return eager_attention(q, k, v, causal=True)
     else:
         stats = METHODS[method]
         kw = dict(spans=[(0, 4), (n // 2, n // 2 + 32)], block_size=64) if "span_mass" in stats else {}

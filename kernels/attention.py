@@ -11,6 +11,10 @@ One public entry, :func:`attention`, with two implementations of identical seman
   output comes from ``scaled_dot_product_attention`` where its causal mask agrees with ours.
 - ``backend="triton"``: two fused passes (:mod:`kernels.triton_attention`), for CUDA tensors.
 
+The statistic names, their defaults and the validation of a request live in
+:mod:`kernels.statistics` and are re-exported here. :mod:`kernels.reference` is the eager
+full-matrix reference that both backends are tested against.
+
 Grouped-query attention is native: query head ``h`` reads key-value head ``h // (n_heads //
 n_kv_heads)``; the torch path views the queries of one group as ``[n_kv_heads, group · rows, d]``
 so that one matmul serves the whole group, and K/V are never repeated.
@@ -23,7 +27,6 @@ row ``i`` see keys ``j <= p_i``.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,26 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# --- statistic names: the one place that spells them --------------------------------------------
-LSE = "lse"
-ARGMAX = "argmax"
-SPAN_MASS = "span_mass"
-RECENT_MASS = "recent_mass"
-SINK_MASS = "sink_mass"
-ENTROPY = "entropy"
-COL_SUM = "col_sum"
-POOLED = "pooled"
-ROWS = "rows"
-#: Everything ``stats=`` accepts.
-STATISTICS: tuple[str, ...] = (LSE, ARGMAX, SPAN_MASS, RECENT_MASS, SINK_MASS, ENTROPY, COL_SUM, POOLED, ROWS)
-# Extra outputs that come with ARGMAX.
-ARGMAX_PROB = "argmax_prob"
-TOPK_INDEX = "topk_index"
-TOPK_PROB = "topk_prob"
+from kernels import statistics as stat
+from kernels.statistics import *  # noqa: F403  (re-exported: callers import the names with attention())
+from kernels.statistics import Plan, pool_counts, split_span_masses, use_triton, validate
 
-BACKENDS = ("auto", "torch", "triton")
-DEFAULT_SINK_SIZE = 4  # StreamingLLM's four attention sinks
-DEFAULT_WINDOW = 64
+__all__ = [*stat.__all__, "AttentionResult", "attention"]
 
 # Score elements per chunk on CPU: 2^19 float32 = 2 MiB per worker, so the chunk stays in cache
 # (bench/kernels_micro.py at 4k tokens: 1-2 MiB beat 4 MiB by ~5%, 8 MiB and up lose 20-40%).
@@ -92,21 +80,6 @@ class AttentionResult:
         raise AttributeError(f"statistic {name!r} was not requested; pass stats=({name!r}, ...)")
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """Validated, normalised arguments shared by both backends."""
-
-    causal: bool
-    scale: float
-    stats: frozenset[str]
-    sink_size: int
-    window: int
-    spans: tuple[tuple[int, int], ...]
-    block_size: int | None
-    rows: tuple[int, ...]
-    topk: int
-
-
 def attention(
     q: Tensor,
     k: Tensor,
@@ -115,8 +88,8 @@ def attention(
     causal: bool = True,
     scale: float | None = None,
     stats: str | Iterable[str] = (),
-    sink_size: int = DEFAULT_SINK_SIZE,
-    window: int = DEFAULT_WINDOW,
+    sink_size: int = stat.DEFAULT_SINK_SIZE,
+    window: int = stat.DEFAULT_WINDOW,
     spans: Sequence[tuple[int, int]] | None = None,
     block_size: int | None = None,
     rows: Sequence[int] | Tensor | None = None,
@@ -144,7 +117,7 @@ def attention(
     scale : float, optional
         Score scale; default ``1 / sqrt(d)``.
     stats : str or iterable of str
-        Statistics to return, from :data:`STATISTICS`:
+        Statistics to return, from :data:`kernels.statistics.STATISTICS`:
 
         - ``"lse"`` ``[b, h, n_q]``: :math:`\text{lse}_i = \log \sum_j \exp(s_{ij})` (natural log).
         - ``"argmax"`` ``[b, h, n_q]`` (int64): :math:`\arg\max_j A_{ij}`, the lowest index on ties;
@@ -211,167 +184,16 @@ def attention(
     >>> res.out.shape, res.entropy.shape, res.sink_mass.shape
     (torch.Size([1, 6, 10, 16]), torch.Size([1, 6, 10]), torch.Size([1, 6, 10]))
     """
-    plan = _validate(q, k, v, causal, scale, stats, sink_size, window, spans, block_size, rows, topk, backend)
+    plan = validate(q, k, v, causal, scale, stats, sink_size, window, spans, block_size, rows, topk, backend)
     if chunk_elements is not None and (not isinstance(chunk_elements, int) or chunk_elements < 1):
         raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
-    if _use_triton(q, backend):
+    if use_triton(q, backend):
         from kernels.triton_attention import triton_attention
 
         out, out_stats = triton_attention(q, k, v, plan)
     else:
         out, out_stats = _torch_attention(q, k, v, plan, chunk_elements)
     return AttentionResult(out=out, stats=out_stats)
-
-
-# --- validation -----------------------------------------------------------------------------------
-
-
-def _triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _use_triton(q: Tensor, backend: str) -> bool:
-    if backend == "torch":
-        return False
-    if backend == "triton":
-        if q.device.type != "cuda" and not _triton_interpreting():
-            raise ValueError(
-                f"backend='triton' needs CUDA tensors (got {q.device}); use backend='torch' or 'auto', "
-                "or set TRITON_INTERPRET=1 before importing triton to run the kernels on CPU (slow)"
-            )
-        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"backend='triton' supports float16, bfloat16 and float32, got {q.dtype}")
-        return True
-    # auto
-    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:  # pragma: no cover - triton is a dependency, but stay usable without it
-        return False
-    return True
-
-
-def _as_int(value: object, what: str) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{what} must be an int, got {value!r}")
-    try:
-        as_int = int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be an int, got {value!r}") from None
-    if as_int != value:
-        raise ValueError(f"{what} must be an int, got {value!r}")
-    return as_int
-
-
-def _validate(q, k, v, causal, scale, stats, sink_size, window, spans, block_size, rows, topk, backend) -> _Plan:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be 4-D [batch, heads, positions, d_head], got shape {tuple(t.shape)}"
-            )
-    if not q.dtype.is_floating_point:
-        raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    b, n_heads, n_q, d = q.shape
-    if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k and v must agree on [batch, kv_heads, n_k], got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[3] != d:
-        raise ValueError(f"q and k must share d_head, got {d} and {k.shape[3]}")
-    n_kv, n_k = k.shape[1], k.shape[2]
-    if n_kv == 0 or n_heads % n_kv != 0:
-        raise ValueError(
-            f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv}) for grouped-query attention"
-        )
-    if n_q == 0 or n_k == 0 or d == 0 or b == 0:
-        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if causal and n_q > n_k:
-        raise ValueError(
-            f"causal attention needs n_q <= n_k (queries are the last n_q positions), got n_q={n_q}, n_k={n_k}"
-        )
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    else:
-        try:
-            scale = float(scale)
-        except (TypeError, ValueError):
-            raise ValueError(f"scale must be a number, got {scale!r}") from None
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
-
-    names = (stats,) if isinstance(stats, str) else tuple(stats)
-    unknown = [s for s in names if s not in STATISTICS]
-    if unknown:
-        raise ValueError(f"unknown statistic(s) {unknown}; choose from {list(STATISTICS)}")
-    wanted = frozenset(names)
-
-    sink_size = _as_int(sink_size, "sink_size")
-    if sink_size < 1:
-        raise ValueError(f"sink_size must be >= 1, got {sink_size}")
-    window = _as_int(window, "window")
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    topk = _as_int(topk, "topk")
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1, got {topk}")
-    if topk > n_k:
-        raise ValueError(f"topk ({topk}) exceeds the number of keys ({n_k})")
-
-    norm_spans: list[tuple[int, int]] = []
-    if spans is not None:
-        for span in spans:
-            try:
-                start, end = span
-            except (TypeError, ValueError):
-                raise ValueError(f"each span must be a (start, end) pair, got {span!r}") from None
-            start, end = _as_int(start, "span start"), _as_int(end, "span end")
-            if not 0 <= start < end <= n_k:
-                raise ValueError(
-                    f"span ({start}, {end}) is outside the sequence: need 0 <= start < end <= n_k = {n_k}"
-                )
-            norm_spans.append((start, end))
-    if SPAN_MASS in wanted and not norm_spans:
-        raise ValueError("'span_mass' needs spans=[(start, end), ...] with at least one span")
-
-    if block_size is not None:
-        block_size = _as_int(block_size, "block_size")
-        if block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size}")
-    if POOLED in wanted and block_size is None:
-        raise ValueError("'pooled' needs block_size=B (a positive int)")
-
-    norm_rows: list[int] = []
-    if rows is not None:
-        row_list = rows.tolist() if isinstance(rows, Tensor) else list(rows)
-        for r in row_list:
-            r = _as_int(r, "row index")
-            if not -n_q <= r < n_q:
-                raise ValueError(f"row {r} is out of range for n_q = {n_q} (use -n_q <= row < n_q)")
-            norm_rows.append(r % n_q)
-    if ROWS in wanted and rows is None:
-        raise ValueError("'rows' needs rows=[query index, ...]")
-
-    return _Plan(
-        causal=bool(causal),
-        scale=scale,
-        stats=wanted,
-        sink_size=min(sink_size, n_k),
-        window=window,
-        spans=tuple(norm_spans),
-        block_size=block_size,
-        rows=tuple(norm_rows),
-        topk=topk,
-    )
 
 
 # --- torch backend ------------------------------------------------------------------------------------
@@ -395,7 +217,7 @@ def _chunk_rows(start: int, n_q: int, offset: int, n_k: int, causal: bool, group
 
 
 def _torch_attention(
-    q: Tensor, k: Tensor, v: Tensor, plan: _Plan, chunk_elements: int | None = None
+    q: Tensor, k: Tensor, v: Tensor, plan: Plan, chunk_elements: int | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Chunked exact attention with statistics; see :func:`attention` for the semantics."""
     b, n_heads, n_q, _ = q.shape
@@ -464,7 +286,7 @@ def _run_threaded(job: _Job, tasks: list[tuple[int, int, int, int]], n_workers: 
 class _Job:
     """Inputs, outputs and per-chunk constants of one call of the torch backend."""
 
-    def __init__(self, q: Tensor, k: Tensor, v: Tensor, plan: _Plan, chunk_elements: int | None):
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, plan: Plan, chunk_elements: int | None):
         b, n_heads, n_q, d = q.shape
         n_kv, n_k, d_v = k.shape[1], k.shape[2], v.shape[3]
         self.plan, self.st = plan, plan.stats
@@ -487,23 +309,23 @@ class _Job:
         shape = (self.units, self.group, n_q)
         self.out = torch.empty(*shape, d_v, dtype=q.dtype, device=dev)
         st = self.st
-        self.need_lse = LSE in st or ENTROPY in st
-        self.lse = torch.empty(*shape, **f32) if LSE in st else None
-        self.ent = torch.empty(*shape, **f32) if ENTROPY in st else None
-        if ARGMAX in st:
+        self.need_lse = stat.LSE in st or stat.ENTROPY in st
+        self.lse = torch.empty(*shape, **f32) if stat.LSE in st else None
+        self.ent = torch.empty(*shape, **f32) if stat.ENTROPY in st else None
+        if stat.ARGMAX in st:
             self.arg = torch.empty(*shape, dtype=torch.int64, device=dev)
             self.arg_p = torch.empty(*shape, **f32)
             if plan.topk > 1:
                 self.top_i = torch.full((*shape, plan.topk), -1, dtype=torch.int64, device=dev)
                 self.top_p = torch.zeros(*shape, plan.topk, **f32)
-        self.span_list = list(plan.spans) + ([(0, plan.sink_size)] if SINK_MASS in st else [])
+        self.span_list = plan.mass_spans
         self.span_out = torch.empty(*shape, len(self.span_list), **f32) if self.span_list else None
-        self.recent = torch.empty(*shape, **f32) if RECENT_MASS in st else None
-        self.col = torch.zeros(self.units, self.group, n_k, **f32) if COL_SUM in st else None
-        if POOLED in st:
+        self.recent = torch.empty(*shape, **f32) if stat.RECENT_MASS in st else None
+        self.col = torch.zeros(self.units, self.group, n_k, **f32) if stat.COL_SUM in st else None
+        if stat.POOLED in st:
             B = plan.block_size
             self.pool = torch.zeros(self.units, self.group, -(-n_q // B), -(-n_k // B), **f32)
-        if ROWS in st:
+        if stat.ROWS in st:
             self.row_out = torch.zeros(self.units, self.group, len(plan.rows), n_k, **f32)
             self.row_slots: dict[int, list[int]] = {}
             for slot, r in enumerate(plan.rows):
@@ -528,28 +350,27 @@ class _Job:
             return t.to(torch.float32) if t.is_floating_point() else t
 
         st, res = self.st, {}
-        if LSE in st:
-            res[LSE] = heads(self.lse)
-        if ARGMAX in st:
-            res[ARGMAX] = heads(self.arg)
-            res[ARGMAX_PROB] = heads(self.arg_p)
+        if stat.LSE in st:
+            res[stat.LSE] = heads(self.lse)
+        if stat.ARGMAX in st:
+            res[stat.ARGMAX] = heads(self.arg)
+            res[stat.ARGMAX_PROB] = heads(self.arg_p)
             if self.plan.topk > 1:
-                res[TOPK_INDEX] = heads(self.top_i)
-                res[TOPK_PROB] = heads(self.top_p)
-        if SPAN_MASS in st:
-            res[SPAN_MASS] = heads(self.span_out[..., : len(self.plan.spans)])
-        if SINK_MASS in st:
-            res[SINK_MASS] = heads(self.span_out[..., -1])
-        if RECENT_MASS in st:
-            res[RECENT_MASS] = heads(self.recent)
-        if ENTROPY in st:
-            res[ENTROPY] = heads(self.ent)
-        if COL_SUM in st:
-            res[COL_SUM] = heads(self.col)
-        if POOLED in st:
-            res[POOLED] = heads(self.pool / _pool_counts(self.n_q, self.n_k, self.plan.block_size, self.dev, self.cdt))
-        if ROWS in st:
-            res[ROWS] = heads(self.row_out)
+                res[stat.TOPK_INDEX] = heads(self.top_i)
+                res[stat.TOPK_PROB] = heads(self.top_p)
+        if self.span_list:
+            res.update({name: heads(mass) for name, mass in split_span_masses(self.plan, self.span_out).items()})
+        if stat.RECENT_MASS in st:
+            res[stat.RECENT_MASS] = heads(self.recent)
+        if stat.ENTROPY in st:
+            res[stat.ENTROPY] = heads(self.ent)
+        if stat.COL_SUM in st:
+            res[stat.COL_SUM] = heads(self.col)
+        if stat.POOLED in st:
+            counts = pool_counts(self.n_q, self.n_k, self.plan.block_size, self.dev, self.cdt)
+            res[stat.POOLED] = heads(self.pool / counts)
+        if stat.ROWS in st:
+            res[stat.ROWS] = heads(self.row_out)
         out = self.out.reshape(self.b, self.n_heads, self.n_q, self.d_v)
         return out, res
 
@@ -595,17 +416,17 @@ class _Worker:
             sc.view(nu, group, c, n_ke)[..., n_ke - c :].masked_fill_(tri, j.neg)
         # row maxima (and argmax) from the raw scores, before anything overwrites them
         idx = None
-        if ARGMAX in st:
+        if stat.ARGMAX in st:
             m, idx = _row_argmax(sc)
             if plan.topk > 1:
                 kk = min(plan.topk, n_ke)
                 top_idx = sc.topk(kk, -1).indices
         elif j.need_lse:
             m = sc.amax(-1)
-        if ENTROPY in st:
+        if stat.ENTROPY in st:
             sc.sub_(m.unsqueeze(-1))  # shift first so that sum(p · s) is computed near zero
         # in place unless entropy needs the scores (each row is read before it is written)
-        p = self._buffer("prob_buf", rows * n_ke).view(nu, group * c, n_ke) if ENTROPY in st else sc
+        p = self._buffer("prob_buf", rows * n_ke).view(nu, group * c, n_ke) if stat.ENTROPY in st else sc
         torch.softmax(sc, -1, out=p)
         j.out[u0:u1, :, s:e] = torch.bmm(p, j.vu[u0:u1, :n_ke]).view(nu, group, c, j.d_v)
 
@@ -622,9 +443,9 @@ class _Worker:
             p_max = p.amax(-1)
         if j.need_lse:
             log_l = -torch.log(p_max)  # p_max = 1 / sum_j exp(s_j - m)
-            if LSE in st:
+            if stat.LSE in st:
                 put(j.lse, m + log_l)
-        if ARGMAX in st:
+        if stat.ARGMAX in st:
             put(j.arg, idx)
             put(j.arg_p, p_max)
             if plan.topk > 1:
@@ -637,10 +458,10 @@ class _Worker:
         for si, (a, z) in enumerate(j.span_list):
             z = min(z, n_ke)
             j.span_out[u0:u1, :, s:e, si] = pv[..., a:z].sum(-1) if a < z else 0.0
-        if RECENT_MASS in st:
+        if stat.RECENT_MASS in st:
             r_lo, band = self._band(s, e, n_ke)
             j.recent[here] = torch.linalg.vecdot(pv[..., r_lo : r_lo + band.shape[1]], band)
-        if POOLED in st:
+        if stat.POOLED in st:
             key = (s % plan.block_size, c)
             rows_ind = self.pool_rows.get(key)
             if rows_ind is None:
@@ -648,20 +469,20 @@ class _Worker:
             row_blocks = torch.matmul(rows_ind, pv)
             with j.lock:
                 _pool_add(j.pool[u0:u1], row_blocks, s, n_ke, plan.block_size)
-                if COL_SUM in st:
+                if stat.COL_SUM in st:
                     j.col[u0:u1, :, :n_ke] += row_blocks.sum(2)
-        elif COL_SUM in st:
+        elif stat.COL_SUM in st:
             ones = self.ones.get(c)
             if ones is None:
                 ones = self.ones[c] = torch.ones(1, 1, c, **j.f32)
             col = torch.matmul(ones, pv).squeeze(2)  # a ones-vector matmul: 2× faster than sum(2)
             with j.lock:
                 j.col[u0:u1, :, :n_ke] += col
-        if ROWS in st:
+        if stat.ROWS in st:
             for r in range(s, e):
                 for slot in j.row_slots.get(r, ()):
                     j.row_out[u0:u1, :, slot, :n_ke] = pv[:, :, r - s]
-        if ENTROPY in st:
+        if stat.ENTROPY in st:
             # last: overwrites the scores. H = lse - sum p s = log l - sum p (s - m)
             put(j.ent, log_l - sc.mul_(p).sum(-1))
 
@@ -712,10 +533,3 @@ def _pool_add(pool: Tensor, row_blocks: Tensor, s: int, n_ke: int, B: int) -> No
         pool[:, :, qb0:qb1, : full // B] += row_blocks[..., :full].unflatten(-1, (full // B, B)).sum(-1)
     if full < n_ke:
         pool[:, :, qb0:qb1, full // B] += row_blocks[..., full:].sum(-1)
-
-
-def _pool_counts(n_q: int, n_k: int, B: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """Cells per pooled block: ``rows_in_block × cols_in_block`` (edge blocks are smaller)."""
-    rq = torch.clamp(n_q - torch.arange(0, n_q, B, device=device), max=B)
-    rk = torch.clamp(n_k - torch.arange(0, n_k, B, device=device), max=B)
-    return (rq.unsqueeze(1) * rk.unsqueeze(0)).to(dtype)

@@ -21,29 +21,13 @@ first imported they run on CPU tensors (slowly), which is how the tests check th
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.attention import (
-    ARGMAX,
-    ARGMAX_PROB,
-    COL_SUM,
-    ENTROPY,
-    LSE,
-    POOLED,
-    RECENT_MASS,
-    ROWS,
-    SINK_MASS,
-    SPAN_MASS,
-    TOPK_INDEX,
-    TOPK_PROB,
-    _Plan,
-    _pool_counts,
-)
+from kernels import statistics as stat
+from kernels.statistics import Plan, pool_counts, split_span_masses, triton_interpreting
 
 LOG2E = 1.4426950408889634
 
@@ -436,10 +420,6 @@ def _attn_topk_next(
     tl.store(NextIdx + pid_bh * N_Q + offs_m, best_i, mask=row_ok)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) per pass, by largest head size. Chosen so that ptxas
 #: reports no register spills for sm_90 (bf16, every statistic on), not yet timed on a GPU:
 #: bench/gpu_check.py times alternatives through TILE_OVERRIDE.
@@ -453,7 +433,7 @@ TILE_OVERRIDE: dict[str, tuple[int, int, int, int]] = {}
 
 def _tiles(d: int, which: str) -> tuple[int, int, int, int]:
     """Tile shape for a head size; small tiles under the interpreter (fast to emulate)."""
-    if _interpreting():
+    if triton_interpreting():
         return 16, 16, 1, 1
     if which in TILE_OVERRIDE:
         return TILE_OVERRIDE[which]
@@ -472,7 +452,7 @@ def _pool_config(B: int, block_m: int, block_n: int) -> dict:
 
 
 def triton_attention(
-    q: Tensor, k: Tensor, v: Tensor, plan: _Plan, block_m: int | None = None, block_n: int | None = None
+    q: Tensor, k: Tensor, v: Tensor, plan: Plan, block_m: int | None = None, block_n: int | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Run both passes on validated inputs; returns ``(out, stats)`` as the torch backend does.
 
@@ -484,7 +464,7 @@ def triton_attention(
     offset = n_k - n_q
     dev = q.device
     st = plan.stats
-    upcast = _interpreting() and q.dtype == torch.bfloat16
+    upcast = triton_interpreting() and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
     qk_scale = plan.scale * LOG2E
     block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(d_v))
@@ -502,12 +482,12 @@ def triton_attention(
         CAUSAL=plan.causal, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision, UPCAST=upcast, num_warps=warps, num_stages=stages,
     )
     res: dict[str, Tensor] = {}
-    if LSE in st:
-        res[LSE] = lse
-    second = st - {LSE}
+    if stat.LSE in st:
+        res[stat.LSE] = lse
+    second = st - {stat.LSE}
     if not second:
         return out, res
-    if second == {COL_SUM}:
+    if second == {stat.COL_SUM}:
         # column sums alone: walk queries per key tile (no atomics; one more recompute either way)
         bm, bn, warps, stages = _tiles(d, "cols")
         bm, bn = block_m or bm, block_n or bn
@@ -517,7 +497,7 @@ def triton_attention(
             HEAD_D=d, BLOCK_D=block_d, CAUSAL=plan.causal, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision,
             UPCAST=upcast, num_warps=warps, num_stages=stages,
         )
-        res[COL_SUM] = col
+        res[stat.COL_SUM] = col
         return out, res
 
     bm, bn, warps, stages = _tiles(d, "stats")
@@ -525,24 +505,24 @@ def triton_attention(
     grid = (triton.cdiv(n_q, bm), b * n_heads)
     f32 = dict(dtype=torch.float32, device=dev)
     dummy = lse
-    ent = torch.empty(b, n_heads, n_q, **f32) if ENTROPY in st else dummy
-    arg_i = torch.empty(b, n_heads, n_q, dtype=torch.int32, device=dev) if ARGMAX in st else dummy
-    arg_v = torch.empty(b, n_heads, n_q, **f32) if ARGMAX in st else dummy
-    span_list = list(plan.spans) + ([(0, plan.sink_size)] if SINK_MASS in st else [])
+    ent = torch.empty(b, n_heads, n_q, **f32) if stat.ENTROPY in st else dummy
+    arg_i = torch.empty(b, n_heads, n_q, dtype=torch.int32, device=dev) if stat.ARGMAX in st else dummy
+    arg_v = torch.empty(b, n_heads, n_q, **f32) if stat.ARGMAX in st else dummy
+    span_list = plan.mass_spans
     spans_t = torch.tensor(span_list or [(0, 0)], dtype=torch.int32, device=dev)
     span_out = torch.empty(b, n_heads, n_q, len(span_list), **f32) if span_list else dummy
-    recent = torch.empty(b, n_heads, n_q, **f32) if RECENT_MASS in st else dummy
-    col = torch.zeros(b, n_heads, n_k, **f32) if COL_SUM in st else dummy
+    recent = torch.empty(b, n_heads, n_q, **f32) if stat.RECENT_MASS in st else dummy
+    col = torch.zeros(b, n_heads, n_k, **f32) if stat.COL_SUM in st else dummy
     pool_cfg = dict(POOL_MODE=0, POOL_PM=1, POOL_PN=1, POOL_QBP=1, POOL_KBP=1)
     B = plan.block_size or 1
     n_qb, n_kb = -(-n_q // B), -(-n_k // B)
-    if POOLED in st:
+    if stat.POOLED in st:
         pool_cfg = _pool_config(B, bm, bn)
         pool = torch.zeros(b, n_heads, n_qb, n_kb, **f32)
     else:
         pool = dummy
     unique_rows = sorted(set(plan.rows))
-    if ROWS in st:
+    if stat.ROWS in st:
         slot = torch.full((n_q,), -1, dtype=torch.int32)
         slot[unique_rows] = torch.arange(len(unique_rows), dtype=torch.int32)
         row_slot = slot.to(dev)
@@ -555,17 +535,18 @@ def triton_attention(
         ent, arg_i, arg_v, spans_t, span_out, recent, plan.window, col,
         pool, B, n_qb, n_kb, row_slot, rows_out, len(unique_rows),
         HEAD_D=d, BLOCK_D=block_d, CAUSAL=plan.causal, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision,
-        DO_ENT=ENTROPY in st, DO_ARG=ARGMAX in st, NUM_SPANS=len(span_list),
+        DO_ENT=stat.ENTROPY in st, DO_ARG=stat.ARGMAX in st, NUM_SPANS=len(span_list),
         SPAN_PAD=max(2, triton.next_power_of_2(max(len(span_list), 1))),
-        DO_RECENT=RECENT_MASS in st, DO_COL=COL_SUM in st, DO_ROWS=ROWS in st, UPCAST=upcast, **pool_cfg,
+        DO_RECENT=stat.RECENT_MASS in st, DO_COL=stat.COL_SUM in st, DO_ROWS=stat.ROWS in st, UPCAST=upcast,
+        **pool_cfg,
         num_warps=warps, num_stages=stages,
     )
 
-    if ENTROPY in st:
-        res[ENTROPY] = ent
-    if ARGMAX in st:
-        res[ARGMAX] = arg_i.long()
-        res[ARGMAX_PROB] = torch.exp2(arg_v - lse * LOG2E)
+    if stat.ENTROPY in st:
+        res[stat.ENTROPY] = ent
+    if stat.ARGMAX in st:
+        res[stat.ARGMAX] = arg_i.long()
+        res[stat.ARGMAX_PROB] = torch.exp2(arg_v - lse * LOG2E)
         if plan.topk > 1:
             vals, idxs = [arg_v], [arg_i]
             for _ in range(plan.topk - 1):
@@ -579,20 +560,18 @@ def triton_attention(
                 vals.append(nv)
                 idxs.append(ni)
             top_v = torch.stack(vals, -1)
-            res[TOPK_INDEX] = torch.stack(idxs, -1).long()
-            res[TOPK_PROB] = torch.exp2(top_v - (lse * LOG2E).unsqueeze(-1))  # -inf → 0
-    if SPAN_MASS in st:
-        res[SPAN_MASS] = span_out[..., : len(plan.spans)]
-    if SINK_MASS in st:
-        res[SINK_MASS] = span_out[..., -1]
-    if RECENT_MASS in st:
-        res[RECENT_MASS] = recent
-    if COL_SUM in st:
-        res[COL_SUM] = col
-    if POOLED in st:
-        res[POOLED] = pool / _pool_counts(n_q, n_k, B, dev, torch.float32)
-    if ROWS in st:
+            res[stat.TOPK_INDEX] = torch.stack(idxs, -1).long()
+            res[stat.TOPK_PROB] = torch.exp2(top_v - (lse * LOG2E).unsqueeze(-1))  # -inf → 0
+    if span_list:
+        res.update(split_span_masses(plan, span_out))
+    if stat.RECENT_MASS in st:
+        res[stat.RECENT_MASS] = recent
+    if stat.COL_SUM in st:
+        res[stat.COL_SUM] = col
+    if stat.POOLED in st:
+        res[stat.POOLED] = pool / pool_counts(n_q, n_k, B, dev, torch.float32)
+    if stat.ROWS in st:
         index = torch.tensor([unique_rows.index(r) for r in plan.rows], dtype=torch.long, device=dev)
-        res[ROWS] = rows_out.index_select(2, index)
+        res[stat.ROWS] = rows_out.index_select(2, index)
     return out, res
 

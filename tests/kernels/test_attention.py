@@ -1,73 +1,13 @@
-"""The torch attention kernel against plain eager attention in float64 (the full matrix, built here)."""
+"""The torch attention kernel against plain eager attention in float64 (the full matrix: kernels/reference.py)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
-from kernels.attention import (
-    ARGMAX,
-    ARGMAX_PROB,
-    COL_SUM,
-    ENTROPY,
-    LSE,
-    POOLED,
-    RECENT_MASS,
-    ROWS,
-    SINK_MASS,
-    SPAN_MASS,
-    STATISTICS,
-    TOPK_INDEX,
-    TOPK_PROB,
-    AttentionResult,
-    attention,
-)
-
-
-def eager_reference(q, k, v, *, causal, scale=None, sink_size=4, window=64, spans=(), block_size=None,
-                    rows=(), topk=1):
-    """Materialise A = softmax(q kᵀ · scale + mask) in float64 and read every statistic off it."""
-    b, n_heads, n_q, d = q.shape
-    n_kv, n_k = k.shape[1], k.shape[2]
-    group = n_heads // n_kv
-    scale = 1 / math.sqrt(d) if scale is None else scale
-    kr = k.double().repeat_interleave(group, 1)
-    vr = v.double().repeat_interleave(group, 1)
-    s = q.double() @ kr.transpose(-1, -2) * scale
-    pos = torch.arange(n_q) + (n_k - n_q)
-    keys = torch.arange(n_k)
-    visible = keys[None, :] <= pos[:, None] if causal else torch.ones(n_q, n_k, dtype=torch.bool)
-    s = s.masked_fill(~visible, float("-inf"))
-    a = torch.softmax(s, -1)
-    ref = {"out": a @ vr, LSE: torch.logsumexp(s, -1), ENTROPY: torch.special.entr(a).sum(-1)}
-    ref[ARGMAX] = a.argmax(-1)
-    ref[ARGMAX_PROB] = a.amax(-1)
-    if topk > 1:
-        probs, idx = a.topk(topk, -1)
-        n_vis = visible.sum(-1).view(1, 1, n_q, 1)
-        dead = torch.arange(topk).view(1, 1, 1, topk) >= n_vis
-        ref[TOPK_INDEX] = idx.masked_fill(dead, -1)
-        ref[TOPK_PROB] = probs.masked_fill(dead, 0.0)
-    if spans:
-        ref[SPAN_MASS] = torch.stack([a[..., st:en].sum(-1) for st, en in spans], -1)
-    ref[SINK_MASS] = a[..., : min(sink_size, n_k)].sum(-1)
-    band = (keys[None, :] <= pos[:, None]) & (keys[None, :] > pos[:, None] - window)
-    ref[RECENT_MASS] = (a * band).sum(-1)
-    ref[COL_SUM] = a.sum(-2)
-    if block_size:
-        B = block_size
-        nqb, nkb = -(-n_q // B), -(-n_k // B)
-        padded = torch.zeros(b, n_heads, nqb * B, nkb * B, dtype=torch.float64)
-        padded[..., :n_q, :n_k] = a
-        sums = padded.view(b, n_heads, nqb, B, nkb, B).sum((3, 5))
-        cells = torch.zeros(nqb * B, nkb * B, dtype=torch.float64)
-        cells[:n_q, :n_k] = 1
-        ref[POOLED] = sums / cells.view(nqb, B, nkb, B).sum((1, 3))
-    if rows:
-        ref[ROWS] = a[:, :, list(rows)]
-    return ref
+from kernels import statistics as stat
+from kernels.attention import AttentionResult, attention
+from kernels.reference import reference_attention
 
 
 def make_qkv(b, n_heads, n_kv, n_q, n_k, d, dtype=torch.float32, seed=0, d_v=None):
@@ -82,7 +22,7 @@ def assert_matches(result: AttentionResult, ref: dict, names, atol=2e-5, out_ato
     torch.testing.assert_close(result.out.double(), ref["out"], atol=out_atol, rtol=0)
     for name in names:
         got = result[name]
-        if name in (ARGMAX, TOPK_INDEX):
+        if name in (stat.ARGMAX, stat.TOPK_INDEX):
             assert got.dtype == torch.int64
             assert torch.equal(got, ref[name]), name
         else:
@@ -110,24 +50,24 @@ def test_every_statistic_matches_eager(b, n_heads, n_kv, n_q, n_k, d, causal, ch
     rows = sorted({0, n_q // 2, n_q - 1}) + [-1]
     topk = min(3, n_k)
     kw = dict(causal=causal, sink_size=3, window=5, spans=spans, block_size=4, rows=rows, topk=topk)
-    result = attention(q, k, v, stats=STATISTICS, backend="torch", chunk_elements=chunk_elements, **kw)
-    ref = eager_reference(q, k, v, **{**kw, "rows": [r % n_q for r in rows]})
-    names = [*STATISTICS, ARGMAX_PROB] + ([TOPK_INDEX, TOPK_PROB] if topk > 1 else [])
+    result = attention(q, k, v, stats=stat.STATISTICS, backend="torch", chunk_elements=chunk_elements, **kw)
+    ref = reference_attention(q, k, v, **{**kw, "rows": [r % n_q for r in rows]})
+    names = [*stat.STATISTICS, stat.ARGMAX_PROB] + ([stat.TOPK_INDEX, stat.TOPK_PROB] if topk > 1 else [])
     assert_matches(result, ref, names)
-    assert result[POOLED].shape == (b, n_heads, -(-n_q // 4), -(-n_k // 4))
-    assert result[ROWS].shape == (b, n_heads, len(rows), n_k)
-    assert result[SPAN_MASS].shape == (b, n_heads, n_q, len(spans))
-    assert result[COL_SUM].shape == (b, n_heads, n_k)
+    assert result[stat.POOLED].shape == (b, n_heads, -(-n_q // 4), -(-n_k // 4))
+    assert result[stat.ROWS].shape == (b, n_heads, len(rows), n_k)
+    assert result[stat.SPAN_MASS].shape == (b, n_heads, n_q, len(spans))
+    assert result[stat.COL_SUM].shape == (b, n_heads, n_k)
 
 
-@pytest.mark.parametrize("name", STATISTICS)
+@pytest.mark.parametrize("name", stat.STATISTICS)
 def test_each_statistic_alone(name):
     """Statistics share intermediate work; each must also be right when asked for alone."""
     q, k, v = make_qkv(1, 6, 2, 23, 23, 16, seed=7)
     kw = dict(causal=True, sink_size=2, window=4, spans=[(3, 9)], block_size=5, rows=[4, 22], topk=2)
     result = attention(q, k, v, stats=name, backend="torch", chunk_elements=200, **kw)
     assert set(result.stats) >= {name}
-    ref = eager_reference(q, k, v, **kw)
+    ref = reference_attention(q, k, v, **kw)
     assert_matches(result, ref, [name])
 
 
@@ -140,33 +80,33 @@ def test_output_without_statistics(n_q, n_k, causal):
     result = attention(q, k, v, causal=causal, backend="torch")
     assert result.stats == {}
     assert result.out.shape == (2, 6, n_q, 8)
-    assert_matches(result, eager_reference(q, k, v, causal=causal), [])
+    assert_matches(result, reference_attention(q, k, v, causal=causal), [])
 
 
 @pytest.mark.parametrize("n", [64, 150, 257])
 def test_longer_rows_cross_argmax_blocks(n):
     """Rows longer than the 64-wide argmax blocks, with chunks that end mid-block."""
     q, k, v = make_qkv(1, 6, 2, n, n, 16, seed=n)
-    stats = (ARGMAX, LSE, ENTROPY, COL_SUM, POOLED, ROWS)
+    stats = (stat.ARGMAX, stat.LSE, stat.ENTROPY, stat.COL_SUM, stat.POOLED, stat.ROWS)
     kw = dict(block_size=7, rows=[n - 1, n // 2])
     result = attention(q, k, v, stats=stats, backend="torch", chunk_elements=5000, **kw)
-    assert_matches(result, eager_reference(q, k, v, causal=True, **kw), [*stats, ARGMAX_PROB])
+    assert_matches(result, reference_attention(q, k, v, causal=True, **kw), [*stats, stat.ARGMAX_PROB])
 
 
 def test_ties_go_to_the_lowest_key_index():
     """Uniform attention (all scores equal): argmax is the first visible key, as torch.argmax says."""
     q, k, v = make_qkv(1, 4, 2, 9, 130, 16)
-    result = attention(torch.zeros_like(q), k, v, stats=(ARGMAX, ENTROPY), backend="torch")
-    assert torch.equal(result[ARGMAX], torch.zeros(1, 4, 9, dtype=torch.int64))
+    result = attention(torch.zeros_like(q), k, v, stats=(stat.ARGMAX, stat.ENTROPY), backend="torch")
+    assert torch.equal(result[stat.ARGMAX], torch.zeros(1, 4, 9, dtype=torch.int64))
     visible = torch.arange(130 - 9, 130) + 1.0
-    torch.testing.assert_close(result[ARGMAX_PROB], (1 / visible).expand(1, 4, 9))
-    torch.testing.assert_close(result[ENTROPY], visible.log().expand(1, 4, 9))
+    torch.testing.assert_close(result[stat.ARGMAX_PROB], (1 / visible).expand(1, 4, 9))
+    torch.testing.assert_close(result[stat.ENTROPY], visible.log().expand(1, 4, 9))
 
 
 def test_worker_threads_give_the_same_numbers_and_restore_the_thread_count():
     """On CPU the chunks are shared among single-threaded workers (one per torch thread)."""
     q, k, v = make_qkv(2, 6, 2, 45, 45, 16, seed=4)
-    kw = dict(stats=STATISTICS, spans=[(2, 9)], block_size=6, rows=[44], topk=2, backend="torch",
+    kw = dict(stats=stat.STATISTICS, spans=[(2, 9)], block_size=6, rows=[44], topk=2, backend="torch",
               chunk_elements=400)
     before = torch.get_num_threads()
     try:
@@ -180,8 +120,8 @@ def test_worker_threads_give_the_same_numbers_and_restore_the_thread_count():
     torch.testing.assert_close(threaded.out, inline.out, atol=0, rtol=0)
     for name, value in inline.stats.items():
         torch.testing.assert_close(threaded[name], value, atol=1e-6, rtol=0, msg=name)
-    assert_matches(threaded, eager_reference(q, k, v, causal=True, spans=[(2, 9)], block_size=6, rows=[44],
-                                             topk=2), STATISTICS)
+    assert_matches(threaded, reference_attention(q, k, v, causal=True, spans=[(2, 9)], block_size=6, rows=[44],
+                                             topk=2), stat.STATISTICS)
 
 
 @pytest.mark.parametrize("mode", ["inference_mode", "requires_grad"])
@@ -194,23 +134,23 @@ def test_works_under_inference_mode_and_with_grad_inputs(mode):
         if mode == "inference_mode":
             with torch.inference_mode():
                 qi, ki, vi = q.clone(), k.clone(), v.clone()
-                res = attention(qi, ki, vi, stats=(LSE, COL_SUM), backend="torch", chunk_elements=300)
+                res = attention(qi, ki, vi, stats=(stat.LSE, stat.COL_SUM), backend="torch", chunk_elements=300)
         else:
             q.requires_grad_(True)
-            res = attention(q, k, v, stats=(LSE, COL_SUM), backend="torch", chunk_elements=300)
+            res = attention(q, k, v, stats=(stat.LSE, stat.COL_SUM), backend="torch", chunk_elements=300)
             assert not res.out.requires_grad
             assert not attention(q, k, v, backend="torch").out.requires_grad  # the SDPA route too
     finally:
         torch.set_num_threads(before)
-    assert_matches(res, eager_reference(q.detach(), k, v, causal=True), [LSE, COL_SUM])
+    assert_matches(res, reference_attention(q.detach(), k, v, causal=True), [stat.LSE, stat.COL_SUM])
 
 
 def test_low_precision_inputs_computed_in_float32():
     q, k, v = make_qkv(1, 4, 2, 19, 19, 16, dtype=torch.bfloat16, seed=5)
-    result = attention(q, k, v, stats=(LSE, ENTROPY, COL_SUM), backend="torch")
+    result = attention(q, k, v, stats=(stat.LSE, stat.ENTROPY, stat.COL_SUM), backend="torch")
     assert result.out.dtype == torch.bfloat16
-    ref = eager_reference(q, k, v, causal=True)  # same bf16 values, exact arithmetic
-    assert_matches(result, ref, [LSE, ENTROPY, COL_SUM], out_atol=1e-2)
+    ref = reference_attention(q, k, v, causal=True)  # same bf16 values, exact arithmetic
+    assert_matches(result, ref, [stat.LSE, stat.ENTROPY, stat.COL_SUM], out_atol=1e-2)
 
 
 def test_float64_and_strided_inputs():
@@ -219,26 +159,27 @@ def test_float64_and_strided_inputs():
     q = torch.randn(2, 17, 6, 8, generator=g, dtype=torch.float64).transpose(1, 2)
     k = torch.randn(2, 17, 3, 8, generator=g, dtype=torch.float64).transpose(1, 2)
     v = torch.randn(2, 17, 3, 8, generator=g, dtype=torch.float64).transpose(1, 2)
-    result = attention(q, k, v, stats=(LSE, ENTROPY, ROWS), rows=[3], backend="torch", chunk_elements=100)
+    names = (stat.LSE, stat.ENTROPY, stat.ROWS)
+    result = attention(q, k, v, stats=names, rows=[3], backend="torch", chunk_elements=100)
     assert result.out.dtype == torch.float64
-    assert_matches(result, eager_reference(q, k, v, causal=True, rows=[3]), [LSE, ENTROPY, ROWS], atol=1e-6)
+    assert_matches(result, reference_attention(q, k, v, causal=True, rows=[3]), names, atol=1e-6)
 
 
 def test_large_scores_stay_finite():
     """Peaked rows (scores ~ 1e3) must not overflow the lse or give NaN entropy."""
     q, k, v = make_qkv(1, 2, 1, 12, 12, 8, seed=2)
-    result = attention(q * 30, k * 30, v, stats=(LSE, ENTROPY, ARGMAX), backend="torch")
-    ref = eager_reference(q * 30, k * 30, v, causal=True)
-    assert torch.isfinite(result[ENTROPY]).all()
-    assert_matches(result, ref, [LSE, ARGMAX], atol=1e-3)
-    torch.testing.assert_close(result[ENTROPY].double(), ref[ENTROPY], atol=1e-4, rtol=0)
+    result = attention(q * 30, k * 30, v, stats=(stat.LSE, stat.ENTROPY, stat.ARGMAX), backend="torch")
+    ref = reference_attention(q * 30, k * 30, v, causal=True)
+    assert torch.isfinite(result[stat.ENTROPY]).all()
+    assert_matches(result, ref, [stat.LSE, stat.ARGMAX], atol=1e-3)
+    torch.testing.assert_close(result[stat.ENTROPY].double(), ref[stat.ENTROPY], atol=1e-4, rtol=0)
 
 
 def test_scale_and_attribute_access():
     q, k, v = make_qkv(1, 2, 2, 6, 6, 8)
-    result = attention(q, k, v, scale=0.5, stats=[LSE], backend="torch")
-    ref = eager_reference(q, k, v, causal=True, scale=0.5)
-    torch.testing.assert_close(result.lse.double(), ref[LSE], atol=1e-5, rtol=0)
+    result = attention(q, k, v, scale=0.5, stats=[stat.LSE], backend="torch")
+    ref = reference_attention(q, k, v, causal=True, scale=0.5)
+    torch.testing.assert_close(result.lse.double(), ref[stat.LSE], atol=1e-5, rtol=0)
     with pytest.raises(AttributeError, match="not requested"):
         _ = result.entropy
     with pytest.raises(KeyError, match="not requested"):
@@ -248,9 +189,9 @@ def test_scale_and_attribute_access():
 def test_rows_match_decode_step_argmax():
     """Retrieval scoring reads argmax of the last row: the same key as the full row's argmax."""
     q, k, v = make_qkv(1, 6, 2, 4, 30, 16, seed=9)
-    res = attention(q, k, v, stats=(ARGMAX, ROWS), rows=[-1], backend="torch")
-    assert torch.equal(res[ROWS][:, :, 0].argmax(-1), res[ARGMAX][:, :, -1])
-    assert torch.allclose(res[ROWS].sum(-1), torch.ones(1, 6, 1))
+    res = attention(q, k, v, stats=(stat.ARGMAX, stat.ROWS), rows=[-1], backend="torch")
+    assert torch.equal(res[stat.ROWS][:, :, 0].argmax(-1), res[stat.ARGMAX][:, :, -1])
+    assert torch.allclose(res[stat.ROWS].sum(-1), torch.ones(1, 6, 1))
 
 
 def _qkv():
@@ -260,22 +201,22 @@ def _qkv():
 @pytest.mark.parametrize(
     "change,message",
     [
-        (dict(spans=[(0, 9)], stats=SPAN_MASS), "outside the sequence"),
-        (dict(spans=[(-1, 3)], stats=SPAN_MASS), "outside the sequence"),
-        (dict(spans=[(4, 4)], stats=SPAN_MASS), "outside the sequence"),
-        (dict(spans=[(1,)], stats=SPAN_MASS), r"\(start, end\) pair"),
-        (dict(stats=SPAN_MASS), "needs spans"),
-        (dict(block_size=0, stats=POOLED), "block_size must be a positive int"),
-        (dict(block_size=-4, stats=POOLED), "block_size must be a positive int"),
-        (dict(stats=POOLED), "needs block_size"),
+        (dict(spans=[(0, 9)], stats=stat.SPAN_MASS), "outside the sequence"),
+        (dict(spans=[(-1, 3)], stats=stat.SPAN_MASS), "outside the sequence"),
+        (dict(spans=[(4, 4)], stats=stat.SPAN_MASS), "outside the sequence"),
+        (dict(spans=[(1,)], stats=stat.SPAN_MASS), r"\(start, end\) pair"),
+        (dict(stats=stat.SPAN_MASS), "needs spans"),
+        (dict(block_size=0, stats=stat.POOLED), "block_size must be a positive int"),
+        (dict(block_size=-4, stats=stat.POOLED), "block_size must be a positive int"),
+        (dict(stats=stat.POOLED), "needs block_size"),
         (dict(stats=("lse", "attention")), "unknown statistic"),
-        (dict(rows=[8], stats=ROWS), "out of range"),
-        (dict(rows=[-9], stats=ROWS), "out of range"),
-        (dict(stats=ROWS), "needs rows"),
-        (dict(topk=0, stats=ARGMAX), "topk must be >= 1"),
-        (dict(topk=9, stats=ARGMAX), "exceeds the number of keys"),
-        (dict(window=0, stats=RECENT_MASS), "window must be >= 1"),
-        (dict(sink_size=0, stats=SINK_MASS), "sink_size must be >= 1"),
+        (dict(rows=[8], stats=stat.ROWS), "out of range"),
+        (dict(rows=[-9], stats=stat.ROWS), "out of range"),
+        (dict(stats=stat.ROWS), "needs rows"),
+        (dict(topk=0, stats=stat.ARGMAX), "topk must be >= 1"),
+        (dict(topk=9, stats=stat.ARGMAX), "exceeds the number of keys"),
+        (dict(window=0, stats=stat.RECENT_MASS), "window must be >= 1"),
+        (dict(sink_size=0, stats=stat.SINK_MASS), "sink_size must be >= 1"),
         (dict(backend="cuda"), "backend must be one of"),
         (dict(backend="triton"), "needs CUDA tensors"),
         (dict(chunk_elements=0), "chunk_elements"),
@@ -313,3 +254,12 @@ def test_mismatched_dtypes_and_devices_raise():
         attention(q, k.to("meta"), v)
     with pytest.raises(ValueError, match="floating point"):
         attention(q.long(), k.long(), v.long())
+
+
+def test_statistic_names_are_reexported_for_callers():
+    """analysis/ imports the names with attention() from kernels.attention; they are kernels.statistics'."""
+    import kernels.attention
+
+    for name in stat.__all__:
+        assert getattr(kernels.attention, name) is getattr(stat, name), name
+    assert set(stat.__all__) <= set(kernels.attention.__all__)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from kernels.statistics import STATISTICS
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # name: (batch, n_heads, n_kv_heads, n_q, n_k, d, d_v, causal, dtype, block_size, tiles (m, n) or None)
@@ -29,7 +31,7 @@ CASES = {
     "float16": (1, 4, 2, 19, 23, 16, 16, True, "float16", 3, None),
     "more-queries-than-keys": (1, 2, 1, 30, 12, 16, 16, False, "float32", 4, None),
 }
-ALL = ("lse", "argmax", "span_mass", "recent_mass", "sink_mass", "entropy", "col_sum", "pooled", "rows")
+ALL = STATISTICS
 
 
 def _worker() -> None:
@@ -38,7 +40,8 @@ def _worker() -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from kernels.attention import _validate, attention
+    from kernels.attention import attention
+    from kernels.statistics import validate
     from kernels.triton_attention import triton_attention
 
     report = {}
@@ -54,8 +57,8 @@ def _worker() -> None:
                   rows=[0, n_q - 1, 0], topk=min(3, n_k), sink_size=3, window=7)
         ref = attention(q, k, v, backend="torch", **kw)
         if tiles:
-            plan = _validate(q, k, v, kw["causal"], None, ALL, 3, 7, kw["spans"], block, kw["rows"],
-                             kw["topk"], "triton")
+            plan = validate(q, k, v, kw["causal"], None, ALL, 3, 7, kw["spans"], block, kw["rows"],
+                            kw["topk"], "triton")
             out, stats = triton_attention(q, k, v, plan, block_m=tiles[0], block_n=tiles[1])
         else:
             res = attention(q, k, v, backend="triton", **kw)
