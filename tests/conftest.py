@@ -108,6 +108,27 @@ def tiny_hf_model(vocab_size: int, seed: int = 0, max_positions: int = 512):
     return LlamaForCausalLM(config).eval()
 
 
+@pytest.fixture(scope="session")
+def small_retrieval_sweep(real_model):
+    """The small needle-in-a-haystack sweep two integration tests share (computed once a session):
+    3 shipped needles × depths 25 and 75 % at 256 tokens on the embedded model, 24 new tokens.
+    ``tests/analysis/test_retrieval.py`` checks its retrieval-head share, ``test_ablation.py`` masks its
+    top heads. bench/ablation_curve.py runs the full-size version (every needle, more k and seeds)."""
+    import torch
+
+    from analysis.niah import load_haystack, load_needles
+    from analysis.retrieval import sweep
+
+    by_id = {n.id: n for n in load_needles()}
+    needles = [by_id[k] for k in ("locker-code", "chess-club", "tram-depot")]
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # decoding: see one_thread
+    try:
+        return sweep(real_model, needles, [256], [25, 75], load_haystack("prose"), max_new_tokens=24)
+    finally:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread: decoding is a long run of tiny matmuls, and on a shared 2-core machine two
