@@ -6,6 +6,7 @@ The converted embedded model is cached once per machine (``HEADSCOPE_MODEL_CACHE
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -15,6 +16,14 @@ import pytest
 os.environ.setdefault("HEADSCOPE_MODEL_CACHE", str(Path(platformdirs.user_data_dir("headscope")) / "models"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(items):
+    """A test that takes the real weights is an integration test, marked or not: ``-m "not integration"``
+    then runs the unit tests without ever loading the embedded model."""
+    for item in items:
+        if "real_model" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(autouse=True)
@@ -38,23 +47,48 @@ def real_model():
 
 
 @pytest.fixture(scope="session")
-def tiny_model(real_model):
-    """A 2-layer random Llama (4 query heads, 2 key-value heads) with the real tokenizer."""
-    from analysis.models import wrap_model
+def embedded_tokenizer():
+    """The embedded model's tokenizer and chat template, without its weights (unit tests)."""
+    return load_embedded_tokenizer()
 
-    hf = tiny_hf_model(len(real_model.tokenizer))
-    return wrap_model(hf, real_model.tokenizer, name="tiny-llama", digest="tiny-random-llama-seed0")
+
+def load_embedded_tokenizer():
+    """The embedded model's tokenizer alone: from the converted cache folder when there is one
+    (0.3 s), else straight from the GGUF (about 5 s; reads the vocabulary, not the weights)."""
+    from transformers import AutoTokenizer
+
+    from analysis.models import embedded_gguf
+    from analysis.paths import model_cache
+
+    gguf = embedded_gguf()
+    for source in sorted(model_cache().glob("gguf-*/headscope-source.json")):
+        try:
+            converted_from = json.loads(source.read_text()).get("gguf")
+        except (OSError, ValueError):
+            continue
+        if converted_from == str(gguf) and (source.parent / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(str(source.parent))
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
 @pytest.fixture(scope="session")
-def make_tiny_model(real_model):
-    """Tiny random Llamas (2 layers, 4 query heads, 2 key-value heads) with the real tokenizer and
+def tiny_model(embedded_tokenizer):
+    """A 2-layer random Llama (4 query heads, 2 key-value heads) with the embedded tokenizer."""
+    from analysis.models import wrap_model
+
+    hf = tiny_hf_model(len(embedded_tokenizer))
+    return wrap_model(hf, embedded_tokenizer, name="tiny-llama", digest="tiny-random-llama-seed0")
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(embedded_tokenizer):
+    """Tiny random Llamas (2 layers, 4 query heads, 2 key-value heads) with the embedded tokenizer and
     chat template, for tests that need another seed or longer positions than ``tiny_model``."""
     from analysis.models import wrap_model
 
     def make(seed: int = 0, max_positions: int = 512, name: str = "tiny-llama"):
-        hf = tiny_hf_model(len(real_model.tokenizer), seed=seed, max_positions=max_positions)
-        return wrap_model(hf, real_model.tokenizer, name=name, digest=f"{name}-seed{seed}-pos{max_positions}")
+        hf = tiny_hf_model(len(embedded_tokenizer), seed=seed, max_positions=max_positions)
+        return wrap_model(hf, embedded_tokenizer, name=name, digest=f"{name}-seed{seed}-pos{max_positions}")
 
     return make
 
@@ -72,6 +106,27 @@ def tiny_hf_model(vocab_size: int, seed: int = 0, max_positions: int = 512):
     config.architectures = ["LlamaForCausalLM"]
     config._attn_implementation = "eager"
     return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def small_retrieval_sweep(real_model):
+    """The small needle-in-a-haystack sweep two integration tests share (computed once a session):
+    3 shipped needles × depths 25 and 75 % at 256 tokens on the embedded model, 24 new tokens.
+    ``tests/analysis/test_retrieval.py`` checks its retrieval-head share, ``test_ablation.py`` masks its
+    top heads. bench/ablation_curve.py runs the full-size version (every needle, more k and seeds)."""
+    import torch
+
+    from analysis.niah import load_haystack, load_needles
+    from analysis.retrieval import sweep
+
+    by_id = {n.id: n for n in load_needles()}
+    needles = [by_id[k] for k in ("locker-code", "chess-club", "tram-depot")]
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # decoding: see one_thread
+    try:
+        return sweep(real_model, needles, [256], [25, 75], load_haystack("prose"), max_new_tokens=24)
+    finally:
+        torch.set_num_threads(n)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ def test_missing_gguf_and_empty_folder_are_explained(tmp_path):
         load_model(str(tmp_path))
 
 
-def test_unsupported_architecture_is_a_model_error(real_model):
+def test_unsupported_architecture_is_a_model_error(embedded_tokenizer):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -27,7 +27,7 @@ def test_unsupported_architecture_is_a_model_error(real_model):
         config = GPT2Config(n_layer=1, n_head=2, n_embd=8)
 
     with pytest.raises(ModelError, match="cannot wrap"):
-        wrap_model(Odd(), real_model.tokenizer, name="odd", digest="x")
+        wrap_model(Odd(), embedded_tokenizer, name="odd", digest="x")
     assert GPT2LMHeadModel  # GPT-2 itself is supported by the bridge; only the odd module is refused
 
 
@@ -52,9 +52,9 @@ def test_greedy_continuation_is_paris(real_model):
     assert real_model.tokenizer.decode(out[0, len(ids) :]).startswith(" Paris")
 
 
-def test_display_tokens_make_whitespace_visible(real_model):
-    tok = real_model.tokenizer
-    ids = real_model.encode("a b\n\tc")
+def test_display_tokens_make_whitespace_visible(tiny_model):
+    tok = tiny_model.tokenizer  # the embedded model's tokenizer
+    ids = tiny_model.encode("a b\n\tc")
     shown = "".join(display_token(tok, i) for i in ids)
     assert "·" in shown and "↵" in shown and "⇥" in shown and " " not in shown
     special = tok.convert_tokens_to_ids("<|im_start|>")
@@ -83,11 +83,11 @@ def test_a_forked_child_does_not_inherit_a_held_model_lock(real_model, store):
     def busy():
         with real_model.lock:
             holding.set()
-            release.wait(30)
+            release.wait(300)
 
     t = threading.Thread(target=busy)
     t.start()
-    holding.wait(10)
+    assert holding.wait(120), "the helper thread never took the model's lock"
     store.put("before-fork", "test", {}, {})
     pid = os.fork()
     if pid == 0:  # the child: the lock and the store work
@@ -114,7 +114,7 @@ def test_a_forked_child_does_not_inherit_hooks_of_a_forward_pass_in_flight(real_
         if os.getpid() != parent:
             os._exit(3)  # the parent's hook fired in the child: it was inherited
         inside.set()
-        release.wait(30)
+        release.wait(300)
 
     def hooked():
         with real_model.lock, torch.inference_mode():
@@ -122,7 +122,7 @@ def test_a_forked_child_does_not_inherit_hooks_of_a_forward_pass_in_flight(real_
 
     t = threading.Thread(target=hooked)
     t.start()
-    inside.wait(30)
+    assert inside.wait(120), "the hooked forward pass never reached its hook"
     pid = os.fork()
     if pid == 0:
         calls = []
@@ -168,11 +168,11 @@ def test_models_over_the_memory_budget_are_unloaded_least_recently_used_first(re
         def use_both():
             with real_model.lock, a.lock:
                 busy.set()
-                done.wait(60)
+                done.wait(300)
 
         user = threading.Thread(target=use_both)
         user.start()
-        busy.wait(30)
+        assert busy.wait(120), "the helper thread never took both models' locks"
         try:
             models.load_model(folders[2])
         finally:

@@ -245,15 +245,11 @@ def test_sweep_validates_every_prompt_before_decoding(tiny):
 
 
 @pytest.mark.integration
-def test_small_sweep_finds_few_retrieval_heads(one_thread):
+def test_small_sweep_finds_few_retrieval_heads(small_retrieval_sweep):
     """Wu et al. 2024 find retrieval heads (score > 0.1) to be under 5% of heads. On SmolLM2-135M a
-    small sweep answers most needles and a few heads (about 3%) pass 0.1."""
-    from analysis.models import load_model
-
-    model = load_model("smollm2-135m")
-    by_id = {n.id: n for n in load_needles()}
-    needles = [by_id[k] for k in ("locker-code", "chess-club", "tram-depot")]
-    result = sweep(model, needles, [256], [25, 75], load_haystack("prose"), max_new_tokens=24)
+    small sweep (3 needles × 2 depths at 256 tokens, see conftest) answers most needles and a few
+    heads (about 3%) pass 0.1."""
+    result = small_retrieval_sweep
     assert result.n_trials == 6
     assert result.n_counted >= 4, [(t.response, t.recall) for t in result.trials]
     scores = np.nan_to_num(result.scores)

@@ -26,35 +26,102 @@ PROMPT = "When Mary and John went to the store, John gave a drink to Mary. The c
 
 
 def free_port() -> int:
+    """A loopback port free right now. Another process may take it before ours binds it: start
+    servers with :func:`start_server`, which checks that the server answering is ours."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+
+def start_server(args: list[str], env: dict[str, str], log_path: Path, timeout: float = 180,
+                 attempts: int = 3) -> tuple[subprocess.Popen, str]:
+    """Start ``headscope serve`` (``args`` without ``--port``) on a free loopback port; return (process, url).
+
+    Ready when the server logged that it listens on the port and answers there: an answer alone could
+    come from another engineer's or test's server that took the port between :func:`free_port` and our
+    bind. If ours could not bind (the port was taken), it is started again on another port."""
+    for _ in range(attempts):
+        port = free_port()
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        with open(log_path, "a") as log:
+            proc = subprocess.Popen([*args, "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}/"
+        deadline = time.time() + timeout
+        while proc.poll() is None and time.time() < deadline:
+            text = log_path.read_text(errors="replace")[offset:]
+            if f"127.0.0.1:{port}" in text:
+                try:
+                    urllib.request.urlopen(url, timeout=5)
+                    return proc, url
+                except OSError:
+                    pass
+            time.sleep(0.5)
+        text = log_path.read_text(errors="replace")[offset:]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=20)
+            pytest.fail(f"server did not start within {timeout:.0f} s:\n{text}")
+        if "in use" not in text:
+            pytest.fail(f"server exited with code {proc.returncode}:\n{text}")
+    pytest.fail(f"no free port after {attempts} attempts:\n{text}")
+
+
+# a stand-in for ``headscope serve`` in the test below: answers "ours" on --port, logs like werkzeug
+STAND_IN = """
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Ours(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ours")
+server = http.server.HTTPServer(("127.0.0.1", port), Ours)
+print(f" * Running on http://127.0.0.1:{port}", flush=True)
+server.serve_forever()
+"""
+
+
+def test_a_server_whose_port_was_taken_meanwhile_starts_on_another_and_the_url_reaches_it(tmp_path, monkeypatch):
+    """Another process takes the chosen port between free_port() and our bind (six engineers start
+    servers on this machine): start_server starts ours again on another port, and the url it returns
+    reaches our server, never the intruder that answers on the first port."""
+    import http.server
+    import threading
+
+    class Intruder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"intruder")
+
+        def log_message(self, *args):
+            pass
+
+    intruder = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Intruder)
+    taken = intruder.server_address[1]
+    threading.Thread(target=intruder.serve_forever, daemon=True).start()
+    chosen, real_free_port = iter([taken]), free_port
+    monkeypatch.setattr(sys.modules[__name__], "free_port", lambda: next(chosen, None) or real_free_port())
+    proc = None
+    try:
+        proc, url = start_server([sys.executable, "-c", STAND_IN], dict(os.environ), tmp_path / "server.log", timeout=60)
+        assert not url.endswith(f":{taken}/")
+        assert urllib.request.urlopen(url, timeout=10).read() == b"ours"
+        assert "in use" in (tmp_path / "server.log").read_text()  # the first start found the port taken
+    finally:
+        intruder.shutdown()
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=20)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("server-home")
-    port = free_port()
-    log = open(home / "server.log", "w")
     env = {**os.environ, "HEADSCOPE_HOME": str(home)}
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            break
-        except OSError:
-            assert proc.poll() is None, (home / "server.log").read_text()
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("server did not start: " + (home / "server.log").read_text())
+    proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, home / "server.log")
     yield url, proc, home
     proc.terminate()
     proc.wait(timeout=20)
-    log.close()
 
 
 @pytest.fixture(scope="module")
@@ -525,14 +592,15 @@ def drag_box(page, graph: str, x0: float, y0: float, x1: float, y1: float) -> No
 
 
 def test_a_long_text_runs_in_statistics_mode_with_a_pooled_map_and_exact_zoom(server, page, tmp_path):
-    """3,585 tokens (above the 1,024-token patterns limit): statistics mode, pooled map, zoom → exact."""
+    """1,348 tokens (above the 1,024-token patterns limit): statistics mode, pooled map, zoom → exact.
+    (The page path is the same at any length above the limit; bench/kernels.py times 4k-64k tokens.)"""
     url, proc, _ = server
-    text = (ROOT / "data" / "niah" / "haystack_prose.txt").read_text(encoding="utf-8")[:16000]
+    text = (ROOT / "data" / "niah" / "haystack_prose.txt").read_text(encoding="utf-8")[:6000]
     run_prompt(page, url, text)
     page.wait_for_function("(document.querySelector('#hs-run-info')?.innerText || '').includes('statistics mode')",
                            timeout=300_000)
-    assert "3585 tokens" in page.locator("#hs-run-info").inner_text()
-    wait_title(page, "hs-heatmap", "mean attention per 29×29 block of 3,585 tokens")
+    assert "1348 tokens" in page.locator("#hs-run-info").inner_text()
+    wait_title(page, "hs-heatmap", "mean attention per 11×11 block of 1,348 tokens")
     wait_title(page, "hs-grid", "Normalised entropy")
     # every per-head score comes from statistics, the TransformerLens detectors too
     select_option(page, "hs-metric", "Induction score")
@@ -554,25 +622,28 @@ def test_a_long_text_runs_in_statistics_mode_with_a_pooled_map_and_exact_zoom(se
     page.goto(url + search)
     wait_title(page, "hs-strip", "Exact attention of layer 0, head 0", timeout=180_000)
     page.goto(url + search.replace("region=", "region=9000-9100%2C1-2&x="))
-    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('outside the 3,585-token run')")
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('outside the 1,348-token run')")
     assert proc.poll() is None
 
 
-def test_heads_page_retrieval_sweep_at_4096_tokens(server, page):
-    """A 4,096-token needle-in-a-haystack trial from the page: statistics-mode prefill and decode."""
+def test_heads_page_retrieval_sweep_above_the_patterns_limit(server, page):
+    """A 1,200-token needle-in-a-haystack trial from the page, above the 1,024 tokens a page run keeps
+    patterns for: statistics-mode prefill, decode and head scores. The path is the same at any length;
+    bench/long_sweep.py runs the page's job at 2,048 and 4,096 tokens (this test ran 4,096 until
+    2026-12: 555 s of a loaded suite)."""
     url, proc, _ = server
     page.goto(url + "heads")
     page.wait_for_selector("#hs-heads-run")
     page.fill("#hs-heads-custom-needles", "The secret passkey is 7731. | What is the secret passkey? | 7731")
-    page.fill("#hs-heads-lengths", "4096")
+    page.fill("#hs-heads-lengths", "1200")
     page.fill("#hs-heads-depths", "50")
     select_option(page, "hs-heads-haystack", "passkey")
     page.click("#hs-heads-run")
-    page.wait_for_function("location.search.includes('sweep=')", timeout=600_000)
+    page.wait_for_function("location.search.includes('sweep=')", timeout=240_000)
     page.wait_for_function("(document.querySelector('#hs-heads-info')?.innerText || '').includes('trials counted')",
                            timeout=120_000)
     info = page.locator("#hs-heads-info").inner_text()
-    assert "lengths [4096]" in info
+    assert "lengths [1200]" in info
     wait_title(page, "hs-heads-score-grid", "Streaming score (S=4, W=64): mean over 1 prompts", timeout=120_000)
     wait_title(page, "hs-heads-grid", "trials counted")
     assert page.locator("#hs-error").inner_text().strip() == ""
