@@ -113,6 +113,8 @@ i = 0
 while True:  # until killed: replace and add records with a few MB each
     key = f"crash{i % 7}"
     s.put(key, "test", {"i": i}, {"a": np.full(300_000, i, dtype=np.float64), "b": rng.random(1000)})
+    if i == 0:
+        print("stored", flush=True)  # the test kills only after a first whole write, however slow the start
     i += 1
 """
 
@@ -125,10 +127,13 @@ def test_sigkill_during_writes_leaves_a_consistent_store(tmp_path):
     root = tmp_path / "killed"
     Store(root)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    for attempt, delay in enumerate((0.8, 1.3, 2.1)):
+    for attempt, delay in enumerate((0.05, 0.3, 0.7)):
         p = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(root), str(attempt)], env=env,
-                             stderr=subprocess.PIPE)
-        time.sleep(delay + 1.0)  # interpreter start, then some writes
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # wait for the first whole write (interpreter start is seconds on a loaded machine), then let
+        # it write on for a while: the kill lands at a different point of a later write each time
+        assert p.stdout.readline() == b"stored\n", p.stderr.read().decode()
+        time.sleep(delay)
         assert p.poll() is None, p.stderr.read().decode()
         p.send_signal(signal.SIGKILL)
         p.wait(timeout=30)

@@ -6,7 +6,6 @@ import contextlib
 import http.cookiejar
 import os
 import re
-import subprocess
 import sys
 import time
 import urllib.error
@@ -14,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from tests.app.test_browser import free_port
+from tests.app.test_browser import start_server
 
 pytestmark = pytest.mark.integration
 
@@ -29,12 +28,10 @@ def status(url: str, opener=None, headers: dict | None = None) -> int:
 
 
 def test_non_loopback_server_requires_its_token(tmp_path):
-    port = free_port()
     env = {**os.environ, "HEADSCOPE_HOME": str(tmp_path / "home")}
     env.pop("HEADSCOPE_TOKEN", None)
     log = tmp_path / "server.log"
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--host", "0.0.0.0", "--port", str(port)],
-                            env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    proc, base = start_server([sys.executable, "-m", "app.cli", "serve", "--host", "0.0.0.0"], env, log)
     try:
         token = None
         deadline = time.time() + 180
@@ -44,10 +41,6 @@ def test_non_loopback_server_requires_its_token(tmp_path):
             token = m and m[1]
             time.sleep(0.5)
         assert token and len(token) >= 16, log.read_text()
-        base = f"http://127.0.0.1:{port}/"
-        deadline = time.time() + 60
-        while status(base) not in (403, 200) and time.time() < deadline:
-            time.sleep(0.5)
         assert status(base) == 403  # no token: refused
         assert status(base + "_dash-layout") == 403
         assert status(base + "?token=" + "x" * len(token)) == 403  # a wrong token
@@ -72,26 +65,14 @@ def guarded_server(tmp_path_factory):
     """A loopback server given a token (so it asks for one), with a small upload limit."""
     home = tmp_path_factory.mktemp("access-home")
     log = home.parent / f"{home.name}-server.log"
-    port = free_port()
     env = {**os.environ, "HEADSCOPE_HOME": str(home), "HEADSCOPE_TOKEN": TOKEN, "OMP_NUM_THREADS": "1",
            "HEADSCOPE_MAX_UPLOAD_BYTES": str(UPLOAD_LIMIT)}
     env.pop("HEADSCOPE_MAX_REQUEST_BYTES", None)
-    out = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], env=env,
-                            stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}/"
-    deadline = time.time() + 180
-    while True:
-        try:
-            status(base)
-            break
-        except OSError:  # not listening yet
-            assert proc.poll() is None and time.time() < deadline, log.read_text()
-            time.sleep(0.5)
+    proc, base = start_server([sys.executable, "-m", "app.cli", "serve"], env, log)
+    port = int(base.rstrip("/").rsplit(":", 1)[1])
     yield base, port, log, proc
     proc.terminate()
     proc.wait(timeout=30)
-    out.close()
 
 
 def test_the_token_never_reaches_the_log(guarded_server):

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import zipfile
 from pathlib import Path
@@ -53,6 +54,8 @@ def start_server(args: list[str], env: dict[str, str], log_path: Path, timeout: 
             if f"127.0.0.1:{port}" in text:
                 try:
                     urllib.request.urlopen(url, timeout=5)
+                    return proc, url
+                except urllib.error.HTTPError:  # an answer (403 from a server that wants its token)
                     return proc, url
                 except OSError:
                     pass
