@@ -171,10 +171,13 @@ def token_strip(
     query: int | None,
     title: str,
     per_row: int = 16,
+    scale: tuple[float, str] | None = None,
 ) -> go.Figure:
     """Tokens laid out as text in a grid, coloured by ``weights`` (e.g. one attention row).
 
-    Cells after the query (keys it cannot see) stay uncoloured.
+    Cells after the query (keys it cannot see) stay uncoloured. ``scale=(top, label)`` colours
+    0 .. ``top`` (e.g. a top shared by several strips, so their colours compare) and shows a colour
+    bar with numbers titled ``label``; without it the strip spans 0 .. its own maximum, no bar.
     """
     n = len(tokens)
     rows = max(1, -(-n // per_row))
@@ -199,9 +202,11 @@ def token_strip(
             customdata=custom.tolist(),
             colorscale=ATTENTION_SCALE,
             zmin=0.0,
-            zmax=1.0 if weights is None else max(1e-6, float(np.nanmax(z))),
-            showscale=False,
-            colorbar={"title": {"text": "weight", "side": "right"}, "thickness": 12},
+            zmax=(scale[0] if scale is not None else 1.0 if weights is None
+                  else max(1e-6, float(np.nanmax(z)))),
+            showscale=scale is not None,
+            colorbar={"title": {"text": scale[1] if scale is not None else "weight", "side": "right"},
+                      "thickness": 12, "nticks": 5, "tickformat": ".2~f"},
             hovertemplate="position %{customdata[0]}: %{text}<br>weight %{customdata[1]:.4f}<extra></extra>",
             xgap=2,
             ygap=2,

@@ -4,7 +4,7 @@ side by side (Abnar & Zuidema 2020), and how rollout relevance builds up layer b
 from __future__ import annotations
 
 import dash
-from dash import Input, Output, State, callback, dcc, html, no_update
+from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
 from app import ids
@@ -31,6 +31,21 @@ dash.register_page(__name__, path="/flow", name="Flow", title="headscope — rol
 
 PREFIX = "flow"
 EMPTY = empty_figure("Run a text to see which inputs each output draws on.")
+SINK_NOTE = ("Position 0 is the attention sink: most heads park attention there, so kept, it takes most of rollout "
+             "and flow; dropped, its column is removed and each row renormalised, so the strips show how the rest "
+             "is shared.")
+TOKEN_STYLE = {"margin": "1px", "padding": "1px 5px", "border": "1px solid #d0d7e2", "borderRadius": "4px",
+               "background": "white", "cursor": "pointer", "fontSize": "13px", "whiteSpace": "pre"}
+
+
+def token_buttons(tokens: list[str], target: int) -> list[html.Button]:
+    """The run's tokens as buttons: clicking one makes it the target (the chosen one is marked)."""
+    return [
+        html.Button(tok, id={"type": ids.FLOW_TOKEN, "pos": i}, n_clicks=0, title=f"position {i}",
+                    className="hs-selected" if i == target else None,
+                    style={**TOKEN_STYLE, **({"background": "#fde8e1", "borderColor": "#e4572e"} if i == target else {})})
+        for i, tok in enumerate(tokens)
+    ]
 
 
 def layout(**_query) -> html.Div:
@@ -49,10 +64,15 @@ def layout(**_query) -> html.Div:
                                  className="hs-small-dropdown"),
                     dcc.Checklist(id=ids.FLOW_SINK, options=[{"label": " drop the sink (position 0)", "value": "sink"}],
                                   value=[], inline=True),
+                    html.Span(SINK_NOTE, id=ids.FLOW_SINK_NOTE, className="hs-hint"),
                 ],
                 className="hs-options",
             ),
             dcc.Loading(html.Div(id=ids.FLOW_INFO, className="hs-run-info"), type="dot"),
+            html.P("Click a token, in a strip or in this list, to make it the target. The three strips share one "
+                   "colour scale, 0 to the largest value any of them shows (numbers on each colour bar), so their "
+                   "colours compare.", className="hs-hint"),
+            html.Div(id=ids.FLOW_TOKENS, className="hs-flow-tokens"),
             html.Div(
                 [
                     html.Div([dcc.Graph(id={"type": ids.FLOW_STRIPS, "method": m}, figure=EMPTY, config=GRAPH_CONFIG),
@@ -64,8 +84,9 @@ def layout(**_query) -> html.Div:
                      className="hs-panel"),
             html.H3("Faithfulness: which attribution agrees with removing tokens?", className="hs-section"),
             html.P("Leave-one-out importance: the change in the target token's log-probability when one input "
-                   "token's embedding is zeroed. Spearman ρ of each method with it (Abnar & Zuidema 2020).",
-                   className="hs-hint"),
+                   "token's embedding is zeroed. Spearman ρ of each method with it (Abnar & Zuidema 2020). Raw "
+                   "attention, rollout and flow are scored exactly as the strips above show them: with the head "
+                   "fusion and sink option chosen here.", className="hs-hint"),
             html.Button("Compare with gradients and ablation on this input", id=ids.FAITH_INPUT_BUTTON, n_clicks=0,
                         className="hs-button"),
             dcc.Loading(html.Div(id=ids.FAITH_INPUT, className="hs-faith"), type="dot"),
@@ -105,22 +126,23 @@ register_export(PREFIX)
     Output(ids.FLOW_TARGET, "value"),
     Output(ids.FLOW_FUSION, "value"),
     Output(ids.FLOW_SINK, "value"),
+    Output(ids.FLOW_TOKENS, "children"),
     Input(url_id(PREFIX), "search"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=len(RELEVANCE_METHODS) + 9, error_index=len(RELEVANCE_METHODS) + 3)
+@guarded(outputs=len(RELEVANCE_METHODS) + 10, error_index=len(RELEVANCE_METHODS) + 3)
 def render(search):
     n = len(RELEVANCE_METHODS)
     state = parse(search)
     problems = list(state.problems)
     controls = (state.fusion, ["sink"] if state.drop_sink else [])
     if state.run is None:
-        return (*[EMPTY] * n, EMPTY, no_update, "", message(problems), no_update, no_update, None, *controls)
+        return (*[EMPTY] * n, EMPTY, no_update, "", message(problems), no_update, no_update, None, *controls, [])
     run = get_context().run(state.run)
     if run is None:
         problems.append(f"No stored run has the id {state.run!r}. Run the text again to recompute it.")
-        return (*[EMPTY] * n, EMPTY, no_update, "", message(problems), no_update, no_update, None, *controls)
+        return (*[EMPTY] * n, EMPTY, no_update, "", message(problems), no_update, no_update, None, *controls, [])
     target = check_target(run, state.target)
     params = {"target": target, "fusion": state.fusion, "drop_sink": state.drop_sink}
     strips = []
@@ -144,7 +166,40 @@ def render(search):
     # The target box keeps what the link says (empty = the last token), so filling it in here does
     # not itself change the URL and re-render.
     return (*strips, layers, faith_set, info, message(problems), run.text or no_update, run.model_name, state.target,
-            *controls)
+            *controls, token_buttons(run.tokens, target))
+
+
+def clicked_position(value) -> int | None:
+    """The token position a click names: a token button's, or the ``customdata[0]`` of a strip cell."""
+    trigger = ctx.triggered_id
+    if not isinstance(trigger, dict):
+        return None
+    if trigger.get("type") == ids.FLOW_TOKEN:
+        return trigger.get("pos") if value else None
+    points = (value or {}).get("points") or [{}]
+    custom = points[0].get("customdata") if isinstance(points[0], dict) else None
+    pos = custom[0] if isinstance(custom, list) and custom else None
+    if isinstance(pos, float) and pos.is_integer():
+        pos = int(pos)
+    return pos if isinstance(pos, int) and not isinstance(pos, bool) and pos >= 0 else None
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Input({"type": ids.FLOW_STRIPS, "method": ALL}, "clickData"),
+    Input({"type": ids.FLOW_TOKEN, "pos": ALL}, "n_clicks"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+def choose_target(_strip_clicks, _token_clicks, search):
+    """A click on a token (in a strip or the token list) makes it the target; the URL keeps it."""
+    value = ctx.triggered[0]["value"] if ctx.triggered else None
+    pos = clicked_position(value)
+    state = parse(search)
+    if pos is None or state.run is None or pos == state.target:
+        raise PreventUpdate
+    state.target = pos  # the render callback checks it against the run (out of range: a clear message)
+    return state.to_search()
 
 
 @callback(
