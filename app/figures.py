@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
@@ -219,6 +220,20 @@ def token_strip(
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False, autorange="reversed")
     return _layout(fig, title, height=max(140, 34 * rows + 80))
+
+
+def token_strip_position(point: Any, per_row: int = 16) -> int | None:
+    """The token position of a clicked :func:`token_strip` cell (a plotly click point with ``x``
+    the column and ``y`` the row), or ``None`` when the point is not a token's cell (the empty
+    cells after the last token have no text)."""
+    if not isinstance(point, dict) or not point.get("text"):
+        return None
+    x, y = point.get("x"), point.get("y")
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) and float(v).is_integer() for v in (x, y)):
+        return None
+    if not (0 <= x < per_row and y >= 0):
+        return None
+    return int(y) * per_row + int(x)
 
 
 def layer_position_heatmap(values: np.ndarray, tokens: Sequence[str], title: str,

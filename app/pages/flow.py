@@ -7,7 +7,7 @@ import dash
 from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
-from app import ids
+from app import figures, ids
 from app.components import (
     GRAPH_CONFIG,
     empty_figure,
@@ -170,18 +170,15 @@ def render(search):
 
 
 def clicked_position(value) -> int | None:
-    """The token position a click names: a token button's, or the ``customdata[0]`` of a strip cell."""
+    """The token position a click names: a token button's, or the cell of a strip (its x and y)."""
     trigger = ctx.triggered_id
     if not isinstance(trigger, dict):
         return None
     if trigger.get("type") == ids.FLOW_TOKEN:
-        return trigger.get("pos") if value else None
-    points = (value or {}).get("points") or [{}]
-    custom = points[0].get("customdata") if isinstance(points[0], dict) else None
-    pos = custom[0] if isinstance(custom, list) and custom else None
-    if isinstance(pos, float) and pos.is_integer():
-        pos = int(pos)
-    return pos if isinstance(pos, int) and not isinstance(pos, bool) and pos >= 0 else None
+        pos = trigger.get("pos") if value else None
+        return pos if isinstance(pos, int) and not isinstance(pos, bool) and pos >= 0 else None
+    points = (value or {}).get("points") if isinstance(value, dict) else None
+    return figures.token_strip_position(points[0]) if isinstance(points, list) and points else None
 
 
 @callback(

@@ -4,6 +4,7 @@ numbered colour scale, and the sink option is explained beside it."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -20,6 +21,10 @@ from analysis.rollout import FUSIONS
 from app import views
 
 TEXT = "The keys to the old wooden cabinet are"
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +62,148 @@ def test_the_options_change_the_scored_raw_attention(flow_run):
     assert shown[("mean", True)][0] == 0.0 < shown[("mean", False)][0]
     assert not np.allclose(shown[("max", False)], shown[("mean", False)], atol=1e-3)
     assert not np.allclose(shown[("min", False)], shown[("mean", False)], atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# In real Chromium (server and browser fixtures as in tests/app/test_browser.py)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("server-home")
+    port = free_port()
+    log = open(home / "server.log", "w")
+    env = {**os.environ, "HEADSCOPE_HOME": str(home)}
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except OSError:
+            assert proc.poll() is None, (home / "server.log").read_text()
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("server did not start: " + (home / "server.log").read_text())
+    yield url, proc, home
+    proc.terminate()
+    proc.wait(timeout=20)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1400, "height": 1100})
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    yield page
+    context.close()
+
+
+def strip(method: str) -> str:
+    """The selector of one strip's graph (Dash writes a dict id as JSON with sorted keys)."""
+    return "[id='" + json.dumps({"method": method, "type": "hs-flow-strips"}, separators=(",", ":")) + "']"
+
+
+def run_flow(page, url: str) -> None:
+    page.goto(url + "flow")
+    page.fill("#flow-hs-text", TEXT)
+    page.click("#flow-hs-run")
+    page.wait_for_function("(document.querySelector('#hs-flow-info')?.innerText || '').includes('target: token')")
+    page.wait_for_load_state("networkidle")
+
+
+def wait_target(page, pos: int) -> None:
+    page.wait_for_function("p => new URLSearchParams(location.search).get('target') === String(p)", arg=pos)
+    page.wait_for_function("p => (document.querySelector('#hs-flow-info')?.innerText || '').includes(`target: token ${p} `)",
+                           arg=pos)
+    for method in RELEVANCE_METHODS:
+        page.wait_for_function("([s, p]) => document.querySelector(`${s} .gtitle`)?.textContent.includes(`→ token ${p} `)",
+                               arg=[strip(method), pos])
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+def test_clicking_a_token_in_the_list_makes_it_the_target(server, page):
+    url, proc, _home = server
+    run_flow(page, url)
+    page.locator("#hs-flow-tokens button").nth(3).click()
+    wait_target(page, 3)
+    assert page.input_value("#hs-flow-target") == "3"  # the typed-number fallback follows
+    assert page.locator("#hs-flow-tokens button.hs-selected").get_attribute("title") == "position 3"
+    page.go_back()  # the URL kept it, so history steps back to the last token
+    page.wait_for_function("!new URLSearchParams(location.search).has('target')")
+    assert proc.poll() is None
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+def test_clicking_a_token_in_a_strip_makes_it_the_target(server, page):
+    url, proc, _home = server
+    run_flow(page, url)
+    graph = page.locator(strip("rollout"))
+    graph.scroll_into_view_if_needed()
+    # The cell of position 2 (column 2 of the first row), located through the figure's own axes.
+    x, y = page.evaluate("""s => { const el = document.querySelector(s + ' .js-plotly-plot');
+        const xa = el._fullLayout.xaxis, ya = el._fullLayout.yaxis, box = el.getBoundingClientRect();
+        return [box.left + xa._offset + xa.d2p(2), box.top + ya._offset + ya.d2p(0)]; }""", strip("rollout"))
+    page.mouse.click(x, y)
+    wait_target(page, 2)
+    assert proc.poll() is None
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+def test_every_strip_has_a_numbered_colour_bar_on_one_shared_scale(server, page):
+    url, proc, _home = server
+    run_flow(page, url)
+    scales = []
+    for method in RELEVANCE_METHODS:
+        sel = strip(method) + " .js-plotly-plot"
+        page.wait_for_selector(strip(method) + " .colorbar")
+        ticks = page.locator(strip(method) + " .colorbar .cbaxis text").all_text_contents()
+        assert len(ticks) >= 3 and all(float(t) >= 0 for t in ticks), ticks
+        title = page.locator(strip(method) + " .colorbar .cbtitle").text_content()
+        assert "shared scale" in title
+        scales.append(page.evaluate("s => { const t = document.querySelector(s).data[0]; return [t.zmin, t.zmax]; }",
+                                    sel))
+    assert scales[0][0] == 0 and all(s == scales[0] for s in scales)  # one scale for all three
+    # The top is the largest value any strip shows, so a strip with smaller values is not stretched to it.
+    tops = [max(v for row in page.evaluate("s => document.querySelector(s).data[0].z", strip(method) + " .js-plotly-plot")
+                for v in row if v is not None) for method in RELEVANCE_METHODS]
+    assert scales[0][1] == pytest.approx(max(tops))
+    assert min(tops) < 0.9 * scales[0][1]
+    assert proc.poll() is None
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+def test_the_sink_option_is_explained_beside_it(server, page):
+    url, proc, _home = server
+    run_flow(page, url)
+    note = page.locator("#hs-flow-sink-note")
+    assert note.is_visible()
+    assert "Position 0 is the attention sink" in note.inner_text() and "renormalised" in note.inner_text()
+    # Beside the option: in the same row of options as the checkbox.
+    assert page.locator(".hs-options").filter(has=page.locator("#hs-flow-sink")).filter(
+        has=page.locator("#hs-flow-sink-note")).count() == 1
+    assert proc.poll() is None
