@@ -292,6 +292,12 @@ def gradient_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     return fig, rows
 
 
+def options_label(params: dict[str, Any]) -> str:
+    """The options raw attention, rollout and flow were scored with, as a chart title says them."""
+    sink = "sink dropped" if params.get("drop_sink") else "sink kept"
+    return f"{params.get('fusion', 'mean')} over heads, {sink}, as in the strips"
+
+
 def faithfulness_input_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """Spearman ρ of each method with ablation importance, on this input."""
     from analysis.attribution import LABELS, METHODS
@@ -301,7 +307,8 @@ def faithfulness_input_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure
     rho = att.correlations(METHODS)
     labels = [LABELS.get(m, m) for m in METHODS]
     fig = figures.faithfulness_bars(labels, [rho[m] for m in METHODS], None,
-                                    f"Faithfulness on this input (target token {target})")
+                                    f"Faithfulness on this input (target token {target}; "
+                                    f"{options_label(params)})")
     return fig, [{"method": m, "label": lbl, "spearman": float(rho[m])} for m, lbl in zip(METHODS, labels, strict=True)]
 
 
@@ -321,7 +328,8 @@ def faithfulness_set_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, 
     means = [float(np.nanmean(rho[:, k])) for k in range(len(METHODS))]
     stds = [float(np.nanstd(rho[:, k], ddof=1)) for k in range(len(METHODS))]
     labels = [LABELS.get(m, m) for m in METHODS]
-    fig = figures.faithfulness_bars(labels, means, stds, f"Faithfulness over the built-in set ({len(ids_)} inputs)",
+    fig = figures.faithfulness_bars(labels, means, stds, f"Faithfulness over the built-in set ({len(ids_)} inputs; "
+                                    f"{options_label(params)})",
                                     per_input=rho, input_names=ids_)
     rows = [{"input": item, "method": m, "spearman": float(rho[i, k])}
             for i, item in enumerate(ids_) for k, m in enumerate(METHODS)]
