@@ -25,7 +25,7 @@ from app.context import get_context
 from app.errors import guarded, message
 from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
 from app.url_state import PageState, parse
-from app.views import MAX_FLOW_TOKENS, RELEVANCE_METHODS, VIEWS, check_target
+from app.views import MAX_FLOW_TOKENS, RELEVANCE_METHODS, VIEWS, check_target, flow_numbers
 
 dash.register_page(__name__, path="/flow", name="Flow", title="headscope — rollout and flow", order=1)
 
@@ -36,6 +36,14 @@ SINK_NOTE = ("Position 0 is the attention sink: most heads park attention there,
              "is shared.")
 TOKEN_STYLE = {"margin": "1px", "padding": "1px 5px", "border": "1px solid #d0d7e2", "borderRadius": "4px",
                "background": "white", "cursor": "pointer", "fontSize": "13px", "whiteSpace": "pre"}
+
+
+def sink_share(run, target: int, fusion: str, drop_sink: bool) -> str:
+    """What the sink holds of the picture now: its share of rollout (or that it is dropped)."""
+    if drop_sink:
+        return "sink (position 0) dropped: rollout and flow are shared among the other tokens"
+    share = flow_numbers(run, target, fusion, drop_sink).scores["rollout"][0]
+    return f"sink (position 0) holds {share:.0%} of rollout"
 
 
 def token_buttons(tokens: list[str], target: int) -> list[html.Button]:
@@ -162,6 +170,7 @@ def render(search):
         html.Span(f"run {run.short_id}", className="hs-chip"),
         html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
         html.Span(f"target: token {target} ({run.tokens[target]})", className="hs-chip hs-selected"),
+        html.Span(sink_share(run, target, state.fusion, state.drop_sink), id=ids.FLOW_SINK_SHARE, className="hs-chip"),
     ])
     # The target box keeps what the link says (empty = the last token), so filling it in here does
     # not itself change the URL and re-render.

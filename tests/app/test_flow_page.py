@@ -64,6 +64,17 @@ def test_the_options_change_the_scored_raw_attention(flow_run):
     assert not np.allclose(shown[("min", False)], shown[("mean", False)], atol=1e-3)
 
 
+def test_a_click_on_a_strip_cell_names_its_token_and_empty_cells_name_none():
+    from app.figures import token_strip_position
+
+    assert token_strip_position({"x": 2, "y": 1, "text": "·to"}) == 18
+    assert token_strip_position({"x": 2.0, "y": 0, "text": "·to"}) == 2
+    assert token_strip_position({"x": 9, "y": 1, "text": ""}) is None  # after the last token
+    assert token_strip_position({"x": 16, "y": 0, "text": "a"}) is None
+    assert token_strip_position({"x": "2", "y": 0, "text": "a"}) is None
+    assert token_strip_position(None) is None
+
+
 # ---------------------------------------------------------------------------------------------
 # In real Chromium (server and browser fixtures as in tests/app/test_browser.py)
 
@@ -206,4 +217,11 @@ def test_the_sink_option_is_explained_beside_it(server, page):
     # Beside the option: in the same row of options as the checkbox.
     assert page.locator(".hs-options").filter(has=page.locator("#hs-flow-sink")).filter(
         has=page.locator("#hs-flow-sink-note")).count() == 1
+    # What the sink does to this picture: its share of rollout, gone when it is dropped.
+    kept = page.inner_text("#hs-flow-sink-share")
+    share = int(kept.split("holds ")[1].split("%")[0])
+    assert 50 <= share <= 100, kept
+    page.check("#hs-flow-sink input")
+    page.wait_for_function("location.search.includes('sink=1')")
+    page.wait_for_function("(document.querySelector('#hs-flow-sink-share')?.innerText || '').includes('dropped')")
     assert proc.poll() is None
