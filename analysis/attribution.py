@@ -17,8 +17,14 @@ Tokens after t cannot influence f (causal attention), so every score covers posi
 
 The methods, per input position j ≤ t
 -------------------------------------
-- ``attention`` — raw attention: the head-mean of the last layer's pattern, row t:
-  ``mean_h A[L−1, h][t, j]``.
+The three attention methods are exactly what the Flow page's strips show, computed by one function,
+:func:`token_relevance`, with the page's head fusion (mean, max or min over heads) and sink option
+(``drop_sinks``: those key columns removed, each row renormalised): the faithfulness protocol scores
+each method as the user sees it, not a fixed variant of it.
+
+- ``attention`` — raw attention: the head-fused pattern of one layer (the last by default), row t,
+  sink columns dropped and the row renormalised: ``Ā_{L−1}[t, j]`` (the rollout of that layer alone
+  with no residual term; with mean fusion and no sink dropped, ``mean_h A[L−1, h][t, j]``).
 - ``rollout`` — attention rollout row t, ``(Â_L ··· Â_1)[t, j]`` (:func:`analysis.rollout.rollout`).
 - ``flow`` — exact attention flow into output t, ``maxflow((0, j) → (L, t))``
   (:func:`analysis.flow.attention_flow`).
@@ -70,15 +76,23 @@ from transformer_lens.utilities import get_act_name
 
 from analysis.capture import MAX_TOKENS_PATTERNS, InputError, capture, tokenize_input
 from analysis.flow import attention_flow
+from analysis.limits import limit
 from analysis.models import LoadedModel
 from analysis.paths import DATA_DIR
-from analysis.rollout import rollout
+from analysis.rollout import FUSIONS, rollout, rollout_row_per_layer
 
 MAX_TOKENS_FLOW = 128
 """Longest input for an attribution: exact flow and N ablated copies grow fast with length."""
 
 METHODS = ("attention", "rollout", "flow", "ixg_norm", "ixg_sum")
 """Relevance methods compared with the ablation importance, in table order."""
+
+RELEVANCE_METHODS = {
+    "attention": "Raw attention (last layer, head-fused)",
+    "rollout": "Attention rollout",
+    "flow": "Attention flow (exact max-flow)",
+}
+"""The attention-based relevance methods of the Flow page, in strip order, with their titles."""
 
 LABELS = {
     "attention": "raw attention (last layer)",
@@ -166,6 +180,127 @@ def spearman(scores: np.ndarray, reference: np.ndarray) -> float:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return float(spearmanr(a, b).statistic)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Flow page's numbers: raw attention, rollout and flow for one target
+
+
+@dataclass(frozen=True)
+class TokenRelevance:
+    """Raw attention, rollout and flow of every input position for one output position.
+
+    Attributes
+    ----------
+    target : t, the output position explained.
+    fusion, drop_sinks, residual, raw_layer : the options they were computed with.
+    scores : method → float64 ``[t + 1]``, relevance of positions 0 .. t, for each method of
+        :data:`RELEVANCE_METHODS` that was computed.
+    rollout_layers : float64 ``[layer, t + 1]``, the rollout to t after each layer; its last row
+        is ``scores["rollout"]``.
+    unavailable : method → why it was not computed (flow past its token limit).
+    """
+
+    target: int
+    fusion: str
+    drop_sinks: tuple[int, ...]
+    residual: float
+    raw_layer: int
+    scores: dict[str, np.ndarray]
+    rollout_layers: np.ndarray
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+
+def max_flow_tokens() -> int:
+    """Longest input for exact attention flow (``HEADSCOPE_MAX_FLOW_TOKENS``, default 128)."""
+    return limit("HEADSCOPE_MAX_FLOW_TOKENS")
+
+
+def token_relevance(
+    patterns: np.ndarray,
+    target: int,
+    *,
+    fusion: str = "mean",
+    drop_sinks: Sequence[int] = (),
+    residual: float = 0.5,
+    raw_layer: int = -1,
+    flow_limit: int | None = None,
+) -> TokenRelevance:
+    """Every number of the Flow page for one target: raw attention, rollout (also per layer), flow.
+
+    Abnar & Zuidema 2020, "Quantifying Attention Flow in Transformers" (ACL 2020,
+    arXiv:2005.00928), sections 3–4. With Ā_l the head-fused attention of layer l (``fusion`` over
+    heads, the ``drop_sinks`` columns set to zero, rows renormalised) and Â_l = r·I + (1 − r)·Ā_l
+    (:func:`analysis.rollout.augmented_attention`), for positions j ≤ t:
+
+    - ``attention[j] = Ā_raw_layer[t, j]`` (no residual term);
+    - ``rollout[j] = (Â_L ··· Â_1)[t, j]`` and ``rollout_layers[l, j] = (Â_l ··· Â_1)[t, j]``;
+    - ``flow[j] = maxflow((0, j) → (L, t))`` with capacities Â_l (:func:`analysis.flow.attention_flow`).
+
+    The Flow page's strips, its per-layer heatmap and the faithfulness protocol (:func:`attribute`,
+    :func:`evaluate`) all take their attention-based scores from here, with the page's options, so
+    the faithfulness chart scores exactly what the strips show. Causal attention means only the
+    ``[t + 1, t + 1]`` prefix of ``patterns`` is read.
+
+    Parameters
+    ----------
+    patterns : float array [layer, head, query, key], post-softmax causal attention of the input.
+    target : t, 0 <= t < number of positions.
+    fusion : ``"mean"``, ``"max"`` or ``"min"`` over heads.
+    drop_sinks : key positions removed before renormalising (``(0,)``: the attention sink).
+    residual : r, the weight of the identity in rollout and flow (0.5 in the paper).
+    raw_layer : the layer whose attention is ``attention`` (negative counts from the end).
+    flow_limit : flow is left out (with the reason in ``unavailable``) when ``patterns`` has more
+        positions than this; ``None``: :func:`max_flow_tokens`.
+
+    Returns
+    -------
+    TokenRelevance
+
+    Raises
+    ------
+    InputError
+        A target out of range, an unknown fusion, sink positions outside the input, a residual
+        outside [0, 1] or a layer out of range; each message says what to use instead.
+    """
+    patterns = np.asarray(patterns)
+    if patterns.ndim != 4:
+        raise InputError(f"patterns must be [layer, head, query, key], got shape {patterns.shape}.")
+    n_layers, n = patterns.shape[0], patterns.shape[-1]
+    if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= int(target) < n:
+        raise InputError(f"Target position {target!r} is out of range: the input has positions 0..{n - 1}.")
+    t = int(target)
+    if fusion not in FUSIONS:
+        raise InputError(f"Unknown head fusion {fusion!r}; choose one of {', '.join(FUSIONS)}.")
+    if not -n_layers <= raw_layer < n_layers:
+        raise InputError(f"raw_layer {raw_layer} is out of range: the model has layers 0 .. {n_layers - 1}.")
+    sinks = tuple(sorted({int(s) for s in drop_sinks}))
+    bad = [s for s in sinks if not 0 <= s < n]
+    if bad:
+        raise InputError(f"drop_sinks positions {bad} are outside the input (valid: 0 .. {n - 1}).")
+    limit_ = max_flow_tokens() if flow_limit is None else flow_limit
+    prefix = patterns[:, :, : t + 1, : t + 1]
+    # A sink after t does not touch rows 0 .. t.
+    graph = {"residual": residual, "fusion": fusion, "drop_sinks": tuple(s for s in sinks if s <= t)}
+    try:
+        layers = rollout_row_per_layer(prefix, t, **graph)
+        scores = {
+            "attention": rollout(prefix, residual=0.0, fusion=fusion, drop_sinks=graph["drop_sinks"],
+                                 start_layer=raw_layer % n_layers, end_layer=raw_layer % n_layers + 1)[t],
+            "rollout": layers[-1].copy(),
+        }
+        unavailable = {}
+        if n > limit_:
+            unavailable["flow"] = (
+                f"Attention flow is limited to {limit_} tokens and this input has {n} "
+                "(set HEADSCOPE_MAX_FLOW_TOKENS to change it). Rollout and raw attention still work."
+            )
+        else:
+            scores["flow"] = attention_flow(prefix, target=t, **graph)
+    except ValueError as error:  # patterns that are not causal attention, a residual out of range
+        raise InputError(f"Rollout and flow options: {error}.") from None
+    return TokenRelevance(target=t, fusion=fusion, drop_sinks=sinks, residual=float(residual),
+                          raw_layer=raw_layer, scores=scores, rollout_layers=layers, unavailable=unavailable)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,13 +497,15 @@ def attribute(
     raw_layer: int = -1,
     max_tokens: int = MAX_TOKENS_FLOW,
     batch_size: int | None = None,
+    patterns: np.ndarray | None = None,
     progress: Callable[[float], None] | None = None,
 ) -> Attribution:
     """Relevance of every input token for one next-token prediction, by every method.
 
     Abnar & Zuidema 2020, "Quantifying Attention Flow in Transformers", section 5. Computes, for
-    positions j ≤ t (see the module docstring for the formulas): raw attention of ``raw_layer``
-    (head mean, row t), attention rollout (row t), exact attention flow into t, input×gradient
+    positions j ≤ t (see the module docstring for the formulas): raw attention of ``raw_layer``,
+    attention rollout and exact attention flow into t, all three from :func:`token_relevance` with
+    the given ``fusion`` and ``drop_sinks`` (exactly the Flow page's strips), input×gradient
     (norm and signed sum; Shrikumar et al. 2017, Kindermans et al. 2016) and the leave-one-out
     ablation importance they are judged against.
 
@@ -380,12 +517,15 @@ def attribute(
     target : y, a token id or a one-token string such as ``" Paris"``; ``None``: the model's top
         prediction at t.
     ablation : ``"zero"`` or ``"mean"``: what replaces an ablated token's embedding.
-    residual, fusion, drop_sinks : rollout and flow options
-        (:func:`analysis.rollout.augmented_attention`); ``drop_sinks=(0,)`` removes the first token's
-        column before renormalising, which keeps 30 layers of rollout from collapsing onto it.
+    residual, fusion, drop_sinks : options of all three attention methods, raw attention included
+        (:func:`token_relevance`); ``drop_sinks=(0,)`` removes the first token's column before
+        renormalising, which keeps 30 layers of rollout from collapsing onto it.
     raw_layer : the layer whose attention is the ``attention`` method (default: the last).
     max_tokens : longest input accepted (:data:`MAX_TOKENS_FLOW`).
     batch_size : ablated copies per forward pass (``None``: all in one).
+    patterns : attention already captured for these token ids, ``[layer, head, ≥ t + 1, ≥ t + 1]``
+        (a stored run's, e.g. float16), so the scores are exactly the ones a page drew from it;
+        ``None``: captured here in float32.
     progress : called with the fraction done.
 
     Returns
@@ -399,8 +539,6 @@ def attribute(
     """
     ids, t, target_id = resolve_input(model, text_or_ids, position, target, max_tokens=max_tokens)
     _check_ablation(ablation)
-    if not -model.n_layers <= raw_layer < model.n_layers:
-        raise InputError(f"raw_layer {raw_layer} is out of range: the model has layers 0 .. {model.n_layers - 1}.")
 
     def step(fraction: float) -> None:
         if progress is not None:
@@ -409,18 +547,17 @@ def attribute(
     run = capture(model, ids[: t + 1], pattern_dtype="float32", max_tokens=max(MAX_TOKENS_PATTERNS, max_tokens))
     if target_id is None:
         target_id = int(run.top_ids[t, 0])
-    patterns = run.patterns
+    if patterns is None:
+        patterns = run.patterns
+    else:
+        patterns = np.asarray(patterns)
+        if patterns.ndim != 4 or patterns.shape[:2] != run.patterns.shape[:2] or patterns.shape[-1] <= t:
+            raise InputError(f"patterns of shape {patterns.shape} are not this model's attention over positions "
+                             f"0 .. {t}: expected [{model.n_layers}, heads, ≥{t + 1}, ≥{t + 1}].")
     step(0.2)
     graph = {"residual": residual, "fusion": fusion, "drop_sinks": tuple(drop_sinks)}
-    try:
-        scores: dict[str, np.ndarray] = {
-            "attention": patterns[raw_layer].astype(np.float64).mean(axis=0)[t],
-            "rollout": rollout(patterns, **graph)[t],
-        }
-        step(0.3)
-        scores["flow"] = attention_flow(patterns, target=t, **graph)
-    except ValueError as error:  # an option out of range (residual, fusion, sink positions)
-        raise InputError(f"Rollout and flow options: {error}.") from None
+    relevance = token_relevance(patterns, t, **graph, raw_layer=raw_layer, flow_limit=max(max_tokens, t + 1))
+    scores: dict[str, np.ndarray] = dict(relevance.scores)
     step(0.6)
     scores["ixg_norm"], scores["ixg_sum"], _ = input_x_gradient(model, ids, t, target_id)
     step(0.7)
@@ -566,7 +703,10 @@ def stored_evaluation(
     from analysis.store import content_key
 
     items = load_eval_set()
-    settings = {"ablation": ablation, "fusion": fusion, "drop_sinks": sorted(int(s) for s in drop_sinks)}
+    # "definition": 2 since raw attention takes the fusion and sink options (before, a head mean of
+    # the whole row), so a result stored under the old definition is never shown as the new one.
+    settings = {"ablation": ablation, "fusion": fusion, "drop_sinks": sorted(int(s) for s in drop_sinks),
+                "definition": 2}
     key = content_key("faithfulness", model.digest, [(i.id, i.text, i.target) for i in items], settings, METHODS)
     record = store.get(key)
     if record is not None:

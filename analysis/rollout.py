@@ -262,6 +262,41 @@ def rollout_per_layer(
     return out
 
 
+def rollout_row_per_layer(
+    patterns: np.ndarray,
+    row: int,
+    *,
+    residual: float = 0.5,
+    fusion: str = "mean",
+    discard_ratio: float = 0.0,
+    drop_sinks: Sequence[int] = (),
+    start_layer: int = 0,
+    end_layer: int | None = None,
+) -> np.ndarray:
+    """One output position's row of the cumulative rollout after each layer.
+
+    ``out[k] = (Â_{start+k} ··· Â_start)[row, : row + 1]``, i.e. ``rollout_per_layer(...)[:, row,
+    : row + 1]``, computed on the ``[row + 1, row + 1]`` prefix (causal attention: later positions
+    never reach ``row``) and keeping one running product instead of one per layer.
+
+    Returns
+    -------
+    np.ndarray, float64 [layer, row + 1]
+    """
+    n = np.asarray(patterns).shape[-1]
+    if not 0 <= row < n:
+        raise ValueError(f"row must be in 0 .. {n - 1}, got {row}")
+    prefix = np.asarray(patterns)[:, :, : row + 1, : row + 1]
+    sinks = tuple(s for s in drop_sinks if int(s) <= row)
+    steps = _steps(prefix, residual, fusion, discard_ratio, sinks, start_layer, end_layer)
+    out = np.empty((len(steps), row + 1), dtype=np.float64)
+    product = None
+    for k, step in enumerate(steps):
+        product = step if product is None else step @ product
+        out[k] = product[row]
+    return out
+
+
 def rollout(
     patterns: np.ndarray,
     *,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
@@ -171,10 +172,13 @@ def token_strip(
     query: int | None,
     title: str,
     per_row: int = 16,
+    scale: tuple[float, str] | None = None,
 ) -> go.Figure:
     """Tokens laid out as text in a grid, coloured by ``weights`` (e.g. one attention row).
 
-    Cells after the query (keys it cannot see) stay uncoloured.
+    Cells after the query (keys it cannot see) stay uncoloured. ``scale=(top, label)`` colours
+    0 .. ``top`` (e.g. a top shared by several strips, so their colours compare) and shows a colour
+    bar with numbers titled ``label``; without it the strip spans 0 .. its own maximum, no bar.
     """
     n = len(tokens)
     rows = max(1, -(-n // per_row))
@@ -199,9 +203,11 @@ def token_strip(
             customdata=custom.tolist(),
             colorscale=ATTENTION_SCALE,
             zmin=0.0,
-            zmax=1.0 if weights is None else max(1e-6, float(np.nanmax(z))),
-            showscale=False,
-            colorbar={"title": {"text": "weight", "side": "right"}, "thickness": 12},
+            zmax=(scale[0] if scale is not None else 1.0 if weights is None
+                  else max(1e-6, float(np.nanmax(z)))),
+            showscale=scale is not None,
+            colorbar={"title": {"text": scale[1] if scale is not None else "weight", "side": "right"},
+                      "thickness": 12, "nticks": 5, "tickformat": ".2~f"},
             hovertemplate="position %{customdata[0]}: %{text}<br>weight %{customdata[1]:.4f}<extra></extra>",
             xgap=2,
             ygap=2,
@@ -214,6 +220,20 @@ def token_strip(
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False, autorange="reversed")
     return _layout(fig, title, height=max(140, 34 * rows + 80))
+
+
+def token_strip_position(point: Any, per_row: int = 16) -> int | None:
+    """The token position of a clicked :func:`token_strip` cell (a plotly click point with ``x``
+    the column and ``y`` the row), or ``None`` when the point is not a token's cell (the empty
+    cells after the last token have no text)."""
+    if not isinstance(point, dict) or not point.get("text"):
+        return None
+    x, y = point.get("x"), point.get("y")
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) and float(v).is_integer() for v in (x, y)):
+        return None
+    if not (0 <= x < per_row and y >= 0):
+        return None
+    return int(y) * per_row + int(x)
 
 
 def layer_position_heatmap(values: np.ndarray, tokens: Sequence[str], title: str,

@@ -16,11 +16,10 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
+from analysis.attribution import RELEVANCE_METHODS
 from analysis.capture import InputError, Run
-from analysis.flow import attention_flow
 from analysis.head_summary import HEAD_METRICS
 from analysis.limits import limit
-from analysis.rollout import rollout, rollout_per_layer
 from analysis.statistics_run import (
     StatsRun,
     parse_region,
@@ -182,11 +181,6 @@ def token_strip_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]
 
 
 MAX_FLOW_TOKENS = limit("HEADSCOPE_MAX_FLOW_TOKENS")
-RELEVANCE_METHODS = {
-    "attention": "Raw attention (last layer, head-fused)",
-    "rollout": "Attention rollout",
-    "flow": "Attention flow (exact max-flow)",
-}
 
 
 def check_target(run: Run, target: Any) -> int:
@@ -202,42 +196,45 @@ def check_target(run: Run, target: Any) -> int:
     return target
 
 
-def token_relevance(run: Run, method: str, target: int, fusion: str = "mean", drop_sink: bool = False) -> np.ndarray:
-    """Relevance of each input position for output ``target`` (Abnar & Zuidema 2020).
+def flow_numbers(run: Run, target: int, fusion: str = "mean", drop_sink: bool = False):
+    """Every Flow-page number for ``target`` (:func:`analysis.attribution.token_relevance`), memoised."""
+    from analysis.attribution import token_relevance as compute
 
-    ``attention``: the last layer's head-fused attention row (rollout over that layer alone, no
-    residual term); ``rollout``: :func:`analysis.rollout.rollout`; ``flow``:
-    :func:`analysis.flow.attention_flow`. ``drop_sink`` removes key 0 before renormalising.
-    """
+    sinks = (0,) if drop_sink else ()
+    return memoised((run.key, "flow_numbers", target, fusion, drop_sink, MAX_FLOW_TOKENS),
+                    lambda: compute(run.patterns, target, fusion=fusion, drop_sinks=sinks, flow_limit=MAX_FLOW_TOKENS))
+
+
+def token_relevance(run: Run, method: str, target: int, fusion: str = "mean", drop_sink: bool = False) -> np.ndarray:
+    """One method's relevance of positions 0 .. ``target`` (:func:`flow_numbers`); an ``InputError``
+    says why when the method is unknown or unavailable (flow past its token limit)."""
     if method not in RELEVANCE_METHODS:
         raise InputError(f"Unknown relevance method {method!r}; choose one of {', '.join(RELEVANCE_METHODS)}.")
-    sinks = (0,) if drop_sink else ()
-    n_layers = run.patterns.shape[0]
+    numbers = flow_numbers(run, target, fusion, drop_sink)
+    if method in numbers.unavailable:
+        raise InputError(numbers.unavailable[method])
+    return numbers.scores[method]
 
-    def compute() -> np.ndarray:
-        if method == "attention":
-            return rollout(run.patterns, residual=0.0, fusion=fusion, drop_sinks=sinks, start_layer=n_layers - 1)[target]
-        if method == "rollout":
-            return rollout(run.patterns, fusion=fusion, drop_sinks=sinks)[target]
-        if run.n_tokens > MAX_FLOW_TOKENS:
-            raise InputError(
-                f"Attention flow is limited to {MAX_FLOW_TOKENS} tokens and this run has {run.n_tokens} "
-                "(set HEADSCOPE_MAX_FLOW_TOKENS to change it). Rollout and raw attention still work."
-            )
-        return attention_flow(run.patterns, target=target, fusion=fusion, drop_sinks=sinks)
 
-    return memoised((run.key, "relevance", method, target, fusion, drop_sink), compute)
+def relevance_scale(run: Run, target: int, fusion: str, drop_sink: bool) -> float:
+    """The top of the colour scale the three strips share: the largest value any of them shows."""
+    numbers = flow_numbers(run, target, fusion, drop_sink)
+    return max(1e-6, max(float(np.max(v)) for v in numbers.scores.values()))
 
 
 def relevance_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    """One strip of the Flow page: a method's relevance of each token for the target, on the colour
+    scale the three strips share (0 to the largest value of any of them), so colours compare."""
     target = check_target(run, params.get("target"))
     method = params.get("method", "rollout")
     fusion, drop_sink = params.get("fusion", "mean"), bool(params.get("drop_sink", False))
     values = token_relevance(run, method, target, fusion, drop_sink).astype(float)
-    shown = values.copy()
-    shown[target + 1 :] = np.nan
+    shown = np.full(run.n_tokens, np.nan)
+    shown[: target + 1] = values
     title = f"{RELEVANCE_METHODS.get(method, method)} → token {target} ({run.tokens[target]})"
-    fig = figures.token_strip(run.tokens, shown, target, figures.safe_text(title))
+    fig = figures.token_strip(run.tokens, shown, target, figures.safe_text(title),
+                              scale=(relevance_scale(run, target, fusion, drop_sink),
+                                     "relevance<br>(shared scale)"))
     rows = [{"pos": j, "token": run.tokens[j], "relevance": float(values[j])} for j in range(target + 1)]
     return fig, rows
 
@@ -245,11 +242,7 @@ def relevance_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
 def rollout_layers_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     target = check_target(run, params.get("target"))
     fusion, drop_sink = params.get("fusion", "mean"), bool(params.get("drop_sink", False))
-    sinks = (0,) if drop_sink else ()
-    per_layer = memoised(
-        (run.key, "rollout_layers", target, fusion, drop_sink),
-        lambda: rollout_per_layer(run.patterns, fusion=fusion, drop_sinks=sinks)[:, target, : target + 1],
-    )
+    per_layer = flow_numbers(run, target, fusion, drop_sink).rollout_layers
     title = f"Rollout to token {target} ({run.tokens[target]}) after each layer"
     fig = figures.layer_position_heatmap(per_layer, run.tokens[: target + 1], figures.safe_text(title))
     rows = [
@@ -261,7 +254,11 @@ def rollout_layers_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Ro
 
 
 def attribution_for(run: Run, target: int, fusion: str, drop_sink: bool):
-    """Gradients and leave-one-out ablation of ``run`` at ``target`` (:func:`analysis.attribution.attribute`)."""
+    """Gradients and leave-one-out ablation of ``run`` at ``target`` (:func:`analysis.attribution.attribute`).
+
+    The run's own stored patterns go in, so raw attention, rollout and flow scored here are the
+    numbers the strips show, to the bit.
+    """
     from analysis.attribution import attribute
     from analysis.models import load_model
 
@@ -269,7 +266,8 @@ def attribution_for(run: Run, target: int, fusion: str, drop_sink: bool):
         model = load_model(run.model_name)
         if model.digest != run.model_digest:
             raise InputError("The model loaded now is not the one this run was made with.")
-        return attribute(model, run.token_ids, position=target, fusion=fusion, drop_sinks=(0,) if drop_sink else ())
+        return attribute(model, run.token_ids, position=target, fusion=fusion, drop_sinks=(0,) if drop_sink else (),
+                         patterns=run.patterns)
 
     return memoised((run.key, "attribution", target, fusion, drop_sink), compute)
 
@@ -294,6 +292,12 @@ def gradient_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     return fig, rows
 
 
+def options_label(params: dict[str, Any]) -> str:
+    """The options raw attention, rollout and flow were scored with, as a chart title says them."""
+    sink = "sink dropped" if params.get("drop_sink") else "sink kept"
+    return f"{params.get('fusion', 'mean')} over heads, {sink}, as in the strips"
+
+
 def faithfulness_input_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """Spearman ρ of each method with ablation importance, on this input."""
     from analysis.attribution import LABELS, METHODS
@@ -303,7 +307,8 @@ def faithfulness_input_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure
     rho = att.correlations(METHODS)
     labels = [LABELS.get(m, m) for m in METHODS]
     fig = figures.faithfulness_bars(labels, [rho[m] for m in METHODS], None,
-                                    f"Faithfulness on this input (target token {target})")
+                                    f"Faithfulness on this input (target token {target}; "
+                                    f"{options_label(params)})")
     return fig, [{"method": m, "label": lbl, "spearman": float(rho[m])} for m, lbl in zip(METHODS, labels, strict=True)]
 
 
@@ -323,7 +328,8 @@ def faithfulness_set_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, 
     means = [float(np.nanmean(rho[:, k])) for k in range(len(METHODS))]
     stds = [float(np.nanstd(rho[:, k], ddof=1)) for k in range(len(METHODS))]
     labels = [LABELS.get(m, m) for m in METHODS]
-    fig = figures.faithfulness_bars(labels, means, stds, f"Faithfulness over the built-in set ({len(ids_)} inputs)",
+    fig = figures.faithfulness_bars(labels, means, stds, f"Faithfulness over the built-in set ({len(ids_)} inputs; "
+                                    f"{options_label(params)})",
                                     per_input=rho, input_names=ids_)
     rows = [{"input": item, "method": m, "spearman": float(rho[i, k])}
             for i, item in enumerate(ids_) for k, m in enumerate(METHODS)]

@@ -4,10 +4,10 @@ side by side (Abnar & Zuidema 2020), and how rollout relevance builds up layer b
 from __future__ import annotations
 
 import dash
-from dash import Input, Output, State, callback, dcc, html, no_update
+from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
-from app import ids
+from app import figures, ids
 from app.components import (
     GRAPH_CONFIG,
     empty_figure,
@@ -25,12 +25,35 @@ from app.context import get_context
 from app.errors import guarded, message
 from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
 from app.url_state import PageState, parse
-from app.views import MAX_FLOW_TOKENS, RELEVANCE_METHODS, VIEWS, check_target
+from app.views import MAX_FLOW_TOKENS, RELEVANCE_METHODS, VIEWS, check_target, flow_numbers
 
 dash.register_page(__name__, path="/flow", name="Flow", title="headscope — rollout and flow", order=1)
 
 PREFIX = "flow"
 EMPTY = empty_figure("Run a text to see which inputs each output draws on.")
+SINK_NOTE = ("Position 0 is the attention sink: most heads park attention there, so kept, it takes most of rollout "
+             "and flow; dropped, its column is removed and each row renormalised, so the strips show how the rest "
+             "is shared.")
+TOKEN_STYLE = {"margin": "1px", "padding": "1px 5px", "border": "1px solid #d0d7e2", "borderRadius": "4px",
+               "background": "white", "cursor": "pointer", "fontSize": "13px", "whiteSpace": "pre"}
+
+
+def sink_share(run, target: int, fusion: str, drop_sink: bool) -> str:
+    """What the sink holds of the picture now: its share of rollout (or that it is dropped)."""
+    if drop_sink:
+        return "sink (position 0) dropped: rollout and flow are shared among the other tokens"
+    share = flow_numbers(run, target, fusion, drop_sink).scores["rollout"][0]
+    return f"sink (position 0) holds {share:.0%} of rollout"
+
+
+def token_buttons(tokens: list[str], target: int) -> list[html.Button]:
+    """The run's tokens as buttons: clicking one makes it the target (the chosen one is marked)."""
+    return [
+        html.Button(tok, id={"type": ids.FLOW_TOKEN, "pos": i}, n_clicks=0, title=f"position {i}",
+                    className="hs-selected" if i == target else None,
+                    style={**TOKEN_STYLE, **({"background": "#fde8e1", "borderColor": "#e4572e"} if i == target else {})})
+        for i, tok in enumerate(tokens)
+    ]
 
 
 def layout(**_query) -> html.Div:
@@ -49,10 +72,15 @@ def layout(**_query) -> html.Div:
                                  className="hs-small-dropdown"),
                     dcc.Checklist(id=ids.FLOW_SINK, options=[{"label": " drop the sink (position 0)", "value": "sink"}],
                                   value=[], inline=True),
+                    html.Span(SINK_NOTE, id=ids.FLOW_SINK_NOTE, className="hs-hint"),
                 ],
                 className="hs-options",
             ),
             dcc.Loading(html.Div(id=ids.FLOW_INFO, className="hs-run-info"), type="dot"),
+            html.P("Click a token, in a strip or in this list, to make it the target. The three strips share one "
+                   "colour scale, 0 to the largest value any of them shows (numbers on each colour bar), so their "
+                   "colours compare.", className="hs-hint"),
+            html.Div(id=ids.FLOW_TOKENS, className="hs-flow-tokens"),
             html.Div(
                 [
                     html.Div([dcc.Graph(id={"type": ids.FLOW_STRIPS, "method": m}, figure=EMPTY, config=GRAPH_CONFIG),
@@ -64,8 +92,9 @@ def layout(**_query) -> html.Div:
                      className="hs-panel"),
             html.H3("Faithfulness: which attribution agrees with removing tokens?", className="hs-section"),
             html.P("Leave-one-out importance: the change in the target token's log-probability when one input "
-                   "token's embedding is zeroed. Spearman ρ of each method with it (Abnar & Zuidema 2020).",
-                   className="hs-hint"),
+                   "token's embedding is zeroed. Spearman ρ of each method with it (Abnar & Zuidema 2020). Raw "
+                   "attention, rollout and flow are scored exactly as the strips above show them: with the head "
+                   "fusion and sink option chosen here.", className="hs-hint"),
             html.Button("Compare with gradients and ablation on this input", id=ids.FAITH_INPUT_BUTTON, n_clicks=0,
                         className="hs-button"),
             dcc.Loading(html.Div(id=ids.FAITH_INPUT, className="hs-faith"), type="dot"),
@@ -105,22 +134,23 @@ register_export(PREFIX)
     Output(ids.FLOW_TARGET, "value"),
     Output(ids.FLOW_FUSION, "value"),
     Output(ids.FLOW_SINK, "value"),
+    Output(ids.FLOW_TOKENS, "children"),
     Input(url_id(PREFIX), "search"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=len(RELEVANCE_METHODS) + 9, error_index=len(RELEVANCE_METHODS) + 3)
+@guarded(outputs=len(RELEVANCE_METHODS) + 10, error_index=len(RELEVANCE_METHODS) + 3)
 def render(search):
     n = len(RELEVANCE_METHODS)
     state = parse(search)
     problems = list(state.problems)
     controls = (state.fusion, ["sink"] if state.drop_sink else [])
     if state.run is None:
-        return (*[EMPTY] * n, EMPTY, no_update, "", message(problems), no_update, no_update, None, *controls)
+        return (*[EMPTY] * n, EMPTY, no_update, "", message(problems), no_update, no_update, None, *controls, [])
     run = get_context().run(state.run)
     if run is None:
         problems.append(f"No stored run has the id {state.run!r}. Run the text again to recompute it.")
-        return (*[EMPTY] * n, EMPTY, no_update, "", message(problems), no_update, no_update, None, *controls)
+        return (*[EMPTY] * n, EMPTY, no_update, "", message(problems), no_update, no_update, None, *controls, [])
     target = check_target(run, state.target)
     params = {"target": target, "fusion": state.fusion, "drop_sink": state.drop_sink}
     strips = []
@@ -140,11 +170,42 @@ def render(search):
         html.Span(f"run {run.short_id}", className="hs-chip"),
         html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
         html.Span(f"target: token {target} ({run.tokens[target]})", className="hs-chip hs-selected"),
+        html.Span(sink_share(run, target, state.fusion, state.drop_sink), id=ids.FLOW_SINK_SHARE, className="hs-chip"),
     ])
     # The target box keeps what the link says (empty = the last token), so filling it in here does
     # not itself change the URL and re-render.
     return (*strips, layers, faith_set, info, message(problems), run.text or no_update, run.model_name, state.target,
-            *controls)
+            *controls, token_buttons(run.tokens, target))
+
+
+def clicked_position(value) -> int | None:
+    """The token position a click names: a token button's, or the cell of a strip (its x and y)."""
+    trigger = ctx.triggered_id
+    if not isinstance(trigger, dict):
+        return None
+    if trigger.get("type") == ids.FLOW_TOKEN:
+        pos = trigger.get("pos") if value else None
+        return pos if isinstance(pos, int) and not isinstance(pos, bool) and pos >= 0 else None
+    points = (value or {}).get("points") if isinstance(value, dict) else None
+    return figures.token_strip_position(points[0]) if isinstance(points, list) and points else None
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Input({"type": ids.FLOW_STRIPS, "method": ALL}, "clickData"),
+    Input({"type": ids.FLOW_TOKEN, "pos": ALL}, "n_clicks"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+def choose_target(_strip_clicks, _token_clicks, search):
+    """A click on a token (in a strip or the token list) makes it the target; the URL keeps it."""
+    value = ctx.triggered[0]["value"] if ctx.triggered else None
+    pos = clicked_position(value)
+    state = parse(search)
+    if pos is None or state.run is None or pos == state.target:
+        raise PreventUpdate
+    state.target = pos  # the render callback checks it against the run (out of range: a clear message)
+    return state.to_search()
 
 
 @callback(

@@ -22,9 +22,10 @@ from analysis.attribution import (
     input_x_gradient,
     load_eval_set,
     spearman,
+    token_relevance,
 )
 from analysis.capture import InputError, capture
-from analysis.flow import attention_flow
+from analysis.flow import attention_flow, flow_reference_networkx
 from analysis.rollout import rollout
 from tests.conftest import tiny_hf_model
 
@@ -171,6 +172,81 @@ def test_an_earlier_position_ignores_the_later_tokens(tiny_model):
         np.testing.assert_allclose(early.scores[method], scores, atol=1e-5, err_msg=method)
     negative = attribute(tiny_model, ids, position=-len(ids) + 4, target=" are")
     np.testing.assert_allclose(negative.scores["ablation"], early.scores["ablation"], atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# token_relevance(): the Flow page's numbers, against a hand-written reference
+
+
+def _causal_patterns(rng, layers=3, heads=4, n=7):
+    logits = rng.normal(size=(layers, heads, n, n)) * 2
+    logits[..., np.triu_indices(n, 1)[0], np.triu_indices(n, 1)[1]] = -np.inf
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
+
+
+def _fused_step(layer, fusion, sink, residual):
+    """Â of one layer written out: fuse heads, zero the sink column, renormalise, add the identity."""
+    a = {"mean": np.mean, "max": np.max, "min": np.min}[fusion](layer, axis=0)
+    a = np.tril(a)
+    if sink:
+        a[:, 0] = 0.0
+    rows = a.sum(1, keepdims=True)
+    a = np.where(rows > 0, a / np.where(rows > 0, rows, 1), np.eye(len(a)))
+    return residual * np.eye(len(a)) + (1 - residual) * a
+
+
+@pytest.mark.parametrize("drop_sink", [False, True])
+@pytest.mark.parametrize("fusion", ["mean", "max", "min"])
+def test_token_relevance_is_the_written_out_definition(fusion, drop_sink):
+    patterns = _causal_patterns(np.random.default_rng(3))
+    t = 5
+    got = token_relevance(patterns, t, fusion=fusion, drop_sinks=(0,) if drop_sink else ())
+    raw = _fused_step(patterns[-1], fusion, drop_sink, 0.0)[t, : t + 1]
+    np.testing.assert_allclose(got.scores["attention"], raw, atol=1e-12)
+    product = np.eye(patterns.shape[-1])
+    for layer in range(patterns.shape[0]):
+        product = _fused_step(patterns[layer], fusion, drop_sink, 0.5) @ product
+        np.testing.assert_allclose(got.rollout_layers[layer], product[t, : t + 1], atol=1e-12)
+    np.testing.assert_allclose(got.scores["rollout"], product[t, : t + 1], atol=1e-12)
+    reference = flow_reference_networkx(patterns, target=t, fusion=fusion, drop_sinks=(0,) if drop_sink else ())
+    np.testing.assert_allclose(got.scores["flow"], reference[: t + 1], atol=1e-9)
+    if drop_sink:
+        assert got.scores["attention"][0] == got.scores["rollout"][0] == 0.0
+
+
+def test_attribute_scores_the_options_it_is_given(tiny_model):
+    """The faithfulness protocol's attention methods are token_relevance's, options included."""
+    ids = tiny_model.encode(TEXT)
+    a = attribute(tiny_model, ids, position=6, fusion="max", drop_sinks=(0,))
+    run = capture(tiny_model, ids[:7], pattern_dtype="float32")
+    expected = token_relevance(run.patterns, 6, fusion="max", drop_sinks=(0,))
+    for method in ("attention", "rollout", "flow"):
+        np.testing.assert_allclose(a.scores[method], expected.scores[method], atol=1e-12, err_msg=method)
+    assert a.scores["attention"][0] == 0.0
+
+
+def test_flow_past_its_limit_is_left_out_with_the_reason():
+    patterns = _causal_patterns(np.random.default_rng(0), n=6)
+    got = token_relevance(patterns, 4, flow_limit=5)
+    assert set(got.scores) == {"attention", "rollout"}
+    assert "limited to 5 tokens" in got.unavailable["flow"] and "HEADSCOPE_MAX_FLOW_TOKENS" in got.unavailable["flow"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"target": 7}, r"positions 0\.\.6"),
+        ({"target": 2.0}, "out of range"),
+        ({"target": 3, "fusion": "median"}, "choose one of mean, max, min"),
+        ({"target": 3, "drop_sinks": (9,)}, "drop_sinks"),
+        ({"target": 3, "raw_layer": 3}, "raw_layer"),
+        ({"target": 3, "residual": -0.1}, "residual"),
+    ],
+)
+def test_token_relevance_bad_options_are_input_errors(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        token_relevance(_causal_patterns(np.random.default_rng(1)), **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
