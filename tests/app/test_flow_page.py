@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -19,6 +15,7 @@ from analysis.attribution import RELEVANCE_METHODS, attribute, spearman
 from analysis.capture import capture
 from analysis.rollout import FUSIONS
 from app import views
+from tests.app.test_browser import start_server
 
 TEXT = "The keys to the old wooden cabinet are"
 CHROMIUM_ARGS = [
@@ -79,36 +76,14 @@ def test_a_click_on_a_strip_cell_names_its_token_and_empty_cells_name_none():
 # In real Chromium (server and browser fixtures as in tests/app/test_browser.py)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("server-home")
-    port = free_port()
-    log = open(home / "server.log", "w")
     env = {**os.environ, "HEADSCOPE_HOME": str(home)}
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            break
-        except OSError:
-            assert proc.poll() is None, (home / "server.log").read_text()
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("server did not start: " + (home / "server.log").read_text())
+    proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, home / "server.log")
     yield url, proc, home
     proc.terminate()
     proc.wait(timeout=20)
-    log.close()
 
 
 @pytest.fixture(scope="module")
