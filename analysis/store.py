@@ -146,6 +146,18 @@ class Record:
         return {name: self.array(name) for name in self.array_info}
 
 
+class StoreUnavailable(OSError):
+    """The index could not be opened for a reason that is not corruption (locked for too long, disk
+    full, read-only): nothing is moved or rebuilt; the message says what to check."""
+
+
+def _is_corruption(e: sqlite3.DatabaseError) -> bool:
+    """Only a damaged file is rebuilt: SQLite's CORRUPT/NOTADB codes, or our integrity check (no code).
+    Locks, a full disk or a read-only folder are not corruption and never move a sound index aside."""
+    name = getattr(e, "sqlite_errorname", None)
+    return name is None or name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB"))
+
+
 class CorruptRecord(RuntimeError):
     """A stored array failed its checksum or could not be read."""
 
@@ -205,6 +217,8 @@ os.register_at_fork(after_in_child=_fresh_state_in_child)
 class Store:
     """The run and result store. Thread-safe; safe to share between processes (and across a fork)."""
 
+    BUSY_TIMEOUT_S = 30.0  # how long a write waits for another process's write before giving up
+
     def __init__(self, root: Path | str | None = None, shared: SharedRecords | None | bool = True):
         """Open (or create) the store at ``root``: a corrupt index is rebuilt from the record folders
         and crash leftovers are collected (both logged).
@@ -244,6 +258,10 @@ class Store:
                     self._backfill_manifests(db)
                     db.execute(f"PRAGMA user_version={MANIFESTS_COMPLETE}")
         except sqlite3.DatabaseError as e:
+            if not _is_corruption(e):
+                self.close()
+                raise StoreUnavailable(f"cannot open the store's index {path} ({e}): another process may hold "
+                                       "it locked, or the disk is full or read-only; nothing was changed") from e
             self._rebuild_index(f"{path.name} is corrupt ({e})", move_aside=True)
             return
         if empty and any(m is not None for _, m in self._manifests()):
@@ -339,9 +357,9 @@ class Store:
     def _db(self) -> Iterator[sqlite3.Connection]:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = sqlite3.connect(self.root / "index.sqlite", timeout=30, isolation_level=None)
+            conn = sqlite3.connect(self.root / "index.sqlite", timeout=self.BUSY_TIMEOUT_S, isolation_level=None)
             try:
-                conn.execute("PRAGMA busy_timeout=30000")
+                conn.execute(f"PRAGMA busy_timeout={int(self.BUSY_TIMEOUT_S * 1000)}")
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=NORMAL")
             except sqlite3.DatabaseError:

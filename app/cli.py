@@ -871,7 +871,8 @@ def _is_user_error(e: BaseException) -> bool:
     from app.manifest_schema import ManifestError
 
     kinds = [ManifestError]
-    for module, name in (("analysis.capture", "InputError"), ("analysis.models", "ModelError")):
+    for module, name in (("analysis.capture", "InputError"), ("analysis.models", "ModelError"),
+                         ("analysis.store", "StoreUnavailable")):
         if module in sys.modules:
             kinds.append(getattr(sys.modules[module], name))
     return isinstance(e, tuple(kinds))
