@@ -49,6 +49,14 @@ JOBS, PAGES = "jobs", "pages"  # the two queues
 _queues: dict[str, str] = {}  # Celery task name → queue, filled as Dash registers callbacks
 
 
+def worker_context(store, models: list[str]):
+    """The app context of a worker: page callbacks run here and check requested models against it,
+    so every ``--model`` it was given is on offer (its first is the default), not only the first."""
+    from app.context import AppContext
+
+    return AppContext(store=store, default_model=models[0], extra_models=list(models[1:]))
+
+
 def _route(name, args, kwargs, options, task=None, **kw):
     """Celery router: the queue of a background callback's task (jobs with progress, or pages)."""
     return {"queue": _queues.get(name, JOBS)}
@@ -170,11 +178,10 @@ def start_worker(*, models: list[str], concurrency: int, device: str, name: str 
     """
     from analysis.models import load_model
     from analysis.store import Store
-    from app.context import AppContext
     from app.server import create_app
 
     os.environ["HEADSCOPE_DEVICE"] = device
-    create_app(AppContext(store=Store(), default_model=models[0]))
+    create_app(worker_context(Store(), models))
     if device.startswith("cuda"):
         print(f"headscope worker: {device}: models load in each pool process on first use "
               "(CUDA cannot be forked)", file=sys.stderr)

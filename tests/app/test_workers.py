@@ -331,3 +331,13 @@ def test_worker_without_a_reachable_redis_says_what_to_do(url, expected):
     out = subprocess.run([sys.executable, "-m", "app.cli", "worker"], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and expected in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_worker_offers_every_model_it_was_given(tmp_path):
+    """Page callbacks check models on the worker: `worker --model A --model B` must accept B too."""
+    from analysis.store import Store
+    from app.workers import worker_context
+
+    context = worker_context(Store(tmp_path / "store"), ["smollm2-135m", "/models/second"])
+    assert context.default_model == "smollm2-135m"
+    assert "/models/second" in context.allowed_models()
