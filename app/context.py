@@ -117,6 +117,20 @@ def offered_model(spec: object) -> str:
                      "or list it in HEADSCOPE_MODELS.")
 
 
+def dropdown_model(spec: str, problems: list[str]) -> str:
+    """The model dropdown's value for a run made with ``spec``: ``spec`` when this server offers it;
+    else the default, with a line in ``problems`` (a run made by the CLI or another server may name a
+    model this one does not offer; putting it in the dropdown would make the next Run refused)."""
+    try:
+        return offered_model(spec)
+    except ModelError:
+        default = offered_model(None)
+        problems.append(f"This run was made with a model this server does not offer; Run uses {default}. "
+                        "To offer the run's model, start the server with `headscope serve --model SPEC` "
+                        "or list it in HEADSCOPE_MODELS.")
+        return default
+
+
 @dataclass
 class _Defaults:  # the allowlist's inputs before any app set a context (no store needed)
     default_model: str = DEFAULT_MODEL

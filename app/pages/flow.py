@@ -21,7 +21,7 @@ from app.components import (
     text_id,
     url_id,
 )
-from app.context import get_context
+from app.context import dropdown_model, get_context
 from app.errors import guarded, message
 from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
 from app.url_state import PageState, parse
@@ -174,7 +174,8 @@ def render(search):
     ])
     # The target box keeps what the link says (empty = the last token), so filling it in here does
     # not itself change the URL and re-render.
-    return (*strips, layers, faith_set, info, message(problems), run.text or no_update, run.model_name, state.target,
+    model = dropdown_model(run.model_name, problems)
+    return (*strips, layers, faith_set, info, message(problems), run.text or no_update, model, state.target,
             *controls, token_buttons(run.tokens, target))
 
 

@@ -34,3 +34,12 @@ def test_the_latest_run_is_kept_even_when_it_alone_exceeds_the_budget(tiny_model
     run = capture(tiny_model, TEXTS[0], store=store)
     context.remember(run)
     assert context.cached_keys() == [run.key]
+
+
+def test_a_run_made_with_a_model_not_on_offer_puts_the_default_in_the_dropdown_and_says_so():
+    from app.context import dropdown_model, offered_model
+
+    problems: list[str] = []
+    assert dropdown_model("smollm2-135m", problems) == "smollm2-135m" and problems == []
+    assert dropdown_model("/data/models/private-model", problems) == offered_model(None)
+    assert len(problems) == 1 and "does not offer" in problems[0] and "private-model" not in problems[0]
