@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlencode
 
 from analysis.head_summary import HEAD_METRICS
+from analysis.rollout import FUSIONS
 from app.context import offered_model
 
 _RUN_ID = re.compile(r"^[0-9a-f]{8,64}$")
@@ -25,7 +26,6 @@ CHOICES = {"method": ("pca", "umap", "tsne"), "colour": ("position", "kind", "se
            "score": SCORES, "stat": ("mean", "std"),
            "ablate": ABLATION_METHODS, "by": RANK_BY}
 AGGREGATES = ("query", "group_max", "group_mean")
-FUSIONS = ("mean", "max", "min")
 MAX_INDEX = 1_000_000
 MAX_SEARCH = 20_000  # characters of a query string (a head list is at most 2,000)
 

@@ -180,7 +180,9 @@ def token_strip_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]
     return fig, rows
 
 
-MAX_FLOW_TOKENS = limit("HEADSCOPE_MAX_FLOW_TOKENS")
+def max_flow_tokens() -> int:
+    """``HEADSCOPE_MAX_FLOW_TOKENS``, read when checked (like every limit)."""
+    return limit("HEADSCOPE_MAX_FLOW_TOKENS")
 
 
 def check_target(run: Run, target: Any) -> int:
@@ -200,9 +202,9 @@ def flow_numbers(run: Run, target: int, fusion: str = "mean", drop_sink: bool = 
     """Every Flow-page number for ``target`` (:func:`analysis.attribution.token_relevance`), memoised."""
     from analysis.attribution import token_relevance as compute
 
-    sinks = (0,) if drop_sink else ()
-    return memoised((run.key, "flow_numbers", target, fusion, drop_sink, MAX_FLOW_TOKENS),
-                    lambda: compute(run.patterns, target, fusion=fusion, drop_sinks=sinks, flow_limit=MAX_FLOW_TOKENS))
+    sinks, flow_limit = ((0,) if drop_sink else ()), max_flow_tokens()
+    return memoised((run.key, "flow_numbers", target, fusion, drop_sink, flow_limit),
+                    lambda: compute(run.patterns, target, fusion=fusion, drop_sinks=sinks, flow_limit=flow_limit))
 
 
 def token_relevance(run: Run, method: str, target: int, fusion: str = "mean", drop_sink: bool = False) -> np.ndarray:

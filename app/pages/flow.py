@@ -7,6 +7,7 @@ import dash
 from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
+from analysis.rollout import FUSIONS
 from app import figures, ids
 from app.components import (
     GRAPH_CONFIG,
@@ -25,7 +26,7 @@ from app.context import dropdown_model, get_context
 from app.errors import guarded, message
 from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
 from app.url_state import PageState, parse
-from app.views import MAX_FLOW_TOKENS, RELEVANCE_METHODS, VIEWS, check_target, flow_numbers
+from app.views import RELEVANCE_METHODS, VIEWS, check_target, flow_numbers, max_flow_tokens
 
 dash.register_page(__name__, path="/flow", name="Flow", title="headscope — rollout and flow", order=1)
 
@@ -61,14 +62,14 @@ def layout(**_query) -> html.Div:
         [
             page_location(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
-            input_bar(PREFIX, f"Text to attribute (attention flow: up to {MAX_FLOW_TOKENS} tokens)…"),
+            input_bar(PREFIX, f"Text to attribute (attention flow: up to {max_flow_tokens()} tokens)…"),
             html.Div(
                 [
                     html.Label("Target position", htmlFor=ids.FLOW_TARGET),
                     dcc.Input(id=ids.FLOW_TARGET, type="number", min=0, step=1, debounce=True,
                               placeholder="last", className="hs-number"),
                     html.Label("Head fusion", htmlFor=ids.FLOW_FUSION),
-                    dcc.Dropdown(id=ids.FLOW_FUSION, options=["mean", "max", "min"], value="mean", clearable=False,
+                    dcc.Dropdown(id=ids.FLOW_FUSION, options=list(FUSIONS), value=FUSIONS[0], clearable=False,
                                  className="hs-small-dropdown"),
                     dcc.Checklist(id=ids.FLOW_SINK, options=[{"label": " drop the sink (position 0)", "value": "sink"}],
                                   value=[], inline=True),

@@ -39,7 +39,7 @@ def start_server(args: list[str], env: dict[str, str], log_path: Path, timeout: 
                  attempts: int = 3) -> tuple[subprocess.Popen, str]:
     """Start ``headscope serve`` (``args`` without ``--port``) on a free loopback port; return (process, url).
 
-    Ready when the server logged that it listens on the port and answers there: an answer alone could
+    Ready when werkzeug logged that it runs on the port (after binding it) and it answers there: an answer alone could
     come from another engineer's or test's server that took the port between :func:`free_port` and our
     bind. If ours could not bind (the port was taken), it is started again on another port."""
     for _ in range(attempts):
@@ -51,7 +51,9 @@ def start_server(args: list[str], env: dict[str, str], log_path: Path, timeout: 
         deadline = time.time() + timeout
         while proc.poll() is None and time.time() < deadline:
             text = log_path.read_text(errors="replace")[offset:]
-            if f"127.0.0.1:{port}" in text:
+            # werkzeug logs "Running on" after it bound the port; headscope's own "serving on" line
+            # comes before the bind, so it cannot tell whether the port is ours
+            if f"Running on http://127.0.0.1:{port}" in text:
                 try:
                     urllib.request.urlopen(url, timeout=5)
                     return proc, url
@@ -74,6 +76,7 @@ def start_server(args: list[str], env: dict[str, str], log_path: Path, timeout: 
 STAND_IN = """
 import http.server, sys
 port = int(sys.argv[sys.argv.index("--port") + 1])
+print(f"headscope: serving on http://127.0.0.1:{port}", flush=True)  # like headscope: before the bind
 class Ours(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200); self.end_headers(); self.wfile.write(b"ours")

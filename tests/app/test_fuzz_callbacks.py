@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.app.test_browser import free_port
+from tests.app.test_browser import start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -73,29 +73,14 @@ def served(tmp_path_factory):
     (outside / "model" / "model.safetensors").write_text(word)
     home = tmp_path_factory.mktemp("home")
     log = home.parent / f"{home.name}-server.log"  # beside, not inside, the home it scans
-    port = free_port()
     env = {**os.environ, "HEADSCOPE_HOME": str(home), "OMP_NUM_THREADS": "1",
            "HEADSCOPE_MAX_SWEEP_TRIALS": "1", "HEADSCOPE_MAX_QK_POINTS": "64"}
     for name in ("HEADSCOPE_TOKEN", "HEADSCOPE_MODELS", "HEADSCOPE_REDIS_URL"):
         env.pop(name, None)
-    out = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], env=env, cwd=ROOT,
-                            stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.time() + 180
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                pytest.fail("server did not start: " + log.read_text())
-            time.sleep(0.5)
+    proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, log)
     yield Served(url, proc, home, log, word, canary)
     proc.terminate()
     proc.wait(timeout=30)
-    out.close()
 
 
 def components(node, found: dict) -> None:

@@ -35,7 +35,7 @@ def test_flow_limit_and_bad_targets_are_explained(run, monkeypatch):
         views.relevance_view(run, {"target": run.n_tokens, "method": "rollout"})
     with pytest.raises(InputError, match="Unknown relevance method"):
         views.relevance_view(run, {"target": 1, "method": "magic"})
-    monkeypatch.setattr(views, "MAX_FLOW_TOKENS", 4)
+    monkeypatch.setenv("HEADSCOPE_MAX_FLOW_TOKENS", "4")
     with pytest.raises(InputError, match="limited to 4 tokens"):
         views.token_relevance(run, "flow", 2, "max", False)
 
