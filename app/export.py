@@ -35,6 +35,7 @@ import plotly.io as pio
 from analysis.capture import InputError, Run, capture
 from analysis.models import load_model
 from analysis.store import Store
+from app.manifest_schema import ManifestError, read_manifest_file
 from app.views import VIEWS, Rows
 
 IMAGE_FORMATS = ("png", "svg", "pdf")
@@ -219,19 +220,12 @@ def write_files(run: Run | None, view: str, params: dict[str, Any], out: Path, f
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    """Parse and validate a manifest file, with a clear message for anything wrong."""
+    """Parse and validate a manifest file (:func:`app.manifest_schema.read_manifest_file`, the one
+    schema the CLI uses too); a problem is an ``InputError`` naming the file and the field."""
     try:
-        man = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise InputError(f"Cannot read manifest {path}: {e.strerror}.") from None
-    except ValueError:
-        raise InputError(f"{path} is not valid JSON; pass the manifest.json from an export.") from None
-    missing = [k for k in ("view", "params", "model", "token_ids", "settings") if k not in man] if isinstance(man, dict) else ["all"]
-    if missing:
-        raise InputError(f"{path} is not a headscope manifest (missing {', '.join(missing)}).")
-    if man["view"] not in VIEWS:
-        raise InputError(f"The manifest names an unknown view {man['view']!r}.")
-    return man
+        return read_manifest_file(path)
+    except ManifestError as e:
+        raise InputError(str(e)) from None
 
 
 def regenerate(man: dict[str, Any], store: Store | None = None) -> tuple[Run | None, go.Figure, Rows]:
