@@ -75,13 +75,14 @@ def layout(**_query) -> html.Div:
                                 ],
                                 className="hs-metric",
                             ),
-                            dcc.Graph(id=ids.GRID, figure=EMPTY, config=GRAPH_CONFIG),
+                            _busy(dcc.Graph(id=ids.GRID, figure=EMPTY, config=GRAPH_CONFIG)),
                             export_bar(PREFIX, "head_grid"),
                         ],
                         className="hs-panel hs-grid-panel",
                     ),
                     html.Div(
-                        [dcc.Graph(id=ids.HEATMAP, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, "attention")],
+                        [_busy(dcc.Graph(id=ids.HEATMAP, figure=EMPTY, config=GRAPH_CONFIG)),
+                         export_bar(PREFIX, "attention")],
                         className="hs-panel hs-heatmap-panel",
                     ),
                 ],
@@ -91,15 +92,23 @@ def layout(**_query) -> html.Div:
                 [
                     html.P("Hover a token (or click a heatmap row) to see where the selected head attends from it.",
                            className="hs-hint"),
-                    dcc.Graph(id=ids.STRIP, figure=EMPTY, config=GRAPH_CONFIG, clear_on_unhover=False),
+                    _busy(dcc.Graph(id=ids.STRIP, figure=EMPTY, config=GRAPH_CONFIG, clear_on_unhover=False)),
                     export_bar(PREFIX, "token_strip"),
                 ],
                 className="hs-panel",
             ),
-            html.Div([dcc.Graph(id=ids.SINKS, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, "sink_map")],
+            html.Div([_busy(dcc.Graph(id=ids.SINKS, figure=EMPTY, config=GRAPH_CONFIG)), export_bar(PREFIX, "sink_map")],
                      className="hs-panel"),
         ]
     )
+
+
+def _busy(graph: dcc.Graph) -> dcc.Loading:
+    """A graph that shows a spinner (over its dimmed figure) while the server redraws it for more
+    than a moment: a head click, a metric change, an exact-region zoom. Hover repaints in the
+    browser within a frame, so it never shows one."""
+    return dcc.Loading(graph, target_components={graph.id: "figure"}, delay_show=400, type="circle",
+                       overlay_style={"visibility": "visible", "opacity": 0.5})
 
 
 def _after_run(old: PageState, model, run) -> PageState:

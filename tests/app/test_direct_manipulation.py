@@ -137,9 +137,8 @@ def test_hovering_tokens_and_heatmap_rows_repaints_the_strip_in_the_browser(serv
     url, proc, _ = server
     run_prompt(page, url, PROMPT)
     wait_for_run(page)
-    strip = figure(page, "hs-strip")
-    n = strip["layout"]["meta"]["n"]
-    per_row = strip["layout"]["meta"]["per_row"]
+    n = len(figure(page, "hs-heatmap")["data"][0]["y"])
+    per_row = 16  # figures.token_strip's default
     requests = []
     page.on("request", lambda r: requests.append(r.url) if "_dash-update-component" in r.url else None)
     hover_cell(page, "hs-strip", col=3, row=0, n_cols=per_row, n_rows=-(-n // per_row))
@@ -230,9 +229,30 @@ def test_a_job_whose_process_is_killed_says_so_and_run_comes_back(server, page):
 def test_umap_and_tsne_from_the_served_app_finish_and_the_dropdown_says_which(server, page, method, label):
     url, proc, home = server
     page.goto(url + f"qk?layer=3&head=1&sentences=8&method={method}")
-    page.wait_for_function("document.querySelectorAll('#hs-qk-scatter .scatterlayer .point').length > 20",
-                           timeout=240_000)
+    page.wait_for_function("(document.querySelector('#hs-qk-status')?.innerText || '') === 'ready'", timeout=300_000)
+    wait_title(page, "hs-qk-scatter", f"({label},")
+    points = page.evaluate("document.querySelector('#hs-qk-scatter .js-plotly-plot')._fullData[0]._length")
+    assert points > 20  # the queries are drawn
     assert label in page.locator("#hs-qk-method").inner_text()
     assert error_text(page) == ""
     assert "fork() called from a process already using GNU OpenMP" not in (home / "server.log").read_text()
     assert proc.poll() is None
+
+
+def test_cancel_stops_a_running_text_without_an_error(server, page):
+    url, proc, _ = server
+    page.goto(url)
+    page.fill("#attn-hs-text", long_text(1400) + " cancelled")
+    page.click("#attn-hs-run")
+    page.wait_for_function("!document.querySelector('#attn-hs-cancel').disabled", timeout=10_000)
+    assert page.locator("#attn-hs-run").is_disabled()
+    deadline = time.time() + 30
+    while not job_children(proc) and time.time() < deadline:
+        time.sleep(0.1)
+    page.click("#attn-hs-cancel")
+    page.wait_for_function("!document.querySelector('#attn-hs-run').disabled", timeout=10_000)
+    time.sleep(3)  # a cancelled job is not reported as one that died
+    assert error_text(page) == ""
+    assert job_children(proc) == []
+    assert "tokens" not in page.locator("#hs-run-info").inner_text()
+
