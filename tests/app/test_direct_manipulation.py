@@ -233,6 +233,10 @@ def test_umap_and_tsne_from_the_served_app_finish_and_the_dropdown_says_which(se
     wait_title(page, "hs-qk-scatter", f"({label},")
     points = page.evaluate("document.querySelector('#hs-qk-scatter .js-plotly-plot')._fullData[0]._length")
     assert points > 20  # the queries are drawn
+    legend = page.locator("#hs-qk-scatter .legendtext").all_text_contents()
+    assert legend[:2] == ["queries", "keys"]
+    title, first = (page.locator(f"#hs-qk-scatter {s}").first.bounding_box() for s in (".gtitle", ".legend"))
+    assert first["y"] >= title["y"] + title["height"]  # the legend no longer covers the title
     assert label in page.locator("#hs-qk-method").inner_text()
     assert error_text(page) == ""
     assert "fork() called from a process already using GNU OpenMP" not in (home / "server.log").read_text()
