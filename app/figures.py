@@ -99,10 +99,12 @@ def attention_heatmap(pattern: np.ndarray, tokens: Sequence[str], layer: int, he
     pattern = np.asarray(pattern, dtype=float)
     n = pattern.shape[0]
     labels = token_labels(tokens)
-    z = np.where(np.tril(np.ones((n, n), dtype=bool)), pattern, np.nan)
+    # float32 with NaN above the diagonal (blank): plotly sends it as one base64 block, which is many
+    # times faster to build, send and parse than nested lists (2.9 MB, ~2 s at 480 tokens)
+    z = np.where(np.tril(np.ones((n, n), dtype=bool)), pattern, np.nan).astype(np.float32)
     fig = go.Figure(
         go.Heatmap(
-            z=np.where(np.isfinite(z), z, None).tolist(),
+            z=z,
             x=labels,
             y=labels,
             colorscale=ATTENTION_SCALE,

@@ -1,5 +1,26 @@
 /* headscope: the Attention page's token strip follows the hovered token or heatmap row in the
    browser, from the heatmap already on the page (no server round trip). Served locally by Dash. */
+(function () {
+const DTYPES = {f4: Float32Array, f8: Float64Array, f2: null};
+const decoded = new WeakMap();
+
+/* Row ``q`` of a heatmap's z: nested lists, or plotly's base64 block {dtype, bdata, shape} (how a
+   numpy array arrives); the decoded block is kept per figure, so a hover decodes nothing. */
+function zRow(z, q) {
+  if (Array.isArray(z)) { return z[q]; }
+  let block = decoded.get(z);
+  if (!block) {
+    const Typed = DTYPES[z.dtype];
+    if (!Typed || typeof z.bdata !== "string") { return null; }
+    const bytes = Uint8Array.from(atob(z.bdata), ch => ch.charCodeAt(0));
+    const cols = parseInt(String(z.shape).split(",")[1], 10);
+    block = {values: new Typed(bytes.buffer), cols: cols};
+    decoded.set(z, block);
+  }
+  const row = block.values.subarray(q * block.cols, (q + 1) * block.cols);
+  return Array.from(row, v => (Number.isNaN(v) ? null : v));
+}
+
 window.dash_clientside = Object.assign({}, window.dash_clientside, {
   headscope: Object.assign({}, (window.dash_clientside || {}).headscope, {
     followQuery: function (stripHover, heatHover, heatClick, heat, strip) {
@@ -16,7 +37,8 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
       const query = fromStrip ? Number(point.y) * meta.per_row + Number(point.x)
         : parseInt(String(point.y).split(" ", 1)[0], 10);
       if (!Number.isInteger(query) || query < 0 || query >= meta.n || query === meta.query) { return skip; }
-      const row = heat.data[0].z[query];
+      const row = zRow(heat.data[0].z, query);
+      if (!row) { return skip; }
       const per = meta.per_row;
       const old = strip.data[0];
       const z = old.z.map(r => r.slice());
@@ -45,3 +67,4 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
     },
   }),
 });
+})();

@@ -42,6 +42,7 @@ EMPTY = empty_figure()
 CANCEL = f"{PREFIX}-hs-cancel"
 PROGRESS = f"{PREFIX}-hs-progress"
 STATUS = f"{PREFIX}-hs-status"
+SINKS_RUN = f"{PREFIX}-hs-sinks-run"  # the run the sink map shows: a head click does not redraw it
 
 
 def layout(**_query) -> html.Div:
@@ -49,6 +50,7 @@ def layout(**_query) -> html.Div:
         [
             page_location(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
+            dcc.Store(id=SINKS_RUN),
             input_bar(PREFIX),
             html.Div(
                 [
@@ -168,23 +170,26 @@ def _with(search: str | None, **changes) -> str:
     Output(model_id(PREFIX), "value"),
     Output(ids.METRIC, "value"),
     Output(query_store_id(PREFIX), "data"),
+    Output(SINKS_RUN, "data"),
     Input(url_id(PREFIX), "search"),
+    State(SINKS_RUN, "data"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=10, error_index=5)
-def render(search):
+@guarded(outputs=11, error_index=5)
+def render(search, sinks_run=None):
     state = parse(search)
     problems = list(state.problems)
     context = get_context()
     if state.model and state.run is None:
         load_model(state.model)  # a model named on its own: check it loads, so a bad link says so
     if state.run is None:
-        return EMPTY, EMPTY, EMPTY, EMPTY, "", message(problems), no_update, state.model or no_update, state.metric, None
+        return (EMPTY, EMPTY, EMPTY, EMPTY, "", message(problems), no_update, state.model or no_update, state.metric,
+                None, None)
     run = context.run(state.run)
     if run is None:
         problems.append(f"No stored run has the id {state.run!r}. Run the text again to recompute it.")
-        return EMPTY, EMPTY, EMPTY, EMPTY, "", message(problems), no_update, no_update, state.metric, None
+        return EMPTY, EMPTY, EMPTY, EMPTY, "", message(problems), no_update, no_update, state.metric, None, None
     long_run = isinstance(run, StatsRun)
     n_layers, n_heads = (run.n_layers, run.n_heads) if long_run else run.patterns.shape[:2]
     if long_run and state.metric not in STATS_METRICS:
@@ -207,7 +212,8 @@ def render(search):
     except InputError as e:  # a bad region in the link: say so, keep the rest of the page
         problems.append(str(e))
         strip = EMPTY
-    sinks, _ = VIEWS["sink_map"].build(run, params)
+    # the sink map depends on the run only: drawn once per run (0.5 s and 0.9 MB at 500 tokens)
+    sinks = no_update if sinks_run == run.key else VIEWS["sink_map"].build(run, params)[0]
     loss = np.nanmean(run.token_loss) if run.n_tokens > 1 else float("nan")
     info = html.Div(
         [
@@ -223,7 +229,7 @@ def render(search):
         ]
     )
     return (grid, heat, strip, sinks, info, message(problems), run.text or no_update, run.model_name, state.metric,
-            query)
+            query, run.key)
 
 
 @callback(
