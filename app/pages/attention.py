@@ -144,6 +144,11 @@ def run_text(set_progress, n_clicks, text, model_spec, search):
     in_job()
     set_progress(("0", "100", "Running the model…"))
     context = get_context()
+    offered = [o["value"] for o in context.model_options()]  # the allowlist, never a path from the request
+    if model_spec not in (None, "") and model_spec not in offered:
+        shown = model_spec[:60] if isinstance(model_spec, str) else type(model_spec).__name__
+        raise InputError(f"Cannot load model {shown!r}: it is not offered by this server; choose one of "
+                         f"{', '.join(offered)}.")
     model = load_model(model_spec or context.default_model)
     run = capture_for_page(model, text or "", context.store, context.max_tokens,
                            progress=progress_reporter(set_progress, "Running the model"))
