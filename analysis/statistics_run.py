@@ -343,10 +343,12 @@ def load_stats_run(store: Store, key: str) -> StatsRun | None:
     )
 
 
-def capture_for_page(model: LoadedModel, text: str, store: Store | None, max_tokens: int) -> Any:
+def capture_for_page(model: LoadedModel, text: str, store: Store | None, max_tokens: int,
+                     progress: Callable[[float], None] | None = None) -> Any:
     """What the Attention page runs: full patterns (:func:`analysis.capture.capture`) up to
     ``max_tokens`` tokens on CPU, a statistics run above that (up to ``HEADSCOPE_MAX_STATS_TOKENS``
-    and the model's context), and a statistics run at any length on CUDA, where it is the default."""
+    and the model's context), and a statistics run at any length on CUDA, where it is the default.
+    ``progress(fraction)`` is called as layers finish."""
     from analysis.capture import capture, tokenize_input
     from analysis.limits import limit
 
@@ -355,8 +357,8 @@ def capture_for_page(model: LoadedModel, text: str, store: Store | None, max_tok
                          limited=f"runs (statistics mode above {max_tokens:,} tokens; the model's context is "
                                  f"{model.n_ctx:,}) are limited to")
     if statistics_supported(model) and (len(ids) > max_tokens or str(model.device).startswith("cuda")):
-        return capture_statistics(model, text, store=store, max_tokens=long_limit)
-    return capture(model, text, store=store, max_tokens=max_tokens)
+        return capture_statistics(model, text, store=store, max_tokens=long_limit, progress=progress)
+    return capture(model, text, store=store, max_tokens=max_tokens, progress=progress)
 
 
 # --- scores from statistics -----------------------------------------------------------------------

@@ -24,9 +24,26 @@ def safe_text(token: str) -> str:
     return html.escape(token, quote=False)
 
 
+_WHITESPACE_NAMES = {"·": "space", "↵": "newline", "⇥": "tab", "␍": "return"}
+
+
+def shown_token(token: str) -> str:
+    """A token as a reader can tell it apart: a token of only whitespace (shown as ``·`` ``↵`` ``⇥``
+    by :func:`analysis.models.display_token`) also says what it is, e.g. ``·· 2 spaces``, since a
+    bare ``·`` is easy to miss in a grid of words."""
+    if not token or any(c not in _WHITESPACE_NAMES for c in token):
+        return token
+    kinds = [_WHITESPACE_NAMES[c] for c in token]
+    if len(set(kinds)) == 1:
+        name = kinds[0] if len(kinds) == 1 else f"{len(kinds)} {kinds[0]}s"
+    else:
+        name = "whitespace"
+    return f"{token} ({name})"
+
+
 def token_labels(tokens: Sequence[str]) -> list[str]:
     """Unique axis labels ``"pos token"`` (tokens repeat; positions keep categories apart)."""
-    return [f"{i} {safe_text(t)}" for i, t in enumerate(tokens)]
+    return [f"{i} {safe_text(shown_token(t))}" for i, t in enumerate(tokens)]
 
 
 def _layout(fig: go.Figure, title: str, height: int | None = None) -> go.Figure:
@@ -83,10 +100,12 @@ def attention_heatmap(pattern: np.ndarray, tokens: Sequence[str], layer: int, he
     pattern = np.asarray(pattern, dtype=float)
     n = pattern.shape[0]
     labels = token_labels(tokens)
-    z = np.where(np.tril(np.ones((n, n), dtype=bool)), pattern, np.nan)
+    # float32 with NaN above the diagonal (blank): plotly sends it as one base64 block, which is many
+    # times faster to build, send and parse than nested lists (2.9 MB, ~2 s at 480 tokens)
+    z = np.where(np.tril(np.ones((n, n), dtype=bool)), pattern, np.nan).astype(np.float32)
     fig = go.Figure(
         go.Heatmap(
-            z=np.where(np.isfinite(z), z, None).tolist(),
+            z=z,
             x=labels,
             y=labels,
             colorscale=ATTENTION_SCALE,
@@ -97,9 +116,15 @@ def attention_heatmap(pattern: np.ndarray, tokens: Sequence[str], layer: int, he
         )
     )
     show_ticks = n <= 80
-    fig.update_xaxes(title="key", showticklabels=show_ticks, tickangle=-60, type="category")
-    fig.update_yaxes(title="query", showticklabels=show_ticks, autorange="reversed", type="category")
-    return _layout(fig, f"Attention of layer {layer}, head {head}", height=max(420, min(900, 12 * n + 200)))
+    tick_font = {"size": 11 if n <= 40 else 9}
+    # dtick=1: every token labelled (plotly otherwise drops every other category label when crowded)
+    fig.update_xaxes(title="key", showticklabels=show_ticks, tickangle=-60, type="category", dtick=1,
+                     tickfont=tick_font)
+    fig.update_yaxes(title="query", showticklabels=show_ticks, autorange="reversed", type="category", dtick=1,
+                     tickfont=tick_font)
+    fig = _layout(fig, f"Attention of layer {layer}, head {head}", height=max(420, min(1100, 14 * n + 220)))
+    fig.update_layout(meta={"layer": layer, "head": head, "n": n})  # read by assets/attention.js
+    return fig
 
 
 def pooled_attention_map(pooled: np.ndarray, block: int, n: int, layer: int, head: int) -> go.Figure:
@@ -124,36 +149,56 @@ def pooled_attention_map(pooled: np.ndarray, block: int, n: int, layer: int, hea
     )
     fig.update_xaxes(title="key position", range=[-0.5 * block, n - 0.5 * block])
     fig.update_yaxes(title="query position", autorange="reversed")
-    title = (f"Layer {layer}, head {head}: mean attention per {block}×{block} block of {n:,} tokens — "
-             "drag a box to see exact values")
-    fig = _layout(fig, title, height=620)
+    title = (f"Layer {layer}, head {head}: mean attention per {block}×{block} block of {n:,} tokens<br>"
+             "<sup>drag a box to see exact values below</sup>")
+    fig = _layout(fig, title, height=640)
+    fig.update_layout(margin={"t": 90}, title={"y": 0.97, "yanchor": "top"})  # the modebar sits above, right
     fig.update_layout(uirevision=f"pooled-{n}-{layer}-{head}")  # a re-render keeps the user's zoom
     return fig
 
 
+def _log_colour(values: np.ndarray, visible: np.ndarray) -> tuple[np.ndarray, dict]:
+    """``log10`` of the visible positive values (floored at their 1st percentile) and a colour bar
+    labelled in weights (1e-3, 0.01, …): attention spans decades, and a linear scale shows only its
+    largest cell (the sink)."""
+    positive = values[visible & (values > 0)]
+    floor = float(np.quantile(positive, 0.01)) if positive.size else 1e-6
+    z = np.where(visible & np.isfinite(values), np.log10(np.maximum(values, floor)), np.nan)
+    lo, hi = (np.nanmin(z), np.nanmax(z)) if np.isfinite(z).any() else (-6.0, 0.0)
+    decades = list(range(int(np.floor(lo)), int(np.ceil(hi)) + 1))
+    bar = {"tickvals": decades, "ticktext": [f"{10.0 ** d:g}" for d in decades], "thickness": 12}
+    return z, bar
+
+
 def attention_region(values: np.ndarray, q0: int, k0: int, tokens: Sequence[str], layer: int, head: int) -> go.Figure:
-    """Exact attention of a region ``[q0:q0+rows, k0:k0+cols]`` of one head (future keys blank)."""
+    """Exact attention of a region ``[q0:q0+rows, k0:k0+cols]`` of one head (future keys blank).
+    Log colour scale; tokens on the axes up to 60 of them, and in the hover always."""
     values = np.asarray(values, dtype=float)
     rows, cols = values.shape
     qs, ks = np.arange(q0, q0 + rows), np.arange(k0, k0 + cols)
-    z = np.where(ks[None, :] <= qs[:, None], values, np.nan)
+    visible = ks[None, :] <= qs[:, None]
+    z, bar = _log_colour(values, visible)
     labels = token_labels(tokens)
+    custom = np.stack([np.broadcast_to(np.asarray([labels[q] for q in qs], dtype=object)[:, None], (rows, cols)),
+                       np.broadcast_to(np.asarray([labels[k] for k in ks], dtype=object)[None, :], (rows, cols)),
+                       np.where(visible, values, np.nan)], axis=-1)
     fig = go.Figure(
         go.Heatmap(
             z=np.where(np.isfinite(z), z, None).tolist(), x=ks.tolist(), y=qs.tolist(),
-            colorscale=ATTENTION_SCALE, zmin=0.0,
-            colorbar={"title": {"text": "weight", "side": "right"}, "thickness": 12},
-            hovertemplate="query %{y}<br>key %{x}<br>weight %{z:.4f}<extra></extra>",
+            colorscale=ATTENTION_SCALE, customdata=custom.tolist(),
+            colorbar={**bar, "title": {"text": "weight (log)", "side": "right"}},
+            hovertemplate="query %{customdata[0]}<br>key %{customdata[1]}<br>weight %{customdata[2]:.4g}"
+                          "<extra></extra>",
         )
     )
     if cols <= 60:
         fig.update_xaxes(tickvals=ks.tolist(), ticktext=[labels[k] for k in ks], tickangle=-60)
     if rows <= 60:
         fig.update_yaxes(tickvals=qs.tolist(), ticktext=[labels[q] for q in qs])
-    fig.update_xaxes(title="key position")
-    fig.update_yaxes(title="query position", autorange="reversed")
+    fig.update_xaxes(title="key position", showticklabels=True)
+    fig.update_yaxes(title="query position", autorange="reversed", showticklabels=True)
     title = (f"Exact attention of layer {layer}, head {head}: queries {q0}–{q0 + rows - 1}, "
-             f"keys {k0}–{k0 + cols - 1} (recomputed through the kernel)")
+             f"keys {k0}–{k0 + cols - 1} (recomputed through the kernel; log colour)")
     return _layout(fig, title, height=max(420, min(800, 8 * rows + 220)))
 
 
@@ -187,7 +232,7 @@ def token_strip(
     pos = np.full((rows, per_row), -1)
     for i, tok in enumerate(tokens):
         r, c = divmod(i, per_row)
-        text[r, c] = safe_text(tok)
+        text[r, c] = safe_text(shown_token(tok))
         pos[r, c] = i
         if weights is not None:
             z[r, c] = weights[i]
@@ -219,7 +264,9 @@ def token_strip(
                       line={"color": "#e4572e", "width": 2})
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False, autorange="reversed")
-    return _layout(fig, title, height=max(140, 34 * rows + 80))
+    fig = _layout(fig, title, height=max(140, 34 * rows + 80))
+    fig.update_layout(meta={"per_row": per_row, "n": n, "query": query})  # read by assets/attention.js
+    return fig
 
 
 def token_strip_position(point: Any, per_row: int = 16) -> int | None:
@@ -237,10 +284,16 @@ def token_strip_position(point: Any, per_row: int = 16) -> int | None:
 
 
 def layer_position_heatmap(values: np.ndarray, tokens: Sequence[str], title: str,
-                           value_label: str = "relevance") -> go.Figure:
-    """``[layer, position]`` values (e.g. cumulative rollout to one token after each layer)."""
+                           value_label: str = "relevance", log: bool = False) -> go.Figure:
+    """``[layer, position]`` values (e.g. cumulative rollout to one token after each layer).
+
+    ``log``: colour by ``log10`` (for values spanning decades, like attention received, where
+    position 0 would otherwise leave the rest of the map blank), with the x axis numbered by position
+    above 80 tokens (the token is in the hover) and naming every token up to 80."""
     values = np.asarray(values, dtype=float)
     labels = token_labels(tokens)
+    if log:
+        return _log_position_heatmap(values, labels, title, value_label)
     fig = go.Figure(
         go.Heatmap(
             z=values.tolist(),
@@ -254,6 +307,27 @@ def layer_position_heatmap(values: np.ndarray, tokens: Sequence[str], title: str
     fig.update_xaxes(title="input token", type="category", tickangle=-60, showticklabels=len(tokens) <= 80)
     fig.update_yaxes(title="layer", autorange="reversed")
     return _layout(fig, title, height=max(380, 14 * values.shape[0] + 160))
+
+
+def _log_position_heatmap(values: np.ndarray, labels: list[str], title: str, value_label: str) -> go.Figure:
+    n_rows, n = values.shape
+    z, bar = _log_colour(values, np.isfinite(values))
+    custom = np.stack([np.broadcast_to(np.asarray(labels[:n], dtype=object)[None, :], values.shape),
+                       np.where(np.isfinite(values), values, np.nan)], axis=-1)
+    fig = go.Figure(
+        go.Heatmap(
+            z=np.where(np.isfinite(z), z, None).tolist(), x=list(range(n)), y=list(range(n_rows)),
+            customdata=custom.tolist(), colorscale=ATTENTION_SCALE,
+            colorbar={**bar, "title": {"text": f"{value_label} (log)", "side": "right"}},
+            hovertemplate="layer %{y}<br>token %{customdata[0]}<br>" + value_label
+                          + " %{customdata[1]:.4g}<extra></extra>",
+        )
+    )
+    if n <= 80:
+        fig.update_xaxes(tickvals=list(range(n)), ticktext=labels[:n], tickangle=-60)
+    fig.update_xaxes(title="input token" if n <= 80 else "input token position", showticklabels=True)
+    fig.update_yaxes(title="layer", autorange="reversed")
+    return _layout(fig, title, height=max(380, 14 * n_rows + 160))
 
 
 def score_histogram(scores: np.ndarray, label: str, threshold: float | None = None) -> go.Figure:

@@ -11,6 +11,9 @@ callbacks run on Celery workers started with ``headscope worker``, and the web p
 model: every callback that loads a model or reads analysis results is a background callback then
 (:func:`on_workers`), so it runs on a worker too.
 
+Forked children must run numba on its fork-safe ``workqueue`` threading layer (set here, before
+numba is imported), and a job whose process dies says so on its page (:func:`_watched_manager`).
+
 Forked children must run torch single-threaded: PyTorch's CPU thread pool does not survive a fork
 (a child that uses more than one intra-op thread hangs). :func:`in_job` does that first.
 """
@@ -28,6 +31,13 @@ import diskcache
 from diskcache.core import MODE_BINARY, MODE_RAW, MODE_TEXT
 
 log = logging.getLogger(__name__)
+
+# numba's default threading layer here is GNU OpenMP, which does not survive fork(): once the server
+# has run a numba-parallel kernel (the UMAP warm-up), a forked job that runs one is killed ("fork()
+# called from a process already using GNU OpenMP, this is unsafe"). The workqueue layer is
+# fork-safe. Set before numba is first imported (UMAP imports it lazily); a value already in the
+# environment wins.
+os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
 _manager = None
 
@@ -118,8 +128,78 @@ def background_manager():
         from analysis.paths import home
 
         cache = job_cache(home() / "jobs")
-        _manager = DiskcacheManager(cache, expire=24 * 3600)
+        _manager = _watched_manager(DiskcacheManager)(cache, expire=24 * 3600)
     return _manager
+
+
+def job_stopped_message(exitcode: int | None) -> str:
+    """What the page says when a background job's process ended without a result."""
+    if exitcode is not None and exitcode < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        why = {"SIGKILL": "killed (out of memory, or stopped from outside)",
+               "SIGSEGV": "crashed (segmentation fault)", "SIGABRT": "aborted (a library gave up)",
+               "SIGTERM": "terminated from outside"}.get(name, f"stopped by {name}")
+        return f"The job stopped: its process was {why} ({name}) before it finished. Run it again; " \
+               "if it keeps stopping, try a shorter text or fewer sentences."
+    code = "" if exitcode is None else f" (exit code {exitcode})"
+    return f"The job stopped: its process ended without a result{code}. Run it again; if it keeps " \
+           "stopping, see the server log."
+
+
+def _watched_manager(base):
+    """``base`` (Dash's ``DiskcacheManager``) that notices a job whose process died.
+
+    Dash polls a background job by asking for its result and whether its process still runs; a
+    process that died without a result (a signal, the out-of-memory killer, a crash in a library)
+    reads as "cancelled", and the page would wait in silence. Here the job's process object is kept
+    (the server forked it, so its exit code is known), and a dead job without a result answers
+    with Dash's background-callback error, which the page shows in its banner (and Run comes back).
+    A job the user cancelled is not reported.
+    """
+
+    class WatchedDiskcacheManager(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._processes: dict[int, Any] = {}
+            self._cancelled: set[int] = set()
+
+        def call_job_fn(self, key, job_fn, args, context):
+            from multiprocess import Process
+
+            process = Process(target=job_fn, args=(key, self._make_progress_key(key), args, context))
+            process.start()
+            self._cancelled.discard(process.pid)  # a pid can be reused by a later job
+            self._processes[process.pid] = process
+            return process.pid
+
+        def terminate_job(self, job):
+            if job is not None:
+                self._cancelled.add(int(job))
+                self._processes.pop(int(job), None)
+            return super().terminate_job(job)
+
+        def get_result(self, key, job):
+            result = super().get_result(key, job)
+            if result is not self.UNDEFINED or job is None:
+                return result
+            pid = int(job)
+            process = self._processes.get(pid)
+            if pid in self._cancelled or process is None or process.is_alive():
+                return result
+            result = super().get_result(key, job)  # it may have written its result just before it ended
+            if result is not self.UNDEFINED:
+                return result
+            self._processes.pop(pid, None)
+            text = job_stopped_message(process.exitcode)
+            log.error("background job %s: %s", pid, text)
+            return {"background_callback_error": {"msg": text, "tb": ""}}
+
+    return WatchedDiskcacheManager
 
 
 def job_cache(folder) -> diskcache.Cache:

@@ -128,9 +128,10 @@ def qk_scatter_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]
     else:
         values = np.asarray(table[colour], dtype=float)
     fig = go.Figure()
-    for kind, sl, symbol in (("query", slice(0, n), "circle"), ("key", slice(n, 2 * n), "diamond")):
+    for kind, plural, sl, symbol in (("query", "queries", slice(0, n), "circle"),
+                                     ("key", "keys", slice(n, 2 * n), "diamond")):
         fig.add_trace(go.Scattergl(
-            x=xy[sl, 0], y=xy[sl, 1], mode="markers", name=f"{kind}s",
+            x=xy[sl, 0], y=xy[sl, 1], mode="markers", name=plural,
             marker={"symbol": symbol, "size": 6, "opacity": 0.75, "color": values[sl], "colorscale": "Viridis",
                     "showscale": kind == "query", "colorbar": {"title": {"text": colour}, "thickness": 12}},
             customdata=np.stack([np.arange(n), np.asarray(table["position"][sl]),
@@ -168,7 +169,8 @@ def qk_scatter_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]
              f"({METHODS[method]}, {n} tokens)" + (f" — '{find}' found {found} times" if find else ""))
     title = figures.safe_text(title)
     figures._layout(fig, title, height=620)
-    fig.update_layout(legend={"orientation": "h", "x": 0, "y": 1.0, "yanchor": "bottom", "xanchor": "left"})
+    # below the plot: above it, the legend covered the title
+    fig.update_layout(legend={"orientation": "h", "x": 0, "y": -0.08, "yanchor": "top", "xanchor": "left"})
     rows = [{"kind": k, "token_index": i, "token": t, "position": p, "sentence": s, "x": float(x), "y": float(y)}
             for k, i, t, p, s, (x, y) in zip(table["kind"], table["token_index"], table["token"], table["position"],
                                               table["sentence"], xy, strict=True)]

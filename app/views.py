@@ -366,7 +366,8 @@ def sink_map_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
         title = (f"Attention received per key, mean over heads — positions 0–{checked - 1} checked "
                  f"({SINK_MIN_LATER}+ later tokens): position 0 is a sink for {int(counts[0])} heads; "
                  f"mid-sequence sinks: {mid or 'none'}")
-    fig = figures.layer_position_heatmap(per_layer, run.tokens, figures.safe_text(title), "received attention")
+    fig = figures.layer_position_heatmap(per_layer, run.tokens, figures.safe_text(title), "received attention",
+                                        log=True)
     rows: Rows = [{"layer": la, "pos": j, "token": run.tokens[j], "mean_received": float(per_layer[la, j])}
                   for la in range(per_layer.shape[0]) for j in range(per_layer.shape[1])]
     rows += [{"sink_pos": p, "token": run.tokens[p], "heads_flagging": int(counts[p])} for p in positions]

@@ -5,7 +5,11 @@ each size types a fresh text (never cached) and measures click → grid drawn �
 The baseline, measured in the same run on the same texts, is `capture` alone in this process (the
 forward pass the page cannot avoid); the ratio shows what the page adds on top.
 
-    .venv/bin/python bench/page.py [--sizes 32,128,512]
+Then, on the warm largest run: hover a token → strip repainted (client-side, no server round trip),
+and click a head in the grid → its heatmap drawn (a server round trip), each timed in the page from
+the event to plotly's ``plotly_afterplot``; targets p95 ≤ 100 ms and ≤ 300 ms.
+
+    .venv/bin/python bench/page.py [--sizes 32,128,512] [--interactions 40]
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="32,128,512")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--interactions", type=int, default=40)
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -92,10 +97,57 @@ def main() -> None:
                 med, med_bare = times[len(times) // 2], bare[len(bare) // 2]
                 print(f"{size:>6} | {med:>21.2f} | {times[0]:>5.2f} | {times[-1]:>5.2f} | {med_bare:>15.2f} | "
                       f"{med / med_bare:>5.2f}", flush=True)
+            interactions(page, size, args.interactions)
             browser.close()
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def interactions(page, n_tokens: int, count: int) -> None:
+    """Hover → strip and click → heatmap latencies on the run the page shows (ms, in the page)."""
+    page.evaluate("""() => { window.afterplot = {};
+        for (const g of ['hs-strip', 'hs-heatmap']) {
+            const el = document.querySelector(`#${g} .js-plotly-plot`);
+            el.on('plotly_afterplot', () => { window.afterplot[g] = performance.now(); }); } }""")
+
+    def timed(graph: str, act, title: str) -> float:
+        page.evaluate("g => { window.afterplot[g] = null; window.t0 = performance.now(); }", graph)
+        act()
+        page.wait_for_function(
+            "([g, t]) => window.afterplot[g] && (document.querySelector(`#${g} .gtitle`)?.textContent || '').includes(t)",
+            arg=[graph, title], timeout=60_000)
+        return page.evaluate("g => window.afterplot[g] - window.t0", graph)
+
+    strip = page.evaluate("() => document.querySelector('#hs-strip .js-plotly-plot').layout.meta")
+    per_row, n = strip["per_row"], strip["n"]
+    rows = -(-n // per_row)
+    page.locator("#hs-strip").scroll_into_view_if_needed()
+    box = page.locator("#hs-strip .nsewdrag").first.bounding_box()
+    hover = []
+    for i in range(count):
+        pos = (37 * i + 5) % n
+        r, c = divmod(pos, per_row)
+        x, y = box["x"] + box["width"] * (c + 0.5) / per_row, box["y"] + box["height"] * (r + 0.5) / rows
+        hover.append(timed("hs-strip", lambda x=x, y=y: page.mouse.move(x, y), f"Attention from token {pos} "))
+    clicks = []
+    for i in range(max(5, count // 4)):
+        layer, head = (i * 7) % 30, (i * 5 + 1) % 9
+        page.locator("#hs-grid").scroll_into_view_if_needed()
+        grid = page.locator("#hs-grid .nsewdrag").first.bounding_box()
+        x, y = grid["x"] + grid["width"] * (head + 0.5) / 9, grid["y"] + grid["height"] * (layer + 0.5) / 30
+        clicks.append(timed("hs-heatmap", lambda x=x, y=y: page.mouse.click(x, y), f"layer {layer}, head {head}"))
+    print()
+    print(f"{'interaction':>24} | {'tokens':>6} | {'n':>3} | {'median ms':>9} | {'p95 ms':>7} | {'max ms':>7} | target")
+    print("-" * 84)
+    for what, values, target in (("hover token → strip", hover, 100), ("click head → heatmap", clicks, 300)):
+        print(f"{what:>24} | {n_tokens:>6} | {len(values):>3} | {_percentile(values, 0.5):>9.1f} | "
+              f"{_percentile(values, 0.95):>7.1f} | {max(values):>7.1f} | ≤ {target}", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dash
 import numpy as np
-from dash import Input, Output, State, callback, ctx, dcc, html, no_update
+from dash import ClientsideFunction, Input, Output, State, callback, clientside_callback, dcc, html, no_update
+from dash.exceptions import PreventUpdate
 
 from analysis.capture import InputError
 from analysis.head_summary import HEAD_METRICS
 from analysis.models import load_model
-from analysis.statistics_run import STATS_METRICS, StatsRun
+from analysis.statistics_run import STATS_METRICS, StatsRun, capture_for_page
 from app import ids
 from app.components import (
     GRAPH_CONFIG,
@@ -24,13 +25,13 @@ from app.components import (
     page_location,
     query_store_id,
     register_export,
-    register_run,
+    run_id,
     text_id,
     url_id,
 )
 from app.context import get_context
 from app.errors import guarded, message
-from app.jobs import on_workers
+from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
 from app.url_state import PageState, parse
 from app.views import VIEWS
 
@@ -38,6 +39,10 @@ dash.register_page(__name__, path="/", name="Attention", title="headscope — at
 
 PREFIX = "attn"
 EMPTY = empty_figure()
+CANCEL = f"{PREFIX}-hs-cancel"
+PROGRESS = f"{PREFIX}-hs-progress"
+STATUS = f"{PREFIX}-hs-status"
+SINKS_RUN = f"{PREFIX}-hs-sinks-run"  # the run the sink map shows: a head click does not redraw it
 
 
 def layout(**_query) -> html.Div:
@@ -45,7 +50,16 @@ def layout(**_query) -> html.Div:
         [
             page_location(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
+            dcc.Store(id=SINKS_RUN),
             input_bar(PREFIX),
+            html.Div(
+                [
+                    html.Progress(id=PROGRESS, value="0", max="100", className="hs-progress"),
+                    html.Span(id=STATUS, className="hs-hint", role="status"),
+                    html.Button("Cancel", id=CANCEL, n_clicks=0, disabled=True, className="hs-button hs-cancel"),
+                ],
+                className="hs-options hs-run-progress",
+            ),
             dcc.Loading(html.Div(id=ids.RUN_INFO, className="hs-run-info"), type="dot"),
             html.Div(
                 [
@@ -63,13 +77,14 @@ def layout(**_query) -> html.Div:
                                 ],
                                 className="hs-metric",
                             ),
-                            dcc.Graph(id=ids.GRID, figure=EMPTY, config=GRAPH_CONFIG),
+                            _busy(dcc.Graph(id=ids.GRID, figure=EMPTY, config=GRAPH_CONFIG)),
                             export_bar(PREFIX, "head_grid"),
                         ],
                         className="hs-panel hs-grid-panel",
                     ),
                     html.Div(
-                        [dcc.Graph(id=ids.HEATMAP, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, "attention")],
+                        [_busy(dcc.Graph(id=ids.HEATMAP, figure=EMPTY, config=GRAPH_CONFIG)),
+                         export_bar(PREFIX, "attention")],
                         className="hs-panel hs-heatmap-panel",
                     ),
                 ],
@@ -79,15 +94,23 @@ def layout(**_query) -> html.Div:
                 [
                     html.P("Hover a token (or click a heatmap row) to see where the selected head attends from it.",
                            className="hs-hint"),
-                    dcc.Graph(id=ids.STRIP, figure=EMPTY, config=GRAPH_CONFIG, clear_on_unhover=False),
+                    _busy(dcc.Graph(id=ids.STRIP, figure=EMPTY, config=GRAPH_CONFIG, clear_on_unhover=False)),
                     export_bar(PREFIX, "token_strip"),
                 ],
                 className="hs-panel",
             ),
-            html.Div([dcc.Graph(id=ids.SINKS, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, "sink_map")],
+            html.Div([_busy(dcc.Graph(id=ids.SINKS, figure=EMPTY, config=GRAPH_CONFIG)), export_bar(PREFIX, "sink_map")],
                      className="hs-panel"),
         ]
     )
+
+
+def _busy(graph: dcc.Graph) -> dcc.Loading:
+    """A graph that shows a spinner (over its dimmed figure) while the server redraws it for more
+    than a moment: a head click, a metric change, an exact-region zoom. Hover repaints in the
+    browser within a frame, so it never shows one."""
+    return dcc.Loading(graph, target_components={graph.id: "figure"}, delay_show=400, type="circle",
+                       overlay_style={"visibility": "visible", "opacity": 0.5})
 
 
 def _after_run(old: PageState, model, run) -> PageState:
@@ -96,8 +119,42 @@ def _after_run(old: PageState, model, run) -> PageState:
     return PageState(model=model.name, run=run.key[:16], layer=layer, head=head, metric=old.metric)
 
 
-register_run(PREFIX, _after_run, long_runs=True)
 register_export(PREFIX)
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Output(STATUS, "children", allow_duplicate=True),
+    Input(run_id(PREFIX), "n_clicks"),
+    State(text_id(PREFIX), "value"),
+    State(model_id(PREFIX), "value"),
+    State(url_id(PREFIX), "search"),
+    interval=400,
+    prevent_initial_call=True,
+    **cancellable_job(run_id(PREFIX), CANCEL, PROGRESS, STATUS),
+)
+@guarded(outputs=3, error_index=1)
+def run_text(set_progress, n_clicks, text, model_spec, search):
+    """Run (a background job): capture the text, patterns up to the limit and statistics mode
+    above it (:func:`analysis.statistics_run.capture_for_page`), with progress; Run is disabled
+    and Cancel enabled while it runs. The run lands in the store; the URL names it."""
+    if not n_clicks:  # the page's layout arriving is not a click
+        raise PreventUpdate
+    in_job()
+    set_progress(("0", "100", "Running the model…"))
+    context = get_context()
+    offered = [o["value"] for o in context.model_options()]  # the allowlist, never a path from the request
+    if model_spec not in (None, "") and model_spec not in offered:
+        shown = model_spec[:60] if isinstance(model_spec, str) else type(model_spec).__name__
+        raise InputError(f"Cannot load model {shown!r}: it is not offered by this server; choose one of "
+                         f"{', '.join(offered)}.")
+    model = load_model(model_spec or context.default_model)
+    run = capture_for_page(model, text or "", context.store, context.max_tokens,
+                           progress=progress_reporter(set_progress, "Running the model"))
+    context.remember(run)
+    set_progress(("100", "100", "Drawing…"))
+    return _after_run(parse(search), model, run).to_search(), "", ""
 
 
 def _with(search: str | None, **changes) -> str:
@@ -118,23 +175,26 @@ def _with(search: str | None, **changes) -> str:
     Output(model_id(PREFIX), "value"),
     Output(ids.METRIC, "value"),
     Output(query_store_id(PREFIX), "data"),
+    Output(SINKS_RUN, "data"),
     Input(url_id(PREFIX), "search"),
+    State(SINKS_RUN, "data"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=10, error_index=5)
-def render(search):
+@guarded(outputs=11, error_index=5)
+def render(search, sinks_run=None):
     state = parse(search)
     problems = list(state.problems)
     context = get_context()
     if state.model and state.run is None:
         load_model(state.model)  # a model named on its own: check it loads, so a bad link says so
     if state.run is None:
-        return EMPTY, EMPTY, EMPTY, EMPTY, "", message(problems), no_update, state.model or no_update, state.metric, None
+        return (EMPTY, EMPTY, EMPTY, EMPTY, "", message(problems), no_update, state.model or no_update, state.metric,
+                None, None)
     run = context.run(state.run)
     if run is None:
         problems.append(f"No stored run has the id {state.run!r}. Run the text again to recompute it.")
-        return EMPTY, EMPTY, EMPTY, EMPTY, "", message(problems), no_update, no_update, state.metric, None
+        return EMPTY, EMPTY, EMPTY, EMPTY, "", message(problems), no_update, no_update, state.metric, None, None
     long_run = isinstance(run, StatsRun)
     n_layers, n_heads = (run.n_layers, run.n_heads) if long_run else run.patterns.shape[:2]
     if long_run and state.metric not in STATS_METRICS:
@@ -157,7 +217,8 @@ def render(search):
     except InputError as e:  # a bad region in the link: say so, keep the rest of the page
         problems.append(str(e))
         strip = EMPTY
-    sinks, _ = VIEWS["sink_map"].build(run, params)
+    # the sink map depends on the run only: drawn once per run (0.5 s and 0.9 MB at 500 tokens)
+    sinks = no_update if sinks_run == run.key else VIEWS["sink_map"].build(run, params)[0]
     loss = np.nanmean(run.token_loss) if run.n_tokens > 1 else float("nan")
     info = html.Div(
         [
@@ -173,7 +234,7 @@ def render(search):
         ]
     )
     return (grid, heat, strip, sinks, info, message(problems), run.text or no_update, run.model_name, state.metric,
-            query)
+            query, run.key)
 
 
 @callback(
@@ -201,34 +262,19 @@ def select_metric(metric, search):
     return _with(search, metric=metric)
 
 
-@callback(
+# Hovering a token or a heatmap row repaints the strip in the browser (assets/attention.js) from the
+# heatmap already there: no server round trip. A long run's strip is its exact-region view: unchanged.
+clientside_callback(
+    ClientsideFunction(namespace="headscope", function_name="followQuery"),
     Output(ids.STRIP, "figure", allow_duplicate=True),
     Output(query_store_id(PREFIX), "data", allow_duplicate=True),
-    Output(ids.ERROR, "children", allow_duplicate=True),
     Input(ids.STRIP, "hoverData"),
+    Input(ids.HEATMAP, "hoverData"),
     Input(ids.HEATMAP, "clickData"),
-    State(url_id(PREFIX), "search"),
-    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
+    State(ids.HEATMAP, "figure"),
+    State(ids.STRIP, "figure"),
     prevent_initial_call=True,
 )
-@guarded(outputs=3)
-def follow_query(hover, heat_click, search):
-    state = parse(search)
-    run = get_context().run(state.run) if state.run else None
-    if run is None:
-        return no_update, no_update, no_update
-    if ctx.triggered_id == ids.STRIP:
-        if not hover or not hover.get("points"):
-            return no_update, no_update, no_update
-        query = int(hover["points"][0]["customdata"][0])
-    else:
-        if not heat_click or not heat_click.get("points"):
-            return no_update, no_update, no_update
-        query = int(str(heat_click["points"][0]["y"]).split(" ", 1)[0])
-    if query < 0:
-        return no_update, no_update, no_update
-    fig, _ = VIEWS["token_strip"].build(run, {"layer": state.layer or 0, "head": state.head or 0, "query": query})
-    return fig, query, ""
 
 
 @callback(

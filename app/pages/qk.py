@@ -190,6 +190,22 @@ register_upload(ids.QK_LABELS_UPLOAD)
 
 
 @callback(
+    Output(ids.QK_LAYER, "value"),
+    Output(ids.QK_HEAD, "value"),
+    Output(ids.QK_SENTENCES, "value"),
+    Output(ids.QK_METHOD, "value"),
+    Output(ids.QK_COLOUR, "value"),
+    Input(url_id(PREFIX), "search"),
+)
+def controls_from_url(search):
+    """The controls show what the link asks for (a link with ``method=umap`` shows UMAP, not PCA)."""
+    state = parse(search)
+    keep = dash.no_update
+    return (keep if state.layer is None else state.layer, keep if state.head is None else state.head,
+            keep if state.sentences is None else state.sentences, state.method, state.colour)
+
+
+@callback(
     Output(ids.QK_FEATURE, "options"),
     Output(ids.QK_FEATURE, "value"),
     Input(url_id(PREFIX), "search"),

@@ -1,0 +1,262 @@
+"""Direct manipulation on the Attention and QK pages (#16), in real Chromium against a real server on
+the embedded model: the strip follows hover in the browser, Run shows progress and is disabled while
+it runs, a job whose process dies says so, UMAP and t-SNE finish in the served app, long texts read."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.browser, pytest.mark.integration]
+
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+PROMPT = "When Mary and John went to the store, John gave a drink to Mary. The cat sat on the mat."
+PATTERNS_LIMIT = 128  # the server's HEADSCOPE_MAX_TOKENS here: longer texts run in statistics mode
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("server-home")
+    port = free_port()
+    log = open(home / "server.log", "w")
+    env = {**os.environ, "HEADSCOPE_HOME": str(home), "HEADSCOPE_MAX_TOKENS": str(PATTERNS_LIMIT)}
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except OSError:
+            assert proc.poll() is None, (home / "server.log").read_text()
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("server did not start: " + (home / "server.log").read_text())
+    yield url, proc, home
+    proc.terminate()
+    proc.wait(timeout=20)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1400, "height": 1100})
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    yield page
+    context.close()
+
+
+def long_text(words: int) -> str:
+    prose = (ROOT / "data" / "niah" / "haystack_prose.txt").read_text(encoding="utf-8").split()
+    return " ".join(prose[:words])
+
+
+def run_prompt(page, url, text):
+    page.goto(url)
+    page.fill("#attn-hs-text", text)
+    page.click("#attn-hs-run")
+
+
+def wait_for_run(page, timeout=120_000):
+    page.wait_for_function("(document.querySelector('#hs-run-info')?.innerText || '').includes('tokens')",
+                           timeout=timeout)
+    page.wait_for_selector("#hs-grid .heatmaplayer .hm")
+
+
+def wait_title(page, graph: str, text: str, timeout: float = 60_000) -> None:
+    page.wait_for_function(
+        "([g, t]) => { const el = document.querySelector(`#${g} .gtitle`); return el && el.textContent.includes(t); }",
+        arg=[graph, text], timeout=timeout)
+
+
+def figure(page, graph: str) -> dict:
+    """The figure plotly drew in ``graph`` (data and full layout, as the browser has them)."""
+    return page.evaluate("""g => { const el = document.querySelector(`#${g} .js-plotly-plot`);
+        return {data: el.data, layout: el.layout, ticks: [...el.querySelectorAll('.ytick text')].map(t => t.textContent),
+                xticks: [...el.querySelectorAll('.xtick text')].map(t => t.textContent)}; }""", graph)
+
+
+def error_text(page) -> str:
+    return page.locator("#hs-error").inner_text()
+
+
+def hover_cell(page, graph, col, row, n_cols, n_rows):
+    page.locator(f"#{graph}").scroll_into_view_if_needed()
+    box = page.locator(f"#{graph} .nsewdrag").first.bounding_box()
+    page.mouse.move(box["x"] + box["width"] * (col + 0.5) / n_cols, box["y"] + box["height"] * (row + 0.5) / n_rows)
+
+
+def job_children(proc) -> list:
+    """The server's forked job processes (same command line as the server; not the export browser)."""
+    import psutil
+
+    server = psutil.Process(proc.pid)
+    out = []
+    for child in server.children():
+        try:
+            if child.cmdline() == server.cmdline() and child.status() != psutil.STATUS_ZOMBIE:
+                out.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_hovering_tokens_and_heatmap_rows_repaints_the_strip_in_the_browser(server, page):
+    url, proc, _ = server
+    run_prompt(page, url, PROMPT)
+    wait_for_run(page)
+    n = len(figure(page, "hs-heatmap")["data"][0]["y"])
+    per_row = 16  # figures.token_strip's default
+    requests = []
+    page.on("request", lambda r: requests.append(r.url) if "_dash-update-component" in r.url else None)
+    hover_cell(page, "hs-strip", col=3, row=0, n_cols=per_row, n_rows=-(-n // per_row))
+    wait_title(page, "hs-strip", "Attention from token 3 ", timeout=5_000)
+    hover_cell(page, "hs-heatmap", col=2, row=10, n_cols=n, n_rows=n)
+    wait_title(page, "hs-strip", "Attention from token 10 ", timeout=5_000)
+    after = figure(page, "hs-strip")
+    z = [v for row in after["data"][0]["z"] for v in row]
+    assert all(v is None for v in z[11:n]) and all(v is not None for v in z[:11])  # keys after 10: unseen
+    row = page.evaluate("Array.from(document.querySelector('#hs-heatmap .js-plotly-plot')._fullData[0].z[10])")
+    assert z[:11] == pytest.approx(row[:11], rel=1e-5)  # the strip is that heatmap row
+    assert error_text(page) == ""
+    assert requests == []  # no server round trip
+    assert proc.poll() is None
+
+
+def test_every_query_token_is_labelled_and_whitespace_tokens_say_what_they_are(server, page):
+    url, _, _ = server
+    run_prompt(page, url, "One  two\n\nthree four five six seven eight nine ten eleven twelve thirteen fourteen.")
+    wait_for_run(page)
+    heat = figure(page, "hs-heatmap")
+    n = len(heat["data"][0]["y"])
+    assert len(heat["ticks"]) == n and len(heat["xticks"]) == n  # plotly no longer drops every other label
+    tokens = [t for row in figure(page, "hs-strip")["data"][0]["text"] for t in row if t]
+    assert any("(newline" in t or "newlines)" in t for t in tokens), tokens
+    assert not any(t == "·" or t == "↵" for t in tokens)
+
+
+def test_run_is_disabled_with_progress_while_a_long_text_runs(server, page):
+    url, _, _ = server
+    page.goto(url)
+    page.fill("#attn-hs-text", long_text(450))
+    page.evaluate("""() => { window.seen = {disabled: false, status: []};
+        const run = document.querySelector('#attn-hs-run'), status = document.querySelector('#attn-hs-status');
+        new MutationObserver(() => { if (run.disabled) window.seen.disabled = true; })
+            .observe(run, {attributes: true});
+        new MutationObserver(() => window.seen.status.push(status.textContent))
+            .observe(status, {childList: true, subtree: true, characterData: true}); }""")
+    page.click("#attn-hs-run")
+    wait_for_run(page, timeout=240_000)
+    seen = page.evaluate("window.seen")
+    assert seen["disabled"], "Run stayed enabled while the text ran"
+    assert any("Running the model" in s for s in seen["status"]), seen["status"]
+    assert "statistics mode" in page.locator("#hs-run-info").inner_text()
+    page.wait_for_function("!document.querySelector('#attn-hs-run').disabled", timeout=10_000)
+
+
+def test_long_text_sink_map_and_exact_zoom_are_on_a_log_scale_with_ticks(server, page):
+    url, _, _ = server
+    run_prompt(page, url, long_text(450))
+    wait_for_run(page, timeout=240_000)
+    sinks = figure(page, "hs-sinks")
+    assert "(log)" in sinks["data"][0]["colorbar"]["title"]["text"]
+    assert len(sinks["xticks"]) >= 4  # positions numbered along the axis
+    wait_title(page, "hs-heatmap", "mean attention per")
+    title = page.locator("#hs-heatmap .gtitle").bounding_box()
+    modebar = page.locator("#hs-heatmap .modebar").bounding_box() if page.locator("#hs-heatmap .modebar").count() \
+        else None
+    if modebar is not None:  # the modebar no longer covers the title
+        assert title["y"] + title["height"] <= modebar["y"] or title["x"] + title["width"] <= modebar["x"]
+    page.goto(page.url + "&region=100-140%2C90-130")
+    wait_title(page, "hs-strip", "log colour", timeout=120_000)
+    region = figure(page, "hs-strip")
+    assert "weight (log)" in region["data"][0]["colorbar"]["title"]["text"]
+    assert len(region["ticks"]) == 40 and "100 " in region["ticks"][0]  # every query token labelled
+
+
+def test_a_job_whose_process_is_killed_says_so_and_run_comes_back(server, page):
+    url, proc, _ = server
+    run_prompt(page, url, long_text(1400) + " killed")
+    deadline = time.time() + 30
+    while not (children := job_children(proc)) and time.time() < deadline:
+        time.sleep(0.1)
+    assert children, "no job process started"
+    time.sleep(0.5)
+    for child in children:
+        os.kill(child.pid, signal.SIGKILL)
+    killed = time.time()
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('The job stopped')",
+                           timeout=15_000)
+    assert time.time() - killed < 10
+    assert "SIGKILL" in error_text(page)
+    page.wait_for_function("!document.querySelector('#attn-hs-run').disabled", timeout=5_000)
+    assert proc.poll() is None
+
+
+@pytest.mark.parametrize("method,label", [("umap", "UMAP"), ("tsne", "t-SNE")])
+def test_umap_and_tsne_from_the_served_app_finish_and_the_dropdown_says_which(server, page, method, label):
+    url, proc, home = server
+    page.goto(url + f"qk?layer=3&head=1&sentences=8&method={method}")
+    page.wait_for_function("(document.querySelector('#hs-qk-status')?.innerText || '') === 'ready'", timeout=300_000)
+    wait_title(page, "hs-qk-scatter", f"({label},")
+    points = page.evaluate("document.querySelector('#hs-qk-scatter .js-plotly-plot')._fullData[0]._length")
+    assert points > 20  # the queries are drawn
+    legend = page.locator("#hs-qk-scatter .legendtext").all_text_contents()
+    assert legend[:2] == ["queries", "keys"]
+    title, first = (page.locator(f"#hs-qk-scatter {s}").first.bounding_box() for s in (".gtitle", ".legend"))
+    assert first["y"] >= title["y"] + title["height"]  # the legend no longer covers the title
+    assert label in page.locator("#hs-qk-method").inner_text()
+    assert error_text(page) == ""
+    assert "fork() called from a process already using GNU OpenMP" not in (home / "server.log").read_text()
+    assert proc.poll() is None
+
+
+def test_cancel_stops_a_running_text_without_an_error(server, page):
+    url, proc, _ = server
+    page.goto(url)
+    page.fill("#attn-hs-text", long_text(1400) + " cancelled")
+    page.click("#attn-hs-run")
+    page.wait_for_function("!document.querySelector('#attn-hs-cancel').disabled", timeout=10_000)
+    assert page.locator("#attn-hs-run").is_disabled()
+    deadline = time.time() + 30
+    while not job_children(proc) and time.time() < deadline:
+        time.sleep(0.1)
+    page.click("#attn-hs-cancel")
+    page.wait_for_function("!document.querySelector('#attn-hs-run').disabled", timeout=10_000)
+    time.sleep(3)  # a cancelled job is not reported as one that died
+    assert error_text(page) == ""
+    assert job_children(proc) == []
+    assert "tokens" not in page.locator("#hs-run-info").inner_text()
+
