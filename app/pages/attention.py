@@ -29,7 +29,7 @@ from app.components import (
     text_id,
     url_id,
 )
-from app.context import get_context
+from app.context import dropdown_model, get_context, offered_model
 from app.errors import guarded, message
 from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
 from app.url_state import PageState, parse
@@ -144,12 +144,7 @@ def run_text(set_progress, n_clicks, text, model_spec, search):
     in_job()
     set_progress(("0", "100", "Running the model…"))
     context = get_context()
-    offered = [o["value"] for o in context.model_options()]  # the allowlist, never a path from the request
-    if model_spec not in (None, "") and model_spec not in offered:
-        shown = model_spec[:60] if isinstance(model_spec, str) else type(model_spec).__name__
-        raise InputError(f"Cannot load model {shown!r}: it is not offered by this server; choose one of "
-                         f"{', '.join(offered)}.")
-    model = load_model(model_spec or context.default_model)
+    model = load_model(offered_model(model_spec))  # the allowlist, never a path from the request
     run = capture_for_page(model, text or "", context.store, context.max_tokens,
                            progress=progress_reporter(set_progress, "Running the model"))
     context.remember(run)
@@ -233,7 +228,8 @@ def render(search, sinks_run=None):
             html.Span(f"selected: layer {layer}, head {head}", className="hs-chip hs-selected"),
         ]
     )
-    return (grid, heat, strip, sinks, info, message(problems), run.text or no_update, run.model_name, state.metric,
+    model = dropdown_model(run.model_name, problems)
+    return (grid, heat, strip, sinks, info, message(problems), run.text or no_update, model, state.metric,
             query, run.key)
 
 
