@@ -89,19 +89,18 @@ def test_the_token_never_reaches_the_log(guarded_server):
 
 
 def test_a_60_mb_request_is_refused_before_it_is_read(guarded_server):
-    """413 answers the headers of a 60 MB POST at once: the app never waits for (or reads) the body."""
+    """413 answers the headers of a 60 MB POST: the reply comes after 64 KB of body were sent, so the
+    app never waited for (or read) the rest (no wall-clock bound: the machine may be loaded)."""
     import socket
 
     _, port, _, proc = guarded_server
-    t0 = time.time()
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
         s.sendall(b"POST /_dash-update-component HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {60_000_000}\r\n\r\n".encode()
                   + b"{" + b" " * 65_536)
         reply = read_reply(s)
     assert reply.startswith("HTTP/1.1 413"), reply[:200]
     assert "HEADSCOPE_MAX_REQUEST_BYTES" in reply
-    assert time.time() - t0 < 10
     # a chunked body (no length) is cut off once reading passes the cap
     sent, chunk = 0, b"x" * (1 << 20)
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:

@@ -394,7 +394,7 @@ def test_heads_page_runs_a_small_sweep_and_opens_a_heads_trials(server, page, tm
     assert proc.poll() is None
 
 
-def test_qk_page_embeds_a_head_and_shows_a_querys_keys(server, page, tmp_path):
+def test_qk_page_embeds_a_head_and_shows_queries_and_keys(server, page, tmp_path):
     url, proc, _ = server
     page.goto(url + "qk?layer=16&head=0&sentences=20&query=5")
     page.wait_for_function("(document.querySelector('#hs-qk-status')?.innerText || '') === 'ready'", timeout=240_000)
