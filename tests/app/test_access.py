@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 def status(url: str, opener=None, headers: dict | None = None) -> int:
     req = urllib.request.Request(url, headers=headers or {})
     try:
-        with (opener or urllib.request.build_opener()).open(req, timeout=10) as r:
+        with (opener or urllib.request.build_opener()).open(req, timeout=60) as r:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
