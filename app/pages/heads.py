@@ -326,6 +326,7 @@ def render(search):
         html.Span(f"sweep {sw.key[:12]}", className="hs-chip"),
         html.Span(f"{sw.n_counted}/{sw.n_trials} trials counted (ROUGE-1 recall > 0.5)", className="hs-chip"),
         html.Span(f"lengths {sw.lengths}, depths {sw.depths}", className="hs-chip"),
+        html.Span(sw.settings_text(), className="hs-chip"),
         html.Span(f"streaming S={params['sink_size']}, W={params['window']}", className="hs-chip"),
         html.Span("cancelled: partial" if sw.cancelled else "complete", className="hs-chip"),
         dcc.Link("Ablate the top retrieval heads →", href=f"/ablation?sweep={sw.key[:16]}&by=retrieval",
