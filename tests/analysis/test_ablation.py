@@ -18,11 +18,11 @@ from analysis.ablation import (
     kv_group_heads,
     loss_metric_fn,
     parse_heads,
-    single_head_sweep,
     source_z,
-    topk_curve,
 )
+from analysis.ablation_curve import topk_curve
 from analysis.capture import InputError
+from analysis.head_sweep import single_head_sweep
 
 TEXT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 
@@ -397,7 +397,7 @@ def test_real_model_pattern_edits_propagate_and_ablation_changes_the_answer(real
 
 
 def test_a_cancelled_curve_resumes_from_stored_values(tiny_model, ids, store):
-    from analysis.ablation import StoredValues, load_curve, save_curve
+    from analysis.ablation_curve import StoredValues, load_curve, save_curve
 
     scores = np.arange(8, dtype=float).reshape(2, 4)
     calls = []
@@ -431,7 +431,7 @@ def test_masking_top_retrieval_heads_breaks_retrieval_more_than_random_heads(rea
     with the highest retrieval score against 5 random heads outside them, on the sweep's prompts.
     Measured at 256 tokens over 24 prompts (12 needles × 2 depths): accuracy 0.54 clean, 0.08 with
     the top 5 masked, 0.71 ± 0.10 with 5 random heads (3 seeds); see bench/ablation_curve.py."""
-    from analysis.ablation import retrieval_accuracy_fn
+    from analysis.ablation_curve import retrieval_accuracy_fn
     from analysis.niah import load_haystack, load_needles
     from analysis.retrieval import sweep, trial_prompt
 
@@ -450,7 +450,7 @@ def test_masking_top_retrieval_heads_breaks_retrieval_more_than_random_heads(rea
 
 
 def test_a_cancelled_single_head_sweep_keeps_finished_layers_and_resumes(tiny_model, ids, store):
-    from analysis.ablation import load_head_sweep, resumable_head_sweep
+    from analysis.head_sweep import load_head_sweep, resumable_head_sweep
 
     calls = {"n": 0}
 
