@@ -692,8 +692,8 @@ def cmd_ablate(args) -> int:
 
     import numpy as np
 
-    from analysis.ablation import METHOD_DESCRIPTIONS, format_heads, parse_heads, rank_heads
-    from analysis.ablation_curve import ablation_curve, check_curve
+    from analysis.ablation import METHOD_DESCRIPTIONS, format_heads, parse_heads
+    from analysis.ablation_curve import ablation_curve, check_curve, rank_heads
     from analysis.capture import InputError, capture
     from analysis.head_summary import HEAD_METRICS
     from analysis.models import load_model
