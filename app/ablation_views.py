@@ -198,10 +198,10 @@ def curve_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     if found is None:
         raise InputError("No curve yet: run the top-k vs random curve first.")
     curve, meta = found
-    outside = "" if curve.outside_top is None else f" outside the top {curve.outside_top}"
+    outside = "" if curve.outside_top is None else f", random from outside the top {curve.outside_top}"
     fig = figures.topk_curve(curve.k_values, curve.top, curve.random, meta.get("metric_label", "metric"),
-                             f"{meta.get('by_label', 'score')}: top-k vs random heads{outside} ({curve.method} "
-                             "ablation)" + ("" if curve.complete else " — cancelled, partial"), curve.outside_top)
+                             f"{meta.get('by_label', 'score')}: top-k vs random heads ({curve.method} ablation)"
+                             + outside + ("" if curve.complete else " — cancelled, partial"), curve.outside_top)
     rows: Rows = [{"k": k, "set": "top", "seed": "", "value": float(curve.top[j]),
                    "heads": format_heads(curve.order[:k])} for j, k in enumerate(curve.k_values)]
     for s_i, seed in enumerate(curve.seeds):

@@ -500,9 +500,7 @@ def cmd_scan(args) -> int:
 
     import numpy as np
 
-    from analysis.models import load_model
     from analysis.niah import load_haystack
-    from app.context import AppContext, set_context
     from app.export import FIGURE_FORMATS, write_files
     from app.heads_views import head_scores_of
 
@@ -511,12 +509,7 @@ def cmd_scan(args) -> int:
     needles = _needles(args)
     with _argument("--haystack"):
         hay = load_haystack(args.haystack)
-    store = _store(args)
-    spec = _model_spec(args)
-    set_context(AppContext(store=store, default_model=spec))
-    with progress_bar("loading model") as bar, _argument("--model"):
-        model = load_model(spec)
-        bar(1.0)
+    store, spec, model = _open_store_and_model(args)
     result = _niah_sweep(model, args, store, needles, hay, lengths, depths)
     if not result.trials:
         print("headscope scan: no trial finished", file=sys.stderr)
@@ -628,6 +621,21 @@ def ablation_table(summary: dict) -> list[str]:
     return lines
 
 
+def _open_store_and_model(args):
+    """The store of ``--home``, the ``--model`` spec and the loaded model, set as the app's context
+    (the views that write exports read both from it)."""
+    from analysis.models import load_model
+    from app.context import AppContext, set_context
+
+    store = _store(args)
+    spec = _model_spec(args)
+    set_context(AppContext(store=store, default_model=spec))
+    with progress_bar("loading model") as bar, _argument("--model"):
+        model = load_model(spec)
+        bar(1.0)
+    return store, spec, model
+
+
 def _niah_sweep(model, args, store, needles, hay, lengths, depths):
     """The needle-in-a-haystack sweep of ``scan`` and ``ablate --sweep`` (stored trials are reused)."""
     from analysis.niah import DEFAULT_DEPTH_RULE, DEPTH_RULES
@@ -696,10 +704,8 @@ def cmd_ablate(args) -> int:
     from analysis.ablation_curve import ablation_curve, check_curve, rank_heads
     from analysis.capture import InputError, capture
     from analysis.head_summary import HEAD_METRICS
-    from analysis.models import load_model
     from analysis.niah import load_haystack
     from analysis.store import content_key
-    from app.context import AppContext, set_context
     from app.export import FIGURE_FORMATS, write_files
     from app.views import metric_scores
 
@@ -712,12 +718,7 @@ def cmd_ablate(args) -> int:
         with _argument("--haystack"):
             hay = load_haystack(args.haystack or "prose")
     lengths, depths = args.lengths or [512], args.depths or [25.0, 75.0]
-    store = _store(args)
-    spec_name = _model_spec(args)
-    set_context(AppContext(store=store, default_model=spec_name))
-    with progress_bar("loading model") as bar, _argument("--model"):
-        model = load_model(spec_name)
-        bar(1.0)
+    store, spec_name, model = _open_store_and_model(args)
     n_heads = model.n_layers * model.n_heads
     if args.top_k and args.top_k > n_heads:
         raise UsageError(f"argument --top-k: must be at most {n_heads} (the heads of {spec_name}), got {args.top_k}")
