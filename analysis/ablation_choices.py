@@ -1,6 +1,7 @@
 """What a user can choose in an ablation, spelled once: the methods and what each removes, the
-metrics of single-head sweeps and of top-k curves, the scores heads can be ranked by, and the
-default size of the top-N the random control stays out of.
+metrics of single-head sweeps and of top-k curves, and the default size of the top-N the random
+control stays out of. (The per-head scores heads can be ranked by are
+:data:`analysis.head_summary.HEAD_METRICS`.)
 
 This module imports nothing heavy, so the command line checks its arguments against these names
 before torch is loaded; the pages, the exports and :mod:`analysis.ablation` read the same names.
@@ -26,10 +27,6 @@ SWEEP_METRICS = {"loss": "Δ mean loss", "kl": "KL from the clean next-token dis
 CURVE_METRICS = {"loss": "mean loss (nats)", "niah": "NIAH accuracy"}
 """Metrics of a top-k curve (:func:`analysis.ablation_curve.ablation_curve`): mean next-token loss on
 a run, or needle-in-a-haystack accuracy on a retrieval sweep's prompts."""
-
-RANK_BY_SWEEP = ("retrieval", "effect")
-"""Scores that rank heads without a text: a retrieval sweep's scores, a single-head sweep's effect.
-Every other score is a per-head metric of :data:`analysis.head_summary.HEAD_METRICS` on a text."""
 
 CONTROL_TOP_N = 20
 """The random control of a top-k curve draws its k heads from outside the top N by the score

@@ -50,6 +50,7 @@ from analysis.retrieval import (
     stop_ids,
     trial_prompt,
 )
+from analysis.statistics_run import StatsRun
 from analysis.store import Store, content_key
 
 
@@ -353,7 +354,7 @@ def ablation_curve(
     spec: AblationSpec,
     store: Store,
     *,
-    on: Run | RetrievalSweep,
+    on: Run | StatsRun | RetrievalSweep,
     by_label: str,
     seeds: Sequence[int] = (0, 1, 2),
     outside_top: int = CONTROL_TOP_N,
@@ -372,7 +373,7 @@ def ablation_curve(
     scores : ``[layer, head]`` the score heads are ranked by (nan: never in the top).
     k_values : the k to evaluate, 0 ≤ k ≤ the heads with a finite score.
     spec : the method and its options (mean reference, resample source); its heads are ignored.
-    on : a :class:`~analysis.capture.Run` (metric: its mean next-token loss) or a
+    on : a run, with patterns or in statistics mode (metric: its mean next-token loss), or a
         :class:`~analysis.retrieval.RetrievalSweep` (metric: NIAH accuracy on its prompts).
     by_label : what the score is, for the figure and the summary.
     outside_top : the random control draws from outside this many top heads (see :func:`topk_curve`).
@@ -387,7 +388,7 @@ def ablation_curve(
         metric = "niah"
         fn = retrieval_accuracy_fn([trial_prompt(t) for t in on.trials])
         subject = ("sweep", on.key)
-    elif isinstance(on, Run):
+    elif isinstance(on, Run | StatsRun):
         metric = "loss"
         fn = loss_metric_fn(on.token_ids, model)
         subject = ("run", on.key)
