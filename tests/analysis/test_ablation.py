@@ -469,3 +469,19 @@ def test_a_cancelled_single_head_sweep_keeps_finished_layers_and_resumes(tiny_mo
     np.testing.assert_array_equal(done.effect[0], first.effect[0])  # not recomputed
     full = single_head_sweep(tiny_model, ids, "zero", "loss")
     np.testing.assert_allclose(done.effect, full.effect, atol=1e-5)
+
+
+def test_the_head_sweep_action_keeps_the_pages_store_key_and_equals_the_plain_sweep(tiny_model, store):
+    """Sweeps the page stored before the action existed are found again: same key formula."""
+    from analysis.capture import capture
+    from analysis.head_sweep import ablation_head_sweep
+    from analysis.store import content_key
+
+    run = capture(tiny_model, TEXT, store=store)
+    key, result = ablation_head_sweep(tiny_model, run, AblationSpec((), "zero"), "kl", store)
+    assert key == content_key("ablation_head_sweep", tiny_model.digest, run.key, "zero", "kl", None, None)
+    np.testing.assert_allclose(result.effect, single_head_sweep(tiny_model, run.token_ids, "zero", "kl").effect,
+                               rtol=1e-5, atol=1e-6)
+    assert store.get(key).meta["run"] == run.key and result.complete
+    with pytest.raises(InputError, match="choose one of loss, kl"):
+        ablation_head_sweep(tiny_model, run, AblationSpec((), "zero"), "accuracy", store)
