@@ -54,6 +54,8 @@ DEPTH_RULES = ("nearest", "previous")
 """Where the needle goes: the sentence boundary ``nearest`` to the requested depth, or the
 ``previous`` one (at or before it). The default, ``nearest``, is the rule of every stored sweep."""
 DEFAULT_DEPTH_RULE = "nearest"
+DEPTH_RULE_DESCRIPTIONS = {"nearest": "the sentence boundary nearest to the depth",
+                           "previous": "the last sentence boundary at or before the depth"}
 
 _BOUNDARY = re.compile(r"(?<=[.!?])(?=\s)|(?<=[.!?][\"')\]])(?=\s)|(?<=\S)(?=\n)")
 _SENTENCE_END = (".", "!", "?", '."', ".'", ".)", '!"', '?"')

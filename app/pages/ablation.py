@@ -124,9 +124,11 @@ def layout(**_query) -> html.Div:
                     html.Label("k values", htmlFor=ids.ABL_CURVE_KS),
                     dcc.Input(id=ids.ABL_CURVE_KS, value=",".join(map(str, DEFAULT_CURVE_KS)),
                               className="hs-text-input", **KEEP),
-                    html.Label(f"random seeds (random heads drawn from outside the top {CONTROL_TOP_N})",
-                               htmlFor=ids.ABL_CURVE_SEEDS),
+                    html.Label("random seeds", htmlFor=ids.ABL_CURVE_SEEDS),
                     dcc.Input(id=ids.ABL_CURVE_SEEDS, type="number", min=0, max=10, value=DEFAULT_SEEDS,
+                              className="hs-number", **KEEP),
+                    html.Label("random heads from outside the top", htmlFor=ids.ABL_CURVE_CONTROL),
+                    dcc.Input(id=ids.ABL_CURVE_CONTROL, type="number", min=0, value=CONTROL_TOP_N,
                               className="hs-number", **KEEP),
                     dcc.RadioItems(id=ids.ABL_CURVE_METRIC, inline=True, value="loss", **KEEP, options=[
                         {"label": f" {CURVE_METRICS['loss']} on this text", "value": "loss"},
@@ -376,6 +378,19 @@ def show_kept(kept):
     return _rows(kept), columns
 
 
+def _whole(value) -> int:
+    """The control's top N as typed (a whole number; its range is checked by the analysis)."""
+    if value is None or value == "":
+        return CONTROL_TOP_N
+    try:
+        n = float(value)
+    except (TypeError, ValueError):
+        n = float("nan")
+    if not n.is_integer() or isinstance(value, bool):
+        raise ValueError(f"The random control's top N must be a whole number, got {value!r}.")
+    return int(n)
+
+
 def _ks(text: str) -> list[int]:
     """The k values typed in the box (their range is checked by the analysis)."""
     try:
@@ -390,12 +405,13 @@ def _ks(text: str) -> list[int]:
     Input(ids.ABL_CURVE_RUN, "n_clicks"),
     State(ids.ABL_CURVE_KS, "value"),
     State(ids.ABL_CURVE_SEEDS, "value"),
+    State(ids.ABL_CURVE_CONTROL, "value"),
     State(ids.ABL_CURVE_METRIC, "value"),
     State(url_id(PREFIX), "search"),
     **cancellable_job(ids.ABL_CURVE_RUN, ids.ABL_CURVE_CANCEL, ids.ABL_CURVE_PROGRESS, ids.ABL_CURVE_STATUS),
     prevent_initial_call=True,
 )
-def run_curve(set_progress, n_clicks, ks_text, n_seeds, metric, search):
+def run_curve(set_progress, n_clicks, ks_text, n_seeds, control_top, metric, search):
     in_job()
     if not n_clicks:
         raise PreventUpdate
@@ -419,7 +435,8 @@ def run_curve(set_progress, n_clicks, ks_text, n_seeds, metric, search):
         else:
             on = run
         key, curve, meta = ablation_curve(model, scores, _ks(ks_text), spec, context.store, on=on,
-                                          by_label=by_label, seeds=seeds, source_id=state.source,
+                                          by_label=by_label, seeds=seeds, outside_top=_whole(control_top),
+                                          source_id=state.source,
                                           progress=progress_reporter(set_progress, "curve"))
     except ValueError as e:
         return no_update, str(e)
