@@ -25,7 +25,18 @@ def first_token_mass(patterns: np.ndarray) -> np.ndarray:
 
 
 def previous_token_mass(patterns: np.ndarray) -> np.ndarray:
-    """Mean attention of query i on key i-1 over rows 1..n-1 (a previous-token head scores near 1)."""
+    """Mean attention of query i on key i-1 over rows 1..n-1 (a previous-token head scores near 1).
+
+    ``score = (1/(n−1)) Σ_{i=1}^{n−1} A[i, i−1]``, per layer and head.
+
+    Against TransformerLens' ``detect_head(..., "previous_token_head")`` (``head_detector.py``, the
+    default ``error_measure="mul"``, ``exclude_bos=False``, ``exclude_current_token=False``): it
+    scores ``Σ_{i,j} A[i, j] D[i, j] / Σ_{i,j} A[i, j]`` with ``D[i, i−1] = 1``; every row of A sums to
+    1, so its denominator is n and its score is ``(n−1)/n`` times this one. Row 0 has no previous
+    token: TransformerLens counts it as a miss, this score leaves it out, so a perfect previous-token
+    head scores 1 here at any length (TransformerLens: ``1 − 1/n``). Multiply by ``(n−1)/n`` to
+    compare with a TransformerLens number.
+    """
     p = np.asarray(patterns)
     n = p.shape[-1]
     if n < 2:

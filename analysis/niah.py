@@ -5,8 +5,11 @@ The construction follows Kamradt's "needle in a haystack" test as used by Wu et 
 
 1. the haystack is cut, at a sentence boundary, so that the whole prompt (chat template, haystack,
    needle and question) has at most ``length`` tokens;
-2. the needle is inserted at the sentence boundary nearest to ``depth`` percent of the haystack's
-   tokens (0 = first sentence, 100 = after the last one);
+2. the needle is inserted at a sentence boundary at ``depth`` percent of the haystack's tokens
+   (0 = first sentence, 100 = after the last one), by one of :data:`DEPTH_RULES`: ``nearest`` (the
+   default) takes the boundary nearest to that point, ``previous`` the last boundary at or before it
+   (the rule of Kamradt's test and of the retrieval-head paper's code, which back up from the
+   insertion point to the previous sentence end, so the needle never lands later than asked);
 3. the question follows the context, inside the model's chat template when it has one;
 4. the needle's token span is located exactly in the final token ids. When tokenisation merges the
    needle with its neighbours, so that no contiguous run of tokens spells exactly the needle, the
@@ -47,6 +50,13 @@ DEFAULT_TEMPLATE = (
 # after it; a blank line (a paragraph or a title line) also ends one. The whitespace stays at the
 # *start* of the next piece, so that every piece tokenises as it does inside the whole text
 # (byte-level BPE attaches a space to the word after it).
+DEPTH_RULES = ("nearest", "previous")
+"""Where the needle goes: the sentence boundary ``nearest`` to the requested depth, or the
+``previous`` one (at or before it). The default, ``nearest``, is the rule of every stored sweep."""
+DEFAULT_DEPTH_RULE = "nearest"
+DEPTH_RULE_DESCRIPTIONS = {"nearest": "the sentence boundary nearest to the depth",
+                           "previous": "the last sentence boundary at or before the depth"}
+
 _BOUNDARY = re.compile(r"(?<=[.!?])(?=\s)|(?<=[.!?][\"')\]])(?=\s)|(?<=\S)(?=\n)")
 _SENTENCE_END = (".", "!", "?", '."', ".'", ".)", '!"', '?"')
 
@@ -79,6 +89,7 @@ class NiahPrompt:
         of the haystack's tokens before it.
     haystack_tokens : tokens of haystack text in the prompt (around the needle).
     text : the user message (context and question) before the chat template.
+    depth_rule : how the boundary was chosen (:data:`DEPTH_RULES`).
     """
 
     token_ids: list[int]
@@ -90,6 +101,7 @@ class NiahPrompt:
     actual_depth: float
     haystack_tokens: int
     text: str
+    depth_rule: str = DEFAULT_DEPTH_RULE
 
     @property
     def n_tokens(self) -> int:
@@ -105,6 +117,8 @@ class NiahPrompt:
             "needle_span": list(self.needle_span),
             "question_span": list(self.question_span),
             "needle": self.needle.to_dict(),
+            # only when not the default, so the settings of earlier trials read the same
+            **({"depth_rule": self.depth_rule} if self.depth_rule != DEFAULT_DEPTH_RULE else {}),
         }
 
 
@@ -324,13 +338,14 @@ def build_prompt(
     depth: float,
     *,
     template: str = DEFAULT_TEMPLATE,
+    depth_rule: str = DEFAULT_DEPTH_RULE,
 ) -> NiahPrompt:
     """Hide ``needle`` at ``depth`` percent of a haystack cut to ``length`` tokens, then ask.
 
     Follows Wu et al. 2024 (arXiv:2404.15574), section 2: the prompt is
     ``chat(template(context = haystack[:d] + needle + haystack[d:], question))`` with
     ``|prompt| <= length`` tokens and ``d`` the sentence boundary nearest to ``depth``% of the
-    haystack's tokens.
+    haystack's tokens (``depth_rule="nearest"``) or the last one at or before it (``"previous"``).
 
     Parameters
     ----------
@@ -340,6 +355,7 @@ def build_prompt(
     length : maximum prompt length in tokens, at most the model's context.
     depth : where the needle goes, in percent of the haystack (0 = start, 100 = end).
     template : user message with ``{context}`` and ``{question}``.
+    depth_rule : one of :data:`DEPTH_RULES`.
 
     Returns
     -------
@@ -353,6 +369,8 @@ def build_prompt(
     """
     if not 0.0 <= float(depth) <= 100.0:
         raise InputError(f"depth must be between 0 and 100 (percent of the haystack), got {depth}.")
+    if depth_rule not in DEPTH_RULES:
+        raise InputError(f"Unknown depth rule {depth_rule!r}: choose one of {', '.join(DEPTH_RULES)}.")
     length = int(length)
     if length > model.n_ctx:
         raise InputError(
@@ -403,7 +421,7 @@ def build_prompt(
             break
 
     while True:
-        prompt = _assemble(model, needle, chosen, chosen_len, depth, template, length)
+        prompt = _assemble(model, needle, chosen, chosen_len, depth, template, length, depth_rule)
         if prompt.n_tokens <= length or not chosen:
             break
         chosen.pop()
@@ -423,16 +441,21 @@ def _assemble(
     depth: float,
     template: str,
     length: int,
+    depth_rule: str = DEFAULT_DEPTH_RULE,
 ) -> NiahPrompt:
     total = sum(chosen_len)
-    # The boundary whose cumulative token count is nearest to depth% of the haystack.
+    # The boundary whose cumulative token count is nearest to depth% of the haystack (or the last
+    # one at or before it).
     target = float(depth) / 100.0 * total
     cum = [0]
     for n in chosen_len:
         cum.append(cum[-1] + n)
     # Only boundaries after a full sentence (not after a title line) are candidates.
     candidates = [0] + [j for j in range(1, len(cum)) if chosen[j - 1].rstrip().endswith(_SENTENCE_END)]
-    b = min(candidates, key=lambda j: (abs(cum[j] - target), j))
+    if depth_rule == "previous":
+        b = max(j for j in candidates if cum[j] <= target)  # 0 is always a candidate
+    else:
+        b = min(candidates, key=lambda j: (abs(cum[j] - target), j))
     before = "".join(chosen[:b]).strip()
     after = "".join(chosen[b:])
     needle_text = needle.needle.strip()
@@ -455,4 +478,5 @@ def _assemble(
         actual_depth=100.0 * cum[b] / total if total else 0.0,
         haystack_tokens=total,
         text=text,
+        depth_rule=depth_rule,
     )

@@ -17,6 +17,11 @@ response > 0.5 (:func:`rouge1_recall`), and a head's retrieval score is the mean
 scores over counted trials. Scores are per query head ``[layer, head]``; with grouped-query
 attention they are also aggregated per key-value group (max and mean over the group's query heads).
 
+Decoding stops at an EOS token or after ``max_new_tokens``; with ``stop_at_newline`` it also stops at
+the first newline after some text, the rule of the paper's code (its responses are one line; a chat
+model's leading newline does not stop it). The default keeps every stored trial and sweep valid.
+The needle's depth rule (nearest or previous sentence boundary) is :data:`analysis.niah.DEPTH_RULES`.
+
 Only one attention row per head per decode step is read: the prompt (all but its last token) is
 pre-filled through the KV cache in statistics mode (:mod:`analysis.attention_statistics`: attention
 through :func:`kernels.attention`, so no N x N matrix is ever built, not even per layer), and at
@@ -44,7 +49,7 @@ from analysis.capture import InputError
 from analysis.detectors import group_heads
 from analysis.limits import hint, limit
 from analysis.models import LoadedModel
-from analysis.niah import DEFAULT_TEMPLATE, Needle, NiahPrompt, build_prompt
+from analysis.niah import DEFAULT_DEPTH_RULE, DEFAULT_TEMPLATE, Needle, NiahPrompt, build_prompt
 from analysis.store import Store, content_key
 from kernels.attention import ARGMAX, ARGMAX_PROB, ROWS
 
@@ -190,6 +195,7 @@ def greedy_decode(
     progress: Progress | None = None,
     force: Sequence[int] | None = None,
     keep_row: tuple[int, int] | None = None,
+    stop_at_newline: bool = False,
 ) -> Decoded:
     """Greedy decoding with the KV cache, keeping one attention row per head per step.
 
@@ -212,6 +218,8 @@ def greedy_decode(
         KV-cache steps, so the same numbers); decoding runs ``len(force)`` steps.
     keep_row : ``(layer, head)`` whose whole attention row (over the prompt and the tokens generated
         so far) is kept at every step, in ``rows``.
+    stop_at_newline : also stop after the first token that puts a newline after some non-blank text
+        (the token is kept in ``generated``, like an EOS).
 
     Returns
     -------
@@ -231,17 +239,6 @@ def greedy_decode(
     weights = torch.zeros((max_new_tokens, n_layers, n_heads), dtype=torch.float32)
     step_box = [0]
     rows: list[np.ndarray] = []
-
-    def record_row(layer: int):
-        def hook(pattern: torch.Tensor, hook: Any = None) -> None:
-            # pattern: [batch, head, query, key]; the decode step has a single query row.
-            w, j = pattern[0, :, -1, :].max(dim=-1)
-            keys[step_box[0], layer] = j
-            weights[step_box[0], layer] = w.float()
-            if keep_row is not None and keep_row[0] == layer:
-                rows.append(pattern[0, keep_row[1], -1, :].float().cpu().numpy().copy())
-
-        return hook
 
     if keep_row is not None and not (0 <= keep_row[0] < n_layers and 0 <= keep_row[1] < n_heads):
         raise InputError(f"No head {keep_row}: the model has layers 0..{n_layers - 1} and heads 0..{n_heads - 1}.")
@@ -269,7 +266,7 @@ def greedy_decode(
         mode = statistics_mode(model, request, on_layer)
         hooked = nullcontext()
     else:
-        hooks = [(get_act_name("pattern", layer), record_row(layer)) for layer in range(n_layers)]
+        hooks = _row_recorders(n_layers, keys, weights, step_box, rows, keep_row)
         mode = nullcontext()
         hooked = bridge.hooks(fwd_hooks=hooks) if record else nullcontext()
     device = model.device
@@ -296,6 +293,8 @@ def greedy_decode(
                     progress((step + 1) / max_new_tokens)
                 if token in stops and force is None:
                     break
+                if stop_at_newline and force is None and _ends_a_line(model, generated):
+                    break
     n = len(generated)
     return Decoded(
         generated=generated,
@@ -304,6 +303,31 @@ def greedy_decode(
         seconds=time.perf_counter() - t0,
         rows=rows if keep_row is not None else None,
     )
+
+
+def _row_recorders(n_layers: int, keys: torch.Tensor, weights: torch.Tensor, step_box: list[int],
+                   rows: list[np.ndarray], keep_row: tuple[int, int] | None) -> list[tuple[str, Any]]:
+    """The eager path's ``hook_pattern`` hooks: each decode row's argmax key and weight per head
+    (into ``keys``/``weights`` at step ``step_box[0]``), and ``keep_row``'s whole row."""
+
+    def record_row(layer: int):
+        def hook(pattern: torch.Tensor, hook: Any = None) -> None:
+            # pattern: [batch, head, query, key]; the decode step has a single query row.
+            w, j = pattern[0, :, -1, :].max(dim=-1)
+            keys[step_box[0], layer] = j
+            weights[step_box[0], layer] = w.float()
+            if keep_row is not None and keep_row[0] == layer:
+                rows.append(pattern[0, keep_row[1], -1, :].float().cpu().numpy().copy())
+
+        return hook
+
+    return [(get_act_name("pattern", layer), record_row(layer)) for layer in range(n_layers)]
+
+
+def _ends_a_line(model: LoadedModel, generated: list[int]) -> bool:
+    """Whether the text generated so far has a newline after some non-blank text."""
+    text = model.tokenizer.decode(generated, skip_special_tokens=True).lstrip()
+    return "\n" in text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,8 +384,9 @@ class Trial:
         }
 
 
-def trial_key(model: LoadedModel, prompt: NiahPrompt, max_new_tokens: int) -> str:
-    """The store key of a trial: model digest, prompt ids, needle span, answer and decode length."""
+def trial_key(model: LoadedModel, prompt: NiahPrompt, max_new_tokens: int, stop_at_newline: bool = False) -> str:
+    """The store key of a trial: model digest, prompt ids, needle span, answer and decode length
+    (and the newline stop when on: keys of trials decoded without it are unchanged)."""
     return content_key(
         "retrieval_trial",
         RETRIEVAL_VERSION,
@@ -370,6 +395,7 @@ def trial_key(model: LoadedModel, prompt: NiahPrompt, max_new_tokens: int) -> st
         list(prompt.needle_span),
         prompt.needle.answer,
         max_new_tokens,
+        *(["stop_at_newline"] if stop_at_newline else []),
     )
 
 
@@ -404,25 +430,28 @@ def run_trial(
     store: Store | None = None,
     cancel: Cancel | None = None,
     progress: Progress | None = None,
+    stop_at_newline: bool = False,
 ) -> Trial:
     """Decode one needle-in-a-haystack prompt and score every head on it (Wu et al. 2024, §2).
 
     ``scores[l, h] = |{t : j*_t ∈ needle and prompt_ids[j*_t] == y_t}| / |needle|``; the trial counts
     when ``rouge1_recall(answer, response) > 0.5``. A stored trial with the same key (model digest,
-    prompt ids, needle span, answer, ``max_new_tokens``) is loaded instead of decoded.
+    prompt ids, needle span, answer, ``max_new_tokens``, ``stop_at_newline``) is loaded instead of
+    decoded. ``stop_at_newline``: see :func:`greedy_decode`.
 
     Returns
     -------
     :class:`Trial`.
     """
-    key = trial_key(model, prompt, max_new_tokens)
+    key = trial_key(model, prompt, max_new_tokens, stop_at_newline)
     if store is not None:
         stored = load_trial(store, key)
         if stored is not None:
             if progress:
                 progress(1.0)
             return stored
-    decoded = greedy_decode(model, prompt.token_ids, max_new_tokens, cancel=cancel, progress=progress)
+    decoded = greedy_decode(model, prompt.token_ids, max_new_tokens, cancel=cancel, progress=progress,
+                            stop_at_newline=stop_at_newline)
     stops = stop_ids(model)
     response_ids = [t for t in decoded.generated if t not in stops]
     response = model.tokenizer.decode(response_ids, skip_special_tokens=True)
@@ -430,6 +459,8 @@ def run_trial(
     hits = copy_paste_hits(decoded.argmax_keys, decoded.generated, prompt.token_ids, prompt.needle_span)
     start, end = prompt.needle_span
     settings = prompt.settings() | {"max_new_tokens": max_new_tokens}
+    if stop_at_newline:
+        settings["stop_at_newline"] = True
     trial = Trial(
         key=key,
         settings=settings,
@@ -465,7 +496,7 @@ def trial_prompt(trial: Trial) -> NiahPrompt:
         token_ids=list(trial.prompt_ids), needle_span=tuple(st["needle_span"]),
         question_span=tuple(st.get("question_span", (0, 0))), needle=Needle(**st["needle"]),
         length=int(st["length"]), depth=float(st["depth"]), actual_depth=float(st.get("actual_depth", st["depth"])),
-        haystack_tokens=0, text="",
+        haystack_tokens=0, text="", depth_rule=st.get("depth_rule", DEFAULT_DEPTH_RULE),
     )
 
 
@@ -562,6 +593,7 @@ class RetrievalSweep(RetrievalScores):
     trials : every finished trial, in sweep order.
     cancelled : True when ``cancel`` stopped the sweep (the finished trials are kept and scored).
     key : the stored sweep record's key (empty without a store).
+    depth_rule, stop_at_newline : the needle placement and the decode stop (see :func:`sweep`).
     """
 
     lengths: list[int] = field(default_factory=list)
@@ -571,6 +603,13 @@ class RetrievalSweep(RetrievalScores):
     trials: list[Trial] = field(default_factory=list)
     cancelled: bool = False
     key: str = ""
+    depth_rule: str = DEFAULT_DEPTH_RULE
+    stop_at_newline: bool = False
+
+    def settings_text(self) -> str:
+        """The sweep's needle placement and decode stop, in words (shown with the sweep)."""
+        stop = "stops at EOS or the first newline" if self.stop_at_newline else "stops at EOS"
+        return f"needle at the {self.depth_rule} sentence boundary; decoding {stop}"
 
 
 def sweep(
@@ -583,6 +622,8 @@ def sweep(
     store: Store | None = None,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     template: str = DEFAULT_TEMPLATE,
+    depth_rule: str = DEFAULT_DEPTH_RULE,
+    stop_at_newline: bool = False,
     progress: Progress | None = None,
     cancel: Cancel | None = None,
 ) -> RetrievalSweep:
@@ -596,6 +637,10 @@ def sweep(
     is stored as it finishes and reused when the sweep is run again; the sweep's tables are stored
     too. ``cancel`` (a callable, or an object with ``is_set``) is checked between decode steps: the
     sweep stops, drops the unfinished trial, and returns what finished with ``cancelled=True``.
+
+    ``depth_rule`` places the needle (:data:`analysis.niah.DEPTH_RULES`); ``stop_at_newline`` stops
+    each decode at the first newline after some text (the paper's rule; :func:`greedy_decode`).
+    Both default to the behaviour of every stored sweep, whose keys they leave unchanged.
 
     Returns
     -------
@@ -617,7 +662,7 @@ def sweep(
         raise InputError(f"This sweep would run {n_planned:,} trials (needles × lengths × depths) "
                          f"{hint('HEADSCOPE_MAX_SWEEP_TRIALS')}. Choose fewer needles, lengths or depths.")
     plan = [
-        (i, j, build_prompt(model, needle, haystack, length, depth, template=template))
+        (i, j, build_prompt(model, needle, haystack, length, depth, template=template, depth_rule=depth_rule))
         for i, length in enumerate(lengths)
         for j, depth in enumerate(depths)
         for needle in needles
@@ -639,6 +684,7 @@ def sweep(
                 store=store,
                 cancel=cancel,
                 progress=step_progress,
+                stop_at_newline=stop_at_newline,
             )
         except Cancelled:
             cancelled = True
@@ -672,44 +718,59 @@ def sweep(
         recall=recall,
         trials=trials,
         cancelled=cancelled,
+        depth_rule=depth_rule,
+        stop_at_newline=bool(stop_at_newline),
     )
     if store is not None and trials:
-        result.key = content_key(
-            "retrieval_sweep",
-            RETRIEVAL_VERSION,
-            model.digest,
-            [nd.to_dict() for nd in needles],
-            lengths,
-            depths,
-            content_key(haystack),
-            template,
-            max_new_tokens,
-        )
-        store.put(
-            result.key,
-            "retrieval_sweep",
-            {
-                "model_name": model.name,
-                "model_digest": model.digest,
-                "needles": [nd.to_dict() for nd in needles],
-                "lengths": lengths,
-                "depths": depths,
-                "max_new_tokens": max_new_tokens,
-                "trial_keys": [t.key for t in trials],
-                "n_trials": result.n_trials,
-                "n_counted": result.n_counted,
-                "cancelled": cancelled,
-                "version": RETRIEVAL_VERSION,
-            },
-            {
-                "scores": result.scores.astype(np.float32),
-                "group_max": result.group_max.astype(np.float32),
-                "group_mean": result.group_mean.astype(np.float32),
-                "accuracy": accuracy.astype(np.float32),
-                "recall": recall.astype(np.float32),
-            },
-        )
+        _save_sweep(store, model, result, needles, haystack, template, max_new_tokens)
     return result
+
+
+def _save_sweep(store: Store, model: LoadedModel, result: RetrievalSweep, needles: Sequence[Needle],
+                haystack: str, template: str, max_new_tokens: int) -> None:
+    """Store a sweep's tables under its key (set on ``result``); its trials are stored already."""
+    depth_rule, stop_at_newline, cancelled = result.depth_rule, result.stop_at_newline, result.cancelled
+    lengths, depths, trials = result.lengths, result.depths, result.trials
+    result.key = content_key(
+        "retrieval_sweep",
+        RETRIEVAL_VERSION,
+        model.digest,
+        [nd.to_dict() for nd in needles],
+        lengths,
+        depths,
+        content_key(haystack),
+        template,
+        max_new_tokens,
+        # only when not the default: keys of sweeps stored before these were options stay
+        *([depth_rule] if depth_rule != DEFAULT_DEPTH_RULE else []),
+        *(["stop_at_newline"] if stop_at_newline else []),
+    )
+    store.put(
+        result.key,
+        "retrieval_sweep",
+        {
+            "model_name": model.name,
+            "model_digest": model.digest,
+            "needles": [nd.to_dict() for nd in needles],
+            "lengths": lengths,
+            "depths": depths,
+            "max_new_tokens": max_new_tokens,
+            "trial_keys": [t.key for t in trials],
+            "n_trials": result.n_trials,
+            "n_counted": result.n_counted,
+            "cancelled": cancelled,
+            "depth_rule": depth_rule,
+            "stop_at_newline": bool(stop_at_newline),
+            "version": RETRIEVAL_VERSION,
+        },
+        {
+            "scores": result.scores.astype(np.float32),
+            "group_max": result.group_max.astype(np.float32),
+            "group_mean": result.group_mean.astype(np.float32),
+            "accuracy": result.accuracy.astype(np.float32),
+            "recall": result.recall.astype(np.float32),
+        },
+    )
 
 
 def load_sweep(store: Store, key: str) -> RetrievalSweep | None:
@@ -734,4 +795,6 @@ def load_sweep(store: Store, key: str) -> RetrievalSweep | None:
         trials=trials,  # type: ignore[arg-type]
         cancelled=bool(m["cancelled"]),
         key=key,
+        depth_rule=m.get("depth_rule", DEFAULT_DEPTH_RULE),
+        stop_at_newline=bool(m.get("stop_at_newline", False)),
     )

@@ -20,14 +20,13 @@ from analysis.ablation import (
     AblationSpec,
     ablation_effects,
     format_heads,
-    load_curve,
     load_head_means,
-    load_head_sweep,
     parse_heads,
-    rank_heads,
 )
+from analysis.ablation_curve import load_curve, rank_heads
 from analysis.capture import InputError, Run
 from analysis.head_summary import HEAD_METRICS
+from analysis.head_sweep import load_head_sweep
 from app import figures
 from app.views import VIEWS, Rows, View, memoised, metric_scores
 
@@ -199,13 +198,15 @@ def curve_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     if found is None:
         raise InputError("No curve yet: run the top-k vs random curve first.")
     curve, meta = found
+    outside = "" if curve.outside_top is None else f", random from outside the top {curve.outside_top}"
     fig = figures.topk_curve(curve.k_values, curve.top, curve.random, meta.get("metric_label", "metric"),
                              f"{meta.get('by_label', 'score')}: top-k vs random heads ({curve.method} ablation)"
-                             + ("" if curve.complete else " — cancelled, partial"))
+                             + outside + ("" if curve.complete else " — cancelled, partial"), curve.outside_top)
     rows: Rows = [{"k": k, "set": "top", "seed": "", "value": float(curve.top[j]),
                    "heads": format_heads(curve.order[:k])} for j, k in enumerate(curve.k_values)]
     for s_i, seed in enumerate(curve.seeds):
-        rows += [{"k": k, "set": "random", "seed": seed, "value": float(curve.random[s_i, j]), "heads": ""}
+        rows += [{"k": k, "set": "random", "seed": seed, "value": float(curve.random[s_i, j]), "heads": "",
+                  **({} if curve.outside_top is None else {"outside_top": curve.outside_top})}
                  for j, k in enumerate(curve.k_values)]
     return fig, rows
 

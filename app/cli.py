@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from analysis.ablation_choices import CONTROL_TOP_N, DEFAULT_METHOD, DEFAULT_SEEDS, METHODS
+
 EXIT_USER_ERROR = 2
 
 
@@ -498,10 +500,7 @@ def cmd_scan(args) -> int:
 
     import numpy as np
 
-    from analysis.models import load_model
     from analysis.niah import load_haystack
-    from analysis.retrieval import sweep
-    from app.context import AppContext, set_context
     from app.export import FIGURE_FORMATS, write_files
     from app.heads_views import head_scores_of
 
@@ -510,15 +509,8 @@ def cmd_scan(args) -> int:
     needles = _needles(args)
     with _argument("--haystack"):
         hay = load_haystack(args.haystack)
-    store = _store(args)
-    spec = _model_spec(args)
-    set_context(AppContext(store=store, default_model=spec))
-    with progress_bar("loading model") as bar, _argument("--model"):
-        model = load_model(spec)
-        bar(1.0)
-    with progress_bar(f"sweep ({len(needles)} needles × {len(lengths)} lengths × {len(depths)} depths)") as bar, \
-            _argument("--lengths/--depths/--needles"):
-        result = sweep(model, needles, lengths, depths, hay, store=store, progress=bar)
+    store, spec, model = _open_store_and_model(args)
+    result = _niah_sweep(model, args, store, needles, hay, lengths, depths)
     if not result.trials:
         print("headscope scan: no trial finished", file=sys.stderr)
         return 1
@@ -534,6 +526,7 @@ def cmd_scan(args) -> int:
         "share_above_0.1": result.share_above(0.1),
         "accuracy": np.where(np.isfinite(result.accuracy), result.accuracy, None).tolist(),
         "reused_trials": sum(t.reused for t in result.trials),
+        "depth_rule": result.depth_rule, "stop_at_newline": result.stop_at_newline,
     }
     params = {"model": spec, "sweep": result.key[:16], "agg": "query", "score": "streaming", "stat": "mean",
               "sink_size": args.sink, "window": args.window, "trial": 0}
@@ -554,7 +547,7 @@ def cmd_scan(args) -> int:
         if score == "retrieval" or score in scores.names:
             write_files(None, "score_mass", {**params, "score": score}, out / f"mass_{score}", formats,
                         plotlyjs_path=out / "plotly.min.js")
-    print(f"sweep {result.key}")
+    print(f"sweep {result.key} ({result.settings_text()})")
     print(f"{result.n_counted}/{result.n_trials} trials answered ({summary['reused_trials']} reused); "
           f"{result.share_above(0.1):.1%} of heads score above 0.1")
     print(f"results in {out}")
@@ -572,7 +565,8 @@ def _check_ablate_args(args) -> None:
     if not args.sweep:
         given = [flag for flag, value in (("--lengths", args.lengths), ("--depths", args.depths),
                                           ("--needles", args.needles), ("--needles-file", args.needles_file),
-                                          ("--haystack", args.haystack)) if value]
+                                          ("--haystack", args.haystack), ("--depth-rule", args.depth_rule),
+                                          ("--stop-at-newline", args.stop_at_newline)) if value]
         if given:
             raise UsageError(f"argument {given[0]}: only used with --sweep")
     if args.top_k:
@@ -618,12 +612,79 @@ def ablation_table(summary: dict) -> list[str]:
             lines.append(f"continuation, {which + ':':<8} {shown if len(shown) <= 80 else shown[:77] + '...'}")
     if "curve" in summary:
         c = summary["curve"]
+        outside = f" from outside the top {c['random_outside_top']}" if c.get("random_outside_top") else ""
         lines.append(f"top-k vs random curve: {c['metric']} with the top k heads by {c['by_label']} ablated, "
-                     f"and k random heads ({c['n_seeds']} sets)")
+                     f"and k random heads{outside} ({c['n_seeds']} sets)")
         lines.append(f"{'k':>5}  {'top-k':>10}  {'random mean':>12}  {'± std':>8}")
         for k, top, mean, std in zip(c["k"], c["top"], c["random_mean"], c["random_std"], strict=True):
             lines.append(f"{k:>5}  {top:>10.4f}  {mean:>12.4f}  {std:>8.4f}")
     return lines
+
+
+def _open_store_and_model(args):
+    """The store of ``--home``, the ``--model`` spec and the loaded model, set as the app's context
+    (the views that write exports read both from it)."""
+    from analysis.models import load_model
+    from app.context import AppContext, set_context
+
+    store = _store(args)
+    spec = _model_spec(args)
+    set_context(AppContext(store=store, default_model=spec))
+    with progress_bar("loading model") as bar, _argument("--model"):
+        model = load_model(spec)
+        bar(1.0)
+    return store, spec, model
+
+
+def _niah_sweep(model, args, store, needles, hay, lengths, depths):
+    """The needle-in-a-haystack sweep of ``scan`` and ``ablate --sweep`` (stored trials are reused)."""
+    from analysis.niah import DEFAULT_DEPTH_RULE, DEPTH_RULES
+    from analysis.retrieval import sweep
+
+    depth_rule = args.depth_rule or DEFAULT_DEPTH_RULE
+    if depth_rule not in DEPTH_RULES:
+        raise UsageError(f"argument --depth-rule: choose one of {', '.join(DEPTH_RULES)}, got {depth_rule!r}")
+    with progress_bar(f"needle-in-a-haystack sweep ({len(needles)} needles × {len(lengths)} lengths × "
+                      f"{len(depths)} depths)") as bar, _argument("--lengths/--depths/--needles"):
+        return sweep(model, needles, lengths, depths, hay, store=store, depth_rule=depth_rule,
+                     stop_at_newline=args.stop_at_newline, progress=bar)
+
+
+def _ablation_spec(model, args, heads, store, reference):
+    """The :class:`AblationSpec` of ``--method`` on ``heads``, and the page parameters naming it."""
+    from analysis.ablation import AblationSpec, format_heads, head_means
+    from analysis.capture import capture
+    from app.ablation_views import builtin_reference
+
+    params = {"model": _model_spec(args), "heads": format_heads(heads), "ablate": args.method}
+    means = source = None
+    if args.method == "mean":
+        with progress_bar("reference means") as bar:
+            means = head_means(model, reference or builtin_reference(), store=store, progress=bar)
+        params["ref"] = means.key[:16]
+    if args.method == "resample":
+        with _argument("--source"):
+            source_run = capture(model, args.source, store=store)
+        source, params["source"] = tuple(source_run.token_ids), source_run.key[:16]
+    spec = AblationSpec(tuple(heads), args.method, means=means, source_ids=source)
+    spec.validate(model)
+    return spec, params
+
+
+def _niah_accuracy(model, spec, result, needles, lengths, depths) -> dict:
+    """NIAH accuracy on the sweep's prompts, clean and with ``spec`` ablated, for ``summary.json``."""
+    from analysis.ablation import ablation_hooks
+    from analysis.ablation_curve import retrieval_accuracy
+    from analysis.retrieval import trial_prompt
+
+    prompts = [trial_prompt(t) for t in result.trials]
+    with progress_bar("retrieval accuracy, clean and ablated") as bar:
+        clean = retrieval_accuracy(model, prompts)
+        bar(0.5)
+        ablated = retrieval_accuracy(model, prompts, ablation_hooks(model, spec))
+    return {"sweep": result.key, "needles": [n.id for n in needles], "lengths": lengths, "depths": depths,
+            "n_prompts": len(prompts), "accuracy_clean": clean.accuracy, "accuracy_ablated": ablated.accuracy,
+            "responses_ablated": ablated.responses}
 
 
 def cmd_ablate(args) -> int:
@@ -639,29 +700,12 @@ def cmd_ablate(args) -> int:
 
     import numpy as np
 
-    from analysis.ablation import (
-        METHOD_DESCRIPTIONS,
-        AblationSpec,
-        StoredValues,
-        ablation_hooks,
-        format_heads,
-        head_means,
-        loss_metric_fn,
-        parse_heads,
-        rank_heads,
-        retrieval_accuracy,
-        retrieval_accuracy_fn,
-        save_curve,
-        topk_curve,
-    )
+    from analysis.ablation import METHOD_DESCRIPTIONS, format_heads, parse_heads
+    from analysis.ablation_curve import ablation_curve, check_curve, rank_heads
     from analysis.capture import InputError, capture
     from analysis.head_summary import HEAD_METRICS
-    from analysis.models import load_model
     from analysis.niah import load_haystack
-    from analysis.retrieval import sweep, trial_prompt
     from analysis.store import content_key
-    from app.ablation_views import builtin_reference
-    from app.context import AppContext, set_context
     from app.export import FIGURE_FORMATS, write_files
     from app.views import metric_scores
 
@@ -674,29 +718,19 @@ def cmd_ablate(args) -> int:
         with _argument("--haystack"):
             hay = load_haystack(args.haystack or "prose")
     lengths, depths = args.lengths or [512], args.depths or [25.0, 75.0]
-    store = _store(args)
-    spec_name = _model_spec(args)
-    set_context(AppContext(store=store, default_model=spec_name))
-    with progress_bar("loading model") as bar, _argument("--model"):
-        model = load_model(spec_name)
-        bar(1.0)
+    store, spec_name, model = _open_store_and_model(args)
     n_heads = model.n_layers * model.n_heads
     if args.top_k and args.top_k > n_heads:
         raise UsageError(f"argument --top-k: must be at most {n_heads} (the heads of {spec_name}), got {args.top_k}")
-    if args.curve and max(args.curve) > n_heads:
-        raise UsageError(f"argument --curve: k must be at most {n_heads} (the heads of {spec_name}), "
-                         f"got {max(args.curve)}")
+    if args.curve:
+        with _argument("--curve"):  # checked before any long work
+            check_curve(model, args.curve, args.seeds, args.control_top)
     with _argument("--heads"):
-        heads = parse_heads(model, args.heads) if args.heads else None  # checked before any long work
+        heads = parse_heads(model, args.heads) if args.heads else None
     with _argument("--file" if args.file else "--text"):
         run = capture(model, text, store=store) if text else None
-    result = None
-    if args.sweep:
-        with progress_bar("needle-in-a-haystack sweep") as bar, \
-                _argument("--lengths/--depths/--needles"):
-            result = sweep(model, needles, lengths, depths, hay, store=store, progress=bar)
-    # the scores heads are ranked by
-    scores, by_label = None, ""
+    result = _niah_sweep(model, args, store, needles, hay, lengths, depths) if args.sweep else None
+    scores, by_label = None, ""  # the scores heads are ranked by
     if args.top_k:
         if args.by == "retrieval":
             scores, by_label = np.nan_to_num(result.scores, nan=0.0), "Retrieval score"
@@ -705,19 +739,7 @@ def cmd_ablate(args) -> int:
         heads = rank_heads(scores)[: args.top_k]
         if len(heads) < args.top_k:
             raise InputError(f"Only {len(heads)} heads have a {by_label} here; --top-k must be at most that.")
-    # the method and what it needs
-    params = {"model": spec_name, "heads": format_heads(heads), "ablate": args.method}
-    means = source = None
-    if args.method == "mean":
-        with progress_bar("reference means") as bar:
-            means = head_means(model, reference or builtin_reference(), store=store, progress=bar)
-        params["ref"] = means.key[:16]
-    if args.method == "resample":
-        with _argument("--source"):
-            source_run = capture(model, args.source, store=store)
-        source, params["source"] = tuple(source_run.token_ids), source_run.key[:16]
-    spec = AblationSpec(tuple(heads), args.method, means=means, source_ids=source)
-    spec.validate(model)
+    spec, params = _ablation_spec(model, args, heads, store, reference)
     out = Path(args.out) if args.out else store.root / "exports" / f"ablate-{content_key(params)[:12]}"
     out.mkdir(parents=True, exist_ok=True)
     summary: dict = {"model": model.name, "model_digest": model.digest, "heads": format_heads(heads),
@@ -728,39 +750,34 @@ def cmd_ablate(args) -> int:
         rows = json.loads(fig_rows[-2].read_text()) if fig_rows else []
         summary["text"] = rows[-1] if rows else {}
     if result is not None:
-        prompts = [trial_prompt(t) for t in result.trials]
-        with progress_bar("retrieval accuracy, clean and ablated") as bar:
-            clean = retrieval_accuracy(model, prompts)
-            bar(0.5)
-            ablated = retrieval_accuracy(model, prompts, ablation_hooks(model, spec))
-        summary["niah"] = {"sweep": result.key, "needles": [n.id for n in needles], "lengths": lengths,
-                           "depths": depths, "n_prompts": len(prompts), "accuracy_clean": clean.accuracy,
-                           "accuracy_ablated": ablated.accuracy,
-                           "responses_ablated": ablated.responses}
+        summary["niah"] = _niah_accuracy(model, spec, result, needles, lengths, depths)
     if args.curve:
-        ks = sorted(set(args.curve))
         seeds = list(range(args.seeds))
-        if result is not None:
-            fn, metric_label, subject = retrieval_accuracy_fn(prompts), "NIAH accuracy", ("sweep", result.key)
-        else:
-            fn, metric_label, subject = loss_metric_fn(run.token_ids, model), "mean loss (nats)", ("run", run.key)
-        key = content_key("ablation_curve", model.digest, subject, args.by, scores.round(6).tolist(), ks, seeds,
-                          args.method, params.get("ref"), params.get("source"))
-        known = StoredValues(store, (model.digest, subject, args.method, params.get("ref"), params.get("source")))
-        with progress_bar(f"top-k vs random curve ({len(ks)} k × {1 + len(seeds)} sets)") as bar:
-            curve = topk_curve(model, scores, ks, fn, spec, seeds, known=known, progress=bar)
-        save_curve(store, key, curve, {"metric_label": metric_label, "by_label": by_label,
-                                       "subject": list(subject), "model_digest": model.digest})
+        with progress_bar(f"top-k vs random curve ({len(set(args.curve))} k × {1 + len(seeds)} sets)") as bar:
+            key, curve, meta = ablation_curve(model, scores, args.curve, spec, store, on=result or run,
+                                              by_label=by_label, seeds=seeds, outside_top=args.control_top,
+                                              source_id=params.get("source"), progress=bar)
         write_files(None, "ablation_curve", {**params, "curve": key[:16]}, out, formats)
-        summary["curve"] = {"k": ks, "top": curve.top.tolist(), "random": curve.random.tolist(),
+        summary["curve"] = {"k": curve.k_values, "top": curve.top.tolist(), "random": curve.random.tolist(),
                             "random_mean": curve.random_mean.tolist(), "random_std": curve.random_std.tolist(),
-                            "metric": metric_label, "by_label": by_label, "n_seeds": len(seeds),
-                            "top_heads": format_heads(curve.order[: max(ks)])}
+                            "metric": meta["metric_label"], "by_label": by_label, "n_seeds": len(seeds),
+                            "random_outside_top": curve.outside_top,
+                            "top_heads": format_heads(curve.order[: max(curve.k_values)])}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     for line in ablation_table(summary):
         print(line)
     print(f"results in {out}")
     return 0
+
+
+def _niah_options(p: argparse.ArgumentParser, prefix: str) -> None:
+    """The needle placement and decode stop of a sweep (``scan`` and ``ablate --sweep``)."""
+    p.add_argument("--depth-rule",
+                   help=prefix + "where the needle goes: the sentence boundary nearest to the depth (default) "
+                        "or the previous one (at or before it)")
+    p.add_argument("--stop-at-newline", action="store_true",
+                   help=prefix + "stop each decode at the first newline after some text (the retrieval-head "
+                                 "paper's rule; default: at EOS or after 32 tokens)")
 
 
 MODEL_HELP = "model spec: an embedded model, a .gguf file, a folder of safetensors (default: the embedded " \
@@ -817,6 +834,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--haystack", type=haystack, default="prose", help="prose, passkey, or a UTF-8 text file")
     p.add_argument("--sink", type=count(0), default=4, help="streaming score: S, the first tokens kept as sinks")
     p.add_argument("--window", type=count(1), default=64, help="streaming score: W, the recent window")
+    _niah_options(p, "")
     p.add_argument("--out", type=folder)
     p.add_argument("--formats", default="svg,html")
     p.set_defaults(func=cmd_scan)
@@ -827,7 +845,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", help="e.g. 12.3,14.1 or kv:20.1 (a key-value group) or 7.* (a layer)")
     p.add_argument("--top-k", type=count(1), help="ablate the k heads with the highest --by score")
     p.add_argument("--by", default="retrieval", help="retrieval (needs --sweep) or a per-head score on the text")
-    p.add_argument("--method", default="zero", choices=["zero", "mean", "resample", "uniform", "first_token"])
+    p.add_argument("--method", default=DEFAULT_METHOD, choices=METHODS)
     p.add_argument("--text", type=text_arg)
     p.add_argument("--file", type=text_file, help="read the text from a UTF-8 file")
     p.add_argument("--source", type=text_arg, help="resample: the text whose head outputs are patched in")
@@ -840,9 +858,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--needles-file", type=text_file,
                    help="--sweep: a JSON file of needles (fields: needle, question, answer)")
     p.add_argument("--haystack", type=haystack, help="--sweep: prose (default), passkey, or a UTF-8 text file")
+    _niah_options(p, "--sweep: ")
     p.add_argument("--curve", type=number_list(int, 0, what="head counts"),
                    help="k values for the top-k vs random curve, e.g. 0,5,10,20")
-    p.add_argument("--seeds", type=count(1), default=3, help="random head sets per k (at least 1)")
+    p.add_argument("--seeds", type=count(1), default=DEFAULT_SEEDS, help="random head sets per k (at least 1)")
+    p.add_argument("--control-top", type=count(0), default=CONTROL_TOP_N,
+                   help="--curve: the random heads are drawn from outside the top N heads by the score "
+                        f"(default {CONTROL_TOP_N}; at least the largest k)")
     p.add_argument("--out", type=folder)
     p.add_argument("--formats", default="svg,html")
     p.set_defaults(func=cmd_ablate)

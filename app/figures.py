@@ -506,15 +506,19 @@ def loss_change(tokens: Sequence[str], clean: np.ndarray, ablated: np.ndarray, t
 
 
 def topk_curve(k_values: Sequence[int], top: np.ndarray, random: np.ndarray, metric_label: str,
-               title: str) -> go.Figure:
-    """Metric against k: the top-k heads by a score, and k random heads (each seed faint, mean ± std)."""
+               title: str, outside_top: int | None = None) -> go.Figure:
+    """Metric against k: the top-k heads by a score, and k random heads (each seed faint, mean ± std).
+
+    ``outside_top``: the random heads were drawn from outside the top N by the score; the legend
+    says so (None: a curve stored before the control's N was a setting, drawn as it was)."""
     k = list(k_values)
+    rand = "random heads" if outside_top is None else f"random heads outside the top {outside_top}"
     random = np.asarray(random, dtype=float)
     fig = go.Figure()
     for s, row in enumerate(random):
         fig.add_trace(go.Scatter(x=k, y=np.where(np.isfinite(row), row, None).tolist(), mode="lines",
                                  line={"color": "#999", "width": 1}, opacity=0.5, showlegend=s == 0,
-                                 name="random heads (each seed)", hoverinfo="skip"))
+                                 name=f"{rand} (each seed)", hoverinfo="skip"))
     if len(random):
         with np.errstate(all="ignore"):
             mean, std = np.nanmean(random, 0), np.nanstd(random, 0)
@@ -522,7 +526,7 @@ def topk_curve(k_values: Sequence[int], top: np.ndarray, random: np.ndarray, met
                                  fill="toself", fillcolor="rgba(120,120,120,0.15)", line={"width": 0}, mode="lines",
                                  name="random ± std", hoverinfo="skip"))
         fig.add_trace(go.Scatter(x=k, y=np.where(np.isfinite(mean), mean, None).tolist(), mode="lines+markers",
-                                 line={"color": "#555", "dash": "dash"}, name="random heads (mean)",
+                                 line={"color": "#555", "dash": "dash"}, name=f"{rand} (mean)",
                                  hovertemplate="k=%{x}: %{y:.3f} (random, mean)<extra></extra>"))
     fig.add_trace(go.Scatter(x=k, y=np.where(np.isfinite(top), top, None).tolist(), mode="lines+markers",
                              line={"color": "#e4572e", "width": 3}, name="top-k heads",

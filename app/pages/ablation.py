@@ -7,23 +7,21 @@ import dash
 from dash import Input, Output, State, callback, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
-from analysis.ablation import (
+from analysis.ablation import format_heads, head_means, parse_heads
+from analysis.ablation_choices import (
+    CONTROL_TOP_N,
+    CURVE_METRICS,
+    DEFAULT_CURVE_KS,
+    DEFAULT_METHOD,
+    DEFAULT_SEEDS,
     METHOD_DESCRIPTIONS,
     METHODS,
-    StoredValues,
-    format_heads,
-    head_means,
-    loss_metric_fn,
-    parse_heads,
-    resumable_head_sweep,
-    retrieval_accuracy_fn,
-    save_curve,
-    topk_curve,
+    SWEEP_METRICS,
 )
+from analysis.ablation_curve import ablation_curve
 from analysis.capture import capture
+from analysis.head_sweep import ablation_head_sweep
 from analysis.models import load_model
-from analysis.retrieval import trial_prompt
-from analysis.store import content_key
 from app import ids
 from app.ablation_views import (
     RANK_LABELS,
@@ -60,7 +58,6 @@ dash.register_page(__name__, path="/ablation", name="Ablation", title="headscope
 PREFIX = "abl"
 EMPTY = empty_figure("Run a text, then choose heads to ablate.")
 KEEP = {"persistence": True, "persistence_type": "session"}
-MAX_CURVE_K = 135
 
 
 def layout(**_query) -> html.Div:
@@ -82,7 +79,7 @@ def layout(**_query) -> html.Div:
                                    htmlFor=ids.ABL_HEADS),
                         dcc.Input(id=ids.ABL_HEADS, className="hs-text-input", debounce=True, value=""),
                         html.Label("Method", htmlFor=ids.ABL_METHOD),
-                        dcc.RadioItems(id=ids.ABL_METHOD, value="zero", options=[
+                        dcc.RadioItems(id=ids.ABL_METHOD, value=DEFAULT_METHOD, options=[
                             {"label": html.Span([html.B(f" {m} "), html.Span(METHOD_DESCRIPTIONS[m], className="hs-hint")]),
                              "value": m} for m in METHODS], className="hs-methods"),
                         html.Label("Resample: the source text whose head outputs are patched in", htmlFor=ids.ABL_SOURCE),
@@ -125,13 +122,17 @@ def layout(**_query) -> html.Div:
             html.Div(
                 [
                     html.Label("k values", htmlFor=ids.ABL_CURVE_KS),
-                    dcc.Input(id=ids.ABL_CURVE_KS, value="0,2,5,10,20", className="hs-text-input", **KEEP),
+                    dcc.Input(id=ids.ABL_CURVE_KS, value=",".join(map(str, DEFAULT_CURVE_KS)),
+                              className="hs-text-input", **KEEP),
                     html.Label("random seeds", htmlFor=ids.ABL_CURVE_SEEDS),
-                    dcc.Input(id=ids.ABL_CURVE_SEEDS, type="number", min=0, max=10, value=3, className="hs-number",
-                              **KEEP),
+                    dcc.Input(id=ids.ABL_CURVE_SEEDS, type="number", min=0, max=10, value=DEFAULT_SEEDS,
+                              className="hs-number", **KEEP),
+                    html.Label("random heads from outside the top", htmlFor=ids.ABL_CURVE_CONTROL),
+                    dcc.Input(id=ids.ABL_CURVE_CONTROL, type="number", min=0, value=CONTROL_TOP_N,
+                              className="hs-number", **KEEP),
                     dcc.RadioItems(id=ids.ABL_CURVE_METRIC, inline=True, value="loss", **KEEP, options=[
-                        {"label": " mean loss on this text", "value": "loss"},
-                        {"label": " needle-in-a-haystack accuracy on the sweep's prompts", "value": "niah"}]),
+                        {"label": f" {CURVE_METRICS['loss']} on this text", "value": "loss"},
+                        {"label": f" {CURVE_METRICS['niah']} on the sweep's prompts", "value": "niah"}]),
                     html.Button("Run curve", id=ids.ABL_CURVE_RUN, n_clicks=0, className="hs-run"),
                     html.Button("Cancel", id=ids.ABL_CURVE_CANCEL, n_clicks=0, className="hs-button hs-cancel",
                                 disabled=True),
@@ -146,8 +147,7 @@ def layout(**_query) -> html.Div:
             html.Div(
                 [
                     dcc.RadioItems(id=ids.ABL_SWEEP_METRIC, inline=True, value="loss", **KEEP, options=[
-                        {"label": " Δ mean loss", "value": "loss"},
-                        {"label": " KL from the clean next-token distribution", "value": "kl"}]),
+                        {"label": f" {label}", "value": name} for name, label in SWEEP_METRICS.items()]),
                     html.Button("Sweep all heads", id=ids.ABL_SWEEP_RUN, n_clicks=0, className="hs-run"),
                     html.Button("Cancel", id=ids.ABL_SWEEP_CANCEL, n_clicks=0, className="hs-button hs-cancel",
                                 disabled=True),
@@ -378,16 +378,25 @@ def show_kept(kept):
     return _rows(kept), columns
 
 
-def _ks(text: str) -> list[int]:
+def _whole(value) -> int:
+    """The control's top N as typed (a whole number; its range is checked by the analysis)."""
+    if value is None or value == "":
+        return CONTROL_TOP_N
     try:
-        ks = sorted({int(x) for x in str(text or "").replace(";", ",").split(",") if x.strip()})
+        n = float(value)
+    except (TypeError, ValueError):
+        n = float("nan")
+    if not n.is_integer() or isinstance(value, bool):
+        raise ValueError(f"The random control's top N must be a whole number, got {value!r}.")
+    return int(n)
+
+
+def _ks(text: str) -> list[int]:
+    """The k values typed in the box (their range is checked by the analysis)."""
+    try:
+        return sorted({int(x) for x in str(text or "").replace(";", ",").split(",") if x.strip()})
     except ValueError:
         raise ValueError(f"k values must be whole numbers separated by commas, got {text!r}.") from None
-    if not ks:
-        raise ValueError("Give at least one k value.")
-    if ks[0] < 0 or ks[-1] > MAX_CURVE_K:
-        raise ValueError(f"k values must be between 0 and {MAX_CURVE_K}.")
-    return ks
 
 
 @callback(
@@ -396,12 +405,13 @@ def _ks(text: str) -> list[int]:
     Input(ids.ABL_CURVE_RUN, "n_clicks"),
     State(ids.ABL_CURVE_KS, "value"),
     State(ids.ABL_CURVE_SEEDS, "value"),
+    State(ids.ABL_CURVE_CONTROL, "value"),
     State(ids.ABL_CURVE_METRIC, "value"),
     State(url_id(PREFIX), "search"),
     **cancellable_job(ids.ABL_CURVE_RUN, ids.ABL_CURVE_CANCEL, ids.ABL_CURVE_PROGRESS, ids.ABL_CURVE_STATUS),
     prevent_initial_call=True,
 )
-def run_curve(set_progress, n_clicks, ks_text, n_seeds, metric, search):
+def run_curve(set_progress, n_clicks, ks_text, n_seeds, control_top, metric, search):
     in_job()
     if not n_clicks:
         raise PreventUpdate
@@ -410,7 +420,6 @@ def run_curve(set_progress, n_clicks, ks_text, n_seeds, metric, search):
         context = get_context()
         model = load_model(state.model or context.default_model)
         params = ablation_params(state)
-        ks = _ks(ks_text)
         seeds = list(range(int(n_seeds or 0)))
         run = context.run(state.run) if state.run else None
         scores, by_label = rank_scores(run, params)
@@ -420,26 +429,22 @@ def run_curve(set_progress, n_clicks, ks_text, n_seeds, metric, search):
 
             if not state.sweep:
                 raise ValueError("Needle-in-a-haystack accuracy needs a sweep: give its id (from the Heads page).")
-            prompts = [trial_prompt(t) for t in sweep_of({"sweep": state.sweep}).trials]
-            fn, metric_label, subject = retrieval_accuracy_fn(prompts), "NIAH accuracy", ("sweep", state.sweep)
+            on = sweep_of({"sweep": state.sweep})
+        elif run is None:
+            raise ValueError("Run a text first: the curve's loss is measured on it.")
         else:
-            if run is None:
-                raise ValueError("Run a text first: the curve's loss is measured on it.")
-            fn, metric_label, subject = loss_metric_fn(run.token_ids, model), "mean loss (nats)", ("run", run.key)
-        key = content_key("ablation_curve", model.digest, subject, state.by, state.sweep, state.hsweep,
-                          scores.round(6).tolist(), ks, seeds, spec.method, state.ref, state.source)
-        # every evaluation is stored as it finishes: a cancelled curve resumes when run again
-        known = StoredValues(context.store, (model.digest, subject, spec.method, state.ref, state.source))
-        curve = topk_curve(model, scores, ks, fn, spec, seeds, known=known,
-                           progress=progress_reporter(set_progress, "curve"))
-        save_curve(context.store, key, curve, {"metric_label": metric_label, "by_label": by_label,
-                                               "subject": list(subject), "model_digest": model.digest})
+            on = run
+        key, curve, meta = ablation_curve(model, scores, _ks(ks_text), spec, context.store, on=on,
+                                          by_label=by_label, seeds=seeds, outside_top=_whole(control_top),
+                                          source_id=state.source,
+                                          progress=progress_reporter(set_progress, "curve"))
     except ValueError as e:
         return no_update, str(e)
     state.curve = key[:16]
     top_k = curve.top[-1]
     rand = curve.random_mean[-1] if seeds else float("nan")
-    return state.to_search(), f"k={ks[-1]}: top {top_k:.3f}, random {rand:.3f} ({metric_label})"
+    return state.to_search(), (f"k={curve.k_values[-1]}: top {top_k:.3f}, random {rand:.3f} (outside the top "
+                               f"{curve.outside_top}; {meta['metric_label']})")
 
 
 @callback(
@@ -463,9 +468,8 @@ def run_head_sweep(set_progress, n_clicks, metric, search):
         if run is None:
             raise ValueError("Run a text first: each head is ablated on it.")
         spec = ablation_spec(model, {**ablation_params(state), "heads": "0.0"})
-        key = content_key("ablation_head_sweep", model.digest, run.key, spec.method, metric, state.ref, state.source)
-        result = resumable_head_sweep(model, run.token_ids, spec, metric or "loss", context.store, key,
-                                      meta={"run": run.key}, progress=progress_reporter(set_progress, "sweep"))
+        key, result = ablation_head_sweep(model, run, spec, metric or "loss", context.store, source_id=state.source,
+                                          progress=progress_reporter(set_progress, "sweep"))
     except ValueError as e:
         return no_update, str(e)
     state.hsweep = key[:16]

@@ -10,7 +10,13 @@ from dash.exceptions import PreventUpdate
 
 from analysis.head_scores import LABELS
 from analysis.models import load_model
-from analysis.niah import load_needles, named_haystack, parse_needles
+from analysis.niah import (
+    DEFAULT_DEPTH_RULE,
+    DEPTH_RULE_DESCRIPTIONS,
+    load_needles,
+    named_haystack,
+    parse_needles,
+)
 from analysis.retrieval import sweep
 from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 from app import ids
@@ -77,6 +83,11 @@ def layout(**_query) -> html.Div:
                                             className="hs-number"),
                                   dcc.Input(id=ids.HEADS_WINDOW, **KEEP, type="number", min=1, value=DEFAULT_WINDOW,
                                             className="hs-number")]),
+                        html.Label("Needle placed at", htmlFor=ids.HEADS_DEPTH_RULE),
+                        dcc.RadioItems(id=ids.HEADS_DEPTH_RULE, **KEEP, value=DEFAULT_DEPTH_RULE, options=[
+                            {"label": f" {text}", "value": r} for r, text in DEPTH_RULE_DESCRIPTIONS.items()]),
+                        dcc.Checklist(id=ids.HEADS_STOP_NEWLINE, **KEEP, value=[], options=[
+                            {"label": " stop each answer at its first newline (the paper's rule)", "value": "on"}]),
                     ], className="hs-field"),
                     html.Div([
                         html.Label("Own haystack (used when Haystack is 'my own')", htmlFor=ids.HEADS_CUSTOM_HAYSTACK),
@@ -241,12 +252,14 @@ register_upload(ids.HEADS_HAYSTACK_UPLOAD)
     State(ids.HEADS_CUSTOM_HAYSTACK, "value"),
     State(ids.HEADS_SINK, "value"),
     State(ids.HEADS_WINDOW, "value"),
+    State(ids.HEADS_DEPTH_RULE, "value"),
+    State(ids.HEADS_STOP_NEWLINE, "value"),
     State(url_id(PREFIX), "search"),
     **cancellable_job(ids.HEADS_RUN, ids.HEADS_CANCEL, ids.HEADS_PROGRESS, ids.HEADS_STATUS),
     prevent_initial_call=True,
 )
 def run_sweep(set_progress, n_clicks, needle_ids, custom_needles, lengths, depths, haystack, custom_haystack,
-              sink, window, search):
+              sink, window, depth_rule, stop_newline, search):
     in_job()
     if not n_clicks:
         raise PreventUpdate
@@ -258,6 +271,7 @@ def run_sweep(set_progress, n_clicks, needle_ids, custom_needles, lengths, depth
         depths_ = _numbers(depths, "Depths", float)
         sink_, window_ = _whole(sink, "The sink size S", 0), _whole(window, "The window W", 1)
         result = sweep(model, chosen, lengths_, depths_, _haystack(haystack, custom_haystack), store=context.store,
+                       depth_rule=depth_rule or DEFAULT_DEPTH_RULE, stop_at_newline=bool(stop_newline),
                        progress=progress_reporter(set_progress, "sweep"))
         if not result.trials:
             return no_update, "No trial finished."
@@ -326,6 +340,7 @@ def render(search):
         html.Span(f"sweep {sw.key[:12]}", className="hs-chip"),
         html.Span(f"{sw.n_counted}/{sw.n_trials} trials counted (ROUGE-1 recall > 0.5)", className="hs-chip"),
         html.Span(f"lengths {sw.lengths}, depths {sw.depths}", className="hs-chip"),
+        html.Span(sw.settings_text(), className="hs-chip"),
         html.Span(f"streaming S={params['sink_size']}, W={params['window']}", className="hs-chip"),
         html.Span("cancelled: partial" if sw.cancelled else "complete", className="hs-chip"),
         dcc.Link("Ablate the top retrieval heads →", href=f"/ablation?sweep={sw.key[:16]}&by=retrieval",

@@ -18,11 +18,11 @@ from analysis.ablation import (
     kv_group_heads,
     loss_metric_fn,
     parse_heads,
-    single_head_sweep,
     source_z,
-    topk_curve,
 )
+from analysis.ablation_curve import topk_curve
 from analysis.capture import InputError
+from analysis.head_sweep import single_head_sweep
 
 TEXT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 
@@ -397,7 +397,7 @@ def test_real_model_pattern_edits_propagate_and_ablation_changes_the_answer(real
 
 
 def test_a_cancelled_curve_resumes_from_stored_values(tiny_model, ids, store):
-    from analysis.ablation import StoredValues, load_curve, save_curve
+    from analysis.ablation_curve import StoredValues, load_curve, save_curve
 
     scores = np.arange(8, dtype=float).reshape(2, 4)
     calls = []
@@ -435,7 +435,7 @@ def test_masking_top_retrieval_heads_breaks_retrieval_more_than_random_heads(rea
     prompts: 1.00, 0.00, 1.00 and 0.67). Decoding is greedy and the seeds fixed: the numbers are
     deterministic. Full size (24 prompts, k up to 20, 3 seeds: accuracy 0.54
     clean, 0.08 with the top 5 masked, 0.71 ± 0.10 with 5 random heads): bench/ablation_curve.py."""
-    from analysis.ablation import retrieval_accuracy_fn
+    from analysis.ablation_curve import retrieval_accuracy_fn
     from analysis.retrieval import trial_prompt
 
     result = small_retrieval_sweep
@@ -456,7 +456,7 @@ def test_masking_top_retrieval_heads_breaks_retrieval_more_than_random_heads(rea
 
 
 def test_a_cancelled_single_head_sweep_keeps_finished_layers_and_resumes(tiny_model, ids, store):
-    from analysis.ablation import load_head_sweep, resumable_head_sweep
+    from analysis.head_sweep import load_head_sweep, resumable_head_sweep
 
     calls = {"n": 0}
 
@@ -475,3 +475,19 @@ def test_a_cancelled_single_head_sweep_keeps_finished_layers_and_resumes(tiny_mo
     np.testing.assert_array_equal(done.effect[0], first.effect[0])  # not recomputed
     full = single_head_sweep(tiny_model, ids, "zero", "loss")
     np.testing.assert_allclose(done.effect, full.effect, atol=1e-5)
+
+
+def test_the_head_sweep_action_keeps_the_pages_store_key_and_equals_the_plain_sweep(tiny_model, store):
+    """Sweeps the page stored before the action existed are found again: same key formula."""
+    from analysis.capture import capture
+    from analysis.head_sweep import ablation_head_sweep
+    from analysis.store import content_key
+
+    run = capture(tiny_model, TEXT, store=store)
+    key, result = ablation_head_sweep(tiny_model, run, AblationSpec((), "zero"), "kl", store)
+    assert key == content_key("ablation_head_sweep", tiny_model.digest, run.key, "zero", "kl", None, None)
+    np.testing.assert_allclose(result.effect, single_head_sweep(tiny_model, run.token_ids, "zero", "kl").effect,
+                               rtol=1e-5, atol=1e-6)
+    assert store.get(key).meta["run"] == run.key and result.complete
+    with pytest.raises(InputError, match="choose one of loss, kl"):
+        ablation_head_sweep(tiny_model, run, AblationSpec((), "zero"), "accuracy", store)

@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from analysis.head_summary import (
     HEAD_METRICS,
@@ -61,3 +62,25 @@ def test_mid_sequence_sink_finds_a_key_every_later_query_attends_to():
     p = np.stack([to_five, to_first])[None]
     np.testing.assert_allclose(mid_sequence_sink(p), [[1.0, 0.0]])
     assert np.isnan(mid_sequence_sink(p[..., :10, :10])).all()  # too short for a mid-sequence sink
+
+
+def test_previous_token_score_is_transformer_lens_detector_rescaled_by_n_over_n_minus_1():
+    """The docstring's claim, against TransformerLens' own similarity score on random causal patterns."""
+    import torch
+    from transformer_lens.head_detector import compute_head_attention_similarity_score
+
+    rng = np.random.default_rng(0)
+    n = 11
+    logits = rng.normal(size=(2, 3, n, n))
+    logits[..., np.triu_indices(n, 1)[0], np.triu_indices(n, 1)[1]] = -np.inf
+    patterns = np.exp(logits - logits.max(-1, keepdims=True))
+    patterns /= patterns.sum(-1, keepdims=True)
+    ours = previous_token_mass(patterns)
+    detection = torch.zeros(n, n)
+    detection[torch.arange(1, n), torch.arange(n - 1)] = 1
+    for layer in range(2):
+        for head in range(3):
+            tl = compute_head_attention_similarity_score(
+                torch.tensor(patterns[layer, head], dtype=torch.float64), detection.double(),
+                exclude_bos=False, exclude_current_token=False, error_measure="mul")
+            assert ours[layer, head] * (n - 1) / n == pytest.approx(tl, rel=1e-12)

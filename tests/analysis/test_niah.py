@@ -186,3 +186,19 @@ def test_named_haystack_refuses_paths(tmp_path):
         with pytest.raises(InputError, match="choose one of prose, passkey") as e:
             named_haystack(value)
         assert "canary-word" not in str(e.value)
+
+
+def test_previous_depth_rule_never_places_the_needle_after_the_requested_depth(tiny, prose):
+    """``nearest`` may round up to the next sentence end; ``previous`` takes the last boundary at or
+    before the depth (Kamradt's rule), so it never lands later, and is at most one sentence earlier."""
+    later = 0
+    for depth in (10, 25, 33, 50, 66, 75, 90):
+        near = build_prompt(tiny, NEEDLE, prose, 400, depth)
+        prev = build_prompt(tiny, NEEDLE, prose, 400, depth, depth_rule="previous")
+        assert prev.actual_depth <= depth and prev.actual_depth <= near.actual_depth
+        assert depth - prev.actual_depth < 100 * 60 / prev.haystack_tokens  # within one sentence
+        assert prev.settings()["depth_rule"] == "previous" and "depth_rule" not in near.settings()
+        later += near.actual_depth > depth
+    assert later  # the two rules differ on this haystack: nearest did land after the depth
+    with pytest.raises(InputError, match="nearest, previous"):
+        build_prompt(tiny, NEEDLE, prose, 400, 50, depth_rule="after")

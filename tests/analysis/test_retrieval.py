@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from analysis.capture import InputError
-from analysis.niah import Needle, build_prompt, load_haystack, load_needles
+from analysis.niah import DEFAULT_TEMPLATE, Needle, build_prompt, load_haystack, load_needles
 from analysis.retrieval import (
     Trial,
     copy_paste_hits,
@@ -19,9 +19,11 @@ from analysis.retrieval import (
     run_trial,
     stop_ids,
     sweep,
+    trial_key,
+    trial_prompt,
     trial_scores,
 )
-from analysis.store import Store
+from analysis.store import Store, content_key
 
 NEEDLE = Needle(
     needle="The combination for the blue locker is 4817.",
@@ -304,3 +306,38 @@ def test_statistics_mode_decode_equals_the_eager_pattern_hook_path(real_model, m
     np.testing.assert_allclose(kernel.argmax_weight, eager.argmax_weight, atol=1e-5)
     for a, b in zip(kernel.rows, eager.rows, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_newline_stop_ends_the_decode_at_the_first_newline_after_text_and_keys_stay(tiny, prompt, tmp_path):
+    """The retrieval-head paper's rule, as an option: a leading newline does not stop the decode, the
+    first newline after the answer does; the default decodes on (to EOS) and keeps its old trial key."""
+    nl = tiny.tokenizer.encode("\n")
+    answer = tiny.tokenizer.encode("4817")
+    more = tiny.tokenizer.encode(" The combination")
+    output = nl + answer + nl + more
+    store = Store(tmp_path)
+    with tiny.bridge.hooks(fwd_hooks=forcing_hooks(tiny, prompt, output)):
+        stopped = run_trial(tiny, prompt, max_new_tokens=len(output) + 4, store=store, stop_at_newline=True)
+        default = run_trial(tiny, prompt, max_new_tokens=len(output) + 4, store=store)
+    assert stopped.generated == nl + answer + nl  # the newline that ends the line is kept, like an EOS
+    assert stopped.response.strip() == "4817"
+    assert stopped.settings["stop_at_newline"] is True and "stop_at_newline" not in default.settings
+    assert default.generated == output + [tiny.tokenizer.eos_token_id]
+    assert default.key == trial_key(tiny, prompt, len(output) + 4) != stopped.key
+
+
+def test_sweep_settings_are_stored_and_defaults_keep_the_sweep_key(tiny, tmp_path):
+    store = Store(tmp_path)
+    needle = [NEEDLE]
+    hay = load_haystack("prose")
+    plain = sweep(tiny, needle, [160], [50], hay, store=store, max_new_tokens=2)
+    assert plain.depth_rule == "nearest" and not plain.stop_at_newline
+    assert plain.key == content_key("retrieval_sweep", 1, tiny.digest, [NEEDLE.to_dict()], [160], [50.0],
+                                    content_key(hay), DEFAULT_TEMPLATE, 2)  # the key of sweeps stored before
+    other = sweep(tiny, needle, [160], [50], hay, store=store, max_new_tokens=2, depth_rule="previous",
+                  stop_at_newline=True)
+    assert other.key != plain.key
+    loaded = load_sweep(store, other.key)
+    assert loaded.depth_rule == "previous" and loaded.stop_at_newline
+    assert "previous sentence boundary" in loaded.settings_text() and "newline" in loaded.settings_text()
+    assert trial_prompt(loaded.trials[0]).depth_rule == "previous"

@@ -149,6 +149,11 @@ def test_ablate_writes_effects_and_a_curve_and_refuses_bad_heads(tmp_path):
     lines = curve.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("top-k vs random curve: mean loss (nats)"))
     assert "First-token" in lines[start] or "first" in lines[start].lower()
+    # the random control's top N (default 20), in the table, the summary and the exported rows
+    assert "k random heads from outside the top 20 (2 sets)" in lines[start] and c["random_outside_top"] == 20
+    exported = json.loads((tmp_path / "b" / "ablation_curve.json").read_text())
+    assert {r.get("outside_top") for r in exported if r["set"] == "random"} == {20}
+    assert "random heads outside the top 20 (mean)" in (tmp_path / "b" / "ablation_curve.svg").read_text()
     assert lines[start + 1].split() == ["k", "top-k", "random", "mean", "±", "std"]
     rows = [line.split() for line in lines[start + 2: start + 5]]
     assert rows == [[str(k), f"{top:.4f}", f"{m:.4f}", f"{sd:.4f}"]
@@ -323,6 +328,11 @@ BAD_INPUTS = [
     (("ablate", *T, "--top-k", "2", "--by", "first_token", "--curve", "-1,2"), "--curve"),
     (("ablate", *T, "--top-k", "2", "--by", "first_token", "--curve", ""), "--curve"),
     (("ablate", *T, "--top-k", "2", "--by", "first_token", "--curve", "0,300"), "--curve"),
+    (("ablate", *T, "--top-k", "2", "--by", "first_token", "--curve", "0,251"), "--curve"),
+    (("ablate", *T, "--top-k", "2", "--by", "first_token", "--curve", "0,5", "--control-top", "-1"), "--control-top"),
+    (("ablate", *T, "--heads", "1.1", "--stop-at-newline"), "--stop-at-newline"),
+    (("ablate", *T, "--heads", "1.1", "--depth-rule", "previous"), "--depth-rule"),
+    (("scan", "--depth-rule", "after"), "--depth-rule"),
     (("ablate", *T, "--heads", "1.1", "--curve", "0,1"), "--curve"),
     (("ablate", *T, "--top-k", "2", "--by", "no_such_score"), "--by"), (("ablate", *T, "--top-k", "2"), "--by"),
     (("ablate", "--sweep", "--top-k", "2", "--by", "first_token"), "--by"),

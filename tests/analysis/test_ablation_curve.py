@@ -1,0 +1,95 @@
+"""Top-k vs random curves (analysis/ablation_curve.py): the control stays outside the stated top N,
+and the user action stores, reloads and reuses what it measured."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformer_lens.utilities import get_act_name
+
+from analysis.ablation import AblationSpec, loss_metric_fn
+from analysis.ablation_curve import ablation_curve, check_curve, load_curve, topk_curve
+from analysis.capture import InputError, capture
+
+TEXT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+
+
+def zeroed_heads(model, ids, hooks) -> set[tuple[int, int]]:
+    """The heads whose ``hook_z`` the hooks set to zero (read after them)."""
+    got = {}
+
+    def keep(name):
+        def hook(t, hook=None):
+            got[name] = t.detach().clone()
+
+        return hook
+
+    names = [get_act_name("z", layer) for layer in range(model.n_layers)]
+    with torch.inference_mode():
+        model.bridge.run_with_hooks(torch.tensor([ids]), fwd_hooks=list(hooks) + [(n, keep(n)) for n in names],
+                                    return_type=None)
+    return {(la, h) for la in range(model.n_layers) for h in range(model.n_heads)
+            if torch.all(got[names[la]][0, :, h] == 0)}
+
+
+def test_random_control_draws_from_outside_the_stated_top_n_not_only_the_top_k(tiny_model):
+    """With k ≤ 2 and N = 5, no random set holds any of the 5 best heads; the old rule (N = max k)
+    would draw from the heads ranked 3rd to 5th too, and with enough seeds does."""
+    ids = tiny_model.encode(TEXT)
+    scores = np.array([[0.1, 0.9, 0.5, 0.3], [0.8, 0.2, 0.7, 0.0]])  # ranked: 0.1 1.0 1.2 0.2 0.3 | 1.1 0.0 1.3
+    seen: list[set] = []
+
+    def metric(model, hooks):
+        seen.append(zeroed_heads(model, ids, hooks))
+        return float(len(seen[-1]))
+
+    seeds = range(6)
+    curve = topk_curve(tiny_model, scores, [0, 1, 2], metric, "zero", seeds, outside_top=5)
+    top5 = set(curve.order[:5])
+    assert curve.outside_top == 5 and top5 == {(0, 1), (1, 0), (1, 2), (0, 2), (0, 3)}
+    random_sets = seen[3:]
+    assert random_sets and all(s and s.isdisjoint(top5) for s in random_sets if s)
+    seen.clear()
+    old = topk_curve(tiny_model, scores, [0, 1, 2], metric, "zero", seeds)
+    assert old.outside_top is None  # the rule of curves stored before N was a setting
+    assert any(s & (top5 - set(old.order[:2])) for s in seen[3:])  # it does draw ranks 3-5
+
+
+def test_curve_checks_explain_what_to_change(tiny_model):
+    assert check_curve(tiny_model, [3, 0, 3], 2, 2) == [0, 3]
+    for ks, seeds, n, message in [([], 1, 0, "at least one k"), ([0, 9], 1, 0, "between 0 and 8"),
+                                  ([-1], 1, 0, "between 0 and 8"), ([3], 1, 6, "outside the top 6"),
+                                  ([5], 1, 0, "use k up to 4"), ([1], 1, -1, "at least 0")]:
+        with pytest.raises(InputError, match=message):
+            check_curve(tiny_model, ks, seeds, n)
+    assert check_curve(tiny_model, [8], 0, 20) == [8]  # no random control: any k up to all heads
+
+
+def test_the_curve_action_stores_its_control_and_reuses_measured_head_sets(tiny_model, store, monkeypatch):
+    run = capture(tiny_model, TEXT, store=store)
+    scores = np.arange(8, dtype=float).reshape(2, 4)
+    spec = AblationSpec((), "zero")
+    key, curve, meta = ablation_curve(tiny_model, scores, [2, 0, 1], spec, store, on=run, by_label="a score",
+                                      seeds=[0, 1], outside_top=3)
+    assert curve.k_values == [0, 1, 2] and curve.complete and curve.outside_top == 3
+    assert meta["random_outside_top"] == 3 and meta["metric_label"] == "mean loss (nats)"
+    clean = loss_metric_fn(run.token_ids, tiny_model)(tiny_model, [])
+    assert curve.top[0] == pytest.approx(clean) and curve.random[:, 0] == pytest.approx([clean, clean])
+    loaded, stored_meta = load_curve(store, key)
+    assert loaded.outside_top == 3 and stored_meta["by_label"] == "a score"
+    np.testing.assert_array_equal(loaded.random, curve.random)
+    # another control N is another curve (another key), but head sets measured before are not rerun
+    import analysis.ablation_curve as ac
+
+    calls = []
+    real = ac.ablation_hooks
+    monkeypatch.setattr(ac, "ablation_hooks", lambda model, spec_: calls.append(spec_.heads) or real(model, spec_))
+    key2, again, _ = ablation_curve(tiny_model, scores, [0, 1, 2], spec, store, on=run, by_label="a score",
+                                    seeds=[0, 1], outside_top=2)
+    assert key2 != key and again.outside_top == 2
+    np.testing.assert_array_equal(again.top, curve.top)
+    top_sets = {tuple(sorted(curve.order[:k])) for k in (0, 1, 2)}
+    assert calls and not top_sets & set(calls)  # only new random sets ran
+    with pytest.raises(InputError, match="outside the top 7"):
+        ablation_curve(tiny_model, scores, [2], spec, store, on=run, by_label="s", seeds=[0], outside_top=7)

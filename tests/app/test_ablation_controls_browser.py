@@ -1,0 +1,59 @@
+"""The #15 settings in real Chromium: the curve's random-control top N on the Ablation page, and the
+needle-depth rule and newline stop of a sweep on the Heads page (shown with the sweep). The server,
+browser and helpers are tests/app/test_browser.py's."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.app.test_browser import PROMPT, browser, page, select_option, server, wait_title  # noqa: F401
+
+pytestmark = [pytest.mark.browser, pytest.mark.integration]
+
+
+def test_curve_control_top_n_is_used_shown_and_checked(server, page):  # noqa: F811
+    url, proc, _ = server
+    page.goto(url + "ablation")
+    page.fill("#abl-hs-text", PROMPT)
+    page.click("#abl-hs-run")
+    page.wait_for_function("location.search.includes('run=')")
+    wait_title(page, "hs-abl-grid", "0 heads chosen")
+    select_option(page, "hs-abl-by", "Attention on first token")
+    page.fill("#hs-abl-k", "2")
+    page.click("#hs-abl-topk")
+    page.wait_for_function("location.search.includes('by=first_token')")
+    page.fill("#hs-abl-curve-ks", "0,2")
+    page.fill("#hs-abl-curve-seeds", "1")
+    page.fill("#hs-abl-curve-control", "7")
+    page.click("#hs-abl-curve-run")
+    page.wait_for_function("location.search.includes('curve=') || "
+                           "(document.querySelector('#hs-abl-curve-status')?.innerText || '').includes('.')",
+                           timeout=240_000)
+    assert "curve=" in page.evaluate("location.search"), page.inner_text("#hs-abl-curve-status")
+    wait_title(page, "hs-abl-curve", "random from outside the top 7")
+    assert "outside the top 7" in page.inner_text("#hs-abl-curve-status")
+    assert page.locator("#hs-abl-curve .legend text", has_text="random heads outside the top 7 (mean)").count() == 1
+    # a control that leaves too few heads: said plainly, nothing runs
+    page.fill("#hs-abl-curve-control", "269")
+    page.click("#hs-abl-curve-run")
+    page.wait_for_function("(document.querySelector('#hs-abl-curve-status')?.innerText || '')"
+                           ".includes('outside the top 269')")
+    assert proc.poll() is None
+
+
+def test_sweep_depth_rule_and_newline_stop_are_sweep_settings_shown_with_it(server, page):  # noqa: F811
+    url, proc, _ = server
+    page.goto(url + "heads")
+    page.wait_for_selector("#hs-heads-run")
+    page.fill("#hs-heads-custom-needles", "The secret passkey is 7731. | What is the secret passkey? | 7731")
+    page.fill("#hs-heads-lengths", "160")
+    page.fill("#hs-heads-depths", "50")
+    select_option(page, "hs-heads-haystack", "passkey")
+    page.check("#hs-heads-depth-rule input[value='previous']")
+    page.check("#hs-heads-stop-newline input[value='on']")
+    page.click("#hs-heads-run")
+    page.wait_for_function("location.search.includes('sweep=')", timeout=240_000)
+    page.wait_for_function("(document.querySelector('.hs-run-info')?.innerText || '')"
+                           ".includes('needle at the previous sentence boundary; decoding stops at EOS or the "
+                           "first newline')")
+    assert proc.poll() is None
