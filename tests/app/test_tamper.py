@@ -70,7 +70,8 @@ def render_attention(url: str, search: str) -> dict:
     for part in dep["output"].strip(".").split("..."):
         cid, prop = part.rsplit(".", 1)
         outputs.append({"id": cid, "property": prop})
-    body = {"output": dep["output"], "outputs": outputs, "changedPropIds": [f"{location}.search"], "state": [],
+    state = [{**d, "value": None} for d in dep.get("state", [])]  # what a fresh page holds
+    body = {"output": dep["output"], "outputs": outputs, "changedPropIds": [f"{location}.search"], "state": state,
             "inputs": [{"id": location, "property": "search", "value": search}]}
     req = urllib.request.Request(url + "_dash-update-component", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -81,6 +82,12 @@ def render_attention(url: str, search: str) -> dict:
 
 def heatmap(response: dict) -> np.ndarray:
     z = response["hs-heatmap"]["figure"]["data"][0]["z"]
+    if isinstance(z, dict):  # plotly's typed-array encoding: {"dtype", "bdata" (base64), "shape"}
+        import base64
+
+        flat = np.frombuffer(base64.b64decode(z["bdata"]), dtype=np.dtype(z["dtype"]))
+        shape = [int(n) for n in str(z["shape"]).split(",")] if "shape" in z else [len(flat)]
+        return flat.reshape(shape).astype(np.float64)
     return np.array([[np.nan if v is None else v for v in row] for row in z], dtype=np.float64)
 
 
