@@ -228,7 +228,7 @@ def test_attention_run_happens_on_a_worker_and_the_web_process_loads_no_model(cl
     assert page.locator("#hs-error").inner_text().strip() == ""
     assert "refused to load model" not in cluster["web_log"].read_text()
     jobs = [job for w in cluster["workers"] for job, _ in STARTED.findall(w.log())]
-    assert "run_text_attn" in jobs and "render" in jobs
+    assert "run_text" in jobs and "render" in jobs  # the Attention page's Run job and its render
 
 
 def test_cancel_stops_the_running_job_on_its_worker(cluster, browser):
