@@ -155,8 +155,9 @@ def run_prompt(page, url, text):
     page.click("#attn-hs-run")
 
 
-def wait_for_run(page):
-    page.wait_for_function("(document.querySelector('#hs-run-info')?.innerText || '').includes('tokens')")
+def wait_for_run(page, timeout: float | None = None):
+    page.wait_for_function("(document.querySelector('#hs-run-info')?.innerText || '').includes('tokens')",
+                           timeout=timeout)
     page.wait_for_selector("#hs-grid .heatmaplayer .hm")
 
 

@@ -15,7 +15,7 @@ from analysis.attribution import RELEVANCE_METHODS, attribute, spearman
 from analysis.capture import capture
 from analysis.rollout import FUSIONS
 from app import views
-from tests.app.test_browser import start_server
+from tests.app.test_browser import browser, page, start_server  # noqa: F401
 
 TEXT = "The keys to the old wooden cabinet are"
 CHROMIUM_ARGS = [
@@ -84,25 +84,6 @@ def server(tmp_path_factory):
     yield url, proc, home
     proc.terminate()
     proc.wait(timeout=20)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
-
-
-@pytest.fixture
-def page(browser):
-    context = browser.new_context(viewport={"width": 1400, "height": 1100})
-    page = context.new_page()
-    page.set_default_timeout(60_000)
-    yield page
-    context.close()
 
 
 def strip(method: str) -> str:
