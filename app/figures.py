@@ -251,8 +251,11 @@ def token_strip(
             zmax=(scale[0] if scale is not None else 1.0 if weights is None
                   else max(1e-6, float(np.nanmax(z)))),
             showscale=scale is not None,
-            colorbar={"title": {"text": scale[1] if scale is not None else "weight", "side": "right"},
-                      "thickness": 12, "nticks": 5, "tickformat": ".2~f"},
+            # horizontal, under the tokens: a one-row strip is too short for a readable vertical bar
+            colorbar={"title": {"text": (scale[1] if scale is not None else "weight").replace("<br>", " "),
+                                "side": "right"},
+                      "orientation": "h", "x": 1.0, "xanchor": "right", "y": -0.08, "yanchor": "top",
+                      "len": 0.45, "thickness": 10, "nticks": 5, "tickformat": ".2~f"},
             hovertemplate="position %{customdata[0]}: %{text}<br>weight %{customdata[1]:.4f}<extra></extra>",
             xgap=2,
             ygap=2,
@@ -264,7 +267,7 @@ def token_strip(
                       line={"color": "#e4572e", "width": 2})
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False, autorange="reversed")
-    fig = _layout(fig, title, height=max(140, 34 * rows + 80))
+    fig = _layout(fig, title, height=max(140, 34 * rows + 80) + (50 if scale is not None else 0))
     fig.update_layout(meta={"per_row": per_row, "n": n, "query": query})  # read by assets/attention.js
     return fig
 
