@@ -7,7 +7,8 @@ a bad value is dropped and reported, so a mangled link still opens a page that s
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
+from typing import Any
 from urllib.parse import parse_qs, urlencode
 
 from analysis.head_summary import HEAD_METRICS
@@ -30,28 +31,58 @@ MAX_INDEX = 1_000_000
 MAX_SEARCH = 20_000  # characters of a query string (a head list is at most 2,000)
 
 
+# The keys every page shares: the model, the text's run, the selected head and query position. Nav
+# links carry the first four from page to page (app.server); the rest belong to one page each.
+SHARED_KEYS = ("model", "run", "layer", "head")
+
+
 @dataclass
-class PageState:
-    model: str | None = None
-    run: str | None = None
-    layer: int | None = None
-    head: int | None = None
+class AttentionState:
+    """The Attention page's own fields: the grid's per-head metric, a zoomed region of a long run."""
+
     metric: str = "entropy"
-    query: int | None = None
+    region: str | None = None
+
+
+@dataclass
+class FlowState:
+    """The Flow page's own fields: the target token, the rollout's head fusion, dropping sink columns."""
+
     target: int | None = None
     fusion: str = "mean"
     drop_sink: bool = False
+
+
+@dataclass
+class HeadsState:
+    """The Heads page's own fields: the sweep, its trial, the aggregation and the other-score view."""
+
     sweep: str | None = None
     trial: int | None = None
     agg: str = "query"
-    method: str = "pca"
-    colour: str = "position"
-    feature: str = "previous_token"
-    sentences: int | None = None
     score: str = "streaming"
     stat: str = "mean"
     sink_size: int | None = None
     window: int | None = None
+
+
+@dataclass
+class QKState:
+    """The QK page's own fields: projection, colour, feature, probe set and token search."""
+
+    method: str = "pca"
+    colour: str = "position"
+    feature: str = "previous_token"
+    sentences: int | None = None
+    labels: str | None = None
+    texts: str | None = None
+    find: str | None = None
+
+
+@dataclass
+class AblationState:
+    """The Ablation page's own fields: heads, method, ranking, the curve and the stored results."""
+
     heads: str | None = None
     ablate: str = "zero"
     by: str = "retrieval"
@@ -61,35 +92,76 @@ class PageState:
     hsweep: str | None = None
     source: str | None = None
     ref: str | None = None
-    labels: str | None = None
-    texts: str | None = None
-    find: str | None = None
-    region: str | None = None
-    problems: list[str] = field(default_factory=list)
+
+
+PARTS = {"attention": AttentionState, "flow": FlowState, "sweeps": HeadsState, "qk": QKState,
+         "ablation": AblationState}
+_OWNER = {f.name: part for part, cls in PARTS.items() for f in fields(cls)}  # page field -> its part
+_SHARED = ("model", "run", "layer", "head", "query")  # ``query``: one URL key, read by Attention and QK
+# the URL's key order (kept as it was, so links the pages write are unchanged), and a field's URL key
+_ORDER = ("model", "run", "layer", "head", "metric", "query", "target", "fusion", "drop_sink", "method", "colour",
+          "feature", "sentences", "score", "stat", "sink_size", "window", "heads", "ablate", "by", "k", "seed",
+          "curve", "hsweep", "source", "ref", "labels", "texts", "find", "region", "sweep", "trial", "agg")
+_URL_KEY = {"drop_sink": "sink"}
+
+
+class PageState:
+    """The state of a page: the shared fields (model, run, layer, head, query) and each page's own
+    fields in its part (``state.attention``, ``state.flow``, ``state.sweeps`` (the Heads page), ``state.qk``,
+    ``state.ablation``). A page field may also be read and set by its name (``state.metric``);
+    the name belongs to one part, so it means the same on every page."""
+
+    def __init__(self, model: str | None = None, run: str | None = None, layer: int | None = None,
+                 head: int | None = None, query: int | None = None, problems: list[str] | None = None,
+                 **page_fields: Any) -> None:
+        unknown = set(page_fields) - set(_OWNER) - set(PARTS)
+        if unknown:
+            raise TypeError(f"PageState has no field {sorted(unknown)[0]!r}")
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "run", run)
+        object.__setattr__(self, "layer", layer)
+        object.__setattr__(self, "head", head)
+        object.__setattr__(self, "query", query)
+        object.__setattr__(self, "problems", list(problems or []))
+        for part, cls in PARTS.items():
+            given = page_fields.get(part)
+            object.__setattr__(self, part, given if given is not None else cls(
+                **{k: v for k, v in page_fields.items() if _OWNER.get(k) == part}))
+
+    def __getattr__(self, name: str) -> Any:  # only for names not found on the object: page fields
+        part = _OWNER.get(name)
+        if part is None:
+            raise AttributeError(f"PageState has no field {name!r}")
+        return getattr(self.__dict__[part], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        part = _OWNER.get(name)
+        if part is not None:
+            setattr(self.__dict__[part], name, value)
+        elif name in _SHARED or name in PARTS or name == "problems":
+            object.__setattr__(self, name, value)
+        else:
+            raise AttributeError(f"PageState has no field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PageState) and self.__dict__ == other.__dict__
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items())
+        return f"PageState({inner})"
+
+    def shared(self) -> PageState:
+        """Only what every page shares (model, run, layer, head): what a nav link carries."""
+        return PageState(**{k: getattr(self, k) for k in SHARED_KEYS})
 
     def to_search(self) -> str:
-        params = {
-            k: v
-            for k, v in (
-                ("model", self.model), ("run", self.run), ("layer", self.layer), ("head", self.head),
-                ("metric", None if self.metric == "entropy" else self.metric), ("query", self.query), ("target", self.target),
-                ("fusion", None if self.fusion == "mean" else self.fusion),
-                ("sink", 1 if self.drop_sink else None),
-                ("method", None if self.method == "pca" else self.method),
-                ("colour", None if self.colour == "position" else self.colour),
-                ("feature", None if self.feature == "previous_token" else self.feature),
-                ("sentences", self.sentences),
-                ("score", None if self.score == "streaming" else self.score),
-                ("stat", None if self.stat == "mean" else self.stat),
-                ("sink_size", self.sink_size), ("window", self.window),
-                ("heads", self.heads), ("ablate", None if self.ablate == "zero" else self.ablate),
-                ("by", None if self.by == "retrieval" else self.by), ("k", self.k), ("seed", self.seed),
-                ("curve", self.curve), ("hsweep", self.hsweep), ("source", self.source), ("ref", self.ref),
-                ("labels", self.labels), ("texts", self.texts), ("find", self.find), ("region", self.region),
-                ("sweep", self.sweep), ("trial", self.trial), ("agg", None if self.agg == "query" else self.agg),
-            )
-            if v is not None
-        }
+        defaults = {f.name: f.default for cls in PARTS.values() for f in fields(cls)}
+        params = {}
+        for name in _ORDER:
+            value = getattr(self, name)
+            if value is None or (name in defaults and value == defaults[name]):
+                continue  # a page field at its default is left out of the link
+            params[_URL_KEY.get(name, name)] = 1 if value is True else value
         return "?" + urlencode(params) if params else ""
 
 
