@@ -731,20 +731,8 @@ def _save_sweep(store: Store, model: LoadedModel, result: RetrievalSweep, needle
     """Store a sweep's tables under its key (set on ``result``); its trials are stored already."""
     depth_rule, stop_at_newline, cancelled = result.depth_rule, result.stop_at_newline, result.cancelled
     lengths, depths, trials = result.lengths, result.depths, result.trials
-    result.key = content_key(
-        "retrieval_sweep",
-        RETRIEVAL_VERSION,
-        model.digest,
-        [nd.to_dict() for nd in needles],
-        lengths,
-        depths,
-        content_key(haystack),
-        template,
-        max_new_tokens,
-        # only when not the default: keys of sweeps stored before these were options stay
-        *([depth_rule] if depth_rule != DEFAULT_DEPTH_RULE else []),
-        *(["stop_at_newline"] if stop_at_newline else []),
-    )
+    result.key = _sweep_key(model.digest, [nd.to_dict() for nd in needles], lengths, depths, content_key(haystack),
+                            template, max_new_tokens, depth_rule, stop_at_newline)
     store.put(
         result.key,
         "retrieval_sweep",
@@ -771,6 +759,63 @@ def _save_sweep(store: Store, model: LoadedModel, result: RetrievalSweep, needle
             "recall": result.recall.astype(np.float32),
         },
     )
+
+
+def _sweep_key(model_digest: str, needles: list[dict], lengths: Sequence[int], depths: Sequence[float],
+               haystack_digest: str, template: str, max_new_tokens: int, depth_rule: str,
+               stop_at_newline: bool) -> str:
+    return content_key(
+        "retrieval_sweep",
+        RETRIEVAL_VERSION,
+        model_digest,
+        needles,
+        lengths,
+        depths,
+        haystack_digest,
+        template,
+        max_new_tokens,
+        # only when not the default: keys of sweeps stored before these were options stay
+        *([depth_rule] if depth_rule != DEFAULT_DEPTH_RULE else []),
+        *(["stop_at_newline"] if stop_at_newline else []),
+    )
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """What a stored sweep was run with, to show it and run it again (:func:`sweep` takes them).
+
+    ``haystack`` is the name of the shipped haystack (:data:`analysis.niah.HAYSTACK_NAMES`) the sweep
+    used, or None when it used the user's own text, which is stored only as its digest.
+    """
+
+    needles: list[Needle]
+    lengths: list[int]
+    depths: list[float]
+    haystack: str | None
+    depth_rule: str
+    stop_at_newline: bool
+
+
+def sweep_settings(store: Store, key: str) -> SweepSettings | None:
+    """The settings of the stored sweep ``key``, or None when no sweep is stored under it.
+
+    The haystack is found by recomputing the sweep's key (as :func:`sweep` computes it, with the
+    default template) for each shipped haystack: the one whose key matches is the one it used.
+    """
+    from analysis.niah import HAYSTACK_NAMES, named_haystack
+
+    record = store.get(key)
+    if record is None or record.kind != "retrieval_sweep":
+        return None
+    m = record.meta
+    depth_rule, stop = m.get("depth_rule", DEFAULT_DEPTH_RULE), bool(m.get("stop_at_newline", False))
+    haystack = next((name for name in HAYSTACK_NAMES
+                     if _sweep_key(m["model_digest"], m["needles"], m["lengths"], m["depths"],
+                                   content_key(named_haystack(name)), DEFAULT_TEMPLATE, m["max_new_tokens"],
+                                   depth_rule, stop) == key), None)
+    return SweepSettings(needles=[Needle(**nd) for nd in m["needles"]], lengths=[int(x) for x in m["lengths"]],
+                         depths=[float(x) for x in m["depths"]], haystack=haystack, depth_rule=depth_rule,
+                         stop_at_newline=stop)
 
 
 def load_sweep(store: Store, key: str) -> RetrievalSweep | None:

@@ -41,8 +41,8 @@ def create_app(context: AppContext) -> Dash:
                 [
                     html.A("headscope", href="/", className="hs-brand"),
                     html.Nav(
-                        [dcc.Link(page["name"], href=page["relative_path"], className="hs-nav-link")
-                         for page in dash.page_registry.values()],
+                        [dcc.Link(page["name"], href=page["relative_path"], className="hs-nav-link",
+                                  id=_nav_link_id(page)) for page in dash.page_registry.values()],
                         className="hs-nav",
                     ),
                 ],
@@ -58,12 +58,50 @@ def create_app(context: AppContext) -> Dash:
             ),
         ]
     )
+    carry_shared_state_in_nav(app)
     redact_tokens_in_logs()
     cap_request_size(app.server)
     from app.offers import check_callback_requests
 
     check_callback_requests(app, app.server)
     return app
+
+
+def _nav_link_id(page: dict) -> str:
+    return f"hs-nav-{page['module'].rsplit('.', 1)[-1]}"
+
+
+def carry_shared_state_in_nav(app: Dash) -> None:
+    """The nav links carry what every page shares (model, run, layer, head:
+    :data:`app.url_state.SHARED_KEYS`), so going to another page keeps the text's run.
+
+    One browser-side callback per page, on that page's own URL (a page writes its state there
+    without telling the router): the links follow every change without a server round trip."""
+    import json
+    import sys
+
+    from app.components import url_id
+    from app.url_state import SHARED_KEYS
+
+    pages = list(dash.page_registry.values())
+    paths = json.dumps([page["relative_path"] for page in pages])
+    keep = json.dumps(list(SHARED_KEYS))
+    outputs = [dash.Output(_nav_link_id(page), "href", allow_duplicate=True) for page in pages]
+    for page in pages:
+        prefix = getattr(sys.modules.get(page["module"]), "PREFIX", None)
+        if prefix is None:
+            continue
+        app.clientside_callback(
+            f"""function(search) {{
+                const given = new URLSearchParams(search || ""), kept = new URLSearchParams();
+                for (const key of {keep}) {{ if (given.get(key)) kept.set(key, given.get(key)); }}
+                const query = kept.toString() ? "?" + kept.toString() : "";
+                return {paths}.map(path => path + query);
+            }}""",
+            *outputs,
+            dash.Input(url_id(prefix), "search"),
+            prevent_initial_call="initial_duplicate",
+        )
 
 
 def max_request_bytes() -> int:

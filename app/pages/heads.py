@@ -4,6 +4,8 @@ trials show why it scored."""
 
 from __future__ import annotations
 
+import json
+
 import dash
 from dash import Input, Output, State, callback, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
@@ -17,7 +19,7 @@ from analysis.niah import (
     named_haystack,
     parse_needles,
 )
-from analysis.retrieval import sweep
+from analysis.retrieval import SweepSettings, sweep, sweep_settings
 from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 from app import ids
 from app.components import (
@@ -63,6 +65,8 @@ def layout(**_query) -> html.Div:
         [
             page_location(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
+            dcc.Store(id=ids.HEADS_FORM_SWEEP),
+            html.P(id=ids.HEADS_FORM_NOTE, className="hs-hint", role="status"),
             html.Div(
                 [
                     html.Div([html.Label("Needles"), dcc.Checklist(
@@ -238,6 +242,68 @@ def upload_haystack(file):
 
 
 register_upload(ids.HEADS_HAYSTACK_UPLOAD)
+
+
+def _needles_text(needles: list) -> str:
+    """Needles as the own-needles box takes them: one ``needle | question | answer`` per line when
+    that reads back as the same needles (ids and kinds included), else as JSON."""
+    lines = "\n".join(f"{n.needle} | {n.question} | {n.answer}" for n in needles)
+    try:
+        if parse_needles(lines) == list(needles):
+            return lines
+    except ValueError:
+        pass
+    return json.dumps([n.to_dict() for n in needles], ensure_ascii=False, indent=1)
+
+
+def _form_values(settings: SweepSettings) -> tuple[list[str], str, str, str, str]:
+    """(ticked needles, own needles, lengths, depths, haystack choice) that run ``settings`` again."""
+    shipped = {n.id: n for n in load_needles()}
+    if all(shipped.get(n.id) == n for n in settings.needles):
+        ticked, own = [n.id for n in settings.needles], ""
+    else:  # the own-needles box is used instead of the ticked ones: tick none, so the form reads true
+        ticked, own = [], _needles_text(settings.needles)
+    return (ticked, own, ",".join(str(n) for n in settings.lengths), ",".join(f"{d:g}" for d in settings.depths),
+            settings.haystack or "custom")
+
+
+@callback(
+    Output(ids.HEADS_NEEDLES, "value"),
+    Output(ids.HEADS_CUSTOM_NEEDLES, "value"),
+    Output(ids.HEADS_LENGTHS, "value"),
+    Output(ids.HEADS_DEPTHS, "value"),
+    Output(ids.HEADS_HAYSTACK, "value", allow_duplicate=True),
+    Output(ids.HEADS_SINK, "value"),
+    Output(ids.HEADS_WINDOW, "value"),
+    Output(ids.HEADS_DEPTH_RULE, "value"),
+    Output(ids.HEADS_STOP_NEWLINE, "value"),
+    Output(ids.HEADS_FORM_NOTE, "children"),
+    Output(ids.HEADS_FORM_SWEEP, "data"),
+    Input(url_id(PREFIX), "search"),
+    State(ids.HEADS_FORM_SWEEP, "data"),
+    State(ids.HEADS_CUSTOM_HAYSTACK, "value"),
+    prevent_initial_call="initial_duplicate",
+)
+def form_from_sweep(search, filled, own_haystack):
+    """A link with ``sweep=`` fills the form with that sweep's own settings
+    (:func:`analysis.retrieval.sweep_settings`), not the defaults, so Run reruns that sweep."""
+    state = parse(search)
+    keep = (no_update,) * 11
+    if state.sweep is None or state.sweep == filled:
+        return keep
+    store = get_context().store
+    keys = store.find(state.sweep)
+    settings = sweep_settings(store, keys[0]) if len(keys) == 1 else None
+    if settings is None:  # the page's render says there is no such sweep
+        return keep
+    ticked, own, lengths, depths, haystack = _form_values(settings)
+    note = f"Settings filled from sweep {state.sweep[:12]}: Run reruns them."
+    if settings.haystack is None and not (own_haystack or "").strip():
+        note += " It used its own haystack, which is not stored with it: paste or upload that text again."
+    return (ticked, own, lengths, depths, haystack,
+            DEFAULT_SINK if state.sink_size is None else state.sink_size,
+            DEFAULT_WINDOW if state.window is None else state.window,
+            settings.depth_rule, ["on"] if settings.stop_at_newline else [], note, state.sweep)
 
 
 @callback(

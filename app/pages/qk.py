@@ -103,10 +103,10 @@ def show(n_clicks, layer, head, sentences, method, colour, feature, find, search
     if not n_clicks:
         return no_update
     state = parse(search)
-    state.find = (find or "").strip()[:40] or None
+    state.qk.find = (find or "").strip()[:40] or None
     state.layer, state.head = int(layer or 0), int(head or 0)
-    state.sentences = int(sentences or DEFAULT_SENTENCES)
-    state.method, state.colour, state.feature, state.query = method, colour, feature, None
+    state.qk.sentences = int(sentences or DEFAULT_SENTENCES)
+    state.qk.method, state.qk.colour, state.qk.feature, state.query = method, colour, feature, None
     return state.to_search()
 
 
@@ -121,9 +121,9 @@ def pick_head_or_find(click, find, search):
     state = parse(search)
     if dash.ctx.triggered_id == ids.QK_FIND:
         new = (find or "").strip()[:40] or None
-        if new == state.find or state.layer is None:
+        if new == state.qk.find or state.layer is None:
             return no_update
-        state.find = new
+        state.qk.find = new
         return state.to_search()
     if not click or not click.get("points"):
         return no_update
@@ -154,7 +154,7 @@ def upload_labels(file, search):
     key = content_key("qk_labels", text)
     get_context().store.put(key, "qk_labels", {"text": text, "filename": filename or "", "features": list(features)}, {})
     state = parse(search)
-    state.labels, state.feature = key[:16], next(iter(features))
+    state.qk.labels, state.qk.feature = key[:16], next(iter(features))
     return state.to_search(), no_update  # the page re-renders with the new features in the Feature list
 
 
@@ -181,7 +181,7 @@ def upload_texts(file, search):
     key = content_key("qk_sentences", sentences)
     get_context().store.put(key, "qk_sentences", {"sentences": sentences, "filename": filename or ""}, {})
     state = parse(search)
-    state.texts, state.sentences, state.query = key[:16], len(sentences), None
+    state.qk.texts, state.qk.sentences, state.query = key[:16], len(sentences), None
     return state.to_search(), no_update
 
 
@@ -195,14 +195,17 @@ register_upload(ids.QK_LABELS_UPLOAD)
     Output(ids.QK_SENTENCES, "value"),
     Output(ids.QK_METHOD, "value"),
     Output(ids.QK_COLOUR, "value"),
+    Output(ids.QK_FIND, "value"),
     Input(url_id(PREFIX), "search"),
 )
 def controls_from_url(search):
-    """The controls show what the link asks for (a link with ``method=umap`` shows UMAP, not PCA)."""
+    """The controls show what the link asks for (a link with ``method=umap`` shows UMAP, not PCA;
+    ``find=the`` fills the token search), so Show redraws the linked view, not the defaults."""
     state = parse(search)
     keep = dash.no_update
     return (keep if state.layer is None else state.layer, keep if state.head is None else state.head,
-            keep if state.sentences is None else state.sentences, state.method, state.colour)
+            keep if state.qk.sentences is None else state.qk.sentences, state.qk.method, state.qk.colour,
+            state.qk.find or "")
 
 
 @callback(
@@ -215,10 +218,10 @@ def feature_options(search):
     state = parse(search)
     names = list(load_probe_tasks())
     try:
-        names += [f for f in user_labels(state.labels) if f not in names]
+        names += [f for f in user_labels(state.qk.labels) if f not in names]
     except ValueError:
         pass
-    return names, state.feature if state.feature in names else "previous_token"
+    return names, state.qk.feature if state.qk.feature in names else "previous_token"
 
 
 @callback(
@@ -263,7 +266,7 @@ def render(set_progress, search):
         return EMPTY, EMPTY, "", NO_QUERY, EMPTY, rank_map, "", message(problems)
     try:
         scatter, rows = VIEWS["qk_scatter"].build(None, {**params, "_progress": progress_reporter(set_progress,
-                                                                                                  state.method)})
+                                                                                                  state.qk.method)})
     except ValueError as e:
         return EMPTY, EMPTY, "", NO_QUERY, EMPTY, rank_map, "", message([*problems, str(e)])
     spectrum = _optional("qk_spectrum", params)

@@ -19,6 +19,7 @@ from analysis.retrieval import (
     run_trial,
     stop_ids,
     sweep,
+    sweep_settings,
     trial_key,
     trial_prompt,
     trial_scores,
@@ -341,3 +342,24 @@ def test_sweep_settings_are_stored_and_defaults_keep_the_sweep_key(tiny, tmp_pat
     assert loaded.depth_rule == "previous" and loaded.stop_at_newline
     assert "previous sentence boundary" in loaded.settings_text() and "newline" in loaded.settings_text()
     assert trial_prompt(loaded.trials[0]).depth_rule == "previous"
+
+
+def test_stored_sweep_settings_run_the_same_sweep_again(tiny, tmp_path):
+    """What the Heads page fills its form with from a sweep's link: the sweep's own settings, so
+    Run computes the same sweep (same key), never the form's defaults."""
+    from analysis.niah import named_haystack
+
+    store = Store(tmp_path)
+    own = Needle("The vault code is 4412.", "What is the vault code?", "4412", id="custom-1", kind="custom")
+    first = sweep(tiny, [own], [160], [40], named_haystack("passkey"), store=store, max_new_tokens=2,
+                  depth_rule="previous", stop_at_newline=True)
+    settings = sweep_settings(store, first.key)
+    assert settings.needles == [own] and settings.lengths == [160] and settings.depths == [40.0]
+    assert settings.haystack == "passkey" and settings.depth_rule == "previous" and settings.stop_at_newline
+    again = sweep(tiny, settings.needles, settings.lengths, settings.depths, named_haystack(settings.haystack),
+                  store=store, max_new_tokens=2, depth_rule=settings.depth_rule,
+                  stop_at_newline=settings.stop_at_newline)
+    assert again.key == first.key
+    mine = sweep(tiny, [NEEDLE], [160], [50], "My own words. " * 200, store=store, max_new_tokens=2)
+    assert sweep_settings(store, mine.key).haystack is None  # own text is stored only as its digest
+    assert sweep_settings(store, "0" * 64) is None
