@@ -32,7 +32,7 @@ from app.components import (
 from app.context import dropdown_model, get_context, offered_model
 from app.errors import guarded, message
 from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
-from app.url_state import PageState, parse
+from app.url_state import AttentionState, PageState, parse
 from app.views import VIEWS
 
 dash.register_page(__name__, path="/", name="Attention", title="headscope — attention", order=0)
@@ -116,7 +116,8 @@ def _busy(graph: dcc.Graph) -> dcc.Loading:
 def _after_run(old: PageState, model, run) -> PageState:
     layer = old.layer if old.layer is not None and old.layer < model.n_layers else 0
     head = old.head if old.head is not None and old.head < model.n_heads else 0
-    return PageState(model=model.name, run=run.key[:16], layer=layer, head=head, metric=old.metric)
+    return PageState(model=model.name, run=run.key[:16], layer=layer, head=head,
+                     attention=AttentionState(metric=old.attention.metric))
 
 
 register_export(PREFIX)

@@ -25,7 +25,7 @@ from app.components import (
 from app.context import dropdown_model, get_context
 from app.errors import guarded, message
 from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
-from app.url_state import PageState, parse
+from app.url_state import FlowState, PageState, parse
 from app.views import RELEVANCE_METHODS, VIEWS, check_target, flow_numbers, max_flow_tokens
 
 dash.register_page(__name__, path="/flow", name="Flow", title="headscope — rollout and flow", order=1)
@@ -117,7 +117,7 @@ def layout(**_query) -> html.Div:
 
 
 def _after_run(old: PageState, model, run) -> PageState:
-    return PageState(model=model.name, run=run.key[:16], fusion=old.fusion, drop_sink=old.drop_sink)
+    return PageState(model=model.name, run=run.key[:16], flow=FlowState(fusion=old.flow.fusion, drop_sink=old.flow.drop_sink))
 
 
 register_run(PREFIX, _after_run)

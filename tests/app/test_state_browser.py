@@ -92,8 +92,8 @@ def test_a_heads_link_fills_the_form_from_the_sweeps_own_settings(server, page, 
     other.set_default_timeout(60_000)
     try:
         other.goto(link)
-        other.wait_for_function(
-            "(document.querySelector('#hs-heads-form-note')?.innerText || '').includes('from sweep')", timeout=120_000)
+        other.wait_for_function("document.querySelector('#hs-heads-lengths')?.value === '200'", timeout=120_000)
+        assert "filled from sweep" in other.locator("#hs-heads-form-note").inner_text()  # and it says so
         assert other.input_value("#hs-heads-custom-needles") == "The vault code is 4412. | What is the vault code? | 4412"
         assert other.input_value("#hs-heads-lengths") == "200"
         assert other.input_value("#hs-heads-depths") == "40"
