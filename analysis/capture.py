@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from transformer_lens.utilities import get_act_name
 
+from analysis.errors import InputError, check_layer  # InputError also re-exported from here for older imports
 from analysis.models import LoadedModel
 from analysis.store import Store, content_key
 
@@ -26,10 +27,6 @@ MAX_TOKENS_PATTERNS = 2048
 """Longest input whose full patterns are captured (30 layers × 9 heads × N² grows fast)."""
 
 TOP_K = 5
-
-
-class InputError(ValueError):
-    """Input a user can fix: the message says what was wrong and what to do."""
 
 
 @dataclass
@@ -137,9 +134,8 @@ def capture(
     if pattern_dtype not in ("float16", "float32"):
         raise InputError("pattern_dtype must be float16 or float32")
     layers = sorted({int(layer) for layer in qk_layers})
-    bad = [layer for layer in layers if not 0 <= layer < model.n_layers]
-    if bad:
-        raise InputError(f"Layer {bad[0]} is out of range: the model has layers 0..{model.n_layers - 1}.")
+    for layer in layers:
+        check_layer(model.n_layers, layer)
     ids = tokenize_input(model, text_or_ids, max_tokens)
     text = text_or_ids if isinstance(text_or_ids, str) else None
     settings = {"pattern_dtype": pattern_dtype, "qk_layers": layers}

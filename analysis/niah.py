@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from analysis.capture import InputError
+from analysis.errors import InputError
 from analysis.models import LoadedModel
 from analysis.paths import DATA_DIR
 

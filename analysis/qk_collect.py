@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from transformer_lens.utilities import get_act_name
 
-from analysis.capture import InputError
+from analysis.errors import InputError, check_head, check_head_index, check_layer
 from analysis.models import LoadedModel
 from analysis.paths import DATA_DIR
 from analysis.store import Store, content_key
@@ -199,7 +199,7 @@ class QKSet:
             ``False``: pre-rotary ones (``hook_q``/``hook_k``), what ``W_Q``/``W_K`` produce before
             the position-dependent rotation; their dot product is *not* the logit.
         """
-        check_head(head, self.n_heads, self.layer)
+        head = check_head(self.n_heads, head, self.layer)
         kv = self.kv_head(head)
         q_rot = np.ascontiguousarray(self.q_rot[:, head, :], dtype=np.float32)
         k_rot = np.ascontiguousarray(self.k_rot[:, kv, :], dtype=np.float32)
@@ -322,17 +322,6 @@ def causal_softmax(logits: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def check_head(head: int, n_heads: int, layer: int | None = None) -> None:
-    if not isinstance(head, int | np.integer) or not 0 <= int(head) < n_heads:
-        where = f" in layer {layer}" if layer is not None else ""
-        raise InputError(f"Head {head} is out of range{where}: the model has query heads 0..{n_heads - 1}.")
-
-
-def check_layer(layer: int, n_layers: int) -> None:
-    if not isinstance(layer, int | np.integer) or not 0 <= int(layer) < n_layers:
-        raise InputError(f"Layer {layer} is out of range: the model has layers 0..{n_layers - 1}.")
-
-
 # ---------------------------------------------------------------------------------------------
 # Collection
 
@@ -427,7 +416,7 @@ def collect_layers(
     if not layers:
         raise InputError("Name at least one layer to collect.")
     for layer in layers:
-        check_layer(layer, model.n_layers)
+        check_layer(model.n_layers, layer)
     if max_points < 2:
         raise InputError("max_points must be at least 2.")
     ids, spans = _tokenize(model, sentences)
@@ -585,10 +574,9 @@ def collect_head(
     InputError
         A layer or head out of range, more than ``max_points`` points, empty or over-long sentences.
     """
-    check_layer(layer, model.n_layers)
-    check_head(head, model.n_heads, layer)
+    layer, head = check_head_index(model.n_layers, model.n_heads, layer, head)
     return collect_layer(model, sentences, layer, store=store, max_points=max_points,
-                         batch_size=batch_size, progress=progress).head(int(head), rotary=rotary)
+                         batch_size=batch_size, progress=progress).head(head, rotary=rotary)
 
 
 _ARRAYS = ("q_rot", "k_rot", "q_pre", "k_pre", "token_ids", "positions", "sentence_index", "offsets", "char_spans")

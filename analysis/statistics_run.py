@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 from analysis.attention_statistics import LayerRequest, LayerStats, statistics_mode, statistics_supported
-from analysis.capture import TOP_K, InputError
+from analysis.capture import TOP_K
+from analysis.errors import InputError, check_head_index
 from analysis.models import LoadedModel
 from analysis.store import Store, content_key
 from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW, SINK_MIN_LATER, SINK_THRESHOLD
@@ -462,9 +463,7 @@ def exact_region(model: LoadedModel, run: StatsRun, layer: int, head: int,
     rows (``"rows"``), and the pass stops there (later layers are not computed).
     """
     n = run.n_tokens
-    if not (0 <= layer < run.n_layers and 0 <= head < run.n_heads):
-        raise InputError(f"No head {layer}.{head}: the model has layers 0..{run.n_layers - 1} and heads "
-                         f"0..{run.n_heads - 1}.")
+    layer, head = check_head_index(run.n_layers, run.n_heads, layer, head)
     q0, q1 = max(0, int(queries[0])), min(n, int(queries[1]))
     k0, k1 = max(0, int(keys[0])), min(n, int(keys[1]))
     if q1 <= q0 or k1 <= k0:
