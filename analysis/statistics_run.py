@@ -43,7 +43,14 @@ from analysis.capture import TOP_K
 from analysis.errors import InputError, check_head_index
 from analysis.models import LoadedModel
 from analysis.store import Store, content_key
-from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW, SINK_MIN_LATER, SINK_THRESHOLD
+from analysis.streaming import (
+    DEFAULT_SINK,
+    DEFAULT_WINDOW,
+    SINK_MIN_LATER,
+    SINK_THRESHOLD,
+    received_from_columns,
+    sink_flags,
+)
 from kernels.attention import (
     ARGMAX,
     ARGMAX_PROB,
@@ -369,19 +376,14 @@ def received(run: StatsRun) -> np.ndarray:
     """``[layer, head, n]`` attention received from strictly later queries, averaged over them
     (:func:`analysis.streaming.sink_map`'s ``received``); nan at the last position."""
     if "received" not in run._memo:
-        n = run.n_tokens
-        later = (n - 1 - np.arange(n)).astype(np.float64)
         column = run.col_sum.astype(np.float64) - run.rows["diag"].astype(np.float64)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            run._memo["received"] = np.where(later > 0, column / np.maximum(later, 1), np.nan)
+        run._memo["received"] = received_from_columns(column)
     return run._memo["received"]
 
 
 def sink_positions(run: StatsRun, threshold: float = SINK_THRESHOLD, min_later: int = SINK_MIN_LATER) -> np.ndarray:
     """``[n]`` number of heads for which each position is a sink (as in :func:`analysis.streaming.sink_map`)."""
-    rec = np.nan_to_num(received(run), nan=0.0)
-    later = run.n_tokens - 1 - np.arange(run.n_tokens)
-    return ((rec >= threshold) & (later >= min_later)).sum((0, 1))
+    return sink_flags(received(run), threshold, min_later).sum((0, 1))
 
 
 def statistics_score(run: StatsRun, name: str, sink: int | None = None, window: int | None = None) -> np.ndarray:
