@@ -147,8 +147,36 @@ def capture(
                 progress(1.0)
             return stored
 
+    patterns, q, k, logits = _forward(model, ids, layers, np.dtype(pattern_dtype), progress)
+    token_loss, top_ids, top_probs = _predictions(logits, ids)
+    run = Run(
+        key=key,
+        model_name=model.name,
+        model_digest=model.digest,
+        token_ids=ids,
+        tokens=model.token_strings(ids),
+        text=text,
+        settings=settings,
+        patterns=patterns,
+        token_loss=token_loss,
+        top_ids=top_ids,
+        top_probs=top_probs,
+        q=q,
+        k=k,
+    )
+    if store is not None:
+        save_run(store, run)
+    if progress:
+        progress(1.0)
+    return run
+
+
+def _forward(model: LoadedModel, ids: list[int], layers: list[int], dtype: np.dtype,
+             progress: Callable[[float], None] | None):
+    """One forward pass over ``ids`` keeping every layer's attention pattern and the post-rotary q/k
+    of ``layers``: ``(patterns [layer, head, N, N] in dtype, q, k (layer → [head, N, d_head]), logits
+    [1, N, vocab])``. ``progress`` hears of each layer's pattern."""
     n = len(ids)
-    dtype = np.dtype(pattern_dtype)
     patterns = np.empty((model.n_layers, model.n_heads, n, n), dtype=dtype)
     q: dict[int, np.ndarray] = {}
     k: dict[int, np.ndarray] = {}
@@ -172,36 +200,22 @@ def capture(
     for layer in layers:
         hooks.append((get_act_name("rot_q", layer), keep(q, layer)))
         hooks.append((get_act_name("rot_k", layer), keep(k, layer)))
-
     tokens_t = torch.tensor([ids], dtype=torch.long, device=model.device)
     with model.lock, torch.inference_mode():
         logits = model.bridge.run_with_hooks(tokens_t, fwd_hooks=hooks, return_type="logits")
+    return patterns, q, k, logits
+
+
+def _predictions(logits: torch.Tensor, ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-token loss ``−log p(ids[i] | ids[:i])`` (nan at position 0) and the top-``TOP_K`` next-token
+    ids and probabilities at every position, from ``logits`` [1, N, vocab]."""
     logprobs = torch.log_softmax(logits[0].float(), dim=-1)
-    token_loss = np.full(n, np.nan, dtype=np.float32)
-    if n > 1:
-        target = tokens_t[0, 1:]
+    token_loss = np.full(len(ids), np.nan, dtype=np.float32)
+    if len(ids) > 1:
+        target = torch.tensor(ids[1:], dtype=torch.long, device=logprobs.device)
         token_loss[1:] = (-logprobs[:-1].gather(1, target[:, None])[:, 0]).numpy()
     top = torch.topk(logprobs, k=min(TOP_K, logprobs.shape[-1]), dim=-1)
-    run = Run(
-        key=key,
-        model_name=model.name,
-        model_digest=model.digest,
-        token_ids=ids,
-        tokens=model.token_strings(ids),
-        text=text,
-        settings=settings,
-        patterns=patterns,
-        token_loss=token_loss,
-        top_ids=top.indices.numpy().astype(np.int64),
-        top_probs=top.values.exp().numpy().astype(np.float32),
-        q=q,
-        k=k,
-    )
-    if store is not None:
-        save_run(store, run)
-    if progress:
-        progress(1.0)
-    return run
+    return token_loss, top.indices.numpy().astype(np.int64), top.values.exp().numpy().astype(np.float32)
 
 
 def save_run(store: Store, run: Run) -> None:
