@@ -525,13 +525,6 @@ def decode_rows(model: LoadedModel, trial: Trial, layer: int, head: int) -> np.n
 # ---------------------------------------------------------------------------------------------
 # Aggregation and sweeps
 
-AGGREGATES = {
-    "query": "per query head",
-    "group_max": "per key-value group (max over its query heads)",
-    "group_mean": "per key-value group (mean over its query heads)",
-}
-"""The tables of a retrieval result (:meth:`RetrievalScores.table`): name → what a row of it is."""
-
 
 @dataclass
 class RetrievalScores:
@@ -550,13 +543,6 @@ class RetrievalScores:
     group_mean: np.ndarray
     n_trials: int
     n_counted: int
-
-    def table(self, aggregate: str) -> np.ndarray:
-        """The scores aggregated as ``aggregate`` (:data:`AGGREGATES`): ``scores`` for ``"query"``,
-        else ``group_max`` or ``group_mean``."""
-        if aggregate not in AGGREGATES:
-            raise InputError(f"Unknown aggregation {aggregate!r}; choose one of {', '.join(AGGREGATES)}.")
-        return {"query": self.scores, "group_max": self.group_max, "group_mean": self.group_mean}[aggregate]
 
     def share_above(self, threshold: float = 0.1) -> float:
         """Fraction of query heads whose score exceeds ``threshold`` (0.1 in Wu et al. 2024)."""

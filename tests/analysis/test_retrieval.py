@@ -10,7 +10,6 @@ import torch
 from analysis.errors import InputError
 from analysis.niah import DEFAULT_TEMPLATE, Needle, build_prompt, load_haystack, load_needles
 from analysis.retrieval import (
-    AGGREGATES,
     Trial,
     copy_paste_hits,
     greedy_decode,
@@ -136,16 +135,6 @@ def test_rouge_gate_discards_failed_trials_and_groups_aggregate_query_heads():
     assert none.n_counted == 0 and np.isnan(none.scores).all()
     with pytest.raises(InputError):
         retrieval_scores([], n_kv_heads=2)
-
-
-def test_each_aggregate_names_its_table():
-    r = retrieval_scores([make_trial([[1.0, 0.0, 0.2, 0.4]], counted=True)], n_kv_heads=2)
-    assert list(AGGREGATES) == ["query", "group_max", "group_mean"]
-    np.testing.assert_allclose(r.table("query"), [[1.0, 0.0, 0.2, 0.4]], rtol=1e-6)
-    np.testing.assert_allclose(r.table("group_max"), [[1.0, 0.4]], rtol=1e-6)
-    np.testing.assert_allclose(r.table("group_mean"), [[0.5, 0.3]], rtol=1e-6)
-    with pytest.raises(InputError, match="Unknown aggregation 'group_min'; choose one of query, group_max, group_mean"):
-        r.table("group_min")
 
 
 # -- decoding on a tiny random model -----------------------------------------------------------
