@@ -68,7 +68,8 @@ import torch
 from transformer_lens.utilities import get_act_name
 
 from analysis.ablation_choices import METHOD_DESCRIPTIONS, METHODS, PATTERN_METHODS
-from analysis.capture import InputError, tokenize_input
+from analysis.capture import tokenize_input
+from analysis.errors import InputError, check_head_index, check_layer
 from analysis.models import LoadedModel
 from analysis.retrieval import cancel_requested, stop_ids
 from analysis.store import Store, content_key
@@ -89,7 +90,7 @@ MAX_NEW_TOKENS = 256
 
 def kv_group_heads(model: LoadedModel, layer: int, group: int) -> list[Head]:
     """The query heads of key-value group ``group`` in ``layer``: ``g·G .. g·G + G − 1``, G = H / H_kv."""
-    _check_layer(model, layer)
+    check_layer(model.n_layers, layer)
     if not 0 <= group < model.n_kv_heads:
         raise InputError(
             f"Key-value group {group} is out of range: layer {layer} has key-value heads "
@@ -97,20 +98,6 @@ def kv_group_heads(model: LoadedModel, layer: int, group: int) -> list[Head]:
         )
     g = model.group_size
     return [(layer, h) for h in range(group * g, (group + 1) * g)]
-
-
-def _check_layer(model: LoadedModel, layer: int) -> None:
-    if not 0 <= layer < model.n_layers:
-        raise InputError(f"Layer {layer} is out of range: the model has layers 0..{model.n_layers - 1}.")
-
-
-def _check_head(model: LoadedModel, layer: int, head: int) -> None:
-    _check_layer(model, layer)
-    if not 0 <= head < model.n_heads:
-        raise InputError(
-            f"Head {head} (in layer {layer}) is out of range: each layer has query heads "
-            f"0..{model.n_heads - 1}."
-        )
 
 
 _HEAD_FORMS = (
@@ -148,10 +135,10 @@ def parse_heads(model: LoadedModel, text: str) -> list[Head]:
         elif m := _DOTTED.fullmatch(s) or _LETTERED.fullmatch(s):
             layer = int(m[1])
             if m[2] is None or m[2] == "*":
-                _check_layer(model, layer)
+                check_layer(model.n_layers, layer)
                 heads.update((layer, h) for h in range(model.n_heads))
             else:
-                _check_head(model, layer, int(m[2]))
+                check_head_index(model.n_layers, model.n_heads, layer, int(m[2]))
                 heads.add((layer, int(m[2])))
         else:
             raise InputError(f"Cannot read {item!r} as a head. {_HEAD_FORMS}")
@@ -313,7 +300,7 @@ class AblationSpec:
     def validate(self, model: LoadedModel) -> None:
         """Check the heads and the method's options against ``model``; raise :class:`InputError`."""
         for layer, head in self.heads:
-            _check_head(model, layer, head)
+            check_head_index(model.n_layers, model.n_heads, layer, head)
         if self.method == "mean":
             if self.means is None:
                 raise InputError("Mean ablation needs a reference set: compute head_means() and pass means=.")

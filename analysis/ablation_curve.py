@@ -38,7 +38,8 @@ from analysis.ablation import (
     loss_metric_fn,
 )
 from analysis.ablation_choices import CONTROL_TOP_N, CURVE_METRICS
-from analysis.capture import InputError, Run
+from analysis.capture import Run
+from analysis.errors import InputError
 from analysis.models import LoadedModel
 from analysis.niah import NiahPrompt
 from analysis.retrieval import (

@@ -74,7 +74,8 @@ import numpy as np
 import torch
 from transformer_lens.utilities import get_act_name
 
-from analysis.capture import MAX_TOKENS_PATTERNS, InputError, capture, tokenize_input
+from analysis.capture import MAX_TOKENS_PATTERNS, capture, tokenize_input
+from analysis.errors import InputError
 from analysis.flow import attention_flow
 from analysis.limits import limit
 from analysis.models import LoadedModel

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from transformer_lens.utilities import get_act_name
 
+from analysis.errors import InputError, check_layer  # InputError also re-exported from here for older imports
 from analysis.models import LoadedModel
 from analysis.store import Store, content_key
 
@@ -26,10 +27,6 @@ MAX_TOKENS_PATTERNS = 2048
 """Longest input whose full patterns are captured (30 layers × 9 heads × N² grows fast)."""
 
 TOP_K = 5
-
-
-class InputError(ValueError):
-    """Input a user can fix: the message says what was wrong and what to do."""
 
 
 @dataclass
@@ -137,9 +134,8 @@ def capture(
     if pattern_dtype not in ("float16", "float32"):
         raise InputError("pattern_dtype must be float16 or float32")
     layers = sorted({int(layer) for layer in qk_layers})
-    bad = [layer for layer in layers if not 0 <= layer < model.n_layers]
-    if bad:
-        raise InputError(f"Layer {bad[0]} is out of range: the model has layers 0..{model.n_layers - 1}.")
+    for layer in layers:
+        check_layer(model.n_layers, layer)
     ids = tokenize_input(model, text_or_ids, max_tokens)
     text = text_or_ids if isinstance(text_or_ids, str) else None
     settings = {"pattern_dtype": pattern_dtype, "qk_layers": layers}
@@ -151,8 +147,36 @@ def capture(
                 progress(1.0)
             return stored
 
+    patterns, q, k, logits = _forward(model, ids, layers, np.dtype(pattern_dtype), progress)
+    token_loss, top_ids, top_probs = _predictions(logits, ids)
+    run = Run(
+        key=key,
+        model_name=model.name,
+        model_digest=model.digest,
+        token_ids=ids,
+        tokens=model.token_strings(ids),
+        text=text,
+        settings=settings,
+        patterns=patterns,
+        token_loss=token_loss,
+        top_ids=top_ids,
+        top_probs=top_probs,
+        q=q,
+        k=k,
+    )
+    if store is not None:
+        save_run(store, run)
+    if progress:
+        progress(1.0)
+    return run
+
+
+def _forward(model: LoadedModel, ids: list[int], layers: list[int], dtype: np.dtype,
+             progress: Callable[[float], None] | None):
+    """One forward pass over ``ids`` keeping every layer's attention pattern and the post-rotary q/k
+    of ``layers``: ``(patterns [layer, head, N, N] in dtype, q, k (layer → [head, N, d_head]), logits
+    [1, N, vocab])``. ``progress`` hears of each layer's pattern."""
     n = len(ids)
-    dtype = np.dtype(pattern_dtype)
     patterns = np.empty((model.n_layers, model.n_heads, n, n), dtype=dtype)
     q: dict[int, np.ndarray] = {}
     k: dict[int, np.ndarray] = {}
@@ -176,36 +200,22 @@ def capture(
     for layer in layers:
         hooks.append((get_act_name("rot_q", layer), keep(q, layer)))
         hooks.append((get_act_name("rot_k", layer), keep(k, layer)))
-
     tokens_t = torch.tensor([ids], dtype=torch.long, device=model.device)
     with model.lock, torch.inference_mode():
         logits = model.bridge.run_with_hooks(tokens_t, fwd_hooks=hooks, return_type="logits")
+    return patterns, q, k, logits
+
+
+def _predictions(logits: torch.Tensor, ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-token loss ``−log p(ids[i] | ids[:i])`` (nan at position 0) and the top-``TOP_K`` next-token
+    ids and probabilities at every position, from ``logits`` [1, N, vocab]."""
     logprobs = torch.log_softmax(logits[0].float(), dim=-1)
-    token_loss = np.full(n, np.nan, dtype=np.float32)
-    if n > 1:
-        target = tokens_t[0, 1:]
+    token_loss = np.full(len(ids), np.nan, dtype=np.float32)
+    if len(ids) > 1:
+        target = torch.tensor(ids[1:], dtype=torch.long, device=logprobs.device)
         token_loss[1:] = (-logprobs[:-1].gather(1, target[:, None])[:, 0]).numpy()
     top = torch.topk(logprobs, k=min(TOP_K, logprobs.shape[-1]), dim=-1)
-    run = Run(
-        key=key,
-        model_name=model.name,
-        model_digest=model.digest,
-        token_ids=ids,
-        tokens=model.token_strings(ids),
-        text=text,
-        settings=settings,
-        patterns=patterns,
-        token_loss=token_loss,
-        top_ids=top.indices.numpy().astype(np.int64),
-        top_probs=top.values.exp().numpy().astype(np.float32),
-        q=q,
-        k=k,
-    )
-    if store is not None:
-        save_run(store, run)
-    if progress:
-        progress(1.0)
-    return run
+    return token_loss, top.indices.numpy().astype(np.int64), top.values.exp().numpy().astype(np.float32)
 
 
 def save_run(store: Store, run: Run) -> None:

@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from analysis.attention_statistics import statistics_supported
-from analysis.capture import InputError, capture
+from analysis.capture import capture
 from analysis.detectors import aggregate_runs
+from analysis.errors import InputError
 from analysis.evidence import evidence_score
 from analysis.head_summary import HEAD_METRICS
 from analysis.models import LoadedModel

@@ -39,7 +39,8 @@ from analysis.ablation import (
     loss_metric,
 )
 from analysis.ablation_choices import SWEEP_METRICS
-from analysis.capture import InputError, Run, tokenize_input
+from analysis.capture import Run, tokenize_input
+from analysis.errors import InputError
 from analysis.models import LoadedModel
 from analysis.retrieval import Cancelled, cancel_requested
 from analysis.store import Store, content_key

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from analysis.capture import InputError
+from analysis.errors import InputError
 from analysis.qk_collect import HeadQK
 from analysis.store import Store, content_key
 

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from analysis.capture import InputError
+from analysis.errors import InputError
 from analysis.models import LoadedModel
 from analysis.paths import DATA_DIR
 
@@ -367,22 +367,7 @@ def build_prompt(
         depth outside 0–100, length above the model's context or too short for the needle and the
         question, an empty haystack or needle, or a needle that cannot be located exactly.
     """
-    if not 0.0 <= float(depth) <= 100.0:
-        raise InputError(f"depth must be between 0 and 100 (percent of the haystack), got {depth}.")
-    if depth_rule not in DEPTH_RULES:
-        raise InputError(f"Unknown depth rule {depth_rule!r}: choose one of {', '.join(DEPTH_RULES)}.")
-    length = int(length)
-    if length > model.n_ctx:
-        raise InputError(
-            f"length {length:,} is above the model's context of {model.n_ctx:,} tokens; choose a shorter length."
-        )
-    if not haystack or not haystack.strip():
-        raise InputError("The haystack is empty: give some filler text (or use 'prose' or 'passkey').")
-    for field_name in ("needle", "question", "answer"):
-        if not getattr(needle, field_name).strip():
-            raise InputError(f"The needle's {field_name} is empty.")
-    if "{context}" not in template or "{question}" not in template:
-        raise InputError("The template must contain {context} and {question}.")
+    length = _check_prompt_args(model, needle, haystack, length, depth, template, depth_rule)
     needle_text = needle.needle.strip()
     if needle_text in haystack:
         raise InputError(
@@ -399,8 +384,46 @@ def build_prompt(
     if not pieces:
         raise InputError("The haystack has no sentences.")
 
-    # Take whole sentences (cycling through the haystack) until the budget is used; then trim one
-    # sentence at a time if the joined text tokenises slightly longer than the sum of its pieces.
+    chosen, chosen_len = _fill(pieces, lengths, budget)
+    # the joined text may tokenise slightly longer than the sum of its pieces: trim a sentence at a time
+    while True:
+        prompt = _assemble(model, needle, chosen, chosen_len, depth, template, length, depth_rule)
+        if prompt.n_tokens <= length or not chosen:
+            break
+        chosen.pop()
+        chosen_len.pop()
+    if prompt.n_tokens > length:
+        raise InputError(
+            f"length {length} is too short: the prompt without any haystack has {prompt.n_tokens} tokens."
+        )
+    return prompt
+
+
+def _check_prompt_args(model: LoadedModel, needle: Needle, haystack: str, length: int, depth: float,
+                       template: str, depth_rule: str) -> int:
+    """The checks of :func:`build_prompt` (see its Raises); ``length`` as an int."""
+    if not 0.0 <= float(depth) <= 100.0:
+        raise InputError(f"depth must be between 0 and 100 (percent of the haystack), got {depth}.")
+    if depth_rule not in DEPTH_RULES:
+        raise InputError(f"Unknown depth rule {depth_rule!r}: choose one of {', '.join(DEPTH_RULES)}.")
+    length = int(length)
+    if length > model.n_ctx:
+        raise InputError(
+            f"length {length:,} is above the model's context of {model.n_ctx:,} tokens; choose a shorter length."
+        )
+    if not haystack or not haystack.strip():
+        raise InputError("The haystack is empty: give some filler text (or use 'prose' or 'passkey').")
+    for field_name in ("needle", "question", "answer"):
+        if not getattr(needle, field_name).strip():
+            raise InputError(f"The needle's {field_name} is empty.")
+    if "{context}" not in template or "{question}" not in template:
+        raise InputError("The template must contain {context} and {question}.")
+    return length
+
+
+def _fill(pieces: list[str], lengths: list[int], budget: int) -> tuple[list[str], list[int]]:
+    """Whole haystack sentences, cycling through ``pieces`` (of ``lengths`` tokens), until ``budget``
+    tokens are used; a blank line before each new cycle. Returns the sentences and their lengths."""
     chosen: list[str] = []
     chosen_len: list[int] = []
     total = 0
@@ -419,18 +442,7 @@ def build_prompt(
         i += 1
         if i > 10 * (budget + 1):  # zero-length pieces cannot occur, but never loop forever
             break
-
-    while True:
-        prompt = _assemble(model, needle, chosen, chosen_len, depth, template, length, depth_rule)
-        if prompt.n_tokens <= length or not chosen:
-            break
-        chosen.pop()
-        chosen_len.pop()
-    if prompt.n_tokens > length:
-        raise InputError(
-            f"length {length} is too short: the prompt without any haystack has {prompt.n_tokens} tokens."
-        )
-    return prompt
+    return chosen, chosen_len
 
 
 def _assemble(

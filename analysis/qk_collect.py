@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from transformer_lens.utilities import get_act_name
 
-from analysis.capture import InputError
+from analysis.errors import InputError, check_head, check_head_index, check_layer
 from analysis.models import LoadedModel
 from analysis.paths import DATA_DIR
 from analysis.store import Store, content_key
@@ -199,7 +199,7 @@ class QKSet:
             ``False``: pre-rotary ones (``hook_q``/``hook_k``), what ``W_Q``/``W_K`` produce before
             the position-dependent rotation; their dot product is *not* the logit.
         """
-        check_head(head, self.n_heads, self.layer)
+        head = check_head(self.n_heads, head, self.layer)
         kv = self.kv_head(head)
         q_rot = np.ascontiguousarray(self.q_rot[:, head, :], dtype=np.float32)
         k_rot = np.ascontiguousarray(self.k_rot[:, kv, :], dtype=np.float32)
@@ -322,17 +322,6 @@ def causal_softmax(logits: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def check_head(head: int, n_heads: int, layer: int | None = None) -> None:
-    if not isinstance(head, int | np.integer) or not 0 <= int(head) < n_heads:
-        where = f" in layer {layer}" if layer is not None else ""
-        raise InputError(f"Head {head} is out of range{where}: the model has query heads 0..{n_heads - 1}.")
-
-
-def check_layer(layer: int, n_layers: int) -> None:
-    if not isinstance(layer, int | np.integer) or not 0 <= int(layer) < n_layers:
-        raise InputError(f"Layer {layer} is out of range: the model has layers 0..{n_layers - 1}.")
-
-
 # ---------------------------------------------------------------------------------------------
 # Collection
 
@@ -427,45 +416,55 @@ def collect_layers(
     if not layers:
         raise InputError("Name at least one layer to collect.")
     for layer in layers:
-        check_layer(layer, model.n_layers)
+        check_layer(model.n_layers, layer)
     if max_points < 2:
         raise InputError("max_points must be at least 2.")
     ids, spans = _tokenize(model, sentences)
     _check_points(sum(map(len, ids)), len(ids), max_points)
 
-    out: dict[int, QKSet] = {}
     keys = {layer: layer_key(model, layer, ids) for layer in layers}
-    if store is not None:
-        for layer in layers:
-            got = _load(store, keys[layer])
-            if got is not None:
-                out[layer] = got
+    out = _stored_layers(store, keys)
     todo = [layer for layer in layers if layer not in out]
     if not todo:
         if progress:
             progress(1.0)
         return out
+    vectors = _run_probes(model, ids, todo, batch_size, progress)
+    for layer, qk in _qk_sets(model, sentences, ids, spans, keys, vectors).items():
+        if store is not None:
+            _save(store, qk)
+        out[layer] = qk
+    return out
 
+
+def _stored_layers(store: Store | None, keys: dict[int, str]) -> dict[int, QKSet]:
+    """The layers of ``keys`` (layer → content key) already in ``store``."""
+    out: dict[int, QKSet] = {}
+    if store is not None:
+        for layer, key in keys.items():
+            got = _load(store, key)
+            if got is not None:
+                out[layer] = got
+    return out
+
+
+def _run_probes(model: LoadedModel, ids: list[list[int]], layers: list[int], batch_size: int,
+                progress: Progress) -> dict[int, dict[str, np.ndarray]]:
+    """Run the probe sentences ``ids`` through ``model`` and keep the q/k vectors of ``layers``.
+
+    Returns layer → {``q_rot``, ``k_rot``, ``q_pre``, ``k_pre``}, each ``[token, head, d_head]``
+    (queries: every query head; keys: every key-value head), the sentences' tokens one after the
+    other. Batches of similar lengths, right-padded; the pass stops after the deepest layer.
+    """
     lengths = np.array([len(t) for t in ids])
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     n, H, G, d = int(offsets[-1]), model.n_heads, model.n_kv_heads, model.d_head
     buf = {
         layer: {"q_rot": np.empty((n, H, d), np.float32), "k_rot": np.empty((n, G, d), np.float32),
                 "q_pre": np.empty((n, H, d), np.float32), "k_pre": np.empty((n, G, d), np.float32)}
-        for layer in todo
+        for layer in layers
     }
-    hook_names = set(model.bridge.hook_dict) if hasattr(model.bridge, "hook_dict") else set()
-
-    def name(kind: str, layer: int) -> str:
-        nm = get_act_name(kind, layer)
-        if kind.startswith("rot_") and hook_names and nm not in hook_names:
-            return get_act_name(kind[4:], layer)  # no rotary embedding: post == pre
-        return nm
-
-    order = np.argsort(-lengths, kind="stable")  # similar lengths share a batch: little padding
-    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
-    batches = [order[s: s + batch_size] for s in range(0, len(order), batch_size)]
-    current: list[int] = []
+    current: list[int] = []  # the sentences of the batch being run, in batch order
 
     def keep(layer: int, target: str):
         def hook(tensor: torch.Tensor, hook: Any = None) -> None:
@@ -475,11 +474,16 @@ def collect_layers(
 
         return hook
 
+    hook_names = set(model.bridge.hook_dict) if hasattr(model.bridge, "hook_dict") else set()
     hooks = []
-    for layer in todo:
-        hooks += [(name("rot_q", layer), keep(layer, "q_rot")), (name("rot_k", layer), keep(layer, "k_rot")),
+    for layer in layers:
+        hooks += [(_rotary_hook_name(hook_names, "rot_q", layer), keep(layer, "q_rot")),
+                  (_rotary_hook_name(hook_names, "rot_k", layer), keep(layer, "k_rot")),
                   (get_act_name("q", layer), keep(layer, "q_pre")), (get_act_name("k", layer), keep(layer, "k_pre"))]
-    stop = max(todo) + 1
+    order = np.argsort(-lengths, kind="stable")  # similar lengths share a batch: little padding
+    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
+    batches = [order[s: s + batch_size] for s in range(0, len(order), batch_size)]
+    stop = max(layers) + 1
     for done, batch in enumerate(batches):
         current[:] = [int(s) for s in batch]
         width = int(lengths[batch].max())
@@ -493,23 +497,37 @@ def collect_layers(
             )
         if progress:
             progress((done + 1) / len(batches))
+    return buf
 
+
+def _rotary_hook_name(hook_names: set[str], kind: str, layer: int) -> str:
+    """The hook of ``kind`` (``rot_q``/``rot_k``) in ``layer``; when the model has no such hook
+    (``hook_names``: its hooks), no rotary embedding: the pre-rotary hook (post == pre)."""
+    name = get_act_name(kind, layer)
+    if hook_names and name not in hook_names:
+        return get_act_name(kind[4:], layer)
+    return name
+
+
+def _qk_sets(model: LoadedModel, sentences: list[str], ids: list[list[int]], spans: list[np.ndarray],
+             keys: dict[int, str], vectors: dict[int, dict[str, np.ndarray]]) -> dict[int, QKSet]:
+    """One :class:`QKSet` per layer of ``vectors``: its q/k vectors with the tokens they belong to."""
+    lengths = np.array([len(t) for t in ids])
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     positions = np.concatenate([np.arange(m) for m in lengths]).astype(np.int32)
     sentence_index = np.repeat(np.arange(len(ids)), lengths).astype(np.int32)
     token_ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in ids])
     char_spans = np.concatenate(spans).astype(np.int32)
     tokens = model.token_strings(token_ids.tolist())
-    for layer in todo:
-        qk = QKSet(
+    return {
+        layer: QKSet(
             key=keys[layer], model_name=model.name, model_digest=model.digest, layer=layer,
-            n_heads=H, n_kv_heads=G, d_head=d, sentences=sentences, tokens=tokens, token_ids=token_ids,
-            positions=positions, sentence_index=sentence_index, offsets=offsets, char_spans=char_spans,
-            **buf[layer],
+            n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, d_head=model.d_head, sentences=sentences,
+            tokens=tokens, token_ids=token_ids, positions=positions, sentence_index=sentence_index,
+            offsets=offsets, char_spans=char_spans, **arrays,
         )
-        if store is not None:
-            _save(store, qk)
-        out[layer] = qk
-    return out
+        for layer, arrays in vectors.items()
+    }
 
 
 def collect_layer(
@@ -556,10 +574,9 @@ def collect_head(
     InputError
         A layer or head out of range, more than ``max_points`` points, empty or over-long sentences.
     """
-    check_layer(layer, model.n_layers)
-    check_head(head, model.n_heads, layer)
+    layer, head = check_head_index(model.n_layers, model.n_heads, layer, head)
     return collect_layer(model, sentences, layer, store=store, max_points=max_points,
-                         batch_size=batch_size, progress=progress).head(int(head), rotary=rotary)
+                         batch_size=batch_size, progress=progress).head(head, rotary=rotary)
 
 
 _ARRAYS = ("q_rot", "k_rot", "q_pre", "k_pre", "token_ids", "positions", "sentence_index", "offsets", "char_spans")

@@ -62,9 +62,9 @@ from typing import Any
 
 import numpy as np
 
-from analysis.capture import InputError
+from analysis.errors import InputError, check_layer
 from analysis.models import LoadedModel
-from analysis.qk_collect import HeadQK, ProbeTask, causal_softmax, check_layer
+from analysis.qk_collect import HeadQK, ProbeTask, causal_softmax
 from analysis.store import Store, content_key
 
 Progress = Callable[[float], None] | None
@@ -701,7 +701,7 @@ def wqk_spectra(model: LoadedModel, layers: Sequence[int] | None = None, *, fold
     b = model.bridge
     layers = list(range(model.n_layers)) if layers is None else [int(x) for x in layers]
     for layer in layers:
-        check_layer(layer, model.n_layers)
+        check_layer(model.n_layers, layer)
     key = content_key("wqk_spectra", 1, model.digest, layers, fold_ln)
     if store is not None:
         rec = store.get(key)

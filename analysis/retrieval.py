@@ -45,8 +45,8 @@ import torch
 from transformer_lens.utilities import get_act_name
 
 from analysis.attention_statistics import statistics_supported
-from analysis.capture import InputError
 from analysis.detectors import group_heads
+from analysis.errors import InputError, check_head_index
 from analysis.limits import hint, limit
 from analysis.models import LoadedModel
 from analysis.niah import DEFAULT_DEPTH_RULE, DEFAULT_TEMPLATE, Needle, NiahPrompt, build_prompt
@@ -240,8 +240,8 @@ def greedy_decode(
     step_box = [0]
     rows: list[np.ndarray] = []
 
-    if keep_row is not None and not (0 <= keep_row[0] < n_layers and 0 <= keep_row[1] < n_heads):
-        raise InputError(f"No head {keep_row}: the model has layers 0..{n_layers - 1} and heads 0..{n_heads - 1}.")
+    if keep_row is not None:
+        keep_row = check_head_index(n_layers, n_heads, *keep_row)
     record = record or keep_row is not None
     kernel = statistics_supported(model)
     if kernel:

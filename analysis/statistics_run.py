@@ -39,10 +39,18 @@ import numpy as np
 import torch
 
 from analysis.attention_statistics import LayerRequest, LayerStats, statistics_mode, statistics_supported
-from analysis.capture import TOP_K, InputError
+from analysis.capture import TOP_K
+from analysis.errors import InputError, check_head_index
 from analysis.models import LoadedModel
 from analysis.store import Store, content_key
-from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW, SINK_MIN_LATER, SINK_THRESHOLD
+from analysis.streaming import (
+    DEFAULT_SINK,
+    DEFAULT_WINDOW,
+    SINK_MIN_LATER,
+    SINK_THRESHOLD,
+    received_from_columns,
+    sink_flags,
+)
 from kernels.attention import (
     ARGMAX,
     ARGMAX_PROB,
@@ -368,19 +376,14 @@ def received(run: StatsRun) -> np.ndarray:
     """``[layer, head, n]`` attention received from strictly later queries, averaged over them
     (:func:`analysis.streaming.sink_map`'s ``received``); nan at the last position."""
     if "received" not in run._memo:
-        n = run.n_tokens
-        later = (n - 1 - np.arange(n)).astype(np.float64)
         column = run.col_sum.astype(np.float64) - run.rows["diag"].astype(np.float64)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            run._memo["received"] = np.where(later > 0, column / np.maximum(later, 1), np.nan)
+        run._memo["received"] = received_from_columns(column)
     return run._memo["received"]
 
 
 def sink_positions(run: StatsRun, threshold: float = SINK_THRESHOLD, min_later: int = SINK_MIN_LATER) -> np.ndarray:
     """``[n]`` number of heads for which each position is a sink (as in :func:`analysis.streaming.sink_map`)."""
-    rec = np.nan_to_num(received(run), nan=0.0)
-    later = run.n_tokens - 1 - np.arange(run.n_tokens)
-    return ((rec >= threshold) & (later >= min_later)).sum((0, 1))
+    return sink_flags(received(run), threshold, min_later).sum((0, 1))
 
 
 def statistics_score(run: StatsRun, name: str, sink: int | None = None, window: int | None = None) -> np.ndarray:
@@ -462,9 +465,7 @@ def exact_region(model: LoadedModel, run: StatsRun, layer: int, head: int,
     rows (``"rows"``), and the pass stops there (later layers are not computed).
     """
     n = run.n_tokens
-    if not (0 <= layer < run.n_layers and 0 <= head < run.n_heads):
-        raise InputError(f"No head {layer}.{head}: the model has layers 0..{run.n_layers - 1} and heads "
-                         f"0..{run.n_heads - 1}.")
+    layer, head = check_head_index(run.n_layers, run.n_heads, layer, head)
     q0, q1 = max(0, int(queries[0])), min(n, int(queries[1]))
     k0, k1 = max(0, int(keys[0])), min(n, int(keys[1]))
     if q1 <= q0 or k1 <= k0:

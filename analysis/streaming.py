@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DEFAULT_SINK = 4
-DEFAULT_WINDOW = 64
+from kernels.statistics import DEFAULT_SINK_SIZE, DEFAULT_WINDOW
+
+DEFAULT_SINK = DEFAULT_SINK_SIZE  # S and W as the kernels define them (StreamingLLM's 4 sinks, a 64-token window)
 SINK_THRESHOLD = 0.2
 SINK_MIN_LATER = 16
 
@@ -111,6 +112,23 @@ def sink_checked_positions(n_tokens: int, min_later: int = SINK_MIN_LATER) -> in
     return max(0, int(n_tokens) - min_later)
 
 
+def received_from_columns(column: np.ndarray) -> np.ndarray:
+    """``[..., N]`` attention received per key position, averaged over the strictly later queries:
+    ``column[..., j] / (N − 1 − j)``, where ``column`` sums each key's attention from strictly later
+    queries; nan at the last position (no later query)."""
+    n = column.shape[-1]
+    later = (n - 1 - np.arange(n)).astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(later > 0, column / np.maximum(later, 1), np.nan)
+
+
+def sink_flags(received: np.ndarray, threshold: float = SINK_THRESHOLD, min_later: int = SINK_MIN_LATER) -> np.ndarray:
+    """``[..., N]`` bool: position j is a sink of its head when ``received >= threshold`` and at least
+    ``min_later`` queries follow it (:func:`sink_checked_positions`); nan counts as 0."""
+    n = received.shape[-1]
+    return (np.nan_to_num(received, nan=0.0) >= threshold) & (np.arange(n) < sink_checked_positions(n, min_later))
+
+
 @dataclass
 class SinkMap:
     """Attention received per key position and the positions flagged as sinks.
@@ -175,10 +193,8 @@ def sink_map(
             column[layer] += np.where(keep, rows, 0.0).sum(-2)
         if progress:
             progress((layer + 1) / n_layers)
-    later = (n - 1 - np.arange(n)).astype(np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        received = np.where(later > 0, column / np.maximum(later, 1), np.nan)
-    flags = (np.nan_to_num(received, nan=0.0) >= threshold) & (np.arange(n) < sink_checked_positions(n, min_later))
+    received = received_from_columns(column)
+    flags = sink_flags(received, threshold, min_later)
     head_counts = flags.sum((0, 1))
     positions = [int(p) for p in np.flatnonzero(head_counts)]
     return SinkMap(

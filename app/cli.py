@@ -320,7 +320,7 @@ def cmd_worker(args) -> int:
         if index >= n:
             raise UsageError(f"argument --device: {args.device} is not here ({n} CUDA device(s) found)")
     from analysis.models import DEFAULT_MODEL
-    from app.workers import start_worker
+    from app.server import start_worker
 
     if args.home:
         os.environ["HEADSCOPE_HOME"] = args.home

@@ -259,7 +259,7 @@ def register_upload(upload_id: str) -> None:
 def upload_file(file: Any, what: str) -> tuple[str, str]:
     """(text, name) of an upload's file as :func:`upload_file_id` holds it (``{"contents": base64 data
     URL, "filename": ...}``), or an ``InputError`` (see :func:`upload_text`)."""
-    from analysis.capture import InputError
+    from analysis.errors import InputError
 
     contents = file.get("contents") if isinstance(file, dict) else None
     filename = file.get("filename") if isinstance(file, dict) else None
@@ -276,7 +276,7 @@ def upload_text(contents: str | None, filename: str | None, what: str) -> str:
     import base64
     import binascii
 
-    from analysis.capture import InputError
+    from analysis.errors import InputError
     from analysis.limits import hint, limit
 
     name = filename or "The file"

@@ -30,6 +30,8 @@ from typing import Any
 import diskcache
 from diskcache.core import MODE_BINARY, MODE_RAW, MODE_TEXT
 
+from app.workers import job_manager, redis_url
+
 log = logging.getLogger(__name__)
 
 # numba's default threading layer here is GNU OpenMP, which does not survive fork(): once the server
@@ -108,8 +110,6 @@ def on_workers(interval_ms: int = 250) -> dict[str, Any]:
     """Keyword arguments for a callback that loads a model or reads analysis results: with
     ``HEADSCOPE_REDIS_URL`` set it becomes a background callback, run by a worker (polled every
     ``interval_ms``); embedded, nothing changes and it runs in the server as before."""
-    from app.workers import redis_url
-
     return {"background": True, "interval": interval_ms} if redis_url() else {}
 
 
@@ -118,8 +118,6 @@ def background_manager():
     ``HEADSCOPE_REDIS_URL`` is set, else a disk cache and processes forked from the server."""
     global _manager
     if _manager is None:
-        from app.workers import job_manager, redis_url
-
         if redis_url():
             _manager = job_manager()
             return _manager

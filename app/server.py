@@ -1,10 +1,17 @@
-"""The Dash application: pages from ``app/pages``, assets served locally (never from a CDN)."""
+"""The Dash application: pages from ``app/pages``, assets served locally (never from a CDN).
+
+Both processes that create it start here: the web server (:func:`create_app`, :func:`warm_up`) and
+a Celery worker (:func:`start_worker`; how jobs reach workers is :mod:`app.workers`).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
 import threading
+import time
 from pathlib import Path
 
 import dash
@@ -12,8 +19,10 @@ from dash import Dash, dcc, html
 from flask import Flask, Response, request
 
 from analysis.limits import limit
+from analysis.models import load_model
 from analysis.paths import REPO_ROOT
-from app import ids
+from analysis.store import Store
+from app import ids, workers
 from app.access import redact_tokens_in_logs
 from app.context import AppContext, set_context
 from app.jobs import background_manager
@@ -23,7 +32,6 @@ log = logging.getLogger("headscope.app")
 
 def create_app(context: AppContext) -> Dash:
     set_context(context)
-    import app.components  # noqa: F401  (registers the shared export callback)
     app = Dash(
         __name__,
         use_pages=True,
@@ -166,7 +174,6 @@ def warm_up(model_spec: str) -> None:
     """Load the model and start the export browser before the first request needs them."""
     import plotly.graph_objects as go
 
-    from analysis.models import load_model
     from app.export import figure_bytes
 
     load_model(model_spec)
@@ -178,3 +185,35 @@ def warm_up(model_spec: str) -> None:
             log.warning("image export is not ready: %s", e)
 
     threading.Thread(target=_export, daemon=True).start()
+
+
+def start_worker(*, models: list[str], concurrency: int, device: str, name: str | None,
+                 page_concurrency: int = 1) -> None:
+    """Run Celery workers for the app's background callbacks until they are stopped.
+
+    The same Dash app as the web process is created first (its background callbacks become Celery
+    tasks), then ``models`` are loaded in this process, before anything forks (see
+    :mod:`app.workers`). Then this process forks a child that runs Celery's worker on the ``pages`` queue
+    (``page_concurrency`` pool processes) and runs the ``jobs`` worker itself (``concurrency``).
+    """
+    os.environ["HEADSCOPE_DEVICE"] = device
+    create_app(workers.worker_context(Store(), models))
+    if device.startswith("cuda"):
+        print(f"headscope worker: {device}: models load in each pool process on first use "
+              "(CUDA cannot be forked)", file=sys.stderr)
+    else:
+        for spec in models:
+            t = time.time()
+            load_model(spec, device=device)
+            print(f"headscope worker: {spec} loaded on {device} in {time.time() - t:.1f} s, before forking "
+                  f"{concurrency} pool process(es)", file=sys.stderr)
+    name = name or f"headscope-{os.getpid()}"
+    queue, n, host = workers.JOBS, concurrency, name
+    if page_concurrency > 0 and os.fork() == 0:
+        from billiard.util import set_pdeathsig
+
+        set_pdeathsig(signal.SIGTERM)  # the pages worker ends with the worker that forked it
+        queue, n, host = workers.PAGES, page_concurrency, f"{name}-pages"
+    workers.celery_app().worker_main(["worker", "--pool=prefork", f"--concurrency={n}", f"--queues={queue}",
+                                      "--loglevel=INFO", f"--hostname={host}@%h", "--without-gossip", "--without-mingle"])
+

@@ -22,8 +22,8 @@ it to another worker after ``HEADSCOPE_JOB_VISIBILITY_S`` (default one hour).
 
 Two queues, so one user's long job never blocks another user's page: jobs with a progress bar
 (sweeps, curves, evaluations, embeddings) go to the ``jobs`` queue, the short callbacks that draw
-pages (:func:`app.jobs.on_workers`) to ``pages``. ``headscope worker`` forks, after loading its
-models, one Celery worker per queue: ``--concurrency`` pool processes for jobs and
+pages (:func:`app.jobs.on_workers`) to ``pages``. ``headscope worker`` (:func:`app.server.start_worker`)
+forks, after loading its models, one Celery worker per queue: ``--concurrency`` pool processes for jobs and
 ``--page-concurrency`` (default 1) for pages.
 
 Cancel: Dash's ``CeleryManager`` revokes the task with ``terminate=True``; the prefork pool sends
@@ -34,11 +34,8 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
-import sys
 import threading
-import time
 from collections import OrderedDict
 from functools import wraps
 
@@ -52,7 +49,7 @@ _queues: dict[str, str] = {}  # Celery task name → queue, filled as Dash regis
 def worker_context(store, models: list[str]):
     """The app context of a worker: page callbacks run here and check requested models against it,
     so every ``--model`` it was given is on offer (its first is the default), not only the first."""
-    from app.context import AppContext
+    from app.context import AppContext  # loads torch: `headscope worker` checks Redis before that
 
     return AppContext(store=store, default_model=models[0], extra_models=list(models[1:]))
 
@@ -165,39 +162,3 @@ def _logged(fn):
         return result
 
     return job
-
-
-def start_worker(*, models: list[str], concurrency: int, device: str, name: str | None,
-                 page_concurrency: int = 1) -> None:
-    """Run Celery workers for the app's background callbacks until they are stopped.
-
-    The same Dash app as the web process is created first (its background callbacks become Celery
-    tasks), then ``models`` are loaded in this process, before anything forks (see the module
-    docstring). Then this process forks a child that runs Celery's worker on the ``pages`` queue
-    (``page_concurrency`` pool processes) and runs the ``jobs`` worker itself (``concurrency``).
-    """
-    from analysis.models import load_model
-    from analysis.store import Store
-    from app.server import create_app
-
-    os.environ["HEADSCOPE_DEVICE"] = device
-    create_app(worker_context(Store(), models))
-    if device.startswith("cuda"):
-        print(f"headscope worker: {device}: models load in each pool process on first use "
-              "(CUDA cannot be forked)", file=sys.stderr)
-    else:
-        for spec in models:
-            t = time.time()
-            load_model(spec, device=device)
-            print(f"headscope worker: {spec} loaded on {device} in {time.time() - t:.1f} s, before forking "
-                  f"{concurrency} pool process(es)", file=sys.stderr)
-    name = name or f"headscope-{os.getpid()}"
-    queue, n, host = JOBS, concurrency, name
-    if page_concurrency > 0 and os.fork() == 0:
-        from billiard.util import set_pdeathsig
-
-        set_pdeathsig(signal.SIGTERM)  # the pages worker ends with the worker that forked it
-        queue, n, host = PAGES, page_concurrency, f"{name}-pages"
-    celery_app().worker_main(["worker", "--pool=prefork", f"--concurrency={n}", f"--queues={queue}",
-                              "--loglevel=INFO", f"--hostname={host}@%h", "--without-gossip", "--without-mingle"])
-

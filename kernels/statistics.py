@@ -175,6 +175,60 @@ def validate(
         devices, an unknown statistic or backend, a span, row, window, sink or block size out of
         range, or a statistic asked for without the argument it needs.
     """
+    n_q, n_k, d = _check_tensors(q, k, v, causal)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+    scale = _check_scale(scale, d)
+
+    names = (stats,) if isinstance(stats, str) else tuple(stats)
+    unknown = [s for s in names if s not in STATISTICS]
+    if unknown:
+        raise ValueError(f"unknown statistic(s) {unknown}; choose from {list(STATISTICS)}")
+    wanted = frozenset(names)
+
+    sink_size = _as_int(sink_size, "sink_size")
+    if sink_size < 1:
+        raise ValueError(f"sink_size must be >= 1, got {sink_size}")
+    window = _as_int(window, "window")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    topk = _as_int(topk, "topk")
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    if topk > n_k:
+        raise ValueError(f"topk ({topk}) exceeds the number of keys ({n_k})")
+
+    norm_spans = _check_spans(spans, n_k)
+    if SPAN_MASS in wanted and not norm_spans:
+        raise ValueError("'span_mass' needs spans=[(start, end), ...] with at least one span")
+
+    if block_size is not None:
+        block_size = _as_int(block_size, "block_size")
+        if block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size}")
+    if POOLED in wanted and block_size is None:
+        raise ValueError("'pooled' needs block_size=B (a positive int)")
+
+    norm_rows = _check_rows(rows, n_q)
+    if ROWS in wanted and rows is None:
+        raise ValueError("'rows' needs rows=[query index, ...]")
+
+    return Plan(
+        causal=bool(causal),
+        scale=scale,
+        stats=wanted,
+        sink_size=min(sink_size, n_k),
+        window=window,
+        spans=tuple(norm_spans),
+        block_size=block_size,
+        rows=tuple(norm_rows),
+        topk=topk,
+    )
+
+
+def _check_tensors(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[int, int, int]:
+    """Shapes, dtypes and devices of q, k, v (see :func:`validate`); ``(n_q, n_k, d_head)``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -206,9 +260,11 @@ def validate(
         raise ValueError(
             f"causal attention needs n_q <= n_k (queries are the last n_q positions), got n_q={n_q}, n_k={n_k}"
         )
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return n_q, n_k, d
 
+
+def _check_scale(scale: float | None, d: int) -> float:
+    """The logit scale: ``1/sqrt(d_head)`` by default, else a finite number."""
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     else:
@@ -218,25 +274,11 @@ def validate(
             raise ValueError(f"scale must be a number, got {scale!r}") from None
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
+    return scale
 
-    names = (stats,) if isinstance(stats, str) else tuple(stats)
-    unknown = [s for s in names if s not in STATISTICS]
-    if unknown:
-        raise ValueError(f"unknown statistic(s) {unknown}; choose from {list(STATISTICS)}")
-    wanted = frozenset(names)
 
-    sink_size = _as_int(sink_size, "sink_size")
-    if sink_size < 1:
-        raise ValueError(f"sink_size must be >= 1, got {sink_size}")
-    window = _as_int(window, "window")
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    topk = _as_int(topk, "topk")
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1, got {topk}")
-    if topk > n_k:
-        raise ValueError(f"topk ({topk}) exceeds the number of keys ({n_k})")
-
+def _check_spans(spans: Sequence[tuple[int, int]] | None, n_k: int) -> list[tuple[int, int]]:
+    """Key spans as ``(start, end)`` int pairs inside ``0 .. n_k``."""
     norm_spans: list[tuple[int, int]] = []
     if spans is not None:
         for span in spans:
@@ -250,16 +292,11 @@ def validate(
                     f"span ({start}, {end}) is outside the sequence: need 0 <= start < end <= n_k = {n_k}"
                 )
             norm_spans.append((start, end))
-    if SPAN_MASS in wanted and not norm_spans:
-        raise ValueError("'span_mass' needs spans=[(start, end), ...] with at least one span")
+    return norm_spans
 
-    if block_size is not None:
-        block_size = _as_int(block_size, "block_size")
-        if block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size}")
-    if POOLED in wanted and block_size is None:
-        raise ValueError("'pooled' needs block_size=B (a positive int)")
 
+def _check_rows(rows: Sequence[int] | Tensor | None, n_q: int) -> list[int]:
+    """Query rows as non-negative indices (negative ones count from the end)."""
     norm_rows: list[int] = []
     if rows is not None:
         row_list = rows.tolist() if isinstance(rows, Tensor) else list(rows)
@@ -268,20 +305,7 @@ def validate(
             if not -n_q <= r < n_q:
                 raise ValueError(f"row {r} is out of range for n_q = {n_q} (use -n_q <= row < n_q)")
             norm_rows.append(r % n_q)
-    if ROWS in wanted and rows is None:
-        raise ValueError("'rows' needs rows=[query index, ...]")
-
-    return Plan(
-        causal=bool(causal),
-        scale=scale,
-        stats=wanted,
-        sink_size=min(sink_size, n_k),
-        window=window,
-        spans=tuple(norm_spans),
-        block_size=block_size,
-        rows=tuple(norm_rows),
-        topk=topk,
-    )
+    return norm_rows
 
 
 def pool_counts(n_q: int, n_k: int, B: int, device: torch.device, dtype: torch.dtype) -> Tensor:

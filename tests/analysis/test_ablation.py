@@ -21,7 +21,7 @@ from analysis.ablation import (
     source_z,
 )
 from analysis.ablation_curve import topk_curve
-from analysis.capture import InputError
+from analysis.errors import InputError
 from analysis.head_sweep import single_head_sweep
 
 TEXT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
@@ -349,7 +349,7 @@ def test_head_lists_parse(tiny_model, text, expected):
         ("", "No heads given"),
         (" , ", "No heads given"),
         ("2.0", "Layer 2 is out of range: the model has layers 0..1"),
-        ("L1H4", "Head 4 (in layer 1) is out of range"),
+        ("L1H4", "Head 4 is out of range in layer 1: the model has query heads 0..3"),
         ("kv:0.2", "Key-value group 2 is out of range"),
         ("12-3", "Cannot read '12-3'"),
         ("1.2.3", "Cannot read '1.2.3'"),

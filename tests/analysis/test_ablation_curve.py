@@ -10,7 +10,8 @@ from transformer_lens.utilities import get_act_name
 
 from analysis.ablation import AblationSpec, loss_metric_fn
 from analysis.ablation_curve import ablation_curve, check_curve, load_curve, topk_curve
-from analysis.capture import InputError, capture
+from analysis.capture import capture
+from analysis.errors import InputError
 
 TEXT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 

@@ -24,7 +24,8 @@ from analysis.attribution import (
     spearman,
     token_relevance,
 )
-from analysis.capture import InputError, capture
+from analysis.capture import capture
+from analysis.errors import InputError
 from analysis.flow import attention_flow, flow_reference_networkx
 from analysis.rollout import rollout
 from tests.conftest import tiny_hf_model

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.capture import InputError, capture
+from analysis.capture import capture
+from analysis.errors import InputError
 
 
 def test_patterns_are_causal_probability_rows(tiny_model):

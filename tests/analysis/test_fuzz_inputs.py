@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analysis.capture import InputError, capture, tokenize_input
+from analysis.capture import capture, tokenize_input
+from analysis.errors import InputError
 from analysis.evidence import evidence_score
 from analysis.niah import Needle, build_prompt, load_haystack, parse_needles
 

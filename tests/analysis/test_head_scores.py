@@ -4,7 +4,8 @@ prompt's captured patterns, the aggregate is their mean and spread, and results 
 import numpy as np
 import pytest
 
-from analysis.capture import InputError, capture
+from analysis.capture import capture
+from analysis.errors import InputError
 from analysis.evidence import evidence_score
 from analysis.head_scores import ScoredPrompt, load_head_scores, score_prompts, trial_prompts
 from analysis.head_summary import HEAD_METRICS

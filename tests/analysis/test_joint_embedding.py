@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from scipy.stats import binomtest
 
-from analysis.capture import InputError, capture
+from analysis.capture import capture
+from analysis.errors import InputError
 from analysis.head_summary import previous_token_mass
 from analysis.joint_embedding import (
     attention_agreement,

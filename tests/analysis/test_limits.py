@@ -5,7 +5,7 @@ import base64
 
 import pytest
 
-from analysis.capture import InputError
+from analysis.errors import InputError
 from analysis.limits import DEFAULTS, hint, limit
 
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from analysis.capture import InputError
+from analysis.errors import InputError
 from analysis.niah import (
     Needle,
     build_prompt,

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from analysis.capture import InputError, capture
+from analysis.capture import capture
+from analysis.errors import InputError
 from analysis.qk_collect import (
     HeadQK,
     causal_softmax,

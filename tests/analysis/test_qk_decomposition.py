@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.linalg import subspace_angles
 
-from analysis.capture import InputError
+from analysis.errors import InputError
 from analysis.paths import DATA_DIR
 from analysis.qk_collect import ProbeTask, collect_head, load_probe_tasks
 from analysis.qk_decomposition import (

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.capture import InputError
+from analysis.errors import InputError
 from analysis.niah import DEFAULT_TEMPLATE, Needle, build_prompt, load_haystack, load_needles
 from analysis.retrieval import (
     Trial,
@@ -288,7 +288,7 @@ def test_decode_rows_show_a_forced_head_reading_the_needle(tiny, prompt):
         rows = decode_rows(tiny, trial, 0, 0)
     for t in range(end - start):
         assert rows[t, start + t] == 1.0  # step t reads needle token t, which it then copies
-    with pytest.raises(InputError, match="No head"):
+    with pytest.raises(InputError, match="Head 9 is out of range in layer 0: the model has query heads 0..3"):
         decode_rows(tiny, trial, 0, 9)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from analysis.capture import InputError, capture
+from analysis.capture import capture
+from analysis.errors import InputError
 from analysis.evidence import evidence_score
 from analysis.head_summary import HEAD_METRICS
 from analysis.statistics_run import (
@@ -92,7 +93,7 @@ def test_unknown_scores_and_bad_regions_say_why(real_model, both, monkeypatch):
         statistics_score(stats, "nonexistent")
     with pytest.raises(InputError, match="at most 100 × 100"):
         exact_region(real_model, stats, 0, 0, (0, 101), (0, 10))
-    with pytest.raises(InputError, match="No head 30.0"):
+    with pytest.raises(InputError, match="Layer 30 is out of range: the model has layers 0..29"):
         exact_region(real_model, stats, 30, 0, (0, 5), (0, 5))
     with pytest.raises(InputError, match="holds no cell"):
         exact_region(real_model, stats, 0, 0, (600, 700), (0, 5))

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from analysis.capture import InputError, capture
+from analysis.capture import capture
+from analysis.errors import InputError
 from app.export import PLOTLYJS_NAME, bundle, plotlyjs, read_manifest, regenerate, write_files
 from app.views import VIEWS
 

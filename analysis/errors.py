@@ -1,0 +1,68 @@
+"""Errors a user can cause, and the range checks that raise them, in one place.
+
+:class:`InputError` is what every analysis raises for input a user can fix; the app shows its message
+in the page's banner and the CLI prints it as one line (exit status 2), never a traceback.
+
+Layers and heads are checked here, once, at the boundary (the analysis function a page, a job or the
+CLI calls); the code inside trusts them. Layers count from 0 to ``n_layers − 1``, query heads from 0
+to ``n_heads − 1`` in every layer (DESIGN.md, *Definitions*: ``A[l, h]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class InputError(ValueError):
+    """Input a user can fix: the message says what was wrong and what to do."""
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` as an int when it is a whole number (an int, a whole float, a numeral), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | np.integer):
+        return int(value)
+    if isinstance(value, float | np.floating) and float(value).is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)
+    return None
+
+
+def check_layer(n_layers: int, layer: Any) -> int:
+    """``layer`` as an int in ``0 .. n_layers − 1``; an :class:`InputError` naming the valid range otherwise."""
+    index = _whole(layer)
+    if index is None:
+        raise InputError(f"Layer must be a whole number, got {layer!r}.")
+    if not 0 <= index < n_layers:
+        raise InputError(f"Layer {index} is out of range: the model has layers 0..{n_layers - 1}.")
+    return index
+
+
+def check_head(n_heads: int, head: Any, layer: int | None = None) -> int:
+    """``head`` as an int in ``0 .. n_heads − 1`` (query heads; ``layer`` only names where, in the
+    message); an :class:`InputError` naming the valid range otherwise."""
+    index = _whole(head)
+    if index is None:
+        raise InputError(f"Head must be a whole number, got {head!r}.")
+    if not 0 <= index < n_heads:
+        where = "" if layer is None else f" in layer {layer}"
+        raise InputError(f"Head {index} is out of range{where}: the model has query heads 0..{n_heads - 1}.")
+    return index
+
+
+def check_head_index(n_layers: int, n_heads: int, layer: Any, head: Any) -> tuple[int, int]:
+    """Validated ``(layer, head)`` for a model of ``n_layers`` layers × ``n_heads`` query heads.
+
+    Raises
+    ------
+    InputError
+        Not whole numbers, or out of range; the message gives the valid ranges.
+    """
+    if _whole(layer) is None or _whole(head) is None:
+        raise InputError(f"Layer and head must be whole numbers, got {layer!r} and {head!r}.")
+    layer = check_layer(n_layers, layer)
+    return layer, check_head(n_heads, head, layer)
