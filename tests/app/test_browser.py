@@ -150,9 +150,11 @@ def page(browser):
 
 
 def run_prompt(page, url, text):
+    # A freshly started server on a loaded 2-core machine can take over a minute to render the page
+    # and enable Run (seen twice while other suites ran); the page's other waits keep their timeout.
     page.goto(url)
-    page.fill("#attn-hs-text", text)
-    page.click("#attn-hs-run")
+    page.fill("#attn-hs-text", text, timeout=240_000)
+    page.click("#attn-hs-run", timeout=240_000)
 
 
 def wait_for_run(page, timeout: float | None = None):
