@@ -58,8 +58,10 @@ class Run(RunRecord):
     top_probs: np.ndarray
     q: dict[int, np.ndarray] = field(default_factory=dict)
     k: dict[int, np.ndarray] = field(default_factory=dict)
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     has_patterns = True
+    seconds = float("nan")  # not timed
     block_size = 1  # the overview is the pattern itself
 
     @property
@@ -102,7 +104,9 @@ class Run(RunRecord):
     def _sink_map(self):
         from analysis.streaming import sink_map
 
-        return sink_map(self.patterns)
+        if "sink_map" not in self._memo:
+            self._memo["sink_map"] = sink_map(self.patterns)
+        return self._memo["sink_map"]
 
     def attention_overview(self, layer: int, head: int) -> np.ndarray:
         """``[n, n]`` the head's pattern ``A[l, h]`` (float32)."""

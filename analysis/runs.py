@@ -33,6 +33,7 @@ class AttentionRun(Protocol):
     token_loss: np.ndarray  # [pos] cross-entropy of token pos given the tokens before it (nan at 0)
     top_ids: np.ndarray  # [pos, 5]
     top_probs: np.ndarray  # [pos, 5]
+    seconds: float  # how long the forward pass took (nan when not timed)
 
     @property
     def n_layers(self) -> int: ...
