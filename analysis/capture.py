@@ -20,6 +20,7 @@ from transformer_lens.utilities import get_act_name
 
 from analysis.errors import InputError, check_layer  # InputError also re-exported from here for older imports
 from analysis.models import LoadedModel
+from analysis.runs import RunRecord
 from analysis.store import Store, content_key
 
 CAPTURE_VERSION = 1
@@ -30,8 +31,8 @@ TOP_K = 5
 
 
 @dataclass
-class Run:
-    """What one forward pass captured.
+class Run(RunRecord):
+    """What one forward pass captured (an :class:`analysis.runs.AttentionRun` with full patterns).
 
     Attributes
     ----------
@@ -54,26 +55,71 @@ class Run:
     top_probs: np.ndarray
     q: dict[int, np.ndarray] = field(default_factory=dict)
     k: dict[int, np.ndarray] = field(default_factory=dict)
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    has_patterns = True
+    seconds = float("nan")  # not timed
+    block_size = 1  # the overview is the pattern itself
 
     @property
-    def n_tokens(self) -> int:
-        return len(self.token_ids)
+    def n_layers(self) -> int:
+        return self.patterns.shape[0]
 
     @property
-    def short_id(self) -> str:
-        return self.key[:12]
+    def n_heads(self) -> int:
+        return self.patterns.shape[1]
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        from analysis.head_summary import HEAD_METRICS
+
+        return tuple(HEAD_METRICS)
+
+    @property
+    def mode(self) -> str:
+        return "full patterns"
+
+    def require_patterns(self, what: str) -> None:
+        """Full patterns are kept: every view can be drawn."""
+
+    def head_scores(self, metric: str) -> np.ndarray:
+        """``[layer, head]`` :data:`analysis.head_summary.HEAD_METRICS` ``metric`` of the patterns."""
+        from analysis.head_summary import HEAD_METRICS
+
+        if metric not in HEAD_METRICS:
+            raise InputError(f"Unknown metric {metric!r}; choose one of: {', '.join(HEAD_METRICS)}.")
+        return HEAD_METRICS[metric].compute(self.patterns, self.token_ids)
+
+    def received_attention(self) -> np.ndarray:
+        """``[layer, head, n]`` :func:`analysis.streaming.sink_map`'s ``received``."""
+        return self._sink_map().received
+
+    def sink_counts(self) -> np.ndarray:
+        """``[n]`` :func:`analysis.streaming.sink_map`'s ``head_counts``."""
+        return self._sink_map().head_counts
+
+    def _sink_map(self):
+        from analysis.streaming import sink_map
+
+        if "sink_map" not in self._memo:
+            self._memo["sink_map"] = sink_map(self.patterns)
+        return self._memo["sink_map"]
+
+    def attention_overview(self, layer: int, head: int) -> np.ndarray:
+        """``[n, n]`` the head's pattern ``A[l, h]`` (float32)."""
+        return np.asarray(self.patterns[layer, head], dtype=np.float32)
+
+    def attention_region(self, layer: int, head: int, queries: tuple[int, int], keys: tuple[int, int],
+                         model: Any = None) -> np.ndarray:
+        """``A[l, h][q0:q1, k0:k1]`` read from the stored patterns (float32)."""
+        (q0, q1), (k0, k1) = queries, keys
+        return np.asarray(self.patterns[layer, head, q0:q1, k0:k1], dtype=np.float32)
+
+    def kept_arrays(self) -> dict[str, np.ndarray]:
+        return {"patterns": np.asarray(self.patterns)}
 
     def meta(self) -> dict[str, Any]:
-        return {
-            "model_name": self.model_name,
-            "model_digest": self.model_digest,
-            "token_ids": self.token_ids,
-            "tokens": self.tokens,
-            "text": self.text,
-            "settings": self.settings,
-            "n_tokens": self.n_tokens,
-            "capture_version": CAPTURE_VERSION,
-        }
+        return {**self.common_meta(), "capture_version": CAPTURE_VERSION}
 
 
 def run_key(model: LoadedModel, token_ids: Sequence[int], settings: dict[str, Any]) -> str:

@@ -42,6 +42,7 @@ from analysis.attention_statistics import LayerRequest, LayerStats, statistics_m
 from analysis.capture import TOP_K
 from analysis.errors import InputError, check_head_index
 from analysis.models import LoadedModel
+from analysis.runs import RunRecord
 from analysis.store import Store, content_key
 from analysis.streaming import (
     DEFAULT_SINK,
@@ -91,8 +92,9 @@ token thousands of times has ~N²/2 of them); above it those two scores are nan.
 
 
 @dataclass
-class StatsRun:
-    """What one statistics-mode forward pass kept (see the module docstring).
+class StatsRun(RunRecord):
+    """What one statistics-mode forward pass kept (see the module docstring); an
+    :class:`analysis.runs.AttentionRun` without full patterns.
 
     Attributes
     ----------
@@ -123,14 +125,7 @@ class StatsRun:
     _memo: dict = field(default_factory=dict, repr=False)
 
     kind = "stats_run"
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def short_id(self) -> str:
-        return self.key[:12]
+    has_patterns = False
 
     @property
     def block_size(self) -> int:
@@ -144,18 +139,53 @@ class StatsRun:
     def n_heads(self) -> int:
         return self.col_sum.shape[1]
 
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return STATS_METRICS
+
+    @property
+    def mode(self) -> str:
+        return f"statistics mode, no patterns kept, pooled block {self.block_size}"
+
+    def require_patterns(self, what: str) -> None:
+        """An ``InputError``: ``what`` needs full patterns, which a statistics run does not keep."""
+        raise InputError(f"{what} needs full attention patterns; this {self.n_tokens:,}-token run kept statistics "
+                         "only (longer than HEADSCOPE_MAX_TOKENS). Run a shorter text.")
+
+    def head_scores(self, metric: str) -> np.ndarray:
+        """``[layer, head]`` :func:`statistics_score` ``metric``."""
+        return statistics_score(self, metric)
+
+    def received_attention(self) -> np.ndarray:
+        """``[layer, head, n]`` :func:`received`."""
+        return received(self)
+
+    def sink_counts(self) -> np.ndarray:
+        """``[n]`` :func:`sink_positions`."""
+        return sink_positions(self)
+
+    def attention_overview(self, layer: int, head: int) -> np.ndarray:
+        """``[ceil(n/B), ceil(n/B)]`` the head's mean attention per ``B × B`` block (float64)."""
+        return np.asarray(self.pooled[layer, head], dtype=np.float64)
+
+    def attention_region(self, layer: int, head: int, queries: tuple[int, int], keys: tuple[int, int],
+                         model: LoadedModel | None = None) -> np.ndarray:
+        """Exact ``A[l, h][q0:q1, k0:k1]`` recomputed through the kernel (:func:`exact_region`) with
+        ``model`` (default: the run's model, loaded)."""
+        if model is None:
+            from analysis.models import load_model
+
+            model = load_model(self.model_name)
+        return exact_region(model, self, layer, head, queries, keys)
+
+    def kept_arrays(self) -> dict[str, np.ndarray]:
+        """The per-row statistics, column sums and pooled maps (no patterns)."""
+        arrays = {f"row_{name}": a for name, a in self.rows.items()}
+        arrays.update(col_sum=self.col_sum, pooled=self.pooled)
+        return arrays
+
     def meta(self) -> dict[str, Any]:
-        return {
-            "model_name": self.model_name,
-            "model_digest": self.model_digest,
-            "token_ids": self.token_ids,
-            "tokens": self.tokens,
-            "text": self.text,
-            "settings": self.settings,
-            "n_tokens": self.n_tokens,
-            "seconds": self.seconds,
-            "version": STATS_RUN_VERSION,
-        }
+        return {**self.common_meta(), "seconds": self.seconds, "version": STATS_RUN_VERSION}
 
 
 def block_size_for(n: int) -> int:

@@ -341,14 +341,9 @@ def cmd_run(args) -> int:
 
     from analysis.limits import limit
     from analysis.models import load_model
-    from analysis.statistics_run import (
-        STATS_METRICS,
-        StatsRun,
-        capture_for_page,
-        capture_statistics,
-        statistics_score,
-    )
+    from analysis.statistics_run import STATS_METRICS, capture_for_page, capture_statistics
     from app.export import FIGURE_FORMATS, write_files
+    from app.views import names
 
     formats = _check_formats(args.formats, FIGURE_FORMATS)
     store = _store(args)
@@ -363,26 +358,19 @@ def cmd_run(args) -> int:
             run = capture_for_page(model, text, store, limit("HEADSCOPE_MAX_TOKENS"))
             bar(1.0)
     out = Path(args.out) if args.out else store.root / "exports" / run.short_id
-    paths = write_files(run, "head_grid", {"metric": "entropy"}, out, formats)
-    if isinstance(run, StatsRun):
-        # statistics mode: no patterns; the per-row statistics, column sums, pooled maps and scores
-        arrays = {f"row_{name}": a for name, a in run.rows.items()}
-        arrays.update(col_sum=run.col_sum, pooled=run.pooled)
-        for name, arr in arrays.items():
-            np.save(out / f"{name}.npy", arr, allow_pickle=False)
-            paths.append(out / f"{name}.npy")
+    paths = write_files(run, names.HEAD_GRID, {"metric": "entropy"}, out, formats)
+    for name, arr in run.kept_arrays().items():  # patterns, or per-row statistics, column sums and pooled maps
+        np.save(out / f"{name}.npy", arr, allow_pickle=False)
+        paths.append(out / f"{name}.npy")
+    if not run.has_patterns:  # statistics mode: the scores a short run's grid would recompute from patterns
         with open(out / "scores.csv", "w", encoding="utf-8") as f:
             f.write("layer,head," + ",".join(STATS_METRICS) + "\n")
-            tables = [statistics_score(run, name) for name in STATS_METRICS]
+            tables = [run.head_scores(name) for name in STATS_METRICS]
             for la in range(run.n_layers):
                 for h in range(run.n_heads):
                     f.write(f"{la},{h}," + ",".join(f"{t[la, h]:.6g}" for t in tables) + "\n")
         paths.append(out / "scores.csv")
-        mode = f"statistics mode, no patterns kept, pooled block {run.block_size}"
-    else:
-        np.save(out / "patterns.npy", np.asarray(run.patterns), allow_pickle=False)
-        paths.append(out / "patterns.npy")
-        mode = "full patterns"
+    mode = run.mode
     print(f"run {run.key}")
     loss = float(np.nanmean(run.token_loss)) if run.n_tokens > 1 else float("nan")  # one token: no loss
     print(f"{run.n_tokens} tokens, mean loss {loss:.4f} ({mode})")
@@ -502,7 +490,8 @@ def cmd_scan(args) -> int:
 
     from analysis.niah import load_haystack
     from app.export import FIGURE_FORMATS, write_files
-    from app.heads_views import head_scores_of
+    from app.views import names
+    from app.views.heads import head_scores_of
 
     formats = _check_formats(args.formats, FIGURE_FORMATS)
     lengths, depths = args.lengths, args.depths
@@ -538,14 +527,14 @@ def cmd_scan(args) -> int:
     summary["head_scores"] = {"n_prompts": scores.n_prompts, "sink_size": scores.sink, "window": scores.window,
                               "scores": scores.names}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    for view in ("retrieval_grid", "retrieval_histogram", "retrieval_scatter", "niah_grid"):
+    for view in (names.RETRIEVAL_GRID, names.RETRIEVAL_HISTOGRAM, names.RETRIEVAL_SCATTER, names.NIAH_GRID):
         write_files(None, view, params, out, formats)
     for score in scores.names:
-        write_files(None, "head_score_grid", {**params, "score": score}, out / score, formats,
+        write_files(None, names.HEAD_SCORE_GRID, {**params, "score": score}, out / score, formats,
                     plotlyjs_path=out / "plotly.min.js")
     for score in ("retrieval", "evidence"):
         if score == "retrieval" or score in scores.names:
-            write_files(None, "score_mass", {**params, "score": score}, out / f"mass_{score}", formats,
+            write_files(None, names.SCORE_MASS, {**params, "score": score}, out / f"mass_{score}", formats,
                         plotlyjs_path=out / "plotly.min.js")
     print(f"sweep {result.key} ({result.settings_text()})")
     print(f"{result.n_counted}/{result.n_trials} trials answered ({summary['reused_trials']} reused); "
@@ -654,7 +643,7 @@ def _ablation_spec(model, args, heads, store, reference):
     """The :class:`AblationSpec` of ``--method`` on ``heads``, and the page parameters naming it."""
     from analysis.ablation import AblationSpec, format_heads, head_means
     from analysis.capture import capture
-    from app.ablation_views import builtin_reference
+    from app.views.ablation import builtin_reference
 
     params = {"model": _model_spec(args), "heads": format_heads(heads), "ablate": args.method}
     means = source = None
@@ -707,7 +696,8 @@ def cmd_ablate(args) -> int:
     from analysis.niah import load_haystack
     from analysis.store import content_key
     from app.export import FIGURE_FORMATS, write_files
-    from app.views import metric_scores
+    from app.views import names
+    from app.views.registry import metric_scores
 
     formats = _check_formats(args.formats, FIGURE_FORMATS)
     if args.top_k and args.by != "retrieval" and args.by not in HEAD_METRICS:
@@ -746,7 +736,7 @@ def cmd_ablate(args) -> int:
                      "method": args.method, "method_does": METHOD_DESCRIPTIONS[args.method],
                      "by": args.by if args.top_k else None}
     if run is not None:
-        fig_rows = write_files(run, "ablation_effects", params, out, formats)
+        fig_rows = write_files(run, names.ABLATION_EFFECTS, params, out, formats)
         rows = json.loads(fig_rows[-2].read_text()) if fig_rows else []
         summary["text"] = rows[-1] if rows else {}
     if result is not None:
@@ -757,7 +747,7 @@ def cmd_ablate(args) -> int:
             key, curve, meta = ablation_curve(model, scores, args.curve, spec, store, on=result or run,
                                               by_label=by_label, seeds=seeds, outside_top=args.control_top,
                                               source_id=params.get("source"), progress=bar)
-        write_files(None, "ablation_curve", {**params, "curve": key[:16]}, out, formats)
+        write_files(None, names.ABLATION_CURVE, {**params, "curve": key[:16]}, out, formats)
         summary["curve"] = {"k": curve.k_values, "top": curve.top.tolist(), "random": curve.random.tolist(),
                             "random_mean": curve.random_mean.tolist(), "random_std": curve.random_std.tolist(),
                             "metric": meta["metric_label"], "by_label": by_label, "n_seeds": len(seeds),

@@ -20,7 +20,7 @@ from app.errors import guarded
 from app.export import FORMATS, bundle
 from app.jobs import on_workers
 from app.url_state import PageState, parse
-from app.views import VIEWS
+from app.views import VIEWS, names
 
 GRAPH_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "svg"}}
 
@@ -118,7 +118,7 @@ def export_bar(prefix: str, view: str) -> html.Div:
             html.Button(fmt.upper(), id={"type": ids.EXPORT, "page": prefix, "view": view, "fmt": fmt},
                         className="hs-export-btn",
                         n_clicks=0, **{"data-export": f"{view}-{fmt}"},
-                        title=f"Download the {VIEWS[view.split(':')[0]].title.lower()} as {fmt.upper()} with its data and manifest")
+                        title=f"Download the {VIEWS[names.split(view)[0]].title.lower()} as {fmt.upper()} with its data and manifest")
             for fmt in FORMATS
         ],
         className="hs-export-bar",
@@ -126,41 +126,12 @@ def export_bar(prefix: str, view: str) -> html.Div:
 
 
 def view_params(view: str, state: PageState, query: int | None = None) -> dict[str, Any]:
-    """The parameters a view is drawn with, from the page state (what the page shows is what exports)."""
-    head = {"layer": state.layer or 0, "head": state.head or 0}
-    relevance = {"target": state.target, "fusion": state.fusion, "drop_sink": state.drop_sink}
-    if view == "head_grid":
-        return {"metric": state.metric, **head}
-    if view == "attention":
-        return head
-    if view == "sink_map":
-        return {}
-    if view == "token_strip":
-        return {**head, "query": query if query is not None else state.query, "region": state.region}
-    if view.startswith("relevance:"):
-        return {**relevance, "method": view.split(":", 1)[1]}
-    if view == "rollout_layers":
-        return relevance
-    if view.startswith("gradient:"):
-        return {**relevance, "method": view.split(":", 1)[1]}
-    if view == "faithfulness_input":
-        return relevance
-    if view in ("retrieval_grid", "retrieval_histogram", "retrieval_scatter", "niah_grid", "trial_steps",
-                "head_score_grid", "score_mass"):
-        from app.heads_views import sweep_params
-
-        return sweep_params(state)
-    if view.startswith("qk_"):
-        from app.qk_views import qk_params
-
-        return qk_params(state)
-    if view.startswith("ablation_"):
-        from app.ablation_views import ablation_params
-
-        return ablation_params(state)
-    if view == "faithfulness_set":
-        return {"fusion": state.fusion, "drop_sink": state.drop_sink, "_compute": False}
-    raise PreventUpdate
+    """The parameters a view is drawn with, from the page state (what the page shows is what exports):
+    each view declares how (:attr:`app.views.View.from_state`)."""
+    name, which = names.split(view)
+    if name not in VIEWS:
+        raise PreventUpdate
+    return VIEWS[name].from_state(state, query, which)
 
 
 def _stored_run(state: PageState):
@@ -188,16 +159,16 @@ def register_export(prefix: str, run_of: Any = _stored_run) -> None:
         if not isinstance(clicks, list) or not any(isinstance(c, int) and c > 0 for c in clicks):
             raise PreventUpdate
         view, fmt = (trigger.get("view"), trigger.get("fmt")) if isinstance(trigger, dict) else (None, None)
-        if not isinstance(view, str) or view.split(":", 1)[0] not in VIEWS or fmt not in FORMATS:
+        if not isinstance(view, str) or names.split(view)[0] not in VIEWS or fmt not in FORMATS:
             raise PreventUpdate  # not one of the page's export buttons
         if isinstance(query, bool) or not isinstance(query, int):
             query = None  # the hovered token, when the page has one
         state = parse(search)
         run = run_of(state)
-        if run is None and VIEWS[view.split(":", 1)[0]].needs_run:
+        if run is None and VIEWS[names.split(view)[0]].needs_run:
             return no_update, "Nothing to export yet: run something first."
         params = view_params(view, state, query)
-        name, data = bundle(run, view.split(":", 1)[0], params, fmt)
+        name, data = bundle(run, names.split(view)[0], params, fmt)
         return dcc.send_bytes(data, name), ""
 
     export.__name__ = f"export_{prefix}"

@@ -32,8 +32,9 @@ from urllib.parse import quote
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from analysis.capture import InputError, Run, capture
+from analysis.capture import InputError, capture
 from analysis.models import load_model
+from analysis.runs import AttentionRun
 from analysis.store import Store
 from app.manifest_schema import ManifestError, read_manifest_file
 from app.views import VIEWS, Rows
@@ -53,7 +54,7 @@ def headscope_version() -> str:
         return "0+unknown"
 
 
-def manifest(run: Run | None, view: str, params: dict[str, Any]) -> dict[str, Any]:
+def manifest(run: AttentionRun | None, view: str, params: dict[str, Any]) -> dict[str, Any]:
     """What rebuilds a figure. Views drawn from a probe set rather than a run have no token ids."""
     if run is None:
         from analysis.models import load_model
@@ -167,7 +168,7 @@ def figure_bytes(fig: go.Figure, fmt: str, *, plotlyjs_src: str | None = None) -
         return pio.to_image(fig, format=fmt, width=width, height=height, scale=2 if fmt == "png" else 1)
 
 
-def bundle(run: Run | None, view: str, params: dict[str, Any], fmt: str) -> tuple[str, bytes]:
+def bundle(run: AttentionRun | None, view: str, params: dict[str, Any], fmt: str) -> tuple[str, bytes]:
     """A zip with ``<view>.<fmt>`` (for figure formats), ``data.csv``, ``data.json``, ``manifest.json``.
 
     An html figure is a standalone page (library inlined): the zip holds one figure, so there is
@@ -189,7 +190,7 @@ def bundle(run: Run | None, view: str, params: dict[str, Any], fmt: str) -> tupl
     return name, buf.getvalue()
 
 
-def write_files(run: Run | None, view: str, params: dict[str, Any], out: Path, formats: tuple[str, ...],
+def write_files(run: AttentionRun | None, view: str, params: dict[str, Any], out: Path, formats: tuple[str, ...],
                 *, plotlyjs_path: Path | None = None) -> list[Path]:
     """Write the figure in ``formats`` plus data and manifest into ``out``; return the paths.
 
@@ -228,7 +229,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise InputError(str(e)) from None
 
 
-def regenerate(man: dict[str, Any], store: Store | None = None) -> tuple[Run | None, go.Figure, Rows]:
+def regenerate(man: dict[str, Any], store: Store | None = None) -> tuple[AttentionRun | None, go.Figure, Rows]:
     """Rebuild a manifest's run (from the store when there) and its figure."""
     model = load_model(man["model"]["name"])
     if model.digest != man["model"].get("digest"):

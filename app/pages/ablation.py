@@ -23,17 +23,6 @@ from analysis.capture import capture
 from analysis.head_sweep import ablation_head_sweep
 from analysis.models import load_model
 from app import ids
-from app.ablation_views import (
-    RANK_LABELS,
-    REFERENCE_SENTENCES,
-    ablation_params,
-    ablation_spec,
-    builtin_reference,
-    effects_of,
-    random_heads,
-    rank_scores,
-    top_heads,
-)
 from app.components import (
     GRAPH_CONFIG,
     empty_figure,
@@ -52,6 +41,17 @@ from app.errors import guarded, message
 from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
 from app.url_state import PageState, parse
 from app.views import VIEWS
+from app.views.ablation import (
+    RANK_LABELS,
+    REFERENCE_SENTENCES,
+    ablation_params,
+    ablation_spec,
+    builtin_reference,
+    effects_of,
+    random_heads,
+    rank_scores,
+    top_heads,
+)
 
 dash.register_page(__name__, path="/ablation", name="Ablation", title="headscope — head ablation", order=3)
 
@@ -308,7 +308,7 @@ def choose(click, _apply, heads_text, _top, _random, _clear, by, sweep_id, metho
         if new == state.sweep:
             raise PreventUpdate
         if new is not None:
-            from app.heads_views import sweep_of
+            from app.views.heads import sweep_of
 
             sweep_of({"sweep": new})  # a clear message now if there is no such sweep
         state.sweep = new
@@ -425,7 +425,7 @@ def run_curve(set_progress, n_clicks, ks_text, n_seeds, control_top, metric, sea
         scores, by_label = rank_scores(run, params)
         spec = ablation_spec(model, {**params, "heads": "0.0"})  # the method and its options
         if metric == "niah":
-            from app.heads_views import sweep_of
+            from app.views.heads import sweep_of
 
             if not state.sweep:
                 raise ValueError("Needle-in-a-haystack accuracy needs a sweep: give its id (from the Heads page).")

@@ -14,7 +14,7 @@ from dash.exceptions import PreventUpdate
 from analysis.capture import InputError
 from analysis.head_summary import HEAD_METRICS
 from analysis.models import load_model
-from analysis.statistics_run import STATS_METRICS, StatsRun, capture_for_page
+from analysis.statistics_run import capture_for_page
 from app import ids
 from app.components import (
     GRAPH_CONFIG,
@@ -33,7 +33,7 @@ from app.context import dropdown_model, get_context, offered_model
 from app.errors import guarded, message
 from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
 from app.url_state import AttentionState, PageState, parse
-from app.views import VIEWS
+from app.views import VIEWS, names
 
 dash.register_page(__name__, path="/", name="Attention", title="headscope — attention", order=0)
 
@@ -78,13 +78,13 @@ def layout(**_query) -> html.Div:
                                 className="hs-metric",
                             ),
                             _busy(dcc.Graph(id=ids.GRID, figure=EMPTY, config=GRAPH_CONFIG)),
-                            export_bar(PREFIX, "head_grid"),
+                            export_bar(PREFIX, names.HEAD_GRID),
                         ],
                         className="hs-panel hs-grid-panel",
                     ),
                     html.Div(
                         [_busy(dcc.Graph(id=ids.HEATMAP, figure=EMPTY, config=GRAPH_CONFIG)),
-                         export_bar(PREFIX, "attention")],
+                         export_bar(PREFIX, names.ATTENTION)],
                         className="hs-panel hs-heatmap-panel",
                     ),
                 ],
@@ -95,11 +95,11 @@ def layout(**_query) -> html.Div:
                     html.P("Hover a token (or click a heatmap row) to see where the selected head attends from it.",
                            className="hs-hint"),
                     _busy(dcc.Graph(id=ids.STRIP, figure=EMPTY, config=GRAPH_CONFIG, clear_on_unhover=False)),
-                    export_bar(PREFIX, "token_strip"),
+                    export_bar(PREFIX, names.TOKEN_STRIP),
                 ],
                 className="hs-panel",
             ),
-            html.Div([_busy(dcc.Graph(id=ids.SINKS, figure=EMPTY, config=GRAPH_CONFIG)), export_bar(PREFIX, "sink_map")],
+            html.Div([_busy(dcc.Graph(id=ids.SINKS, figure=EMPTY, config=GRAPH_CONFIG)), export_bar(PREFIX, names.SINK_MAP)],
                      className="hs-panel"),
         ]
     )
@@ -191,9 +191,8 @@ def render(search, sinks_run=None):
     if run is None:
         problems.append(f"No stored run has the id {state.run!r}. Run the text again to recompute it.")
         return EMPTY, EMPTY, EMPTY, EMPTY, "", message(problems), no_update, no_update, state.metric, None, None
-    long_run = isinstance(run, StatsRun)
-    n_layers, n_heads = (run.n_layers, run.n_heads) if long_run else run.patterns.shape[:2]
-    if long_run and state.metric not in STATS_METRICS:
+    n_layers, n_heads = run.n_layers, run.n_heads
+    if state.metric not in run.metrics:
         problems.append(f"{HEAD_METRICS[state.metric].label} needs full attention patterns, which a "
                         f"{run.n_tokens:,}-token run does not keep; showing normalised entropy.")
         state.metric = "entropy"
@@ -206,15 +205,15 @@ def render(search, sinks_run=None):
         layer, head = 0, 0
     query = state.query if state.query is not None and state.query < run.n_tokens else run.n_tokens - 1
     params = {"metric": state.metric, "layer": layer, "head": head, "query": query, "region": state.region}
-    grid, _ = VIEWS["head_grid"].build(run, params)
-    heat, _ = VIEWS["attention"].build(run, params)
+    grid, _ = VIEWS[names.HEAD_GRID].build(run, params)
+    heat, _ = VIEWS[names.ATTENTION].build(run, params)
     try:
-        strip, _ = VIEWS["token_strip"].build(run, params)
+        strip, _ = VIEWS[names.TOKEN_STRIP].build(run, params)
     except InputError as e:  # a bad region in the link: say so, keep the rest of the page
         problems.append(str(e))
         strip = EMPTY
     # the sink map depends on the run only: drawn once per run (0.5 s and 0.9 MB at 500 tokens)
-    sinks = no_update if sinks_run == run.key else VIEWS["sink_map"].build(run, params)[0]
+    sinks = no_update if sinks_run == run.key else VIEWS[names.SINK_MAP].build(run, params)[0]
     loss = np.nanmean(run.token_loss) if run.n_tokens > 1 else float("nan")
     info = html.Div(
         [
@@ -224,7 +223,7 @@ def render(search, sinks_run=None):
             *([html.Span(f"statistics mode (no patterns kept; {run.seconds:.1f} s)", className="hs-chip",
                          title="Attention ran through the statistics kernels: the grid, sink map and pooled "
                                "map come from per-row statistics; zoom into the map for exact values.")]
-              if long_run else []),
+              if not run.has_patterns else []),
             html.Span(f"mean loss {loss:.3f}", className="hs-chip"),
             html.Span(f"selected: layer {layer}, head {head}", className="hs-chip hs-selected"),
         ]
@@ -284,9 +283,9 @@ def zoom_long_run(relayout, search):
     """On a long run's pooled map, a drag-zoom writes the region into the URL (exact values below);
     a double-click (autorange) clears it. Short runs zoom their full heatmap in the browser."""
     state = parse(search)
-    if not relayout or state.run is None or not isinstance(get_context().run(state.run), StatsRun):
+    run = get_context().run(state.run) if relayout and state.run is not None else None
+    if run is None or run.has_patterns:
         return no_update
-    run = get_context().run(state.run)
     if relayout.get("xaxis.autorange") or relayout.get("yaxis.autorange"):
         return _with(search, region=None) if state.region else no_update
     try:

@@ -26,7 +26,8 @@ from app.context import dropdown_model, get_context
 from app.errors import guarded, message
 from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
 from app.url_state import FlowState, PageState, parse
-from app.views import RELEVANCE_METHODS, VIEWS, check_target, flow_numbers, max_flow_tokens
+from app.views import VIEWS, names
+from app.views.flow import RELEVANCE_METHODS, check_target, flow_numbers, max_flow_tokens
 
 dash.register_page(__name__, path="/flow", name="Flow", title="headscope — rollout and flow", order=1)
 
@@ -85,11 +86,11 @@ def layout(**_query) -> html.Div:
             html.Div(
                 [
                     html.Div([dcc.Graph(id={"type": ids.FLOW_STRIPS, "method": m}, figure=EMPTY, config=GRAPH_CONFIG),
-                              export_bar(PREFIX, f"relevance:{m}")], className="hs-panel")
+                              export_bar(PREFIX, names.variant(names.RELEVANCE, m))], className="hs-panel")
                     for m in RELEVANCE_METHODS
                 ]
             ),
-            html.Div([dcc.Graph(id=ids.FLOW_LAYERS, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, "rollout_layers")],
+            html.Div([dcc.Graph(id=ids.FLOW_LAYERS, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, names.ROLLOUT_LAYERS)],
                      className="hs-panel"),
             html.H3("Faithfulness: which attribution agrees with removing tokens?", className="hs-section"),
             html.P("Leave-one-out importance: the change in the target token's log-probability when one input "
@@ -111,7 +112,7 @@ def layout(**_query) -> html.Div:
                 className="hs-options",
             ),
             html.Div([dcc.Graph(id=ids.FAITH_SET, figure=empty_figure("Not evaluated yet for these settings."),
-                                config=GRAPH_CONFIG), export_bar(PREFIX, "faithfulness_set")], className="hs-panel"),
+                                config=GRAPH_CONFIG), export_bar(PREFIX, names.FAITHFULNESS_SET)], className="hs-panel"),
         ]
     )
 
@@ -157,14 +158,14 @@ def render(search):
     strips = []
     for method in RELEVANCE_METHODS:
         try:
-            fig, _ = VIEWS["relevance"].build(run, {**params, "method": method})
+            fig, _ = VIEWS[names.RELEVANCE].build(run, {**params, "method": method})
         except ValueError as e:  # e.g. flow over its token limit: the other methods still show
             problems.append(str(e))
             fig = empty_figure(str(e))
         strips.append(fig)
-    layers, _ = VIEWS["rollout_layers"].build(run, params)
+    layers, _ = VIEWS[names.ROLLOUT_LAYERS].build(run, params)
     try:
-        faith_set, _ = VIEWS["faithfulness_set"].build(run, {**params, "_compute": False})
+        faith_set, _ = VIEWS[names.FAITHFULNESS_SET].build(run, {**params, "_compute": False})
     except ValueError:
         faith_set = empty_figure("Not evaluated yet for these settings.")
     info = html.Div([
@@ -246,10 +247,10 @@ def faithfulness_on_input(n_clicks, search):
         return no_update, "Run a text first."
     params = {"target": check_target(run, state.target), "fusion": state.fusion, "drop_sink": state.drop_sink}
     panels = []
-    for view, extra in (("gradient", {"method": "ixg_norm"}), ("gradient", {"method": "ablation"}),
-                        ("faithfulness_input", {})):
+    for view, extra in ((names.GRADIENT, {"method": "ixg_norm"}), (names.GRADIENT, {"method": "ablation"}),
+                        (names.FAITHFULNESS_INPUT, {})):
         fig, _ = VIEWS[view].build(run, {**params, **extra})
-        name = f"{view}:{extra['method']}" if extra else view
+        name = names.variant(view, extra["method"]) if extra else view
         panels.append(html.Div([dcc.Graph(figure=fig, config=GRAPH_CONFIG), export_bar(PREFIX, name)],
                                className="hs-panel"))
     return panels, ""
@@ -272,7 +273,7 @@ def faithfulness_on_set(set_progress, n_clicks, search):
     if run is None:
         return no_update, "Run a text first: the evaluation uses its model."
     try:
-        fig, _ = VIEWS["faithfulness_set"].build(run, {
+        fig, _ = VIEWS[names.FAITHFULNESS_SET].build(run, {
             "fusion": state.fusion, "drop_sink": state.drop_sink,
             "_progress": progress_reporter(set_progress, "evaluating"),
         })

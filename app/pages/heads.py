@@ -37,10 +37,10 @@ from app.components import (
 )
 from app.context import get_context
 from app.errors import guarded, message
-from app.heads_views import AGGREGATES, head_scores_of, head_trials, sweep_of, sweep_params
 from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
 from app.url_state import parse
 from app.views import VIEWS
+from app.views.heads import AGGREGATES, head_scores_of, head_trials, sweep_of, sweep_params
 
 dash.register_page(__name__, path="/heads", name="Heads", title="headscope — retrieval and streaming heads", order=2)
 

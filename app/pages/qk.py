@@ -26,9 +26,9 @@ from app.components import (
 from app.context import get_context
 from app.errors import guarded, message
 from app.jobs import in_job, progress_reporter
-from app.qk_views import COLOUR_BY, DEFAULT_SENTENCES, MAX_SENTENCES, METHODS, qk_params, user_labels
 from app.url_state import parse
-from app.views import VIEWS
+from app.views import VIEWS, names
+from app.views.qk import COLOUR_BY, DEFAULT_SENTENCES, MAX_SENTENCES, METHODS, qk_params, user_labels
 
 dash.register_page(__name__, path="/qk", name="QK space", title="headscope — query-key space", order=4)
 
@@ -73,15 +73,15 @@ def layout(**_query) -> html.Div:
                    "rescaled (attention unchanged). Click a query to draw its top-5 keys in its own sentence. "
                    "UMAP and t-SNE run as background jobs and are stored.", className="hs-hint"),
             html.Div([dcc.Graph(id=ids.QK_SCATTER, figure=EMPTY, config=GRAPH_CONFIG), html.Div(id=ids.QK_HITS),
-                      export_bar(PREFIX, "qk_scatter")], className="hs-panel"),
-            html.Div([dcc.Graph(id=ids.QK_SPECTRUM, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, "qk_spectrum")],
+                      export_bar(PREFIX, names.QK_SCATTER)], className="hs-panel"),
+            html.Div([dcc.Graph(id=ids.QK_SPECTRUM, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, names.QK_SPECTRUM)],
                      className="hs-panel"),
             html.Div([dcc.Graph(id=ids.QK_ATTRIBUTION, figure=empty_figure("Click a query to attribute its logits."),
-                                config=GRAPH_CONFIG), export_bar(PREFIX, "qk_attribution")], className="hs-panel"),
-            html.Div([dcc.Graph(id=ids.QK_LAYER_VIEW, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, "qk_layer")],
+                                config=GRAPH_CONFIG), export_bar(PREFIX, names.QK_ATTRIBUTION)], className="hs-panel"),
+            html.Div([dcc.Graph(id=ids.QK_LAYER_VIEW, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, names.QK_LAYER)],
                      className="hs-panel"),
             html.Div([dcc.Graph(id=ids.QK_RANK_MAP, figure=EMPTY, config=GRAPH_CONFIG),
-                      html.P("Click a head to show it.", className="hs-hint"), export_bar(PREFIX, "qk_rank_map")],
+                      html.P("Click a head to show it.", className="hs-hint"), export_bar(PREFIX, names.QK_RANK_MAP)],
                      className="hs-panel"),
         ]
     )
@@ -261,17 +261,17 @@ def render(set_progress, search):
     state = parse(search)
     problems = list(state.problems)
     params = qk_params(state)
-    rank_map = _optional("qk_rank_map", params)
+    rank_map = _optional(names.QK_RANK_MAP, params)
     if state.layer is None or state.head is None:
         return EMPTY, EMPTY, "", NO_QUERY, EMPTY, rank_map, "", message(problems)
     try:
-        scatter, rows = VIEWS["qk_scatter"].build(None, {**params, "_progress": progress_reporter(set_progress,
+        scatter, rows = VIEWS[names.QK_SCATTER].build(None, {**params, "_progress": progress_reporter(set_progress,
                                                                                                   state.qk.method)})
     except ValueError as e:
         return EMPTY, EMPTY, "", NO_QUERY, EMPTY, rank_map, "", message([*problems, str(e)])
-    spectrum = _optional("qk_spectrum", params)
-    attribution = _optional("qk_attribution", params) if state.query is not None else NO_QUERY
-    layer_view = _optional("qk_layer", params)
+    spectrum = _optional(names.QK_SPECTRUM, params)
+    attribution = _optional(names.QK_ATTRIBUTION, params) if state.query is not None else NO_QUERY
+    layer_view = _optional(names.QK_LAYER, params)
     hits = ""
     if state.query is not None:
         top = [r for r in rows if "key_token" in r]

@@ -14,7 +14,7 @@ import pytest
 from analysis.attribution import RELEVANCE_METHODS, attribute, spearman
 from analysis.capture import capture
 from analysis.rollout import FUSIONS
-from app import views
+from app.views import flow as views
 from tests.app.test_browser import browser, page, start_server  # noqa: F401
 
 TEXT = "The keys to the old wooden cabinet are"

@@ -1,44 +1,18 @@
+"""app/views/attention.py: the Attention page's views, on both run kinds (full patterns and statistics)."""
+
 import numpy as np
 import pytest
 
 from analysis.capture import capture
 from analysis.errors import InputError
-from analysis.flow import attention_flow
-from analysis.rollout import rollout
-from app import views
+from analysis.statistics_run import capture_statistics
+from app.views import attention as views
+from app.views import flow
 
 
 @pytest.fixture
 def run(tiny_model):
     return capture(tiny_model, "The keys to the cabinet are on the table.", pattern_dtype="float32")
-
-
-def test_relevance_views_are_the_analyses(run):
-    target = run.n_tokens - 2
-    _, rows = views.relevance_view(run, {"target": target, "method": "rollout"})
-    np.testing.assert_allclose([r["relevance"] for r in rows], rollout(run.patterns)[target, : target + 1])
-    _, rows = views.relevance_view(run, {"target": target, "method": "flow", "drop_sink": True})
-    np.testing.assert_allclose([r["relevance"] for r in rows],
-                               attention_flow(run.patterns, target=target, drop_sinks=(0,))[: target + 1])
-    _, rows = views.relevance_view(run, {"target": target, "method": "attention"})
-    last = run.patterns[-1].astype(float).mean(0)[target, : target + 1]
-    np.testing.assert_allclose([r["relevance"] for r in rows], last, rtol=1e-6)
-
-
-def test_rollout_layers_last_row_is_the_rollout(run):
-    _, rows = views.rollout_layers_view(run, {"target": 3})
-    last_layer = [r["rollout"] for r in rows if r["layer"] == run.patterns.shape[0] - 1]
-    np.testing.assert_allclose(last_layer, rollout(run.patterns)[3, :4])
-
-
-def test_flow_limit_and_bad_targets_are_explained(run, monkeypatch):
-    with pytest.raises(InputError, match="out of range"):
-        views.relevance_view(run, {"target": run.n_tokens, "method": "rollout"})
-    with pytest.raises(InputError, match="Unknown relevance method"):
-        views.relevance_view(run, {"target": 1, "method": "magic"})
-    monkeypatch.setenv("HEADSCOPE_MAX_FLOW_TOKENS", "4")
-    with pytest.raises(InputError, match="limited to 4 tokens"):
-        views.token_relevance(run, "flow", 2, "max", False)
 
 
 def test_sink_map_view_is_received_attention_averaged_over_heads(run):
@@ -91,3 +65,24 @@ def test_sink_title_in_statistics_mode_says_the_same(tiny_model):
             assert all(checked in t and "too short" not in t for t in titles)
         assert titles[0].split(":")[0] == titles[1].split(":")[0]
     assert full.n_tokens > SINK_MIN_LATER  # the second text is long enough to check position 0
+
+
+def test_the_grid_and_sinks_of_a_statistics_run_are_those_of_its_patterns(tiny_model, run):
+    """Both run kinds draw through one interface: same grid values, same sink map, and a statistics
+    run says why rollout needs full patterns instead of failing on a missing array."""
+    stats = capture_statistics(tiny_model, run.token_ids)
+    for metric in ("entropy", "first_token", "previous_token"):
+        full = [r["value"] for r in views.head_grid_view(run, {"metric": metric, "layer": 0, "head": 1})[1]]
+        long = [r["value"] for r in views.head_grid_view(stats, {"metric": metric, "layer": 0, "head": 1})[1]]
+        np.testing.assert_allclose(long, full, atol=2e-6, err_msg=metric)
+    full = [r["mean_received"] for r in views.sink_map_view(run, {})[1] if "mean_received" in r]
+    long = [r["mean_received"] for r in views.sink_map_view(stats, {})[1] if "mean_received" in r]
+    np.testing.assert_allclose(long, full, atol=5e-6)
+    _, pooled = views.attention_view(stats, {"layer": 1, "head": 0})
+    _, cells = views.attention_view(run, {"layer": 1, "head": 0})
+    assert pooled[0]["block"] == 1 and len(pooled) == len(cells)  # one token per block at this length
+    np.testing.assert_allclose([r["mean_weight"] for r in pooled], [r["weight"] for r in cells], atol=1e-6)
+    with pytest.raises(InputError, match=f"needs full attention patterns; this {run.n_tokens:,}-token run"):
+        flow.relevance_view(stats, {"target": 2, "method": "rollout"})
+    with pytest.raises(InputError, match="Layer 9 is out of range"):
+        views.head_grid_view(stats, {"metric": "entropy", "layer": 9, "head": 0})

@@ -3,7 +3,7 @@
 Drawn from the stored sweep named in ``params["sweep"]`` (and the model in ``params["model"]``), not
 from one run: the other per-head scores (streaming with sink size S and window W, sinks, entropy,
 evidence, previous/duplicate-token, induction) are computed on every distinct prompt of the sweep
-and aggregated (:mod:`analysis.head_scores`). Registered into :data:`app.views.VIEWS`, so exports and
+and aggregated (:mod:`analysis.head_scores`). Registered into :data:`app.views.registry.VIEWS`, so exports and
 manifests work as for every other figure.
 """
 
@@ -20,7 +20,8 @@ from analysis.head_scores import LABELS, HeadScores, score_prompts, trial_prompt
 from analysis.retrieval import RetrievalSweep, decode_rows, load_sweep
 from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 from app import figures
-from app.views import VIEWS, Rows, View, check_head_index, memoised
+from app.views import names
+from app.views.registry import Rows, check_head_index, memoised, register
 
 AGGREGATES = {
     "query": "per query head",
@@ -72,6 +73,8 @@ def retrieval_table(sweep: RetrievalSweep, agg: str) -> np.ndarray:
     return {"query": sweep.scores, "group_max": sweep.group_max, "group_mean": sweep.group_mean}[agg]
 
 
+@register(names.RETRIEVAL_GRID, "Retrieval score map", ("sweep", "agg", "layer", "head"),
+          lambda state, query, _: sweep_params(state), needs_run=False)
 def retrieval_grid_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     sweep = sweep_of(params)
     agg = params.get("agg", "query")
@@ -93,6 +96,8 @@ def retrieval_grid_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, R
     return fig, rows
 
 
+@register(names.RETRIEVAL_HISTOGRAM, "Retrieval score histogram", ("sweep",),
+          lambda state, query, _: sweep_params(state), needs_run=False)
 def retrieval_histogram_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     sweep = sweep_of(params)
     fig = figures.score_histogram(sweep.scores, "Retrieval score", RETRIEVAL_THRESHOLD)
@@ -124,6 +129,8 @@ def _score(scores: HeadScores, params: dict[str, Any]) -> tuple[str, np.ndarray,
     return name, (scores.mean if stat == "mean" else scores.std)[name], label
 
 
+@register(names.HEAD_SCORE_GRID, "Per-head score map over the sweep's prompts", ("sweep", "score", "stat", "sink_size", "window", "layer", "head"),
+          lambda state, query, _: sweep_params(state), needs_run=False)
 def head_score_grid_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """A per-head score's mean (or spread) over the sweep's prompts as a layer × head map."""
     sweep = sweep_of(params)
@@ -143,6 +150,8 @@ def head_score_grid_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, 
     return fig, rows
 
 
+@register(names.SCORE_MASS, "Cumulative positive mass of a score", ("sweep", "score", "sink_size", "window"),
+          lambda state, query, _: sweep_params(state), needs_run=False)
 def score_mass_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """Cumulative positive mass of a score over heads: "x% of heads hold 50% of the positive mass"."""
     sweep = sweep_of(params)
@@ -159,6 +168,8 @@ def score_mass_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]
     return fig, rows
 
 
+@register(names.RETRIEVAL_SCATTER, "Retrieval vs another score", ("sweep", "score", "sink_size", "window"),
+          lambda state, query, _: sweep_params(state), needs_run=False)
 def retrieval_scatter_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """Retrieval score against another per-head score (mean over the sweep's prompts)."""
     sweep = sweep_of(params)
@@ -169,6 +180,8 @@ def retrieval_scatter_view(run: None, params: dict[str, Any]) -> tuple[go.Figure
     return fig, rows
 
 
+@register(names.NIAH_GRID, "Needle-in-a-haystack accuracy", ("sweep",),
+          lambda state, query, _: sweep_params(state), needs_run=False)
 def niah_grid_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     sweep = sweep_of(params)
     fig = figures.niah_grid(sweep.accuracy, sweep.lengths, sweep.depths)
@@ -190,6 +203,8 @@ def head_trials(sweep: RetrievalSweep, layer: int, head: int) -> Rows:
     return rows
 
 
+@register(names.TRIAL_STEPS, "A head's attention row per decode step", ("sweep", "layer", "head", "trial"),
+          lambda state, query, _: sweep_params(state), needs_run=False)
 def trial_steps_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """One head's whole attention row over the haystack at each decode step of one trial.
 
@@ -222,19 +237,3 @@ def trial_steps_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows
                         "weight": float(row[j]), "in_needle": start <= j < end,
                         "argmax": j == int(keys[s]), "copy_paste": j == int(keys[s]) and s in hit_steps})
     return fig, out
-
-
-for view in [
-    View("retrieval_grid", "Retrieval score map", retrieval_grid_view, ("sweep", "agg", "layer", "head"), False),
-    View("retrieval_histogram", "Retrieval score histogram", retrieval_histogram_view, ("sweep",), False),
-    View("retrieval_scatter", "Retrieval vs another score", retrieval_scatter_view,
-         ("sweep", "score", "sink_size", "window"), False),
-    View("niah_grid", "Needle-in-a-haystack accuracy", niah_grid_view, ("sweep",), False),
-    View("head_score_grid", "Per-head score map over the sweep's prompts", head_score_grid_view,
-         ("sweep", "score", "stat", "sink_size", "window", "layer", "head"), False),
-    View("score_mass", "Cumulative positive mass of a score", score_mass_view,
-         ("sweep", "score", "sink_size", "window"), False),
-    View("trial_steps", "A head's attention row per decode step", trial_steps_view,
-         ("sweep", "layer", "head", "trial"), False),
-]:
-    VIEWS[view.name] = view

@@ -1,6 +1,6 @@
 """Views of one head's query-key space (AttentionViz joint embedding; Lee et al. 2026 contrastive
 covariance decomposition) for the QK page. Drawn from the model and the probe set named in the
-params, not from a run; registered into :data:`app.views.VIEWS` so they export like every figure."""
+params, not from a run; registered into :data:`app.views.registry.VIEWS` so they export like every figure."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from analysis.qk_decomposition import (
     wqk_spectra,
 )
 from app import figures
-from app.views import VIEWS, Rows, View, memoised
+from app.views import names
+from app.views.registry import Rows, memoised, register
 
 METHODS = {"pca": "PCA", "umap": "UMAP", "tsne": "t-SNE"}
 COLOUR_BY = ("position", "kind", "sentence", "norm")
@@ -106,6 +107,8 @@ def head_of(params: dict[str, Any]) -> HeadQK:
                                          max_points=limit("HEADSCOPE_MAX_QK_POINTS")))
 
 
+@register(names.QK_SCATTER, "Joint query-key embedding", ("model", "layer", "head", "sentences", "texts", "method", "colour", "query", "find"),
+          lambda state, query, _: qk_params(state), needs_run=False)
 def qk_scatter_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     from app.context import get_context
 
@@ -177,6 +180,8 @@ def qk_scatter_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]
     return fig, rows_hits + rows if rows_hits else rows
 
 
+@register(names.QK_SPECTRUM, "Contrastive covariance spectrum", ("model", "layer", "head", "sentences", "texts", "feature", "labels"),
+          lambda state, query, _: qk_params(state), needs_run=False)
 def qk_spectrum_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     head = head_of(params)
     feature, target = feature_of(params)
@@ -195,6 +200,8 @@ def qk_spectrum_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows
     return fig, [{"index": i + 1, "singular_value": float(v), "in_rank": i < dec.rank} for i, v in enumerate(sv)]
 
 
+@register(names.QK_ATTRIBUTION, "Logit attribution and intervention", ("model", "layer", "head", "sentences", "texts", "feature", "labels", "query"),
+          lambda state, query, _: qk_params(state), needs_run=False)
 def qk_attribution_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """For the clicked query: each key's logit split into the feature's subspace term, cross terms and
     residual (Lee et al. 2026), and the query's attention before/after projecting the feature's
@@ -238,6 +245,8 @@ def qk_attribution_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, R
     return fig, rows
 
 
+@register(names.QK_LAYER, "Layer overview of joint embeddings", ("model", "layer", "sentences", "texts"),
+          lambda state, query, _: qk_params(state), needs_run=False)
 def qk_layer_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """A layer at a glance: one joint-embedding PCA panel per head (queries blue, keys orange)."""
     from plotly.subplots import make_subplots
@@ -274,6 +283,8 @@ def qk_layer_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     return fig, rows
 
 
+@register(names.QK_RANK_MAP, "W_QK effective rank per head", ("model",),
+          lambda state, query, _: qk_params(state), needs_run=False)
 def qk_rank_map_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """Entropy effective rank of every head's W_QK = W_Q W_Kᵀ (pre-rotary interaction; RMSNorm gain folded)."""
     from app.context import get_context
@@ -287,15 +298,3 @@ def qk_rank_map_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows
              "top_singular_value": float(spectra[la, h, 0])}
             for la in range(ranks.shape[0]) for h in range(ranks.shape[1])]
     return fig, rows
-
-
-for view in (View("qk_scatter", "Joint query-key embedding", qk_scatter_view,
-                  ("model", "layer", "head", "sentences", "texts", "method", "colour", "query", "find"), False),
-             View("qk_spectrum", "Contrastive covariance spectrum", qk_spectrum_view,
-                  ("model", "layer", "head", "sentences", "texts", "feature", "labels"), False),
-             View("qk_attribution", "Logit attribution and intervention", qk_attribution_view,
-                  ("model", "layer", "head", "sentences", "texts", "feature", "labels", "query"), False),
-             View("qk_layer", "Layer overview of joint embeddings", qk_layer_view, ("model", "layer", "sentences", "texts"),
-                  False),
-             View("qk_rank_map", "W_QK effective rank per head", qk_rank_map_view, ("model",), False)):
-    VIEWS[view.name] = view

@@ -24,11 +24,13 @@ from analysis.ablation import (
     parse_heads,
 )
 from analysis.ablation_curve import load_curve, rank_heads
-from analysis.capture import InputError, Run
+from analysis.capture import InputError
 from analysis.head_summary import HEAD_METRICS
 from analysis.head_sweep import load_head_sweep
+from analysis.runs import AttentionRun
 from app import figures
-from app.views import VIEWS, Rows, View, memoised, metric_scores
+from app.views import names
+from app.views.registry import Rows, memoised, metric_scores, register
 
 CONTINUATION_TOKENS = 20
 REFERENCE_SENTENCES = 100  # the built-in mean-ablation reference: the first sentences of data/probes
@@ -100,14 +102,14 @@ def ablation_spec(model, params: dict[str, Any]) -> AblationSpec:
     return spec
 
 
-def rank_scores(run: Run | None, params: dict[str, Any]) -> tuple[np.ndarray, str]:
+def rank_scores(run: AttentionRun | None, params: dict[str, Any]) -> tuple[np.ndarray, str]:
     """The ``[layer, head]`` score heads are ranked by, and its label."""
     by = params.get("by") or "retrieval"
     if by == "retrieval":
         if not params.get("sweep"):
             raise InputError("No retrieval scores yet: run a needle-in-a-haystack sweep on the Heads page "
                              "(its 'Ablate' link brings them here), or rank heads by another score.")
-        from app.heads_views import sweep_of
+        from app.views.heads import sweep_of
 
         sweep = sweep_of({"sweep": params["sweep"]})
         return np.nan_to_num(sweep.scores, nan=0.0), f"Retrieval score (sweep {sweep.key[:8]})"
@@ -123,7 +125,7 @@ def rank_scores(run: Run | None, params: dict[str, Any]) -> tuple[np.ndarray, st
     return metric_scores(run, by), HEAD_METRICS[by].label + " (this text)"
 
 
-def top_heads(run: Run | None, params: dict[str, Any], k: int) -> list[tuple[int, int]]:
+def top_heads(run: AttentionRun | None, params: dict[str, Any], k: int) -> list[tuple[int, int]]:
     table, label = rank_scores(run, params)
     order = rank_heads(table)
     if not order:
@@ -141,7 +143,9 @@ def random_heads(n_layers: int, n_heads: int, k: int, seed: int) -> list[tuple[i
     return sorted((int(i // n_heads), int(i % n_heads)) for i in pick)
 
 
-def selection_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+@register(names.ABLATION_SELECTION, "Heads chosen for ablation", ("heads", "by", "sweep", "hsweep"),
+          lambda state, query, _: ablation_params(state))
+def selection_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     model = _model(params)
     try:
         table, label = rank_scores(run, params)
@@ -154,7 +158,7 @@ def selection_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     return fig, rows
 
 
-def effects_of(run: Run, params: dict[str, Any]):
+def effects_of(run: AttentionRun, params: dict[str, Any]):
     model = _model(params)
     spec = ablation_spec(model, params)
     target = int(run.top_ids[-1, 0])  # the clean model's next-token prediction after the last token
@@ -164,7 +168,9 @@ def effects_of(run: Run, params: dict[str, Any]):
         model, run.token_ids, spec, target_position=-1, target_token=target, max_new_tokens=n_new))
 
 
-def effects_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+@register(names.ABLATION_EFFECTS, "Effects of an ablation", ("heads", "ablate", "ref", "source"),
+          lambda state, query, _: ablation_params(state))
+def effects_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     spec, fx = effects_of(run, params)
     model = _model(params)
     tokens = run.tokens
@@ -193,6 +199,8 @@ def effects_view(run: Run, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     return fig, rows
 
 
+@register(names.ABLATION_CURVE, "Top-k vs random ablation curve", ("curve",),
+          lambda state, query, _: ablation_params(state), needs_run=False)
 def curve_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     found = _stored(params.get("curve"), "top-k curve", load_curve)
     if found is None:
@@ -211,6 +219,8 @@ def curve_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     return fig, rows
 
 
+@register(names.ABLATION_HEAD_SWEEP, "Single-head ablation map", ("hsweep",),
+          lambda state, query, _: ablation_params(state), needs_run=False)
 def head_sweep_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     found = _stored(params.get("hsweep"), "single-head sweep", load_head_sweep)
     if found is None:
@@ -225,13 +235,3 @@ def head_sweep_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]
              "metric": sweep.metric, "method": sweep.method}
             for la in range(sweep.effect.shape[0]) for h in range(sweep.effect.shape[1])]
     return fig, rows
-
-
-for view in [
-    View("ablation_selection", "Heads chosen for ablation", selection_view,
-         ("heads", "by", "sweep", "hsweep")),
-    View("ablation_effects", "Effects of an ablation", effects_view, ("heads", "ablate", "ref", "source")),
-    View("ablation_curve", "Top-k vs random ablation curve", curve_view, ("curve",), False),
-    View("ablation_head_sweep", "Single-head ablation map", head_sweep_view, ("hsweep",), False),
-]:
-    VIEWS[view.name] = view

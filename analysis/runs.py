@@ -1,0 +1,113 @@
+"""One interface for both kinds of run, so the UI codes against it and never against a kind.
+
+A :class:`analysis.capture.Run` keeps the full attention patterns ``A[l, h]`` of a short input; a
+:class:`analysis.statistics_run.StatsRun` keeps per-row statistics, column sums and block-pooled
+maps of a long one (the kernels' statistics mode). Both implement :class:`AttentionRun`: sizes,
+tokens, loss, per-head scores by metric, attention received per key, sink positions and the
+attention of a region, each with the same definition on both (tested equal on the same input in
+``tests/analysis/test_statistics_run.py``). What only full patterns can give (rollout, flow,
+attribution) is asked for through :meth:`AttentionRun.require_patterns`, which says why not.
+
+:class:`RunRecord` holds what both kinds share as stored records (ids, sizes, the common part of
+their metadata).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class AttentionRun(Protocol):
+    """What the app reads of a run (see the module docstring)."""
+
+    key: str
+    model_name: str
+    model_digest: str
+    token_ids: list[int]
+    tokens: list[str]
+    text: str | None
+    settings: dict[str, Any]
+    token_loss: np.ndarray  # [pos] cross-entropy of token pos given the tokens before it (nan at 0)
+    top_ids: np.ndarray  # [pos, 5]
+    top_probs: np.ndarray  # [pos, 5]
+    seconds: float  # how long the forward pass took (nan when not timed)
+
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def n_tokens(self) -> int: ...
+    @property
+    def short_id(self) -> str: ...
+    @property
+    def has_patterns(self) -> bool:
+        """True when the full ``[layer, head, query, key]`` patterns are kept."""
+    @property
+    def block_size(self) -> int:
+        """Side ``B`` of the blocks of :meth:`attention_overview` (1: every cell)."""
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """Names of :data:`analysis.head_summary.HEAD_METRICS` this run can score."""
+    @property
+    def mode(self) -> str:
+        """What was kept, in words (the CLI prints it)."""
+
+    def require_patterns(self, what: str) -> None:
+        """Nothing when full patterns are kept; else an ``InputError`` saying ``what`` needs them."""
+
+    def head_scores(self, metric: str) -> np.ndarray:
+        """``[layer, head]`` score ``metric`` (a name in :attr:`metrics`)."""
+
+    def received_attention(self) -> np.ndarray:
+        """``[layer, head, n]`` ``Σ_{i>j} A[i, j] / (n − 1 − j)``; nan at the last position."""
+
+    def sink_counts(self) -> np.ndarray:
+        """``[n]`` number of heads for which each position is a sink (:func:`analysis.streaming.sink_map`)."""
+
+    def attention_overview(self, layer: int, head: int) -> np.ndarray:
+        """One head's attention at a glance: ``A[l, h]`` itself, or its mean per ``B × B`` block."""
+
+    def attention_region(self, layer: int, head: int, queries: tuple[int, int], keys: tuple[int, int],
+                         model: Any = None) -> np.ndarray:
+        """Exact ``A[l, h][q0:q1, k0:k1]`` (half-open); ``model`` for a run that must recompute it."""
+
+    def kept_arrays(self) -> dict[str, np.ndarray]:
+        """The attention arrays this run keeps, by file name (what ``headscope run`` writes)."""
+
+    def meta(self) -> dict[str, Any]: ...
+
+
+class RunRecord:
+    """What both run kinds share as stored records: ids, the token count and common metadata."""
+
+    key: str
+    model_name: str
+    model_digest: str
+    token_ids: list[int]
+    tokens: list[str]
+    text: str | None
+    settings: dict[str, Any]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def short_id(self) -> str:
+        return self.key[:12]
+
+    def common_meta(self) -> dict[str, Any]:
+        """The metadata every run stores (its kind adds a version and its own fields after it)."""
+        return {
+            "model_name": self.model_name,
+            "model_digest": self.model_digest,
+            "token_ids": self.token_ids,
+            "tokens": self.tokens,
+            "text": self.text,
+            "settings": self.settings,
+            "n_tokens": self.n_tokens,
+        }
