@@ -28,6 +28,14 @@ each method as the user sees it, not a fixed variant of it.
 - ``rollout`` — attention rollout row t, ``(Â_L ··· Â_1)[t, j]`` (:func:`analysis.rollout.rollout`).
 - ``flow`` — exact attention flow into output t, ``maxflow((0, j) → (L, t))``
   (:func:`analysis.flow.attention_flow`).
+- ``rollout_debiased``, ``flow_debiased`` — rollout and flow divided by their values on uniform
+  causal attention of the same length, layers, residual and sinks, then normalised
+  (:mod:`analysis.position_bias`): in a causal model early inputs reach more outputs, so plain
+  rollout and flow favour them whatever the attention does; the ratio removes that head start.
+- ``value_attention``, ``value_rollout`` — raw attention and rollout of norm-based attention
+  ``N_l[i, j] = ‖Σ_h α^h_ij v_j W_O^h‖`` (Kobayashi et al. 2020, "Attention is Not Only a
+  Weight", :mod:`analysis.value_norms`), rows renormalised: a token is relevant only as far as
+  its value actually moves the output. One "head" per layer, so the fusion option does not apply.
 - ``ixg_norm`` — input×gradient, norm: ``‖e_j ⊙ ∂f/∂e_j‖₂`` (Kindermans et al. 2016,
   "Investigating the influence of noise and distractors on the interpretation of neural
   networks", arXiv:1611.07270; Shrikumar et al. 2017, "Learning Important Features Through
@@ -80,12 +88,15 @@ from analysis.flow import attention_flow
 from analysis.limits import limit
 from analysis.models import LoadedModel
 from analysis.paths import DATA_DIR
+from analysis.position_bias import CORRECTED, position_corrected, uniform_baseline
+from analysis.value_norms import value_weighted_patterns
 from analysis.rollout import FUSIONS, rollout, rollout_row_per_layer
 
 MAX_TOKENS_FLOW = 128
 """Longest input for an attribution: exact flow and N ablated copies grow fast with length."""
 
-METHODS = ("attention", "rollout", "flow", "ixg_norm", "ixg_sum")
+METHODS = ("attention", "value_attention", "rollout", "rollout_debiased", "value_rollout", "flow", "flow_debiased",
+           "ixg_norm", "ixg_sum")
 """Relevance methods compared with the ablation importance, in table order."""
 
 RELEVANCE_METHODS = {
@@ -95,10 +106,21 @@ RELEVANCE_METHODS = {
 }
 """The attention-based relevance methods of the Flow page, in strip order, with their titles."""
 
+CORRECTED_METHODS = {
+    "rollout_debiased": "Rollout, position-corrected (÷ rollout of uniform causal attention)",
+    "flow_debiased": "Flow, position-corrected (÷ flow of uniform causal attention)",
+}
+"""Rollout and flow divided by their values on uniform causal attention
+(:mod:`analysis.position_bias`), with their titles: the Flow page's optional strips."""
+
 LABELS = {
     "attention": "raw attention (last layer)",
     "rollout": "attention rollout",
+    "value_attention": "value-weighted attention (last layer)",
+    "rollout_debiased": "rollout ÷ uniform-causal rollout",
+    "value_rollout": "value-weighted rollout",
     "flow": "attention flow",
+    "flow_debiased": "flow ÷ uniform-causal flow",
     "ixg_norm": "input×gradient ‖·‖",
     "ixg_sum": "input×gradient Σ (signed)",
     "ablation": "leave-one-out ablation",
@@ -107,6 +129,8 @@ LABELS = {
 ABLATIONS = ("zero", "mean")
 
 EVAL_SET = DATA_DIR / "attribution" / "eval_set.json"
+COPY_SET = DATA_DIR / "attribution" / "copy_set.json"
+"""A second set of another kind: the answer is copied from one earlier token (names, IOI-style; words)."""
 
 
 @dataclass
@@ -226,6 +250,7 @@ def token_relevance(
     residual: float = 0.5,
     raw_layer: int = -1,
     flow_limit: int | None = None,
+    corrected: bool = False,
 ) -> TokenRelevance:
     """Every number of the Flow page for one target: raw attention, rollout (also per layer), flow.
 
@@ -253,6 +278,10 @@ def token_relevance(
     raw_layer : the layer whose attention is ``attention`` (negative counts from the end).
     flow_limit : flow is left out (with the reason in ``unavailable``) when ``patterns`` has more
         positions than this; ``None``: :func:`max_flow_tokens`.
+    corrected : also ``rollout_debiased`` and ``flow_debiased`` (:data:`CORRECTED_METHODS`): each
+        divided by its value on uniform causal attention with the same layers, residual and sinks,
+        then normalised (:func:`analysis.position_bias.position_corrected`); removes the head start
+        early positions have in a causal model.
 
     Returns
     -------
@@ -298,6 +327,11 @@ def token_relevance(
             )
         else:
             scores["flow"] = attention_flow(prefix, target=t, **graph)
+        if corrected:
+            for name, plain in CORRECTED.items():
+                if plain in scores:
+                    baseline = uniform_baseline(plain, n_layers, t, residual=residual, drop_sinks=graph["drop_sinks"])
+                    scores[name] = position_corrected(scores[plain], baseline)
     except ValueError as error:  # patterns that are not causal attention, a residual out of range
         raise InputError(f"Rollout and flow options: {error}.") from None
     return TokenRelevance(target=t, fusion=fusion, drop_sinks=sinks, residual=float(residual),
@@ -557,8 +591,14 @@ def attribute(
                              f"0 .. {t}: expected [{model.n_layers}, heads, ≥{t + 1}, ≥{t + 1}].")
     step(0.2)
     graph = {"residual": residual, "fusion": fusion, "drop_sinks": tuple(drop_sinks)}
-    relevance = token_relevance(patterns, t, **graph, raw_layer=raw_layer, flow_limit=max(max_tokens, t + 1))
+    relevance = token_relevance(patterns, t, **graph, raw_layer=raw_layer, flow_limit=max(max_tokens, t + 1),
+                                corrected=True)
     scores: dict[str, np.ndarray] = dict(relevance.scores)
+    # Norm-based attention has one "head" per layer (the norm of the summed contribution), so the
+    # head fusion does not apply; residual and sinks do. Flow over it is not computed.
+    valued = token_relevance(value_weighted_patterns(model, ids[: t + 1]), t, residual=residual,
+                             drop_sinks=drop_sinks, raw_layer=raw_layer, flow_limit=0)
+    scores["value_attention"], scores["value_rollout"] = valued.scores["attention"], valued.scores["rollout"]
     step(0.6)
     scores["ixg_norm"], scores["ixg_sum"], _ = input_x_gradient(model, ids, t, target_id)
     step(0.7)

@@ -2,10 +2,12 @@
 
 Run: ``.venv/bin/python bench/faithfulness.py`` (a few minutes on 2 cores; ``--help`` for options).
 
-For every prompt of ``data/attribution/eval_set.json`` (or ``--limit`` of them), at its last
+For every prompt of ``data/attribution/eval_set.json`` (``--set copy``: ``copy_set.json``; or
+``--limit`` of them), at its last
 position and for its target token, ``analysis.attribution.attribute`` scores every input token by
-raw attention (last layer, head mean), attention rollout, exact attention flow and input×gradient
-(norm and signed sum), and by leave-one-out ablation with the zero vector; the same inputs are
+raw attention (last layer, head mean), attention rollout, exact attention flow, rollout and flow
+divided by their values on uniform causal attention (position-corrected), value-weighted attention
+and rollout (Kobayashi et al. 2020) and input×gradient (norm and signed sum), and by leave-one-out ablation with the zero vector; the same inputs are
 ablated again with the mean embedding. The first table gives, per method, the mean ± standard
 deviation of Spearman's ρ with the ablation importance over the inputs, and how many inputs had a
 defined ρ; columns: all positions; without position 0 (the attention sink, which every attention
@@ -33,6 +35,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from analysis.attribution import (  # noqa: E402
+    COPY_SET,
+    EVAL_SET,
     LABELS,
     METHODS,
     ablation_importance,
@@ -51,6 +55,9 @@ STAGES = (("capture (forward + patterns)", 0.2), ("rollout", 0.3), ("flow", 0.6)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--set", dest="prompt_set", default="eval", choices=("eval", "copy"),
+                        help="eval: data/attribution/eval_set.json (agreement, facts, context); "
+                             "copy: data/attribution/copy_set.json (names and words copied from earlier)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N prompts")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args()
@@ -62,7 +69,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = load_model(args.model)
-    items = load_eval_set()[: args.limit]
+    items = load_eval_set(COPY_SET if args.prompt_set == "copy" else EVAL_SET)[: args.limit]
     print(f"{model.name}: {len(items)} prompts, torch threads {torch.get_num_threads()}")
 
     by_ablation: dict[str, list] = {"zero": [], "mean": []}

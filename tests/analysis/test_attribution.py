@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from analysis.attribution import (
+    COPY_SET,
     EVAL_SET,
     METHODS,
     Attribution,
@@ -356,13 +357,21 @@ def test_built_in_eval_set_is_well_formed():
     assert all(i.text.strip() and i.target for i in items)
 
 
+def test_copy_set_answers_are_words_the_prompt_already_contains():
+    items = load_eval_set(COPY_SET)
+    assert len(items) >= 15 and len({i.id for i in items}) == len(items)
+    assert {i.kind for i in items} == {"name", "copy"}
+    assert all(i.target.strip() in i.text for i in items)
+
+
 # ---------------------------------------------------------------------------------------------
 # The embedded model
 
 
 @pytest.mark.integration
-def test_eval_set_targets_are_the_models_top_prediction(real_model):
-    items = load_eval_set()
+@pytest.mark.parametrize("path", [EVAL_SET, COPY_SET], ids=["eval_set", "copy_set"])
+def test_eval_set_targets_are_the_models_top_prediction(real_model, path):
+    items = load_eval_set(path)
     ids = [real_model.encode(i.text) for i in items]
     targets = [real_model.encode(i.target) for i in items]
     assert all(len(t) == 1 for t in targets), "every target must be one token"
