@@ -89,8 +89,8 @@ from analysis.limits import limit
 from analysis.models import LoadedModel
 from analysis.paths import DATA_DIR
 from analysis.position_bias import CORRECTED, position_corrected, uniform_baseline
-from analysis.value_norms import value_weighted_patterns
 from analysis.rollout import FUSIONS, rollout, rollout_row_per_layer
+from analysis.value_norms import value_weighted_patterns
 
 MAX_TOKENS_FLOW = 128
 """Longest input for an attribution: exact flow and N ablated copies grow fast with length."""
