@@ -99,19 +99,23 @@ METHODS = ("attention", "value_attention", "rollout", "rollout_debiased", "value
            "ixg_norm", "ixg_sum")
 """Relevance methods compared with the ablation importance, in table order."""
 
-RELEVANCE_METHODS = {
+PLAIN_METHODS = {
     "attention": "Raw attention (last layer, head-fused)",
     "rollout": "Attention rollout",
     "flow": "Attention flow (exact max-flow)",
 }
-"""The attention-based relevance methods of the Flow page, in strip order, with their titles."""
+"""Raw attention, rollout and flow as Abnar & Zuidema define them, with their titles."""
 
 CORRECTED_METHODS = {
     "rollout_debiased": "Rollout, position-corrected (÷ rollout of uniform causal attention)",
     "flow_debiased": "Flow, position-corrected (÷ flow of uniform causal attention)",
 }
 """Rollout and flow divided by their values on uniform causal attention
-(:mod:`analysis.position_bias`), with their titles: the Flow page's optional strips."""
+(:mod:`analysis.position_bias`), with their titles."""
+
+RELEVANCE_METHODS = {**PLAIN_METHODS, **CORRECTED_METHODS}
+"""The Flow page's strips, in order, with their titles: the plain methods (one shared colour
+scale), then the position-corrected ones (ratios normalised to sum 1: a scale of their own)."""
 
 LABELS = {
     "attention": "raw attention (last layer)",

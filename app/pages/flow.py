@@ -27,7 +27,14 @@ from app.errors import guarded, message
 from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
 from app.url_state import FlowState, PageState, parse
 from app.views import VIEWS, names
-from app.views.flow import RELEVANCE_METHODS, check_target, flow_numbers, max_flow_tokens
+from app.views.flow import (
+    CORRECTED_METHODS,
+    PLAIN_METHODS,
+    RELEVANCE_METHODS,
+    check_target,
+    flow_numbers,
+    max_flow_tokens,
+)
 
 dash.register_page(__name__, path="/flow", name="Flow", title="headscope — rollout and flow", order=1)
 
@@ -58,6 +65,20 @@ def token_buttons(tokens: list[str], target: int) -> list[html.Button]:
     ]
 
 
+CORRECTION_NOTE = (
+    "Position-corrected: in a causal model token j is seen only by the tokens after it, so the earlier a "
+    "token, the more paths lead from it and the more rollout and flow give it, whatever the attention does. "
+    "These two strips divide each value by the same quantity computed on uniform causal attention (every "
+    "token spreading its attention evenly over what it can see), then normalise to sum 1: what remains is "
+    "how much more (or less) the model routes to a token than its position alone would. Their own shared "
+    "colour scale.")
+
+
+def strip_panel(method: str) -> html.Div:
+    return html.Div([dcc.Graph(id={"type": ids.FLOW_STRIPS, "method": method}, figure=EMPTY, config=GRAPH_CONFIG),
+                     export_bar(PREFIX, names.variant(names.RELEVANCE, method))], className="hs-panel")
+
+
 def layout(**_query) -> html.Div:
     return html.Div(
         [
@@ -79,17 +100,13 @@ def layout(**_query) -> html.Div:
                 className="hs-options",
             ),
             dcc.Loading(html.Div(id=ids.FLOW_INFO, className="hs-run-info"), type="dot"),
-            html.P("Click a token, in a strip or in this list, to make it the target. The three strips share one "
-                   "colour scale, 0 to the largest value any of them shows (numbers on each colour bar), so their "
-                   "colours compare.", className="hs-hint"),
+            html.P("Click a token, in a strip or in this list, to make it the target. Raw attention, rollout and "
+                   "flow share one colour scale, 0 to the largest value any of them shows (numbers on each colour "
+                   "bar), so their colours compare.", className="hs-hint"),
             html.Div(id=ids.FLOW_TOKENS, className="hs-flow-tokens"),
-            html.Div(
-                [
-                    html.Div([dcc.Graph(id={"type": ids.FLOW_STRIPS, "method": m}, figure=EMPTY, config=GRAPH_CONFIG),
-                              export_bar(PREFIX, names.variant(names.RELEVANCE, m))], className="hs-panel")
-                    for m in RELEVANCE_METHODS
-                ]
-            ),
+            html.Div([strip_panel(m) for m in PLAIN_METHODS]),
+            html.P(CORRECTION_NOTE, id=ids.FLOW_CORRECTION_NOTE, className="hs-hint"),
+            html.Div([strip_panel(m) for m in CORRECTED_METHODS]),
             html.Div([dcc.Graph(id=ids.FLOW_LAYERS, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, names.ROLLOUT_LAYERS)],
                      className="hs-panel"),
             html.H3("Faithfulness: which attribution agrees with removing tokens?", className="hs-section"),

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
-from analysis.attribution import RELEVANCE_METHODS
+from analysis.attribution import CORRECTED_METHODS, PLAIN_METHODS, RELEVANCE_METHODS
 from analysis.capture import InputError, Run
 from analysis.limits import limit
 from analysis.runs import AttentionRun
@@ -48,7 +48,8 @@ def flow_numbers(run: Run, target: int, fusion: str = "mean", drop_sink: bool = 
 
     sinks, flow_limit = ((0,) if drop_sink else ()), max_flow_tokens()
     return memoised((run.key, "flow_numbers", target, fusion, drop_sink, flow_limit),
-                    lambda: compute(run.patterns, target, fusion=fusion, drop_sinks=sinks, flow_limit=flow_limit))
+                    lambda: compute(run.patterns, target, fusion=fusion, drop_sinks=sinks, flow_limit=flow_limit,
+                                    corrected=True))
 
 
 def token_relevance(run: Run, method: str, target: int, fusion: str = "mean", drop_sink: bool = False) -> np.ndarray:
@@ -62,17 +63,20 @@ def token_relevance(run: Run, method: str, target: int, fusion: str = "mean", dr
     return numbers.scores[method]
 
 
-def relevance_scale(run: Run, target: int, fusion: str, drop_sink: bool) -> float:
-    """The top of the colour scale the three strips share: the largest value any of them shows."""
+def relevance_scale(run: Run, target: int, fusion: str, drop_sink: bool, method: str = "rollout") -> float:
+    """The top of the colour scale ``method``'s strip shares with its group: the largest value any of
+    them shows. Raw attention, rollout and flow share one scale; the two position-corrected strips
+    (ratios, normalised) share another."""
     numbers = flow_numbers(run, target, fusion, drop_sink)
-    return max(1e-6, max(float(np.max(v)) for v in numbers.scores.values()))
+    group = CORRECTED_METHODS if method in CORRECTED_METHODS else PLAIN_METHODS
+    return max(1e-6, max(float(np.max(v)) for m, v in numbers.scores.items() if m in group))
 
 
 @register(names.RELEVANCE, "Token relevance", ("target", "method", "fusion", "drop_sink"),
           lambda state, query, method: {**_relevance(state), "method": method})
 def relevance_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """One strip of the Flow page: a method's relevance of each token for the target, on the colour
-    scale the three strips share (0 to the largest value of any of them), so colours compare."""
+    scale its group shares (0 to the largest value of any of them, :func:`relevance_scale`), so colours compare."""
     target = check_target(run, params.get("target"))
     method = params.get("method", "rollout")
     fusion, drop_sink = params.get("fusion", "mean"), bool(params.get("drop_sink", False))
@@ -81,8 +85,9 @@ def relevance_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure
     shown[: target + 1] = values
     title = f"{RELEVANCE_METHODS.get(method, method)} → token {target} ({run.tokens[target]})"
     fig = figures.token_strip(run.tokens, shown, target, figures.safe_text(title),
-                              scale=(relevance_scale(run, target, fusion, drop_sink),
-                                     "relevance<br>(shared scale)"))
+                              scale=(relevance_scale(run, target, fusion, drop_sink, method),
+                                     "corrected<br>(shared scale)" if method in CORRECTED_METHODS
+                                     else "relevance<br>(shared scale)"))
     rows = [{"pos": j, "token": run.tokens[j], "relevance": float(values[j])} for j in range(target + 1)]
     return fig, rows
 

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from analysis.attribution import RELEVANCE_METHODS, attribute, spearman
+from analysis.attribution import CORRECTED_METHODS, PLAIN_METHODS, RELEVANCE_METHODS, attribute, spearman
 from analysis.capture import capture
 from analysis.rollout import FUSIONS
 from app.views import flow as views
@@ -144,7 +144,7 @@ def test_every_strip_has_a_numbered_colour_bar_on_one_shared_scale(server, page)
     url, proc, _home = server
     run_flow(page, url)
     scales = []
-    for method in RELEVANCE_METHODS:
+    for method in PLAIN_METHODS:
         sel = strip(method) + " .js-plotly-plot"
         page.wait_for_selector(strip(method) + " .colorbar")
         ticks = page.locator(strip(method) + " .colorbar .cbaxis text").all_text_contents()
@@ -156,9 +156,18 @@ def test_every_strip_has_a_numbered_colour_bar_on_one_shared_scale(server, page)
     assert scales[0][0] == 0 and all(s == scales[0] for s in scales)  # one scale for all three
     # The top is the largest value any strip shows, so a strip with smaller values is not stretched to it.
     tops = [max(v for row in page.evaluate("s => document.querySelector(s).data[0].z", strip(method) + " .js-plotly-plot")
-                for v in row if v is not None) for method in RELEVANCE_METHODS]
+                for v in row if v is not None) for method in PLAIN_METHODS]
     assert scales[0][1] == pytest.approx(max(tops))
     assert min(tops) < 0.9 * scales[0][1]
+    # The position-corrected strips (ratios, normalised) share a scale of their own, labelled so.
+    corrected = []
+    for method in CORRECTED_METHODS:
+        page.wait_for_selector(strip(method) + " .colorbar")
+        assert "corrected" in page.locator(strip(method) + " .colorbar .cbtitle").text_content()
+        corrected.append(page.evaluate("s => { const t = document.querySelector(s).data[0]; return [t.zmin, t.zmax]; }",
+                                       strip(method) + " .js-plotly-plot"))
+    assert corrected[0] == corrected[1] != scales[0]
+    assert "uniform causal attention" in page.locator("#hs-flow-correction-note").inner_text()
     assert proc.poll() is None
 
 
