@@ -42,7 +42,7 @@ def create_app(context: AppContext) -> Dash:
                     html.A("headscope", href="/", className="hs-brand"),
                     html.Nav(
                         [dcc.Link(page["name"], href=page["relative_path"], className="hs-nav-link")
-                         for page in dash.page_registry.values()],
+                         for page in dash.page_registry.values() if page.get("nav", True)],
                         className="hs-nav",
                     ),
                 ],
