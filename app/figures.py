@@ -469,14 +469,14 @@ def decode_rows_heatmap(rows: np.ndarray, span: tuple[int, int], argmax: np.ndar
     fig.add_annotation(x=(start + end) / 2, y=steps - 0.5, text="needle", showarrow=False, yshift=10,
                        font={"color": "#c0601a"})
     argmax, hit = np.asarray(argmax), np.asarray(hits, dtype=bool)[:steps]
-    for copied, name, colour in ((True, "copy-paste: the token generated is copied from the needle", "#2ca02c"),
+    for copied, name, colour in ((True, "copy-paste (that key is in the needle and is the token generated)", "#2ca02c"),
                                  (False, "no copy-paste", "#d62728")):
         chosen = np.flatnonzero(hit == copied)  # both keys are in the legend, even with no such step
         fig.add_trace(go.Scatter(
             x=argmax[chosen] if len(chosen) else [None], y=chosen if len(chosen) else [None], mode="markers",
-            name=f"× each step's most-attended key — {name}",
+            name=f"each step's most-attended key: {name}",
             marker={"symbol": "x", "size": 8, "color": colour},
-            hovertemplate=f"step %{{y}}: most-attended key %{{x}} ({name.split(':')[0]})<extra></extra>",
+            hovertemplate=f"step %{{y}}: most-attended key %{{x}}, {name.split(' (')[0]}<extra></extra>",
         ))
     fig.update_xaxes(title="key position (prompt, then generated tokens)", range=[-0.5, n_keys - 0.5])
     fig.update_yaxes(title="decode step", autorange="reversed")
