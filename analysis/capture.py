@@ -129,16 +129,19 @@ def run_key(model: LoadedModel, token_ids: Sequence[int], settings: dict[str, An
 def tokenize_input(model: LoadedModel, text_or_ids: str | Sequence[int], max_tokens: int, *,
                    limited: str = "full attention patterns are limited to",
                    variable: str = "HEADSCOPE_MAX_TOKENS") -> list[int]:
-    """Token ids for a string (no BOS added behind the user's back) or validated ids."""
+    """Token ids for a string (no BOS added behind the user's back) or validated ids.
+
+    At most ``max_tokens`` (a limit set by ``variable``) and at most the model's context
+    ``model.n_ctx``. Above the context the message says so and names no setting: none makes the model
+    read more positions than it has; below it, a text over ``max_tokens`` is told ``variable``.
+    """
     if isinstance(text_or_ids, str):
         if not text_or_ids.strip():
             raise InputError("The text is empty: type or paste some text to analyse.")
-        # Cheap upper bound first, so 200,000 characters do not tokenise for nothing.
-        if len(text_or_ids) > max_tokens * 32:
-            raise InputError(
-                f"The text has {len(text_or_ids):,} characters, far above the limit of {max_tokens:,} "
-                f"tokens ({limited} {max_tokens:,} tokens; set {variable} to change it). Shorten it."
-            )
+        # Cheap bound first, so 2,000,000 characters do not tokenise for nothing (a text of words
+        # has far fewer than 32 characters a token, so this one is far beyond the context).
+        if len(text_or_ids) > max(max_tokens, model.n_ctx) * 32:
+            raise InputError(_beyond_context(model, f"The text has {len(text_or_ids):,} characters, far"))
         ids = model.encode(text_or_ids)
     else:
         ids = [int(i) for i in text_or_ids]
@@ -147,14 +150,20 @@ def tokenize_input(model: LoadedModel, text_or_ids: str | Sequence[int], max_tok
             raise InputError(f"Token ids outside the vocabulary (0..{model.vocab_size - 1}): {bad[:5]}")
     if not ids:
         raise InputError("The input has no tokens.")
+    if len(ids) > model.n_ctx:
+        raise InputError(_beyond_context(model, f"The input has {len(ids):,} tokens,"))
     if len(ids) > max_tokens:
         raise InputError(
             f"The input has {len(ids):,} tokens; {limited} {max_tokens:,} "
             f"tokens (set {variable} to change it). Shorten the text."
         )
-    if len(ids) > model.n_ctx:
-        raise InputError(f"The input has {len(ids):,} tokens, more than the model's context of {model.n_ctx:,}.")
     return ids
+
+
+def _beyond_context(model: LoadedModel, size: str) -> str:
+    return (f"{size} more than the model's context of {model.n_ctx:,} tokens, the most "
+            f"{model.name} can read at once (its context limit; no setting raises it). Shorten the text to "
+            f"at most {model.n_ctx:,} tokens, or analyse it in parts.")
 
 
 def capture(

@@ -468,14 +468,23 @@ def decode_rows_heatmap(rows: np.ndarray, span: tuple[int, int], argmax: np.ndar
                   line={"color": "#f4a259", "width": 2}, fillcolor="rgba(244,162,89,0.12)")
     fig.add_annotation(x=(start + end) / 2, y=steps - 0.5, text="needle", showarrow=False, yshift=10,
                        font={"color": "#c0601a"})
-    fig.add_trace(go.Scatter(
-        x=np.asarray(argmax), y=np.arange(steps), mode="markers", name="argmax key",
-        marker={"symbol": "x", "size": 8, "color": ["#2ca02c" if h else "#d62728" for h in hits]},
-        hovertemplate="step %{y}: argmax key %{x}<extra></extra>", showlegend=False,
-    ))
+    argmax, hit = np.asarray(argmax), np.asarray(hits, dtype=bool)[:steps]
+    for copied, name, colour in ((True, "copy-paste (that key is in the needle and is the token generated)", "#2ca02c"),
+                                 (False, "no copy-paste", "#d62728")):
+        chosen = np.flatnonzero(hit == copied)  # both keys are in the legend, even with no such step
+        fig.add_trace(go.Scatter(
+            x=argmax[chosen] if len(chosen) else [None], y=chosen if len(chosen) else [None], mode="markers",
+            name=f"each step's most-attended key: {name}",
+            marker={"symbol": "x", "size": 8, "color": colour},
+            hovertemplate=f"step %{{y}}: most-attended key %{{x}}, {name.split(' (')[0]}<extra></extra>",
+        ))
     fig.update_xaxes(title="key position (prompt, then generated tokens)", range=[-0.5, n_keys - 0.5])
     fig.update_yaxes(title="decode step", autorange="reversed")
-    return _layout(fig, safe_text(title), height=max(320, 60 + 14 * steps))
+    _layout(fig, safe_text(title), height=max(360, 100 + 14 * steps))
+    # the key below the plot (above it, it would cover the title); the colour bar keeps the right
+    fig.update_layout(legend={"orientation": "h", "x": 0, "xanchor": "left", "y": 0, "yanchor": "bottom",
+                              "yref": "container"}, margin={"b": 90})
+    return fig
 
 
 def head_selection(scores: np.ndarray, label: str, chosen: Sequence[tuple[int, int]]) -> go.Figure:

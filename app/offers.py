@@ -40,6 +40,9 @@ STRUCTURED = {"clickData": dict, "hoverData": dict, "relayoutData": dict, "selec
               "columns": list}
 
 
+MAX_PATH = 65_536  # characters of a request line http.server (werkzeug's base) reads; longer: 414
+
+
 def text_limit() -> int:
     """Characters of one text box: as much as one uploaded file may hold."""
     return limit("HEADSCOPE_MAX_UPLOAD_BYTES")
@@ -80,7 +83,9 @@ class Offer:
                         "set HEADSCOPE_MAX_UPLOAD_BYTES to change it)")
             return None
         if self.kind == "path":  # a page's path, as the browser's location has it
-            if not isinstance(value, str) or not value.startswith("/") or len(value) > 2000:
+            # any length the HTTP server takes in a request line (65,536): an unknown path, however
+            # long, reaches the router, which shows the not-found page for it
+            if not isinstance(value, str) or not value.startswith("/") or len(value) > MAX_PATH:
                 return "is not a page's path"
             return None
         if self.kind == "structure" and not isinstance(value, self.types):

@@ -50,7 +50,8 @@ def create_app(context: AppContext) -> Dash:
                     html.A("headscope", href="/", className="hs-brand"),
                     html.Nav(
                         [dcc.Link(page["name"], href=page["relative_path"], className="hs-nav-link",
-                                  id=_nav_link_id(page)) for page in dash.page_registry.values()],
+                                  id=_nav_link_id(page))
+                         for page in dash.page_registry.values() if page.get("nav", True)],
                         className="hs-nav",
                     ),
                 ],
@@ -91,7 +92,7 @@ def carry_shared_state_in_nav(app: Dash) -> None:
     from app.components import url_id
     from app.url_state import SHARED_KEYS
 
-    pages = list(dash.page_registry.values())
+    pages = [page for page in dash.page_registry.values() if page.get("nav", True)]  # the 404 page has no link
     paths = json.dumps([page["relative_path"] for page in pages])
     keep = json.dumps(list(SHARED_KEYS))
     outputs = [dash.Output(_nav_link_id(page), "href", allow_duplicate=True) for page in pages]

@@ -5,6 +5,7 @@ trials show why it scored."""
 from __future__ import annotations
 
 import json
+import time
 
 import dash
 from dash import Input, Output, State, callback, dash_table, dcc, html, no_update
@@ -126,9 +127,10 @@ def layout(**_query) -> html.Div:
                         export_bar(PREFIX, "retrieval_grid"),
                     ], className="hs-panel"),
                     html.Div([
-                        html.H4(f"Top {TOP_K} heads", className="hs-section"),
+                        html.H4(f"Top {TOP_K} heads (click a row to open its trials)", className="hs-section"),
                         dash_table.DataTable(id=ids.HEADS_TOPK, sort_action="native", page_size=TOP_K,
                                              style_cell={"fontFamily": "inherit", "fontSize": 13, "padding": "3px 8px"},
+                                             style_data={"cursor": "pointer"},
                                              style_header={"fontWeight": "600"}),
                     ], className="hs-panel"),
                 ],
@@ -227,18 +229,20 @@ def _needles(ticked: list[str] | None, custom: str | None):
     Output(ids.HEADS_CUSTOM_HAYSTACK, "value"),
     Output(ids.HEADS_HAYSTACK, "value"),
     Output(ids.HEADS_STATUS, "children", allow_duplicate=True),
+    Output(ids.ERROR, "children", allow_duplicate=True),
     Input(upload_file_id(ids.HEADS_HAYSTACK_UPLOAD), "data"),
     prevent_initial_call=True,
 )
 def upload_haystack(file):
-    """An uploaded .txt becomes the own haystack (shown in the box, so it can be checked and edited)."""
+    """An uploaded .txt becomes the own haystack (shown in the box, so it can be checked and edited);
+    a file that cannot be one is explained in the app's error banner."""
     if not file:
         raise PreventUpdate
     try:
         text, name = upload_file(file, "a plain UTF-8 .txt haystack")
     except ValueError as e:
-        return no_update, no_update, str(e)
-    return text, "custom", f"Loaded {name} ({len(text):,} characters) as the haystack."
+        return no_update, no_update, "", message(str(e))
+    return text, "custom", f"Loaded {name} ({len(text):,} characters) as the haystack.", ""
 
 
 register_upload(ids.HEADS_HAYSTACK_UPLOAD)
@@ -306,9 +310,36 @@ def form_from_sweep(search, filled, own_haystack):
             settings.depth_rule, ["on"] if settings.stop_at_newline else [], note, state.sweep)
 
 
+def trial_progress(set_progress, n_trials: int, clock=time.monotonic):
+    """A sweep's ``progress(fraction)`` as the Heads page shows it: "trial i of n (p%)", and once a
+    trial has finished, "about T left": the time so far × (1 − fraction) / fraction. A sweep runs one
+    trial per length × depth × needle and reports (trials done) / n; trials reused from the store
+    finish at once, so an early estimate can run short."""
+    start, last = clock(), {"shown": None}
+
+    def report(fraction: float) -> None:
+        fraction = min(max(float(fraction), 0.0), 1.0)
+        done, pct = fraction * n_trials, int(100 * fraction)
+        trial = min(int(done + 1e-9) + 1, n_trials)
+        if (trial, pct) == last["shown"]:  # throttled: a new trial or a whole percent
+            return
+        last["shown"] = (trial, pct)
+        text = f"trial {trial} of {n_trials} ({pct}%)"
+        if 1 <= done + 1e-9 and fraction < 1:
+            text += f", about {_duration((clock() - start) * (1 - fraction) / fraction)} left"
+        set_progress((pct, 100, text))
+
+    return report
+
+
+def _duration(seconds: float) -> str:
+    return f"{max(1, round(seconds))} s" if seconds < 90 else f"{round(seconds / 60)} min"
+
+
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Output(ids.HEADS_STATUS, "children"),
+    Output(ids.ERROR, "children", allow_duplicate=True),
     Input(ids.HEADS_RUN, "n_clicks"),
     State(ids.HEADS_NEEDLES, "value"),
     State(ids.HEADS_CUSTOM_NEEDLES, "value"),
@@ -338,19 +369,19 @@ def run_sweep(set_progress, n_clicks, needle_ids, custom_needles, lengths, depth
         sink_, window_ = _whole(sink, "The sink size S", 0), _whole(window, "The window W", 1)
         result = sweep(model, chosen, lengths_, depths_, _haystack(haystack, custom_haystack), store=context.store,
                        depth_rule=depth_rule or DEFAULT_DEPTH_RULE, stop_at_newline=bool(stop_newline),
-                       progress=progress_reporter(set_progress, "sweep"))
+                       progress=trial_progress(set_progress, len(lengths_) * len(depths_) * len(chosen)))
         if not result.trials:
-            return no_update, "No trial finished."
+            return no_update, "No trial finished.", ""
         state = parse(search)
         state.sweep, state.trial = result.key[:16], None
         state.sink_size = None if sink_ == DEFAULT_SINK else sink_
         state.window = None if window_ == DEFAULT_WINDOW else window_
         # the other per-head scores, now, so the page renders from the store
         head_scores_of(result, sweep_params(state), progress=progress_reporter(set_progress, "scoring heads"))
-    except ValueError as e:
-        return no_update, str(e)
+    except ValueError as e:  # what the user asked cannot run: said where every page says it
+        return no_update, "", message(str(e))
     note = f"{result.n_counted}/{result.n_trials} trials answered; {result.share_above(0.1):.1%} of heads score > 0.1"
-    return state.to_search(), note
+    return state.to_search(), note, ""
 
 
 @callback(
@@ -424,14 +455,26 @@ def render(search):
     Input(ids.HEADS_SCORE, "value"),
     Input(ids.HEADS_STAT, "value"),
     Input(ids.HEADS_TRIALS, "active_cell"),
+    Input(ids.HEADS_TOPK, "active_cell"),
     State(ids.HEADS_TRIALS, "derived_viewport_data"),
+    State(ids.HEADS_TOPK, "derived_viewport_data"),
     State(url_id(PREFIX), "search"),
     prevent_initial_call=True,
 )
-def select(click, score_click, agg, score, stat, cell, rows, search):
+def select(click, score_click, agg, score, stat, cell, top_cell, rows, top_rows, search):
+    """What the user picked, into the URL: a head (a map cell, or a top-20 row: the same head, its
+    trials and decode steps), the aggregation, the score and statistic, or a trial."""
     state = parse(search)
     trigger = dash.ctx.triggered_id
-    if trigger in (ids.HEADS_GRID, ids.HEADS_SCORE_GRID):
+    if trigger == ids.HEADS_TOPK:
+        row = _row(top_cell, top_rows)
+        if row is None or "head" not in row or state.agg != "query":  # a key-value group row: as its map cell
+            return no_update
+        try:
+            state.layer, state.head, state.trial = int(row["layer"]), int(row["head"]), None
+        except (KeyError, TypeError, ValueError):
+            return no_update
+    elif trigger in (ids.HEADS_GRID, ids.HEADS_SCORE_GRID):
         click = click if trigger == ids.HEADS_GRID else score_click
         if not (click and click.get("points")) or (trigger == ids.HEADS_GRID and state.agg != "query"):
             return no_update
@@ -443,8 +486,21 @@ def select(click, score_click, agg, score, stat, cell, rows, search):
         state.score = score
     elif trigger == ids.HEADS_STAT and stat and stat != state.stat:
         state.stat = stat
-    elif trigger == ids.HEADS_TRIALS and cell and rows:
-        state.trial = int(rows[cell["row"]]["trial"])
+    elif trigger == ids.HEADS_TRIALS and _row(cell, rows) is not None:
+        try:
+            state.trial = int(_row(cell, rows)["trial"])
+        except (KeyError, TypeError, ValueError):
+            return no_update
     else:
         return no_update
     return state.to_search()
+
+
+def _row(cell, rows) -> dict | None:
+    """The table row an ``active_cell`` points at in the rows shown (sorted as the user sees them)."""
+    if not (isinstance(cell, dict) and isinstance(rows, list)):
+        return None
+    index = cell.get("row")
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(rows):
+        return None
+    return rows[index] if isinstance(rows[index], dict) else None

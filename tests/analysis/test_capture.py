@@ -68,6 +68,15 @@ def test_token_limit_is_configurable_and_explained(tiny_model):
         capture(tiny_model, "one two three four five six seven eight nine ten", max_tokens=8)
 
 
+@pytest.mark.parametrize("text", ["word " * 600, "word " * 20_000], ids=["tokenised", "far too long"])
+def test_a_text_longer_than_the_models_context_names_the_context_not_a_setting(tiny_model, text):
+    """The tiny model reads at most 512 tokens: above that no setting helps, so none is named."""
+    with pytest.raises(InputError) as e:
+        capture(tiny_model, text)  # patterns allowed up to 2,048 tokens: the context is what binds
+    assert "context of 512 tokens" in str(e.value) and "Shorten" in str(e.value)
+    assert "HEADSCOPE_" not in str(e.value)
+
+
 def test_stored_run_is_loaded_not_recomputed(tiny_model, store):
     first = capture(tiny_model, "cache me please", store=store)
     calls = []

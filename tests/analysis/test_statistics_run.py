@@ -122,8 +122,9 @@ def test_page_runs_keep_patterns_up_to_the_limit_and_statistics_above(real_model
     assert isinstance(short, Run) and short.patterns.shape[-1] == short.n_tokens
     long = capture_for_page(real_model, "A text longer than the limit. " * 20, store, max_tokens=64)
     assert isinstance(long, StatsRun) and long.n_tokens > 64
-    with pytest.raises(InputError, match="the model's context is 8,192"):
+    with pytest.raises(InputError, match="the model's context of 8,192 tokens") as e:
         capture_for_page(real_model, "far too long " * 5000, store, max_tokens=64)
+    assert "HEADSCOPE_" not in str(e.value)  # no setting lifts the model's context
     monkeypatch.setenv("HEADSCOPE_MAX_STATS_TOKENS", "100")
     with pytest.raises(InputError, match="HEADSCOPE_MAX_STATS_TOKENS"):
         capture_for_page(real_model, "A text longer than the limit. " * 20, store, max_tokens=64)

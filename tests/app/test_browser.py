@@ -283,6 +283,19 @@ def test_bad_inputs_show_messages_and_the_server_keeps_serving(server, page):
     assert "Traceback" not in page.content()
 
 
+def test_a_text_beyond_the_models_context_says_so_without_naming_a_setting(server, page):
+    """50,000 characters of prose (about 12,000 tokens) on SmolLM2, whose context is 8,192 tokens:
+    statistics mode cannot read it either, and no setting lifts the model's context."""
+    url, proc, _ = server
+    prose = open(ROOT / "data/niah/haystack_prose.txt", encoding="utf-8").read()
+    text = (prose * (1 + 50_000 // len(prose)))[:50_000]
+    run_prompt(page, url, text)
+    message = error_text(page)
+    assert "context of 8,192 tokens" in message and "Shorten" in message, message
+    assert "HEADSCOPE_" not in message, message
+    assert proc.poll() is None
+
+
 def test_flow_page_shows_three_attributions_and_exports_flow_data(server, page, tmp_path):
     url, proc, _ = server
     page.goto(url + "flow")
@@ -338,7 +351,7 @@ def test_heads_page_runs_a_small_sweep_and_opens_a_heads_trials(server, page, tm
     # a malformed own needle is refused with a message, nothing runs
     page.fill("#hs-heads-custom-needles", "The secret passkey is 7731. | What is the secret passkey?")
     page.click("#hs-heads-run")
-    page.wait_for_function("(document.querySelector('#hs-heads-status')?.innerText || '').includes('needle | question | answer')")
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('needle | question | answer')")
     # an own needle in the synthetic haystack, with a non-default streaming window
     page.fill("#hs-heads-custom-needles", "The secret passkey is 7731. | What is the secret passkey? | 7731")
     page.fill("#hs-heads-lengths", "256")

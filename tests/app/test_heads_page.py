@@ -1,0 +1,113 @@
+"""The Heads page in real Chromium against a real server on the embedded model: errors in the app's
+banner, sweep progress counted in trials, top-20 rows that open a head, and a key to the decode-step
+markers. Sweeps are one needle at 256 tokens in the synthetic haystack (a few seconds a trial)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.app.test_browser import browser, error_text, page, select_option, server, start_server, wait_title  # noqa: F401
+
+NEEDLE = "The secret passkey is 7731. | What is the secret passkey? | 7731"
+
+
+def open_heads(page, url):
+    page.goto(url + "heads")
+    page.wait_for_selector("#hs-heads-run")
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+def test_a_sweep_error_shows_in_the_banner_like_other_pages(server, page):
+    url, proc, _ = server
+    open_heads(page, url)
+    page.fill("#hs-heads-custom-needles", "The secret passkey is 7731. | What is the secret passkey?")
+    page.click("#hs-heads-run")
+    assert "needle | question | answer" in error_text(page)
+    assert page.locator("#hs-error").get_attribute("role") == "alert"
+    assert "needle | question | answer" not in page.locator("#hs-heads-status").inner_text()
+    # a good sweep afterwards clears the banner
+    page.fill("#hs-heads-custom-needles", NEEDLE)
+    page.fill("#hs-heads-lengths", "256")
+    page.fill("#hs-heads-depths", "50")
+    select_option(page, "hs-heads-haystack", "passkey")
+    page.click("#hs-heads-run")
+    page.wait_for_function("location.search.includes('sweep=')", timeout=240_000)
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').trim() === ''")
+    assert proc.poll() is None
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+def test_sweep_progress_counts_trials_and_estimates_the_time_left(server, page):
+    url, proc, _ = server
+    open_heads(page, url)
+    page.fill("#hs-heads-custom-needles", NEEDLE)
+    page.fill("#hs-heads-lengths", "256")
+    page.fill("#hs-heads-depths", "20,60,90")
+    select_option(page, "hs-heads-haystack", "passkey")
+    # every caption the progress bar shows, as the user sees it change
+    page.evaluate("""() => {
+        window.__captions = [];
+        const el = document.querySelector('#hs-heads-status');
+        new MutationObserver(() => window.__captions.push(el.innerText))
+            .observe(el, {childList: true, characterData: true, subtree: true});
+    }""")
+    page.click("#hs-heads-run")
+    page.wait_for_function("location.search.includes('sweep=')", timeout=300_000)
+    captions = page.evaluate("window.__captions")
+    counted = [c for c in captions if re.search(r"trial [123] of 3", c)]
+    assert counted, captions
+    assert any(re.search(r"trial [23] of 3.*about \d+ (s|min) left", c) for c in captions), captions
+    assert proc.poll() is None
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+def test_a_top_20_row_opens_that_head_like_its_map_cell(server, page):
+    url, proc, _ = server
+    open_heads(page, url)
+    page.fill("#hs-heads-custom-needles", NEEDLE)
+    page.fill("#hs-heads-lengths", "256")
+    page.fill("#hs-heads-depths", "50")
+    select_option(page, "hs-heads-haystack", "passkey")
+    page.click("#hs-heads-run")
+    page.wait_for_function("location.search.includes('sweep=')", timeout=240_000)
+    page.wait_for_selector("#hs-heads-topk td[data-dash-column='head']")
+    row = page.locator("#hs-heads-topk tbody tr").nth(3)  # the third head (row 0 is the header)
+    layer = int(row.locator("td[data-dash-column='layer']").inner_text())
+    head = int(row.locator("td[data-dash-column='head']").inner_text())
+    row.locator("td[data-dash-column='retrieval']").click()
+    page.wait_for_function(f"location.search.includes('layer={layer}&') || location.search.endsWith('layer={layer}')")
+    assert f"head={head}" in page.evaluate("location.search")
+    page.wait_for_selector("#hs-heads-trials td[data-dash-column='response']")
+    wait_title(page, "hs-heads-steps", f"Layer {layer}, head {head}, trial 0")
+    # the decode-step markers say what they are
+    legend = " ".join(page.locator("#hs-heads-steps .legendtext").all_text_contents())
+    assert "copy-paste" in legend and "most-attended key" in legend, legend
+    assert proc.poll() is None
+
+
+def test_trial_progress_counts_trials_and_scales_the_time_so_far(tmp_path):
+    """Three trials; the first takes 10 s: then "trial 2 of 3" and 10 s × (2/3) / (1/3) = 20 s left."""
+    from analysis.store import Store
+    from app.context import AppContext
+    from app.server import create_app
+
+    create_app(AppContext(store=Store(tmp_path / "store")))  # registers the pages
+    from app.pages.heads import trial_progress
+
+    now, shown = [0.0], []
+    report = trial_progress(shown.append, 3, clock=lambda: now[0])
+    report(0.0)
+    report(0.5 / 3)  # half of the first trial
+    now[0] = 10.0
+    report(1 / 3)
+    report(1 / 3)  # the same again: not shown twice
+    now[0] = 25.0
+    report(1.0)
+    assert [text for _, _, text in shown] == [
+        "trial 1 of 3 (0%)", "trial 1 of 3 (16%)", "trial 2 of 3 (33%), about 20 s left", "trial 3 of 3 (100%)"]
+    assert shown[-1][:2] == (100, 100)

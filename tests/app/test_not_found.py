@@ -1,0 +1,64 @@
+"""Unknown paths in real Chromium against a real server: the app's own 404 page (header, message,
+links to every page), for ordinary, hostile, very long and non-ASCII paths; never a traceback."""
+
+from __future__ import annotations
+
+import http.client
+import urllib.parse
+
+import pytest
+
+from tests.app.test_browser import browser, page, server, start_server  # noqa: F401
+
+pytestmark = [pytest.mark.browser, pytest.mark.integration]
+
+PAGES = ["/", "/flow", "/heads", "/qk", "/ablation"]
+
+
+def assert_not_found_page(page, shown: str) -> None:
+    page.wait_for_selector("#hs-not-found")
+    text = page.locator("#hs-not-found").inner_text()
+    assert "No page at" in text and shown in text, text
+    hrefs = page.locator("#hs-not-found a").evaluate_all("links => links.map(a => a.getAttribute('href'))")
+    assert set(PAGES) <= set(hrefs), hrefs
+    assert page.locator("header.hs-header").count() == 1  # in the app's layout, with its navigation
+    body = page.locator("body").inner_text()
+    assert "404 - Page not found" not in body and "Traceback" not in body
+    nav = page.locator("header .hs-nav").inner_text()
+    assert "not found" not in nav.lower() and "404" not in nav  # the 404 page is no page of the navigation
+
+
+@pytest.mark.parametrize("path, shown", [
+    ("/nowhere", "/nowhere"),
+    ("/heads/extra", "/heads/extra"),
+    ("/../etc/passwd", "/etc/passwd"),  # the browser resolves the dots: the path asked is /etc/passwd
+    ("/%3Cscript%3Ealert(1)%3C/script%3E", "<script>alert(1)</script>"),
+    ("/страница-页面-ü", "/страница-页面-ü"),
+    ("/" + "a" * 1500, "/" + "a" * 100),
+    ("/" + "b" * 5000, "/" + "b" * 100),
+], ids=["plain", "under-a-page", "dots", "script", "unicode", "long", "very-long"])
+def test_an_unknown_path_shows_the_apps_404_page(server, page, path, shown):
+    url, proc, _ = server
+    dialogs = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    page.goto(url.rstrip("/") + path)
+    assert_not_found_page(page, shown)
+    assert not dialogs  # a path is shown as text, never run
+    page.click("#hs-not-found a[href='/heads']")
+    page.wait_for_selector("#hs-heads-run")
+    assert proc.poll() is None
+
+
+@pytest.mark.parametrize("raw", ["/../etc/passwd", "/..%2f..%2fetc%2fpasswd", "/" + "c" * 5000, "/%00", "/%ff%fe"])
+def test_a_hostile_raw_request_gets_no_file_and_no_traceback(server, raw):
+    url, proc, _ = server
+    host = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(host.hostname, host.port, timeout=30)
+    conn.putrequest("GET", raw, skip_accept_encoding=True)  # sent as written, dots and all
+    conn.endheaders()
+    response = conn.getresponse()
+    body = response.read().decode("utf-8", "replace")
+    conn.close()
+    assert response.status in (200, 400, 404, 414), response.status
+    assert "root:" not in body and "Traceback" not in body
+    assert proc.poll() is None
