@@ -33,38 +33,32 @@ hook on ``hook_pattern`` (same numbers).
 from __future__ import annotations
 
 import re
-import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
-from transformer_lens.utilities import get_act_name
 
-from analysis.attention_statistics import statistics_supported
 from analysis.detectors import group_heads
-from analysis.errors import InputError, check_head_index
+from analysis.errors import InputError
+from analysis.greedy_decoding import (
+    DEFAULT_MAX_NEW_TOKENS,
+    Cancel,
+    Cancelled,
+    Progress,
+    cancel_requested,
+    greedy_decode,
+    stop_ids,
+)
 from analysis.limits import hint, limit
 from analysis.models import LoadedModel
 from analysis.niah import DEFAULT_DEPTH_RULE, DEFAULT_TEMPLATE, Needle, NiahPrompt, build_prompt
 from analysis.store import Store, content_key
-from kernels.attention import ARGMAX, ARGMAX_PROB, ROWS
 
 RETRIEVAL_VERSION = 1
 ROUGE_GATE = 0.5
 """A trial counts when ROUGE-1 recall of the answer in the response is strictly above this."""
-
-DEFAULT_MAX_NEW_TOKENS = 32
-
-Progress = Callable[[float], None]
-Cancel = Callable[[], bool]
-
-
-class Cancelled(RuntimeError):
-    """Raised inside a trial when ``cancel`` asks to stop; the unfinished trial is dropped."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,190 +138,6 @@ def trial_scores(hits: np.ndarray, needle_length: int) -> np.ndarray:
     if needle_length < 1:
         raise ValueError("needle_length must be at least 1")
     return (np.asarray(hits).sum(0) / float(needle_length)).astype(np.float32)
-
-
-# ---------------------------------------------------------------------------------------------
-# Decoding
-
-
-@dataclass
-class Decoded:
-    """A greedy continuation and, per step, the argmax key and its weight for every query head."""
-
-    generated: list[int]
-    argmax_keys: np.ndarray  # [step, layer, head] int32
-    argmax_weight: np.ndarray  # [step, layer, head] float32
-    seconds: float
-    rows: list[np.ndarray] | None = None  # with keep_row: the full attention row per step
-
-
-def stop_ids(model: LoadedModel) -> set[int]:
-    """Token ids that end a response: the tokenizer's EOS and the generation config's EOS ids."""
-    ids: set[int] = set()
-    tok = model.tokenizer
-    if getattr(tok, "eos_token_id", None) is not None:
-        ids.add(int(tok.eos_token_id))
-    gen = getattr(model.hf_model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, list | tuple):
-        ids.update(int(e) for e in eos)
-    return ids
-
-
-def cancel_requested(cancel: Any) -> bool:
-    if cancel is None:
-        return False
-    if hasattr(cancel, "is_set"):
-        return bool(cancel.is_set())
-    return bool(cancel())
-
-
-@torch.inference_mode()
-def greedy_decode(
-    model: LoadedModel,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    *,
-    record: bool = True,
-    cancel: Cancel | None = None,
-    progress: Progress | None = None,
-    force: Sequence[int] | None = None,
-    keep_row: tuple[int, int] | None = None,
-    stop_at_newline: bool = False,
-) -> Decoded:
-    """Greedy decoding with the KV cache, keeping one attention row per head per step.
-
-    The prompt minus its last token is pre-filled without keeping any attention; then each step
-    feeds one token and, when ``record``, every layer's decode row ``[head, key]`` is reduced to its
-    argmax key and maximum. The first step's query is the prompt's last token, so row t produces
-    token t. Models that run in statistics mode (the Llama family) do all of it through
-    :func:`kernels.attention` (the prefill builds no N × N matrix; the argmax comes from the
-    kernel); others through a hook on ``hook_pattern``, which gives the same numbers.
-
-    Parameters
-    ----------
-    prompt_ids : the exact ids to continue.
-    max_new_tokens : the most tokens to generate; decoding also stops after an EOS token (which is
-        kept in ``generated``).
-    record : False gives plain generation (the baseline of ``bench/retrieval.py``).
-    cancel : called between steps; True raises :class:`Cancelled`.
-    progress : called with the fraction of ``max_new_tokens`` done.
-    force : feed these tokens instead of the argmax (a replay of an earlier decode: same prefill, same
-        KV-cache steps, so the same numbers); decoding runs ``len(force)`` steps.
-    keep_row : ``(layer, head)`` whose whole attention row (over the prompt and the tokens generated
-        so far) is kept at every step, in ``rows``.
-    stop_at_newline : also stop after the first token that puts a newline after some non-blank text
-        (the token is kept in ``generated``, like an EOS).
-
-    Returns
-    -------
-    :class:`Decoded` with ``argmax_keys``/``argmax_weight`` of shape ``[steps, layer, head]``.
-    """
-    if not prompt_ids:
-        raise InputError("The prompt is empty.")
-    if force is not None:
-        max_new_tokens = len(force)
-    if max_new_tokens < 1:
-        raise InputError("max_new_tokens must be at least 1.")
-    t0 = time.perf_counter()
-    bridge = model.bridge
-    stops = stop_ids(model)
-    n_layers, n_heads = model.n_layers, model.n_heads
-    keys = torch.zeros((max_new_tokens, n_layers, n_heads), dtype=torch.int64)
-    weights = torch.zeros((max_new_tokens, n_layers, n_heads), dtype=torch.float32)
-    step_box = [0]
-    rows: list[np.ndarray] = []
-
-    if keep_row is not None:
-        keep_row = check_head_index(n_layers, n_heads, *keep_row)
-    record = record or keep_row is not None
-    kernel = statistics_supported(model)
-    if kernel:
-        # statistics mode: the prefill never builds an N × N matrix, each decode row's argmax (and
-        # the kept row) come from the kernel in the same pass as the output
-        from analysis.attention_statistics import LayerRequest, statistics_mode
-
-        argmax_only = LayerRequest({"stats": (ARGMAX,)})
-        with_row = LayerRequest({"stats": (ARGMAX, ROWS), "rows": [0]})
-
-        def request(layer: int, n_q: int, n_k: int):
-            if not record or n_q != 1:
-                return None
-            return with_row if keep_row is not None and keep_row[0] == layer else argmax_only
-
-        def on_layer(ls) -> None:
-            keys[step_box[0], ls.layer] = ls.stats[ARGMAX][0, :, 0]
-            weights[step_box[0], ls.layer] = ls.stats[ARGMAX_PROB][0, :, 0]
-            if ROWS in ls.stats:
-                rows.append(ls.stats[ROWS][0, keep_row[1], 0].float().cpu().numpy().copy())
-
-        mode = statistics_mode(model, request, on_layer)
-        hooked = nullcontext()
-    else:
-        hooks = _row_recorders(n_layers, keys, weights, step_box, rows, keep_row)
-        mode = nullcontext()
-        hooked = bridge.hooks(fwd_hooks=hooks) if record else nullcontext()
-    device = model.device
-    generated: list[int] = []
-    with model.lock, mode:
-        past = None
-        if len(prompt_ids) > 1:
-            prefix = torch.tensor([list(prompt_ids[:-1])], dtype=torch.long, device=device)
-            _, past = bridge(prefix, return_type="logits_and_cache", use_cache=True)
-        token = int(prompt_ids[-1])
-        with hooked:
-            for step in range(max_new_tokens):
-                if cancel_requested(cancel):
-                    raise Cancelled("cancelled")
-                step_box[0] = step
-                inp = torch.tensor([[token]], dtype=torch.long, device=device)
-                if past is None:
-                    logits, past = bridge(inp, return_type="logits_and_cache", use_cache=True)
-                else:
-                    logits, past = bridge(inp, return_type="logits_and_cache", past_key_values=past)
-                token = int(force[step]) if force is not None else int(logits[0, -1].argmax())
-                generated.append(token)
-                if progress:
-                    progress((step + 1) / max_new_tokens)
-                if token in stops and force is None:
-                    break
-                if stop_at_newline and force is None and _ends_a_line(model, generated):
-                    break
-    n = len(generated)
-    return Decoded(
-        generated=generated,
-        argmax_keys=keys[:n].numpy().astype(np.int32),
-        argmax_weight=weights[:n].numpy(),
-        seconds=time.perf_counter() - t0,
-        rows=rows if keep_row is not None else None,
-    )
-
-
-def _row_recorders(n_layers: int, keys: torch.Tensor, weights: torch.Tensor, step_box: list[int],
-                   rows: list[np.ndarray], keep_row: tuple[int, int] | None) -> list[tuple[str, Any]]:
-    """The eager path's ``hook_pattern`` hooks: each decode row's argmax key and weight per head
-    (into ``keys``/``weights`` at step ``step_box[0]``), and ``keep_row``'s whole row."""
-
-    def record_row(layer: int):
-        def hook(pattern: torch.Tensor, hook: Any = None) -> None:
-            # pattern: [batch, head, query, key]; the decode step has a single query row.
-            w, j = pattern[0, :, -1, :].max(dim=-1)
-            keys[step_box[0], layer] = j
-            weights[step_box[0], layer] = w.float()
-            if keep_row is not None and keep_row[0] == layer:
-                rows.append(pattern[0, keep_row[1], -1, :].float().cpu().numpy().copy())
-
-        return hook
-
-    return [(get_act_name("pattern", layer), record_row(layer)) for layer in range(n_layers)]
-
-
-def _ends_a_line(model: LoadedModel, generated: list[int]) -> bool:
-    """Whether the text generated so far has a newline after some non-blank text."""
-    text = model.tokenizer.decode(generated, skip_special_tokens=True).lstrip()
-    return "\n" in text
 
 
 # ---------------------------------------------------------------------------------------------
