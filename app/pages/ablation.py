@@ -7,7 +7,7 @@ import re
 import time
 
 import dash
-from dash import Input, Output, State, callback, dash_table, dcc, html, no_update
+from dash import Input, Output, State, callback, clientside_callback, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
 from analysis.ablation import format_heads, head_means, parse_heads
@@ -204,6 +204,7 @@ register_export(PREFIX)
     Output(ids.ABL_SHOWN, "data"),
     Output(ids.ABL_CHOSEN, "children"),
     Output(ids.ABL_MAP, "data"),
+    Output(ids.ABL_PENDING, "data"),
     Input(url_id(PREFIX), "search"),
     State(ids.ABL_PENDING, "data"),
     State(ids.ABL_SHOWN, "data"),
@@ -211,7 +212,7 @@ register_export(PREFIX)
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=16, error_index=6)
+@guarded(outputs=17, error_index=6)
 def render(search, pending, shown, drawn):
     """Draw the page from its URL. The effects are computed here only for a link opened afresh (the
     applied set in its ``heads``); on the page they come from the Apply job (:func:`apply`)."""
@@ -252,7 +253,7 @@ def render(search, pending, shown, drawn):
             except ValueError as e:
                 problems.append(str(e))
         return (grid, EMPTY, "", curve, head_sweep, "", message(problems), no_update, no_update, *controls,
-                None, listed, None)
+                None, listed, None, (applied or "") if pending is None else no_update)
     map_key = [state.model, state.run, state.by, state.sweep, state.hsweep]
     if pending is not None and drawn == map_key:  # the map and the box are choose()'s while heads are chosen
         grid = listed = controls[0] = no_update
@@ -276,7 +277,7 @@ def render(search, pending, shown, drawn):
                      html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
                      html.Span(f"method: {state.ablate}", className="hs-chip")])
     return (grid, effects, summary, curve, head_sweep, info, message(problems), run.text or "", run.model_name,
-            *controls, now_shown, listed, map_key)
+            *controls, now_shown, listed, map_key, (applied or "") if pending is None else no_update)
 
 
 _PENDING = re.compile(r"\d{1,4}\.\d{1,4}(,\d{1,4}\.\d{1,4})*")
@@ -288,15 +289,6 @@ def _pending(value) -> str | None:
     if isinstance(value, str) and (value == "" or len(value) < 20_000 and _PENDING.fullmatch(value)):
         return value
     return None
-
-
-def _clicked(click) -> tuple[int, int] | None:
-    """(layer, head) of a click on the map, or None."""
-    try:
-        point = click["points"][0]
-        return int(point["y"]), int(point["x"])
-    except (TypeError, KeyError, IndexError, ValueError):
-        return None
 
 
 def _applied_key(state: PageState) -> list:
@@ -352,18 +344,36 @@ def _summary(run, params) -> html.Div:
     ], className="hs-panels hs-even")
 
 
+# A click on the map toggles the head in the pending selection in the browser, at once: clicks made
+# faster than the server answers are never lost (a server toggle would read a stale selection).
+clientside_callback(
+    """function(click, pending) {
+        const p = click && click.points && click.points[0];
+        if (!p || !Number.isInteger(p.x) || !Number.isInteger(p.y)) { return window.dash_clientside.no_update; }
+        const heads = new Set(typeof pending === "string" && pending ? pending.split(",") : []);
+        const key = p.y + "." + p.x;
+        if (heads.has(key)) { heads.delete(key); } else { heads.add(key); }
+        return Array.from(heads, h => h.split(".").map(Number)).sort((a, b) => a[0] - b[0] || a[1] - b[1])
+            .map(h => h[0] + "." + h[1]).join(",");
+    }""",
+    Output(ids.ABL_PENDING, "data", allow_duplicate=True),
+    Input(ids.ABL_GRID, "clickData"),
+    State(ids.ABL_PENDING, "data"),
+    prevent_initial_call=True,
+)
+
+
 @callback(
-    Output(ids.ABL_PENDING, "data"),
+    Output(ids.ABL_PENDING, "data", allow_duplicate=True),
     Output(ids.ABL_HEADS, "value", allow_duplicate=True),
     Output(ids.ABL_GRID, "figure", allow_duplicate=True),
     Output(ids.ABL_CHOSEN, "children", allow_duplicate=True),
     Output(ids.ERROR, "children", allow_duplicate=True),
-    Input(ids.ABL_GRID, "clickData"),
+    Input(ids.ABL_PENDING, "data"),
     Input(ids.ABL_HEADS, "value"),
     Input(ids.ABL_TOPK, "n_clicks"),
     Input(ids.ABL_RANDOM, "n_clicks"),
     Input(ids.ABL_CLEAR, "n_clicks"),
-    State(ids.ABL_PENDING, "data"),
     State(ids.ABL_BY, "value"),
     State(ids.ABL_SWEEP, "value"),
     State(ids.ABL_K, "value"),
@@ -373,9 +383,9 @@ def _summary(run, params) -> html.Div:
     prevent_initial_call=True,
 )
 @guarded(outputs=5)
-def choose(click, heads_text, _top, _random, _clear, pending, by, sweep_id, k, seed, search):
-    """Change the pending selection (map clicks, the heads box, top k, random k, clear): redrawn on
-    the map and listed; nothing is computed until Apply."""
+def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, search):
+    """Change the pending selection (the heads box, top k, random k, clear; map clicks change it in
+    the browser): redrawn on the map, listed and written in the box; nothing is computed until Apply."""
     state = parse(search)
     trigger = dash.ctx.triggered_id
     context = get_context()
@@ -384,10 +394,9 @@ def choose(click, heads_text, _top, _random, _clear, pending, by, sweep_id, k, s
     current = state.heads if pending is None else pending
     chosen = set(parse_heads(model, current)) if current else set()
     run = context.run(state.run) if state.run else None
-    if trigger == ids.ABL_GRID:
-        if (head := _clicked(click)) is None:
+    if trigger == ids.ABL_PENDING:
+        if pending is None:
             raise PreventUpdate
-        chosen ^= {head}
     elif trigger == ids.ABL_HEADS:
         text = heads_text if isinstance(heads_text, str) else ""
         typed = set(parse_heads(model, text)) if text.strip() else set()
@@ -408,7 +417,7 @@ def choose(click, heads_text, _top, _random, _clear, pending, by, sweep_id, k, s
     if run is not None or (state.by == "retrieval" and state.sweep):
         grid, _ = VIEWS["ablation_selection"].build(run, {**ablation_params(state), "heads": heads or None})
     applied = format_heads(sorted(set(parse_heads(model, state.heads)))) if state.heads else None
-    return heads, heads, grid, _chosen_text(heads, applied), ""
+    return no_update if heads == pending else heads, heads, grid, _chosen_text(heads, applied), ""
 
 
 @callback(
@@ -463,6 +472,20 @@ def _step_reporter(set_progress, started: float):
     return report
 
 
+def _count_reporter(set_progress, what: str, n: int):
+    """Progress over ``n`` like items as "i of n" with the time left at the rate so far."""
+    started = time.monotonic()
+
+    def report(fraction: float) -> None:
+        done = min(n, round(fraction * n))
+        left = ""
+        if 0 < done < n:
+            left = f", about {(time.monotonic() - started) * (n - done) / done:.0f} s left"
+        set_progress((str(round(100 * done / max(n, 1))), "100", f"{what}: {done} of {n} done{left}"))
+
+    return report
+
+
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Output(ids.ABL_EFFECTS, "figure", allow_duplicate=True),
@@ -508,8 +531,9 @@ def apply(set_progress, n_clicks, pending, method, source, reference, search):
         if state.ablate == "mean":
             reference = reference if isinstance(reference, str) else ""
             texts = [t for t in reference.splitlines() if t.strip()] or builtin_reference()
-            set_progress(("0", "100", f"effects: mean head outputs over {len(texts)} reference texts"))
-            state.ref = head_means(model, texts, store=context.store).key[:16]
+            state.ref = head_means(model, texts, store=context.store,
+                                   progress=_count_reporter(set_progress, "reference texts for the means",
+                                                            len(texts))).key[:16]
         params = ablation_params(state)
         report = _step_reporter(set_progress, time.monotonic())
         report(0.0)

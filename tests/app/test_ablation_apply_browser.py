@@ -102,6 +102,13 @@ def test_clicked_heads_wait_for_apply_which_computes_once_and_can_be_cancelled(s
     wait_title(page, "hs-abl-effects", "zero ablation of 2 heads: mean loss", timeout=240_000)
     wait_title(page, "hs-abl-grid", "2 heads chosen")
     assert "2 heads applied: L3H1, L5H0" in _text(page, "#hs-abl-chosen")
+    # mean ablation over the user's own reference texts: their means, then the effects, in the same job
+    page.check("#hs-abl-method input[value='mean']")
+    page.fill("#hs-abl-reference", "The cat sat on the mat.\nA dog ran to the park.")
+    page.click("#hs-abl-apply")
+    wait_title(page, "hs-abl-effects", "mean ablation of 2 heads: mean loss", timeout=240_000)
+    assert "ablate=mean" in page.evaluate("location.search") and "ref=" in page.evaluate("location.search")
+    assert "mean ablation: effects in" in _text(page, "#hs-abl-apply-status")
     assert proc.poll() is None
 
 
