@@ -345,7 +345,8 @@ def _summary(run, params) -> html.Div:
 
 
 # A click on the map toggles the head in the pending selection in the browser, at once: clicks made
-# faster than the server answers are never lost (a server toggle would read a stale selection).
+# faster than the server answers are never lost (a server toggle would read a stale selection, and
+# a late answer writing the heads box would undo later clicks). The box is written here too.
 clientside_callback(
     """function(click, pending) {
         const p = click && click.points && click.points[0];
@@ -353,10 +354,12 @@ clientside_callback(
         const heads = new Set(typeof pending === "string" && pending ? pending.split(",") : []);
         const key = p.y + "." + p.x;
         if (heads.has(key)) { heads.delete(key); } else { heads.add(key); }
-        return Array.from(heads, h => h.split(".").map(Number)).sort((a, b) => a[0] - b[0] || a[1] - b[1])
+        const text = Array.from(heads, h => h.split(".").map(Number)).sort((a, b) => a[0] - b[0] || a[1] - b[1])
             .map(h => h[0] + "." + h[1]).join(",");
+        return [text, text];
     }""",
     Output(ids.ABL_PENDING, "data", allow_duplicate=True),
+    Output(ids.ABL_HEADS, "value", allow_duplicate=True),
     Input(ids.ABL_GRID, "clickData"),
     State(ids.ABL_PENDING, "data"),
     prevent_initial_call=True,
@@ -394,9 +397,10 @@ def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, se
     current = state.heads if pending is None else pending
     chosen = set(parse_heads(model, current)) if current else set()
     run = context.run(state.run) if state.run else None
-    if trigger == ids.ABL_PENDING:
+    if ids.ABL_PENDING + ".data" in dash.ctx.triggered_prop_ids:  # a click (with the box it wrote), or render
         if pending is None:
             raise PreventUpdate
+        trigger = ids.ABL_PENDING
     elif trigger == ids.ABL_HEADS:
         text = heads_text if isinstance(heads_text, str) else ""
         typed = set(parse_heads(model, text)) if text.strip() else set()
@@ -417,7 +421,9 @@ def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, se
     if run is not None or (state.by == "retrieval" and state.sweep):
         grid, _ = VIEWS["ablation_selection"].build(run, {**ablation_params(state), "heads": heads or None})
     applied = format_heads(sorted(set(parse_heads(model, state.heads)))) if state.heads else None
-    return no_update if heads == pending else heads, heads, grid, _chosen_text(heads, applied), ""
+    if trigger == ids.ABL_PENDING:  # the box was written with it: a late answer must not write it again
+        return no_update, no_update, grid, _chosen_text(heads, applied), ""
+    return heads, heads, grid, _chosen_text(heads, applied), ""
 
 
 @callback(
