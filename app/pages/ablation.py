@@ -3,8 +3,11 @@ move; the top-k heads by a score against k random heads (Wu et al. 2024, §4); s
 
 from __future__ import annotations
 
+import re
+import time
+
 import dash
-from dash import Input, Output, State, callback, dash_table, dcc, html, no_update
+from dash import Input, Output, State, callback, clientside_callback, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
 from analysis.ablation import format_heads, head_means, parse_heads
@@ -40,8 +43,9 @@ from app.context import get_context
 from app.errors import guarded, message
 from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
 from app.url_state import PageState, parse
-from app.views import VIEWS
+from app.views import VIEWS, names
 from app.views.ablation import (
+    CONTINUATION_TOKENS,
     RANK_LABELS,
     REFERENCE_SENTENCES,
     ablation_params,
@@ -66,13 +70,17 @@ def layout(**_query) -> html.Div:
             page_location(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
             dcc.Store(id=ids.ABL_KEPT, storage_type="local", data=[]),
+            dcc.Store(id=ids.ABL_PENDING, data=None),  # heads chosen on the map or typed, not yet applied
+            dcc.Store(id=ids.ABL_SHOWN, data=None),  # what the effects on the page were computed for
+            dcc.Store(id=ids.ABL_MAP, data=None),  # the run and score the map was drawn for
             input_bar(PREFIX, "Text to ablate heads on (loss, next-token prediction, continuation)…"),
             html.Div(
                 [
                     html.Div([
                         dcc.Graph(id=ids.ABL_GRID, figure=EMPTY, config=GRAPH_CONFIG),
-                        html.P("Click a head to add or remove it.", className="hs-hint"),
-                        export_bar(PREFIX, "ablation_selection"),
+                        html.P("Click heads to choose them (again to remove); Apply computes their effects.",
+                               className="hs-hint"),
+                        export_bar(PREFIX, names.ABLATION_SELECTION),
                     ], className="hs-panel"),
                     html.Div([
                         html.Label("Heads (e.g. 12.3, L14H1, kv:20.2 for a key-value group, 7.* for a layer)",
@@ -88,7 +96,14 @@ def layout(**_query) -> html.Div:
                         html.Label(f"Mean: reference texts, one per line (empty: the first {REFERENCE_SENTENCES} "
                                    "built-in probe sentences)", htmlFor=ids.ABL_REFERENCE),
                         dcc.Textarea(id=ids.ABL_REFERENCE, className="hs-textarea", **KEEP),
-                        html.Button("Apply", id=ids.ABL_APPLY, n_clicks=0, className="hs-run"),
+                        html.Div(id=ids.ABL_CHOSEN, className="hs-hint"),
+                        html.Div([
+                            html.Button("Apply", id=ids.ABL_APPLY, n_clicks=0, className="hs-run"),
+                            html.Button("Cancel", id=ids.ABL_APPLY_CANCEL, n_clicks=0,
+                                        className="hs-button hs-cancel", disabled=True),
+                            html.Progress(id=ids.ABL_APPLY_PROGRESS, value="0", max="100", className="hs-progress"),
+                            html.Span(id=ids.ABL_APPLY_STATUS, className="hs-hint"),
+                        ], className="hs-options"),
                         html.Hr(),
                         html.Label("Choose by a score", htmlFor=ids.ABL_BY),
                         dcc.Dropdown(id=ids.ABL_BY, clearable=False, value="retrieval",
@@ -111,7 +126,7 @@ def layout(**_query) -> html.Div:
             dcc.Loading(html.Div(id=ids.ABL_INFO, className="hs-run-info"), type="dot"),
             html.Div([
                 dcc.Graph(id=ids.ABL_EFFECTS, figure=EMPTY, config=GRAPH_CONFIG),
-                export_bar(PREFIX, "ablation_effects"),
+                export_bar(PREFIX, names.ABLATION_EFFECTS),
                 html.Div(id=ids.ABL_SUMMARY, className="hs-abl-summary"),
                 html.Button("Keep this set for comparison", id=ids.ABL_KEEP, n_clicks=0, className="hs-button"),
                 dash_table.DataTable(id=ids.ABL_KEPT_TABLE, sort_action="native", row_deletable=True,
@@ -142,7 +157,7 @@ def layout(**_query) -> html.Div:
                 className="hs-options",
             ),
             html.Div([dcc.Graph(id=ids.ABL_CURVE, figure=empty_figure("No curve yet."), config=GRAPH_CONFIG),
-                      export_bar(PREFIX, "ablation_curve")], className="hs-panel"),
+                      export_bar(PREFIX, names.ABLATION_CURVE)], className="hs-panel"),
             html.H3("Ablate each head alone", className="hs-section"),
             html.Div(
                 [
@@ -157,7 +172,7 @@ def layout(**_query) -> html.Div:
                 className="hs-options",
             ),
             html.Div([dcc.Graph(id=ids.ABL_HEAD_SWEEP, figure=empty_figure("No single-head sweep yet."),
-                                config=GRAPH_CONFIG), export_bar(PREFIX, "ablation_head_sweep")], className="hs-panel"),
+                                config=GRAPH_CONFIG), export_bar(PREFIX, names.ABLATION_HEAD_SWEEP)], className="hs-panel"),
         ]
     )
 
@@ -186,53 +201,126 @@ register_export(PREFIX)
     Output(ids.ABL_METHOD, "value"),
     Output(ids.ABL_BY, "value"),
     Output(ids.ABL_SWEEP, "value"),
+    Output(ids.ABL_SHOWN, "data"),
+    Output(ids.ABL_CHOSEN, "children"),
+    Output(ids.ABL_MAP, "data"),
+    Output(ids.ABL_PENDING, "data"),
     Input(url_id(PREFIX), "search"),
+    State(ids.ABL_PENDING, "data"),
+    State(ids.ABL_SHOWN, "data"),
+    State(ids.ABL_MAP, "data"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=13, error_index=6)
-def render(search):
+@guarded(outputs=17, error_index=6)
+def render(search, pending, shown, drawn):
+    """Draw the page from its URL. The effects are computed here only for a link opened afresh (the
+    applied set in its ``heads``); on the page they come from the Apply job (:func:`apply`)."""
     state = parse(search)
+    pending = _pending(pending)
     problems = list(state.problems)
     params = ablation_params(state)
-    controls = (state.heads or "", state.ablate, state.by, state.sweep or "")
+    chosen = state.heads if pending is None else pending
+    controls = [chosen or "", state.ablate, state.by, state.sweep or ""]
     context = get_context()
     run = context.run(state.run) if state.run else None
     if state.run and run is None:
         problems.append(f"No stored run has the id {state.run!r}: run the text again.")
     curve = head_sweep = None
-    for view, name in (("ablation_curve", "curve"), ("ablation_head_sweep", "hsweep")):
+    for view, name in ((names.ABLATION_CURVE, "curve"), (names.ABLATION_HEAD_SWEEP, "hsweep")):
         fig = None
         if params[name]:
             try:
                 fig, _ = VIEWS[view].build(None, params)
             except ValueError as e:
                 problems.append(str(e))
-        if view == "ablation_curve":
+        if view == names.ABLATION_CURVE:
             curve = fig or empty_figure("No curve yet.")
         else:
             head_sweep = fig or empty_figure("No single-head sweep yet.")
+    applied = None
+    if state.heads:
+        try:  # as the job writes it (a link may say kv:20.2 or 7.*)
+            applied = format_heads(sorted(set(parse_heads(load_model(params["model"]), state.heads))))
+        except ValueError as e:
+            problems.append(str(e))
+    listed = _chosen_text(chosen if pending is not None else applied, applied)
     if run is None:
         grid = EMPTY
         if state.by == "retrieval" and state.sweep:  # a sweep's scores need no text
             try:
-                grid, _ = VIEWS["ablation_selection"].build(None, params)
+                grid, _ = VIEWS[names.ABLATION_SELECTION].build(None, {**params, "heads": chosen})
             except ValueError as e:
                 problems.append(str(e))
-        return (grid, EMPTY, "", curve, head_sweep, "", message(problems), no_update, no_update, *controls)
-    grid, _ = VIEWS["ablation_selection"].build(run, params)
-    effects, summary = EMPTY, ""
+        return (grid, EMPTY, "", curve, head_sweep, "", message(problems), no_update, no_update, *controls,
+                None, listed, None, (applied or "") if pending is None else no_update)
+    map_key = [state.model, state.run, state.by, state.sweep, state.hsweep]
+    if pending is not None and drawn == map_key:  # the map and the box are choose()'s while heads are chosen
+        grid = listed = controls[0] = no_update
+    else:
+        grid, _ = VIEWS[names.ABLATION_SELECTION].build(run, {**params, "heads": chosen})
+    effects, summary, now_shown = EMPTY, "", None
     if state.heads:
-        try:
-            effects, _ = VIEWS["ablation_effects"].build(run, params)
-            summary = _summary(run, params)
-        except ValueError as e:
-            problems.append(str(e))
+        key = _applied_key(state)
+        if isinstance(shown, dict) and shown.get("key") == key:
+            effects = summary = now_shown = no_update  # already on the page (the Apply job drew them)
+        elif shown is None and pending is None:  # a link opened afresh: reproduce its applied set
+            try:
+                effects, _ = VIEWS[names.ABLATION_EFFECTS].build(run, params)
+                summary = _summary(run, params)
+                now_shown = _shown(key, run, state, *effects_of(run, params))
+            except ValueError as e:
+                problems.append(str(e))
+        else:  # a new text (or Back) on this page: nothing heavy runs until Apply
+            effects = empty_figure("Apply computes the effects of the chosen heads on this text.")
     info = html.Div([html.Span(f"run {run.short_id}", className="hs-chip"),
                      html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
                      html.Span(f"method: {state.ablate}", className="hs-chip")])
     return (grid, effects, summary, curve, head_sweep, info, message(problems), run.text or "", run.model_name,
-            *controls)
+            *controls, now_shown, listed, map_key, (applied or "") if pending is None else no_update)
+
+
+_PENDING = re.compile(r"\d{1,4}\.\d{1,4}(,\d{1,4}\.\d{1,4})*")
+
+
+def _pending(value) -> str | None:
+    """The pending selection kept in the browser (``"3.1,5.0"``; ``""``: none), or None when there is
+    none yet (or the value is not one this page writes)."""
+    if isinstance(value, str) and (value == "" or len(value) < 20_000 and _PENDING.fullmatch(value)):
+        return value
+    return None
+
+
+def _applied_key(state: PageState) -> list:
+    """What an effects result depends on, from the URL state that applied it."""
+    return [state.model, state.run, state.heads, state.ablate, state.ref, state.source]
+
+
+def _shown(key: list, run, state: PageState, spec, fx) -> dict:
+    """The record of the effects on the page: their key, and the numbers *Keep* adds to the table."""
+    return {"key": key, "row": {
+        "run": run.short_id, "heads": format_heads(spec.heads), "n_heads": len(spec.heads), "method": spec.method,
+        "loss_clean": round(fx.mean_loss_clean, 4), "loss_ablated": round(fx.mean_loss_ablated, 4),
+        "d_loss": round(fx.mean_loss_ablated - fx.mean_loss_clean, 4),
+        "p_next_clean": round(fx.target_prob_clean, 4), "p_next_ablated": round(fx.target_prob_ablated, 4),
+        "link": state.to_search()}}
+
+
+def _names(heads: str | None, most: int = 12) -> str:
+    """``"3.1,5.0"`` as ``"L3H1, L5H0"`` (the first ``most``, then how many more)."""
+    pairs = [h.split(".") for h in (heads or "").split(",") if h.count(".") == 1]
+    names = [f"L{la}H{h}" for la, h in pairs[:most]]
+    return ", ".join(names) + (f" and {len(pairs) - most} more" if len(pairs) > most else "")
+
+
+def _chosen_text(chosen: str | None, applied: str | None) -> str:
+    """The line under the heads box: what is chosen, and whether Apply has computed it."""
+    if not chosen:
+        return "No heads chosen: click heads in the map (or type them), then Apply."
+    n = len(chosen.split(","))
+    if chosen == applied:
+        return f"{n} heads applied: {_names(chosen)}"
+    return f"{n} heads chosen: {_names(chosen)} — Apply to compute their effects"
 
 
 def _summary(run, params) -> html.Div:
@@ -248,62 +336,114 @@ def _summary(run, params) -> html.Div:
         html.Div([html.H4("Next token, clean"), top(fx.top_ids_clean[-1], fx.top_probs_clean[-1]),
                   html.H4("Continuation, clean"), html.Pre(model.tokenizer.decode(fx.continuation_clean),
                                                           className="hs-continuation")], className="hs-panel"),
-        html.Div([html.H4(f"Next token, {spec.method} ablation of {len(spec.heads)} heads"),
+        html.Div([html.H4(f"Next token, {spec.method} ablation of {len(spec.heads)} heads "
+                          f"({_names(format_heads(spec.heads))})"),
                   top(fx.top_ids_ablated[-1], fx.top_probs_ablated[-1]),
                   html.H4("Continuation, ablated"), html.Pre(model.tokenizer.decode(fx.continuation_ablated),
                                                             className="hs-continuation")], className="hs-panel"),
     ], className="hs-panels hs-even")
 
 
-@callback(
-    Output(url_id(PREFIX), "search", allow_duplicate=True),
-    Output(ids.ERROR, "children", allow_duplicate=True),
+# A click on the map toggles the head in the pending selection in the browser, at once: clicks made
+# faster than the server answers are never lost (a server toggle would read a stale selection, and
+# a late answer writing the heads box would undo later clicks). The box is written here too.
+clientside_callback(
+    """function(click, pending) {
+        const p = click && click.points && click.points[0];
+        if (!p || !Number.isInteger(p.x) || !Number.isInteger(p.y)) { return window.dash_clientside.no_update; }
+        const heads = new Set(typeof pending === "string" && pending ? pending.split(",") : []);
+        const key = p.y + "." + p.x;
+        if (heads.has(key)) { heads.delete(key); } else { heads.add(key); }
+        const text = Array.from(heads, h => h.split(".").map(Number)).sort((a, b) => a[0] - b[0] || a[1] - b[1])
+            .map(h => h[0] + "." + h[1]).join(",");
+        return [text, text];
+    }""",
+    Output(ids.ABL_PENDING, "data", allow_duplicate=True),
+    Output(ids.ABL_HEADS, "value", allow_duplicate=True),
     Input(ids.ABL_GRID, "clickData"),
-    Input(ids.ABL_APPLY, "n_clicks"),
+    State(ids.ABL_PENDING, "data"),
+    prevent_initial_call=True,
+)
+
+
+@callback(
+    Output(ids.ABL_PENDING, "data", allow_duplicate=True),
+    Output(ids.ABL_HEADS, "value", allow_duplicate=True),
+    Output(ids.ABL_GRID, "figure", allow_duplicate=True),
+    Output(ids.ABL_CHOSEN, "children", allow_duplicate=True),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Input(ids.ABL_PENDING, "data"),
     Input(ids.ABL_HEADS, "value"),
     Input(ids.ABL_TOPK, "n_clicks"),
     Input(ids.ABL_RANDOM, "n_clicks"),
     Input(ids.ABL_CLEAR, "n_clicks"),
-    Input(ids.ABL_BY, "value"),
-    Input(ids.ABL_SWEEP, "value"),
-    State(ids.ABL_METHOD, "value"),
-    State(ids.ABL_SOURCE, "value"),
-    State(ids.ABL_REFERENCE, "value"),
+    State(ids.ABL_BY, "value"),
+    State(ids.ABL_SWEEP, "value"),
     State(ids.ABL_K, "value"),
     State(ids.ABL_SEED, "value"),
     State(url_id(PREFIX), "search"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call=True,
 )
-@guarded(outputs=2)
-def choose(click, _apply, heads_text, _top, _random, _clear, by, sweep_id, method, source, reference, k, seed, search):
+@guarded(outputs=5)
+def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, search):
+    """Change the pending selection (the heads box, top k, random k, clear; map clicks change it in
+    the browser): redrawn on the map, listed and written in the box; nothing is computed until Apply."""
     state = parse(search)
     trigger = dash.ctx.triggered_id
     context = get_context()
     model = load_model(state.model or context.default_model)
-    chosen = set(parse_heads(model, state.heads)) if state.heads else set()
+    pending = _pending(pending)
+    current = state.heads if pending is None else pending
+    chosen = set(parse_heads(model, current)) if current else set()
     run = context.run(state.run) if state.run else None
-    if trigger == ids.ABL_GRID:
-        if not (click and click.get("points")):
+    if ids.ABL_PENDING + ".data" in dash.ctx.triggered_prop_ids:  # a click (with the box it wrote), or render
+        if pending is None:
             raise PreventUpdate
-        point = click["points"][0]
-        chosen ^= {(int(point["y"]), int(point["x"]))}
+        trigger = ids.ABL_PENDING
     elif trigger == ids.ABL_HEADS:
-        if (heads_text or "") == (state.heads or ""):
-            raise PreventUpdate
-        chosen = set(parse_heads(model, heads_text)) if (heads_text or "").strip() else set()
+        text = heads_text if isinstance(heads_text, str) else ""
+        typed = set(parse_heads(model, text)) if text.strip() else set()
+        if typed == chosen:
+            raise PreventUpdate  # the box only echoed the selection
+        chosen = typed
     elif trigger == ids.ABL_TOPK:
-        chosen = set(top_heads(run, {**ablation_params(state), "by": by, "sweep": sweep_id or None},
+        chosen = set(top_heads(run, {**ablation_params(state), "by": by, "sweep": (sweep_id or "").strip() or None},
                                int(k or 0)))
     elif trigger == ids.ABL_RANDOM:
         chosen = set(random_heads(model.n_layers, model.n_heads, int(k or 0), int(seed or 0)))
     elif trigger == ids.ABL_CLEAR:
         chosen = set()
-    elif trigger == ids.ABL_BY:
+    else:
+        raise PreventUpdate
+    heads = format_heads(sorted(chosen))
+    grid = no_update
+    if run is not None or (state.by == "retrieval" and state.sweep):
+        grid, _ = VIEWS[names.ABLATION_SELECTION].build(run, {**ablation_params(state), "heads": heads or None})
+    applied = format_heads(sorted(set(parse_heads(model, state.heads)))) if state.heads else None
+    if trigger == ids.ABL_PENDING:  # the box was written with it: a late answer must not write it again
+        return no_update, no_update, grid, _chosen_text(heads, applied), ""
+    return heads, heads, grid, _chosen_text(heads, applied), ""
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Input(ids.ABL_BY, "value"),
+    Input(ids.ABL_SWEEP, "value"),
+    State(url_id(PREFIX), "search"),
+    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
+    prevent_initial_call=True,
+)
+@guarded(outputs=2)
+def rank_by(by, sweep_id, search):
+    """The score the map is coloured and top k ranked by (kept in the URL)."""
+    state = parse(search)
+    if dash.ctx.triggered_id == ids.ABL_BY:
         if by == state.by:
             raise PreventUpdate
         state.by = by
-    elif trigger == ids.ABL_SWEEP:
+    else:
         new = (sweep_id or "").strip().lower() or None
         if new == state.sweep:
             raise PreventUpdate
@@ -312,21 +452,117 @@ def choose(click, _apply, heads_text, _top, _random, _clear, by, sweep_id, metho
 
             sweep_of({"sweep": new})  # a clear message now if there is no such sweep
         state.sweep = new
-    elif trigger == ids.ABL_APPLY:
-        if heads_text and heads_text.strip():
-            chosen = set(parse_heads(model, heads_text))
+    return state.to_search(), ""
+
+
+EFFECT_STEPS = ("the clean pass", "the ablated pass", "the clean continuation", "the ablated continuation")
+# rough cost of each step in forward passes: a continuation is CONTINUATION_TOKENS passes
+STEP_COST = (1, 1, CONTINUATION_TOKENS, CONTINUATION_TOKENS)
+
+
+def _step_reporter(set_progress, started: float):
+    """Progress of :func:`analysis.ablation.ablation_effects` (``fraction`` = steps done / 4) as
+    "i of n" with an estimate of the time left from the steps' costs in forward passes."""
+
+    def report(fraction: float) -> None:
+        done = min(len(EFFECT_STEPS), round(fraction * len(EFFECT_STEPS)))
+        cost = sum(STEP_COST[:done])
+        left = ""
+        if 0 < done < len(EFFECT_STEPS):
+            seconds = (time.monotonic() - started) * (sum(STEP_COST) - cost) / cost
+            left = f", about {seconds:.0f} s left"
+        now = EFFECT_STEPS[done] if done < len(EFFECT_STEPS) else "drawing"
+        set_progress((str(round(100 * cost / sum(STEP_COST))), "100",
+                      f"effects: {done} of {len(EFFECT_STEPS)} steps done, now {now}{left}"))
+
+    return report
+
+
+def _count_reporter(set_progress, what: str, n: int):
+    """Progress over ``n`` like items as "i of n" with the time left at the rate so far."""
+    started = time.monotonic()
+
+    def report(fraction: float) -> None:
+        done = min(n, round(fraction * n))
+        left = ""
+        if 0 < done < n:
+            left = f", about {(time.monotonic() - started) * (n - done) / done:.0f} s left"
+        set_progress((str(round(100 * done / max(n, 1))), "100", f"{what}: {done} of {n} done{left}"))
+
+    return report
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(ids.ABL_EFFECTS, "figure", allow_duplicate=True),
+    Output(ids.ABL_SUMMARY, "children", allow_duplicate=True),
+    Output(ids.ABL_SHOWN, "data", allow_duplicate=True),
+    Output(ids.ABL_CHOSEN, "children", allow_duplicate=True),
+    Output(ids.ABL_APPLY_STATUS, "children"),
+    Input(ids.ABL_APPLY, "n_clicks"),
+    State(ids.ABL_PENDING, "data"),
+    State(ids.ABL_METHOD, "value"),
+    State(ids.ABL_SOURCE, "value"),
+    State(ids.ABL_REFERENCE, "value"),
+    State(url_id(PREFIX), "search"),
+    **cancellable_job(ids.ABL_APPLY, ids.ABL_APPLY_CANCEL, ids.ABL_APPLY_PROGRESS, ids.ABL_APPLY_STATUS),
+    prevent_initial_call=True,
+)
+def apply(set_progress, n_clicks, pending, method, source, reference, search):
+    """Apply: the effects of the chosen heads, once for the whole set, as a cancellable job; the
+    applied set goes into the URL (a link reproduces it)."""
+    in_job()
+    if not n_clicks:
+        raise PreventUpdate
+    started = time.monotonic()
+    state = parse(search)
+    try:
+        context = get_context()
+        model = load_model(state.model or context.default_model)
+        run = context.run(state.run) if state.run else None
+        if run is None:
+            raise ValueError("Run a text first: the heads are ablated on it.")
+        pending = _pending(pending)
+        heads = state.heads if pending is None else pending
+        if not heads:
+            raise ValueError("No heads chosen: click heads in the map, type them, or pick the top k; then Apply.")
+        state.heads = format_heads(sorted(set(parse_heads(model, heads))))
         state.ablate = method or "zero"
         if state.ablate == "resample":
-            if not (source or "").strip():
-                return no_update, "Resample ablation needs a source text: write one in the box, then Apply."
+            source = source if isinstance(source, str) else ""
+            if not source.strip():
+                raise ValueError("Resample ablation needs a source text: write one in the box, then Apply.")
+            set_progress(("0", "100", "effects: running the source text"))
             state.source = capture(model, source, store=context.store, max_tokens=context.max_tokens).key[:16]
         if state.ablate == "mean":
-            texts = [t for t in (reference or "").splitlines() if t.strip()] or builtin_reference()
-            state.ref = head_means(model, texts, store=context.store).key[:16]
-    else:
+            reference = reference if isinstance(reference, str) else ""
+            texts = [t for t in reference.splitlines() if t.strip()] or builtin_reference()
+            state.ref = head_means(model, texts, store=context.store,
+                                   progress=_count_reporter(set_progress, "reference texts for the means",
+                                                            len(texts))).key[:16]
+        params = ablation_params(state)
+        report = _step_reporter(set_progress, time.monotonic())
+        report(0.0)
+        spec, fx = effects_of(run, params, progress=report)
+        effects, _ = VIEWS[names.ABLATION_EFFECTS].build(run, params)  # memoised: drawn, not computed again
+        summary = _summary(run, params)
+    except ValueError as e:
+        return no_update, no_update, no_update, no_update, no_update, str(e)
+    seconds = time.monotonic() - started
+    return (state.to_search(), effects, summary, _shown(_applied_key(state), run, state, spec, fx),
+            _chosen_text(state.heads, state.heads),
+            f"{len(spec.heads)} heads, {spec.method} ablation: effects in {seconds:.1f} s")
+
+
+@callback(
+    Output(ids.ABL_APPLY_STATUS, "children", allow_duplicate=True),
+    Input(ids.ABL_APPLY_CANCEL, "n_clicks"),
+    prevent_initial_call=True,
+)
+def cancelled(n_clicks):
+    if not n_clicks:
         raise PreventUpdate
-    state.heads = format_heads(sorted(chosen)) or None
-    return state.to_search(), ""
+    return "Cancelled: the effects shown are the last applied set's; Apply computes the chosen heads again."
 
 
 @callback(
@@ -334,34 +570,26 @@ def choose(click, _apply, heads_text, _top, _random, _clear, by, sweep_id, metho
     Input(ids.ABL_KEEP, "n_clicks"),
     Input(ids.ABL_KEPT_TABLE, "data"),
     State(ids.ABL_KEPT, "data"),
-    State(url_id(PREFIX), "search"),
+    State(ids.ABL_SHOWN, "data"),
     prevent_initial_call=True,
 )
-def keep(n_clicks, table, kept, search):
-    """Keep the current set's numbers (stored in the browser) to compare sets; deleting a row forgets it."""
+def keep(n_clicks, table, kept, shown):
+    """Keep the shown set's numbers (stored in the browser) to compare sets; deleting a row forgets it."""
     kept = _rows(kept)  # kept in the browser's storage: whatever is there is checked, not trusted
     if dash.ctx.triggered_id == ids.ABL_KEPT_TABLE:
         remaining = {r["set"] for r in _rows(table)}
         if remaining == {r["set"] for r in kept}:
             raise PreventUpdate  # the table only echoed the store: no row was deleted
         return [r for r in kept if r["set"] in remaining]
-    if not n_clicks:
-        raise PreventUpdate
-    state = parse(search)
-    run = get_context().run(state.run) if state.run else None
-    if run is None or not state.heads:
-        raise PreventUpdate
-    try:
-        spec, fx = effects_of(run, ablation_params(state))
-    except ValueError:
-        raise PreventUpdate from None
-    row = {"set": len(kept) + 1 if not kept else max(r["set"] for r in kept) + 1, "run": run.short_id,
-           "heads": format_heads(spec.heads), "n_heads": len(spec.heads), "method": spec.method,
-           "loss_clean": round(fx.mean_loss_clean, 4), "loss_ablated": round(fx.mean_loss_ablated, 4),
-           "d_loss": round(fx.mean_loss_ablated - fx.mean_loss_clean, 4),
-           "p_next_clean": round(fx.target_prob_clean, 4), "p_next_ablated": round(fx.target_prob_ablated, 4),
-           "link": state.to_search()}
-    return [*kept, row]
+    if not n_clicks or not (isinstance(shown, dict) and isinstance(shown.get("row"), dict)):
+        raise PreventUpdate  # no effects on the page yet
+    number = 1 if not kept else max(r["set"] for r in kept) + 1
+    row = {k: v for k, v in shown["row"].items() if k in KEPT_COLUMNS or k == "link"}
+    return [*kept, {"set": number, **row}]
+
+
+KEPT_COLUMNS = ("set", "run", "heads", "n_heads", "method", "loss_clean", "loss_ablated", "d_loss", "p_next_clean",
+                "p_next_ablated")
 
 
 def _rows(value) -> list[dict]:
@@ -373,9 +601,7 @@ def _rows(value) -> list[dict]:
 
 @callback(Output(ids.ABL_KEPT_TABLE, "data"), Output(ids.ABL_KEPT_TABLE, "columns"), Input(ids.ABL_KEPT, "data"))
 def show_kept(kept):
-    columns = [{"name": c, "id": c} for c in ("set", "run", "heads", "n_heads", "method", "loss_clean",
-                                               "loss_ablated", "d_loss", "p_next_clean", "p_next_ablated")]
-    return _rows(kept), columns
+    return _rows(kept), [{"name": c, "id": c} for c in KEPT_COLUMNS]
 
 
 def _whole(value) -> int:

@@ -40,7 +40,7 @@ from app.context import get_context
 from app.errors import guarded, message
 from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
 from app.url_state import parse
-from app.views import VIEWS
+from app.views import VIEWS, names
 from app.views.heads import AGGREGATES, head_scores_of, head_trials, sweep_of, sweep_params
 
 dash.register_page(__name__, path="/heads", name="Heads", title="headscope — retrieval and streaming heads", order=2)
@@ -124,7 +124,7 @@ def layout(**_query) -> html.Div:
                                                                   for k, v in AGGREGATES.items()],
                                        value="query", inline=True),
                         dcc.Graph(id=ids.HEADS_GRID, figure=EMPTY, config=GRAPH_CONFIG),
-                        export_bar(PREFIX, "retrieval_grid"),
+                        export_bar(PREFIX, names.RETRIEVAL_GRID),
                     ], className="hs-panel"),
                     html.Div([
                         html.H4(f"Top {TOP_K} heads (click a row to open its trials)", className="hs-section"),
@@ -139,9 +139,9 @@ def layout(**_query) -> html.Div:
             html.Div(
                 [
                     html.Div([dcc.Graph(id=ids.HEADS_HIST, figure=EMPTY, config=GRAPH_CONFIG),
-                              export_bar(PREFIX, "retrieval_histogram")], className="hs-panel"),
+                              export_bar(PREFIX, names.RETRIEVAL_HISTOGRAM)], className="hs-panel"),
                     html.Div([dcc.Graph(id=ids.HEADS_SCATTER, figure=EMPTY, config=GRAPH_CONFIG),
-                              export_bar(PREFIX, "retrieval_scatter")], className="hs-panel"),
+                              export_bar(PREFIX, names.RETRIEVAL_SCATTER)], className="hs-panel"),
                 ],
                 className="hs-panels hs-even",
             ),
@@ -157,14 +157,14 @@ def layout(**_query) -> html.Div:
                     ], className="hs-options"),
                     html.Div([
                         html.Div([dcc.Graph(id=ids.HEADS_SCORE_GRID, figure=EMPTY, config=GRAPH_CONFIG),
-                                  export_bar(PREFIX, "head_score_grid")], className="hs-panel"),
+                                  export_bar(PREFIX, names.HEAD_SCORE_GRID)], className="hs-panel"),
                         html.Div([dcc.Graph(id=ids.HEADS_MASS, figure=EMPTY, config=GRAPH_CONFIG),
-                                  export_bar(PREFIX, "score_mass")], className="hs-panel"),
+                                  export_bar(PREFIX, names.SCORE_MASS)], className="hs-panel"),
                     ], className="hs-panels hs-even"),
                 ],
                 className="hs-panel",
             ),
-            html.Div([dcc.Graph(id=ids.HEADS_NIAH, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, "niah_grid")],
+            html.Div([dcc.Graph(id=ids.HEADS_NIAH, figure=EMPTY, config=GRAPH_CONFIG), export_bar(PREFIX, names.NIAH_GRID)],
                      className="hs-panel"),
             html.Div(
                 [
@@ -174,7 +174,7 @@ def layout(**_query) -> html.Div:
                                                      "whiteSpace": "normal", "textAlign": "left"}),
                     dcc.Graph(id=ids.HEADS_STEPS, figure=empty_figure("Click a head in the map, then a trial."),
                               config=GRAPH_CONFIG),
-                    export_bar(PREFIX, "trial_steps"),
+                    export_bar(PREFIX, names.TRIAL_STEPS),
                 ],
                 className="hs-panel",
             ),
@@ -416,23 +416,23 @@ def render(search):
     except ValueError as e:
         return (*blank, message([*problems, str(e)]))
     params = sweep_params(state)
-    grid, grid_rows = VIEWS["retrieval_grid"].build(None, params)
+    grid, grid_rows = VIEWS[names.RETRIEVAL_GRID].build(None, params)
     top = sorted(grid_rows, key=lambda r: -r["retrieval"] if r["retrieval"] == r["retrieval"] else 1)[:TOP_K]
     for r in top:
         r["retrieval"] = round(r["retrieval"], 4)
-    hist, _ = VIEWS["retrieval_histogram"].build(None, params)
-    niah, _ = VIEWS["niah_grid"].build(None, params)
+    hist, _ = VIEWS[names.RETRIEVAL_HISTOGRAM].build(None, params)
+    niah, _ = VIEWS[names.NIAH_GRID].build(None, params)
     try:
-        scatter, _ = VIEWS["retrieval_scatter"].build(None, params)
-        score_grid, _ = VIEWS["head_score_grid"].build(None, params)
-        mass, _ = VIEWS["score_mass"].build(None, params)
+        scatter, _ = VIEWS[names.RETRIEVAL_SCATTER].build(None, params)
+        score_grid, _ = VIEWS[names.HEAD_SCORE_GRID].build(None, params)
+        mass, _ = VIEWS[names.SCORE_MASS].build(None, params)
     except ValueError as e:  # e.g. a linked score this sweep does not have
         problems.append(str(e))
         scatter = score_grid = mass = EMPTY
     trials, steps = [], empty_figure("Click a head in the map, then a trial.")
     if state.layer is not None and state.head is not None:
         trials = head_trials(sw, state.layer, state.head)
-        steps, _ = VIEWS["trial_steps"].build(None, params)
+        steps, _ = VIEWS[names.TRIAL_STEPS].build(None, params)
     info = html.Div([
         html.Span(f"sweep {sw.key[:12]}", className="hs-chip"),
         html.Span(f"{sw.n_counted}/{sw.n_trials} trials counted (ROUGE-1 recall > 0.5)", className="hs-chip"),

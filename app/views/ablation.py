@@ -147,25 +147,33 @@ def random_heads(n_layers: int, n_heads: int, k: int, seed: int) -> list[tuple[i
           lambda state, query, _: ablation_params(state))
 def selection_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     model = _model(params)
+    scored = True
     try:
         table, label = rank_scores(run, params)
     except InputError:
-        table, label = np.zeros((model.n_layers, model.n_heads)), "(no score)"
+        table, label, scored = np.zeros((model.n_layers, model.n_heads)), "(no score)", False
     chosen = parse_heads(model, params["heads"]) if params.get("heads") else []
     fig = figures.head_selection(table, label, chosen)
+    if not scored:  # cells to click, but no colour bar for a score that does not exist yet
+        fig.update_traces(showscale=False, colorscale=[[0, "#eeeeee"], [1, "#eeeeee"]],
+                          hovertemplate="layer %{y}, head %{x}<extra></extra>", selector={"type": "heatmap"})
+        fig.update_layout(title_text=figures.safe_text(
+            f"{len(chosen)} heads chosen (boxed) — no score yet: rank by a score below, or bring a sweep"))
     rows = [{"layer": la, "head": h, "score": float(table[la, h]), "chosen": (la, h) in set(chosen)}
             for la in range(table.shape[0]) for h in range(table.shape[1])]
     return fig, rows
 
 
-def effects_of(run: AttentionRun, params: dict[str, Any]):
+def effects_of(run: AttentionRun, params: dict[str, Any], progress=None):
+    """The spec named by ``params`` and its :func:`ablation_effects` on ``run`` (memoised);
+    ``progress(fraction)`` hears of each step when they are computed here."""
     model = _model(params)
     spec = ablation_spec(model, params)
     target = int(run.top_ids[-1, 0])  # the clean model's next-token prediction after the last token
     n_new = int(params.get("continue", CONTINUATION_TOKENS))
     key = ("ablation_effects", run.key, spec.method, spec.heads, params.get("ref"), params.get("source"), n_new)
     return spec, memoised(key, lambda: ablation_effects(
-        model, run.token_ids, spec, target_position=-1, target_token=target, max_new_tokens=n_new))
+        model, run.token_ids, spec, target_position=-1, target_token=target, max_new_tokens=n_new, progress=progress))
 
 
 @register(names.ABLATION_EFFECTS, "Effects of an ablation", ("heads", "ablate", "ref", "source"),

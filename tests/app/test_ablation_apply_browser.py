@@ -1,0 +1,115 @@
+"""Issue #16 items 4 and 8 in real Chromium: on the Ablation page, clicking heads only chooses them
+(drawn, listed, nothing computed); Apply computes the effects once, as a background job with progress
+that can be cancelled; the map shows no "(no score)" colour bar before there is a score. The server,
+browser and helpers are tests/app/test_browser.py's."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.app.test_browser import PROMPT, browser, click_cell, page, server, wait_title  # noqa: F401
+
+pytestmark = [pytest.mark.browser, pytest.mark.integration]
+
+
+def _watch_effects_requests(page) -> list[dict]:
+    """Every callback request the page sends whose outputs include the effects figure, as
+    {"url", "changed"} (a background job's polls carry its cache key in the url)."""
+    seen: list[dict] = []
+
+    def on_request(request):
+        if "_dash-update-component" not in request.url or request.method != "POST":
+            return
+        body = request.post_data or ""
+        if "hs-abl-effects" in body:
+            try:
+                changed = json.loads(body).get("changedPropIds", [])
+            except ValueError:
+                changed = []
+            seen.append({"url": request.url, "changed": changed})
+
+    page.on("request", on_request)
+    return seen
+
+
+def _text(page, selector: str) -> str:
+    return page.evaluate("(s) => document.querySelector(s)?.innerText || ''", selector)
+
+
+def test_clicked_heads_wait_for_apply_which_computes_once_and_can_be_cancelled(server, page):  # noqa: F811
+    url, proc, _ = server
+    page.goto(url + "ablation")
+    page.fill("#abl-hs-text", PROMPT)
+    page.click("#abl-hs-run")
+    page.wait_for_function("location.search.includes('run=')")
+    wait_title(page, "hs-abl-grid", "0 heads chosen")
+    # before any score (ranking by retrieval, no sweep): no "(no score)" colour bar, a short message instead
+    assert page.locator("#hs-abl-grid .colorbar").count() == 0
+    assert "(no score)" not in page.locator("#hs-abl-grid").inner_text()
+    assert "no score yet" in page.locator("#hs-abl-grid .gtitle").text_content()
+
+    requests = _watch_effects_requests(page)
+    click_cell(page, "hs-abl-grid", col=1, row=3, n_cols=9, n_rows=30)
+    click_cell(page, "hs-abl-grid", col=0, row=5, n_cols=9, n_rows=30)  # at once: no click is lost
+    wait_title(page, "hs-abl-grid", "2 heads chosen")
+    page.wait_for_function("(document.querySelector('#hs-abl-chosen')?.innerText || '').includes('L5H0')")
+    chosen = _text(page, "#hs-abl-chosen")
+    assert "2 heads chosen: L3H1, L5H0" in chosen and "Apply" in chosen
+    assert page.input_value("#hs-abl-heads") == "3.1,5.0"  # the heads box follows the clicks
+    time.sleep(3)  # long enough for a recompute to have started, were one started
+    assert "heads=" not in page.evaluate("location.search")
+    assert requests == [], requests  # no request for the effects until Apply
+    assert "choose heads" in page.locator("#hs-abl-effects .gtitle, #hs-abl-effects .annotation").first.text_content()
+    assert _text(page, "#hs-abl-apply-status") == ""
+
+    started = time.time()
+    page.click("#hs-abl-apply")
+    page.wait_for_function("(document.querySelector('#hs-abl-apply-status')?.innerText || '').includes(' of ')",
+                           timeout=120_000)  # progress, counted
+    wait_title(page, "hs-abl-effects", "zero ablation of 2 heads: mean loss", timeout=240_000)
+    seconds = time.time() - started
+    page.wait_for_function("decodeURIComponent(location.search).includes('heads=3.1,5.0')")  # a link reproduces it
+    summary = page.locator("#hs-abl-summary").inner_text()
+    assert "L3H1" in summary and "L5H0" in summary and "Continuation, ablated" in summary
+    jobs = [r for r in requests if "cacheKey" not in r["url"] and "hs-abl-apply.n_clicks" in r["changed"]]
+    assert len(jobs) == 1, requests  # one computation for both heads
+    assert "applied" in _text(page, "#hs-abl-chosen")
+    print(f"Apply → result, 2 heads: {seconds:.1f} s")
+
+    # typing stays possible and in sync: the map boxes what was typed; nothing runs until Apply
+    page.fill("#hs-abl-heads", "3.1, kv:5.0")
+    page.press("#hs-abl-heads", "Enter")
+    wait_title(page, "hs-abl-grid", "4 heads chosen")
+    assert "4 heads chosen" in _text(page, "#hs-abl-chosen")
+    assert decoded_heads(page) == "3.1,5.0"
+    # Apply, then Cancel while it runs: the last result and the link stay as they were
+    page.click("#hs-abl-apply")
+    page.wait_for_function("(document.querySelector('#hs-abl-apply-status')?.innerText || '').includes(' steps done')",
+                           timeout=120_000)  # the job runs (a Cancel before Dash knows the job cannot stop it)
+    page.click("#hs-abl-apply-cancel")
+    page.wait_for_function("(document.querySelector('#hs-abl-apply-status')?.innerText || '').includes('Cancelled')")
+    page.wait_for_selector("#hs-abl-apply:not([disabled])")
+    time.sleep(2)
+    assert "of 2 heads" in page.locator("#hs-abl-effects .gtitle").text_content()
+    assert decoded_heads(page) == "3.1,5.0"
+    assert "4 heads chosen" in _text(page, "#hs-abl-chosen")
+    # the link holds the applied set: opened afresh, it shows that set's effects
+    page.goto(page.url)
+    wait_title(page, "hs-abl-effects", "zero ablation of 2 heads: mean loss", timeout=240_000)
+    wait_title(page, "hs-abl-grid", "2 heads chosen")
+    assert "2 heads applied: L3H1, L5H0" in _text(page, "#hs-abl-chosen")
+    # mean ablation over the user's own reference texts: their means, then the effects, in the same job
+    page.check("#hs-abl-method input[value='mean']")
+    page.fill("#hs-abl-reference", "The cat sat on the mat.\nA dog ran to the park.")
+    page.click("#hs-abl-apply")
+    wait_title(page, "hs-abl-effects", "mean ablation of 2 heads: mean loss", timeout=240_000)
+    assert "ablate=mean" in page.evaluate("location.search") and "ref=" in page.evaluate("location.search")
+    assert "mean ablation: effects in" in _text(page, "#hs-abl-apply-status")
+    assert proc.poll() is None
+
+
+def decoded_heads(page) -> str:
+    return page.evaluate("new URLSearchParams(location.search).get('heads') || ''")
