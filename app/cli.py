@@ -691,7 +691,8 @@ def cmd_ablate(args) -> int:
 
     from analysis.ablation import METHOD_DESCRIPTIONS, format_heads, parse_heads
     from analysis.ablation_curve import ablation_curve, check_curve, rank_heads
-    from analysis.capture import InputError, capture
+    from analysis.capture import capture
+    from analysis.errors import InputError
     from analysis.head_summary import HEAD_METRICS
     from analysis.niah import load_haystack
     from analysis.store import content_key

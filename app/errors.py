@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dash import html, no_update
 from dash.exceptions import PreventUpdate
 
-from analysis.capture import InputError
+from analysis.errors import InputError
 from analysis.models import ModelError
 
 log = logging.getLogger("headscope.app")

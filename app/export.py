@@ -32,7 +32,8 @@ from urllib.parse import quote
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from analysis.capture import InputError, capture
+from analysis.capture import capture
+from analysis.errors import InputError
 from analysis.models import load_model
 from analysis.runs import AttentionRun
 from analysis.store import Store

@@ -11,7 +11,7 @@ import numpy as np
 from dash import ClientsideFunction, Input, Output, State, callback, clientside_callback, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
-from analysis.capture import InputError
+from analysis.errors import InputError
 from analysis.head_summary import HEAD_METRICS
 from analysis.models import load_model
 from analysis.statistics_run import capture_for_page

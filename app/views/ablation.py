@@ -24,7 +24,7 @@ from analysis.ablation import (
     parse_heads,
 )
 from analysis.ablation_curve import load_curve, rank_heads
-from analysis.capture import InputError
+from analysis.errors import InputError
 from analysis.head_summary import HEAD_METRICS
 from analysis.head_sweep import load_head_sweep
 from analysis.runs import AttentionRun

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
-from analysis.capture import InputError
+from analysis.errors import InputError
 from analysis.head_summary import HEAD_METRICS
 from analysis.runs import AttentionRun
 from analysis.statistics_run import parse_region

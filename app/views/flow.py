@@ -12,7 +12,8 @@ import numpy as np
 import plotly.graph_objects as go
 
 from analysis.attribution import CORRECTED_METHODS, PLAIN_METHODS, RELEVANCE_METHODS
-from analysis.capture import InputError, Run
+from analysis.capture import Run
+from analysis.errors import InputError
 from analysis.limits import limit
 from analysis.runs import AttentionRun
 from app import figures

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
-from analysis.capture import InputError
+from analysis.errors import InputError
 from analysis.evidence import cumulative_mass
 from analysis.head_scores import LABELS, HeadScores, score_prompts, trial_prompts
 from analysis.retrieval import RetrievalSweep, decode_rows, load_sweep

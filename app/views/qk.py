@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
-from analysis.capture import InputError
+from analysis.errors import InputError
 from analysis.joint_embedding import joint_embedding, query_attention
 from analysis.limits import limit
 from analysis.qk_collect import HeadQK, collect_head, collect_layer, load_probe_tasks, load_sentences

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from analysis.capture import InputError, capture
+from analysis.capture import capture
+from analysis.errors import InputError
 from analysis.runs import AttentionRun
 from analysis.statistics_run import STATS_METRICS, capture_statistics, exact_region
 

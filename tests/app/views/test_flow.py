@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from analysis.capture import InputError, capture
+from analysis.capture import capture
+from analysis.errors import InputError
 from analysis.flow import attention_flow
 from analysis.rollout import rollout
 from app.views import flow as views
