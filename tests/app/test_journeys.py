@@ -217,6 +217,8 @@ def test_flow_journey(server, page, errors):  # noqa: F811
     # switch the fusion and drop the sink: the strips and their shared scale change together
     select_option(page, "hs-flow-fusion", "max")
     page.wait_for_function("location.search.includes('fusion=max')")
+    # wait for the redraw: a tick made meanwhile can be undone by the URL's state arriving (reported)
+    page.wait_for_load_state("networkidle")
     page.check("#hs-flow-sink input")
     page.wait_for_function("location.search.includes('sink=1')")
     page.wait_for_function("(document.querySelector('#hs-flow-sink-share')?.innerText || '').includes('dropped')")
