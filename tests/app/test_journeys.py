@@ -214,20 +214,24 @@ def test_flow_journey(server, page, errors):  # noqa: F811
     assert before[0][1] == pytest.approx(max(s[2] for s in before))
     clean(page, errors, "target")
 
-    # switch the fusion and drop the sink: the strips and their shared scale change together
+    # switch the fusion, then drop the sink: each redraws the strips on one shared scale
+    def changed(old):
+        deadline = time.time() + 90
+        while (new := strip_scales(page)) == old and time.time() < deadline:
+            time.sleep(0.5)
+        assert new != old, "the strips did not change"
+        assert len({s[:2] for s in new}) == 1 and new[0][1] == pytest.approx(max(s[2] for s in new))
+        return new
+
     select_option(page, "hs-flow-fusion", "max")
     page.wait_for_function("location.search.includes('fusion=max')")
-    # wait for the redraw: a tick made meanwhile can be undone by the URL's state arriving (reported)
+    # the user ticks the sink once the redraw is there (ticked during it, the tick is undone: reported)
+    mid = changed(before)
     page.wait_for_load_state("networkidle")
     page.check("#hs-flow-sink input")
     page.wait_for_function("location.search.includes('sink=1')")
     page.wait_for_function("(document.querySelector('#hs-flow-sink-share')?.innerText || '').includes('dropped')")
-    page.wait_for_load_state("networkidle")
-    deadline = time.time() + 60
-    while (after := strip_scales(page)) == before and time.time() < deadline:
-        time.sleep(0.5)
-    assert after != before, "the strips did not change with fusion and sink"
-    assert len({s[:2] for s in after}) == 1 and after[0][1] == pytest.approx(max(s[2] for s in after))
+    changed(mid)
     clean(page, errors, "fusion and sink")
 
     # faithfulness on this input draws its chart
