@@ -155,15 +155,21 @@ register_export(PREFIX)
     Output(ids.FLOW_SINK, "value"),
     Output(ids.FLOW_TOKENS, "children"),
     Input(url_id(PREFIX), "search"),
+    State(ids.FLOW_FUSION, "value"),
+    State(ids.FLOW_SINK, "value"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
 @guarded(outputs=len(RELEVANCE_METHODS) + 10, error_index=len(RELEVANCE_METHODS) + 3)
-def render(search):
+def render(search, fusion_shown=None, sink_shown=None):
     n = len(RELEVANCE_METHODS)
     state = parse(search)
     problems = list(state.problems)
-    controls = (state.fusion, ["sink"] if state.drop_sink else [])
+    # The controls are written only where they differ from the URL as it was when this render
+    # started: a box ticked while an earlier redraw is still running is not undone by it.
+    sink = ["sink"] if state.drop_sink else []
+    controls = (no_update if fusion_shown == state.fusion else state.fusion,
+                no_update if bool(sink_shown) == state.drop_sink else sink)
     if state.run is None:
         return (*[EMPTY] * n, EMPTY, no_update, "", message(problems), no_update, no_update, None, *controls, [])
     run = get_context().run(state.run)

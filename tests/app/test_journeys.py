@@ -225,13 +225,14 @@ def test_flow_journey(server, page, errors):  # noqa: F811
 
     select_option(page, "hs-flow-fusion", "max")
     page.wait_for_function("location.search.includes('fusion=max')")
-    # the user ticks the sink once the redraw is there (ticked during it, the tick is undone: reported)
-    mid = changed(before)
-    page.wait_for_load_state("networkidle")
+    # the user ticks the sink at once, while the fusion's redraw is still running: that redraw must
+    # not undo the tick (it did: the render wrote the controls back from the URL it started with)
     page.check("#hs-flow-sink input")
-    page.wait_for_function("location.search.includes('sink=1')")
+    page.wait_for_function("location.search.includes('sink=1') && location.search.includes('fusion=max')")
     page.wait_for_function("(document.querySelector('#hs-flow-sink-share')?.innerText || '').includes('dropped')")
-    changed(mid)
+    page.wait_for_load_state("networkidle")
+    assert page.is_checked("#hs-flow-sink input") and "fusion=max" in page.url
+    changed(before)
     clean(page, errors, "fusion and sink")
 
     # faithfulness on this input draws its chart
@@ -244,8 +245,8 @@ def test_flow_journey(server, page, errors):  # noqa: F811
 
 
 def choose_heads(page, spec: str) -> None:  # noqa: F811
-    """Choose the heads to ablate, as the page asks today: type a list and press Enter.
-    (When the page moves to choose-several-then-Apply, this is the one place to change.)"""
+    """Choose the heads to ablate by typing a list and pressing Enter: they are boxed and listed,
+    nothing is computed until Apply (:func:`apply`)."""
     page.fill("#hs-abl-heads", spec)
     page.press("#hs-abl-heads", "Enter")
 
@@ -355,7 +356,8 @@ def test_ablation_journey(server, page, errors):  # noqa: F811
     # choose heads: per-token effects and the continuation before/after
     choose_heads(page, "3.1, kv:5.0")
     wait_title(page, "hs-abl-grid", "4 heads chosen", timeout=120_000)
-    wait_title(page, "hs-abl-effects", "zero ablation of 4 heads: mean loss", timeout=120_000)
+    page.click("#hs-abl-apply")
+    wait_title(page, "hs-abl-effects", "zero ablation of 4 heads: mean loss", timeout=240_000)
     assert figure_points(page, "hs-abl-effects") > 0
     assert "Continuation, ablated" in page.locator("#hs-abl-summary").inner_text()
     clean(page, errors, "effects")
@@ -364,7 +366,6 @@ def test_ablation_journey(server, page, errors):  # noqa: F811
     select_option(page, "hs-abl-by", "Attention on first token")
     page.fill("#hs-abl-k", "2")
     page.click("#hs-abl-topk")
-    page.wait_for_function("location.search.includes('by=first_token')")
     wait_title(page, "hs-abl-grid", "2 heads chosen", timeout=120_000)
     page.fill("#hs-abl-curve-ks", "0,2")
     page.fill("#hs-abl-curve-seeds", "1")
