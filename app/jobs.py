@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import sqlite3
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -228,3 +229,29 @@ def progress_reporter(set_progress: Callable[..., Any], label: str) -> Callable[
             set_progress((pct, 100, f"{label}: {pct}%"))
 
     return report
+
+
+def trial_progress(set_progress, n_trials: int, clock=time.monotonic):
+    """A sweep's ``progress(fraction)`` as the Heads page shows it: "trial i of n (p%)", and once a
+    trial has finished, "about T left": the time so far × (1 − fraction) / fraction. A sweep runs one
+    trial per length × depth × needle and reports (trials done) / n; trials reused from the store
+    finish at once, so an early estimate can run short."""
+    start, last = clock(), {"shown": None}
+
+    def report(fraction: float) -> None:
+        fraction = min(max(float(fraction), 0.0), 1.0)
+        done, pct = fraction * n_trials, int(100 * fraction)
+        trial = min(int(done + 1e-9) + 1, n_trials)
+        if (trial, pct) == last["shown"]:  # throttled: a new trial or a whole percent
+            return
+        last["shown"] = (trial, pct)
+        text = f"trial {trial} of {n_trials} ({pct}%)"
+        if 1 <= done + 1e-9 and fraction < 1:
+            text += f", about {_duration((clock() - start) * (1 - fraction) / fraction)} left"
+        set_progress((pct, 100, text))
+
+    return report
+
+
+def _duration(seconds: float) -> str:
+    return f"{max(1, round(seconds))} s" if seconds < 90 else f"{round(seconds / 60)} min"

@@ -5,7 +5,6 @@ trials show why it scored."""
 from __future__ import annotations
 
 import json
-import time
 
 import dash
 from dash import Input, Output, State, callback, dash_table, dcc, html, no_update
@@ -38,7 +37,7 @@ from app.components import (
 )
 from app.context import get_context
 from app.errors import guarded, message
-from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
+from app.jobs import cancellable_job, in_job, on_workers, progress_reporter, trial_progress
 from app.url_state import parse
 from app.views import VIEWS, names
 from app.views.heads import AGGREGATES, head_scores_of, head_trials, sweep_of, sweep_params
@@ -308,32 +307,6 @@ def form_from_sweep(search, filled, own_haystack):
             DEFAULT_SINK if state.sink_size is None else state.sink_size,
             DEFAULT_WINDOW if state.window is None else state.window,
             settings.depth_rule, ["on"] if settings.stop_at_newline else [], note, state.sweep)
-
-
-def trial_progress(set_progress, n_trials: int, clock=time.monotonic):
-    """A sweep's ``progress(fraction)`` as the Heads page shows it: "trial i of n (p%)", and once a
-    trial has finished, "about T left": the time so far × (1 − fraction) / fraction. A sweep runs one
-    trial per length × depth × needle and reports (trials done) / n; trials reused from the store
-    finish at once, so an early estimate can run short."""
-    start, last = clock(), {"shown": None}
-
-    def report(fraction: float) -> None:
-        fraction = min(max(float(fraction), 0.0), 1.0)
-        done, pct = fraction * n_trials, int(100 * fraction)
-        trial = min(int(done + 1e-9) + 1, n_trials)
-        if (trial, pct) == last["shown"]:  # throttled: a new trial or a whole percent
-            return
-        last["shown"] = (trial, pct)
-        text = f"trial {trial} of {n_trials} ({pct}%)"
-        if 1 <= done + 1e-9 and fraction < 1:
-            text += f", about {_duration((clock() - start) * (1 - fraction) / fraction)} left"
-        set_progress((pct, 100, text))
-
-    return report
-
-
-def _duration(seconds: float) -> str:
-    return f"{max(1, round(seconds))} s" if seconds < 90 else f"{round(seconds / 60)} min"
 
 
 @callback(

@@ -97,7 +97,9 @@ def test_trial_progress_counts_trials_and_scales_the_time_so_far(tmp_path):
     from app.server import create_app
 
     create_app(AppContext(store=Store(tmp_path / "store")))  # registers the pages
-    from app.pages.heads import trial_progress
+    from app.jobs import (
+        trial_progress,  # not app.pages.*: Dash loads pages as pages.*, a second import registers them twice
+    )
 
     now, shown = [0.0], []
     report = trial_progress(shown.append, 3, clock=lambda: now[0])
