@@ -48,7 +48,9 @@ from analysis.flow import attention_flow  # noqa: E402
 from analysis.rollout import rollout  # noqa: E402
 
 SINK_VARIANTS = {"rollout_nosink": "rollout, sink dropped", "flow_nosink": "flow, sink dropped"}
-STAGES = (("capture (forward + patterns)", 0.2), ("rollout", 0.3), ("flow", 0.6), ("input×gradient", 0.7),
+STAGES = (("capture (forward + patterns)", 0.2),
+          ("rollout, flow (plain, corrected), value pass", 0.6),
+          ("input×gradient", 0.7),
           ("ablation (N+1 copies, 1 batch)", 1.0))
 
 
@@ -113,7 +115,7 @@ def main() -> None:
     kinds = sorted({item.kind for item in items})
     for ablation, attributions in by_ablation.items():
         print(f"\nSpearman ρ with leave-one-out ablation importance ({ablation} embedding), mean ± std (n)")
-        header = f"  {'method':28s}" + "".join(f"{title:>24s}" for title, _ in columns)
+        header = f"  {'method':40s}" + "".join(f"{title:>24s}" for title, _ in columns)
         print(header)
         print("  " + "-" * (len(header) - 2))
         for m in methods:
@@ -123,24 +125,24 @@ def main() -> None:
                 rho = rho[np.isfinite(rho)]
                 std = rho.std(ddof=1) if rho.size > 1 else float("nan")
                 cells.append(f"{rho.mean():+.2f} ± {std:.2f} ({rho.size:2d})" if rho.size else "—")
-            print(f"  {labels[m]:28s}" + "".join(f"{c:>24s}" for c in cells))
+            print(f"  {labels[m]:40s}" + "".join(f"{c:>24s}" for c in cells))
         counts = [f"{kind} ({sum(i.kind == kind for i in items)})" for kind in kinds]
-        print(f"  {'mean ρ by kind, all positions':28s}" + "".join(f"{c:>16s}" for c in counts))
+        print(f"  {'mean ρ by kind, all positions':40s}" + "".join(f"{c:>16s}" for c in counts))
         for m in methods:
             cells = []
             for kind in kinds:
                 rho = np.array([a.correlations([m])[m] for a, i in zip(attributions, items, strict=True) if i.kind == kind])
                 cells.append(f"{np.nanmean(rho):+.2f}")
-            print(f"  {labels[m]:28s}" + "".join(f"{c:>16s}" for c in cells))
+            print(f"  {labels[m]:40s}" + "".join(f"{c:>16s}" for c in cells))
 
     times = np.array(stage_times)
     forward = times[:, 0].mean()
     print(f"\nTime per input ({len(items)} inputs, {min(lengths)}–{max(lengths)} tokens, mean {np.mean(lengths):.1f})")
-    print(f"  {'stage':34s}{'mean s':>10s}{'max s':>10s}{'× forward':>12s}")
+    print(f"  {'stage':46s}{'mean s':>10s}{'max s':>10s}{'× forward':>12s}")
     for (name, _), column in zip(STAGES, times.T, strict=True):
-        print(f"  {name:34s}{column.mean():10.3f}{column.max():10.3f}{column.mean() / forward:12.1f}")
+        print(f"  {name:46s}{column.mean():10.3f}{column.max():10.3f}{column.mean() / forward:12.1f}")
     total = np.array(totals)
-    print(f"  {'attribute() total':34s}{total.mean():10.3f}{total.max():10.3f}{total.mean() / forward:12.1f}")
+    print(f"  {'attribute() total':46s}{total.mean():10.3f}{total.max():10.3f}{total.mean() / forward:12.1f}")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"  peak resident memory {peak:,.0f} MiB")
 
