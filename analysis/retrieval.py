@@ -336,6 +336,15 @@ def decode_rows(model: LoadedModel, trial: Trial, layer: int, head: int) -> np.n
 # Aggregation and sweeps
 
 
+AGGREGATES = {
+    "query": "per query head",
+    "group_max": "per key-value group (max over its query heads)",
+    "group_mean": "per key-value group (mean over its query heads)",
+}
+"""How retrieval scores are shown: per query head, or per key-value group (the fields of
+:class:`RetrievalScores`), with their labels."""
+
+
 @dataclass
 class RetrievalScores:
     """Retrieval scores over a set of trials.

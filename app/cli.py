@@ -823,6 +823,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--needles", default="", help="needle ids (default: all shipped needles)")
     p.add_argument("--needles-file", type=text_file, help="a JSON file of needles (fields: needle, question, answer)")
     p.add_argument("--haystack", type=haystack, default="prose", help="prose, passkey, or a UTF-8 text file")
+    # S and W are kernels.statistics' DEFAULT_SINK_SIZE and DEFAULT_WINDOW, written out so --help does
+    # not import torch (tests/app/test_cli.py checks they agree)
     p.add_argument("--sink", type=count(0), default=4, help="streaming score: S, the first tokens kept as sinks")
     p.add_argument("--window", type=count(1), default=64, help="streaming score: W, the recent window")
     _niah_options(p, "")

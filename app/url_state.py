@@ -11,22 +11,25 @@ from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import parse_qs, urlencode
 
+from analysis.ablation_choices import METHODS as ABLATION_CHOICES
 from analysis.head_summary import HEAD_METRICS
+from analysis.joint_embedding import METHODS as PROJECTIONS
+from analysis.retrieval import AGGREGATES as RETRIEVAL_AGGREGATES
 from analysis.rollout import FUSIONS
 from app.context import offered_model
 
 _RUN_ID = re.compile(r"^[0-9a-f]{8,64}$")
 _INT_KEYS = ("layer", "head", "query", "target", "trial", "sentences", "sink_size", "window", "k", "seed")
 SCORES = (*HEAD_METRICS, "evidence")
-ABLATION_METHODS = ("zero", "mean", "resample", "uniform", "first_token")
+ABLATION_METHODS = ABLATION_CHOICES
 RANK_BY = ("retrieval", "effect", *HEAD_METRICS)
 _HEADS = re.compile(r"^[\w.:*,; ]{1,2000}$")
 _HEX_KEYS = ("curve", "hsweep", "source", "ref", "labels", "texts")
 _FIND = re.compile(r"^[^\x00-\x1f<>]{1,40}$")
-CHOICES = {"method": ("pca", "umap", "tsne"), "colour": ("position", "kind", "sentence", "norm"),
+CHOICES = {"method": PROJECTIONS, "colour": ("position", "kind", "sentence", "norm"),
            "score": SCORES, "stat": ("mean", "std"),
            "ablate": ABLATION_METHODS, "by": RANK_BY}
-AGGREGATES = ("query", "group_max", "group_mean")
+AGGREGATES = tuple(RETRIEVAL_AGGREGATES)
 MAX_INDEX = 1_000_000
 MAX_SEARCH = 20_000  # characters of a query string (a head list is at most 2,000)
 

@@ -17,17 +17,12 @@ import plotly.graph_objects as go
 from analysis.errors import InputError
 from analysis.evidence import cumulative_mass
 from analysis.head_scores import LABELS, HeadScores, score_prompts, trial_prompts
-from analysis.retrieval import RetrievalSweep, decode_rows, load_sweep
+from analysis.retrieval import AGGREGATES, RetrievalSweep, decode_rows, load_sweep
 from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 from app import figures
 from app.views import names
 from app.views.registry import Rows, check_head_index, memoised, register
 
-AGGREGATES = {
-    "query": "per query head",
-    "group_max": "per key-value group (max over its query heads)",
-    "group_mean": "per key-value group (mean over its query heads)",
-}
 RETRIEVAL_THRESHOLD = 0.1
 SWEEP_PARAMS = ("model", "sweep", "agg", "layer", "head", "score", "stat", "sink_size", "window", "trial")
 

@@ -10,6 +10,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from analysis.errors import InputError
+from analysis.joint_embedding import METHODS as PROJECTIONS
 from analysis.joint_embedding import joint_embedding, query_attention
 from analysis.limits import limit
 from analysis.qk_collect import HeadQK, collect_head, collect_layer, load_probe_tasks, load_sentences
@@ -25,7 +26,7 @@ from app import figures
 from app.views import names
 from app.views.registry import Rows, memoised, register
 
-METHODS = {"pca": "PCA", "umap": "UMAP", "tsne": "t-SNE"}
+METHODS = dict(zip(PROJECTIONS, ("PCA", "UMAP", "t-SNE"), strict=True))  # labels of analysis' projections
 COLOUR_BY = ("position", "kind", "sentence", "norm")
 MAX_SENTENCES = 341
 

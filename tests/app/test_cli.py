@@ -475,3 +475,12 @@ def test_worker_with_an_unreachable_redis_is_one_line_exit_2(monkeypatch, capsys
         assert main(["worker"]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and "HEADSCOPE_REDIS_URL" in lines[0] and "cannot reach Redis" in lines[0], lines
+
+
+def test_scan_defaults_for_s_and_w_are_the_kernels_defaults():
+    """The CLI spells S and W out (so --help stays light); they must be the kernels' own defaults."""
+    from app.cli import build_parser
+    from kernels.statistics import DEFAULT_SINK_SIZE, DEFAULT_WINDOW
+
+    args = build_parser().parse_args(["scan", "--model", "smollm2-135m"])
+    assert (args.sink, args.window) == (DEFAULT_SINK_SIZE, DEFAULT_WINDOW)
