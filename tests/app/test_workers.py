@@ -163,9 +163,10 @@ def wait_sweep_shown(page, timeout: float = 300_000) -> None:
 
 
 def wait_progress(page, timeout: float = 240_000) -> None:
-    """Until the sweep's progress caption says some trials are done."""
+    """Until the sweep's progress caption ("trial i of n (p%)") says some of the sweep is done."""
     page.wait_for_function(
-        "/sweep: [1-9]/.test(document.querySelector('#hs-heads-status')?.innerText || '')", timeout=timeout)
+        "/trial \\d+ of \\d+ \\([1-9]/.test(document.querySelector('#hs-heads-status')?.innerText || '')",
+        timeout=timeout)
 
 
 def serves(url: str) -> bool:
