@@ -155,9 +155,15 @@ def _logged(fn):
 
     @wraps(fn)
     def job(*args, **kwargs):
+        from dash.exceptions import PreventUpdate
+
         where = f"{socket.gethostname()} pid {os.getpid()}"
         log.info("job %s started in %s", fn.__name__, where)
-        result = fn(*args, **kwargs)
+        try:
+            result = fn(*args, **kwargs)
+        except PreventUpdate:  # e.g. a Run button's callback fired as its page's layout arrived
+            log.info("job %s skipped in %s (nothing to do)", fn.__name__, where)
+            raise
         log.info("job %s finished in %s", fn.__name__, where)
         return result
 

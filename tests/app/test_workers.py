@@ -24,7 +24,7 @@ from tests.app.test_browser import CHROMIUM_ARGS, free_port, select_option, star
 pytestmark = [pytest.mark.browser, pytest.mark.integration, pytest.mark.timeout(600)]
 
 REDIS = shutil.which("redis-server") or "/usr/bin/redis-server"
-STARTED = re.compile(r"job (\w+) started in \S+ pid (\d+)")
+STARTED = re.compile(r"job (\w+) (started|skipped) in \S+ pid (\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +85,18 @@ class Worker:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def jobs(self, name: str, since: int = 0) -> list[int]:
-        """Pids of the pool processes that started job ``name`` (in the log after offset ``since``)."""
-        return [int(pid) for job, pid in STARTED.findall(self.log()[since:]) if job == name]
+        """Pids of the pool processes that started job ``name`` (in the log after offset ``since``),
+        leaving out calls that had nothing to do (logged as skipped: a button's callback fired as its
+        page's layout arrived, which Dash still sends to a worker)."""
+        pids: list[int] = []
+        for job, what, pid in STARTED.findall(self.log()[since:]):
+            if job == name and what == "started":
+                pids.append(int(pid))
+            elif job == name and int(pid) in pids:
+                pids.reverse()
+                pids.remove(int(pid))  # the most recent start of that process
+                pids.reverse()
+        return pids
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
