@@ -606,3 +606,21 @@ def _load(store: Store, key: str) -> QKSet | None:
         n_heads=m["n_heads"], n_kv_heads=m["n_kv_heads"], d_head=m["d_head"], sentences=m["sentences"],
         tokens=m["tokens"], **arrays,
     )
+
+
+def store_sentences(store: Store, sentences: Sequence[str], filename: str = "") -> str:
+    """Keep a user's own probe sentences (they replace the built-in set); returns their key."""
+    sentences = [str(t) for t in sentences]
+    key = content_key("qk_sentences", sentences)
+    store.put(key, "qk_sentences", {"sentences": sentences, "filename": filename}, {})
+    return key
+
+
+def stored_sentences(store: Store, key: str) -> list[str]:
+    """Probe sentences stored by :func:`store_sentences` under ``key`` (or its prefix); an
+    ``InputError`` when there are none."""
+    keys = store.find(str(key))
+    record = store.get(keys[0]) if len(keys) == 1 else None
+    if record is None or record.kind != "qk_sentences":
+        raise InputError(f"No uploaded probe set has the id {key!r}: upload it again.")
+    return list(record.meta["sentences"])

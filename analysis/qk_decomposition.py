@@ -759,3 +759,19 @@ def effective_rank_map(model: LoadedModel, *, fold_ln: bool = True, store: Store
     (:func:`wqk_spectra`; pre-rotary interaction only)."""
     return effective_rank(wqk_spectra(model, fold_ln=fold_ln, store=store, progress=progress))
 
+
+def store_labels(store: Store, text: str, filename: str = "") -> tuple[str, dict[str, LabelFeature]]:
+    """Parse a label file (:func:`parse_label_csv`) and keep its text; returns (key, features)."""
+    features = parse_label_csv(text if "\n" in text else text + "\n")
+    key = content_key("qk_labels", text)
+    store.put(key, "qk_labels", {"text": text, "filename": filename, "features": list(features)}, {})
+    return key, features
+
+
+def stored_labels(store: Store, key: str) -> dict[str, LabelFeature]:
+    """Features of a label file stored by :func:`store_labels` under ``key`` (or its prefix)."""
+    keys = store.find(str(key))
+    record = store.get(keys[0]) if len(keys) == 1 else None
+    if record is None or record.kind != "qk_labels":
+        raise InputError(f"No uploaded label file has the id {key!r}: upload it again.")
+    return parse_label_csv(record.meta["text"])

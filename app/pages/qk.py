@@ -6,9 +6,8 @@ from __future__ import annotations
 import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
 
-from analysis.qk_collect import load_probe_tasks
-from analysis.qk_decomposition import parse_label_csv
-from analysis.store import content_key
+from analysis.qk_collect import load_probe_tasks, store_sentences
+from analysis.qk_decomposition import store_labels
 from app import ids
 from app.components import (
     GRAPH_CONFIG,
@@ -148,11 +147,9 @@ def upload_labels(file, search):
     except ValueError as e:
         return no_update, str(e)
     try:
-        features = parse_label_csv(text if "\n" in text else text + "\n")
+        key, features = store_labels(get_context().store, text, filename or "")
     except ValueError as e:
         return no_update, str(e)
-    key = content_key("qk_labels", text)
-    get_context().store.put(key, "qk_labels", {"text": text, "filename": filename or "", "features": list(features)}, {})
     state = parse(search)
     state.qk.labels, state.qk.feature = key[:16], next(iter(features))
     return state.to_search(), no_update  # the page re-renders with the new features in the Feature list
@@ -178,8 +175,7 @@ def upload_texts(file, search):
         return no_update, f"{filename or 'The file'} has no sentences: write one sentence per line."
     if len(sentences) > MAX_SENTENCES:
         return no_update, f"{filename} has {len(sentences)} sentences; the limit is {MAX_SENTENCES}."
-    key = content_key("qk_sentences", sentences)
-    get_context().store.put(key, "qk_sentences", {"sentences": sentences, "filename": filename or ""}, {})
+    key = store_sentences(get_context().store, sentences, filename or "")
     state = parse(search)
     state.qk.texts, state.qk.sentences, state.query = key[:16], len(sentences), None
     return state.to_search(), no_update

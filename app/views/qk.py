@@ -13,13 +13,20 @@ from analysis.errors import InputError
 from analysis.joint_embedding import METHODS as PROJECTIONS
 from analysis.joint_embedding import joint_embedding, query_attention
 from analysis.limits import limit
-from analysis.qk_collect import HeadQK, collect_head, collect_layer, load_probe_tasks, load_sentences
+from analysis.qk_collect import (
+    HeadQK,
+    collect_head,
+    collect_layer,
+    load_probe_tasks,
+    load_sentences,
+    stored_sentences,
+)
 from analysis.qk_decomposition import (
     ablate_query_subspace,
     attribute_sentence,
     decompose_head,
     effective_rank,
-    parse_label_csv,
+    stored_labels,
     wqk_spectra,
 )
 from app import figures
@@ -53,12 +60,7 @@ def probe_sentences(params: dict[str, Any]) -> list[str]:
         return load_sentences(limit=n)
     from app.context import get_context
 
-    store = get_context().store
-    keys = store.find(str(params["texts"]))
-    record = store.get(keys[0]) if len(keys) == 1 else None
-    if record is None or record.kind != "qk_sentences":
-        raise InputError(f"No uploaded probe set has the id {params['texts']!r}: upload it again.")
-    return list(record.meta["sentences"])[:n]
+    return stored_sentences(get_context().store, params["texts"])[:n]
 
 
 def _model(params: dict[str, Any]):
@@ -74,12 +76,7 @@ def user_labels(key: str | None) -> dict[str, Any]:
         return {}
     from app.context import get_context
 
-    store = get_context().store
-    keys = store.find(str(key))
-    record = store.get(keys[0]) if len(keys) == 1 else None
-    if record is None or record.kind != "qk_labels":
-        raise InputError(f"No uploaded label file has the id {key!r}: upload it again.")
-    return parse_label_csv(record.meta["text"])
+    return stored_labels(get_context().store, key)
 
 
 def feature_of(params: dict[str, Any]) -> tuple[str, Any]:

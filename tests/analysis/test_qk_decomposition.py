@@ -296,3 +296,19 @@ def test_previous_token_subspace_of_a_real_previous_token_head(real_model):
     effect = intervention_effect(head, dc, pairs)
     assert effect.positive_before > 0.5
     assert effect.positive_after < effect.positive_before - 0.2
+
+
+def test_uploaded_labels_and_sentences_round_trip_through_the_store(store):
+    from analysis.errors import InputError
+    from analysis.qk_collect import store_sentences, stored_sentences
+    from analysis.qk_decomposition import store_labels, stored_labels
+
+    key, features = store_labels(store, "feature,side,label,match\ncat,both,L0,token:c0\ncat,both,L1,token:c1",
+                                 "mine.csv")
+    assert list(features) == ["cat"] and list(stored_labels(store, key[:16])) == ["cat"]
+    texts = store_sentences(store, ["One sentence.", "Another one."], "mine.txt")
+    assert stored_sentences(store, texts[:16]) == ["One sentence.", "Another one."]
+    with pytest.raises(InputError, match="upload it again"):
+        stored_labels(store, texts)  # a key of another kind is not a label file
+    with pytest.raises(InputError, match="upload it again"):
+        stored_sentences(store, "0" * 16)
