@@ -238,7 +238,7 @@ def test_attention_run_happens_on_a_worker_and_the_web_process_loads_no_model(cl
     page.wait_for_selector("#hs-grid .heatmaplayer .hm")
     assert page.locator("#hs-error").inner_text().strip() == ""
     assert "refused to load model" not in cluster["web_log"].read_text()
-    jobs = [job for w in cluster["workers"] for job, _ in STARTED.findall(w.log())]
+    jobs = [job for w in cluster["workers"] for job, what, _ in STARTED.findall(w.log()) if what == "started"]
     assert "run_text" in jobs and "render" in jobs  # the Attention page's Run job and its render
 
 
