@@ -81,3 +81,19 @@ def test_baseline_is_read_only_and_options_are_checked():
         uniform_baseline("attention", 2, 3)
     with pytest.raises(ValueError, match="shape"):
         position_corrected(np.ones(3), np.ones(4))
+
+
+def test_one_strong_path_is_what_the_corrected_maps_point_to():
+    """Every query from position 2 on attends only to token 2 (earlier queries to themselves): the
+    corrected maps keep exactly that path (token 2, the largest, and the target through the residual)
+    and give nothing to tokens no path reaches."""
+    n, layers = 7, 3
+    a = np.zeros((n, n))
+    for i in range(n):
+        a[i, 2 if i >= 2 else i] = 1.0
+    patterns = np.broadcast_to(a, (layers, 2, n, n)).copy()
+    rel = token_relevance(patterns, n - 1, corrected=True)
+    for name in ("rollout_debiased", "flow_debiased"):
+        scores = rel.scores[name]
+        assert int(np.argmax(scores)) == 2, (name, scores)
+        assert set(np.flatnonzero(scores > 1e-12)) == {2, n - 1}, (name, scores)
