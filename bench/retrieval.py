@@ -3,7 +3,7 @@
 Three ways to run one trial (same prompt, greedy decoding), at several context lengths:
 
   (a) generate   greedy decoding through the bridge with the KV cache, nothing recorded
-                 (``analysis.retrieval.greedy_decode(record=False)``): the floor;
+                 (``analysis.greedy_decoding.greedy_decode(record=False)``): the floor;
   (b) score      headscope's scoring (``analysis.retrieval.run_trial``): the same decoding plus a hook
                  that keeps one attention row per head per decode step, reduced to its argmax;
   (c) reference  the usual approach: a plain Hugging Face model with eager attention and

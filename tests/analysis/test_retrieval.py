@@ -294,14 +294,14 @@ def test_decode_rows_show_a_forced_head_reading_the_needle(tiny, prompt):
 
 def test_statistics_mode_decode_equals_the_eager_pattern_hook_path(real_model, monkeypatch, one_thread):
     """The kernel path (prefill and decode rows through kernels.attention) gives the eager numbers."""
-    import analysis.retrieval as retrieval
+    import analysis.greedy_decoding as decoding
 
     text = open("data/niah/haystack_prose.txt", encoding="utf-8").read()
     ids = real_model.encode(text)[:300]
-    assert retrieval.statistics_supported(real_model)
-    kernel = retrieval.greedy_decode(real_model, ids, 6, keep_row=(17, 3))
-    monkeypatch.setattr(retrieval, "statistics_supported", lambda model: False)
-    eager = retrieval.greedy_decode(real_model, ids, 6, keep_row=(17, 3))
+    assert decoding.statistics_supported(real_model)
+    kernel = decoding.greedy_decode(real_model, ids, 6, keep_row=(17, 3))
+    monkeypatch.setattr(decoding, "statistics_supported", lambda model: False)
+    eager = decoding.greedy_decode(real_model, ids, 6, keep_row=(17, 3))
     assert kernel.generated == eager.generated
     np.testing.assert_array_equal(kernel.argmax_keys, eager.argmax_keys)
     np.testing.assert_allclose(kernel.argmax_weight, eager.argmax_weight, atol=1e-5)
