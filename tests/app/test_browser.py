@@ -558,7 +558,9 @@ def test_hostile_text_renders_as_text_in_pages_and_exported_html(server, page, b
     page.fill("#hs-heads-custom-needles", HOSTILE + " | <script>q</script>? | <b>a</b>")
     page.fill("#hs-heads-lengths", "99999999")
     page.click("#hs-heads-run")
-    page.wait_for_function("(document.querySelector('#hs-heads-status')?.innerText || '').length > 0")
+    # the refusal is in the page's error banner (the Heads page's errors moved there, #16)
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').length > 0")
+    assert "99,999,999" in page.inner_text("#hs-error")
     assert page.evaluate("window.__pwned") is None
     assert proc.poll() is None
 
