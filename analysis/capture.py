@@ -42,13 +42,6 @@ class Run(RunRecord):
     q : layer → ``[head, pos, d_head]`` post-rotary queries; k : layer → ``[kv_head, pos, d_head]``.
     """
 
-    key: str
-    model_name: str
-    model_digest: str
-    token_ids: list[int]
-    tokens: list[str]
-    text: str | None
-    settings: dict[str, Any]
     patterns: np.ndarray
     token_loss: np.ndarray
     top_ids: np.ndarray

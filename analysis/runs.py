@@ -14,6 +14,7 @@ their metadata).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -81,6 +82,7 @@ class AttentionRun(Protocol):
     def meta(self) -> dict[str, Any]: ...
 
 
+@dataclass
 class RunRecord:
     """What both run kinds share as stored records: ids, the token count and common metadata."""
 

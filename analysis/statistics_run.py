@@ -106,13 +106,6 @@ class StatsRun(RunRecord):
     span_mass : ``[layer, head, n, n_spans]`` mass on ``settings["spans"]`` (absent without spans).
     """
 
-    key: str
-    model_name: str
-    model_digest: str
-    token_ids: list[int]
-    tokens: list[str]
-    text: str | None
-    settings: dict[str, Any]
     rows: dict[str, np.ndarray]
     col_sum: np.ndarray
     pooled: np.ndarray
