@@ -41,7 +41,7 @@ from app.components import (
 )
 from app.context import get_context
 from app.errors import guarded, message
-from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
+from app.jobs import cancellable_job, count_progress, in_job, on_workers
 from app.url_state import PageState, parse
 from app.views import VIEWS, names
 from app.views.ablation import (
@@ -478,20 +478,6 @@ def _step_reporter(set_progress, started: float):
     return report
 
 
-def _count_reporter(set_progress, what: str, n: int):
-    """Progress over ``n`` like items as "i of n" with the time left at the rate so far."""
-    started = time.monotonic()
-
-    def report(fraction: float) -> None:
-        done = min(n, round(fraction * n))
-        left = ""
-        if 0 < done < n:
-            left = f", about {(time.monotonic() - started) * (n - done) / done:.0f} s left"
-        set_progress((str(round(100 * done / max(n, 1))), "100", f"{what}: {done} of {n} done{left}"))
-
-    return report
-
-
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Output(ids.ABL_EFFECTS, "figure", allow_duplicate=True),
@@ -538,8 +524,8 @@ def apply(set_progress, n_clicks, pending, method, source, reference, search):
             reference = reference if isinstance(reference, str) else ""
             texts = [t for t in reference.splitlines() if t.strip()] or builtin_reference()
             state.ref = head_means(model, texts, store=context.store,
-                                   progress=_count_reporter(set_progress, "reference texts for the means",
-                                                            len(texts))).key[:16]
+                                   progress=count_progress(set_progress, len(texts),
+                                                           "means: reference text")).key[:16]
         params = ablation_params(state)
         report = _step_reporter(set_progress, time.monotonic())
         report(0.0)
@@ -660,10 +646,13 @@ def run_curve(set_progress, n_clicks, ks_text, n_seeds, control_top, metric, sea
             raise ValueError("Run a text first: the curve's loss is measured on it.")
         else:
             on = run
-        key, curve, meta = ablation_curve(model, scores, _ks(ks_text), spec, context.store, on=on,
+        ks = _ks(ks_text)
+        # one evaluation per k for the top heads and per k and seed for the random ones
+        key, curve, meta = ablation_curve(model, scores, ks, spec, context.store, on=on,
                                           by_label=by_label, seeds=seeds, outside_top=_whole(control_top),
                                           source_id=state.source,
-                                          progress=progress_reporter(set_progress, "curve"))
+                                          progress=count_progress(set_progress, len(ks) * (1 + len(seeds)),
+                                                                  "curve point"))
     except ValueError as e:
         return no_update, str(e)
     state.curve = key[:16]
@@ -695,7 +684,8 @@ def run_head_sweep(set_progress, n_clicks, metric, search):
             raise ValueError("Run a text first: each head is ablated on it.")
         spec = ablation_spec(model, {**ablation_params(state), "heads": "0.0"})
         key, result = ablation_head_sweep(model, run, spec, metric or "loss", context.store, source_id=state.source,
-                                          progress=progress_reporter(set_progress, "sweep"))
+                                          progress=count_progress(set_progress, model.n_layers * model.n_heads,
+                                                                  "head"))
     except ValueError as e:
         return no_update, str(e)
     state.hsweep = key[:16]
