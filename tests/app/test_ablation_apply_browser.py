@@ -12,6 +12,8 @@ import pytest
 
 from tests.app.test_browser import PROMPT, browser, click_cell, page, server, wait_title  # noqa: F401
 
+STATUS = "(document.querySelector('#hs-abl-apply-status')?.innerText || '')"
+
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
 
@@ -113,3 +115,41 @@ def test_clicked_heads_wait_for_apply_which_computes_once_and_can_be_cancelled(s
 
 def decoded_heads(page) -> str:
     return page.evaluate("new URLSearchParams(location.search).get('heads') || ''")
+
+
+def test_a_fresh_link_with_heads_draws_at_once_and_computes_its_effects_with_progress_and_cancel(server, page):  # noqa: F811
+    """Opening an Ablation link that names applied heads (issue #16): the page is drawn at once and the
+    link's effects are computed as the Apply job, with "i of n" progress and Cancel; they were
+    computed inside the page's render, with no progress and no way to stop them."""
+    url, proc, _ = server
+    page.goto(url + "ablation")
+    page.fill("#abl-hs-text", PROMPT)
+    page.click("#abl-hs-run")
+    page.wait_for_function("location.search.includes('run=')")
+    search = page.evaluate("location.search")
+    fresh = page.context.new_page()
+    fresh.goto(url + "ablation" + search + "&heads=3.1,5.0")
+    wait_title(fresh, "hs-abl-grid", "2 heads chosen")  # the page is there while the effects compute
+    fresh.wait_for_function(f"{STATUS}.includes(' steps done')", timeout=120_000)
+    assert fresh.is_enabled("#hs-abl-apply-cancel") and not fresh.is_enabled("#hs-abl-apply")
+    assert "mean loss" not in (fresh.locator("#hs-abl-effects .gtitle").text_content() or "")
+    assert "Computing the effects of this link's 2 heads" in fresh.locator("#hs-abl-effects").inner_text()
+    wait_title(fresh, "hs-abl-effects", "zero ablation of 2 heads: mean loss", timeout=240_000)
+    fresh.wait_for_function(f"{STATUS}.includes('effects in')")
+    assert "Continuation, ablated" in fresh.locator("#hs-abl-summary").inner_text()
+    assert "2 heads applied: L3H1, L5H0" in _text(fresh, "#hs-abl-chosen")
+    assert decoded_heads(fresh) == "3.1,5.0"
+    fresh.close()
+
+    # another link, cancelled while its effects compute: the page says so and stays usable
+    fresh = page.context.new_page()
+    fresh.goto(url + "ablation" + search + "&heads=kv:2.0")
+    fresh.wait_for_function(f"{STATUS}.includes(' steps done')", timeout=120_000)
+    fresh.click("#hs-abl-apply-cancel")
+    fresh.wait_for_function(f"{STATUS}.includes('Cancelled')")
+    fresh.wait_for_selector("#hs-abl-apply:not([disabled])")
+    assert "Cancelled" in fresh.locator("#hs-abl-effects").inner_text()
+    assert "Computing" not in fresh.locator("#hs-abl-effects").inner_text()
+    assert decoded_heads(fresh) == "kv:2.0"  # the link is kept as it was
+    fresh.close()
+    assert proc.poll() is None
