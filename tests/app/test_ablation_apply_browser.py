@@ -6,6 +6,7 @@ browser and helpers are tests/app/test_browser.py's."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -129,11 +130,17 @@ def test_a_fresh_link_with_heads_draws_at_once_and_computes_its_effects_with_pro
     search = page.evaluate("location.search")
     fresh = page.context.new_page()
     fresh.goto(url + "ablation" + search + "&heads=3.1,5.0")
-    wait_title(fresh, "hs-abl-grid", "2 heads chosen")  # the page is there while the effects compute
-    fresh.wait_for_function(f"{STATUS}.includes(' steps done')", timeout=120_000)
-    assert fresh.is_enabled("#hs-abl-apply-cancel") and not fresh.is_enabled("#hs-abl-apply")
-    assert "mean loss" not in (fresh.locator("#hs-abl-effects .gtitle").text_content() or "")
-    assert "Computing the effects of this link's 2 heads" in fresh.locator("#hs-abl-effects").inner_text()
+    # the first progress shown, and the page as it was at that moment (one snapshot in the browser)
+    seen = fresh.wait_for_function(f"""() => {{
+        if (!{STATUS}.includes(' steps done')) return false;
+        const text = s => document.querySelector(s)?.textContent || '';
+        return {{status: {STATUS}, grid: text('#hs-abl-grid .gtitle'), effects: text('#hs-abl-effects'),
+                 cancel: !document.querySelector('#hs-abl-apply-cancel').disabled,
+                 apply: !document.querySelector('#hs-abl-apply').disabled}}; }}""", timeout=120_000).json_value()
+    assert re.fullmatch(r"effects: \d of 4 steps done, now .+", seen["status"]), seen
+    assert "2 heads chosen" in seen["grid"], seen  # the page is there while the effects compute
+    assert "Computing the effects of this link's 2 heads" in seen["effects"] and "mean loss" not in seen["effects"], seen
+    assert seen["cancel"] and not seen["apply"], seen
     wait_title(fresh, "hs-abl-effects", "zero ablation of 2 heads: mean loss", timeout=240_000)
     fresh.wait_for_function(f"{STATUS}.includes('effects in')")
     assert "Continuation, ablated" in fresh.locator("#hs-abl-summary").inner_text()
@@ -141,9 +148,13 @@ def test_a_fresh_link_with_heads_draws_at_once_and_computes_its_effects_with_pro
     assert decoded_heads(fresh) == "3.1,5.0"
     fresh.close()
 
-    # another link, cancelled while its effects compute: the page says so and stays usable
+    # another link, cancelled while its effects compute: the page says so and stays usable (on a
+    # longer text, so that the effects take long enough to be cancelled)
+    page.fill("#abl-hs-text", " ".join([PROMPT] * 12))
+    page.click("#abl-hs-run")
+    page.wait_for_function("s => location.search !== s", arg=search, timeout=120_000)
     fresh = page.context.new_page()
-    fresh.goto(url + "ablation" + search + "&heads=kv:2.0")
+    fresh.goto(url + "ablation" + page.evaluate("location.search") + "&heads=kv:2.0")
     fresh.wait_for_function(f"{STATUS}.includes(' steps done')", timeout=120_000)
     fresh.click("#hs-abl-apply-cancel")
     fresh.wait_for_function(f"{STATUS}.includes('Cancelled')")
