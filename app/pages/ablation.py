@@ -524,15 +524,14 @@ def apply(set_progress, n_clicks, from_link, pending, method, source, reference,
             raise ValueError("No heads chosen: click heads in the map, type them, or pick the top k; then Apply.")
         state.heads = format_heads(sorted(set(parse_heads(model, heads))))
         state.ablate = state.ablate if link else method or "zero"
-        if link:
-            pass  # the link's means (ref) and source are stored results named in it
-        elif state.ablate == "resample":
+        # a link names its means (ref) and resample source as stored results: used as they are
+        if not link and state.ablate == "resample":
             source = source if isinstance(source, str) else ""
             if not source.strip():
                 raise ValueError("Resample ablation needs a source text: write one in the box, then Apply.")
             set_progress(("0", "100", "effects: running the source text"))
             state.source = capture(model, source, store=context.store, max_tokens=context.max_tokens).key[:16]
-        elif state.ablate == "mean":
+        elif not link and state.ablate == "mean":
             reference = reference if isinstance(reference, str) else ""
             texts = [t for t in reference.splitlines() if t.strip()] or builtin_reference()
             state.ref = head_means(model, texts, store=context.store,

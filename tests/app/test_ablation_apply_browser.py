@@ -111,6 +111,16 @@ def test_clicked_heads_wait_for_apply_which_computes_once_and_can_be_cancelled(s
     wait_title(page, "hs-abl-effects", "mean ablation of 2 heads: mean loss", timeout=240_000)
     assert "ablate=mean" in page.evaluate("location.search") and "ref=" in page.evaluate("location.search")
     assert "mean ablation: effects in" in _text(page, "#hs-abl-apply-status")
+    # that link opened afresh, in a tab whose reference box is empty: the link's own means, the same numbers
+    ref, title = page.evaluate("new URLSearchParams(location.search).get('ref')"), \
+        page.locator("#hs-abl-effects .gtitle").text_content()
+    fresh = page.context.new_page()
+    fresh.goto(page.url)
+    wait_title(fresh, "hs-abl-effects", "mean ablation of 2 heads: mean loss", timeout=240_000)
+    assert fresh.input_value("#hs-abl-reference") == ""
+    assert fresh.locator("#hs-abl-effects .gtitle").text_content() == title
+    assert fresh.evaluate("new URLSearchParams(location.search).get('ref')") == ref
+    fresh.close()
     assert proc.poll() is None
 
 
