@@ -37,10 +37,11 @@ def url_id(prefix: str) -> str:
 
 def url_state_when_present(prefix: str) -> State:
     """The page's URL as the State of a callback whose Input is a pattern (``ALL``) over the page's own
-    components. Leaving the page by a nav link removes those components, and Dash fires such a
-    callback once more (the pattern's set changed) after the page's Location has gone with them: a
-    plain State then raised "A nonexistent object was used in an `State`" in the browser console.
-    Optional, it arrives as None and the callback does nothing (no component was clicked)."""
+    components. Leaving the Attention page by a nav link removes its export buttons, and Dash fired
+    the export callback once more (the pattern's set changed) after the page's Location had gone with
+    them: a plain State raised "A nonexistent object was used in an `State`" in the browser console.
+    Optional, it arrives as None and the callback does nothing (no button was clicked). (The Flow
+    page's target callback, also a pattern, was not fired so when tested: its State stays plain.)"""
     return State(url_id(prefix), "search", allow_optional=True)
 
 

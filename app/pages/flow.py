@@ -21,7 +21,6 @@ from app.components import (
     register_run,
     text_id,
     url_id,
-    url_state_when_present,
 )
 from app.context import dropdown_model, get_context
 from app.errors import guarded, message
@@ -221,7 +220,7 @@ def clicked_position(value) -> int | None:
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Input({"type": ids.FLOW_STRIPS, "method": ALL}, "clickData"),
     Input({"type": ids.FLOW_TOKEN, "pos": ALL}, "n_clicks"),
-    url_state_when_present(PREFIX),  # the strips and tokens vanish with the page: see there
+    State(url_id(PREFIX), "search"),
     prevent_initial_call=True,
 )
 def choose_target(_strip_clicks, _token_clicks, search):

@@ -241,10 +241,11 @@ def test_flow_journey(server, page, errors):  # noqa: F811
 
 
 def test_leaving_every_page_by_the_nav_bar_leaves_no_console_error(server, page, errors):  # noqa: F811
-    """Every page, left by a nav link with what a user leaves on it (a run: the Attention page's export
-    buttons, the Flow page's strips and token buttons): no console error. Leaving Attention printed
-    "A nonexistent object was used in an `State` ... `attn-hs-url`": a callback whose Input is a
-    pattern over the page's own buttons fires once more as they vanish, after the page's URL is gone."""
+    """Every page, left by a nav link with what a user leaves on it (a run: the Attention page's grid and
+    export buttons, the Flow page's strips and token buttons): no console error. Leaving Attention
+    printed "A nonexistent object was used in an `State` ... `attn-hs-url`": its export callback (an
+    Input that is a pattern over the page's buttons) fired once more as they vanished, after the
+    page's URL had gone."""
     url, proc, _ = server
     run_attention(page, url)
     clean(page, errors, "run")
