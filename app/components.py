@@ -35,6 +35,16 @@ def url_id(prefix: str) -> str:
     return f"{prefix}-{ids.URL}"
 
 
+def url_state_when_present(prefix: str) -> State:
+    """The page's URL as the State of a callback whose Input is a pattern (``ALL``) over the page's own
+    components. Leaving the Attention page by a nav link removes its export buttons, and Dash fired
+    the export callback once more (the pattern's set changed) after the page's Location had gone with
+    them: a plain State raised "A nonexistent object was used in an `State`" in the browser console.
+    Optional, it arrives as None and the callback does nothing (no button was clicked). (The Flow
+    page's target callback, also a pattern, was not fired so when tested: its State stays plain.)"""
+    return State(url_id(prefix), "search", allow_optional=True)
+
+
 def page_location(prefix: str) -> dcc.Location:
     """Each page has its own Location, so its callbacks only run while it is shown.
 
@@ -148,8 +158,8 @@ def register_export(prefix: str, run_of: Any = _stored_run) -> None:
         Output(ids.DOWNLOAD, "data", allow_duplicate=True),
         Output(ids.ERROR, "children", allow_duplicate=True),
         Input({"type": ids.EXPORT, "page": prefix, "view": ALL, "fmt": ALL}, "n_clicks"),
-        State(url_id(prefix), "search"),
-        State(query_store_id(prefix), "data"),
+        url_state_when_present(prefix),  # the export buttons vanish with the page: see there
+        State(query_store_id(prefix), "data", allow_optional=True),
         **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
         prevent_initial_call=True,
     )

@@ -119,6 +119,7 @@ ABL_MAP = "hs-abl-map"  # what the map was drawn for
 ABL_APPLY_CANCEL = "hs-abl-apply-cancel"
 ABL_APPLY_PROGRESS = "hs-abl-apply-progress"
 ABL_APPLY_STATUS = "hs-abl-apply-status"
+ABL_FROM_LINK = "hs-abl-from-link"  # written when a link is opened afresh: its applied set runs as the Apply job
 HEADS_ABLATE_LINK = "hs-heads-ablate-link"
 HEADS_FORM_NOTE = "hs-heads-form-note"
 HEADS_FORM_SWEEP = "hs-heads-form-sweep"

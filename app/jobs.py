@@ -231,26 +231,32 @@ def progress_reporter(set_progress: Callable[..., Any], label: str) -> Callable[
     return report
 
 
-def trial_progress(set_progress, n_trials: int, clock=time.monotonic):
-    """A sweep's ``progress(fraction)`` as the Heads page shows it: "trial i of n (p%)", and once a
-    trial has finished, "about T left": the time so far × (1 − fraction) / fraction. A sweep runs one
-    trial per length × depth × needle and reports (trials done) / n; trials reused from the store
-    finish at once, so an early estimate can run short."""
+def count_progress(set_progress, n: int, unit: str, clock=time.monotonic):
+    """A countable job's ``progress(fraction)`` as "<unit> i of n (p%)", and once an item has finished,
+    "about T left": the time so far × (1 − fraction) / fraction. The job reports (items done) / n; items
+    reused from the store finish at once, so an early estimate can run short. Throttled to a new item
+    or a whole percent."""
     start, last = clock(), {"shown": None}
 
     def report(fraction: float) -> None:
         fraction = min(max(float(fraction), 0.0), 1.0)
-        done, pct = fraction * n_trials, int(100 * fraction)
-        trial = min(int(done + 1e-9) + 1, n_trials)
-        if (trial, pct) == last["shown"]:  # throttled: a new trial or a whole percent
+        done, pct = fraction * n, int(100 * fraction)
+        item = min(int(done + 1e-9) + 1, n)
+        if (item, pct) == last["shown"]:
             return
-        last["shown"] = (trial, pct)
-        text = f"trial {trial} of {n_trials} ({pct}%)"
+        last["shown"] = (item, pct)
+        text = f"{unit} {item} of {n} ({pct}%)"
         if 1 <= done + 1e-9 and fraction < 1:
             text += f", about {_duration((clock() - start) * (1 - fraction) / fraction)} left"
         set_progress((pct, 100, text))
 
     return report
+
+
+def trial_progress(set_progress, n_trials: int, clock=time.monotonic):
+    """A sweep's progress as the Heads page shows it: "trial i of n (p%), about T left"
+    (:func:`count_progress`; a sweep runs one trial per length × depth × needle)."""
+    return count_progress(set_progress, n_trials, "trial", clock)
 
 
 def _duration(seconds: float) -> str:

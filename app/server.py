@@ -68,6 +68,7 @@ def create_app(context: AppContext) -> Dash:
         ]
     )
     carry_shared_state_in_nav(app)
+    answer_404_for_unknown_paths(app)
     redact_tokens_in_logs()
     cap_request_size(app.server)
     from app.offers import check_callback_requests
@@ -111,6 +112,27 @@ def carry_shared_state_in_nav(app: Dash) -> None:
             dash.Input(url_id(prefix), "search"),
             prevent_initial_call="initial_duplicate",
         )
+
+
+def answer_404_for_unknown_paths(app: Dash) -> None:
+    """A path that names no page is answered with status 404, not 200 (a crawler, ``curl -f`` or a link
+    checker then knows it is missing); the body is still the app, so a browser shows the app's own
+    404 page (:mod:`app.pages.not_found_404`), which Dash Pages draws for it.
+
+    Dash Pages serves every path through one catch-all route; the status is set after it, for that
+    route only, by the router's own matching of a path to a page (so the status and the page shown
+    never disagree). The 404 page's own path (``/not-found``) is no page either."""
+    from dash._pages import _path_to_page  # the router's matching (dash/_pages.py); no public equivalent
+
+    catch_all = app.config.routes_pathname_prefix + "<path:path>"
+
+    @app.server.after_request
+    def not_found_status(response: Response) -> Response:
+        if request.endpoint == catch_all and response.status_code == 200:
+            page, _ = _path_to_page(app.strip_relative_path(request.path))
+            if not page or page["module"].rsplit(".", 1)[-1] == "not_found_404":
+                response.status_code = 404
+        return response
 
 
 def max_request_bytes() -> int:

@@ -41,7 +41,7 @@ from app.components import (
 )
 from app.context import get_context
 from app.errors import guarded, message
-from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
+from app.jobs import cancellable_job, count_progress, in_job, on_workers
 from app.url_state import PageState, parse
 from app.views import VIEWS, names
 from app.views.ablation import (
@@ -73,6 +73,7 @@ def layout(**_query) -> html.Div:
             dcc.Store(id=ids.ABL_PENDING, data=None),  # heads chosen on the map or typed, not yet applied
             dcc.Store(id=ids.ABL_SHOWN, data=None),  # what the effects on the page were computed for
             dcc.Store(id=ids.ABL_MAP, data=None),  # the run and score the map was drawn for
+            dcc.Store(id=ids.ABL_FROM_LINK, data=None),  # a link's applied set, handed to the Apply job
             input_bar(PREFIX, "Text to ablate heads on (loss, next-token prediction, continuation)…"),
             html.Div(
                 [
@@ -205,6 +206,7 @@ register_export(PREFIX)
     Output(ids.ABL_CHOSEN, "children"),
     Output(ids.ABL_MAP, "data"),
     Output(ids.ABL_PENDING, "data"),
+    Output(ids.ABL_FROM_LINK, "data"),
     Input(url_id(PREFIX), "search"),
     State(ids.ABL_PENDING, "data"),
     State(ids.ABL_SHOWN, "data"),
@@ -212,10 +214,16 @@ register_export(PREFIX)
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=17, error_index=6)
+@guarded(outputs=18, error_index=6)
 def render(search, pending, shown, drawn):
-    """Draw the page from its URL. The effects are computed here only for a link opened afresh (the
-    applied set in its ``heads``); on the page they come from the Apply job (:func:`apply`)."""
+    """Draw the page from its URL; never computes effects. A link opened afresh with an applied set
+    (its ``heads``) is drawn at once, and hands the set to the Apply job (:func:`apply`: progress,
+    Cancel), which computes and draws its effects, as Apply does for heads chosen on the page.
+
+    Why not compute here, or wait for Apply: a link is a result someone shared, so it reproduces
+    itself as every headscope link does; but its effects take from seconds to most of a minute, and
+    computed here they held back the whole page (map, curve, sweep) with no sign of life and no way
+    to stop them."""
     state = parse(search)
     pending = _pending(pending)
     problems = list(state.problems)
@@ -253,31 +261,29 @@ def render(search, pending, shown, drawn):
             except ValueError as e:
                 problems.append(str(e))
         return (grid, EMPTY, "", curve, head_sweep, "", message(problems), no_update, no_update, *controls,
-                None, listed, None, (applied or "") if pending is None else no_update)
+                None, listed, None, (applied or "") if pending is None else no_update, no_update)
     map_key = [state.model, state.run, state.by, state.sweep, state.hsweep]
     if pending is not None and drawn == map_key:  # the map and the box are choose()'s while heads are chosen
         grid = listed = controls[0] = no_update
     else:
         grid, _ = VIEWS[names.ABLATION_SELECTION].build(run, {**params, "heads": chosen})
-    effects, summary, now_shown = EMPTY, "", None
+    effects, summary, now_shown, from_link = EMPTY, "", None, no_update
     if state.heads:
         key = _applied_key(state)
         if isinstance(shown, dict) and shown.get("key") == key:
             effects = summary = now_shown = no_update  # already on the page (the Apply job drew them)
-        elif shown is None and pending is None:  # a link opened afresh: reproduce its applied set
-            try:
-                effects, _ = VIEWS[names.ABLATION_EFFECTS].build(run, params)
-                summary = _summary(run, params)
-                now_shown = _shown(key, run, state, *effects_of(run, params))
-            except ValueError as e:
-                problems.append(str(e))
+        elif shown is None and pending is None:  # a link opened afresh: its applied set runs as the Apply job
+            if applied:
+                effects = empty_figure(f"Computing the effects of this link's {len(applied.split(','))} heads "
+                                       "(progress by Apply; Cancel stops it).")
+                from_link = key
         else:  # a new text (or Back) on this page: nothing heavy runs until Apply
             effects = empty_figure("Apply computes the effects of the chosen heads on this text.")
     info = html.Div([html.Span(f"run {run.short_id}", className="hs-chip"),
                      html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
                      html.Span(f"method: {state.ablate}", className="hs-chip")])
     return (grid, effects, summary, curve, head_sweep, info, message(problems), run.text or "", run.model_name,
-            *controls, now_shown, listed, map_key, (applied or "") if pending is None else no_update)
+            *controls, now_shown, listed, map_key, (applied or "") if pending is None else no_update, from_link)
 
 
 _PENDING = re.compile(r"\d{1,4}\.\d{1,4}(,\d{1,4}\.\d{1,4})*")
@@ -478,20 +484,6 @@ def _step_reporter(set_progress, started: float):
     return report
 
 
-def _count_reporter(set_progress, what: str, n: int):
-    """Progress over ``n`` like items as "i of n" with the time left at the rate so far."""
-    started = time.monotonic()
-
-    def report(fraction: float) -> None:
-        done = min(n, round(fraction * n))
-        left = ""
-        if 0 < done < n:
-            left = f", about {(time.monotonic() - started) * (n - done) / done:.0f} s left"
-        set_progress((str(round(100 * done / max(n, 1))), "100", f"{what}: {done} of {n} done{left}"))
-
-    return report
-
-
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Output(ids.ABL_EFFECTS, "figure", allow_duplicate=True),
@@ -500,6 +492,7 @@ def _count_reporter(set_progress, what: str, n: int):
     Output(ids.ABL_CHOSEN, "children", allow_duplicate=True),
     Output(ids.ABL_APPLY_STATUS, "children"),
     Input(ids.ABL_APPLY, "n_clicks"),
+    Input(ids.ABL_FROM_LINK, "data"),
     State(ids.ABL_PENDING, "data"),
     State(ids.ABL_METHOD, "value"),
     State(ids.ABL_SOURCE, "value"),
@@ -508,11 +501,14 @@ def _count_reporter(set_progress, what: str, n: int):
     **cancellable_job(ids.ABL_APPLY, ids.ABL_APPLY_CANCEL, ids.ABL_APPLY_PROGRESS, ids.ABL_APPLY_STATUS),
     prevent_initial_call=True,
 )
-def apply(set_progress, n_clicks, pending, method, source, reference, search):
+def apply(set_progress, n_clicks, from_link, pending, method, source, reference, search):
     """Apply: the effects of the chosen heads, once for the whole set, as a cancellable job; the
-    applied set goes into the URL (a link reproduces it)."""
+    applied set goes into the URL (a link reproduces it). A link opened afresh starts it too
+    (:func:`render`): then the set, method, means and source are the link's own, as its URL names
+    them, not the boxes' (a resample source or mean reference is not computed again)."""
     in_job()
-    if not n_clicks:
+    link = dash.ctx.triggered_id == ids.ABL_FROM_LINK
+    if not (from_link if link else n_clicks):
         raise PreventUpdate
     started = time.monotonic()
     state = parse(search)
@@ -522,32 +518,34 @@ def apply(set_progress, n_clicks, pending, method, source, reference, search):
         run = context.run(state.run) if state.run else None
         if run is None:
             raise ValueError("Run a text first: the heads are ablated on it.")
-        pending = _pending(pending)
+        pending = None if link else _pending(pending)
         heads = state.heads if pending is None else pending
         if not heads:
             raise ValueError("No heads chosen: click heads in the map, type them, or pick the top k; then Apply.")
         state.heads = format_heads(sorted(set(parse_heads(model, heads))))
-        state.ablate = method or "zero"
-        if state.ablate == "resample":
+        state.ablate = state.ablate if link else method or "zero"
+        # a link names its means (ref) and resample source as stored results: used as they are
+        if not link and state.ablate == "resample":
             source = source if isinstance(source, str) else ""
             if not source.strip():
                 raise ValueError("Resample ablation needs a source text: write one in the box, then Apply.")
             set_progress(("0", "100", "effects: running the source text"))
             state.source = capture(model, source, store=context.store, max_tokens=context.max_tokens).key[:16]
-        if state.ablate == "mean":
+        elif not link and state.ablate == "mean":
             reference = reference if isinstance(reference, str) else ""
             texts = [t for t in reference.splitlines() if t.strip()] or builtin_reference()
             state.ref = head_means(model, texts, store=context.store,
-                                   progress=_count_reporter(set_progress, "reference texts for the means",
-                                                            len(texts))).key[:16]
+                                   progress=count_progress(set_progress, len(texts),
+                                                           "means: reference text")).key[:16]
         params = ablation_params(state)
         report = _step_reporter(set_progress, time.monotonic())
         report(0.0)
         spec, fx = effects_of(run, params, progress=report)
         effects, _ = VIEWS[names.ABLATION_EFFECTS].build(run, params)  # memoised: drawn, not computed again
         summary = _summary(run, params)
-    except ValueError as e:
-        return no_update, no_update, no_update, no_update, no_update, str(e)
+    except ValueError as e:  # a link's set that cannot be computed: its figure no longer says "computing"
+        figure = empty_figure(f"No effects: {e}") if link else no_update
+        return no_update, figure, no_update, no_update, no_update, str(e)
     seconds = time.monotonic() - started
     return (state.to_search(), effects, summary, _shown(_applied_key(state), run, state, spec, fx),
             _chosen_text(state.heads, state.heads),
@@ -556,13 +554,18 @@ def apply(set_progress, n_clicks, pending, method, source, reference, search):
 
 @callback(
     Output(ids.ABL_APPLY_STATUS, "children", allow_duplicate=True),
+    Output(ids.ABL_EFFECTS, "figure", allow_duplicate=True),
     Input(ids.ABL_APPLY_CANCEL, "n_clicks"),
+    State(ids.ABL_SHOWN, "data"),
     prevent_initial_call=True,
 )
-def cancelled(n_clicks):
+def cancelled(n_clicks, shown):
     if not n_clicks:
         raise PreventUpdate
-    return "Cancelled: the effects shown are the last applied set's; Apply computes the chosen heads again."
+    if shown is None:  # nothing computed yet (a link's set was cancelled): the figure no longer says "computing"
+        return ("Cancelled: no effects computed; Apply computes the chosen heads' effects.",
+                empty_figure("Cancelled: Apply computes the effects of the chosen heads."))
+    return "Cancelled: the effects shown are the last applied set's; Apply computes the chosen heads again.", no_update
 
 
 @callback(
@@ -660,10 +663,13 @@ def run_curve(set_progress, n_clicks, ks_text, n_seeds, control_top, metric, sea
             raise ValueError("Run a text first: the curve's loss is measured on it.")
         else:
             on = run
-        key, curve, meta = ablation_curve(model, scores, _ks(ks_text), spec, context.store, on=on,
+        ks = _ks(ks_text)
+        # one evaluation per k for the top heads and per k and seed for the random ones
+        key, curve, meta = ablation_curve(model, scores, ks, spec, context.store, on=on,
                                           by_label=by_label, seeds=seeds, outside_top=_whole(control_top),
                                           source_id=state.source,
-                                          progress=progress_reporter(set_progress, "curve"))
+                                          progress=count_progress(set_progress, len(ks) * (1 + len(seeds)),
+                                                                  "curve point"))
     except ValueError as e:
         return no_update, str(e)
     state.curve = key[:16]
@@ -695,7 +701,8 @@ def run_head_sweep(set_progress, n_clicks, metric, search):
             raise ValueError("Run a text first: each head is ablated on it.")
         spec = ablation_spec(model, {**ablation_params(state), "heads": "0.0"})
         key, result = ablation_head_sweep(model, run, spec, metric or "loss", context.store, source_id=state.source,
-                                          progress=progress_reporter(set_progress, "sweep"))
+                                          progress=count_progress(set_progress, model.n_layers * model.n_heads,
+                                                                  "head"))
     except ValueError as e:
         return no_update, str(e)
     state.hsweep = key[:16]

@@ -6,11 +6,14 @@ browser and helpers are tests/app/test_browser.py's."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
 
 from tests.app.test_browser import PROMPT, browser, click_cell, page, server, wait_title  # noqa: F401
+
+STATUS = "(document.querySelector('#hs-abl-apply-status')?.innerText || '')"
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
@@ -108,8 +111,66 @@ def test_clicked_heads_wait_for_apply_which_computes_once_and_can_be_cancelled(s
     wait_title(page, "hs-abl-effects", "mean ablation of 2 heads: mean loss", timeout=240_000)
     assert "ablate=mean" in page.evaluate("location.search") and "ref=" in page.evaluate("location.search")
     assert "mean ablation: effects in" in _text(page, "#hs-abl-apply-status")
+    # that link opened afresh, in a tab whose reference box is empty: the link's own means, the same numbers
+    ref, title = page.evaluate("new URLSearchParams(location.search).get('ref')"), \
+        page.locator("#hs-abl-effects .gtitle").text_content()
+    fresh = page.context.new_page()
+    fresh.goto(page.url)
+    wait_title(fresh, "hs-abl-effects", "mean ablation of 2 heads: mean loss", timeout=240_000)
+    assert fresh.input_value("#hs-abl-reference") == ""
+    assert fresh.locator("#hs-abl-effects .gtitle").text_content() == title
+    assert fresh.evaluate("new URLSearchParams(location.search).get('ref')") == ref
+    fresh.close()
     assert proc.poll() is None
 
 
 def decoded_heads(page) -> str:
     return page.evaluate("new URLSearchParams(location.search).get('heads') || ''")
+
+
+def test_a_fresh_link_with_heads_draws_at_once_and_computes_its_effects_with_progress_and_cancel(server, page):  # noqa: F811
+    """Opening an Ablation link that names applied heads (issue #16): the page is drawn at once and the
+    link's effects are computed as the Apply job, with "i of n" progress and Cancel; they were
+    computed inside the page's render, with no progress and no way to stop them."""
+    url, proc, _ = server
+    page.goto(url + "ablation")
+    page.fill("#abl-hs-text", PROMPT)
+    page.click("#abl-hs-run")
+    page.wait_for_function("location.search.includes('run=')")
+    search = page.evaluate("location.search")
+    fresh = page.context.new_page()
+    fresh.goto(url + "ablation" + search + "&heads=3.1,5.0")
+    # the first progress shown, and the page as it was at that moment (one snapshot in the browser)
+    seen = fresh.wait_for_function(f"""() => {{
+        if (!{STATUS}.includes(' steps done')) return false;
+        const text = s => document.querySelector(s)?.textContent || '';
+        return {{status: {STATUS}, grid: text('#hs-abl-grid .gtitle'), effects: text('#hs-abl-effects'),
+                 cancel: !document.querySelector('#hs-abl-apply-cancel').disabled,
+                 apply: !document.querySelector('#hs-abl-apply').disabled}}; }}""", timeout=120_000).json_value()
+    assert re.fullmatch(r"effects: \d of 4 steps done, now .+", seen["status"]), seen
+    assert "2 heads chosen" in seen["grid"], seen  # the page is there while the effects compute
+    assert "Computing the effects of this link's 2 heads" in seen["effects"] and "mean loss" not in seen["effects"], seen
+    assert seen["cancel"] and not seen["apply"], seen
+    wait_title(fresh, "hs-abl-effects", "zero ablation of 2 heads: mean loss", timeout=240_000)
+    fresh.wait_for_function(f"{STATUS}.includes('effects in')")
+    assert "Continuation, ablated" in fresh.locator("#hs-abl-summary").inner_text()
+    assert "2 heads applied: L3H1, L5H0" in _text(fresh, "#hs-abl-chosen")
+    assert decoded_heads(fresh) == "3.1,5.0"
+    fresh.close()
+
+    # another link, cancelled while its effects compute: the page says so and stays usable (on a
+    # longer text, so that the effects take long enough to be cancelled)
+    page.fill("#abl-hs-text", " ".join([PROMPT] * 12))
+    page.click("#abl-hs-run")
+    page.wait_for_function("s => location.search !== s", arg=search, timeout=120_000)
+    fresh = page.context.new_page()
+    fresh.goto(url + "ablation" + page.evaluate("location.search") + "&heads=kv:2.0")
+    fresh.wait_for_function(f"{STATUS}.includes(' steps done')", timeout=120_000)
+    fresh.click("#hs-abl-apply-cancel")
+    fresh.wait_for_function(f"{STATUS}.includes('Cancelled')")
+    fresh.wait_for_selector("#hs-abl-apply:not([disabled])")
+    assert "Cancelled" in fresh.locator("#hs-abl-effects").inner_text()
+    assert "Computing" not in fresh.locator("#hs-abl-effects").inner_text()
+    assert decoded_heads(fresh) == "kv:2.0"  # the link is kept as it was
+    fresh.close()
+    assert proc.poll() is None

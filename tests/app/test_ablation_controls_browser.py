@@ -4,6 +4,8 @@ browser and helpers are tests/app/test_browser.py's."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.app.test_browser import PROMPT, browser, page, select_option, server, wait_title  # noqa: F401
@@ -38,6 +40,45 @@ def test_curve_control_top_n_is_used_shown_and_checked(server, page):  # noqa: F
     page.click("#hs-abl-curve-run")
     page.wait_for_function("(document.querySelector('#hs-abl-curve-status')?.innerText || '')"
                            ".includes('outside the top 269')")
+    assert proc.poll() is None
+
+
+def _watch_text(page, selector: str, flag: str) -> None:
+    """Collect in ``window[flag]`` every text ``selector`` shows from now on."""
+    page.evaluate("""([s, f]) => { window[f] = []; const el = document.querySelector(s);
+        new MutationObserver(() => window[f].push(el.innerText))
+            .observe(el, {childList: true, subtree: true, characterData: true}); }""", [selector, flag])
+
+
+def test_curve_and_head_sweep_progress_count_items_and_estimate_the_time_left(server, page):  # noqa: F811
+    """Issue #16: the curve's and the single-head sweep's progress said a bare percentage; they say
+    "curve point i of n" (n = k values × (1 + seeds)) and "head i of n" with the time left."""
+    url, proc, _ = server
+    page.goto(url + "ablation")
+    page.fill("#abl-hs-text", PROMPT)
+    page.click("#abl-hs-run")
+    page.wait_for_function("location.search.includes('run=')")
+    wait_title(page, "hs-abl-grid", "0 heads chosen")
+    select_option(page, "hs-abl-by", "Attention on first token")
+    page.wait_for_function("location.search.includes('by=first_token')")
+    page.fill("#hs-abl-curve-ks", "0,1,2,3")
+    page.fill("#hs-abl-curve-seeds", "3")
+    _watch_text(page, "#hs-abl-curve-status", "__curve")
+    page.click("#hs-abl-curve-run")
+    page.wait_for_function("location.search.includes('curve=')", timeout=240_000)
+    shown = page.evaluate("window.__curve")
+    counted = [t for t in shown if re.fullmatch(r"curve point \d+ of 16 \(\d+%\)(, about \d+ (s|min) left)?", t)]
+    assert counted, shown
+    assert any("left" in t for t in counted), shown
+    assert not any(re.fullmatch(r"curve: \d+%", t) for t in shown), shown
+
+    _watch_text(page, "#hs-abl-sweep-status", "__sweep")
+    page.click("#hs-abl-sweep-run")
+    page.wait_for_function("location.search.includes('hsweep=')", timeout=240_000)
+    shown = page.evaluate("window.__sweep")
+    counted = [t for t in shown if re.fullmatch(r"head \d+ of 270 \(\d+%\)(, about \d+ (s|min) left)?", t)]
+    assert counted, shown
+    assert any("left" in t for t in counted), shown
     assert proc.poll() is None
 
 

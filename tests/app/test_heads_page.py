@@ -113,3 +113,19 @@ def test_trial_progress_counts_trials_and_scales_the_time_so_far(tmp_path):
     assert [text for _, _, text in shown] == [
         "trial 1 of 3 (0%)", "trial 1 of 3 (16%)", "trial 2 of 3 (33%), about 20 s left", "trial 3 of 3 (100%)"]
     assert shown[-1][:2] == (100, 100)
+
+
+def test_count_progress_names_its_items_and_estimates_the_time_left(tmp_path):
+    """The Ablation page's sweep of 270 heads, reported a layer (9 heads) at a time: "head i of n", and
+    after the first layer took 6 s, 6 s × (261/270) / (9/270) = 174 s, shown as 3 min."""
+    from app.jobs import count_progress
+
+    now, shown = [0.0], []
+    report = count_progress(shown.append, 270, "head", clock=lambda: now[0])
+    report(0.0)
+    now[0] = 6.0
+    report(9 / 270)
+    now[0] = 60.0
+    report(1.0)
+    assert [text for _, _, text in shown] == [
+        "head 1 of 270 (0%)", "head 10 of 270 (3%), about 3 min left", "head 270 of 270 (100%)"]

@@ -30,12 +30,8 @@ pytestmark = [pytest.mark.browser, pytest.mark.integration]
 TEXT = "When Mary and John went to the store, John gave a drink to Mary."  # 16 tokens
 NEEDLE = "The secret passkey is 7731. | What is the secret passkey? | 7731"
 
-# Console messages that are not failures of the step that prints them. Benign: the browser's own.
-# Known bug (reported, not fixed here: app/components.py is being reworked): leaving a page by a nav
-# link fires the left page's export callback (its pattern-matching Input over the page's export
-# buttons changes as they vanish) with that page's URL as a State that no longer exists.
+# Console messages that are not failures of the step that prints them: the browser's own.
 BENIGN_CONSOLE = ("favicon.ico",)
-KNOWN_BUGS = ("A nonexistent object was used in an `State` of a Dash callback. The id of this object is `attn-hs-url`",)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +59,7 @@ def clean(page, errors: list[str], step: str) -> None:  # noqa: F811
     assert banner == "", f"{step}: error banner {banner!r}"
     body = page.locator("body").inner_text()
     assert "Something went wrong" not in body and "Traceback" not in body, step
-    app_errors = [e for e in errors if not any(b in e for b in BENIGN_CONSOLE + KNOWN_BUGS)]
+    app_errors = [e for e in errors if not any(b in e for b in BENIGN_CONSOLE)]
     assert app_errors == [], f"{step}: {app_errors}"
 
 
@@ -241,6 +237,27 @@ def test_flow_journey(server, page, errors):  # noqa: F811
     titles = page.locator("#hs-faith-input .gtitle").all_text_contents()
     assert any(t.startswith("Faithfulness on this input") for t in titles), titles
     clean(page, errors, "faithfulness")
+    assert proc.poll() is None
+
+
+def test_leaving_every_page_by_the_nav_bar_leaves_no_console_error(server, page, errors):  # noqa: F811
+    """Every page, left by a nav link with what a user leaves on it (a run: the Attention page's grid and
+    export buttons, the Flow page's strips and token buttons): no console error. Leaving Attention
+    printed "A nonexistent object was used in an `State` ... `attn-hs-url`": its export callback (an
+    Input that is a pattern over the page's buttons) fired once more as they vanished, after the
+    page's URL had gone."""
+    url, proc, _ = server
+    run_attention(page, url)
+    clean(page, errors, "run")
+    for name, path, ready in [("Flow", "/flow", strip("flow") + " .gtitle"), ("Heads", "/heads", "#hs-heads-run"),
+                              ("QK space", "/qk", "#hs-qk-show"), ("Ablation", "/ablation", "#hs-abl-grid .gtitle"),
+                              ("Attention", "/", "#hs-grid .heatmaplayer .hm"), ("Flow", "/flow", strip("flow") + " .gtitle"),
+                              ("Attention", "/", "#hs-grid .heatmaplayer .hm")]:
+        page.locator(".hs-nav").get_by_role("link", name=name, exact=True).click()
+        page.wait_for_function("p => location.pathname === p", arg=path)
+        page.wait_for_selector(ready, timeout=120_000)
+        page.wait_for_load_state("networkidle")
+        clean(page, errors, f"left for {name}")
     assert proc.poll() is None
 
 

@@ -1,5 +1,6 @@
 """Unknown paths in real Chromium against a real server: the app's own 404 page (header, message,
-links to every page), for ordinary, hostile, very long and non-ASCII paths; never a traceback."""
+links to every page), answered with status 404, for ordinary, hostile, very long and non-ASCII paths;
+never a traceback."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def test_an_unknown_path_shows_the_apps_404_page(server, page, path, shown):
     url, proc, _ = server
     dialogs = []
     page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
-    page.goto(url.rstrip("/") + path)
+    response = page.goto(url.rstrip("/") + path)
+    assert response.status == 404  # a missing page says so to the browser too, not only in its text
     assert_not_found_page(page, shown)
     assert not dialogs  # a path is shown as text, never run
     page.click("#hs-not-found a[href='/heads']")
@@ -59,6 +61,32 @@ def test_a_hostile_raw_request_gets_no_file_and_no_traceback(server, raw):
     response = conn.getresponse()
     body = response.read().decode("utf-8", "replace")
     conn.close()
-    assert response.status in (200, 400, 404, 414), response.status
+    assert response.status in (400, 404, 414), response.status
     assert "root:" not in body and "Traceback" not in body
+    assert proc.poll() is None
+
+
+def _status(url: str, path: str, method: str = "GET") -> int:
+    host = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(host.hostname, host.port, timeout=30)
+    try:
+        conn.request(method, path)
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()
+
+
+def test_a_missing_page_answers_404_and_every_page_200_over_raw_http(server):
+    """What curl, a link checker or a crawler sees: 404 for a path no page has (it was 200: Dash
+    Pages serves every path through one route), 200 for every page (with a query, a trailing slash),
+    and for the app's own routes and assets."""
+    url, proc, _ = server
+    for path in ["/nowhere", "/heads/extra", "/not-found", "/flow.html", "/%3Cscript%3E", "/%D1%8F"]:
+        assert _status(url, path) == 404, path
+        assert _status(url, path, "HEAD") == 404, path
+    for path in [*PAGES, "/flow/", "/ablation?run=0123456789abcdef&heads=3.1", "/_dash-layout",
+                 "/_dash-dependencies", "/assets/headscope.css", "/_favicon.ico"]:
+        assert _status(url, path) == 200, path
     assert proc.poll() is None
