@@ -277,6 +277,9 @@ def cmd_serve(args) -> int:
 
         start_umap_warmup()  # compiles UMAP's numba code in the background (~15 s), before anyone asks
     app = create_app(context)
+    from app.jobs import end_jobs_with_server
+
+    end_jobs_with_server()  # a SIGTERM ends the running jobs too, not only this process
     if token is not None:
         protect(app.server, token)
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host

@@ -201,6 +201,42 @@ def _watched_manager(base):
     return WatchedDiskcacheManager
 
 
+def end_jobs_with_server(grace_s: float = 5.0) -> None:
+    """On SIGTERM, end this process's background jobs, then the process (call once, in the main thread).
+
+    Dash's ``DiskcacheManager`` starts every job as a forked, non-daemon process. A SIGTERM (systemd,
+    ``docker stop``, a test's teardown) ended only the server and left its jobs computing, orphaned and
+    holding the model's memory, as was a kaleido Chromium an export had started. The handler asks every
+    descendant to stop, kills what is left after ``grace_s``, and then ends the server with SIGTERM's own
+    default action, so it still reads as "terminated by SIGTERM". A forked job inherits the handler and
+    ends its own children the same way. (SIGINT from a terminal reaches the whole process group already.)
+    """
+    import signal
+
+    import psutil
+
+    def on_term(signum, _frame):
+        try:
+            children = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            children = []
+        for child in children:
+            try:
+                child.terminate()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(children, timeout=grace_s)
+        for child in alive:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def job_cache(folder) -> diskcache.Cache:
     """The disk cache Dash's background jobs pass progress and results through (JSON only)."""
     return diskcache.Cache(str(folder), disk=JSONJobDisk)
