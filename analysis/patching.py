@@ -198,6 +198,15 @@ MetricFn = Callable[[torch.Tensor], torch.Tensor]
 """``logits [batch, pos, vocab] → [batch]``: the un-normalised metric at the last position."""
 
 
+def _last_position(resid: torch.Tensor, hook: Any = None) -> torch.Tensor:
+    """Only the last position reaches the final norm and the unembedding: the metric reads nothing
+    else, and the ``[batch, pos, vocab]`` logits of a big batch would cost more than the layers."""
+    return resid[:, -1:]
+
+
+LAST_POSITION: Hook = ("ln_final.hook_in", _last_position)
+
+
 def patching_metric(metric: str, answers: Sequence[int]) -> MetricFn:
     """The metric of the module docstring on the last position's logits, not yet normalised.
 
@@ -322,7 +331,7 @@ def _exact(
         else:
             inp = _tensor(model, [receive_ids] * n)
         with model.lock, torch.inference_mode():
-            logits = model.bridge.run_with_hooks(inp, fwd_hooks=hooks, return_type="logits")
+            logits = model.bridge.run_with_hooks(inp, fwd_hooks=hooks + [LAST_POSITION], return_type="logits")
             values = fn(logits).double().cpu().numpy()
         del logits
         raw[idx] = values
@@ -353,7 +362,8 @@ def _attribution(
 
     hooks = [(_site_hook(model, site, la), keep(la)) for la in layers]
     with model.lock, torch.enable_grad():
-        logits = model.bridge.run_with_hooks(_tensor(model, [receive_ids]), fwd_hooks=hooks, return_type="logits")
+        logits = model.bridge.run_with_hooks(_tensor(model, [receive_ids]), fwd_hooks=hooks + [LAST_POSITION],
+                                             return_type="logits")
         value = fn(logits)[0]
         missing = [la for la in layers if la not in acts or not acts[la].requires_grad]
         if missing:
@@ -550,8 +560,8 @@ def activation_patching(
         key-value head). Not with ``resid``.
     attribution : also compute attribution patching and, with ``exact``, their :class:`Agreement`.
     exact : compute exact patching (False with ``attribution``: the fast estimate alone).
-    batch_size : units per forward pass (default: as many as keep the batch's logits under 1 GiB,
-        at most 64).
+    batch_size : units per forward pass (default: as many as keep one layer's attention patterns of
+        the batch under 1 GiB, at most 64).
     store : when given, a stored result is returned at once and a complete new one stored.
     cancel : checked between batches; the result then holds what finished (nan elsewhere) and
         ``complete`` is False (not stored).
@@ -587,7 +597,7 @@ def activation_patching(
                 progress(1.0)
             return found
     with model.lock, torch.inference_mode():
-        both = model.bridge.run_with_hooks(_tensor(model, [pair.clean_ids, pair.corrupted_ids]), fwd_hooks=[],
+        both = model.bridge.run_with_hooks(_tensor(model, [pair.clean_ids, pair.corrupted_ids]), fwd_hooks=[LAST_POSITION],
                                            return_type="logits")
         m_clean, m_corrupted = (float(v) for v in fn(both))
     denominator = m_clean - m_corrupted
@@ -602,7 +612,8 @@ def activation_patching(
     units, shape = _units(model, site, pair.n_tokens, head)
     source = _source_activations(model, source_ids, site, sorted({u[0] for u in units}))
     if batch_size is None:
-        batch_size = max(1, min(64, (1 << 28) // max(1, pair.n_tokens * model.vocab_size)))
+        n = pair.n_tokens
+        batch_size = max(1, min(64, (1 << 28) // (n * n * model.n_heads)))  # a layer's patterns ≤ 1 GiB
     if batch_size < 1:
         raise InputError("batch_size must be at least 1.")
 
