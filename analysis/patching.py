@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -72,7 +72,7 @@ from transformer_lens.utilities import get_act_name
 
 from analysis.ablation import MAX_TOKENS, Cancel, Hook, Progress, _tensor
 from analysis.capture import tokenize_input
-from analysis.errors import InputError, check_head_index, check_layer
+from analysis.errors import InputError, check_head_index
 from analysis.greedy_decoding import cancel_requested
 from analysis.models import LoadedModel
 from analysis.patching_choices import (
@@ -434,7 +434,6 @@ class PatchingResult:
     seconds: float = 0.0
     attribution_seconds: float = 0.0
     key: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def baseline(self) -> float:
@@ -631,11 +630,3 @@ def activation_patching(
         save_patching(store, result, model.digest)
     return result
 
-
-def check_layer_head(model: LoadedModel, site: str, text: str) -> tuple[int, int]:
-    """``"12.3"`` as a validated (layer, head) for ``site`` (a key-value head for k and v)."""
-    parts = str(text).strip().split(".")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        raise InputError(f"Cannot read {text!r} as a head: write layer.head, e.g. 12.3.")
-    layer = check_layer(model.n_layers, int(parts[0]))
-    return check_head_index(model.n_layers, _n_heads(model, site), layer, int(parts[1]))
