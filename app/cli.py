@@ -20,6 +20,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from analysis.ablation_choices import CONTROL_TOP_N, DEFAULT_METHOD, DEFAULT_SEEDS, METHODS
+from analysis.patching_choices import DIRECTIONS as PATCH_DIRECTIONS
+from analysis.patching_choices import METRICS as PATCH_METRICS
+from analysis.patching_choices import SITES as PATCH_SITES
 
 EXIT_USER_ERROR = 2
 
@@ -764,6 +767,130 @@ def cmd_ablate(args) -> int:
     return 0
 
 
+def answer_list(text: str) -> list[str]:
+    """``--answers``: one or two answers separated by a comma, each kept exactly as typed (an answer
+    that follows a space in the text is written with it: ``" Mary, John"``)."""
+    items = text.split(",")
+    if not 1 <= len(items) <= 2 or not all(item.strip() for item in items):
+        raise argparse.ArgumentTypeError("give one or two answer tokens separated by a comma, the clean answer "
+                                         "first, e.g. \" Mary, John\"")
+    return items
+
+
+_LAYER_HEAD = re.compile(r"^\s*(\d+)\.(\d+)\s*$")
+
+
+def layer_head(text: str) -> tuple[int, int]:
+    m = _LAYER_HEAD.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a head: write layer.head, e.g. 23.3")
+    return int(m[1]), int(m[2])
+
+
+def patching_table(summary: dict) -> list[str]:
+    """The numbers of a patching's ``summary.json``: the setting, the largest effects and the agreement."""
+    lines = [f"{summary['direction']} {summary['site']}: {summary['unit']}",
+             f"{summary['metric_label']} {' vs '.join(repr(a) for a in summary['answers'])}: "
+             f"clean {summary['clean']:.4f}, corrupted {summary['corrupted']:.4f} (normalised: 1 and 0)"]
+    top = summary.get("top_exact") or summary.get("top_attribution") or []
+    has_exact, has_attr = "top_exact" in summary, "top_attribution" in summary
+    if top:
+        lines.append(f"largest effects ({'exact' if has_exact else 'attribution'} patching):")
+        width = max(len(r["unit"]) for r in top)
+        head = f"{'unit':<{width}}  {'exact':>9}" if has_exact else f"{'unit':<{width}}"
+        lines.append(head + (f"  {'attribution':>11}" if has_attr else ""))
+        for r in top:
+            row = f"{r['unit']:<{width}}"
+            if has_exact:
+                row += f"  {r['exact']:>9.4f}"
+            if has_attr:
+                row += f"  {r['attribution']:>11.4f}"
+            lines.append(row)
+    a = summary.get("agreement")
+    if a:
+        lines.append(f"attribution vs exact over {a['n_units']} units: Pearson {a['pearson']:.3f}, "
+                     f"Spearman {a['spearman']:.3f}, top-{a['k']} overlap {a['overlap']:.0%}")
+    times = [f"exact {summary['seconds_exact']:.1f} s"] if has_exact else []
+    if has_attr:
+        times.append(f"attribution {summary['seconds_attribution']:.2f} s")
+    lines.append("time: " + ", ".join(times) + (" (stored result)" if summary.get("reused") else ""))
+    return lines
+
+
+def cmd_patch(args) -> int:
+    """Activation patching (and attribution patching) between a clean and a corrupted prompt; writes
+    the map, the exact-vs-attribution scatter, their tables and ``summary.json``, and prints the top units."""
+    if args.head is not None and args.site == "resid":
+        raise UsageError("argument --head: the residual stream map is already per position; use --site z, q, k or v")
+    if args.attribution_only and args.attribution:
+        raise UsageError("argument --attribution-only: already includes --attribution")
+
+    import json
+
+    import numpy as np
+
+    from app.export import FIGURE_FORMATS, write_files
+    from app.views import names
+    from app.views.patching import unit_names
+
+    formats = _check_formats(args.formats, FIGURE_FORMATS)
+    store, spec, model = _open_store_and_model(args)
+    from analysis.patching import activation_patching, load_patching, patching_key, prompt_pair
+    from analysis.patching_choices import METRIC_LABELS
+
+    # Checked in two steps so that the message names the argument to fix: the prompts (lengths,
+    # differences) with a placeholder answer, then the answers.
+    with _argument("--corrupted"):
+        prompt_pair(model, args.clean, args.corrupted, [0])
+    with _argument("--answers"):
+        pair = prompt_pair(model, args.clean, args.corrupted, args.answers)
+    attribution = args.attribution or args.attribution_only
+    exact = not args.attribution_only
+    reused = load_patching(store, patching_key(model, pair, args.site, args.direction, args.metric, args.head,
+                                               attribution, exact)) is not None
+    with progress_bar(f"{args.direction} {args.site}") as bar, _argument("--head" if args.head else "--metric"):
+        result = activation_patching(model, list(pair.clean_ids), list(pair.corrupted_ids), list(pair.answers),
+                                     site=args.site, direction=args.direction, metric=args.metric, head=args.head,
+                                     attribution=attribution, exact=exact, store=store, progress=bar)
+    out = Path(args.out) if args.out else store.root / "exports" / f"patch-{result.key[:12]}"
+    out.mkdir(parents=True, exist_ok=True)
+    params = {"model": spec, "patching": result.key[:16]}
+    names_ = unit_names(result)
+    summary: dict = {
+        "patching": result.key, "model": model.name, "model_digest": model.digest, "site": result.site,
+        "direction": result.direction, "metric": result.metric, "metric_label": METRIC_LABELS[result.metric],
+        "head": list(result.head) if result.head else None, "unit": result.unit,
+        "clean_tokens": list(result.pair.clean_tokens), "corrupted_tokens": list(result.pair.corrupted_tokens),
+        "differ": list(result.pair.differ), "answers": list(result.pair.answer_tokens),
+        "clean": result.clean, "corrupted": result.corrupted, "reused": reused,
+    }
+    for which, arr in (("exact", result.values), ("attribution", result.attribution)):
+        if arr is None:
+            continue
+        top = result.top_units(10, attribution=which == "attribution")
+        flat_index = [int(np.ravel_multi_index(ix, arr.shape)) for ix, _ in top]
+        summary[f"top_{which}"] = [
+            {"unit": names_[i], "exact": None if result.values is None else float(result.values.ravel()[i]),
+             "attribution": None if result.attribution is None else float(result.attribution.ravel()[i])}
+            for i in flat_index]
+    if result.values is not None:
+        summary["seconds_exact"] = result.seconds - result.attribution_seconds
+    if result.attribution is not None:
+        summary["seconds_attribution"] = result.attribution_seconds
+    if result.agreement is not None:
+        a = result.agreement
+        summary["agreement"] = {"pearson": a.pearson, "spearman": a.spearman, "k": a.k, "overlap": a.overlap,
+                                "n_units": a.n_units}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_files(None, names.PATCHING_MAP, {**params, "show": None}, out, formats)
+    if result.agreement is not None:
+        write_files(None, names.PATCHING_AGREEMENT, params, out, formats)
+    for line in patching_table(summary):
+        print(line)
+    print(f"results in {out}")
+    return 0
+
+
 def _niah_options(p: argparse.ArgumentParser, prefix: str) -> None:
     """The needle placement and decode stop of a sweep (``scan`` and ``ablate --sweep``)."""
     p.add_argument("--depth-rule",
@@ -864,6 +991,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=folder)
     p.add_argument("--formats", default="svg,html")
     p.set_defaults(func=cmd_ablate)
+
+    p = sub.add_parser("patch", help="activation patching between a clean and a corrupted prompt: which heads "
+                                     "(or residual positions) carry the answer")
+    p.add_argument("--model", type=non_empty("the model spec"), help=MODEL_HELP)
+    p.add_argument("--clean", type=text_arg, required=True, help="the clean prompt")
+    p.add_argument("--corrupted", type=text_arg, required=True,
+                   help="the corrupted prompt: the same number of tokens (e.g. a name swapped)")
+    p.add_argument("--answers", type=answer_list, required=True,
+                   help="the clean answer token, then the corrupted one, comma-separated and with their leading "
+                        "space, e.g. \" Mary, John\"")
+    p.add_argument("--site", choices=PATCH_SITES, default="z",
+                   help="z: head outputs; q: queries; k, v: keys, values (per key-value head); resid: the "
+                        "residual stream, layer × position (default z)")
+    p.add_argument("--direction", choices=PATCH_DIRECTIONS, default="denoise",
+                   help="denoise: clean activations into the corrupted run; noise: the reverse (default denoise)")
+    p.add_argument("--metric", choices=PATCH_METRICS, default="logit_diff",
+                   help="logit difference of the two answers, or the loss on the clean answer")
+    p.add_argument("--head", type=layer_head, help="patch this head (layer.head) one position at a time")
+    p.add_argument("--attribution", action="store_true",
+                   help="also attribution patching (one forward and one backward pass) and its agreement")
+    p.add_argument("--attribution-only", action="store_true", help="attribution patching alone (fast)")
+    p.add_argument("--out", type=folder)
+    p.add_argument("--formats", default="svg,html")
+    p.set_defaults(func=cmd_patch)
 
     p = sub.add_parser("models", help="list what can be loaded offline")
     p.set_defaults(func=cmd_models)

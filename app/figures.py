@@ -547,3 +547,72 @@ def topk_curve(k_values: Sequence[int], top: np.ndarray, random: np.ndarray, met
     fig.update_yaxes(title=metric_label)
     fig.update_layout(legend={"orientation": "h", "y": -0.25})
     return _layout(fig, safe_text(title), height=400)
+
+
+PATCHING_SCALE = "RdBu"
+
+
+def patching_map(values: np.ndarray, x_labels: Sequence[str], y_labels: Sequence[str], x_title: str,
+                 y_title: str, value_label: str, title: str, baseline: float = 0.0) -> go.Figure:
+    """A map of normalised patching values (0 = corrupted, 1 = clean), coloured around ``baseline``
+    (the value of patching nothing: 0 when denoising, 1 when noising); nan cells blank.
+
+    Used for the layer × head map (``values[layer, head]``) and the residual stream's layer ×
+    position map (``values[layer, position]``)."""
+    values = np.asarray(values, dtype=float)
+    finite = values[np.isfinite(values)]
+    span = float(np.max(np.abs(finite - baseline))) if finite.size else 1.0
+    span = span or 1.0
+    fig = go.Figure(
+        go.Heatmap(
+            z=np.where(np.isfinite(values), values, None).tolist(), x=list(x_labels), y=list(y_labels),
+            colorscale=PATCHING_SCALE, zmin=baseline - span, zmax=baseline + span,
+            colorbar={"title": {"text": value_label, "side": "right"}, "thickness": 12},
+            hovertemplate=y_title + " %{y}, " + x_title + " %{x}<br>" + value_label + ": %{z:.4f}<extra></extra>",
+            xgap=1, ygap=1,
+        )
+    )
+    fig.update_xaxes(title=x_title, type="category", showgrid=False,
+                     tickangle=-60 if len(x_labels) > 16 else 0, showticklabels=len(x_labels) <= 80)
+    fig.update_yaxes(title=y_title, type="category", autorange="reversed", showgrid=False)
+    return _layout(fig, safe_text(title), height=max(360, 18 * values.shape[0] + 140))
+
+
+def patching_positions(values: np.ndarray, tokens: Sequence[str], value_label: str, title: str,
+                       baseline: float = 0.0, differ: Sequence[int] = ()) -> go.Figure:
+    """Normalised patching value per position of one head, as bars from ``baseline``; positions where
+    the two prompts differ are shaded."""
+    values = np.asarray(values, dtype=float)
+    fig = go.Figure(go.Bar(x=token_labels(tokens), y=np.where(np.isfinite(values), values - baseline, None).tolist(),
+                           base=baseline, marker_color="#2a6fdb",
+                           hovertemplate="%{x}<br>" + value_label + " %{customdata:.4f}<extra></extra>",
+                           customdata=np.where(np.isfinite(values), values, None).tolist()))
+    labels = token_labels(tokens)
+    for p in differ:
+        fig.add_vrect(x0=p - 0.5, x1=p + 0.5, fillcolor="#f4a259", opacity=0.25, line_width=0)
+    fig.update_xaxes(title="position (shaded: the prompts differ)", type="category", tickangle=-60,
+                     showticklabels=len(labels) <= 80)
+    fig.update_yaxes(title=value_label)
+    return _layout(fig, safe_text(title), height=340)
+
+
+def exact_vs_attribution(exact: np.ndarray, approx: np.ndarray, unit_labels: Sequence[str], title: str,
+                         note: str = "") -> go.Figure:
+    """One dot per patched unit: attribution patching's estimate against exact patching, with y = x;
+    ``note`` (e.g. the agreement) is a second, smaller title line."""
+    x, y = np.asarray(exact, dtype=float).ravel(), np.asarray(approx, dtype=float).ravel()
+    ok = np.isfinite(x) & np.isfinite(y)
+    fig = go.Figure(go.Scatter(
+        x=x[ok].tolist(), y=y[ok].tolist(), mode="markers", name="units",
+        marker={"size": 7, "color": "#2a6fdb", "opacity": 0.75},
+        customdata=[safe_text(s) for s, k in zip(unit_labels, ok, strict=True) if k],
+        hovertemplate="%{customdata}<br>exact %{x:.4f}<br>attribution %{y:.4f}<extra></extra>"))
+    if ok.any():
+        lo, hi = float(min(x[ok].min(), y[ok].min())), float(max(x[ok].max(), y[ok].max()))
+        fig.add_trace(go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", name="y = x",
+                                 line={"color": "#999", "dash": "dash"}, hoverinfo="skip"))
+    fig.update_xaxes(title="exact activation patching")
+    fig.update_yaxes(title="attribution patching (first order)")
+    fig.update_layout(legend={"orientation": "h", "y": -0.2})
+    shown = safe_text(title) + (f"<br><sup>{safe_text(note)}</sup>" if note else "")
+    return _layout(fig, shown, height=460)

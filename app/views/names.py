@@ -30,6 +30,9 @@ ABLATION_SELECTION = "ablation_selection"
 ABLATION_EFFECTS = "ablation_effects"
 ABLATION_CURVE = "ablation_curve"
 ABLATION_HEAD_SWEEP = "ablation_head_sweep"
+# Patching (no page yet: headscope patch)
+PATCHING_MAP = "patching_map"
+PATCHING_AGREEMENT = "patching_agreement"
 # QK page
 QK_SCATTER = "qk_scatter"
 QK_SPECTRUM = "qk_spectrum"

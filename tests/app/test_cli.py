@@ -165,6 +165,48 @@ def test_ablate_writes_effects_and_a_curve_and_refuses_bad_heads(tmp_path):
         assert bad.returncode == 2 and why in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
 
 
+@pytest.mark.timeout(600)  # three processes load the model and one patches 434 units: 257 s measured at load 10
+def test_patch_maps_the_residual_stream_and_compares_attribution(tmp_path):
+    """``headscope patch`` on an IOI-style name swap: the residual stream map (denoising) is 1 after the
+    last layer at the last position and at the swapped name in layer 0 (those patches are the clean
+    run), the table prints the largest effects with their attribution estimate, the figures come with
+    manifests that rebuild them, and asking again reads the stored result."""
+    home, out = tmp_path / "home", tmp_path / "out"
+    args = ("patch", *P, "--corrupted", PATCH_CORRUPTED, "--answers", " Mary, John", "--site", "resid",
+            "--attribution", "--formats", "svg")
+    r = headscope(*args, "--out", str(out), home=home, timeout=600)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["clean"] > 0 > summary["corrupted"]  # the model prefers the right name in both prompts
+    assert summary["differ"] == [9] and summary["answers"] == ["·Mary", "·John"]
+    rows = {row["unit"]: row for row in json.loads((out / "patching_map.json").read_text())}
+    n = len(summary["clean_tokens"])
+    assert len(rows) == 31 * n
+    assert rows[f"out @ {n - 1} ·to"]["exact"] == pytest.approx(1.0, abs=1e-3)
+    assert rows["L0 @ 9 ·John / ·Mary"]["exact"] == pytest.approx(1.0, abs=1e-3)
+    assert rows["L0 @ 3 ·John"]["exact"] == pytest.approx(0.0, abs=1e-3)  # the same token in both prompts
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("denoise resid: residual stream")
+    assert lines[2] == "largest effects (exact patching):" and lines[3].split() == ["unit", "exact", "attribution"]
+    top = summary["top_exact"][0]
+    assert lines[4].split()[-2:] == [f"{top['exact']:.4f}", f"{top['attribution']:.4f}"]
+    a = summary["agreement"]
+    assert f"Pearson {a['pearson']:.3f}, Spearman {a['spearman']:.3f}, top-10 overlap" in r.stdout
+    for view in ("patching_map", "patching_agreement"):
+        assert (out / f"{view}.svg").read_text().lstrip().startswith(("<svg", "<?xml"))
+        assert json.loads((out / f"{view}.manifest.json").read_text())["params"]["patching"] == summary["patching"][:16]
+    again = headscope("figure", str(out / "patching_agreement.manifest.json"), "--out", str(tmp_path / "re"),
+                      "--formats", "", home=home)
+    assert again.returncode == 0, again.stderr
+    assert json.loads((tmp_path / "re" / "patching_agreement.json").read_text()) == json.loads(
+        (out / "patching_agreement.json").read_text())
+    stored = headscope(*args, "--out", str(tmp_path / "out2"), home=home)
+    assert stored.returncode == 0, stored.stderr
+    assert "(stored result)" in stored.stdout
+    assert json.loads((tmp_path / "out2" / "patching_map.json").read_text()) == json.loads(
+        (out / "patching_map.json").read_text())
+
+
 def test_ablate_sweep_takes_scan_needle_and_haystack_options_and_prints_niah_accuracy(tmp_path):
     """``ablate --sweep`` with a needles file and a haystack file (as ``scan`` takes them): the NIAH
     accuracy row in the table, from the needles and haystack given."""
@@ -275,6 +317,9 @@ def bad_files(tmp_path):
 
 
 T = ("--text", "The cat sat on the mat.")
+PATCH_CLEAN = "When Mary and John went to the store, John gave a drink to"
+PATCH_CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
+P = ("--clean", PATCH_CLEAN)
 # (argv, what the message must name); ``{name}`` is a path from ``bad_files``
 BAD_INPUTS = [
     # the command itself
@@ -357,6 +402,22 @@ BAD_INPUTS = [
     (("ablate", "--sweep", "--heads", "1.1", "--needles", "no-such-needle"), "--needles"),
     (("ablate", *T, "--heads", "1.1", "--model", "{random_gguf}"), "--model"),
     (("ablate", *T, "--heads", "1.1", "--formats", "svg,tiff"), "--formats"),
+    # patch: prompt pairs, answers, sites, heads
+    (("patch", *P, "--answers", " Mary, John", "--corrupted", "When Mary and John went to the big store, Mary gave "
+      "a drink to"), "--corrupted"),
+    (("patch", *P, "--answers", " Mary, John", "--corrupted", PATCH_CLEAN), "--corrupted"),
+    (("patch", *P, "--answers", " Marylebone, John", "--corrupted", PATCH_CORRUPTED), "--answers"),
+    (("patch", *P, "--answers", " Mary, John, Bob", "--corrupted", PATCH_CORRUPTED), "--answers"),
+    (("patch", *P, "--answers", " Mary, John", "--corrupted", PATCH_CORRUPTED, "--site", "o"), "--site"),
+    (("patch", *P, "--answers", " Mary, John", "--corrupted", PATCH_CORRUPTED, "--site", "resid", "--head", "1.1"),
+     "--head"),
+    (("patch", *P, "--answers", " Mary, John", "--corrupted", PATCH_CORRUPTED, "--head", "1-1"), "--head"),
+    (("patch", *P, "--answers", " Mary, John", "--corrupted", PATCH_CORRUPTED, "--head", "99.1"), "--head"),
+    (("patch", *P, "--answers", " Mary, John", "--corrupted", PATCH_CORRUPTED, "--site", "k", "--head", "1.3"),
+     "--head"),
+    (("patch", *P, "--answers", " Mary", "--corrupted", PATCH_CORRUPTED), "--metric"),
+    (("patch", *P, "--answers", " Mary, John", "--corrupted", PATCH_CORRUPTED, "--formats", "svg,tiff"), "--formats"),
+    (("patch", *P, "--answers", " Mary, John"), "--corrupted"),
     # serve, worker
     (("serve", "--port", "0"), "--port"), (("serve", "--port", "70000"), "--port"), (("serve", "--port", "http"), "--port"),
     (("serve", "--port", "{busy_port}"), "--port"), (("serve", "--host", ""), "--host"),
@@ -426,7 +487,9 @@ def test_help_and_argument_errors_import_nothing_heavy_and_answer_fast(tmp_path)
         "argvs = [['serve', '--port', '9000'], ['worker', '--concurrency', '2'], ['run', 'hi', '--formats', 'svg'],\n"
         "         ['scan', '--lengths', '256,512', '--depths', '0,50'], ['models'], ['runs', 'list'],\n"
         "         ['figure', 'm.json'], ['ablate', '--text', 'x', '--top-k', '3', '--curve', '0,1,3'],\n"
-        "         ['ablate', '--top-k', '-3'], ['scan', '--lengths', 'abc'], ['--help'], ['ablate', '--help']]\n"
+        "         ['ablate', '--top-k', '-3'], ['scan', '--lengths', 'abc'], ['--help'], ['ablate', '--help'],\n"
+        "         ['patch', '--clean', 'a', '--corrupted', 'b', '--answers', ' x, y', '--site', 'resid'],\n"
+        "         ['patch', '--help']]\n"
         "for argv in argvs:\n"
         "    try:\n"
         "        build_parser().parse_args(argv)\n"

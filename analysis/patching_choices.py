@@ -1,0 +1,29 @@
+"""What a user can choose in activation patching, spelled once: the sites, the directions and the
+metrics, with what each means (:mod:`analysis.patching` implements them).
+
+This module imports nothing heavy, so the command line checks its arguments against these names
+before torch is loaded.
+"""
+
+from __future__ import annotations
+
+SITES = ("z", "q", "k", "v", "resid")
+HEAD_SITES = ("z", "q", "k", "v")
+KV_SITES = ("k", "v")
+DIRECTIONS = ("denoise", "noise")
+METRICS = ("logit_diff", "loss")
+SITE_DESCRIPTIONS = {
+    "z": "each query head's output z (hook_z, before W_O)",
+    "q": "each query head's queries (hook_q, before rotary)",
+    "k": "each key-value head's keys (hook_k, before rotary); with grouped-query attention one key head "
+         "serves several query heads, so its effect is theirs together",
+    "v": "each key-value head's values (hook_v); with grouped-query attention one value head serves "
+         "several query heads, so its effect is theirs together",
+    "resid": "the residual stream at one position entering each layer (hook_resid_pre; the last row is "
+             "after the last layer)",
+}
+DIRECTION_DESCRIPTIONS = {
+    "denoise": "clean activations copied into the corrupted run (1 = that activation restores the clean answer)",
+    "noise": "corrupted activations copied into the clean run (0 = the clean answer needs that activation)",
+}
+METRIC_LABELS = {"logit_diff": "logit difference", "loss": "loss on the answer"}
