@@ -905,6 +905,33 @@ MODEL_HELP = "model spec: an embedded model, a .gguf file, a folder of safetenso
              "model; `headscope models` lists them)"
 
 
+def _add_patch_parser(sub) -> None:
+    """``headscope patch``: activation and attribution patching (:func:`analysis.patching.activation_patching`)."""
+    p = sub.add_parser("patch", help="activation patching between a clean and a corrupted prompt: which heads "
+                                     "(or residual positions) carry the answer")
+    p.add_argument("--model", type=non_empty("the model spec"), help=MODEL_HELP)
+    p.add_argument("--clean", type=text_arg, required=True, help="the clean prompt")
+    p.add_argument("--corrupted", type=text_arg, required=True,
+                   help="the corrupted prompt: the same number of tokens (e.g. a name swapped)")
+    p.add_argument("--answers", type=answer_list, required=True,
+                   help="the clean answer token, then the corrupted one, comma-separated and with their leading "
+                        "space, e.g. \" Mary, John\"")
+    p.add_argument("--site", choices=PATCH_SITES, default="z",
+                   help="z: head outputs; q: queries; k, v: keys, values (per key-value head); resid: the "
+                        "residual stream, layer × position (default z)")
+    p.add_argument("--direction", choices=PATCH_DIRECTIONS, default="denoise",
+                   help="denoise: clean activations into the corrupted run; noise: the reverse (default denoise)")
+    p.add_argument("--metric", choices=PATCH_METRICS, default="logit_diff",
+                   help="logit difference of the two answers, or the loss on the clean answer")
+    p.add_argument("--head", type=layer_head, help="patch this head (layer.head) one position at a time")
+    p.add_argument("--attribution", action="store_true",
+                   help="also attribution patching (one forward and one backward pass) and its agreement")
+    p.add_argument("--attribution-only", action="store_true", help="attribution patching alone (fast)")
+    p.add_argument("--out", type=folder)
+    p.add_argument("--formats", default="svg,html")
+    p.set_defaults(func=cmd_patch)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line's arguments, each with a type that checks it (nothing heavy is imported)."""
     parser = _Parser(prog="headscope", description="A workbench for attention heads.")
@@ -992,29 +1019,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--formats", default="svg,html")
     p.set_defaults(func=cmd_ablate)
 
-    p = sub.add_parser("patch", help="activation patching between a clean and a corrupted prompt: which heads "
-                                     "(or residual positions) carry the answer")
-    p.add_argument("--model", type=non_empty("the model spec"), help=MODEL_HELP)
-    p.add_argument("--clean", type=text_arg, required=True, help="the clean prompt")
-    p.add_argument("--corrupted", type=text_arg, required=True,
-                   help="the corrupted prompt: the same number of tokens (e.g. a name swapped)")
-    p.add_argument("--answers", type=answer_list, required=True,
-                   help="the clean answer token, then the corrupted one, comma-separated and with their leading "
-                        "space, e.g. \" Mary, John\"")
-    p.add_argument("--site", choices=PATCH_SITES, default="z",
-                   help="z: head outputs; q: queries; k, v: keys, values (per key-value head); resid: the "
-                        "residual stream, layer × position (default z)")
-    p.add_argument("--direction", choices=PATCH_DIRECTIONS, default="denoise",
-                   help="denoise: clean activations into the corrupted run; noise: the reverse (default denoise)")
-    p.add_argument("--metric", choices=PATCH_METRICS, default="logit_diff",
-                   help="logit difference of the two answers, or the loss on the clean answer")
-    p.add_argument("--head", type=layer_head, help="patch this head (layer.head) one position at a time")
-    p.add_argument("--attribution", action="store_true",
-                   help="also attribution patching (one forward and one backward pass) and its agreement")
-    p.add_argument("--attribution-only", action="store_true", help="attribution patching alone (fast)")
-    p.add_argument("--out", type=folder)
-    p.add_argument("--formats", default="svg,html")
-    p.set_defaults(func=cmd_patch)
+    _add_patch_parser(sub)
 
     p = sub.add_parser("models", help="list what can be loaded offline")
     p.set_defaults(func=cmd_models)
