@@ -11,9 +11,9 @@ to ``n_heads − 1`` in every layer (DESIGN.md, *Definitions*: ``A[l, h]``).
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from typing import Any
-
-import numpy as np
 
 
 class InputError(ValueError):
@@ -24,9 +24,10 @@ def _whole(value: Any) -> int | None:
     """``value`` as an int when it is a whole number (an int, a whole float, a numeral), else None."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, int | np.integer):
+    if isinstance(value, numbers.Integral):  # int and numpy's integers (numpy not imported: the CLI reads
+        # manifests with parse_json before anything heavy loads)
         return int(value)
-    if isinstance(value, float | np.floating) and float(value).is_integer():
+    if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
         return int(value)
     if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
         try:  # "²" is a digit to isdigit() but not to int(); so is a numeral past 4,300 digits

@@ -449,10 +449,10 @@ def cmd_figure(args) -> int:
 def _check_needle_types(path: str) -> None:
     """Refuse a needles file whose fields are not strings (``analysis.niah`` reads the shape and
     would turn a number or a list into text)."""
-    import json
+    from analysis.errors import parse_json
 
     try:
-        raw = json.loads(read_text_file(path))
+        raw = parse_json(read_text_file(path))
     except ValueError:
         return  # not JSON at all: load_needles says so
     items = raw.get("needles") if isinstance(raw, dict) else raw

@@ -236,6 +236,9 @@ def bad_files(tmp_path):
         "empty.gguf": b"",
         "needles_types.json": json.dumps([{"needle": 3, "question": ["q"], "answer": None}]).encode(),
         "needles_obj.json": json.dumps({"needle": "n"}).encode(),
+        "deep.json": b"[" * 100_000 + b"]" * 100_000,  # nested past the JSON parser's recursion
+        "deep_obj.json": b'{"needles":' * 50_000 + b"1" + b"}" * 50_000,
+        "long_number.json": b"[" + b"7" * 5000 + b"]",  # past int()'s 4,300 digits
     }
     paths = {"dir": str(d), "missing": str(d / "no-such-file.txt"), "home": str(tmp_path / "home")}
     for name, data in files.items():
@@ -301,7 +304,8 @@ BAD_INPUTS = [
         "manifest_settings_str", "manifest_params_list", "manifest_ids_str", "manifest_ids_float",
         "manifest_ids_negative", "manifest_ids_bool", "manifest_model_str", "manifest_model_name_int",
         "manifest_version_str", "manifest_tokens_len", "manifest_qk_str", "manifest_block_no_sink",
-        "manifest_spans_bad", "manifest_missing", "manifest_list", "manifest_bad_json", "manifest_wrong_digest")],
+        "manifest_spans_bad", "manifest_missing", "manifest_list", "manifest_bad_json", "manifest_wrong_digest",
+        "deep_json", "deep_obj_json", "long_number_json")],
     (("figure", "{manifest_ids_str}", "--formats", "gif"), "manifest"),
     # scan: lists, counts, needles, haystacks
     (("scan", "--lengths", "abc"), "--lengths"), (("scan", "--lengths", "0"), "--lengths"),
@@ -315,6 +319,9 @@ BAD_INPUTS = [
     (("scan", "--needles-file", "{needles_types_json}"), "--needles-file"),
     (("scan", "--needles-file", "{needles_obj_json}"), "--needles-file"),
     (("scan", "--needles-file", "{text}"), "--needles-file"),
+    (("scan", "--needles-file", "{deep_json}"), "--needles-file"), (("scan", "--needles-file", "{deep_obj_json}"), "--needles-file"),
+    (("scan", "--needles-file", "{long_number_json}"), "--needles-file"),
+    (("ablate", "--sweep", "--heads", "1.1", "--needles-file", "{deep_json}"), "--needles-file"),
     (("scan", "--needles", "no-such-needle"), "--needles"),
     (("scan", "--lengths", "100000", "--needles", "locker-code", "--depths", "50"), "--lengths"),
     (("scan", "--lengths", "6", "--needles", "locker-code", "--depths", "50"), "--lengths"),
