@@ -276,7 +276,7 @@ class Offers:
         if not isinstance(body, dict) or not isinstance(body.get("output"), str):
             return ["This is not a callback request."]
         callback = self.app.callback_map.get(body["output"])
-        if callback is None:
+        if callback is None or "callback" not in callback:  # a clientside one runs in the browser only
             return ["No such callback."]
         shape = shape_problems(body, callback)
         if shape:

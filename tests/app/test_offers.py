@@ -139,3 +139,15 @@ def test_deeply_nested_or_oversized_json_is_a_400_not_a_500(client, body):
     r = client.post("/_dash-update-component", data=body, content_type="application/json")
     assert r.status_code == 400 and "not a callback request" in r.get_data(as_text=True)
     assert client.get("/").status_code == 200
+
+
+def test_a_browser_side_callback_named_in_a_request_is_refused_not_a_500(client):
+    """Clientside callbacks (the nav links' state) run in the browser; the server has nothing to run."""
+    client, deps = client
+    dep = next(d for d in deps.values() if d.get("clientside_function"))
+    outputs = [{"id": p.rpartition(".")[0], "property": p.rpartition(".")[2].split("@")[0]}
+               for p in dep["output"].strip(".").split("...")]
+    r = client.post("/_dash-update-component", json={
+        "output": dep["output"], "outputs": outputs if dep["output"].startswith("..") else outputs[0],
+        "inputs": [{**s, "value": "?model=/etc"} for s in dep["inputs"]], "state": [], "changedPropIds": []})
+    assert r.status_code == 400 and "No such callback" in r.get_data(as_text=True)
