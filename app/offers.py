@@ -57,6 +57,9 @@ class Offer:
     values: frozenset = frozenset()
     multi: bool = False
     types: Any = None
+    low: float | None = None  # a number box's min, max and step (a whole step: whole numbers only)
+    high: float | None = None
+    step: Any = None
 
     def problem(self, value: Any) -> str | None:
         """Why ``value`` is not one this control offers, or ``None``."""
@@ -68,9 +71,15 @@ class Offer:
                 return None
             return f"is not one of its options ({', '.join(sorted(map(str, self.values)))[:200]})"
         if self.kind == "number":
-            # its range is checked by the callback, whose message says what to type instead
+            # the box's own min, max and step: the browser sends null for a typed value outside them
+            # (dcc.Input checks validity), so anything else is forged; the callback checks what depends
+            # on the run (a layer of this model), with a message saying what to type instead
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
                 return "is not a number"
+            if (self.low is not None and value < self.low) or (self.high is not None and value > self.high):
+                return f"is outside its range {_num(self.low)}..{_num(self.high)}"
+            if isinstance(self.step, int) and not isinstance(self.step, bool) and float(value) != int(value):
+                return "is not a whole number"
             return None
         if self.kind == "count":
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -92,6 +101,14 @@ class Offer:
         if self.kind == "structure" and not isinstance(value, self.types):
             return "does not have the shape this control sends"
         return None
+
+
+def _num(bound: float | None) -> str:
+    return "" if bound is None else f"{bound:g}"
+
+
+def _bound(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _finite(value: int | float) -> bool:
@@ -123,7 +140,8 @@ def offers_of(component: Component) -> Iterator[tuple[str, Offer]]:
         yield "value", Offer("choice", option_values(getattr(component, "options", None)), multi=multi)
     elif isinstance(component, dcc.Input):
         if getattr(component, "type", None) == "number":
-            yield "value", Offer("number")
+            yield "value", Offer("number", low=_bound(getattr(component, "min", None)),
+                                 high=_bound(getattr(component, "max", None)), step=getattr(component, "step", None))
         else:
             yield "value", Offer("text")
     elif isinstance(component, dcc.Textarea):

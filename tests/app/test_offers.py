@@ -151,3 +151,22 @@ def test_a_browser_side_callback_named_in_a_request_is_refused_not_a_500(client)
         "output": dep["output"], "outputs": outputs if dep["output"].startswith("..") else outputs[0],
         "inputs": [{**s, "value": "?model=/etc"} for s in dep["inputs"]], "state": [], "changedPropIds": []})
     assert r.status_code == 400 and "No such callback" in r.get_data(as_text=True)
+
+
+# A number box's range and step as the page declares them: the browser sends null for anything else
+# (dcc.Input checks validity), so only a forged request carries such a value, e.g. 10**8 random seeds
+# for the ablation curve (a list of 10**8 seeds before any check). (control, value, what the 400 says)
+OUT_OF_RANGE = [
+    ("hs-abl-curve-seeds", 10**8, "is outside its range 0..10"), ("hs-abl-curve-seeds", 11, "is outside its range 0..10"),
+    ("hs-abl-curve-seeds", -1, "is outside its range 0..10"), ("hs-heads-sink", -5, "is outside its range 0.."),
+    ("hs-qk-layer", 1.5, "is not a whole number"), ("hs-qk-sentences", 10**6, "is outside its range 1.."),
+    ("hs-qk-head", -1, "is outside its range 0.."),
+]
+
+
+@pytest.mark.parametrize("cid, value, why", OUT_OF_RANGE, ids=[f"{c}={v}" for c, v, _ in OUT_OF_RANGE])
+def test_a_number_outside_its_box_range_or_step_is_refused(client, cid, value, why):
+    client, deps = client
+    dep = next(d for d in deps.values() if any(s["id"] == cid for s in d["inputs"] + d["state"]))
+    r = post(client, dep, {f"{cid}.value": value})
+    assert r.status_code == 400 and f"{cid}.value {why}" in r.get_data(as_text=True), r.get_data(as_text=True)[:300]
