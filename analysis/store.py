@@ -37,6 +37,7 @@ import os
 import shutil
 import socket
 import sqlite3
+import stat
 import threading
 import time
 import uuid
@@ -167,8 +168,12 @@ def _read_verified(path: Path, sha256: str) -> np.ndarray:
     memory map: later changes to the file cannot reach the returned array)."""
     h = hashlib.sha256()
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # non-blocking open: a pipe put in a file's place would otherwise wait for a writer forever
+        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptRecord(f"{path.name} is not a regular file")
+            size = st.st_size
             buf = np.empty(size, dtype=np.uint8)  # not zero-filled, unlike a bytearray
             view = memoryview(buf)
             got = 0

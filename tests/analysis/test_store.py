@@ -158,8 +158,20 @@ def test_sigkill_during_writes_leaves_a_consistent_store(tmp_path):
 # -- served bytes are verified bytes ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tamper", ["flip", "truncate", "delete"])
-def test_a_file_changed_after_reading_never_changes_what_was_served(store, tamper, caplog):
+def _within(seconds: float, call):
+    """``call()``'s result, failing the test if it has not returned after ``seconds`` (a blocked read)."""
+    import threading
+
+    out: list = []
+    worker = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), f"still blocked after {seconds} s"
+    return out[0]
+
+
+@pytest.mark.parametrize("tamper", ["flip", "truncate", "delete", "fifo", "symlink-to-fifo", "folder"])
+def test_a_file_changed_after_reading_never_changes_what_was_served(store, tamper, caplog, tmp_path):
     """Arrays are read into memory and verified once: flipping bytes in place (same size and mtime),
     truncating or deleting the file afterwards changes nothing already served (with a memory map,
     flipped bytes showed through and a truncation killed the process with SIGBUS); the next read
@@ -178,14 +190,28 @@ def test_a_file_changed_after_reading_never_changes_what_was_served(store, tampe
     elif tamper == "truncate":
         with open(path, "r+b") as f:
             f.truncate(st.st_size // 2)
-    else:
+    elif tamper == "delete":
         path.unlink()
+    else:  # replaced by something that is not a file: a pipe, or a symlink to one (opening a pipe for
+        # reading waits for a writer: the server's thread hung), a folder
+        outside = tmp_path / "outside"
+        outside.mkdir(exist_ok=True)
+        target = outside / "a.npy"
+        if tamper == "symlink-to-fifo":
+            os.mkfifo(target)
+        path.unlink()
+        if tamper == "fifo":
+            os.mkfifo(path)
+        elif tamper == "folder":
+            path.mkdir()
+        else:
+            path.symlink_to(target)
     np.testing.assert_array_equal(served, a)
     np.testing.assert_array_equal(held.array("a"), a)
     with pytest.raises(ValueError):
         served[0] = 1  # read-only, as the memory map was
     with caplog.at_level("WARNING", logger="analysis.store"):
-        assert store.get("k") is None
+        assert _within(20, lambda: store.get("k")) is None
     assert "dropped, it will be computed again" in caplog.text and "k" in caplog.text
     store.put("k", "run", {"n": 1}, {"a": a})
     np.testing.assert_array_equal(store.get("k").array("a"), a)
