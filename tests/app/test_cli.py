@@ -240,7 +240,9 @@ def bad_files(tmp_path):
         "deep_obj.json": b'{"needles":' * 50_000 + b"1" + b"}" * 50_000,
         "long_number.json": b"[" + b"7" * 5000 + b"]",  # past int()'s 4,300 digits
     }
-    paths = {"dir": str(d), "missing": str(d / "no-such-file.txt"), "home": str(tmp_path / "home")}
+    paths = {"dir": str(d), "missing": str(d / "no-such-file.txt"), "home": str(tmp_path / "home"),
+             "fifo": str(d / "fifo.txt"), "zero": "/dev/zero"}  # reading a pipe waits for a writer; /dev/zero never ends
+    os.mkfifo(d / "fifo.txt")
     for name, data in files.items():
         (d / name).write_bytes(data)
         paths[name.replace(".", "_")] = str(d / name)
@@ -288,7 +290,8 @@ BAD_INPUTS = [
     (("run", "--file", "{missing}"), "--file"), (("run", "--file", "{binary}"), "--file"),
     (("run", "--file", "{latin1}"), "--file"), (("run", "--file", "{empty}"), "--file"),
     (("run", "--file", "{blank}"), "--file"), (("run", "--file", "{dir}"), "--file"),
-    (("run", "--file", "{text}/below-a-file"), "--file"),
+    (("run", "--file", "{text}/below-a-file"), "--file"), (("run", "--file", "{fifo}"), "--file"),
+    (("run", "--file", "{zero}"), "--file"), (("run", "hi", "--out", ""), "--out"), (("--home", "", "runs", "list"), "--home"),
     (("run", "hi", "--out", "{text}"), "--out"), (("run", "hi", "--formats", "svg,bmp"), "--formats"),
     # run: model files
     (("run", "hi", "--model", "{random_gguf}"), "--model"), (("run", "hi", "--model", "{truncated_gguf}"), "--model"),
@@ -315,6 +318,8 @@ BAD_INPUTS = [
     (("scan", "--depths", "nan"), "--depths"), (("scan", "--sink", "-1"), "--sink"), (("scan", "--window", "0"), "--window"),
     (("scan", "--haystack", "{binary}"), "--haystack"), (("scan", "--haystack", "{missing}"), "--haystack"),
     (("scan", "--haystack", "{empty}"), "--haystack"), (("scan", "--haystack", "nosuch"), "--haystack"),
+    (("scan", "--haystack", "{fifo}"), "--haystack"), (("scan", "--needles-file", "{zero}"), "--needles-file"),
+    (("figure", "{fifo}"), "manifest"), (("figure", "{zero}"), "manifest"),
     (("scan", "--needles-file", "{latin1}"), "--needles-file"), (("scan", "--needles-file", "{missing}"), "--needles-file"),
     (("scan", "--needles-file", "{needles_types_json}"), "--needles-file"),
     (("scan", "--needles-file", "{needles_obj_json}"), "--needles-file"),
