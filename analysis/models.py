@@ -355,6 +355,8 @@ def _resolve(spec: str) -> tuple[Path | str, str, str]:
         weights = sorted(path.glob("*.safetensors"))
         if not (path / "config.json").is_file() or not weights:
             raise _unknown(spec, "the folder has no config.json and *.safetensors")
+        if not all(w.is_file() for w in weights):  # a pipe named *.safetensors would wait for a writer forever
+            raise _unknown(spec, "a *.safetensors in the folder is not a regular file")
         return path, _digest_files(weights), path.name
     if path.exists() or spec.startswith((".", "/", "~")):
         raise _unknown(spec, "not a folder of safetensors or a .gguf file")

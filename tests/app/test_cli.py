@@ -251,6 +251,11 @@ def bad_files(tmp_path):
     (weights / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     (weights / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
     paths["corrupt_safetensors"] = str(weights)
+    piped = d / "piped-safetensors"  # weights that are a pipe: reading them waited for a writer forever
+    piped.mkdir()
+    (piped / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    os.mkfifo(piped / "model.safetensors")
+    paths["piped_safetensors"] = str(piped)
     good = {"manifest_version": 1, "view": "head_grid", "params": {"metric": "entropy"},
             "model": {"name": "smollm2-135m", "digest": "0" * 64}, "token_ids": [504, 3575], "settings": {}}
     broken = {
@@ -296,6 +301,7 @@ BAD_INPUTS = [
     # run: model files
     (("run", "hi", "--model", "{random_gguf}"), "--model"), (("run", "hi", "--model", "{truncated_gguf}"), "--model"),
     (("run", "hi", "--model", "{empty_gguf}"), "--model"), (("run", "hi", "--model", "{corrupt_safetensors}"), "--model"),
+    (("run", "hi", "--model", "{piped_safetensors}"), "--model"),
     (("run", "hi", "--model", "{dir}"), "--model"), (("run", "hi", "--model", "{missing}.gguf"), "--model"),
     (("run", "hi", "--model", "no-such-model"), "--model"), (("run", "hi", "--model", ""), "--model"),
     # models, runs
