@@ -256,6 +256,11 @@ def bad_files(tmp_path):
     (piped / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     os.mkfifo(piped / "model.safetensors")
     paths["piped_safetensors"] = str(piped)
+    deep = d / "deep-config"  # a config.json nested past the JSON parser's recursion (transformers' traceback)
+    deep.mkdir()
+    (deep / "config.json").write_text('{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    (deep / "model.safetensors").write_bytes(b"")
+    paths["deep_config"] = str(deep)
     good = {"manifest_version": 1, "view": "head_grid", "params": {"metric": "entropy"},
             "model": {"name": "smollm2-135m", "digest": "0" * 64}, "token_ids": [504, 3575], "settings": {}}
     broken = {
@@ -301,7 +306,7 @@ BAD_INPUTS = [
     # run: model files
     (("run", "hi", "--model", "{random_gguf}"), "--model"), (("run", "hi", "--model", "{truncated_gguf}"), "--model"),
     (("run", "hi", "--model", "{empty_gguf}"), "--model"), (("run", "hi", "--model", "{corrupt_safetensors}"), "--model"),
-    (("run", "hi", "--model", "{piped_safetensors}"), "--model"),
+    (("run", "hi", "--model", "{piped_safetensors}"), "--model"), (("run", "hi", "--model", "{deep_config}"), "--model"),
     (("run", "hi", "--model", "{dir}"), "--model"), (("run", "hi", "--model", "{missing}.gguf"), "--model"),
     (("run", "hi", "--model", "no-such-model"), "--model"), (("run", "hi", "--model", ""), "--model"),
     # models, runs
