@@ -178,6 +178,7 @@ def follow_job(served: Served, body: dict, first: dict) -> None:
         time.sleep(0.3)
 
 
+@pytest.mark.timeout(900)  # ~5,000 requests: 260 s on a 2-core machine at load 10, past the 300 s default
 def test_every_callback_survives_forged_values_and_never_reads_a_path(served):
     t0 = time.time()
     _, index = served.request("")
