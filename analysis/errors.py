@@ -10,9 +10,10 @@ to ``n_heads − 1`` in every layer (DESIGN.md, *Definitions*: ``A[l, h]``).
 
 from __future__ import annotations
 
+import json
+import math
+import numbers
 from typing import Any
-
-import numpy as np
 
 
 class InputError(ValueError):
@@ -23,13 +24,30 @@ def _whole(value: Any) -> int | None:
     """``value`` as an int when it is a whole number (an int, a whole float, a numeral), else None."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, int | np.integer):
+    if isinstance(value, numbers.Integral):  # int and numpy's integers (numpy not imported: the CLI reads
+        # manifests with parse_json before anything heavy loads)
         return int(value)
-    if isinstance(value, float | np.floating) and float(value).is_integer():
+    if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
         return int(value)
     if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-        return int(value)
+        try:  # "²" is a digit to isdigit() but not to int(); so is a numeral past 4,300 digits
+            return int(value)
+        except ValueError:
+            return None
     return None
+
+
+def parse_json(text: str | bytes) -> Any:
+    """``text`` parsed as JSON, or ``ValueError`` (never another exception) when it is not JSON a
+    person or a page could have meant: malformed, nested too deeply for the parser (``RecursionError``),
+    or holding a numeral too long to convert. The one parser for JSON that comes from outside (a
+    request body, a pasted needles list, a manifest or needles file given to the CLI)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("it is nested too deeply") from None
+    except ValueError as e:
+        raise ValueError(str(e)) from None
 
 
 def check_layer(n_layers: int, layer: Any) -> int:

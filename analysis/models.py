@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from analysis.errors import parse_json
 from analysis.paths import model_cache
 
 log = logging.getLogger(__name__)
@@ -329,7 +330,7 @@ def _needs_remote_code(spec: str) -> ModelError:
 def _check_no_remote_code(spec: str, folder: Path | str) -> None:
     """Refuse a folder whose config needs the model's own code, before transformers is asked."""
     try:
-        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+        config = parse_json((Path(folder) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return  # transformers reports an unreadable config itself
     if not isinstance(config, dict) or not config.get("auto_map"):
@@ -355,6 +356,14 @@ def _resolve(spec: str) -> tuple[Path | str, str, str]:
         weights = sorted(path.glob("*.safetensors"))
         if not (path / "config.json").is_file() or not weights:
             raise _unknown(spec, "the folder has no config.json and *.safetensors")
+        if not all(w.is_file() for w in weights):  # a pipe named *.safetensors would wait for a writer forever
+            raise _unknown(spec, "a *.safetensors in the folder is not a regular file")
+        try:  # transformers' own reading fails with a traceback on JSON nested past its recursion
+            config = parse_json((path / "config.json").read_bytes())
+        except (OSError, ValueError) as e:
+            raise _unknown(spec, f"its config.json cannot be read as JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise _unknown(spec, "its config.json is not a JSON object")
         return path, _digest_files(weights), path.name
     if path.exists() or spec.startswith((".", "/", "~")):
         raise _unknown(spec, "not a folder of safetensors or a .gguf file")

@@ -25,14 +25,13 @@ repeated from its start.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from analysis.errors import InputError
+from analysis.errors import InputError, parse_json
 from analysis.models import LoadedModel
 from analysis.paths import DATA_DIR
 
@@ -135,7 +134,7 @@ def load_needles(path: Path | str | None = None) -> list[Needle]:
     """
     path = Path(path) if path is not None else NEEDLES_FILE
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = parse_json(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise InputError(f"Cannot read needles from {path}: {e}") from None
     return _needles_from(raw, str(path))
@@ -165,7 +164,7 @@ def parse_needles(text: str) -> list[Needle]:
         raise InputError("No needles given: write one per line as 'needle | question | answer'.")
     if text[0] in "[{":
         try:
-            raw = json.loads(text)
+            raw = parse_json(text)
         except ValueError as e:
             raise InputError(f"The needles look like JSON but do not parse: {e}.") from None
         return _needles_from(raw, "the needles given")

@@ -20,7 +20,6 @@ The probe sets shipped with headscope live in ``data/probes``: ``sentences.txt``
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ import numpy as np
 import torch
 from transformer_lens.utilities import get_act_name
 
-from analysis.errors import InputError, check_head, check_head_index, check_layer
+from analysis.errors import InputError, check_head, check_head_index, check_layer, parse_json
 from analysis.models import LoadedModel
 from analysis.paths import DATA_DIR
 from analysis.store import Store, content_key
@@ -110,7 +109,7 @@ def load_probe_tasks(path: str | Path | None = None) -> dict[str, ProbeTask]:
     """
     path = Path(path) if path is not None else FEATURES_FILE
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = parse_json(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise InputError(f"Cannot read the probe tasks {path}: {e.strerror or e}.") from None
     except ValueError as e:

@@ -37,6 +37,7 @@ import os
 import shutil
 import socket
 import sqlite3
+import stat
 import threading
 import time
 import uuid
@@ -167,8 +168,12 @@ def _read_verified(path: Path, sha256: str) -> np.ndarray:
     memory map: later changes to the file cannot reach the returned array)."""
     h = hashlib.sha256()
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # non-blocking open: a pipe put in a file's place would otherwise wait for a writer forever
+        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptRecord(f"{path.name} is not a regular file")
+            size = st.st_size
             buf = np.empty(size, dtype=np.uint8)  # not zero-filled, unlike a bytearray
             view = memoryview(buf)
             got = 0
@@ -517,7 +522,11 @@ class Store:
         now = time.time()
         for folder in (self.root / "records").glob("*/*"):
             try:
-                if folder.name.startswith(TMP_PREFIX):
+                if folder.is_symlink() or not folder.is_dir():
+                    # no writer makes anything but folders here: a stray file or link is a leftover
+                    # (once old enough to be no one's half-made name), removed without being followed
+                    stale = now - folder.lstat().st_mtime > min(STALE_TMP_S, older_than_s)
+                elif folder.name.startswith(TMP_PREFIX):
                     writer = _tmp_writer(folder.name)
                     if writer is not None and writer[1] == _HOST:
                         stale = not _pid_alive(writer[0])
@@ -528,8 +537,15 @@ class Store:
                     stale = rel not in live and now - folder.stat().st_mtime > older_than_s
             except FileNotFoundError:  # removed by another process meanwhile
                 continue
+            except OSError as e:  # one unreadable entry must not keep the store from opening
+                log.warning("left %s alone while collecting leftovers: %s", folder, e)
+                continue
             if stale:
-                shutil.rmtree(folder, ignore_errors=True)
+                if folder.is_symlink() or not folder.is_dir():
+                    with contextlib.suppress(OSError):
+                        folder.unlink()
+                else:
+                    shutil.rmtree(folder, ignore_errors=True)
                 removed += 1
         if removed:
             log.info("collected %d leftover record folders under %s", removed, self.root / "records")
@@ -547,6 +563,8 @@ def _tmp_writer(name: str) -> tuple[int, str] | None:
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
+    if not 0 < pid < 2**22:  # no process has it (pid_max is at most 2**22); kill(0) would signal our group
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

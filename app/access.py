@@ -14,6 +14,7 @@ import hmac
 import logging
 import re
 import secrets
+from urllib.parse import unquote
 
 from flask import Flask, Response, request
 
@@ -28,6 +29,7 @@ def protect(server: Flask, token: str) -> None:
     """Require ``token`` on every request to ``server`` (a Dash app's Flask server)."""
     if len(token) < 16:
         raise ValueError("An access token must have at least 16 characters.")
+    _SECRETS.add(token)
 
     def matches(value: str | None) -> bool:
         return bool(value) and hmac.compare_digest(value.encode(), token.encode())
@@ -55,22 +57,32 @@ def protect(server: Flask, token: str) -> None:
 
 
 _TOKEN_IN_URL = re.compile(r"(?i)(token=)[^&\s\"']*")
+_SECRETS: set[str] = set()  # the tokens this process checks (protect() adds its own)
 
 
 class RedactTokens(logging.Filter):
-    """Masks ``token=…`` (a URL's access token) in a log record's text."""
+    """Masks access tokens in a log record's text: any ``token=…`` of a URL, and the tokens this process
+    checks wherever they appear. Both are looked for after undoing percent escapes, since the server
+    decodes ``%74oken=`` or an escaped value into the token it accepts while the access log prints the
+    request line as sent."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str) and "token=" in record.msg.lower() + str(record.args).lower():
-            record.msg = _TOKEN_IN_URL.sub(r"\1***", record.getMessage())
-            record.args = ()
+        try:
+            text = record.getMessage()
+        except Exception:  # a malformed record is the logging module's to report
+            return True
+        plain = unquote(text)
+        if "token=" in plain.lower() or any(secret in plain for secret in _SECRETS):
+            for secret in _SECRETS:
+                plain = plain.replace(secret, "***")
+            record.msg, record.args = _TOKEN_IN_URL.sub(r"\1***", plain), ()
         return True
 
 
 def redact_tokens_in_logs() -> None:
     """Keep access tokens out of the logs of this process: werkzeug's access log (one line per request,
     with its URL) and headscope's own."""
-    for name in ("werkzeug", "headscope", "headscope.app"):
+    for name in ("werkzeug", "headscope", "headscope.app", "app.server", "dash"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, RedactTokens) for f in logger.filters):
             logger.addFilter(RedactTokens())

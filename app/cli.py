@@ -93,6 +93,8 @@ def read_text_file(path: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot read {path}: no such file")
     if p.is_dir():
         raise argparse.ArgumentTypeError(f"cannot read {path}: it is a folder, not a text file")
+    if not p.is_file():  # a pipe waits for a writer, /dev/zero never ends: only a file has an end
+        raise argparse.ArgumentTypeError(f"cannot read {path}: it is not a regular file (a pipe or a device?)")
     try:
         raw = p.read_bytes()
     except OSError as e:
@@ -123,6 +125,8 @@ def haystack(value: str) -> str:
 
 def folder(path: str) -> str:
     """A folder that exists or can be created (an output or store folder)."""
+    if not path.strip():  # "" would silently mean the default folder (or the current one)
+        raise argparse.ArgumentTypeError("the folder is empty: give a folder's path")
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         raise argparse.ArgumentTypeError(f"{path} is a file, not a folder")
@@ -455,10 +459,10 @@ def cmd_figure(args) -> int:
 def _check_needle_types(path: str) -> None:
     """Refuse a needles file whose fields are not strings (``analysis.niah`` reads the shape and
     would turn a number or a list into text)."""
-    import json
+    from analysis.errors import parse_json
 
     try:
-        raw = json.loads(read_text_file(path))
+        raw = parse_json(read_text_file(path))
     except ValueError:
         return  # not JSON at all: load_needles says so
     items = raw.get("needles") if isinstance(raw, dict) else raw

@@ -8,9 +8,10 @@ The manifest itself is written by :func:`app.export.manifest`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from analysis.errors import parse_json
 
 
 class ManifestError(ValueError):
@@ -107,6 +108,8 @@ def check_manifest(man: Any) -> dict[str, Any]:
 def read_manifest_file(path: Path | str) -> dict[str, Any]:
     """Read ``path`` as JSON and :func:`check_manifest` it; errors name the file and the field."""
     path = Path(path)
+    if path.exists() and not path.is_dir() and not path.is_file():  # a pipe never ends or waits for a writer
+        raise ManifestError(f"{path} is not a regular file (a pipe or a device?); pass the manifest.json from an export.")
     try:
         raw = path.read_bytes()
     except IsADirectoryError:
@@ -114,7 +117,7 @@ def read_manifest_file(path: Path | str) -> dict[str, Any]:
     except OSError as e:
         raise ManifestError(f"Cannot read manifest {path}: {e.strerror}.") from None
     try:
-        man = json.loads(raw.decode("utf-8"))
+        man = parse_json(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise ManifestError(f"{path} is not UTF-8 text (a binary file?); pass the manifest.json from an export.") from None
     except ValueError as e:

@@ -28,6 +28,7 @@ from dash import dcc, html
 from dash.development.base_component import Component
 from flask import Flask, Response, request
 
+from analysis.errors import parse_json
 from analysis.limits import limit
 
 log = logging.getLogger("headscope.app")
@@ -56,6 +57,9 @@ class Offer:
     values: frozenset = frozenset()
     multi: bool = False
     types: Any = None
+    low: float | None = None  # a number box's min, max and step (a whole step: whole numbers only)
+    high: float | None = None
+    step: Any = None
 
     def problem(self, value: Any) -> str | None:
         """Why ``value`` is not one this control offers, or ``None``."""
@@ -67,9 +71,15 @@ class Offer:
                 return None
             return f"is not one of its options ({', '.join(sorted(map(str, self.values)))[:200]})"
         if self.kind == "number":
-            # its range is checked by the callback, whose message says what to type instead
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            # the box's own min, max and step: the browser sends null for a typed value outside them
+            # (dcc.Input checks validity), so anything else is forged; the callback checks what depends
+            # on the run (a layer of this model), with a message saying what to type instead
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
                 return "is not a number"
+            if (self.low is not None and value < self.low) or (self.high is not None and value > self.high):
+                return f"is outside its range {_num(self.low)}..{_num(self.high)}"
+            if isinstance(self.step, int) and not isinstance(self.step, bool) and float(value) != int(value):
+                return "is not a whole number"
             return None
         if self.kind == "count":
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -93,6 +103,22 @@ class Offer:
         return None
 
 
+def _num(bound: float | None) -> str:
+    return "" if bound is None else f"{bound:g}"
+
+
+def _bound(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _finite(value: int | float) -> bool:
+    """A number a float can hold (a JSON integer may have hundreds of digits: ``math.isfinite`` overflows)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _hashable(value: Any) -> bool:
     return isinstance(value, (str, int, float, bool)) or value is None
 
@@ -114,7 +140,8 @@ def offers_of(component: Component) -> Iterator[tuple[str, Offer]]:
         yield "value", Offer("choice", option_values(getattr(component, "options", None)), multi=multi)
     elif isinstance(component, dcc.Input):
         if getattr(component, "type", None) == "number":
-            yield "value", Offer("number")
+            yield "value", Offer("number", low=_bound(getattr(component, "min", None)),
+                                 high=_bound(getattr(component, "max", None)), step=getattr(component, "step", None))
         else:
             yield "value", Offer("text")
     elif isinstance(component, dcc.Textarea):
@@ -140,6 +167,81 @@ def walk(node: Any) -> Iterator[Component]:
     elif isinstance(node, (list, tuple)):
         for child in node:
             yield from walk(child)
+
+
+WILDCARDS = (["ALL"], ["MATCH"], ["ALLSMALLER"])
+
+
+def _declared_id(cid: str) -> str | dict:
+    """A dependency's id as declared: a string, or a pattern-matching id (a dict, kept as JSON)."""
+    return json.loads(cid) if cid.startswith("{") else cid
+
+
+def _id_matches(declared: str | dict, given: Any) -> bool:
+    """``given`` (an id a request names) is ``declared``, or fits it when it is a pattern."""
+    if isinstance(declared, str):
+        return given == declared
+    if isinstance(given, str) and given.startswith("{"):  # outputs name pattern ids as their JSON
+        try:
+            given = json.loads(given)
+        except ValueError:
+            return False
+    if not isinstance(given, dict) or set(given) != set(declared):
+        return False
+    return all(_hashable(given[k]) and given[k] is not None if v in WILDCARDS else given[k] == v
+               for k, v in declared.items())
+
+
+def _many(declared: str | dict) -> bool:
+    """A pattern whose wildcard stands for any number of components (ALL, ALLSMALLER): a list."""
+    return isinstance(declared, dict) and any(v in (["ALL"], ["ALLSMALLER"]) for v in declared.values())
+
+
+def _item_problem(item: Any, cid: str | dict, prop: str, where: str) -> str | None:
+    """Why ``item`` is not the value of ``cid.prop`` as the renderer sends it (one item, or a list
+    of items for an ALL pattern), or ``None``."""
+    named = cid if isinstance(cid, str) else json.dumps(cid, sort_keys=True)
+    for one in (item if _many(cid) and isinstance(item, list) else [item]):
+        if not isinstance(one, dict) or not isinstance(one.get("property"), str):
+            return f"The request's {where} are malformed."
+        if one["property"].split("@", 1)[0] != prop or not _id_matches(cid, one.get("id")):
+            return f"The request's {where} do not match its callback: {str(one.get('id'))[:80]}.{one['property'][:40]} " \
+                   f"is not {named}.{prop}."
+    return None
+
+
+def shape_problems(body: dict, callback: dict) -> list[str]:
+    """What makes ``body`` other than a request for ``callback`` as the renderer builds it: its
+    inputs and states, one per dependency in the declared order and under the declared id and
+    property (Dash hands them to the callback by position, so an item under another name would carry
+    its value past the check of the control in that position), its outputs, its changed properties."""
+    for group in ("inputs", "state"):
+        given = body.get(group) or []
+        declared = callback.get(group, [])
+        if not isinstance(given, list):
+            return [f"The request's {group} are not a list."]
+        if len(given) != len(declared):
+            return [f"The request has {len(given)} {group}; its callback has {len(declared)}."]
+        for item, dep in zip(given, declared, strict=True):
+            if not isinstance(dep, dict):
+                continue
+            why = _item_problem(item, _declared_id(dep["id"]), dep["property"], group)
+            if why:
+                return [why]
+    parts = [p.rpartition(".") for p in body["output"].strip(".").split("...")]
+    outputs = body.get("outputs")
+    if not callback.get("no_output"):
+        multi = body["output"].startswith("..")
+        if not isinstance(outputs, list if multi else dict) or len(outputs if multi else [outputs]) != len(parts):
+            return ["The request's outputs do not match its callback."]
+        for out, (cid, _, prop) in zip(outputs if multi else [outputs], parts, strict=True):
+            why = _item_problem(out, _declared_id(cid), prop.split("@", 1)[0], "outputs")
+            if why:
+                return [why]
+    changed = body.get("changedPropIds", [])
+    if not isinstance(changed, list) or not all(isinstance(c, str) for c in changed):
+        return ["The request's changedPropIds are not a list of names."]
+    return []
 
 
 def _outputs(callback_map: dict) -> set[tuple[str, str]]:
@@ -191,8 +293,12 @@ class Offers:
         """What is wrong with a callback request's body (empty: nothing)."""
         if not isinstance(body, dict) or not isinstance(body.get("output"), str):
             return ["This is not a callback request."]
-        if body["output"] not in self.app.callback_map:
+        callback = self.app.callback_map.get(body["output"])
+        if callback is None or "callback" not in callback:  # a clientside one runs in the browser only
             return ["No such callback."]
+        shape = shape_problems(body, callback)
+        if shape:
+            return shape
         items = []
         for group in ("inputs", "state"):
             values = body.get(group, [])
@@ -221,7 +327,7 @@ def check_callback_requests(app: Any, server: Flask) -> Offers:
         if request.method != "POST" or not request.path.endswith("/" + UPDATE_PATH):
             return None
         try:  # reading passes the size cap: 413 (app.server.cap_request_size), not "malformed"
-            body = json.loads(request.get_data(cache=True) or b"null")
+            body = parse_json(request.get_data(cache=True) or b"null")
         except ValueError:
             body = None
         problems = offers.problems(body)

@@ -24,6 +24,10 @@ def test_valid_heads_come_back_as_ints():
         ("x", 0, "Layer and head must be whole numbers, got 'x' and 0."),
         (0, None, "Layer and head must be whole numbers, got 0 and None."),
         (True, 0, "Layer and head must be whole numbers, got True and 0."),
+        ("²", 0, "Layer and head must be whole numbers, got '²' and 0."),  # a digit to isdigit(), not to int()
+        (0, "٣٣٣", "Head 333 is out of range in layer 0: the model has query heads 0..8."),
+        ("9" * 5000, 0, f"Layer and head must be whole numbers, got '{'9' * 5000}' and 0."),  # past int()'s digits
+        (float("inf"), 0, "Layer and head must be whole numbers, got inf and 0."),
     ],
 )
 def test_wrong_heads_are_explained(layer, head, message):

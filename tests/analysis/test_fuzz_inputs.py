@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from analysis.capture import capture, tokenize_input
@@ -47,6 +47,9 @@ def test_odd_texts_capture_or_say_why(tiny_model, text):
 
 @FAST
 @given(st.text(max_size=300))
+@example("[" * 5000 + "]" * 5000)  # pasted JSON nested past the parser's recursion limit
+@example('{"needles":' * 3000 + "[]" + "}" * 3000)
+@example("[" + "9" * 5000 + "]")  # a numeral longer than int() converts
 def test_needle_lists_parse_or_say_why(text):
     try:
         needles = parse_needles(text)

@@ -278,8 +278,13 @@ def bad_files(tmp_path):
         "empty.gguf": b"",
         "needles_types.json": json.dumps([{"needle": 3, "question": ["q"], "answer": None}]).encode(),
         "needles_obj.json": json.dumps({"needle": "n"}).encode(),
+        "deep.json": b"[" * 100_000 + b"]" * 100_000,  # nested past the JSON parser's recursion
+        "deep_obj.json": b'{"needles":' * 50_000 + b"1" + b"}" * 50_000,
+        "long_number.json": b"[" + b"7" * 5000 + b"]",  # past int()'s 4,300 digits
     }
-    paths = {"dir": str(d), "missing": str(d / "no-such-file.txt"), "home": str(tmp_path / "home")}
+    paths = {"dir": str(d), "missing": str(d / "no-such-file.txt"), "home": str(tmp_path / "home"),
+             "fifo": str(d / "fifo.txt"), "zero": "/dev/zero"}  # reading a pipe waits for a writer; /dev/zero never ends
+    os.mkfifo(d / "fifo.txt")
     for name, data in files.items():
         (d / name).write_bytes(data)
         paths[name.replace(".", "_")] = str(d / name)
@@ -288,6 +293,16 @@ def bad_files(tmp_path):
     (weights / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     (weights / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
     paths["corrupt_safetensors"] = str(weights)
+    piped = d / "piped-safetensors"  # weights that are a pipe: reading them waited for a writer forever
+    piped.mkdir()
+    (piped / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    os.mkfifo(piped / "model.safetensors")
+    paths["piped_safetensors"] = str(piped)
+    deep = d / "deep-config"  # a config.json nested past the JSON parser's recursion (transformers' traceback)
+    deep.mkdir()
+    (deep / "config.json").write_text('{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    (deep / "model.safetensors").write_bytes(b"")
+    paths["deep_config"] = str(deep)
     good = {"manifest_version": 1, "view": "head_grid", "params": {"metric": "entropy"},
             "model": {"name": "smollm2-135m", "digest": "0" * 64}, "token_ids": [504, 3575], "settings": {}}
     broken = {
@@ -330,11 +345,13 @@ BAD_INPUTS = [
     (("run", "--file", "{missing}"), "--file"), (("run", "--file", "{binary}"), "--file"),
     (("run", "--file", "{latin1}"), "--file"), (("run", "--file", "{empty}"), "--file"),
     (("run", "--file", "{blank}"), "--file"), (("run", "--file", "{dir}"), "--file"),
-    (("run", "--file", "{text}/below-a-file"), "--file"),
+    (("run", "--file", "{text}/below-a-file"), "--file"), (("run", "--file", "{fifo}"), "--file"),
+    (("run", "--file", "{zero}"), "--file"), (("run", "hi", "--out", ""), "--out"), (("--home", "", "runs", "list"), "--home"),
     (("run", "hi", "--out", "{text}"), "--out"), (("run", "hi", "--formats", "svg,bmp"), "--formats"),
     # run: model files
     (("run", "hi", "--model", "{random_gguf}"), "--model"), (("run", "hi", "--model", "{truncated_gguf}"), "--model"),
     (("run", "hi", "--model", "{empty_gguf}"), "--model"), (("run", "hi", "--model", "{corrupt_safetensors}"), "--model"),
+    (("run", "hi", "--model", "{piped_safetensors}"), "--model"), (("run", "hi", "--model", "{deep_config}"), "--model"),
     (("run", "hi", "--model", "{dir}"), "--model"), (("run", "hi", "--model", "{missing}.gguf"), "--model"),
     (("run", "hi", "--model", "no-such-model"), "--model"), (("run", "hi", "--model", ""), "--model"),
     # models, runs
@@ -346,7 +363,8 @@ BAD_INPUTS = [
         "manifest_settings_str", "manifest_params_list", "manifest_ids_str", "manifest_ids_float",
         "manifest_ids_negative", "manifest_ids_bool", "manifest_model_str", "manifest_model_name_int",
         "manifest_version_str", "manifest_tokens_len", "manifest_qk_str", "manifest_block_no_sink",
-        "manifest_spans_bad", "manifest_missing", "manifest_list", "manifest_bad_json", "manifest_wrong_digest")],
+        "manifest_spans_bad", "manifest_missing", "manifest_list", "manifest_bad_json", "manifest_wrong_digest",
+        "deep_json", "deep_obj_json", "long_number_json")],
     (("figure", "{manifest_ids_str}", "--formats", "gif"), "manifest"),
     # scan: lists, counts, needles, haystacks
     (("scan", "--lengths", "abc"), "--lengths"), (("scan", "--lengths", "0"), "--lengths"),
@@ -356,10 +374,15 @@ BAD_INPUTS = [
     (("scan", "--depths", "nan"), "--depths"), (("scan", "--sink", "-1"), "--sink"), (("scan", "--window", "0"), "--window"),
     (("scan", "--haystack", "{binary}"), "--haystack"), (("scan", "--haystack", "{missing}"), "--haystack"),
     (("scan", "--haystack", "{empty}"), "--haystack"), (("scan", "--haystack", "nosuch"), "--haystack"),
+    (("scan", "--haystack", "{fifo}"), "--haystack"), (("scan", "--needles-file", "{zero}"), "--needles-file"),
+    (("figure", "{fifo}"), "manifest"), (("figure", "{zero}"), "manifest"),
     (("scan", "--needles-file", "{latin1}"), "--needles-file"), (("scan", "--needles-file", "{missing}"), "--needles-file"),
     (("scan", "--needles-file", "{needles_types_json}"), "--needles-file"),
     (("scan", "--needles-file", "{needles_obj_json}"), "--needles-file"),
     (("scan", "--needles-file", "{text}"), "--needles-file"),
+    (("scan", "--needles-file", "{deep_json}"), "--needles-file"), (("scan", "--needles-file", "{deep_obj_json}"), "--needles-file"),
+    (("scan", "--needles-file", "{long_number_json}"), "--needles-file"),
+    (("ablate", "--sweep", "--heads", "1.1", "--needles-file", "{deep_json}"), "--needles-file"),
     (("scan", "--needles", "no-such-needle"), "--needles"),
     (("scan", "--lengths", "100000", "--needles", "locker-code", "--depths", "50"), "--lengths"),
     (("scan", "--lengths", "6", "--needles", "locker-code", "--depths", "50"), "--lengths"),

@@ -156,7 +156,11 @@ def fuzz_values(served: Served, others: list) -> list:
     links = ["?" + urllib.parse.urlencode({"model": p, "haystack": p, "labels": p}) for p in paths[:4]]
     upload = {"contents": "data:text/plain;base64," + base64.b64encode(str(canary).encode()).decode(),
               "filename": str(canary)}
+    nested: list = []
+    for _ in range(400):  # deep, yet within what the server's JSON parser takes
+        nested = [nested]
     return [None, [], {}, [1, "a", None], {"a": {"b": [1]}}, -1, 1.5, 10**12, True, "",
+            10**400, -(10**400), nested, "[" * 5000 + "]" * 5000, "9" * 5000, "²",  # past float, int() and recursion
             *paths, *links, upload, "A" * 1_000_000, *others]
 
 
@@ -174,20 +178,30 @@ def follow_job(served: Served, body: dict, first: dict) -> None:
         time.sleep(0.3)
 
 
+@pytest.mark.timeout(900)  # ~5,000 requests: 260 s on a 2-core machine at load 10, past the 300 s default
 def test_every_callback_survives_forged_values_and_never_reads_a_path(served):
     t0 = time.time()
     _, index = served.request("")
     m = re.search(rb'"end_id":\s*"([^"]+)"', index)
     served.end_id = m and m[1].decode()
     _, deps_json = served.request("_dash-dependencies")
-    deps = [d for d in json.loads(deps_json) if not d.get("clientside_function")]
+    registered = json.loads(deps_json)
+    deps = [d for d in registered if not d.get("clientside_function")]
     assert len(deps) >= 20, "fewer callbacks than the pages register"
     found = page_layouts(served, deps)
+    problems = []
+    for dep in registered:  # browser-side callbacks: the server has nothing to run, and says so
+        if dep.get("clientside_function"):
+            status, payload = served.request(UPDATE, {**request_body(dep, {}, found), "inputs": [
+                {"id": s["id"], "property": s["property"], "value": str(served.canary)} for s in dep["inputs"]
+                if isinstance(s["id"], str)]})
+            if status != 400:
+                problems.append(f"{status} clientside {dep['output'][:80]}: {payload[:200]!r}")
     base = {f"{i}.{p}": v for i, props in found.items() for p, v in props.items()}
     others = sorted({v for k, v in base.items() if isinstance(v, (str, int, float)) and not isinstance(v, bool)
                      and k.endswith(".value")}, key=str)[:12]
     values = fuzz_values(served, others)
-    problems, fuzzed, failures, unexplained = [], 0, 0, {}
+    fuzzed, failures, unexplained = 0, 0, {}
     for dep in deps:
         targets = dep["inputs"] + dep["state"]
         fuzzed += 1
@@ -203,6 +217,18 @@ def test_every_callback_survives_forged_values_and_never_reads_a_path(served):
                         follow_job(served, body, json.loads(payload))
                 if not isinstance(spec["id"], str):
                     break  # one concrete id of a pattern stands for the rest
+                # the same position under another id: Dash passes values by position, so a renamed item
+                # must be refused as a whole (else its value skips the check of the control it replaces)
+                for renamed, prop in (("no-such-control", spec["property"]), (cid, "value" if spec["property"] != "value"
+                                                                              else "n_clicks")):
+                    body = request_body(dep, {**base, key: str(served.canary)}, found)
+                    for group in ("inputs", "state"):
+                        body[group] = [{**item, "id": renamed, "property": prop}
+                                       if isinstance(item, dict) and item["id"] == cid and item["property"] == spec["property"]
+                                       else item for item in body[group]]
+                    status, payload = served.request(UPDATE, body)
+                    if status != 400:
+                        problems.append(f"{status} {dep['output']} {key} sent as {renamed}.{prop}: not refused")
         status, _ = served.request("")
         assert status == 200, f"the server stopped serving after fuzzing {dep['output']}"
         failed = served.log.read_text(errors="replace").count("callback failed")
@@ -210,7 +236,8 @@ def test_every_callback_survives_forged_values_and_never_reads_a_path(served):
             unexplained[dep["output"]] = failed - failures
             failures = failed
     seconds = time.time() - t0
-    print(f"\nfuzzed {fuzzed} callbacks with {served.sent} requests in {seconds:.0f} s; statuses "
+    print(f"\nfuzzed {fuzzed} server callbacks and refused {len(registered) - fuzzed} browser-side ones "
+          f"({len(registered)} registered) with {served.sent} requests in {seconds:.0f} s; statuses "
           f"{dict(served.statuses)}; errors without a message, by callback: {unexplained}")
     assert served.proc.poll() is None, "the server died"
     assert not problems, "\n".join(problems[:20])
