@@ -254,17 +254,15 @@ def render(search, sinks_run=None):
             state.metric, query, run.key)
 
 
-@callback(
+# A click on the grid writes the head into the URL in the browser (no server round trip before the
+# render that draws it); the render checks it like any link.
+clientside_callback(
+    ClientsideFunction(namespace="headscope", function_name="selectHead"),
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Input(ids.GRID, "clickData"),
     State(url_id(PREFIX), "search"),
     prevent_initial_call=True,
 )
-def select_head(click, search):
-    if not click or not click.get("points"):
-        return no_update
-    point = click["points"][0]
-    return _with(search, layer=int(point["y"]), head=int(point["x"]), query=None)
 
 
 @callback(
