@@ -173,7 +173,6 @@ def _with(search: str | None, **changes) -> str:
     Output(ids.STRIP, "figure"),
     Output(ids.STRIP, "style"),
     Output(STRIP_DATA, "data"),
-    Output(ids.SINKS, "figure"),
     Output(ids.RUN_INFO, "children"),
     Output(ids.ERROR, "children", allow_duplicate=True),
     Output(text_id(PREFIX), "value"),
@@ -186,7 +185,7 @@ def _with(search: str | None, **changes) -> str:
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=13, error_index=7)
+@guarded(outputs=12, error_index=6)
 def render(search, sinks_run=None):
     state = parse(search)
     problems = list(state.problems)
@@ -194,12 +193,12 @@ def render(search, sinks_run=None):
     if state.model and state.run is None:
         load_model(state.model)  # a model named on its own: check it loads, so a bad link says so
     if state.run is None:
-        return (EMPTY, EMPTY, EMPTY, {}, None, EMPTY, "", message(problems), no_update, state.model or no_update,
+        return (EMPTY, EMPTY, EMPTY, {}, None, "", message(problems), no_update, state.model or no_update,
                 state.metric, None, None)
     run = context.run(state.run)
     if run is None:
         problems.append(f"No stored run has the id {state.run!r}. Run the text again to recompute it.")
-        return (EMPTY, EMPTY, EMPTY, {}, None, EMPTY, "", message(problems), no_update, no_update, state.metric,
+        return (EMPTY, EMPTY, EMPTY, {}, None, "", message(problems), no_update, no_update, state.metric,
                 None, None)
     n_layers, n_heads = run.n_layers, run.n_heads
     if state.metric not in run.metrics:
@@ -217,12 +216,11 @@ def render(search, sinks_run=None):
     params = {"metric": state.metric, "layer": layer, "head": head, "query": query, "region": state.region}
     grid, _ = VIEWS[names.HEAD_GRID].build(run, params)
     heat, _ = VIEWS[names.ATTENTION].build(run, {**params, "_table": False})
-    # Drawn once per run (the run's own data; a head click does not redraw them): the sink map (0.5 s
-    # and 0.9 MB at 500 tokens) and, with patterns, the HTML token strip, which the browser then
-    # recolours from each new heatmap (assets/attention.js). A long run's strip is the plotly view of
-    # its exact region, which depends on the head: drawn every time.
+    # Drawn once per run (the run's own data; a head click does not redraw them): the sink map (by
+    # draw_sinks, once this has named the run) and, with patterns, the HTML token strip, which the
+    # browser then recolours from each new heatmap (assets/attention.js). A long run's strip is the
+    # plotly view of its exact region, which depends on the head: drawn every time.
     fresh = sinks_run != run.key
-    sinks = VIEWS[names.SINK_MAP].build(run, params)[0] if fresh else no_update
     strip, strip_style, strip_data = EMPTY, HIDDEN, None
     if run.has_patterns:
         if fresh:
@@ -250,8 +248,26 @@ def render(search, sinks_run=None):
         ]
     )
     model = dropdown_model(run.model_name, problems)
-    return (grid, heat, strip, strip_style, strip_data, sinks, info, message(problems), run.text or no_update, model,
-            state.metric, query, run.key)
+    return (grid, heat, strip, strip_style, strip_data, info, message(problems), run.text or no_update, model,
+            state.metric, query, run.key if fresh else no_update)
+
+
+@callback(
+    Output(ids.SINKS, "figure"),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Input(SINKS_RUN, "data"),
+    **on_workers(),
+    prevent_initial_call=True,
+)
+@guarded(outputs=2, error_index=1)
+def draw_sinks(run_key):
+    """The sink map of the run the page shows, drawn once per run and after the grid and heatmap: it
+    reads every head's pattern (about 2 s and 0.9 MB at 500 tokens on a loaded 2-core machine), and
+    the grid need not wait for it."""
+    run = get_context().run(run_key) if run_key else None
+    if run is None:
+        return EMPTY, no_update
+    return VIEWS[names.SINK_MAP].build(run, {})[0], no_update
 
 
 # A click on the grid writes the head into the URL in the browser (no server round trip before the
