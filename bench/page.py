@@ -3,7 +3,10 @@
 Starts `headscope serve` on a free loopback port with a fresh store, warms it with one run, then for
 each size types a fresh text (never cached) and measures click → grid drawn → heatmap drawn.
 The baseline, measured in the same run on the same texts, is `capture` alone in this process (the
-forward pass the page cannot avoid); the ratio shows what the page adds on top.
+forward pass the page cannot avoid); the ratio shows what the page adds on top. Also measured: the
+same capture on one torch thread (how the page's job runs it, in a process forked from the server:
+torch's thread pool does not survive a fork), and where click → grid goes: the job (click → the
+render request), the render's server time, and drawing its response.
 
 Then, on the warm largest run: hover a token → strip repainted (client-side, no server round trip;
 timed from the event to the first frame painted after the strip changed), and click a head in the
@@ -59,6 +62,8 @@ def main() -> None:
                 break
             except OSError:
                 time.sleep(0.5)
+        import torch
+
         from analysis.capture import capture
         from analysis.models import load_model
 
@@ -67,12 +72,24 @@ def main() -> None:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=ARGS)
             page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            # the render request (it draws the grid): when it was sent, how long the server took, when it ended
+            renders: list[tuple[float, float, float]] = []
+
+            def on_finished(request) -> None:
+                if "_dash-update-component" in request.url and "hs-grid.figure" in (request.post_data or ""):
+                    t = request.timing
+                    renders.append(((t["startTime"] + t["requestStart"]) / 1000,
+                                    (t["responseStart"] - t["requestStart"]) / 1000,
+                                    (t["startTime"] + t["responseEnd"]) / 1000))
+
+            page.on("requestfinished", on_finished)
             print(f"{'tokens':>6} | {'click→grid s (median)':>21} | {'min':>5} | {'max':>5} | "
-                  f"{'capture alone s':>15} | {'ratio':>5}")
-            print("-" * 72)
+                  f"{'capture alone s':>15} | {'ratio':>5} || {'1 thread s':>10} | {'ratio':>5} || "
+                  f"{'job s':>5} | {'render s':>8} | {'draw s':>6}")
+            print("-" * 124)
             seed = 0
             for size in [16, *map(int, args.sizes.split(","))]:
-                times, bare = [], []
+                rows = []
                 for _ in range(args.repeats):
                     seed += 1
                     words = size
@@ -82,22 +99,37 @@ def main() -> None:
                         text = text_of(words, seed)
                     page.goto(url)
                     page.fill("#attn-hs-text", text)
+                    renders.clear()
+                    clicked = time.time()
                     t = time.perf_counter()
                     page.click("#attn-hs-run")
                     page.wait_for_function(
-                        "(document.querySelector('#hs-run-info')?.innerText || '').includes('tokens')", timeout=120_000)
+                        "(document.querySelector('#hs-run-info')?.innerText || '').includes('tokens')", timeout=180_000)
                     page.wait_for_selector("#hs-grid .heatmaplayer .hm")
-                    times.append(time.perf_counter() - t)
+                    total, drawn = time.perf_counter() - t, time.time()
+                    page.wait_for_timeout(500)  # the render request's timing arrives with its end
+                    sent, serving, ended = renders[-1] if renders else (float("nan"),) * 3
                     t = time.perf_counter()
                     capture(model, text + " ")  # a different text: never served from a store
-                    bare.append(time.perf_counter() - t)
+                    bare = time.perf_counter() - t
+                    # as the page's job runs it: in a process forked from the server, torch on one thread
+                    threads = torch.get_num_threads()
+                    torch.set_num_threads(1)
+                    t = time.perf_counter()
+                    capture(model, text + "  ")
+                    single = time.perf_counter() - t
+                    torch.set_num_threads(threads)
+                    rows.append((total, bare, single, sent - clicked, serving, drawn - ended))
                 if size == 16:
                     continue  # warm-up
-                times.sort()
-                bare.sort()
-                med, med_bare = times[len(times) // 2], bare[len(bare) // 2]
-                print(f"{size:>6} | {med:>21.2f} | {times[0]:>5.2f} | {times[-1]:>5.2f} | {med_bare:>15.2f} | "
-                      f"{med / med_bare:>5.2f}", flush=True)
+                med = [sorted(col)[len(col) // 2] for col in zip(*rows, strict=True)]
+                totals = sorted(r[0] for r in rows)
+                print(f"{size:>6} | {med[0]:>21.2f} | {totals[0]:>5.2f} | {totals[-1]:>5.2f} | {med[1]:>15.2f} | "
+                      f"{med[0] / med[1]:>5.2f} || {med[2]:>10.2f} | {med[0] / med[2]:>5.2f} || "
+                      f"{med[3]:>5.2f} | {med[4]:>8.2f} | {med[5]:>6.2f}", flush=True)
+            print("job: click → the render request sent (the background job: fork, capture on one thread, store "
+                  "write, progress polls); render: its server time (store read and check, grid scores, figures); "
+                  "draw: its response → grid drawn. Medians per column.", flush=True)
             interactions(page, size, args.interactions)
             browser.close()
     finally:

@@ -1,7 +1,8 @@
 """Page "Attention": text → every head's summary grid → one head's heatmap and token strip.
 
 Data flows one way: the Run button and clicks write the URL; one callback renders everything from
-the URL, so a copied link reopens the same view.
+the URL (the sink map, once per run, follows from a second), so a copied link reopens the same view.
+Hovering only recolours the token strip in the browser (assets/attention.js).
 """
 
 from __future__ import annotations

@@ -164,6 +164,7 @@ def test_long_text_sink_map_and_exact_zoom_are_on_a_log_scale_with_ticks(server,
     url, _, _ = server
     run_prompt(page, url, long_text(450))
     wait_for_run(page, timeout=240_000)
+    wait_title(page, "hs-sinks", "Attention received per key")  # drawn after the grid, once per run
     sinks = figure(page, "hs-sinks")
     assert "(log)" in sinks["data"][0]["colorbar"]["title"]["text"]
     assert len(sinks["xticks"]) >= 4  # positions numbered along the axis
