@@ -11,6 +11,7 @@ RUN_INFO = "hs-run-info"
 GRID = "hs-grid"
 HEATMAP = "hs-heatmap"
 STRIP = "hs-strip"
+STRIP_TOKENS = "hs-strip-tokens"  # the Attention page's strip as HTML spans (assets/attention.js)
 DOWNLOAD = "hs-download"
 EXPORT = "hs-export"  # pattern-matching type: {"type": EXPORT, "view": ..., "fmt": ...}
 

@@ -3,11 +3,15 @@
 Starts `headscope serve` on a free loopback port with a fresh store, warms it with one run, then for
 each size types a fresh text (never cached) and measures click → grid drawn → heatmap drawn.
 The baseline, measured in the same run on the same texts, is `capture` alone in this process (the
-forward pass the page cannot avoid); the ratio shows what the page adds on top.
+forward pass the page cannot avoid); the ratio shows what the page adds on top. Also measured: the
+same capture on one torch thread (how the page's job runs it, in a process forked from the server:
+torch's thread pool does not survive a fork), and where click → grid goes: the job (click → the
+render request), the render's server time, and drawing its response.
 
-Then, on the warm largest run: hover a token → strip repainted (client-side, no server round trip),
-and click a head in the grid → its heatmap drawn (a server round trip), each timed in the page from
-the event to plotly's ``plotly_afterplot``; targets p95 ≤ 100 ms and ≤ 300 ms.
+Then, on the warm largest run: hover a token → strip repainted (client-side, no server round trip;
+timed from the event to the first frame painted after the strip changed), and click a head in the
+grid → its heatmap drawn (a server round trip; timed from the event to plotly's
+``plotly_afterplot``); targets p95 ≤ 100 ms and ≤ 300 ms.
 
     .venv/bin/python bench/page.py [--sizes 32,128,512] [--interactions 40]
 """
@@ -58,6 +62,8 @@ def main() -> None:
                 break
             except OSError:
                 time.sleep(0.5)
+        import torch
+
         from analysis.capture import capture
         from analysis.models import load_model
 
@@ -66,12 +72,24 @@ def main() -> None:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=ARGS)
             page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            # the render request (it draws the grid): when it was sent, how long the server took, when it ended
+            renders: list[tuple[float, float, float]] = []
+
+            def on_finished(request) -> None:
+                if "_dash-update-component" in request.url and "hs-grid.figure" in (request.post_data or ""):
+                    t = request.timing
+                    renders.append(((t["startTime"] + t["requestStart"]) / 1000,
+                                    (t["responseStart"] - t["requestStart"]) / 1000,
+                                    (t["startTime"] + t["responseEnd"]) / 1000))
+
+            page.on("requestfinished", on_finished)
             print(f"{'tokens':>6} | {'click→grid s (median)':>21} | {'min':>5} | {'max':>5} | "
-                  f"{'capture alone s':>15} | {'ratio':>5}")
-            print("-" * 72)
+                  f"{'capture alone s':>15} | {'ratio':>5} || {'1 thread s':>10} | {'ratio':>5} || "
+                  f"{'job s':>5} | {'render s':>8} | {'draw s':>6}")
+            print("-" * 124)
             seed = 0
             for size in [16, *map(int, args.sizes.split(","))]:
-                times, bare = [], []
+                rows = []
                 for _ in range(args.repeats):
                     seed += 1
                     words = size
@@ -81,22 +99,37 @@ def main() -> None:
                         text = text_of(words, seed)
                     page.goto(url)
                     page.fill("#attn-hs-text", text)
+                    renders.clear()
+                    clicked = time.time()
                     t = time.perf_counter()
                     page.click("#attn-hs-run")
                     page.wait_for_function(
-                        "(document.querySelector('#hs-run-info')?.innerText || '').includes('tokens')", timeout=120_000)
+                        "(document.querySelector('#hs-run-info')?.innerText || '').includes('tokens')", timeout=180_000)
                     page.wait_for_selector("#hs-grid .heatmaplayer .hm")
-                    times.append(time.perf_counter() - t)
+                    total, drawn = time.perf_counter() - t, time.time()
+                    page.wait_for_timeout(500)  # the render request's timing arrives with its end
+                    sent, serving, ended = renders[-1] if renders else (float("nan"),) * 3
                     t = time.perf_counter()
                     capture(model, text + " ")  # a different text: never served from a store
-                    bare.append(time.perf_counter() - t)
+                    bare = time.perf_counter() - t
+                    # as the page's job runs it: in a process forked from the server, torch on one thread
+                    threads = torch.get_num_threads()
+                    torch.set_num_threads(1)
+                    t = time.perf_counter()
+                    capture(model, text + "  ")
+                    single = time.perf_counter() - t
+                    torch.set_num_threads(threads)
+                    rows.append((total, bare, single, sent - clicked, serving, drawn - ended))
                 if size == 16:
                     continue  # warm-up
-                times.sort()
-                bare.sort()
-                med, med_bare = times[len(times) // 2], bare[len(bare) // 2]
-                print(f"{size:>6} | {med:>21.2f} | {times[0]:>5.2f} | {times[-1]:>5.2f} | {med_bare:>15.2f} | "
-                      f"{med / med_bare:>5.2f}", flush=True)
+                med = [sorted(col)[len(col) // 2] for col in zip(*rows, strict=True)]
+                totals = sorted(r[0] for r in rows)
+                print(f"{size:>6} | {med[0]:>21.2f} | {totals[0]:>5.2f} | {totals[-1]:>5.2f} | {med[1]:>15.2f} | "
+                      f"{med[0] / med[1]:>5.2f} || {med[2]:>10.2f} | {med[0] / med[2]:>5.2f} || "
+                      f"{med[3]:>5.2f} | {med[4]:>8.2f} | {med[5]:>6.2f}", flush=True)
+            print("job: click → the render request sent (the background job: fork, capture on one thread, store "
+                  "write, progress polls); render: its server time (store read and check, grid scores, figures); "
+                  "draw: its response → grid drawn. Medians per column.", flush=True)
             interactions(page, size, args.interactions)
             browser.close()
     finally:
@@ -112,9 +145,8 @@ def _percentile(values: list[float], q: float) -> float:
 def interactions(page, n_tokens: int, count: int) -> None:
     """Hover → strip and click → heatmap latencies on the run the page shows (ms, in the page)."""
     page.evaluate("""() => { window.afterplot = {};
-        for (const g of ['hs-strip', 'hs-heatmap']) {
-            const el = document.querySelector(`#${g} .js-plotly-plot`);
-            el.on('plotly_afterplot', () => { window.afterplot[g] = performance.now(); }); } }""")
+        const el = document.querySelector('#hs-heatmap .js-plotly-plot');
+        el.on('plotly_afterplot', () => { window.afterplot['hs-heatmap'] = performance.now(); }); }""")
 
     def timed(graph: str, act, title: str) -> float:
         page.evaluate("g => { window.afterplot[g] = null; window.t0 = performance.now(); }", graph)
@@ -124,17 +156,24 @@ def interactions(page, n_tokens: int, count: int) -> None:
             arg=[graph, title], timeout=60_000)
         return page.evaluate("g => window.afterplot[g] - window.t0", graph)
 
-    strip = page.evaluate("() => document.querySelector('#hs-strip .js-plotly-plot').layout.meta")
-    per_row, n = strip["per_row"], strip["n"]
-    rows = -(-n // per_row)
-    page.locator("#hs-strip").scroll_into_view_if_needed()
-    box = page.locator("#hs-strip .nsewdrag").first.bounding_box()
+    # the strip is HTML spans recoloured in place (assets/attention.js): timed from the event to the
+    # first frame painted after its title changed (the colours are set just before the title)
+    n = page.locator("#hs-strip-tokens [data-pos]").count()
+    page.locator("#hs-strip-tokens").scroll_into_view_if_needed()
     hover = []
     for i in range(count):
         pos = (37 * i + 5) % n
-        r, c = divmod(pos, per_row)
-        x, y = box["x"] + box["width"] * (c + 0.5) / per_row, box["y"] + box["height"] * (r + 0.5) / rows
-        hover.append(timed("hs-strip", lambda x=x, y=y: page.mouse.move(x, y), f"Attention from token {pos} "))
+        box = page.locator(f'#hs-strip-tokens [data-pos="{pos}"]').bounding_box()
+        page.evaluate("""() => { window.painted = null; window.t0 = performance.now();
+            const title = document.querySelector('#hs-strip-tokens .hs-strip-title');
+            const seen = new MutationObserver(() => { seen.disconnect();
+                requestAnimationFrame(() => setTimeout(() => { window.painted = performance.now(); }, 0)); });
+            seen.observe(title, {childList: true, characterData: true, subtree: true}); }""")
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.wait_for_function(
+            "t => window.painted && document.querySelector('#hs-strip-tokens .hs-strip-title').textContent.includes(t)",
+            arg=f"Attention from token {pos} ", timeout=60_000)
+        hover.append(page.evaluate("window.painted - window.t0"))
     clicks = []
     for i in range(max(5, count // 4)):
         layer, head = (i * 7) % 30, (i * 5 + 1) % 9

@@ -1,7 +1,8 @@
 """Page "Attention": text → every head's summary grid → one head's heatmap and token strip.
 
 Data flows one way: the Run button and clicks write the URL; one callback renders everything from
-the URL, so a copied link reopens the same view.
+the URL (the sink map, once per run, follows from a second), so a copied link reopens the same view.
+Hovering only recolours the token strip in the browser (assets/attention.js).
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ EMPTY = empty_figure()
 CANCEL = f"{PREFIX}-hs-cancel"
 PROGRESS = f"{PREFIX}-hs-progress"
 STATUS = f"{PREFIX}-hs-status"
-SINKS_RUN = f"{PREFIX}-hs-sinks-run"  # the run the sink map shows: a head click does not redraw it
+SINKS_RUN = f"{PREFIX}-hs-sinks-run"  # the run the sink map and token strip show: a head click does not redraw them
+STRIP_DATA = f"{PREFIX}-hs-strip-data"  # the token-strip figure the HTML strip is drawn from
+HIDDEN = {"display": "none"}
 
 
 def layout(**_query) -> html.Div:
@@ -51,6 +54,7 @@ def layout(**_query) -> html.Div:
             page_location(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
             dcc.Store(id=SINKS_RUN),
+            dcc.Store(id=STRIP_DATA),
             input_bar(PREFIX),
             html.Div(
                 [
@@ -94,7 +98,11 @@ def layout(**_query) -> html.Div:
                 [
                     html.P("Hover a token (or click a heatmap row) to see where the selected head attends from it.",
                            className="hs-hint"),
-                    _busy(dcc.Graph(id=ids.STRIP, figure=EMPTY, config=GRAPH_CONFIG, clear_on_unhover=False)),
+                    # a run with patterns: the strip as HTML spans, recoloured in place on hover
+                    # (assets/attention.js); a long run: the plotly view of its exact region
+                    html.Div(id=ids.STRIP_TOKENS, className="hs-token-strip hs-hidden",
+                             **{"data-query-store": query_store_id(PREFIX), "data-heatmap": ids.HEATMAP}),
+                    _busy(dcc.Graph(id=ids.STRIP, figure=EMPTY, config=GRAPH_CONFIG)),
                     export_bar(PREFIX, names.TOKEN_STRIP),
                 ],
                 className="hs-panel",
@@ -164,7 +172,8 @@ def _with(search: str | None, **changes) -> str:
     Output(ids.GRID, "figure"),
     Output(ids.HEATMAP, "figure"),
     Output(ids.STRIP, "figure"),
-    Output(ids.SINKS, "figure"),
+    Output(ids.STRIP, "style"),
+    Output(STRIP_DATA, "data"),
     Output(ids.RUN_INFO, "children"),
     Output(ids.ERROR, "children", allow_duplicate=True),
     Output(text_id(PREFIX), "value"),
@@ -177,7 +186,7 @@ def _with(search: str | None, **changes) -> str:
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=11, error_index=5)
+@guarded(outputs=12, error_index=6)
 def render(search, sinks_run=None):
     state = parse(search)
     problems = list(state.problems)
@@ -185,12 +194,13 @@ def render(search, sinks_run=None):
     if state.model and state.run is None:
         load_model(state.model)  # a model named on its own: check it loads, so a bad link says so
     if state.run is None:
-        return (EMPTY, EMPTY, EMPTY, EMPTY, "", message(problems), no_update, state.model or no_update, state.metric,
-                None, None)
+        return (EMPTY, EMPTY, EMPTY, {}, None, "", message(problems), no_update, state.model or no_update,
+                state.metric, None, None)
     run = context.run(state.run)
     if run is None:
         problems.append(f"No stored run has the id {state.run!r}. Run the text again to recompute it.")
-        return EMPTY, EMPTY, EMPTY, EMPTY, "", message(problems), no_update, no_update, state.metric, None, None
+        return (EMPTY, EMPTY, EMPTY, {}, None, "", message(problems), no_update, no_update, state.metric,
+                None, None)
     n_layers, n_heads = run.n_layers, run.n_heads
     if state.metric not in run.metrics:
         problems.append(f"{HEAD_METRICS[state.metric].label} needs full attention patterns, which a "
@@ -206,14 +216,24 @@ def render(search, sinks_run=None):
     query = state.query if state.query is not None and state.query < run.n_tokens else run.n_tokens - 1
     params = {"metric": state.metric, "layer": layer, "head": head, "query": query, "region": state.region}
     grid, _ = VIEWS[names.HEAD_GRID].build(run, params)
-    heat, _ = VIEWS[names.ATTENTION].build(run, params)
-    try:
-        strip, _ = VIEWS[names.TOKEN_STRIP].build(run, params)
-    except InputError as e:  # a bad region in the link: say so, keep the rest of the page
-        problems.append(str(e))
-        strip = EMPTY
-    # the sink map depends on the run only: drawn once per run (0.5 s and 0.9 MB at 500 tokens)
-    sinks = no_update if sinks_run == run.key else VIEWS[names.SINK_MAP].build(run, params)[0]
+    heat, _ = VIEWS[names.ATTENTION].build(run, {**params, "_table": False})
+    # Drawn once per run (the run's own data; a head click does not redraw them): the sink map (by
+    # draw_sinks, once this has named the run) and, with patterns, the HTML token strip, which the
+    # browser then recolours from each new heatmap (assets/attention.js). A long run's strip is the
+    # plotly view of its exact region, which depends on the head: drawn every time.
+    fresh = sinks_run != run.key
+    strip, strip_style, strip_data = EMPTY, HIDDEN, None
+    if run.has_patterns:
+        if fresh:
+            strip_data = VIEWS[names.TOKEN_STRIP].build(run, params)[0]
+        else:
+            strip, strip_data = no_update, no_update
+    else:
+        strip_style = {}
+        try:
+            strip, _ = VIEWS[names.TOKEN_STRIP].build(run, params)
+        except InputError as e:  # a bad region in the link: say so, keep the rest of the page
+            problems.append(str(e))
     loss = np.nanmean(run.token_loss) if run.n_tokens > 1 else float("nan")
     info = html.Div(
         [
@@ -229,21 +249,37 @@ def render(search, sinks_run=None):
         ]
     )
     model = dropdown_model(run.model_name, problems)
-    return (grid, heat, strip, sinks, info, message(problems), run.text or no_update, model, state.metric,
-            query, run.key)
+    return (grid, heat, strip, strip_style, strip_data, info, message(problems), run.text or no_update, model,
+            state.metric, query, run.key if fresh else no_update)
 
 
 @callback(
+    Output(ids.SINKS, "figure"),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Input(SINKS_RUN, "data"),
+    **on_workers(),
+    prevent_initial_call=True,
+)
+@guarded(outputs=2, error_index=1)
+def draw_sinks(run_key):
+    """The sink map of the run the page shows, drawn once per run and after the grid and heatmap: it
+    reads every head's pattern (about 2 s and 0.9 MB at 500 tokens on a loaded 2-core machine), and
+    the grid need not wait for it."""
+    run = get_context().run(run_key) if run_key else None
+    if run is None:
+        return EMPTY, no_update
+    return VIEWS[names.SINK_MAP].build(run, {})[0], no_update
+
+
+# A click on the grid writes the head into the URL in the browser (no server round trip before the
+# render that draws it); the render checks it like any link.
+clientside_callback(
+    ClientsideFunction(namespace="headscope", function_name="selectHead"),
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Input(ids.GRID, "clickData"),
     State(url_id(PREFIX), "search"),
     prevent_initial_call=True,
 )
-def select_head(click, search):
-    if not click or not click.get("points"):
-        return no_update
-    point = click["points"][0]
-    return _with(search, layer=int(point["y"]), head=int(point["x"]), query=None)
 
 
 @callback(
@@ -258,17 +294,29 @@ def select_metric(metric, search):
     return _with(search, metric=metric)
 
 
-# Hovering a token or a heatmap row repaints the strip in the browser (assets/attention.js) from the
-# heatmap already there: no server round trip. A long run's strip is its exact-region view: unchanged.
+clientside_callback(
+    ClientsideFunction(namespace="headscope", function_name="drawStrip"),
+    Output(ids.STRIP_TOKENS, "className"),
+    Input(STRIP_DATA, "data"),
+    State(ids.STRIP_TOKENS, "id"),
+)
+
+# A new heatmap (another head): the strip recolours from it, at the selected query token.
+clientside_callback(
+    ClientsideFunction(namespace="headscope", function_name="followHead"),
+    Input(ids.HEATMAP, "figure"),
+    State(query_store_id(PREFIX), "data"),
+)
+
+# Hovering a token (a listener in assets/attention.js) or a heatmap row recolours the strip in the
+# browser from the heatmap already there: no server round trip. A long run's strip is its
+# exact-region view: unchanged.
 clientside_callback(
     ClientsideFunction(namespace="headscope", function_name="followQuery"),
-    Output(ids.STRIP, "figure", allow_duplicate=True),
     Output(query_store_id(PREFIX), "data", allow_duplicate=True),
-    Input(ids.STRIP, "hoverData"),
     Input(ids.HEATMAP, "hoverData"),
     Input(ids.HEATMAP, "clickData"),
     State(ids.HEATMAP, "figure"),
-    State(ids.STRIP, "figure"),
     prevent_initial_call=True,
 )
 

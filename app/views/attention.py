@@ -45,12 +45,15 @@ def head_grid_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure
 
 @register(names.ATTENTION, "Attention heatmap", ("layer", "head"), lambda state, query, _: _head(state))
 def attention_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
-    """One head's pattern ``A[l, h]``; a run without patterns shows its block-pooled map."""
+    """One head's pattern ``A[l, h]``; a run without patterns shows its block-pooled map.
+    ``_table=False``: the figure only, no rows (the page's redraw on a head click)."""
     layer, head = check_head(run, params.get("layer"), params.get("head"))
     if not run.has_patterns:
         return pooled_attention_view(run, layer, head)
     pattern = run.attention_overview(layer, head)
     fig = figures.attention_heatmap(pattern, run.tokens, layer, head)
+    if params.get("_table") is False:  # the page draws the figure only: n²/2 rows are for exports
+        return fig, []
     rows = [
         {"query_pos": i, "query_token": run.tokens[i], "key_pos": j, "key_token": run.tokens[j],
          "weight": float(pattern[i, j])}

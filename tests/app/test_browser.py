@@ -181,6 +181,21 @@ def wait_title(page, graph: str, text: str, timeout: float = 60_000) -> None:
         arg=[graph, text], timeout=timeout)
 
 
+def wait_strip(page, text: str, timeout: float = 60_000) -> None:
+    """Wait until the Attention page's token strip (HTML spans, #hs-strip-tokens) is titled with ``text``."""
+    page.wait_for_function(
+        "t => (document.querySelector('#hs-strip-tokens .hs-strip-title')?.textContent || '').includes(t)",
+        arg=text, timeout=timeout)
+
+
+def hover_token(page, position: int) -> None:
+    """Move the mouse onto token ``position`` of the token strip."""
+    token = page.locator(f'#hs-strip-tokens [data-pos="{position}"]')
+    token.scroll_into_view_if_needed()
+    box = token.bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+
+
 def heatmap_title(page) -> str:
     return page.locator("#hs-heatmap .gtitle").text_content()
 
@@ -198,11 +213,10 @@ def test_prompt_grid_heatmap_strip_and_svg_export(server, page, tmp_path):
     assert "layer=3" in page.url and "head=5" in page.url
 
     # Hovering a token in the strip shows that token's attention row (once the strip shows this head).
-    wait_title(page, "hs-strip", "layer 3, head 5")
+    wait_strip(page, "layer 3, head 5")
     page.wait_for_load_state("networkidle")
-    box = page.locator("#hs-strip .nsewdrag").first.bounding_box()
-    page.mouse.move(box["x"] + box["width"] * 2.5 / 16, box["y"] + 5)
-    wait_title(page, "hs-strip", "from token 2")
+    hover_token(page, 2)
+    wait_strip(page, "from token 2")
 
     with page.expect_download() as download:
         page.click("[data-export='attention-svg']")

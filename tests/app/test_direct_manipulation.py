@@ -4,17 +4,27 @@ it runs, a job whose process dies says so, UMAP and t-SNE finish in the served a
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from tests.app.test_browser import browser, page, run_prompt, start_server, wait_for_run  # noqa: E402, F401
+from tests.app.test_browser import (  # noqa: E402, F401
+    browser,
+    hover_token,
+    page,
+    run_prompt,
+    start_server,
+    wait_for_run,
+    wait_strip,
+)
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
@@ -75,26 +85,47 @@ def job_children(proc) -> list:
     return out
 
 
-def test_hovering_tokens_and_heatmap_rows_repaints_the_strip_in_the_browser(server, page):
+def test_hovering_tokens_and_heatmap_rows_repaints_the_strip_in_the_browser(server, page, tmp_path):
+    from plotly.colors import sample_colorscale, unlabel_rgb
+
     url, proc, _ = server
     run_prompt(page, url, PROMPT)
     wait_for_run(page)
     n = len(figure(page, "hs-heatmap")["data"][0]["y"])
-    per_row = 16  # figures.token_strip's default
+    wait_strip(page, f"Attention from token {n - 1} ")
     requests = []
     page.on("request", lambda r: requests.append(r.url) if "_dash-update-component" in r.url else None)
-    hover_cell(page, "hs-strip", col=3, row=0, n_cols=per_row, n_rows=-(-n // per_row))
-    wait_title(page, "hs-strip", "Attention from token 3 ", timeout=5_000)
+    hover_token(page, 3)
+    wait_strip(page, "Attention from token 3 ", timeout=5_000)
     hover_cell(page, "hs-heatmap", col=2, row=10, n_cols=n, n_rows=n)
-    wait_title(page, "hs-strip", "Attention from token 10 ", timeout=5_000)
-    after = figure(page, "hs-strip")
-    z = [v for row in after["data"][0]["z"] for v in row]
-    assert all(v is None for v in z[11:n]) and all(v is not None for v in z[:11])  # keys after 10: unseen
+    wait_strip(page, "Attention from token 10 ", timeout=5_000)
+    cells = page.evaluate("""() => [...document.querySelectorAll('#hs-strip-tokens [data-pos]')].map(s =>
+        [s.dataset.weight, getComputedStyle(s).backgroundColor, s.classList.contains('hs-token-query')])""")
+    assert len(cells) == n
+    weights = [float(w) if w else None for w, _, _ in cells]
+    assert all(w is None for w in weights[11:]) and all(w is not None for w in weights[:11])  # keys after 10: unseen
     row = page.evaluate("Array.from(document.querySelector('#hs-heatmap .js-plotly-plot')._fullData[0].z[10])")
-    assert z[:11] == pytest.approx(row[:11], rel=1e-5)  # the strip is that heatmap row
+    assert weights[:11] == pytest.approx(row[:11], rel=1e-5)  # the strip is that heatmap row
+    # each token's colour is plotly's colour scale of the heatmap at weight / the row's largest weight
+    scale = figure(page, "hs-heatmap")["data"][0]["colorscale"]
+    expected = sample_colorscale(scale, [w / max(row[:11]) for w in row[:11]])
+    for (_, shown, _), want in zip(cells[:11], expected, strict=True):
+        assert unlabel_rgb(shown) == pytest.approx(unlabel_rgb(want), abs=2)
+    assert all(bg in ("rgba(0, 0, 0, 0)", "transparent") for _, bg, _ in cells[11:])
+    assert [i for i, (_, _, marked) in enumerate(cells) if marked] == [10]  # the query token is outlined
     assert error_text(page) == ""
     assert requests == []  # no server round trip
     assert proc.poll() is None
+
+    # the token hovered last is the one an export of the strip holds
+    hover_token(page, 5)
+    wait_strip(page, "Attention from token 5 ", timeout=5_000)
+    with page.expect_download(timeout=120_000) as download:
+        page.click("[data-export='token_strip-csv']")
+    path = tmp_path / "strip.zip"
+    download.value.save_as(path)
+    manifest = json.loads(zipfile.ZipFile(path).read("manifest.json"))
+    assert manifest["params"]["query"] == 5
 
 
 def test_every_query_token_is_labelled_and_whitespace_tokens_say_what_they_are(server, page):
@@ -104,7 +135,8 @@ def test_every_query_token_is_labelled_and_whitespace_tokens_say_what_they_are(s
     heat = figure(page, "hs-heatmap")
     n = len(heat["data"][0]["y"])
     assert len(heat["ticks"]) == n and len(heat["xticks"]) == n  # plotly no longer drops every other label
-    tokens = [t for row in figure(page, "hs-strip")["data"][0]["text"] for t in row if t]
+    tokens = page.locator("#hs-strip-tokens [data-pos]").all_text_contents()
+    assert len(tokens) == n
     assert any("(newline" in t or "newlines)" in t for t in tokens), tokens
     assert not any(t == "·" or t == "↵" for t in tokens)
 
@@ -132,6 +164,7 @@ def test_long_text_sink_map_and_exact_zoom_are_on_a_log_scale_with_ticks(server,
     url, _, _ = server
     run_prompt(page, url, long_text(450))
     wait_for_run(page, timeout=240_000)
+    wait_title(page, "hs-sinks", "Attention received per key")  # drawn after the grid, once per run
     sinks = figure(page, "hs-sinks")
     assert "(log)" in sinks["data"][0]["colorbar"]["title"]["text"]
     assert len(sinks["xticks"]) >= 4  # positions numbered along the axis

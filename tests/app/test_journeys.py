@@ -18,10 +18,12 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from tests.app.test_browser import (  # noqa: F401
     browser,
     click_cell,
+    hover_token,
     page,
     select_option,
     start_server,
     wait_for_run,
+    wait_strip,
     wait_title,
 )
 
@@ -131,11 +133,10 @@ def test_attention_journey(server, page, browser, errors, tmp_path):  # noqa: F8
     clean(page, errors, "click head")
 
     # hover a token in the strip: it shows where the head attends from that token
-    wait_title(page, "hs-strip", "layer 3, head 5")
+    wait_strip(page, "layer 3, head 5")
     page.wait_for_load_state("networkidle")
-    box = page.locator("#hs-strip .nsewdrag").first.bounding_box()
-    page.mouse.move(box["x"] + box["width"] * 2.5 / 16, box["y"] + 5)
-    wait_title(page, "hs-strip", "from token 2")
+    hover_token(page, 2)
+    wait_strip(page, "from token 2")
     clean(page, errors, "hover token")
 
     # change the metric: the grid is recoloured and says by what
