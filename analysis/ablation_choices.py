@@ -36,3 +36,6 @@ the control then moves like the top-k curve. 20 follows the table of ``bench/abl
 
 DEFAULT_CURVE_KS = (0, 2, 5, 10, 20)
 DEFAULT_SEEDS = 3
+MAX_SEEDS = 100
+"""Random head sets per k at most: each is a full pass over the curve's k values (a forged or mistyped
+10**8 would otherwise run for ever)."""

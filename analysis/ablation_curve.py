@@ -37,7 +37,7 @@ from analysis.ablation import (
     greedy_continuation,
     loss_metric_fn,
 )
-from analysis.ablation_choices import CONTROL_TOP_N, CURVE_METRICS
+from analysis.ablation_choices import CONTROL_TOP_N, CURVE_METRICS, MAX_SEEDS
 from analysis.capture import Run
 from analysis.errors import InputError
 from analysis.models import LoadedModel
@@ -327,8 +327,8 @@ def check_curve(model: LoadedModel, k_values: Sequence[int], n_seeds: int, outsi
     if ks[0] < 0 or ks[-1] > n_heads:
         bad = ks[0] if ks[0] < 0 else ks[-1]
         raise InputError(f"k must be between 0 and {n_heads} (the heads of the model), got {bad}.")
-    if int(n_seeds) < 0:
-        raise InputError(f"The number of random seeds must be at least 0, got {n_seeds}.")
+    if not 0 <= int(n_seeds) <= MAX_SEEDS:
+        raise InputError(f"The number of random seeds must be between 0 and {MAX_SEEDS}, got {n_seeds}.")
     if int(outside_top) < 0:
         raise InputError(f"The random control's top-N must be at least 0, got {outside_top}.")
     n_out = max(ks[-1], int(outside_top))

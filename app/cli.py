@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from analysis.ablation_choices import CONTROL_TOP_N, DEFAULT_METHOD, DEFAULT_SEEDS, METHODS
+from analysis.ablation_choices import CONTROL_TOP_N, DEFAULT_METHOD, DEFAULT_SEEDS, MAX_SEEDS, METHODS
 from analysis.patching_choices import DIRECTIONS as PATCH_DIRECTIONS
 from analysis.patching_choices import METRICS as PATCH_METRICS
 from analysis.patching_choices import SITES as PATCH_SITES
@@ -257,6 +257,9 @@ def cmd_serve(args) -> int:
     given = args.token or os.environ.get("HEADSCOPE_TOKEN")
     if given is not None and len(given) < 16:
         raise UsageError("argument --token: an access token must have at least 16 characters.")
+    if given is not None and (given != given.strip() or any(c.isspace() or not c.isprintable() for c in given)):
+        raise UsageError("argument --token: an access token has no spaces or control characters "
+                         "(it travels in links).")
     _port_free(host, args.port)
     from app.access import new_token, protect
     from app.context import AppContext
@@ -505,6 +508,10 @@ def cmd_scan(args) -> int:
 
     formats = _check_formats(args.formats, FIGURE_FORMATS)
     lengths, depths = args.lengths, args.depths
+    if args.sink + args.window >= min(lengths):
+        # the streaming score reads query rows past the first S + W positions: none would be left
+        raise UsageError(f"argument --sink/--window: S + W = {args.sink + args.window} leaves no query rows to score "
+                         f"in a {min(lengths)}-token prompt; keep it below the shortest of --lengths")
     needles = _needles(args)
     with _argument("--haystack"):
         hay = load_haystack(args.haystack)
@@ -1015,7 +1022,8 @@ def build_parser() -> argparse.ArgumentParser:
     _niah_options(p, "--sweep: ")
     p.add_argument("--curve", type=number_list(int, 0, what="head counts"),
                    help="k values for the top-k vs random curve, e.g. 0,5,10,20")
-    p.add_argument("--seeds", type=count(1), default=DEFAULT_SEEDS, help="random head sets per k (at least 1)")
+    p.add_argument("--seeds", type=count(1, MAX_SEEDS), default=DEFAULT_SEEDS,
+                   help=f"random head sets per k (1 to {MAX_SEEDS})")
     p.add_argument("--control-top", type=count(0), default=CONTROL_TOP_N,
                    help="--curve: the random heads are drawn from outside the top N heads by the score "
                         f"(default {CONTROL_TOP_N}; at least the largest k)")

@@ -61,7 +61,8 @@ def test_curve_checks_explain_what_to_change(tiny_model):
     assert check_curve(tiny_model, [3, 0, 3], 2, 2) == [0, 3]
     for ks, seeds, n, message in [([], 1, 0, "at least one k"), ([0, 9], 1, 0, "between 0 and 8"),
                                   ([-1], 1, 0, "between 0 and 8"), ([3], 1, 6, "outside the top 6"),
-                                  ([5], 1, 0, "use k up to 4"), ([1], 1, -1, "at least 0")]:
+                                  ([5], 1, 0, "use k up to 4"), ([1], 1, -1, "at least 0"),
+                                  ([1], 10**8, 0, "between 0 and 100"), ([1], -1, 0, "between 0 and 100")]:
         with pytest.raises(InputError, match=message):
             check_curve(tiny_model, ks, seeds, n)
     assert check_curve(tiny_model, [8], 0, 20) == [8]  # no random control: any k up to all heads

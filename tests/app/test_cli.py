@@ -372,6 +372,8 @@ BAD_INPUTS = [
     (("scan", "--lengths", "1.5"), "--lengths"), (("scan", "--depths", "150"), "--depths"),
     (("scan", "--depths", "-1"), "--depths"), (("scan", "--depths", "50,x"), "--depths"),
     (("scan", "--depths", "nan"), "--depths"), (("scan", "--sink", "-1"), "--sink"), (("scan", "--window", "0"), "--window"),
+    # S + W must leave query rows in every prompt, or every streaming score is NaN
+    (("scan", "--sink", "99999999999999"), "--sink"), (("scan", "--lengths", "64", "--window", "64"), "--window"),
     (("scan", "--haystack", "{binary}"), "--haystack"), (("scan", "--haystack", "{missing}"), "--haystack"),
     (("scan", "--haystack", "{empty}"), "--haystack"), (("scan", "--haystack", "nosuch"), "--haystack"),
     (("scan", "--haystack", "{fifo}"), "--haystack"), (("scan", "--needles-file", "{zero}"), "--needles-file"),
@@ -392,6 +394,7 @@ BAD_INPUTS = [
     (("ablate", *T, "--top-k", "0", "--by", "first_token"), "--top-k"),
     (("ablate", *T, "--top-k", "abc"), "--top-k"), (("ablate", *T, "--top-k", "300", "--by", "first_token"), "--top-k"),
     (("ablate", *T, "--heads", "1.1", "--seeds", "-1"), "--seeds"), (("ablate", *T, "--heads", "1.1", "--seeds", "0"), "--seeds"),
+    (("ablate", *T, "--heads", "1.1", "--curve", "0,1", "--seeds", "100000000"), "--seeds"),
     (("ablate", *T, "--top-k", "2", "--by", "first_token", "--curve", "a,b"), "--curve"),
     (("ablate", *T, "--top-k", "2", "--by", "first_token", "--curve", "-1,2"), "--curve"),
     (("ablate", *T, "--top-k", "2", "--by", "first_token", "--curve", ""), "--curve"),
@@ -445,6 +448,7 @@ BAD_INPUTS = [
     (("serve", "--port", "0"), "--port"), (("serve", "--port", "70000"), "--port"), (("serve", "--port", "http"), "--port"),
     (("serve", "--port", "{busy_port}"), "--port"), (("serve", "--host", ""), "--host"),
     (("serve", "--host", "0.0.0.0", "--token", "short"), "--token"),
+    (("serve", "--host", "0.0.0.0", "--token", " " * 16), "--token"), (("serve", "--token", "a b c d e f g h i j"), "--token"),
     (("worker", "--concurrency", "0"), "--concurrency"), (("worker", "--page-concurrency", "-1"), "--page-concurrency"),
     (("worker", "--device", "gpu"), "--device"), (("worker", "--name", ""), "--name"), (("worker",), "HEADSCOPE_REDIS_URL"),
 ]
