@@ -16,6 +16,7 @@ from app.server import create_app
 def client(tmp_path_factory):
     app = create_app(AppContext(store=Store(tmp_path_factory.mktemp("offers-home"))))
     client = app.server.test_client()
+    client.dash_app = app
     client.get("/")
     return client, {d["output"]: d for d in json.loads(client.get("/_dash-dependencies").data)}
 
@@ -170,3 +171,39 @@ def test_a_number_outside_its_box_range_or_step_is_refused(client, cid, value, w
     dep = next(d for d in deps.values() if any(s["id"] == cid for s in d["inputs"] + d["state"]))
     r = post(client, dep, {f"{cid}.value": value})
     assert r.status_code == 400 and f"{cid}.value {why}" in r.get_data(as_text=True), r.get_data(as_text=True)[:300]
+
+
+FORGED = {"choice": "/etc/passwd", "number": "4", "text": {"path": "/etc/passwd"}, "count": -1, "path": "etc/passwd"}
+
+
+def test_a_clicked_button_carries_no_forged_state_past_the_boundary(client):
+    """The HTTP fuzzer forges one value at a time with every button unclicked, so a forged State
+    never reaches a job's body there. Here every server callback that a button starts gets its
+    button clicked and one State forged at a time: each is refused before the callback runs
+    (nothing is computed, no job starts), whatever the button."""
+    from app.offers import Offers
+
+    client, deps = client
+    table = Offers(client.dash_app).table()
+    checked, refused = 0, []
+    for dep in deps.values():
+        buttons = [s for s in dep["inputs"] if s["property"] == "n_clicks"]
+        if not buttons or dep.get("clientside_function") or any(s["id"].startswith("{") for s in dep["inputs"]):
+            continue  # pattern-id inputs (export buttons): the fuzzer covers their request shape
+        for spec in dep["state"]:
+            offer = table.get((spec["id"], spec["property"]))
+            if offer is None or offer.kind not in FORGED:
+                continue  # stores and pattern ids: data the page produced, checked by shape elsewhere
+            values = {f"{b['id']}.n_clicks": 1 for b in buttons}
+            forged = [FORGED[offer.kind]]
+            if offer.kind == "number" and offer.high is not None:
+                forged.append(10**8)  # past the box's max: e.g. 10**8 random seeds for the curve
+            for value in forged:
+                r = post(client, dep, {**values, f"{spec['id']}.{spec['property']}": value})
+                checked += 1
+                if r.status_code != 400 or f"{spec['id']}.{spec['property']}" not in r.get_data(as_text=True):
+                        refused.append(f"{dep['output'][:60]} {spec['id']}.{spec['property']}={value!r} → {r.status_code} "
+                                   f"{r.get_data(as_text=True)[:150]}")
+    print(f"{checked} button-started States forged")
+    assert checked >= 30, f"only {checked} button-started States found: the layouts changed?"
+    assert not refused, "forged States reached a callback whose button was clicked:\n" + "\n".join(refused)
