@@ -63,6 +63,7 @@ def click_category(page, selector: str, x: str, y: str) -> None:
 
 @pytest.mark.browser
 @pytest.mark.integration
+@pytest.mark.timeout(600)  # a job of 90 exact patches, one of 14, and the reference, on a shared 2-core machine
 def test_patching_journey(server, page, real_model, reference):
     url, proc, home = server
     page.goto(url + "patching")
@@ -119,7 +120,7 @@ def test_patching_journey(server, page, real_model, reference):
     # click the top head: its per-position map
     click_category(page, MAP, str(head), str(layer))
     page.wait_for_function("new URLSearchParams(location.search).has('ppos')", timeout=240_000)
-    page.wait_for_selector("#hs-pat-positions .barlayer .point")
+    page.wait_for_selector("#hs-pat-positions .barlayer .point", state="attached")
     assert f"head {layer}.{head}" in page.locator("#hs-pat-positions .gtitle").text_content()
     bars = plot_data(page, "#hs-pat-positions")[0]
     by_position = activation_patching(real_model, CLEAN, CORRUPTED, list(ANSWERS), site=SITE, head=(layer, head))
@@ -130,7 +131,7 @@ def test_patching_journey(server, page, real_model, reference):
     other = page.context.new_page()
     other.goto(link)
     other.wait_for_selector(MAP + " .heatmaplayer .hm", timeout=240_000)
-    other.wait_for_selector("#hs-pat-positions .barlayer .point")
+    other.wait_for_selector("#hs-pat-positions .barlayer .point", state="attached")
     np.testing.assert_allclose(np.array(plot_data(other, MAP)[0]["z"], dtype=float), reference.values, atol=1e-4)
     assert other.input_value("#hs-pat-clean") == CLEAN and other.input_value("#hs-pat-answer-corrupted") == ANSWERS[1]
     assert other.is_checked(f"#hs-pat-site input[value='{SITE}']")
