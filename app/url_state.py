@@ -120,7 +120,7 @@ _URL_KEY = {"drop_sink": "sink"}
 class PageState:
     """The state of a page: the shared fields (model, run, layer, head, query) and each page's own
     fields in its part (``state.attention``, ``state.flow``, ``state.sweeps`` (the Heads page), ``state.qk``,
-    ``state.ablation``). A page field may also be read and set by its name (``state.metric``);
+    ``state.ablation``, ``state.patch``). A page field may also be read and set by its name (``state.metric``);
     the name belongs to one part, so it means the same on every page."""
 
     def __init__(self, model: str | None = None, run: str | None = None, layer: int | None = None,

@@ -295,6 +295,28 @@ def run_patching(set_progress, n_clicks, clean, corrupted, answer_clean, answer_
     return state.to_search(), "", f"{n} {unit}s patched in {time.monotonic() - started:.1f} s"
 
 
+@callback(
+    Output(ids.PAT_STATUS, "children", allow_duplicate=True),
+    Input(ids.PAT_CANCEL, "n_clicks"),
+    prevent_initial_call=True,
+)
+def cancelled(n_clicks):
+    if not n_clicks:
+        raise PreventUpdate
+    return "Cancelled: nothing was stored; the maps shown are the last finished run's."
+
+
+@callback(
+    Output(ids.PAT_POS_STATUS, "children", allow_duplicate=True),
+    Input(ids.PAT_POS_CANCEL, "n_clicks"),
+    prevent_initial_call=True,
+)
+def positions_cancelled(n_clicks):
+    if not n_clicks:
+        raise PreventUpdate
+    return "Cancelled: nothing was stored; click a head to patch it by position."
+
+
 def _clicked_cell(click) -> tuple[int, int]:
     """(row, column) of a click on the map: layer and head labels as the figure writes them."""
     points = click.get("points") if isinstance(click, dict) else None

@@ -99,6 +99,8 @@ def test_patching_journey(server, page, real_model, reference):
     page.wait_for_function("new URLSearchParams(location.search).has('patching')", timeout=300_000)
     page.wait_for_selector(MAP + " .heatmaplayer .hm")
     assert banner(page).strip() == ""
+    assert "model=smollm2-135m" in page.get_attribute("#hs-nav-patching", "href")  # the nav carries the model
+    assert "model=smollm2-135m" in page.get_attribute("#hs-nav-attention", "href")
 
     # the map: diverging around 0 (denoising), labelled 0 = corrupted / 1 = clean, the analysis's numbers
     trace = plot_data(page, MAP)[0]
@@ -126,8 +128,18 @@ def test_patching_journey(server, page, real_model, reference):
     by_position = activation_patching(real_model, CLEAN, CORRUPTED, list(ANSWERS), site=SITE, head=(layer, head))
     np.testing.assert_allclose(np.array(bars["customdata"], dtype=float), by_position.values, atol=1e-4)
 
-    # a copied link reopens the same view from the store: no job runs
+    # Cancel stops a run: the page keeps the finished maps and their link
     link = page.url
+    page.check("#hs-pat-site input[value='q']")
+    page.click("#hs-pat-run")
+    page.wait_for_function("(document.querySelector('#hs-pat-status')?.innerText || '').includes(' of 270')",
+                           timeout=120_000)
+    page.click("#hs-pat-cancel")
+    page.wait_for_function("(document.querySelector('#hs-pat-status')?.innerText || '').startsWith('Cancelled')")
+    page.wait_for_function("!document.querySelector('#hs-pat-run').disabled")
+    assert page.url == link
+
+    # a copied link reopens the same view from the store: no job runs
     other = page.context.new_page()
     other.goto(link)
     other.wait_for_selector(MAP + " .heatmaplayer .hm", timeout=240_000)
