@@ -36,7 +36,7 @@ from app.components import (
 )
 from app.context import get_context, offered_model
 from app.errors import guarded, message
-from app.jobs import cancellable_job, count_progress, in_job
+from app.jobs import cancellable_job, count_progress, in_job, on_workers
 from app.url_state import parse
 from app.views import VIEWS, names
 from app.views.patching import patching_params, stored_patching, unit_names
@@ -174,6 +174,7 @@ def _top_text(result) -> str:
     Output(ids.PAT_DIRECTION, "value"),
     Output(ids.PAT_METRIC, "value"),
     Input(url_id(PREFIX), "search"),
+    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker (the web process loads no model)
     prevent_initial_call="initial_duplicate",
 )
 @guarded(outputs=15, error_index=6)
@@ -213,6 +214,7 @@ def render(search):
     Input(ids.PAT_ANSWER_CLEAN, "value"),
     Input(ids.PAT_ANSWER_CORRUPTED, "value"),
     Input(ids.PAT_MODEL, "value"),
+    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker (the web process loads no model)
 )
 @guarded(outputs=1)
 def differ(clean, corrupted, answer_clean, answer_corrupted, model_spec):
