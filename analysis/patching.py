@@ -87,6 +87,9 @@ from analysis.store import Store, content_key
 PATCHING_VERSION = 1
 TOP_K = 10
 MIN_DENOMINATOR = 1e-6
+ATTRIBUTION_SHARE = 0.1
+"""With exact and attribution patching both asked for, the share of ``progress`` that attribution
+patching reports (it finishes first); exact patching reports the rest, unit by unit."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -606,7 +609,7 @@ def activation_patching(
     def normalise(m: np.ndarray) -> np.ndarray:
         return ((m - m_corrupted) / denominator).reshape(shape)
 
-    share = 0.9 if exact and attribution else 1.0
+    share = 1.0 - ATTRIBUTION_SHARE if exact and attribution else 1.0
     values = raw = approx = None
     complete, t_attr = True, 0.0
     if attribution:

@@ -24,7 +24,7 @@ SCORES = (*HEAD_METRICS, "evidence")
 ABLATION_METHODS = ABLATION_CHOICES
 RANK_BY = ("retrieval", "effect", *HEAD_METRICS)
 _HEADS = re.compile(r"^[\w.:*,; ]{1,2000}$")
-_HEX_KEYS = ("curve", "hsweep", "source", "ref", "labels", "texts")
+_HEX_KEYS = ("curve", "hsweep", "source", "ref", "labels", "texts", "patching", "ppos")
 _FIND = re.compile(r"^[^\x00-\x1f<>]{1,40}$")
 CHOICES = {"method": PROJECTIONS, "colour": ("position", "kind", "sentence", "norm"),
            "score": SCORES, "stat": ("mean", "std"),
@@ -97,21 +97,30 @@ class AblationState:
     ref: str | None = None
 
 
+@dataclass
+class PatchingState:
+    """The Patching page's own fields: the stored all-units result and one head's per-position result."""
+
+    patching: str | None = None
+    ppos: str | None = None
+
+
 PARTS = {"attention": AttentionState, "flow": FlowState, "sweeps": HeadsState, "qk": QKState,
-         "ablation": AblationState}
+         "ablation": AblationState, "patch": PatchingState}
 _OWNER = {f.name: part for part, cls in PARTS.items() for f in fields(cls)}  # page field -> its part
 _SHARED = ("model", "run", "layer", "head", "query")  # ``query``: one URL key, read by Attention and QK
 # the URL's key order (kept as it was, so links the pages write are unchanged), and a field's URL key
 _ORDER = ("model", "run", "layer", "head", "metric", "query", "target", "fusion", "drop_sink", "method", "colour",
           "feature", "sentences", "score", "stat", "sink_size", "window", "heads", "ablate", "by", "k", "seed",
-          "curve", "hsweep", "source", "ref", "labels", "texts", "find", "region", "sweep", "trial", "agg")
+          "curve", "hsweep", "source", "ref", "labels", "texts", "find", "region", "sweep", "trial", "agg",
+          "patching", "ppos")
 _URL_KEY = {"drop_sink": "sink"}
 
 
 class PageState:
     """The state of a page: the shared fields (model, run, layer, head, query) and each page's own
     fields in its part (``state.attention``, ``state.flow``, ``state.sweeps`` (the Heads page), ``state.qk``,
-    ``state.ablation``). A page field may also be read and set by its name (``state.metric``);
+    ``state.ablation``, ``state.patch``). A page field may also be read and set by its name (``state.metric``);
     the name belongs to one part, so it means the same on every page."""
 
     def __init__(self, model: str | None = None, run: str | None = None, layer: int | None = None,

@@ -30,7 +30,7 @@ ABLATION_SELECTION = "ablation_selection"
 ABLATION_EFFECTS = "ablation_effects"
 ABLATION_CURVE = "ablation_curve"
 ABLATION_HEAD_SWEEP = "ablation_head_sweep"
-# Patching (no page yet: headscope patch)
+# Patching page (and headscope patch)
 PATCHING_MAP = "patching_map"
 PATCHING_AGREEMENT = "patching_agreement"
 # QK page

@@ -2,8 +2,9 @@
 :class:`~analysis.patching.PatchingResult` named by its key (``params["patching"]``, a prefix of it):
 the map of exact (or attribution) values, and exact against attribution per unit.
 
-No page shows them yet (issue #19); ``headscope patch`` exports them and ``headscope figure``
-rebuilds them from their manifests.
+The Patching page (``/patching``) shows them; ``headscope patch`` exports them and ``headscope figure``
+rebuilds them from their manifests. The page's export buttons add a variant: ``patching_map:attribution``
+(the attribution map) and ``patching_map:positions`` (the clicked head's per-position map, ``ppos``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ def _context():
     return get_context()
 
 
-def patching_params(state: Any) -> dict[str, Any]:
-    return {"model": getattr(state, "model", None) or _context().default_model,
-            "patching": getattr(state, "patching", None), "show": getattr(state, "show", None)}
+def patching_params(state: Any, which: str = "") -> dict[str, Any]:
+    """The view's params from a page state: ``which`` ``positions`` names the clicked head's result
+    (``ppos``), ``attribution`` shows the attribution estimate instead of exact patching."""
+    key = getattr(state, "ppos" if which == "positions" else "patching", None)
+    show = "attribution" if which == "attribution" else getattr(state, "show", None)
+    return {"model": getattr(state, "model", None) or _context().default_model, "patching": key, "show": show}
 
 
 def stored_patching(key: Any) -> PatchingResult:
@@ -71,7 +75,7 @@ def _describe(result: PatchingResult) -> str:
 
 
 @register(names.PATCHING_MAP, "Activation patching map", ("patching", "show"),
-          lambda state, query, _: patching_params(state), needs_run=False)
+          lambda state, query, which: patching_params(state, which), needs_run=False)
 def patching_map_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     result = stored_patching(params.get("patching"))
     show = params.get("show") or ("exact" if result.values is not None else "attribution")

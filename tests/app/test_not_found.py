@@ -13,7 +13,7 @@ from tests.app.test_browser import browser, page, server, start_server  # noqa: 
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
-PAGES = ["/", "/flow", "/heads", "/qk", "/ablation"]
+PAGES = ["/", "/flow", "/heads", "/qk", "/ablation", "/patching"]
 
 
 def assert_not_found_page(page, shown: str) -> None:
@@ -86,7 +86,7 @@ def test_a_missing_page_answers_404_and_every_page_200_over_raw_http(server):
     for path in ["/nowhere", "/heads/extra", "/not-found", "/flow.html", "/%3Cscript%3E", "/%D1%8F"]:
         assert _status(url, path) == 404, path
         assert _status(url, path, "HEAD") == 404, path
-    for path in [*PAGES, "/flow/", "/ablation?run=0123456789abcdef&heads=3.1", "/_dash-layout",
+    for path in [*PAGES, "/flow/", "/ablation?run=0123456789abcdef&heads=3.1", "/patching?patching=0123456789abcdef", "/_dash-layout",
                  "/_dash-dependencies", "/assets/headscope.css", "/_favicon.ico"]:
         assert _status(url, path) == 200, path
     assert proc.poll() is None

@@ -1,0 +1,367 @@
+"""Page "Patching": activation patching between a clean and a corrupted prompt (Heimersheim & Nanda
+2024), every head at once as a background job, the attribution-patching estimate beside it with their
+agreement, and one clicked head position by position. Everything is :func:`analysis.patching.activation_patching`;
+the URL names the stored results, so a link reopens the same view without computing."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import dash
+import numpy as np
+from dash import Input, Output, State, callback, dcc, html, no_update
+from dash.exceptions import PreventUpdate
+
+from analysis.errors import check_head_index
+from analysis.models import load_model
+from analysis.patching import ATTRIBUTION_SHARE, activation_patching, prompt_pair
+from analysis.patching_choices import (
+    DIRECTION_DESCRIPTIONS,
+    DIRECTIONS,
+    METRIC_LABELS,
+    METRICS,
+    SITE_DESCRIPTIONS,
+    SITES,
+)
+from app import ids
+from app.components import (
+    GRAPH_CONFIG,
+    empty_figure,
+    export_bar,
+    page_location,
+    query_store_id,
+    register_export,
+    url_id,
+)
+from app.context import get_context, offered_model
+from app.errors import guarded, message
+from app.jobs import cancellable_job, count_progress, in_job, on_workers
+from app.url_state import parse
+from app.views import VIEWS, names
+from app.views.patching import patching_params, stored_patching, unit_names
+
+dash.register_page(__name__, path="/patching", name="Patching", title="headscope — activation patching", order=5)
+
+PREFIX = "pat"
+# An IOI-style pair (Wang et al. 2022) on which the embedded model prefers the right name on both prompts
+CLEAN = "When Mary and John went to the store, John gave a drink to"
+CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
+ANSWERS = (" Mary", " John")
+EMPTY = empty_figure("Run the patching to see every head's effect.")
+NO_POSITIONS = empty_figure("Click a head on the map to patch it position by position.")
+TOP_N = 5
+_INDEX = re.compile(r"^\d{1,4}$")
+
+
+def _choices(values, describe) -> list[dict]:
+    return [{"label": html.Span([html.B(f" {v} "), html.Span(describe[v], className="hs-hint")]), "value": v}
+            for v in values]
+
+
+def layout(**_query) -> html.Div:
+    context = get_context()
+    return html.Div(
+        [
+            page_location(PREFIX),
+            dcc.Store(id=query_store_id(PREFIX)),
+            html.Div(
+                [
+                    html.Div([
+                        html.Label("Clean prompt (its answer is the first answer)", htmlFor=ids.PAT_CLEAN),
+                        dcc.Textarea(id=ids.PAT_CLEAN, className="hs-textarea", value=CLEAN),
+                        html.Label("Corrupted prompt (the same number of tokens)", htmlFor=ids.PAT_CORRUPTED),
+                        dcc.Textarea(id=ids.PAT_CORRUPTED, className="hs-textarea", value=CORRUPTED),
+                        html.Label("Answers: one token each, as it follows the prompt (a word after a space "
+                                   "keeps its space)", htmlFor=ids.PAT_ANSWER_CLEAN),
+                        html.Div([
+                            html.Label("clean", htmlFor=ids.PAT_ANSWER_CLEAN),
+                            dcc.Input(id=ids.PAT_ANSWER_CLEAN, className="hs-text-input", value=ANSWERS[0]),
+                            html.Label("corrupted", htmlFor=ids.PAT_ANSWER_CORRUPTED),
+                            dcc.Input(id=ids.PAT_ANSWER_CORRUPTED, className="hs-text-input", value=ANSWERS[1]),
+                        ], className="hs-options"),
+                        html.Div(id=ids.PAT_DIFFER, className="hs-hint"),
+                        html.Label("Model", htmlFor=ids.PAT_MODEL),
+                        dcc.Dropdown(id=ids.PAT_MODEL, options=context.model_options(), value=context.default_model,
+                                     clearable=False, className="hs-model"),
+                    ], className="hs-panel hs-field"),
+                    html.Div([
+                        html.Label("Site: what is copied from one run into the other", htmlFor=ids.PAT_SITE),
+                        dcc.RadioItems(id=ids.PAT_SITE, value="z", options=_choices(SITES, SITE_DESCRIPTIONS),
+                                       className="hs-methods"),
+                        html.Label("Direction", htmlFor=ids.PAT_DIRECTION),
+                        dcc.RadioItems(id=ids.PAT_DIRECTION, value="denoise",
+                                       options=_choices(DIRECTIONS, DIRECTION_DESCRIPTIONS), className="hs-methods"),
+                        html.Label("Metric (normalised: 0 = corrupted, 1 = clean)", htmlFor=ids.PAT_METRIC),
+                        dcc.RadioItems(id=ids.PAT_METRIC, value="logit_diff", inline=True,
+                                       options=[{"label": f" {METRIC_LABELS[m]}", "value": m} for m in METRICS]),
+                        html.Div([
+                            html.Button("Run", id=ids.PAT_RUN, n_clicks=0, className="hs-run"),
+                            html.Button("Cancel", id=ids.PAT_CANCEL, n_clicks=0, className="hs-button hs-cancel",
+                                        disabled=True),
+                            html.Progress(id=ids.PAT_PROGRESS, value="0", max="100", className="hs-progress"),
+                            html.Span(id=ids.PAT_STATUS, className="hs-hint"),
+                        ], className="hs-options"),
+                        html.Div(id=ids.PAT_TOP, className="hs-run-info"),
+                    ], className="hs-panel hs-field"),
+                ],
+                className="hs-panels hs-even",
+            ),
+            html.Div(
+                [
+                    html.Div([dcc.Graph(id=ids.PAT_MAP, figure=EMPTY, config=GRAPH_CONFIG),
+                              html.P("Exact activation patching. Click a head to patch it position by position.",
+                                     className="hs-hint"),
+                              export_bar(PREFIX, names.PATCHING_MAP)], className="hs-panel"),
+                    html.Div([dcc.Graph(id=ids.PAT_ATTRIBUTION, figure=EMPTY, config=GRAPH_CONFIG),
+                              html.P("Attribution patching: the first-order estimate from one forward and one "
+                                     "backward pass.", className="hs-hint"),
+                              export_bar(PREFIX, names.variant(names.PATCHING_MAP, "attribution"))],
+                             className="hs-panel"),
+                ],
+                className="hs-panels hs-even",
+            ),
+            html.Div([
+                html.Div(id=ids.PAT_AGREEMENT_NUMBERS, className="hs-run-info"),
+                dcc.Graph(id=ids.PAT_AGREEMENT, figure=empty_figure("No comparison yet."), config=GRAPH_CONFIG),
+                export_bar(PREFIX, names.PATCHING_AGREEMENT),
+            ], className="hs-panel"),
+            html.H3("One head, position by position", className="hs-section"),
+            html.Div([
+                html.Button("Cancel", id=ids.PAT_POS_CANCEL, n_clicks=0, className="hs-button hs-cancel",
+                            disabled=True),
+                html.Progress(id=ids.PAT_POS_PROGRESS, value="0", max="100", className="hs-progress"),
+                html.Span(id=ids.PAT_POS_STATUS, className="hs-hint"),
+            ], className="hs-options"),
+            html.Div([dcc.Graph(id=ids.PAT_POSITIONS, figure=NO_POSITIONS, config=GRAPH_CONFIG),
+                      export_bar(PREFIX, names.variant(names.PATCHING_MAP, "positions"))], className="hs-panel"),
+        ]
+    )
+
+
+register_export(PREFIX, run_of=lambda state: None)
+
+
+def _differ_text(pair) -> str:
+    shown = "; ".join(f"{p}: {pair.clean_tokens[p]} → {pair.corrupted_tokens[p]}" for p in pair.differ)
+    answers = " vs ".join(pair.answer_tokens)
+    return (f"{pair.n_tokens} tokens each; they differ at position{'s' if len(pair.differ) > 1 else ''} {shown} "
+            f"(clean → corrupted). Answers: {answers}.")
+
+
+def _top_text(result) -> str:
+    labels = unit_names(result)
+    shape = result.values.shape
+    top = ", ".join(f"{labels[int(np.ravel_multi_index(i, shape))]} ({v:.2f})" for i, v in result.top_units(TOP_N))
+    return (f"Largest effects ({result.direction} {result.site}): {top}. Exact in {result.seconds:.1f} s, "
+            f"attribution in {result.attribution_seconds:.1f} s.")
+
+
+@callback(
+    Output(ids.PAT_MAP, "figure"),
+    Output(ids.PAT_ATTRIBUTION, "figure"),
+    Output(ids.PAT_AGREEMENT, "figure"),
+    Output(ids.PAT_AGREEMENT_NUMBERS, "children"),
+    Output(ids.PAT_TOP, "children"),
+    Output(ids.PAT_POSITIONS, "figure"),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Output(ids.PAT_CLEAN, "value"),
+    Output(ids.PAT_CORRUPTED, "value"),
+    Output(ids.PAT_ANSWER_CLEAN, "value"),
+    Output(ids.PAT_ANSWER_CORRUPTED, "value"),
+    Output(ids.PAT_MODEL, "value"),
+    Output(ids.PAT_SITE, "value"),
+    Output(ids.PAT_DIRECTION, "value"),
+    Output(ids.PAT_METRIC, "value"),
+    Input(url_id(PREFIX), "search"),
+    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker (the web process loads no model)
+    prevent_initial_call="initial_duplicate",
+)
+@guarded(outputs=15, error_index=6)
+def render(search):
+    """Draw the page from its URL: the stored results it names, read back, never computed."""
+    state = parse(search)
+    problems = list(state.problems)
+    if not state.patching:
+        return (EMPTY, EMPTY, empty_figure("No comparison yet."), "", "", NO_POSITIONS, message(problems),
+                *[no_update] * 8)
+    result = stored_patching(state.patching)
+    params = patching_params(state)
+    exact, _ = VIEWS[names.PATCHING_MAP].build(None, params)
+    approx, _ = VIEWS[names.PATCHING_MAP].build(None, patching_params(state, "attribution"))
+    agree, _ = VIEWS[names.PATCHING_AGREEMENT].build(None, params)
+    a = result.agreement
+    numbers = (f"Attribution against exact patching over {a.n_units} units: Pearson {a.pearson:.3f}, "
+               f"Spearman {a.spearman:.3f}, top-{a.k} overlap {a.overlap:.0%}.")
+    positions = NO_POSITIONS
+    if state.ppos:
+        try:
+            positions, _ = VIEWS[names.PATCHING_MAP].build(None, patching_params(state, "positions"))
+        except ValueError as e:
+            problems.append(str(e))
+    model = load_model(state.model or get_context().default_model)
+    pair = result.pair
+    form = [model.tokenizer.decode(list(pair.clean_ids)), model.tokenizer.decode(list(pair.corrupted_ids)),
+            *[model.tokenizer.decode([t]) for t in pair.answers], *([""] if len(pair.answers) == 1 else []),
+            model.name, result.site, result.direction, result.metric]
+    return (exact, approx, agree, numbers, _top_text(result), positions, message(problems), *form)
+
+
+@callback(
+    Output(ids.PAT_DIFFER, "children"),
+    Input(ids.PAT_CLEAN, "value"),
+    Input(ids.PAT_CORRUPTED, "value"),
+    Input(ids.PAT_ANSWER_CLEAN, "value"),
+    Input(ids.PAT_ANSWER_CORRUPTED, "value"),
+    Input(ids.PAT_MODEL, "value"),
+    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker (the web process loads no model)
+)
+@guarded(outputs=1)
+def differ(clean, corrupted, answer_clean, answer_corrupted, model_spec):
+    """Where the prompts differ, as the analysis tokenises them, or the analysis's reason it cannot
+    patch them (unequal lengths, a multi-token answer)."""
+    model = load_model(offered_model(model_spec))
+    try:
+        pair = prompt_pair(model, clean or "", corrupted or "", _answers(answer_clean, answer_corrupted))
+    except ValueError as e:
+        return html.Span(str(e), className="hs-pat-refused")
+    return _differ_text(pair)
+
+
+def _answers(clean, corrupted) -> list[str]:
+    """The answers as typed (a leading space is part of the token); an empty box is no answer."""
+    return [a for a in (clean, corrupted) if isinstance(a, str) and a != ""]
+
+
+def _units(model, site: str, n_tokens: int) -> tuple[int, str]:
+    if site == "resid":
+        return (model.n_layers + 1) * n_tokens, "layer-position"
+    if site in ("k", "v"):
+        return model.n_layers * model.n_kv_heads, "key-value head"
+    return model.n_layers * model.n_heads, "head"
+
+
+def _job_progress(set_progress, n: int, unit: str):
+    """``progress(fraction)`` of :func:`activation_patching` with attribution as "<unit> i of n, time
+    left" once exact patching runs; before that, attribution patching's one forward and backward pass."""
+    counting = {}
+
+    def report(fraction: float) -> None:
+        if fraction < ATTRIBUTION_SHARE:
+            set_progress(("0", "100", "attribution patching (one forward and one backward pass)"))
+            return
+        if "report" not in counting:
+            counting["report"] = count_progress(set_progress, n, unit)
+        counting["report"]((fraction - ATTRIBUTION_SHARE) / (1 - ATTRIBUTION_SHARE))
+
+    return report
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Output(ids.PAT_STATUS, "children"),
+    Input(ids.PAT_RUN, "n_clicks"),
+    State(ids.PAT_CLEAN, "value"),
+    State(ids.PAT_CORRUPTED, "value"),
+    State(ids.PAT_ANSWER_CLEAN, "value"),
+    State(ids.PAT_ANSWER_CORRUPTED, "value"),
+    State(ids.PAT_MODEL, "value"),
+    State(ids.PAT_SITE, "value"),
+    State(ids.PAT_DIRECTION, "value"),
+    State(ids.PAT_METRIC, "value"),
+    State(url_id(PREFIX), "search"),
+    **cancellable_job(ids.PAT_RUN, ids.PAT_CANCEL, ids.PAT_PROGRESS, ids.PAT_STATUS),
+    prevent_initial_call=True,
+)
+def run_patching(set_progress, n_clicks, clean, corrupted, answer_clean, answer_corrupted, model_spec, site,
+                 direction, metric, search):
+    """Run: exact and attribution patching of every unit of the site, stored; its key goes into the URL."""
+    in_job()
+    if not n_clicks:
+        raise PreventUpdate
+    started = time.monotonic()
+    try:
+        context = get_context()
+        model = load_model(offered_model(model_spec))
+        answers = _answers(answer_clean, answer_corrupted)
+        pair = prompt_pair(model, clean or "", corrupted or "", answers)  # refused here, before the job's work
+        n, unit = _units(model, site, pair.n_tokens)
+        result = activation_patching(model, pair.clean_ids, pair.corrupted_ids, list(pair.answers), site=site,
+                                     direction=direction, metric=metric, attribution=True, store=context.store,
+                                     progress=_job_progress(set_progress, n, unit))
+    except ValueError as e:
+        return no_update, message(str(e)), "Not run: see the message above."
+    state = parse(search)
+    state.model, state.patching, state.ppos, state.layer, state.head = model.name, result.key[:16], None, None, None
+    return state.to_search(), "", f"{n} {unit}s patched in {time.monotonic() - started:.1f} s"
+
+
+@callback(
+    Output(ids.PAT_STATUS, "children", allow_duplicate=True),
+    Input(ids.PAT_CANCEL, "n_clicks"),
+    prevent_initial_call=True,
+)
+def cancelled(n_clicks):
+    if not n_clicks:
+        raise PreventUpdate
+    return "Cancelled: nothing was stored; the maps shown are the last finished run's."
+
+
+@callback(
+    Output(ids.PAT_POS_STATUS, "children", allow_duplicate=True),
+    Input(ids.PAT_POS_CANCEL, "n_clicks"),
+    prevent_initial_call=True,
+)
+def positions_cancelled(n_clicks):
+    if not n_clicks:
+        raise PreventUpdate
+    return "Cancelled: nothing was stored; click a head to patch it by position."
+
+
+def _clicked_cell(click) -> tuple[int, int]:
+    """(row, column) of a click on the map: layer and head labels as the figure writes them."""
+    points = click.get("points") if isinstance(click, dict) else None
+    point = points[0] if isinstance(points, list) and points and isinstance(points[0], dict) else {}
+    x, y = str(point.get("x", "")), str(point.get("y", ""))
+    if not (_INDEX.match(x) and _INDEX.match(y)):
+        raise PreventUpdate  # not a head's cell
+    return int(y), int(x)
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Output(ids.PAT_POS_STATUS, "children"),
+    Input(ids.PAT_MAP, "clickData"),
+    State(url_id(PREFIX), "search"),
+    background=True,
+    progress=[Output(ids.PAT_POS_PROGRESS, "value"), Output(ids.PAT_POS_PROGRESS, "max"),
+              Output(ids.PAT_POS_STATUS, "children")],
+    running=[(Output(ids.PAT_POS_CANCEL, "disabled"), False, True)],
+    cancel=[Input(ids.PAT_POS_CANCEL, "n_clicks")],
+    prevent_initial_call=True,
+)
+def run_positions(set_progress, click, search):
+    """A click on a head of the map: that head's site patched one position at a time (stored)."""
+    in_job()
+    layer, head = _clicked_cell(click)
+    state = parse(search)
+    started = time.monotonic()
+    try:
+        context = get_context()
+        result = stored_patching(state.patching)
+        if result.site == "resid" or result.values is None:
+            raise PreventUpdate  # the residual stream map is already per position
+        layer, head = check_head_index(result.values.shape[0], result.values.shape[1], layer, head)
+        model = load_model(state.model or context.default_model)
+        pair = result.pair
+        positions = activation_patching(model, pair.clean_ids, pair.corrupted_ids, list(pair.answers),
+                                        site=result.site, direction=result.direction, metric=result.metric,
+                                        head=(layer, head), store=context.store,
+                                        progress=count_progress(set_progress, pair.n_tokens, "position"))
+    except ValueError as e:
+        return no_update, message(str(e)), "Not run: see the message above."
+    state.layer, state.head, state.ppos = layer, head, positions.key[:16]
+    return (state.to_search(), "",
+            f"head {layer}.{head}: {pair.n_tokens} positions patched in {time.monotonic() - started:.1f} s")
