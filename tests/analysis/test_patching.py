@@ -10,7 +10,7 @@ import torch
 from transformer_lens.utilities import get_act_name
 
 from analysis.errors import InputError
-from analysis.patching import activation_patching, agreement, prompt_pair
+from analysis.patching import activation_patching, agreement, layer_units, patch_together, prompt_pair
 
 CLEAN = "When Mary and John went to the store, John gave a drink to"
 CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
@@ -252,6 +252,92 @@ def test_agreement_counts_the_top_k_by_effect_size():
     assert a.pearson == pytest.approx(np.corrcoef(exact, approx)[0, 1])
     noise = agreement(1 - exact, 1 - approx, baseline=1.0, k=2)
     assert noise.overlap == 0.5 and noise.pearson == pytest.approx(a.pearson)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several units at once
+
+
+def source_and_receive(pair, direction):
+    return ((pair.clean_ids, pair.corrupted_ids) if direction == "denoise" else (pair.corrupted_ids, pair.clean_ids))
+
+
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_patching_nothing_is_the_receiving_run_exactly(tiny_model, direction):
+    got = patch_together(tiny_model, CLEAN, CORRUPTED, ANSWERS, [], direction=direction)
+    source, receive = source_and_receive(got.pair, direction)
+    assert got.raw == pytest.approx(metric(last_logits(tiny_model, receive), got.pair.answers), abs=1e-5)
+    assert got.value == (0.0 if direction == "denoise" else 1.0)  # exactly: the same computation as the endpoint
+
+
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_a_whole_layers_heads_equal_its_attention_output(tiny_model, direction):
+    """Σ_h W_O[h]·z[h] is hook_attn_out: patching every head's z of layer l is patching attn_out of
+    layer l, checked against a plain hook on hook_attn_out with the source run's activation."""
+    for layer in range(tiny_model.n_layers):
+        heads = patch_together(tiny_model, CLEAN, CORRUPTED, ANSWERS, layer_units(tiny_model, layer),
+                               direction=direction)
+        source, receive = source_and_receive(heads.pair, direction)
+        name = get_act_name("attn_out", layer)
+        src = {}
+        with torch.no_grad():
+            tiny_model.bridge.run_with_hooks(torch.tensor([list(source)]), return_type=None,
+                                             fwd_hooks=[(name, lambda t, hook, src=src: src.setdefault("a", t.clone()))])
+        by_hand = metric(last_logits(tiny_model, receive, [(name, lambda t, hook, src=src: src["a"])]), heads.pair.answers)
+        assert heads.raw == pytest.approx(by_hand, abs=1e-4)
+        assert abs(heads.value - (0.0 if direction == "denoise" else 1.0)) > 1e-2  # the layer matters
+
+
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_every_writer_into_the_residual_stream_together_is_the_source_run(tiny_model, direction):
+    """Embedding + every head's z in every layer + every MLP output rebuild the source run's residual
+    stream, so the value is exactly the source's (1 denoising, 0 noising). The logits read the last
+    position only, which other positions reach only through attention: with the same last token the
+    heads alone restore them (all positions, or the last one alone); with different last tokens they
+    do not, and the last position's embedding with them does."""
+    n_layers = tiny_model.n_layers
+    heads = [u for la in range(n_layers) for u in layer_units(tiny_model, la)]
+    mlps = [("mlp_out", la, None, None) for la in range(n_layers)]
+    target = 1.0 if direction == "denoise" else 0.0
+    everything = patch_together(tiny_model, CLEAN, CORRUPTED, ANSWERS, [("embed", None, None, None), *heads, *mlps],
+                                direction=direction)
+    assert everything.value == pytest.approx(target, abs=1e-5)
+    last = everything.pair.n_tokens - 1
+    assert everything.pair.differ == (9,)  # the last token is the same
+    for units in (heads, [(s, la, h, last) for s, la, h, _ in heads]):
+        assert patch_together(tiny_model, CLEAN, CORRUPTED, ANSWERS, units, direction=direction).value == \
+            pytest.approx(target, abs=1e-5)
+    assert abs(patch_together(tiny_model, CLEAN, CORRUPTED, ANSWERS, [(s, la, h, last - 1) for s, la, h, _ in heads],
+                              direction=direction).value - target) > 1e-2  # not the last position: not restored
+
+    corrupted_end = CORRUPTED[: -len(" to")] + " for"  # a different last token as well
+    heads_only = patch_together(tiny_model, CLEAN, corrupted_end, ANSWERS, heads, direction=direction)
+    assert heads_only.pair.differ[-1] == last
+    assert abs(heads_only.value - target) > 1e-2
+    with_embedding = patch_together(tiny_model, CLEAN, corrupted_end, ANSWERS,
+                                    [("embed", None, None, last), *heads], direction=direction)
+    assert with_embedding.value == pytest.approx(target, abs=1e-5)
+    as_attn_out = patch_together(tiny_model, CLEAN, corrupted_end, ANSWERS,
+                                 [("attn_out", la, None, None) for la in range(n_layers)], direction=direction)
+    assert heads_only.raw == pytest.approx(as_attn_out.raw, abs=1e-4)  # z of all heads = attn_out, every layer
+
+
+def test_one_unit_together_equals_the_single_unit_map(tiny_model):
+    """A set of one unit is the map's cell (activation_patching's batched sweep)."""
+    sweep = activation_patching(tiny_model, CLEAN, CORRUPTED, ANSWERS, site="k")
+    for layer, g in [(0, 1), (1, 0)]:
+        one = patch_together(tiny_model, CLEAN, CORRUPTED, ANSWERS, [("k", layer, g, None)])
+        assert one.value == pytest.approx(sweep.values[layer, g], abs=1e-4)
+
+
+@pytest.mark.parametrize("unit,message", [
+    (("o", 0, 0, None), "Unknown site 'o'"), (("z", 2, 0, None), "out of range"), (("k", 0, 2, None), "out of range"),
+    (("z", 0, None, None), "is per head"), (("mlp_out", 0, 1, None), "has no heads"),
+    (("embed", 0, None, None), "no layer or head"), (("z", 0, 0, 99), "Position 99"), (("z", 0, 0), "(site, layer"),
+])
+def test_bad_units_are_explained(tiny_model, unit, message):
+    with pytest.raises(InputError, match=message.replace("(", r"\(")):
+        patch_together(tiny_model, CLEAN, CORRUPTED, ANSWERS, [unit])
 
 
 # ---------------------------------------------------------------------------------------------
