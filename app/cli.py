@@ -828,9 +828,29 @@ def patching_table(summary: dict) -> list[str]:
     return lines
 
 
+def _patch_prompts(args) -> None:
+    """``--pair ID`` (a built-in pair, :mod:`analysis.patching_pairs`) or ``--clean``, ``--corrupted`` and
+    ``--answers``, not both: fills the three from the pair."""
+    given = [f"--{name}" for name in ("clean", "corrupted", "answers") if getattr(args, name) is not None]
+    if args.pair is not None:
+        if given:
+            raise UsageError(f"argument --pair: a built-in pair brings its own prompts and answers; drop "
+                             f"{', '.join(given)} or --pair")
+        from analysis.patching_pairs import pair_by_id
+
+        with _argument("--pair"):
+            spec = pair_by_id(args.pair)
+        args.clean, args.corrupted, args.answers = spec.clean, spec.corrupted, list(spec.answers)
+        return
+    for name in ("clean", "corrupted", "answers"):
+        if getattr(args, name) is None:
+            raise UsageError(f"argument --{name}: required (or --pair ID, one of the built-in prompt pairs)")
+
+
 def cmd_patch(args) -> int:
     """Activation patching (and attribution patching) between a clean and a corrupted prompt; writes
     the map, the exact-vs-attribution scatter, their tables and ``summary.json``, and prints the top units."""
+    _patch_prompts(args)
     if args.head is not None and args.site == "resid":
         raise UsageError("argument --head: the residual stream map is already per position; use --site z, q, k or v")
     if args.attribution_only and args.attribution:
@@ -868,7 +888,8 @@ def cmd_patch(args) -> int:
     params = {"model": spec, "patching": result.key[:16]}
     names_ = unit_names(result)
     summary: dict = {
-        "patching": result.key, "model": model.name, "model_digest": model.digest, "site": result.site,
+        "patching": result.key, "pair": args.pair, "model": model.name, "model_digest": model.digest,
+        "site": result.site,
         "direction": result.direction, "metric": result.metric, "metric_label": METRIC_LABELS[result.metric],
         "head": list(result.head) if result.head else None, "unit": result.unit,
         "clean_tokens": list(result.pair.clean_tokens), "corrupted_tokens": list(result.pair.corrupted_tokens),
@@ -921,10 +942,13 @@ def _add_patch_parser(sub) -> None:
     p = sub.add_parser("patch", help="activation patching between a clean and a corrupted prompt: which heads "
                                      "(or residual positions) carry the answer")
     p.add_argument("--model", type=non_empty("the model spec"), help=MODEL_HELP)
-    p.add_argument("--clean", type=text_arg, required=True, help="the clean prompt")
-    p.add_argument("--corrupted", type=text_arg, required=True,
+    p.add_argument("--pair", type=non_empty("the pair id"),
+                   help="a built-in prompt pair (data/patching/pairs.json: IOI name swaps, factual recall, "
+                        "induction), instead of --clean, --corrupted and --answers")
+    p.add_argument("--clean", type=text_arg, help="the clean prompt")
+    p.add_argument("--corrupted", type=text_arg,
                    help="the corrupted prompt: the same number of tokens (e.g. a name swapped)")
-    p.add_argument("--answers", type=answer_list, required=True,
+    p.add_argument("--answers", type=answer_list,
                    help="the clean answer token, then the corrupted one, comma-separated and with their leading "
                         "space, e.g. \" Mary, John\"")
     p.add_argument("--site", choices=PATCH_SITES, default="z",

@@ -207,6 +207,24 @@ def test_patch_maps_the_residual_stream_and_compares_attribution(tmp_path):
         (out / "patching_map.json").read_text())
 
 
+def test_patch_with_a_built_in_pair(tmp_path):
+    """``headscope patch --pair ID`` patches the shipped pair's prompts with its answers (here the
+    attribution estimate alone: one forward and one backward pass)."""
+    from analysis.patching_pairs import pair_by_id
+
+    spec = pair_by_id("fact-capital-france-italy")
+    out = tmp_path / "out"
+    r = headscope("patch", "--pair", spec.id, "--attribution-only", "--formats", "", "--out", str(out),
+                  home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["pair"] == spec.id and summary["answers"] == ["·Paris", "·Rome"]
+    assert "".join(summary["clean_tokens"]).replace("·", " ") == spec.clean
+    assert "".join(summary["corrupted_tokens"]).replace("·", " ") == spec.corrupted
+    assert summary["clean"] > 0 > summary["corrupted"]
+    assert "largest effects (attribution patching):" in r.stdout
+
+
 def test_ablate_sweep_takes_scan_needle_and_haystack_options_and_prints_niah_accuracy(tmp_path):
     """``ablate --sweep`` with a needles file and a haystack file (as ``scan`` takes them): the NIAH
     accuracy row in the table, from the needles and haystack given."""
@@ -444,6 +462,8 @@ BAD_INPUTS = [
     (("patch", *P, "--answers", " Mary", "--corrupted", PATCH_CORRUPTED), "--metric"),
     (("patch", *P, "--answers", " Mary, John", "--corrupted", PATCH_CORRUPTED, "--formats", "svg,tiff"), "--formats"),
     (("patch", *P, "--answers", " Mary, John"), "--corrupted"),
+    (("patch", "--pair", "no-such-pair"), "--pair"), (("patch", "--pair", "ioi-mary-john", *P), "--pair"),
+    (("patch", "--pair", " "), "--pair"), (("patch",), "--clean"),
     # serve, worker
     (("serve", "--port", "0"), "--port"), (("serve", "--port", "70000"), "--port"), (("serve", "--port", "http"), "--port"),
     (("serve", "--port", "{busy_port}"), "--port"), (("serve", "--host", ""), "--host"),
