@@ -82,6 +82,7 @@ from analysis.patching_choices import (
     KV_SITES,
     METRIC_LABELS,
     METRICS,
+    PATH_SITES,
     SITES,
 )
 from analysis.store import Store, content_key
@@ -839,3 +840,136 @@ def patch_together(
     raw = _metric_with_hooks(model, receive, _overwrite_hooks(writes), fn)
     return JointPatch((raw - m_corrupted) / (m_clean - m_corrupted), raw, m_clean, m_corrupted, direction, metric,
                       checked, pair)
+
+
+# ---------------------------------------------------------------------------------------------
+# Path patching
+
+
+@dataclass(frozen=True)
+class PathPatch:
+    """The normalised metric (0 = corrupted, 1 = clean) with only the paths from ``senders`` into the
+    ``site`` input of ``receivers`` patched; ``raw``, ``clean``, ``corrupted`` as in :class:`JointPatch`."""
+
+    value: float
+    raw: float
+    clean: float
+    corrupted: float
+    direction: str
+    metric: str
+    site: str
+    senders: tuple[tuple[int, int], ...]
+    receivers: tuple[tuple[int, int], ...]
+    freeze_mlps: bool
+    pair: PromptPair
+
+
+def _check_heads(model: LoadedModel, heads: Sequence[Sequence[Any]], n_heads: int, what: str
+                 ) -> tuple[tuple[int, int], ...]:
+    if not heads:
+        raise InputError(f"Give at least one {what} head (layer, head).")
+    checked = []
+    for item in heads:
+        if len(item) != 2:
+            raise InputError(f"A {what} head is (layer, head), got {tuple(item)!r}.")
+        checked.append(check_head_index(model.n_layers, n_heads, *item))
+    return tuple(dict.fromkeys(checked))
+
+
+def path_patching(
+    model: LoadedModel,
+    clean: str | Sequence[int],
+    corrupted: str | Sequence[int],
+    answers: Sequence[str | int],
+    senders: Sequence[tuple[int, int]],
+    receivers: Sequence[tuple[int, int]],
+    *,
+    site: str = "q",
+    direction: str = "denoise",
+    metric: str = "logit_diff",
+    freeze_mlps: bool = False,
+    progress: Progress | None = None,
+) -> PathPatch:
+    """Path patching from a set of sender heads into the query, key or value input of receiver heads.
+
+    Wang et al. 2022, "Interpretability in the Wild: a Circuit for Indirect Object Identification in
+    GPT-2 small", arXiv:2211.00593, §3.1 and Appendix B. With x_r the receiving prompt and x_s the
+    source prompt (denoising: x_r corrupted, x_s clean; noising the reverse), z_h(x) head h's output
+    (``hook_z``) and S, R the sender and receiver sets:
+
+    1. run x_r with every head's output frozen to its value on x_r except the senders', which take
+       their value on x_s:  z_h = z_h(x_s) for h ∈ S,  z_h = z_h(x_r) otherwise
+       (MLPs recomputed, as in Wang et al.; with ``freeze_mlps`` also frozen to x_r, so only the direct
+       paths S → R through the residual stream remain), and keep each receiver's input
+       ``site`` (``hook_q``; ``hook_k``/``hook_v`` per key-value head): s_R*;
+    2. run x_r with the receivers' ``site`` set to s_R* and everything else recomputed; m* its metric.
+
+    value = (m* − m(x_corrupted)) / (m(x_clean) − m(x_corrupted)), as :func:`activation_patching`.
+
+    Only the paths S → R → logits change: the receivers' other inputs, every head not in R
+    downstream of S and the MLPs' direct paths to the logits see x_r. Receivers in layers at or
+    before every sender receive nothing from them; at least one receiver must lie after a sender.
+
+    Parameters
+    ----------
+    senders : query heads ``(layer, head)`` whose outputs are patched.
+    receivers : ``(layer, head)``: query heads for ``q``, key-value heads for ``k`` and ``v`` (with
+        grouped-query attention one key-value head is read by ``group_size`` query heads).
+    site : ``q``, ``k`` or ``v``: which input of the receivers the path ends in.
+    freeze_mlps : freeze the MLP outputs in step 1 as well (only direct sender → receiver paths).
+
+    Returns
+    -------
+    :class:`PathPatch`.
+
+    Raises
+    ------
+    InputError
+        See :func:`prompt_pair`; an unknown site; no senders or receivers; a head out of range; no
+        receiver after a sender.
+    """
+    if site not in PATH_SITES:
+        raise InputError(f"Path patching ends in a receiver's query, key or value: choose the site from "
+                         f"{', '.join(PATH_SITES)}, got {site!r}.")
+    _check_choices("z", direction, metric)
+    pair = prompt_pair(model, clean, corrupted, answers)
+    fn = patching_metric(metric, pair.answers)
+    sends = _check_heads(model, senders, model.n_heads, "sender")
+    receives = _check_heads(model, receivers, _n_heads(model, site), "receiver")
+    if max(r[0] for r in receives) <= min(s[0] for s in sends):
+        raise InputError(f"No receiver lies in a layer after a sender (senders from layer {min(s[0] for s in sends)},"
+                         f" receivers up to layer {max(r[0] for r in receives)}): a head reads only earlier layers' "
+                         "outputs. Choose receivers in later layers.")
+    m_clean, m_corrupted = _endpoints(model, pair, fn, metric)
+    receive, source_ids = ((pair.corrupted_ids, pair.clean_ids) if direction == "denoise"
+                           else (pair.clean_ids, pair.corrupted_ids))
+    last = max(r[0] for r in receives)  # nothing after the last receiver's input matters in step 1
+    z_names = {la: get_act_name("z", la) for la in range(last)}
+    mlp_names = {la: get_act_name("mlp_out", la) for la in range(last)} if freeze_mlps else {}
+    frozen = _run_with_cache(model, receive, [*z_names.values(), *mlp_names.values()])
+    sent = _run_with_cache(model, source_ids, [z_names[la] for la in {s[0] for s in sends} if la < last])
+    writes: dict[str, list[tuple[tuple, torch.Tensor]]] = {}
+    for la, name in z_names.items():
+        writes[name] = [((slice(None),), frozen[name])]
+        writes[name] += [((slice(None), h), sent[name][:, h]) for sl, h in sends if sl == la]
+    for name in mlp_names.values():
+        writes[name] = [((slice(None),), frozen[name])]
+    site_names = {la: get_act_name(site, la) for la in sorted({r[0] for r in receives})}
+    captured: dict[str, torch.Tensor] = {}
+
+    def keep(name: str):
+        def hook(t: torch.Tensor, hook: Any = None) -> None:
+            captured[name] = t[0].detach().clone()
+
+        return hook
+
+    with model.lock, torch.inference_mode():
+        model.bridge.run_with_hooks(_tensor(model, [receive]), return_type=None,
+                                    fwd_hooks=_overwrite_hooks(writes) + [(n, keep(n)) for n in site_names.values()])
+    patch = {name: [((slice(None), h), captured[name][:, h]) for la, h in receives if site_names[la] == name]
+             for name in site_names.values()}
+    raw = _metric_with_hooks(model, receive, _overwrite_hooks(patch), fn)
+    if progress:
+        progress(1.0)
+    return PathPatch((raw - m_corrupted) / (m_clean - m_corrupted), raw, m_clean, m_corrupted, direction, metric,
+                     site, sends, receives, freeze_mlps, pair)

@@ -10,7 +10,14 @@ import torch
 from transformer_lens.utilities import get_act_name
 
 from analysis.errors import InputError
-from analysis.patching import activation_patching, agreement, layer_units, patch_together, prompt_pair
+from analysis.patching import (
+    activation_patching,
+    agreement,
+    layer_units,
+    patch_together,
+    path_patching,
+    prompt_pair,
+)
 
 CLEAN = "When Mary and John went to the store, John gave a drink to"
 CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
@@ -338,6 +345,100 @@ def test_one_unit_together_equals_the_single_unit_map(tiny_model):
 def test_bad_units_are_explained(tiny_model, unit, message):
     with pytest.raises(InputError, match=message.replace("(", r"\(")):
         patch_together(tiny_model, CLEAN, CORRUPTED, ANSWERS, [unit])
+
+
+# ---------------------------------------------------------------------------------------------
+# Path patching
+
+
+def path_patching_by_hand(model, pair, senders, receivers, site, direction, freeze_mlps):
+    """Wang et al. 2022's construction written out: cache every z (and MLP output) of both runs, then
+    one forward pass with all heads frozen but the senders (keeping the receivers' input), and one with
+    the receivers' input replaced: the metric of that last pass, not normalised."""
+    source, receive = source_and_receive(pair, direction)
+    n = model.n_layers
+
+    def cache(ids):
+        got = {}
+        names = [get_act_name("z", la) for la in range(n)] + [get_act_name("mlp_out", la) for la in range(n)]
+        with torch.no_grad():
+            model.bridge.run_with_hooks(
+                torch.tensor([list(ids)]), return_type=None,
+                fwd_hooks=[(nm, lambda t, hook, nm=nm: got.__setitem__(nm, t.clone())) for nm in names])
+        return got
+
+    src, rec = cache(source), cache(receive)
+
+    def freeze(t, hook, layer):
+        out = rec[get_act_name("z", layer)].clone()
+        for la, h in senders:
+            if la == layer:
+                out[:, :, h] = src[get_act_name("z", layer)][:, :, h]
+        return out
+
+    hooks = [(get_act_name("z", la), lambda t, hook, la=la: freeze(t, hook, la)) for la in range(n)]
+    if freeze_mlps:
+        hooks += [(get_act_name("mlp_out", la), lambda t, hook, la=la: rec[get_act_name("mlp_out", la)])
+                  for la in range(n)]
+    kept = {}
+    hooks += [(get_act_name(site, la), lambda t, hook, la=la: kept.__setitem__(la, t.clone())) for la in range(n)]
+    with torch.no_grad():
+        model.bridge.run_with_hooks(torch.tensor([list(receive)]), fwd_hooks=hooks, return_type=None)
+
+    def receive_input(t, hook, layer):
+        t = t.clone()
+        for la, h in receivers:
+            if la == layer:
+                t[:, :, h] = kept[layer][:, :, h]
+        return t
+
+    patched = [(get_act_name(site, la), lambda t, hook, la=la: receive_input(t, hook, la)) for la in range(n)]
+    m = metric(last_logits(model, receive, patched), pair.answers)
+    return m
+
+
+@pytest.mark.parametrize("site,senders,receivers,direction,freeze_mlps", [
+    ("q", [(0, 1)], [(1, 2)], "denoise", False),
+    ("q", [(0, 0), (0, 3)], [(1, 0), (1, 3)], "noise", False),
+    ("k", [(0, 0), (0, 1), (0, 2), (0, 3)], [(1, 1)], "noise", True),
+    ("v", [(0, 0), (0, 1), (0, 2), (0, 3)], [(1, 0), (1, 1)], "denoise", False),
+    ("v", [(0, 2), (1, 1)], [(1, 0), (0, 1)], "noise", True),  # a sender after, a receiver before: no path
+])
+def test_path_patching_equals_the_construction_by_hand(tiny_model, site, senders, receivers, direction, freeze_mlps):
+    got = path_patching(tiny_model, CLEAN, CORRUPTED, ANSWERS, senders, receivers, site=site, direction=direction,
+                        freeze_mlps=freeze_mlps)
+    expected = path_patching_by_hand(tiny_model, got.pair, senders, receivers, site, direction, freeze_mlps)
+    # Raw metrics: the tiny random model's logit differences are ~0.01, so normalising multiplies
+    # float32 rounding by ~100.
+    assert got.raw == pytest.approx(expected, abs=2e-7)
+    m_receive = got.corrupted if direction == "denoise" else got.clean
+    assert abs(expected - m_receive) > 50 * 2e-7  # a real effect to get right
+    assert got.value == pytest.approx((expected - got.corrupted) / (got.clean - got.corrupted), abs=1e-4)
+
+
+def test_path_patching_is_not_activation_patching_of_the_receivers(tiny_model):
+    """Every layer-0 head sending into every layer-1 query. In the last layer only the last position's
+    query reaches the logits, and there both prompts have the same token: with layer 0's MLP recomputed
+    from the senders' output that query is the source run's, so path patching equals patching the
+    queries outright; with the MLP frozen to the receiving run it does not."""
+    receivers = [(1, h) for h in range(tiny_model.n_heads)]
+    senders = [(0, h) for h in range(tiny_model.n_heads)]
+    frozen = path_patching(tiny_model, CLEAN, CORRUPTED, ANSWERS, senders, receivers, freeze_mlps=True)
+    recomputed = path_patching(tiny_model, CLEAN, CORRUPTED, ANSWERS, senders, receivers)
+    outright = patch_together(tiny_model, CLEAN, CORRUPTED, ANSWERS, [("q", 1, h, None) for h in range(4)])
+    assert recomputed.value == pytest.approx(outright.value, abs=1e-5)
+    assert abs(frozen.value - outright.value) > 1e-3
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"site": "z"}, "choose the site from q, k, v"), ({"senders": []}, "at least one sender"),
+    ({"receivers": [(1, 2)], "site": "k"}, "out of range"), ({"senders": [(1, 0)], "receivers": [(0, 1), (1, 1)]},
+                                                             "No receiver lies in a layer after a sender"),
+])
+def test_path_patching_settings_that_cannot_be_patched_are_explained(tiny_model, kwargs, message):
+    args = {"senders": [(0, 0)], "receivers": [(1, 0)], **kwargs}
+    with pytest.raises(InputError, match=message):
+        path_patching(tiny_model, CLEAN, CORRUPTED, ANSWERS, args.pop("senders"), args.pop("receivers"), **args)
 
 
 # ---------------------------------------------------------------------------------------------
