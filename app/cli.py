@@ -22,6 +22,7 @@ from pathlib import Path
 from analysis.ablation_choices import CONTROL_TOP_N, DEFAULT_METHOD, DEFAULT_SEEDS, MAX_SEEDS, METHODS
 from analysis.patching_choices import DIRECTIONS as PATCH_DIRECTIONS
 from analysis.patching_choices import METRICS as PATCH_METRICS
+from analysis.patching_choices import PATH_SITES
 from analysis.patching_choices import SITES as PATCH_SITES
 
 EXIT_USER_ERROR = 2
@@ -798,6 +799,18 @@ def layer_head(text: str) -> tuple[int, int]:
     return int(m[1]), int(m[2])
 
 
+def head_list(text: str) -> list[tuple[int, int]]:
+    """``--path-from``, ``--path-to``: heads as layer.head, comma-separated (``0.1,3.2``)."""
+    heads = []
+    for item in text.split(","):
+        m = _LAYER_HEAD.match(item)
+        if not m:
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not a head: write layer.head, comma-separated, "
+                                             f"e.g. 9.1,10.7")
+        heads.append((int(m[1]), int(m[2])))
+    return heads
+
+
 def patching_table(summary: dict) -> list[str]:
     """The numbers of a patching's ``summary.json``: the setting, the largest effects and the agreement."""
     lines = [f"{summary['direction']} {summary['site']}: {summary['unit']}",
@@ -828,9 +841,38 @@ def patching_table(summary: dict) -> list[str]:
     return lines
 
 
+def _patch_prompts(args) -> None:
+    """``--pair ID`` (a built-in pair, :mod:`analysis.patching_pairs`) or ``--clean``, ``--corrupted`` and
+    ``--answers``, not both: fills the three from the pair."""
+    given = [f"--{name}" for name in ("clean", "corrupted", "answers") if getattr(args, name) is not None]
+    if args.pair is not None:
+        if given:
+            raise UsageError(f"argument --pair: a built-in pair brings its own prompts and answers; drop "
+                             f"{', '.join(given)} or --pair")
+        from analysis.patching_pairs import pair_by_id
+
+        with _argument("--pair"):
+            spec = pair_by_id(args.pair)
+        args.clean, args.corrupted, args.answers = spec.clean, spec.corrupted, list(spec.answers)
+        return
+    for name in ("clean", "corrupted", "answers"):
+        if getattr(args, name) is None:
+            raise UsageError(f"argument --{name}: required (or --pair ID, one of the built-in prompt pairs)")
+
+
 def cmd_patch(args) -> int:
     """Activation patching (and attribution patching) between a clean and a corrupted prompt; writes
     the map, the exact-vs-attribution scatter, their tables and ``summary.json``, and prints the top units."""
+    _patch_prompts(args)
+    if (args.path_from is None) != (args.path_to is None):
+        missing = "--path-to" if args.path_to is None else "--path-from"
+        raise UsageError(f"argument {missing}: path patching needs both --path-from (senders) and --path-to "
+                         f"(receivers)")
+    if args.path_from is not None:
+        return _cmd_path_patch(args)
+    if args.path_site is not None or args.freeze_mlps:
+        raise UsageError(f"argument {'--path-site' if args.path_site is not None else '--freeze-mlps'}: only with "
+                         f"--path-from and --path-to")
     if args.head is not None and args.site == "resid":
         raise UsageError("argument --head: the residual stream map is already per position; use --site z, q, k or v")
     if args.attribution_only and args.attribution:
@@ -868,7 +910,8 @@ def cmd_patch(args) -> int:
     params = {"model": spec, "patching": result.key[:16]}
     names_ = unit_names(result)
     summary: dict = {
-        "patching": result.key, "model": model.name, "model_digest": model.digest, "site": result.site,
+        "patching": result.key, "pair": args.pair, "model": model.name, "model_digest": model.digest,
+        "site": result.site,
         "direction": result.direction, "metric": result.metric, "metric_label": METRIC_LABELS[result.metric],
         "head": list(result.head) if result.head else None, "unit": result.unit,
         "clean_tokens": list(result.pair.clean_tokens), "corrupted_tokens": list(result.pair.corrupted_tokens),
@@ -902,6 +945,67 @@ def cmd_patch(args) -> int:
     return 0
 
 
+def _cmd_path_patch(args) -> int:
+    """``headscope patch --path-from … --path-to …``: path patching (:func:`analysis.patching.path_patching`);
+    prints the value and writes ``summary.json``."""
+    for flag, given in (("--head", args.head is not None), ("--attribution", args.attribution),
+                        ("--attribution-only", args.attribution_only), ("--site", args.site != "z")):
+        if given:
+            raise UsageError(f"argument {flag}: not with path patching (--path-from, --path-to; the receivers' "
+                             f"input is --path-site)")
+    import json
+
+    from analysis.errors import check_head_index
+    from analysis.patching_choices import KV_SITES, METRIC_LABELS
+
+    site = args.path_site or "q"
+    store, spec, model = _open_store_and_model(args)
+    from analysis.patching import patching_metric, path_patching, prompt_pair
+    from analysis.store import content_key
+
+    with _argument("--path-from"):
+        for layer, head in args.path_from:
+            check_head_index(model.n_layers, model.n_heads, layer, head)
+    with _argument("--path-to"):
+        n = model.n_kv_heads if site in KV_SITES else model.n_heads
+        for layer, head in args.path_to:
+            check_head_index(model.n_layers, n, layer, head)
+    with _argument("--corrupted"):
+        prompt_pair(model, args.clean, args.corrupted, [0])
+    with _argument("--answers"):
+        pair = prompt_pair(model, args.clean, args.corrupted, args.answers)
+    with _argument("--metric"):
+        patching_metric(args.metric, pair.answers)
+    with _argument("--path-to"):
+        result = path_patching(model, args.clean, args.corrupted, args.answers, args.path_from, args.path_to,
+                               site=site, direction=args.direction, metric=args.metric, freeze_mlps=args.freeze_mlps)
+    key = content_key("path-patching", model.digest, list(result.pair.clean_ids), list(result.pair.corrupted_ids),
+                      list(result.pair.answers), result.senders, result.receivers, site, result.direction,
+                      result.metric, result.freeze_mlps)
+    out = Path(args.out) if args.out else store.root / "exports" / f"path-{key[:12]}"
+    out.mkdir(parents=True, exist_ok=True)
+    senders = ",".join(f"{la}.{h}" for la, h in result.senders)
+    receivers = ",".join(f"{la}.{h}" for la, h in result.receivers)
+    summary = {
+        "path_patching": {"senders": [list(h) for h in result.senders], "receivers": [list(h) for h in result.receivers],
+                          "site": site, "freeze_mlps": result.freeze_mlps},
+        "pair": args.pair, "model": model.name, "model_digest": model.digest, "direction": result.direction,
+        "metric": result.metric, "metric_label": METRIC_LABELS[result.metric],
+        "clean_tokens": list(result.pair.clean_tokens), "corrupted_tokens": list(result.pair.corrupted_tokens),
+        "differ": list(result.pair.differ), "answers": list(result.pair.answer_tokens),
+        "clean": result.clean, "corrupted": result.corrupted, "patched": result.raw, "value": result.value,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    kv = " (key-value heads)" if site in KV_SITES else ""
+    print(f"path patching, {result.direction}: {senders} -> {site} of {receivers}{kv}"
+          f"{', MLPs frozen' if result.freeze_mlps else ''}")
+    print(f"{METRIC_LABELS[result.metric]} {' vs '.join(repr(a) for a in result.pair.answer_tokens)}: "
+          f"clean {result.clean:.4f}, corrupted {result.corrupted:.4f}, patched {result.raw:.4f}")
+    print(f"value {result.value:.4f} (0 = corrupted, 1 = clean)")
+    print(f"results in {out}")
+    return 0
+
+
 def _niah_options(p: argparse.ArgumentParser, prefix: str) -> None:
     """The needle placement and decode stop of a sweep (``scan`` and ``ablate --sweep``)."""
     p.add_argument("--depth-rule",
@@ -921,10 +1025,13 @@ def _add_patch_parser(sub) -> None:
     p = sub.add_parser("patch", help="activation patching between a clean and a corrupted prompt: which heads "
                                      "(or residual positions) carry the answer")
     p.add_argument("--model", type=non_empty("the model spec"), help=MODEL_HELP)
-    p.add_argument("--clean", type=text_arg, required=True, help="the clean prompt")
-    p.add_argument("--corrupted", type=text_arg, required=True,
+    p.add_argument("--pair", type=non_empty("the pair id"),
+                   help="a built-in prompt pair (data/patching/pairs.json: IOI name swaps, factual recall, "
+                        "induction), instead of --clean, --corrupted and --answers")
+    p.add_argument("--clean", type=text_arg, help="the clean prompt")
+    p.add_argument("--corrupted", type=text_arg,
                    help="the corrupted prompt: the same number of tokens (e.g. a name swapped)")
-    p.add_argument("--answers", type=answer_list, required=True,
+    p.add_argument("--answers", type=answer_list,
                    help="the clean answer token, then the corrupted one, comma-separated and with their leading "
                         "space, e.g. \" Mary, John\"")
     p.add_argument("--site", choices=PATCH_SITES, default="z",
@@ -938,6 +1045,15 @@ def _add_patch_parser(sub) -> None:
     p.add_argument("--attribution", action="store_true",
                    help="also attribution patching (one forward and one backward pass) and its agreement")
     p.add_argument("--attribution-only", action="store_true", help="attribution patching alone (fast)")
+    p.add_argument("--path-from", type=head_list,
+                   help="path patching (Wang et al. 2022): sender heads layer.head, comma-separated; with --path-to")
+    p.add_argument("--path-to", type=head_list,
+                   help="path patching: receiver heads layer.head (key-value heads for --path-site k or v)")
+    p.add_argument("--path-site", choices=PATH_SITES,
+                   help="path patching: the receivers' input the path ends in: q, k or v (default q)")
+    p.add_argument("--freeze-mlps", action="store_true",
+                   help="path patching: freeze the MLPs too (only direct sender -> receiver paths; default: "
+                        "MLPs recomputed, as in Wang et al.)")
     p.add_argument("--out", type=folder)
     p.add_argument("--formats", default="svg,html")
     p.set_defaults(func=cmd_patch)

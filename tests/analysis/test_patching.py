@@ -10,7 +10,14 @@ import torch
 from transformer_lens.utilities import get_act_name
 
 from analysis.errors import InputError
-from analysis.patching import activation_patching, agreement, prompt_pair
+from analysis.patching import (
+    activation_patching,
+    agreement,
+    layer_units,
+    patch_together,
+    path_patching,
+    prompt_pair,
+)
 
 CLEAN = "When Mary and John went to the store, John gave a drink to"
 CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
@@ -252,6 +259,186 @@ def test_agreement_counts_the_top_k_by_effect_size():
     assert a.pearson == pytest.approx(np.corrcoef(exact, approx)[0, 1])
     noise = agreement(1 - exact, 1 - approx, baseline=1.0, k=2)
     assert noise.overlap == 0.5 and noise.pearson == pytest.approx(a.pearson)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several units at once
+
+
+def source_and_receive(pair, direction):
+    return ((pair.clean_ids, pair.corrupted_ids) if direction == "denoise" else (pair.corrupted_ids, pair.clean_ids))
+
+
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_patching_nothing_is_the_receiving_run_exactly(tiny_model, direction):
+    got = patch_together(tiny_model, CLEAN, CORRUPTED, ANSWERS, [], direction=direction)
+    source, receive = source_and_receive(got.pair, direction)
+    assert got.raw == pytest.approx(metric(last_logits(tiny_model, receive), got.pair.answers), abs=1e-5)
+    assert got.value == (0.0 if direction == "denoise" else 1.0)  # exactly: the same computation as the endpoint
+
+
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_a_whole_layers_heads_equal_its_attention_output(tiny_model, direction):
+    """Σ_h W_O[h]·z[h] is hook_attn_out: patching every head's z of layer l is patching attn_out of
+    layer l, checked against a plain hook on hook_attn_out with the source run's activation."""
+    for layer in range(tiny_model.n_layers):
+        heads = patch_together(tiny_model, CLEAN, CORRUPTED, ANSWERS, layer_units(tiny_model, layer),
+                               direction=direction)
+        source, receive = source_and_receive(heads.pair, direction)
+        name = get_act_name("attn_out", layer)
+        src = {}
+        with torch.no_grad():
+            tiny_model.bridge.run_with_hooks(torch.tensor([list(source)]), return_type=None,
+                                             fwd_hooks=[(name, lambda t, hook, src=src: src.setdefault("a", t.clone()))])
+        by_hand = metric(last_logits(tiny_model, receive, [(name, lambda t, hook, src=src: src["a"])]), heads.pair.answers)
+        assert heads.raw == pytest.approx(by_hand, abs=1e-4)
+        assert abs(heads.value - (0.0 if direction == "denoise" else 1.0)) > 1e-2  # the layer matters
+
+
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_every_writer_into_the_residual_stream_together_is_the_source_run(tiny_model, direction):
+    """Embedding + every head's z in every layer + every MLP output rebuild the source run's residual
+    stream, so the value is exactly the source's (1 denoising, 0 noising). The logits read the last
+    position only, which other positions reach only through attention: with the same last token the
+    heads alone restore them (all positions, or the last one alone); with different last tokens they
+    do not, and the last position's embedding with them does."""
+    n_layers = tiny_model.n_layers
+    heads = [u for la in range(n_layers) for u in layer_units(tiny_model, la)]
+    mlps = [("mlp_out", la, None, None) for la in range(n_layers)]
+    target = 1.0 if direction == "denoise" else 0.0
+    everything = patch_together(tiny_model, CLEAN, CORRUPTED, ANSWERS, [("embed", None, None, None), *heads, *mlps],
+                                direction=direction)
+    assert everything.value == pytest.approx(target, abs=1e-5)
+    last = everything.pair.n_tokens - 1
+    assert everything.pair.differ == (9,)  # the last token is the same
+    for units in (heads, [(s, la, h, last) for s, la, h, _ in heads]):
+        assert patch_together(tiny_model, CLEAN, CORRUPTED, ANSWERS, units, direction=direction).value == \
+            pytest.approx(target, abs=1e-5)
+    assert abs(patch_together(tiny_model, CLEAN, CORRUPTED, ANSWERS, [(s, la, h, last - 1) for s, la, h, _ in heads],
+                              direction=direction).value - target) > 1e-2  # not the last position: not restored
+
+    corrupted_end = CORRUPTED[: -len(" to")] + " for"  # a different last token as well
+    heads_only = patch_together(tiny_model, CLEAN, corrupted_end, ANSWERS, heads, direction=direction)
+    assert heads_only.pair.differ[-1] == last
+    assert abs(heads_only.value - target) > 1e-2
+    with_embedding = patch_together(tiny_model, CLEAN, corrupted_end, ANSWERS,
+                                    [("embed", None, None, last), *heads], direction=direction)
+    assert with_embedding.value == pytest.approx(target, abs=1e-5)
+    as_attn_out = patch_together(tiny_model, CLEAN, corrupted_end, ANSWERS,
+                                 [("attn_out", la, None, None) for la in range(n_layers)], direction=direction)
+    assert heads_only.raw == pytest.approx(as_attn_out.raw, abs=1e-4)  # z of all heads = attn_out, every layer
+
+
+def test_one_unit_together_equals_the_single_unit_map(tiny_model):
+    """A set of one unit is the map's cell (activation_patching's batched sweep)."""
+    sweep = activation_patching(tiny_model, CLEAN, CORRUPTED, ANSWERS, site="k")
+    for layer, g in [(0, 1), (1, 0)]:
+        one = patch_together(tiny_model, CLEAN, CORRUPTED, ANSWERS, [("k", layer, g, None)])
+        assert one.value == pytest.approx(sweep.values[layer, g], abs=1e-4)
+
+
+@pytest.mark.parametrize("unit,message", [
+    (("o", 0, 0, None), "Unknown site 'o'"), (("z", 2, 0, None), "out of range"), (("k", 0, 2, None), "out of range"),
+    (("z", 0, None, None), "is per head"), (("mlp_out", 0, 1, None), "has no heads"),
+    (("embed", 0, None, None), "no layer or head"), (("z", 0, 0, 99), "Position 99"), (("z", 0, 0), "(site, layer"),
+])
+def test_bad_units_are_explained(tiny_model, unit, message):
+    with pytest.raises(InputError, match=message.replace("(", r"\(")):
+        patch_together(tiny_model, CLEAN, CORRUPTED, ANSWERS, [unit])
+
+
+# ---------------------------------------------------------------------------------------------
+# Path patching
+
+
+def path_patching_by_hand(model, pair, senders, receivers, site, direction, freeze_mlps):
+    """Wang et al. 2022's construction written out: cache every z (and MLP output) of both runs, then
+    one forward pass with all heads frozen but the senders (keeping the receivers' input), and one with
+    the receivers' input replaced: the metric of that last pass, not normalised."""
+    source, receive = source_and_receive(pair, direction)
+    n = model.n_layers
+
+    def cache(ids):
+        got = {}
+        names = [get_act_name("z", la) for la in range(n)] + [get_act_name("mlp_out", la) for la in range(n)]
+        with torch.no_grad():
+            model.bridge.run_with_hooks(
+                torch.tensor([list(ids)]), return_type=None,
+                fwd_hooks=[(nm, lambda t, hook, nm=nm: got.__setitem__(nm, t.clone())) for nm in names])
+        return got
+
+    src, rec = cache(source), cache(receive)
+
+    def freeze(t, hook, layer):
+        out = rec[get_act_name("z", layer)].clone()
+        for la, h in senders:
+            if la == layer:
+                out[:, :, h] = src[get_act_name("z", layer)][:, :, h]
+        return out
+
+    hooks = [(get_act_name("z", la), lambda t, hook, la=la: freeze(t, hook, la)) for la in range(n)]
+    if freeze_mlps:
+        hooks += [(get_act_name("mlp_out", la), lambda t, hook, la=la: rec[get_act_name("mlp_out", la)])
+                  for la in range(n)]
+    kept = {}
+    hooks += [(get_act_name(site, la), lambda t, hook, la=la: kept.__setitem__(la, t.clone())) for la in range(n)]
+    with torch.no_grad():
+        model.bridge.run_with_hooks(torch.tensor([list(receive)]), fwd_hooks=hooks, return_type=None)
+
+    def receive_input(t, hook, layer):
+        t = t.clone()
+        for la, h in receivers:
+            if la == layer:
+                t[:, :, h] = kept[layer][:, :, h]
+        return t
+
+    patched = [(get_act_name(site, la), lambda t, hook, la=la: receive_input(t, hook, la)) for la in range(n)]
+    m = metric(last_logits(model, receive, patched), pair.answers)
+    return m
+
+
+@pytest.mark.parametrize("site,senders,receivers,direction,freeze_mlps", [
+    ("q", [(0, 1)], [(1, 2)], "denoise", False),
+    ("q", [(0, 0), (0, 3)], [(1, 0), (1, 3)], "noise", False),
+    ("k", [(0, 0), (0, 1), (0, 2), (0, 3)], [(1, 1)], "noise", True),
+    ("v", [(0, 0), (0, 1), (0, 2), (0, 3)], [(1, 0), (1, 1)], "denoise", False),
+    ("v", [(0, 2), (1, 1)], [(1, 0), (0, 1)], "noise", True),  # a sender after, a receiver before: no path
+])
+def test_path_patching_equals_the_construction_by_hand(tiny_model, site, senders, receivers, direction, freeze_mlps):
+    got = path_patching(tiny_model, CLEAN, CORRUPTED, ANSWERS, senders, receivers, site=site, direction=direction,
+                        freeze_mlps=freeze_mlps)
+    expected = path_patching_by_hand(tiny_model, got.pair, senders, receivers, site, direction, freeze_mlps)
+    # Raw metrics: the tiny random model's logit differences are ~0.01, so normalising multiplies
+    # float32 rounding by ~100.
+    assert got.raw == pytest.approx(expected, abs=2e-7)
+    m_receive = got.corrupted if direction == "denoise" else got.clean
+    assert abs(expected - m_receive) > 50 * 2e-7  # a real effect to get right
+    assert got.value == pytest.approx((expected - got.corrupted) / (got.clean - got.corrupted), abs=1e-4)
+
+
+def test_path_patching_is_not_activation_patching_of_the_receivers(tiny_model):
+    """Every layer-0 head sending into every layer-1 query. In the last layer only the last position's
+    query reaches the logits, and there both prompts have the same token: with layer 0's MLP recomputed
+    from the senders' output that query is the source run's, so path patching equals patching the
+    queries outright; with the MLP frozen to the receiving run it does not."""
+    receivers = [(1, h) for h in range(tiny_model.n_heads)]
+    senders = [(0, h) for h in range(tiny_model.n_heads)]
+    frozen = path_patching(tiny_model, CLEAN, CORRUPTED, ANSWERS, senders, receivers, freeze_mlps=True)
+    recomputed = path_patching(tiny_model, CLEAN, CORRUPTED, ANSWERS, senders, receivers)
+    outright = patch_together(tiny_model, CLEAN, CORRUPTED, ANSWERS, [("q", 1, h, None) for h in range(4)])
+    assert recomputed.value == pytest.approx(outright.value, abs=1e-5)
+    assert abs(frozen.value - outright.value) > 1e-3
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"site": "z"}, "choose the site from q, k, v"), ({"senders": []}, "at least one sender"),
+    ({"receivers": [(1, 2)], "site": "k"}, "out of range"), ({"senders": [(1, 0)], "receivers": [(0, 1), (1, 1)]},
+                                                             "No receiver lies in a layer after a sender"),
+])
+def test_path_patching_settings_that_cannot_be_patched_are_explained(tiny_model, kwargs, message):
+    args = {"senders": [(0, 0)], "receivers": [(1, 0)], **kwargs}
+    with pytest.raises(InputError, match=message):
+        path_patching(tiny_model, CLEAN, CORRUPTED, ANSWERS, args.pop("senders"), args.pop("receivers"), **args)
 
 
 # ---------------------------------------------------------------------------------------------

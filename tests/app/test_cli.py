@@ -207,6 +207,45 @@ def test_patch_maps_the_residual_stream_and_compares_attribution(tmp_path):
         (out / "patching_map.json").read_text())
 
 
+def test_patch_with_a_built_in_pair(tmp_path):
+    """``headscope patch --pair ID`` patches the shipped pair's prompts with its answers (here the
+    attribution estimate alone: one forward and one backward pass)."""
+    from analysis.patching_pairs import pair_by_id
+
+    spec = pair_by_id("fact-capital-france-italy")
+    out = tmp_path / "out"
+    r = headscope("patch", "--pair", spec.id, "--attribution-only", "--formats", "", "--out", str(out),
+                  home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["pair"] == spec.id and summary["answers"] == ["·Paris", "·Rome"]
+    assert "".join(summary["clean_tokens"]).replace("·", " ") == spec.clean
+    assert "".join(summary["corrupted_tokens"]).replace("·", " ") == spec.corrupted
+    assert summary["clean"] > 0 > summary["corrupted"]
+    assert "largest effects (attribution patching):" in r.stdout
+
+
+def test_patch_along_a_path(tmp_path, real_model):
+    """``headscope patch --path-from … --path-to …`` prints and stores the value of
+    :func:`analysis.patching.path_patching` on the same pair (computed here in-process)."""
+    from analysis.patching import path_patching
+    from analysis.patching_pairs import pair_by_id
+
+    spec = pair_by_id("ioi-mary-john")
+    out = tmp_path / "out"
+    r = headscope("patch", "--pair", spec.id, "--path-from", "0.1,3.4", "--path-to", "9.1,12.2", "--path-site", "v",
+                  "--direction", "noise", "--out", str(out), home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    expected = path_patching(real_model, spec.clean, spec.corrupted, list(spec.answers), [(0, 1), (3, 4)],
+                             [(9, 1), (12, 2)], site="v", direction="noise")
+    assert summary["value"] == pytest.approx(expected.value, abs=1e-4)
+    assert summary["path_patching"] == {"senders": [[0, 1], [3, 4]], "receivers": [[9, 1], [12, 2]], "site": "v",
+                                        "freeze_mlps": False}
+    assert r.stdout.splitlines()[0] == "path patching, noise: 0.1,3.4 -> v of 9.1,12.2 (key-value heads)"
+    assert f"value {expected.value:.4f} (0 = corrupted, 1 = clean)" in r.stdout
+
+
 def test_ablate_sweep_takes_scan_needle_and_haystack_options_and_prints_niah_accuracy(tmp_path):
     """``ablate --sweep`` with a needles file and a haystack file (as ``scan`` takes them): the NIAH
     accuracy row in the table, from the needles and haystack given."""
@@ -335,6 +374,7 @@ T = ("--text", "The cat sat on the mat.")
 PATCH_CLEAN = "When Mary and John went to the store, John gave a drink to"
 PATCH_CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
 P = ("--clean", PATCH_CLEAN)
+PAIR = ("--pair", "ioi-mary-john")
 # (argv, what the message must name); ``{name}`` is a path from ``bad_files``
 BAD_INPUTS = [
     # the command itself
@@ -444,6 +484,16 @@ BAD_INPUTS = [
     (("patch", *P, "--answers", " Mary", "--corrupted", PATCH_CORRUPTED), "--metric"),
     (("patch", *P, "--answers", " Mary, John", "--corrupted", PATCH_CORRUPTED, "--formats", "svg,tiff"), "--formats"),
     (("patch", *P, "--answers", " Mary, John"), "--corrupted"),
+    (("patch", "--pair", "no-such-pair"), "--pair"), (("patch", "--pair", "ioi-mary-john", *P), "--pair"),
+    (("patch", "--pair", " "), "--pair"), (("patch",), "--clean"),
+    (("patch", *PAIR, "--path-from", "0.1"), "--path-to"), (("patch", *PAIR, "--path-to", "9.1"), "--path-from"),
+    (("patch", *PAIR, "--path-from", "5.1", "--path-to", "5.2"), "--path-to"),
+    (("patch", *PAIR, "--path-from", "99.1", "--path-to", "3.1"), "--path-from"),
+    (("patch", *PAIR, "--path-from", "1.1", "--path-to", "3.7", "--path-site", "k"), "--path-to"),
+    (("patch", *PAIR, "--path-from", "1-1", "--path-to", "3.1"), "--path-from"),
+    (("patch", *PAIR, "--path-from", "1.1", "--path-to", "3.1", "--attribution"), "--attribution"),
+    (("patch", *PAIR, "--path-from", "1.1", "--path-to", "3.1", "--path-site", "z"), "--path-site"),
+    (("patch", *PAIR, "--path-site", "k"), "--path-site"),
     # serve, worker
     (("serve", "--port", "0"), "--port"), (("serve", "--port", "70000"), "--port"), (("serve", "--port", "http"), "--port"),
     (("serve", "--port", "{busy_port}"), "--port"), (("serve", "--host", ""), "--host"),
