@@ -11,7 +11,7 @@ SITES = ("z", "q", "k", "v", "resid")
 HEAD_SITES = ("z", "q", "k", "v")
 KV_SITES = ("k", "v")
 JOINT_SITES = ("embed", "z", "q", "k", "v", "attn_out", "mlp_out", "resid")
-"""Sites a set of units patched together (:func:`analysis.patching.patch_together`) may name: the head
+"""Sites a set of units patched together (:func:`analysis.path_patching.patch_together`) may name: the head
 sites, the residual stream, and the three writers into it (the token embedding ``hook_embed``, a
 layer's attention output ``hook_attn_out`` and its MLP output ``hook_mlp_out``)."""
 PATH_SITES = ("q", "k", "v")

@@ -946,7 +946,7 @@ def cmd_patch(args) -> int:
 
 
 def _cmd_path_patch(args) -> int:
-    """``headscope patch --path-from … --path-to …``: path patching (:func:`analysis.patching.path_patching`);
+    """``headscope patch --path-from … --path-to …``: path patching (:func:`analysis.path_patching.path_patching`);
     prints the value and writes ``summary.json``."""
     for flag, given in (("--head", args.head is not None), ("--attribution", args.attribution),
                         ("--attribution-only", args.attribution_only), ("--site", args.site != "z")):
@@ -960,7 +960,8 @@ def _cmd_path_patch(args) -> int:
 
     site = args.path_site or "q"
     store, spec, model = _open_store_and_model(args)
-    from analysis.patching import patching_metric, path_patching, prompt_pair
+    from analysis.patching import patching_metric, prompt_pair
+    from analysis.path_patching import path_patching
     from analysis.store import content_key
 
     with _argument("--path-from"):

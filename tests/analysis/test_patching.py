@@ -10,14 +10,8 @@ import torch
 from transformer_lens.utilities import get_act_name
 
 from analysis.errors import InputError
-from analysis.patching import (
-    activation_patching,
-    agreement,
-    layer_units,
-    patch_together,
-    path_patching,
-    prompt_pair,
-)
+from analysis.patching import activation_patching, agreement, prompt_pair
+from analysis.path_patching import layer_units, patch_together, path_patching
 
 CLEAN = "When Mary and John went to the store, John gave a drink to"
 CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"

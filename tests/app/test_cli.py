@@ -227,9 +227,9 @@ def test_patch_with_a_built_in_pair(tmp_path):
 
 def test_patch_along_a_path(tmp_path, real_model):
     """``headscope patch --path-from … --path-to …`` prints and stores the value of
-    :func:`analysis.patching.path_patching` on the same pair (computed here in-process)."""
-    from analysis.patching import path_patching
+    :func:`analysis.path_patching.path_patching` on the same pair (computed here in-process)."""
     from analysis.patching_pairs import pair_by_id
+    from analysis.path_patching import path_patching
 
     spec = pair_by_id("ioi-mary-john")
     out = tmp_path / "out"
