@@ -60,19 +60,21 @@ def check_layer(n_layers: int, layer: Any) -> int:
     return index
 
 
-def check_head(n_heads: int, head: Any, layer: int | None = None) -> int:
-    """``head`` as an int in ``0 .. n_heads − 1`` (query heads; ``layer`` only names where, in the
-    message); an :class:`InputError` naming the valid range otherwise."""
+def check_head(n_heads: int, head: Any, layer: int | None = None, kind: str = "query heads") -> int:
+    """``head`` as an int in ``0 .. n_heads − 1`` (``kind``: query heads, or key-value heads where a
+    site is per key-value head; ``layer`` only names where, in the message); an :class:`InputError`
+    naming the valid range otherwise."""
     index = _whole(head)
     if index is None:
         raise InputError(f"Head must be a whole number, got {head!r}.")
     if not 0 <= index < n_heads:
         where = "" if layer is None else f" in layer {layer}"
-        raise InputError(f"Head {index} is out of range{where}: the model has query heads 0..{n_heads - 1}.")
+        raise InputError(f"Head {index} is out of range{where}: the model has {kind} 0..{n_heads - 1}.")
     return index
 
 
-def check_head_index(n_layers: int, n_heads: int, layer: Any, head: Any) -> tuple[int, int]:
+def check_head_index(n_layers: int, n_heads: int, layer: Any, head: Any, kind: str = "query heads"
+                     ) -> tuple[int, int]:
     """Validated ``(layer, head)`` for a model of ``n_layers`` layers × ``n_heads`` query heads.
 
     Raises
@@ -83,4 +85,4 @@ def check_head_index(n_layers: int, n_heads: int, layer: Any, head: Any) -> tupl
     if _whole(layer) is None or _whole(head) is None:
         raise InputError(f"Layer and head must be whole numbers, got {layer!r} and {head!r}.")
     layer = check_layer(n_layers, layer)
-    return layer, check_head(n_heads, head, layer)
+    return layer, check_head(n_heads, head, layer, kind)

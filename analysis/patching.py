@@ -230,6 +230,11 @@ def _hook_layers(model: LoadedModel, site: str) -> list[int]:
     return list(range(model.n_layers + 1 if site == "resid" else model.n_layers))
 
 
+def _head_kind(site: str) -> str:
+    """What a head index counts at ``site``, for messages."""
+    return "key-value heads" if site in KV_SITES else "query heads"
+
+
 def _n_heads(model: LoadedModel, site: str) -> int:
     return model.n_kv_heads if site in KV_SITES else model.n_heads
 
@@ -576,7 +581,7 @@ def activation_patching(
             raise InputError("The residual stream map is already per position: choose a head site (z, q, k, v) "
                              "to patch one head by position.")
         n = _n_heads(model, site)
-        layer, h = check_head_index(model.n_layers, n, *head)
+        layer, h = check_head_index(model.n_layers, n, *head, kind=_head_kind(site))
         head = (layer, h)
     key = patching_key(model, pair, site, direction, metric, head, attribution, exact)
     if store is not None:

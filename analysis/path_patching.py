@@ -28,6 +28,7 @@ from analysis.patching import (
     MetricFn,
     PromptPair,
     _check_choices,
+    _head_kind,
     _n_heads,
     _site_hook,
     patching_metric,
@@ -102,7 +103,7 @@ def _check_joint_units(model: LoadedModel, units: Sequence[Sequence[Any]], n_tok
             n = _n_heads(model, site)
             if head is None:
                 raise InputError(f"Site {site!r} is per head: give a head (0..{n - 1}) in {tuple(unit)!r}.")
-            head = check_head_index(model.n_layers, n, layer, head)[1]
+            head = check_head_index(model.n_layers, n, layer, head, kind=_head_kind(site))[1]
         elif head is not None:
             raise InputError(f"Site {site!r} has no heads: write None for the head in {tuple(unit)!r}.")
         if position is not None:
@@ -262,15 +263,15 @@ class PathPatch:
     pair: PromptPair
 
 
-def _check_heads(model: LoadedModel, heads: Sequence[Sequence[Any]], n_heads: int, what: str
-                 ) -> tuple[tuple[int, int], ...]:
+def _check_heads(model: LoadedModel, heads: Sequence[Sequence[Any]], n_heads: int, what: str,
+                 kind: str = "query heads") -> tuple[tuple[int, int], ...]:
     if not heads:
         raise InputError(f"Give at least one {what} head (layer, head).")
     checked = []
     for item in heads:
         if len(item) != 2:
             raise InputError(f"A {what} head is (layer, head), got {tuple(item)!r}.")
-        checked.append(check_head_index(model.n_layers, n_heads, *item))
+        checked.append(check_head_index(model.n_layers, n_heads, *item, kind=kind))
     return tuple(dict.fromkeys(checked))
 
 
@@ -333,7 +334,7 @@ def path_patching(
     pair = prompt_pair(model, clean, corrupted, answers)
     fn = patching_metric(metric, pair.answers)
     sends = _check_heads(model, senders, model.n_heads, "sender")
-    receives = _check_heads(model, receivers, _n_heads(model, site), "receiver")
+    receives = _check_heads(model, receivers, _n_heads(model, site), "receiver", _head_kind(site))
     if max(r[0] for r in receives) <= min(s[0] for s in sends):
         raise InputError(f"No receiver lies in a layer after a sender (senders from layer {min(s[0] for s in sends)},"
                          f" receivers up to layer {max(r[0] for r in receives)}): a head reads only earlier layers' "

@@ -459,3 +459,13 @@ def test_ioi_pair_on_the_embedded_model(real_model):
     assert value > 0.3  # one head restores a third of the logit difference or more
     assert result.agreement.pearson > 0.9 and result.agreement.overlap >= 0.6
     assert result.top_units(1, attribution=True)[0][0] == top
+
+
+def test_a_key_value_head_out_of_range_is_named_as_one(tiny_model):
+    """k and v are patched per key-value head: the message counts those, not query heads."""
+    with pytest.raises(InputError, match="key-value heads 0..1"):
+        activation_patching(tiny_model, CLEAN, CORRUPTED, ANSWERS, site="k", head=(0, 3))
+    with pytest.raises(InputError, match="query heads 0..3"):
+        activation_patching(tiny_model, CLEAN, CORRUPTED, ANSWERS, site="q", head=(0, 9))
+    with pytest.raises(InputError, match="key-value heads 0..1"):
+        path_patching(tiny_model, CLEAN, CORRUPTED, ANSWERS, [(0, 0)], [(1, 2)], site="v")
