@@ -43,13 +43,16 @@ class AppContext:
 
     def run(self, run_id: str) -> Run | StatsRun | None:
         """A stored run (patterns, or statistics for a long one) by full key or unique prefix
-        (≥ 8 hex digits), cached in memory."""
+        (≥ 8 hex digits), cached in memory. Anything else (a number, an empty or short string, as a
+        forged request may carry) is no run: ``None``, never the first cached run a short prefix matches."""
+        if not isinstance(run_id, str) or len(run_id) < 8:
+            return None
         with self._lock:
             for key in self._runs:
                 if key.startswith(run_id):
                     self._runs.move_to_end(key)
                     return self._runs[key]
-        keys = self.store.find(run_id) if len(run_id) >= 8 else []
+        keys = self.store.find(run_id)
         if len(keys) != 1:
             return None
         run = load_run(self.store, keys[0]) or load_stats_run(self.store, keys[0])

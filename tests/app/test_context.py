@@ -43,3 +43,15 @@ def test_a_run_made_with_a_model_not_on_offer_puts_the_default_in_the_dropdown_a
     assert dropdown_model("smollm2-135m", problems) == "smollm2-135m" and problems == []
     assert dropdown_model("/data/models/private-model", problems) == offered_model(None)
     assert len(problems) == 1 and "does not offer" in problems[0] and "private-model" not in problems[0]
+
+
+def test_a_run_id_that_is_not_a_key_prefix_finds_no_run(tiny_model, tmp_path):
+    """Run ids come from links and page stores, so from requests: a number, an empty or short string
+    finds nothing (it raised TypeError for a number, and '' matched the first cached run)."""
+    store = Store(tmp_path / "store")
+    context = AppContext(store=store)
+    run = capture(tiny_model, TEXTS[0], store=store)
+    context.remember(run)
+    for forged in (5, 1.5, None, [], {}, "", run.key[:3], "zzzzzzzzzz"):
+        assert context.run(forged) is None, forged
+    assert context.run(run.key[:8]).key == run.key
