@@ -484,8 +484,10 @@ class Store:
         return [Record(k, kd, json.loads(m), c, self.root / f, {}) for k, kd, f, m, c in rows]
 
     def find(self, prefix: str) -> list[str]:
-        """Keys starting with ``prefix`` (for short ids typed by users)."""
-        if not prefix or not all(c in "0123456789abcdef" for c in prefix.lower()):
+        """Keys starting with ``prefix`` (for short ids typed by users); none for anything but 1 to 64
+        hex digits (a key is a sha256; a longer "prefix" made SQLite refuse the LIKE pattern)."""
+        if not isinstance(prefix, str) or not 0 < len(prefix) <= 64 \
+                or not all(c in "0123456789abcdef" for c in prefix.lower()):
             return []
         with self._db() as db:
             rows = db.execute("SELECT key FROM records WHERE key LIKE ?", (prefix.lower() + "%",)).fetchall()

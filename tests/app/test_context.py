@@ -52,6 +52,6 @@ def test_a_run_id_that_is_not_a_key_prefix_finds_no_run(tiny_model, tmp_path):
     context = AppContext(store=store)
     run = capture(tiny_model, TEXTS[0], store=store)
     context.remember(run)
-    for forged in (5, 1.5, None, [], {}, "", run.key[:3], "zzzzzzzzzz"):
+    for forged in (5, 1.5, None, [], {}, "", run.key[:3], "zzzzzzzzzz", "a" * 1_000_000, run.key + "0"):
         assert context.run(forged) is None, forged
     assert context.run(run.key[:8]).key == run.key
