@@ -294,7 +294,8 @@ def run_patching(set_progress, n_clicks, clean, corrupted, answer_clean, answer_
         return no_update, message(str(e)), "Not run: see the message above."
     state = parse(search)
     state.model, state.patching, state.ppos, state.layer, state.head = model.name, result.key[:16], None, None, None
-    return state.to_search(), "", f"{n} {unit}s patched in {time.monotonic() - started:.1f} s"
+    # "n of n", as the progress said while it ran: a job quicker than the progress poll shows only this
+    return state.to_search(), "", f"{unit}s {n} of {n} patched in {time.monotonic() - started:.1f} s"
 
 
 @callback(

@@ -94,6 +94,8 @@ def test_patching_journey(server, page, real_model, reference):
     # Run: a background job with "i of n" progress
     page.check(f"#hs-pat-site input[value='{SITE}']")
     page.click("#hs-pat-run")
+    # " of 90" while it runs ("key-value head i of 90") and when done ("… 90 of 90 patched"): Dash polls
+    # progress once a second, so a quick job may show only the final line (CI missed the running one)
     page.wait_for_function("(document.querySelector('#hs-pat-status')?.innerText || '').includes(' of 90')",
                            timeout=240_000)
     page.wait_for_function("new URLSearchParams(location.search).has('patching')", timeout=300_000)
@@ -130,10 +132,15 @@ def test_patching_journey(server, page, real_model, reference):
 
     # Cancel stops a run: the page keeps the finished maps and their link
     link = page.url
+    # a longer pair (the same ~150 shared tokens before each prompt), so the job is still running when
+    # Cancel is clicked: with the short pair a q run can finish first on a quiet machine
+    shared = "The weather was mild and the streets were quiet that morning. " * 12
+    page.fill("#hs-pat-clean", shared + CLEAN)
+    page.fill("#hs-pat-corrupted", shared + CORRUPTED)
     page.check("#hs-pat-site input[value='q']")
     page.click("#hs-pat-run")
-    page.wait_for_function("(document.querySelector('#hs-pat-status')?.innerText || '').includes(' of 270')",
-                           timeout=120_000)
+    # Cancel is enabled exactly while the job runs (a transient progress line may fall between polls)
+    page.wait_for_function("!document.querySelector('#hs-pat-cancel').disabled", timeout=120_000)
     page.click("#hs-pat-cancel")
     page.wait_for_function("(document.querySelector('#hs-pat-status')?.innerText || '').startsWith('Cancelled')")
     page.wait_for_function("!document.querySelector('#hs-pat-run').disabled")
