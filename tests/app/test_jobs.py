@@ -57,3 +57,24 @@ def test_a_terminated_server_ends_its_running_jobs_and_reports_sigterm():
             os.kill(job, signal.SIGKILL)
         except (OSError, UnboundLocalError):
             pass
+
+
+def test_a_process_that_imports_the_app_first_runs_sqlite_without_its_global_memory_mutex():
+    """`headscope serve` imports :mod:`app` before sqlite3, so SQLite's memory statistics (one global
+    mutex taken by every allocation, which a forked job could inherit locked) are off: SQLite then
+    counts no memory in use, where by default it counts every allocation."""
+    probe = textwrap.dedent("""
+        import ctypes, {first}
+        import sqlite3
+        con = sqlite3.connect(":memory:")
+        con.execute("create table t (x)"); con.executemany("insert into t values (?)", [(i,) for i in range(1000)])
+        lib = ctypes.CDLL("libsqlite3.so.0")
+        lib.sqlite3_memory_used.restype = ctypes.c_int64
+        print(lib.sqlite3_memory_used())
+    """)
+    used = {}
+    for first in ("app", "json"):  # json: a process that never imported the app (SQLite's default)
+        out = subprocess.run([sys.executable, "-c", probe.format(first=first)], capture_output=True, text=True,
+                             timeout=120, check=True)
+        used[first] = int(out.stdout.strip())
+    assert used["app"] == 0 and used["json"] > 0, used
