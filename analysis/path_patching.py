@@ -49,12 +49,9 @@ and None for the other sites; ``position`` one token position or None for all of
 
 
 @dataclass(frozen=True)
-class JointPatch:
-    """The metric with a set of units patched together in one forward pass.
-
-    ``value`` is normalised (0 = corrupted, 1 = clean), ``raw`` the un-normalised metric, ``clean`` and
-    ``corrupted`` the two endpoints; ``units`` the checked units, in the order given.
-    """
+class PatchedMetric:
+    """The fields every patched-metric result shares: ``value`` normalised (0 = corrupted, 1 = clean),
+    ``raw`` un-normalised, the two endpoints ``clean`` and ``corrupted``, ``direction`` and ``metric``."""
 
     value: float
     raw: float
@@ -62,6 +59,16 @@ class JointPatch:
     corrupted: float
     direction: str
     metric: str
+
+
+@dataclass(frozen=True)
+class JointPatch(PatchedMetric):
+    """The metric with a set of units patched together in one forward pass.
+
+    ``value`` is normalised (0 = corrupted, 1 = clean), ``raw`` the un-normalised metric, ``clean`` and
+    ``corrupted`` the two endpoints; ``units`` the checked units, in the order given.
+    """
+
     units: tuple[JointUnit, ...]
     pair: PromptPair
 
@@ -246,16 +253,10 @@ def patch_together(
 
 
 @dataclass(frozen=True)
-class PathPatch:
+class PathPatch(PatchedMetric):
     """The normalised metric (0 = corrupted, 1 = clean) with only the paths from ``senders`` into the
     ``site`` input of ``receivers`` patched; ``raw``, ``clean``, ``corrupted`` as in :class:`JointPatch`."""
 
-    value: float
-    raw: float
-    clean: float
-    corrupted: float
-    direction: str
-    metric: str
     site: str
     senders: tuple[tuple[int, int], ...]
     receivers: tuple[tuple[int, int], ...]
