@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from analysis.fork_gate import GATE
 from analysis.paths import home
 from analysis.shared_records import SharedRecords
 
@@ -296,7 +297,8 @@ class Store:
         """Close this thread's index connection (it is reopened when needed)."""
         conn = getattr(self._local, "conn", None)
         if conn is not None:
-            conn.close()
+            with GATE.using():
+                conn.close()
             self._local.conn = None
 
     def _manifests(self) -> Iterator[tuple[Path, dict[str, Any] | None]]:
@@ -360,6 +362,12 @@ class Store:
 
     @contextlib.contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
+        """This thread's index connection; no fork of this process happens while it is used
+        (:mod:`analysis.fork_gate`: a child would inherit SQLite's locks with no owner)."""
+        with GATE.using():
+            yield self._connection()
+
+    def _connection(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = sqlite3.connect(self.root / "index.sqlite", timeout=self.BUSY_TIMEOUT_S, isolation_level=None)
@@ -371,7 +379,7 @@ class Store:
                 conn.close()
                 raise
             self._local.conn = conn
-        yield conn
+        return conn
 
     # -- writing -------------------------------------------------------------------------------
 

@@ -8,6 +8,9 @@ a child whose first SQLite call waits for ever (seen in CI: ten sessions ran at 
 off (``SQLITE_CONFIG_MEMSTATUS``, also SQLite's own advice for speed) removes that mutex from every
 allocation. It can only be set before SQLite initialises, which Python's ``sqlite3`` module does when it
 is imported, so :mod:`app` calls this first, before anything imports ``sqlite3``.
+
+This only removes the one mutex every allocation takes. What makes a fork safe is
+:mod:`analysis.fork_gate`: no fork while any thread is inside SQLite.
 """
 
 from __future__ import annotations

@@ -14,12 +14,20 @@ model: every callback that loads a model or reads analysis results is a backgrou
 Forked children must run numba on its fork-safe ``workqueue`` threading layer (set here, before
 numba is imported), and a job whose process dies says so on its page (:func:`_watched_manager`).
 
+A job is never forked while a server thread is inside SQLite (the job cache here, the store's
+index): the job would inherit SQLite's locks with their owner gone, and could never write its progress
+or result. Both pass :data:`analysis.fork_gate.GATE` (:class:`GatedCache`), which every fork waits
+for. Each job has its own result key (:class:`app.workers.OneKeyPerJob`), so two sessions running the
+same thing at once each get their own result.
+
 Forked children must run torch single-threaded: PyTorch's CPU thread pool does not survive a fork
 (a child that uses more than one intra-op thread hangs). :func:`in_job` does that first.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -31,7 +39,8 @@ from typing import Any
 import diskcache
 from diskcache.core import MODE_BINARY, MODE_RAW, MODE_TEXT
 
-from app.workers import job_manager, redis_url
+from analysis.fork_gate import GATE
+from app.workers import OneKeyPerJob, job_manager, redis_url
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +170,7 @@ def _watched_manager(base):
     A job the user cancelled is not reported.
     """
 
-    class WatchedDiskcacheManager(base):
+    class WatchedDiskcacheManager(OneKeyPerJob, base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._processes: dict[int, Any] = {}
@@ -237,9 +246,37 @@ def end_jobs_with_server(grace_s: float = 5.0) -> None:
     signal.signal(signal.SIGTERM, on_term)
 
 
+class GatedCache(diskcache.Cache):
+    """A ``diskcache.Cache`` whose every SQLite use passes :data:`analysis.fork_gate.GATE`, so a job
+    is never forked while a server thread is inside the cache's SQLite (the job would inherit a lock
+    with no owner and could never write its progress or result: ``diskcache.Timeout``, exit code 1)."""
+
+    @contextlib.contextmanager
+    def transact(self, retry=False):
+        with GATE.using(), super().transact(retry) as result:
+            yield result
+
+
+def _gated(name):
+    method = getattr(diskcache.Cache, name)
+
+    @functools.wraps(method)
+    def gated(self, *args, **kwargs):
+        with GATE.using():
+            return method(self, *args, **kwargs)
+
+    return gated
+
+
+for _name in ("set", "__setitem__", "touch", "add", "incr", "decr", "get", "__getitem__", "read", "__contains__",
+              "pop", "__delitem__", "delete", "push", "pull", "peek", "peekitem", "check", "evict", "expire",
+              "cull", "clear", "stats", "volume", "close", "reset", "__len__"):
+    setattr(GatedCache, _name, _gated(_name))
+
+
 def job_cache(folder) -> diskcache.Cache:
     """The disk cache Dash's background jobs pass progress and results through (JSON only)."""
-    return diskcache.Cache(str(folder), disk=JSONJobDisk)
+    return GatedCache(str(folder), disk=JSONJobDisk)
 
 
 def in_job() -> None:

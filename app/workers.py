@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 from collections import OrderedDict
@@ -106,11 +107,26 @@ def celery_app():
     return _celery
 
 
+class OneKeyPerJob:
+    """A background-callback manager mixin: every job its own result key.
+
+    Dash keys a job's result and progress by its callback and arguments. Two sessions that start the
+    same callback with the same arguments at once (ten pages loading the same text) shared one key:
+    the first page to poll took the result and deleted it, the other job's result landed under a key
+    nobody waited for any more, and the second page waited for ever or was told its job had stopped.
+    No callback here relies on Dash's memoisation (``cache_by`` is never set), so a random suffix
+    costs nothing."""
+
+    def build_cache_key(self, fn, args, cache_args_to_ignore, triggered):
+        return f"{super().build_cache_key(fn, args, cache_args_to_ignore, triggered)}-{secrets.token_hex(8)}"
+
+
 def job_manager():
-    """Dash's ``CeleryManager`` over :func:`celery_app`, with two additions (:class:`_Jobs`)."""
+    """Dash's ``CeleryManager`` over :func:`celery_app`, with three additions (:class:`_Jobs`,
+    :class:`OneKeyPerJob`)."""
     from dash import CeleryManager
 
-    class _Jobs(CeleryManager):
+    class _Jobs(OneKeyPerJob, CeleryManager):
         """Dash's Celery manager, plus: a job whose task failed outside the callback (its pool process
         was lost more than :data:`MAX_RETRIES` times) ends with a message instead of spinning, and a
         job that has delivered its result is not terminated afterwards (Dash revokes every finished

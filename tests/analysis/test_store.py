@@ -399,3 +399,81 @@ def test_odd_leftovers_never_stop_a_store_opening_and_are_collected(tmp_path, na
     store = Store(tmp_path / "home")  # opening collects
     assert not os.path.lexists(path), f"{name} was not collected"
     np.testing.assert_array_equal(store.get("kept").array("a"), np.arange(4.0))
+
+
+# A background job is forked from the server while another server thread writes to the store's index.
+FORK_DURING_INDEX_WRITE = textwrap.dedent("""
+    import os, sys, threading, time
+    import numpy as np
+    from analysis.store import Store
+
+    store = Store(sys.argv[1], shared=False)
+    store.BUSY_TIMEOUT_S = 5
+    inside = threading.Event()
+
+    def server_thread():
+        with store._db() as db:  # a write transaction in flight, as Store.put's
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("DELETE FROM records WHERE key='none'")
+            inside.set()
+            time.sleep(1.0)
+            db.execute("COMMIT")
+
+    threading.Thread(target=server_thread).start()
+    inside.wait()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            Store(sys.argv[1], shared=False).put("job", "run", {}, {"x": np.arange(3)})
+            os._exit(0)
+        except BaseException as e:
+            print(type(e).__name__, e, flush=True)
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), store.get("job") is not None, flush=True)
+""")
+
+
+def test_a_job_forked_while_the_server_writes_the_index_can_store_its_result(tmp_path):
+    """The fork waits for the write in flight (analysis.fork_gate); the child's own write then succeeds.
+    Without the gate the child inherits SQLite's lock bookkeeping with its owner gone, and its write is
+    refused as busy until the store's timeout."""
+    out = subprocess.run([sys.executable, "-c", FORK_DURING_INDEX_WRITE, str(tmp_path / "store")], capture_output=True,
+                         text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.stdout.split()[-2:] == ["0", "True"], (out.stdout, out.stderr[-2000:])
+
+
+def test_the_fork_gate_lets_threads_in_together_and_a_fork_waits_for_them():
+    """Threads inside the gate do not wait for each other; a fork waits until the last has left, then
+    the threads that arrive meanwhile wait for the fork; a thread that forks from inside waits for the
+    others only."""
+    import threading
+
+    from analysis.fork_gate import ForkGate
+
+    gate, order = ForkGate(), []
+    release = threading.Event()
+
+    def reader(name):
+        with gate.using():
+            order.append(f"{name} in")
+            release.wait(10)
+            order.append(f"{name} out")
+
+    readers = [threading.Thread(target=reader, args=(n,)) for n in ("a", "b")]
+    for t in readers:
+        t.start()
+    while gate.inside() < 2:
+        time.sleep(0.01)
+    forker = threading.Thread(target=lambda: (gate.close_for_fork(), order.append("fork"), gate.open_after_fork()))
+    forker.start()
+    time.sleep(0.2)
+    assert "fork" not in order  # both readers are still inside
+    release.set()
+    forker.join(10)
+    for t in readers:
+        t.join(10)
+    assert order.index("fork") > max(order.index("a out"), order.index("b out"))
+    with gate.using(), gate.using():  # re-entrant, and a fork from inside waits for nobody
+        gate.close_for_fork()
+        gate.open_after_fork()

@@ -609,9 +609,11 @@ def test_ten_sessions_at_once_each_see_only_their_own_run(server, browser):
         p.evaluate("document.querySelector('#attn-hs-run').click()")
     run_ids = []
     for p, text in zip(pages, texts, strict=True):
-        p.wait_for_function("(document.querySelector('#hs-run-info')?.innerText || '').includes('tokens')")
-        assert p.input_value("#attn-hs-text") == text
+        # a run that fails says so at once (the page's error line), instead of the test waiting out its timeout
+        p.wait_for_function("(document.querySelector('#hs-run-info')?.innerText || '').includes('tokens')"
+                            " || (document.querySelector('#hs-error')?.innerText || '') !== ''")
         assert p.locator("#hs-error").inner_text() == ""
+        assert p.input_value("#attn-hs-text") == text
         run_ids.append(p.evaluate("new URLSearchParams(location.search).get('run')"))
     assert len(set(run_ids)) == len(texts)  # ten runs, none shown in another session
     after = _rss_mb(proc.pid)

@@ -78,3 +78,85 @@ def test_a_process_that_imports_the_app_first_runs_sqlite_without_its_global_mem
                              timeout=120, check=True)
         used[first] = int(out.stdout.strip())
     assert used["app"] == 0 and used["json"] > 0, used
+
+
+# A stand-in for the server at the moment it forks a job: another server thread is inside a write to
+# the job cache (a poll delivering a result, Dash ending a finished job) when the job is forked; the job
+# then writes its progress. SQLite's per-process lock bookkeeping, copied into the child with that
+# lock's owner gone, made every write the child tried "busy" until the cache's timeout: the job could
+# report neither progress nor result (diskcache.Timeout, exit code 1; seen with ten sessions at once).
+FORK_DURING_WRITE = textwrap.dedent("""
+    import sys, threading, time
+    import app
+    from multiprocess import Process
+    from app.jobs import GatedCache, JSONJobDisk
+    import diskcache
+
+    kind = GatedCache if sys.argv[2] == "gated" else diskcache.Cache
+    cache = kind(sys.argv[1], disk=JSONJobDisk, timeout=5)
+    cache.set("before", "1")
+    inside = threading.Event()
+
+    def server_thread():
+        with cache.transact():
+            cache.set("other", "2")
+            inside.set()
+            time.sleep(1.0)
+
+    threading.Thread(target=server_thread).start()
+    inside.wait()
+
+    def job():
+        cache.set("progress", "50%")
+        cache.set("result", "done")
+
+    p = Process(target=job)
+    p.start()
+    p.join(60)
+    print(p.exitcode, cache.get("result"), flush=True)
+""")
+
+
+def test_a_job_forked_while_another_thread_writes_the_job_cache_still_delivers_its_result(tmp_path):
+    """The job cache is gated: the fork waits for the write in flight (about a second here), and the
+    job writes its progress and result. Ungated (diskcache's own ``Cache``), the same job fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    outcome = {}
+    for kind in ("gated", "plain"):
+        out = subprocess.run([sys.executable, "-c", FORK_DURING_WRITE, str(tmp_path / kind), kind], capture_output=True,
+                             text=True, timeout=180, env=env)
+        outcome[kind] = out.stdout.split()
+    assert outcome["gated"] == ["0", "done"], outcome
+    assert outcome["plain"] == ["1", "None"], outcome  # the failure the gate prevents, still reproduced
+
+
+def test_two_jobs_with_the_same_arguments_each_deliver_their_own_result(tmp_path):
+    """Ten pages that run the same text at once start ten jobs with equal arguments. Dash keyed their
+    results by the arguments alone: the first page to poll took the shared result and the others waited
+    for ever or read "the job stopped". Each job now has its own key, and each poll gets its own result."""
+    from dash import DiskcacheManager
+    from dash._utils import AttributeDict
+
+    from app.jobs import _watched_manager, job_cache
+
+    manager = _watched_manager(DiskcacheManager)(job_cache(tmp_path), expire=3600)
+
+    def double(x):
+        return {"value": 2 * x}
+
+    job_fn = manager.make_job_fn(double, False)
+    context = AttributeDict(args={}, ignore_register_page=True)
+    started = []
+    for _ in range(2):
+        key = manager.build_cache_key(double, [21], [], None)
+        started.append((key, manager.call_job_fn(key, job_fn, [21], context)))
+    assert started[0][0] != started[1][0]
+    deadline, results = time.time() + 120, {}
+    while len(results) < 2 and time.time() < deadline:
+        for key, job in started:
+            if key not in results:
+                result = manager.get_result(key, job)
+                if result is not manager.UNDEFINED:
+                    results[key] = result
+        time.sleep(0.1)
+    assert sorted(map(str, results.values())) == [str({"value": 42})] * 2, results

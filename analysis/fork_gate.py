@@ -1,0 +1,94 @@
+"""No fork while another thread is inside SQLite: the gate every SQLite use in a forking process passes.
+
+The app's background jobs are processes forked from the multi-threaded server (Dash's
+``DiskcacheManager``), and both sides use SQLite on the same files (the job cache, the store's index).
+SQLite keeps its lock bookkeeping per process, shared by all connections to a file. A fork while
+another thread is inside a transaction copies that bookkeeping into the child, where the lock's owner
+no longer exists: every write the child then tries is refused as "busy" until its timeout
+(``diskcache.Timeout`` after 60 s: the job could not report progress or its result, and ended with
+exit code 1). A fork while another thread is inside any SQLite call can likewise copy one of
+SQLite's own mutexes held, and the child waits on it for ever. SQLite's rule is to not carry its
+state across a fork; this gate makes the fork wait instead until no thread is inside SQLite.
+
+Use: every SQLite call in a process that forks runs inside ``with GATE.using():`` (re-entrant per
+thread); the gate is closed around every ``os.fork`` of this process by an at-fork hook, so the
+fork waits for the calls in flight and new calls wait for the fork (a fork takes milliseconds). A
+thread that forks while it is itself inside the gate only waits for the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+
+
+class ForkGate:
+    """Many threads inside SQLite at once, or one fork; a fork waiting goes before new entries."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._depth: dict[int, int] = {}  # thread id → how many times it is inside
+        self._forking: int | None = None  # the thread that is forking now
+        self._waiting = 0  # forks waiting for the threads inside to leave
+
+    @contextlib.contextmanager
+    def using(self) -> Iterator[None]:
+        """Run the body (SQLite calls) with no fork of this process in between."""
+        me = threading.get_ident()
+        with self._cond:
+            if not self._depth.get(me):
+                while (self._forking is not None and self._forking != me) or self._waiting:
+                    self._cond.wait()
+            self._depth[me] = self._depth.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                left = self._depth.get(me, 0) - 1
+                if left > 0:
+                    self._depth[me] = left
+                else:
+                    self._depth.pop(me, None)
+                    self._cond.notify_all()
+
+    def close_for_fork(self) -> None:
+        """Wait until no other thread is inside, then keep new ones out (called before a fork)."""
+        me = threading.get_ident()
+        with self._cond:
+            self._waiting += 1
+            try:
+                while self._forking is not None or any(d for t, d in self._depth.items() if t != me):
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
+            self._forking = me
+
+    def open_after_fork(self) -> None:
+        """Let waiting threads in again (the parent, after the fork)."""
+        with self._cond:
+            self._forking = None
+            self._cond.notify_all()
+
+    def reset_in_child(self) -> None:
+        """After a fork only the forking thread exists: fresh locks (another thread may have held the
+        gate's own lock at the fork), nobody else inside, the forking thread as deep as it was."""
+        me = threading.get_ident()
+        own = self._depth.get(me, 0)
+        self._reset()
+        if own:
+            self._depth[me] = own
+
+    def inside(self) -> int:
+        """How many threads are inside now (for tests and diagnostics)."""
+        with self._cond:
+            return len(self._depth)
+
+
+GATE = ForkGate()
+os.register_at_fork(before=GATE.close_for_fork, after_in_parent=GATE.open_after_fork,
+                    after_in_child=GATE.reset_in_child)
