@@ -1007,6 +1007,89 @@ def _cmd_path_patch(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    """Two stored runs compared head by head (:func:`analysis.run_comparison.compare_runs`): prints the
+    heads whose score changed most (second − first); writes both grids with the change, one head's
+    change in attention (``--head``), their tables and ``summary.json``."""
+    import json
+
+    import numpy as np
+
+    from analysis.errors import InputError
+    from analysis.head_summary import HEAD_METRICS
+    from analysis.run_comparison import compare_runs
+    from app.context import AppContext, set_context
+    from app.export import FIGURE_FORMATS, write_files
+    from app.views import names
+
+    formats = _check_formats(args.formats, FIGURE_FORMATS)
+    metric = args.metric or "entropy"
+    if metric not in HEAD_METRICS:
+        raise UsageError(f"argument --metric: unknown metric {metric!r}; choose one of: {', '.join(HEAD_METRICS)}")
+    store = _store(args)
+    from analysis.models import DEFAULT_MODEL
+
+    context = AppContext(store=store, default_model=DEFAULT_MODEL)  # no model is loaded
+    set_context(context)
+    runs = []
+    for which, run_id in (("first", args.first), ("second", args.second)):
+        keys = store.find(run_id)
+        run = context.run(keys[0]) if len(keys) == 1 else None
+        if run is None:
+            why = "matches several runs: give more of it" if len(keys) > 1 else "is no stored run"
+            raise UsageError(f"argument {which}: {run_id!r} {why} (`headscope runs list` shows them)")
+        runs.append(run)
+    first, second = runs
+    with _argument("second"):
+        result = compare_runs(first, second, metric)
+    # the manifest names the first run's model (checked when rebuilt); both runs are read from the store
+    params = {"model": first.model_name, "first": first.key[:16], "second": second.key[:16], "metric": metric}
+    if args.head is not None:
+        with _argument("--head"):
+            from analysis.run_comparison import attention_difference
+
+            attention_difference(first, second, *args.head)
+        params.update(layer=args.head[0], head=args.head[1])
+    out = Path(args.out) if args.out else store.root / "exports" / f"compare-{first.short_id[:8]}-{second.short_id[:8]}"
+    out.mkdir(parents=True, exist_ok=True)
+    top = result.largest_changes(args.top)
+    summary = {
+        "first": first.key, "second": second.key, "first_model": first.model_name, "second_model": second.model_name,
+        "kind": result.kind, "metric": metric, "metric_label": HEAD_METRICS[metric].label,
+        "n_tokens": first.n_tokens, "differ": list(result.differ),
+        "differ_tokens": [[first.tokens[i], second.tokens[i]] for i in result.differ],
+        "largest_changes": [{"layer": c.layer, "head": c.head, "first": c.first, "second": c.second,
+                             "change": c.change} for c in top],
+        "mean_abs_change": float(np.nanmean(np.abs(result.difference))),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    try:
+        write_files(None, names.RUN_COMPARISON, params, out, formats)
+        if args.head is not None:
+            write_files(None, names.ATTENTION_DIFFERENCE, params, out, formats)
+    except InputError as e:  # checked above; a run removed meanwhile
+        raise UsageError(f"argument second: {e}") from None
+    for line in comparison_table(summary):
+        print(line)
+    print(f"results in {out}")
+    return 0
+
+
+def comparison_table(summary: dict) -> list[str]:
+    """``headscope compare``'s printed summary: what was compared, and the heads that changed most."""
+    differ = summary["differ"]
+    where = ", ".join(f"{i} {a!r} / {b!r}" for i, (a, b) in zip(differ[:6], summary["differ_tokens"][:6], strict=True))
+    lines = [f"{summary['metric_label']}: {summary['kind']}, {summary['n_tokens']} tokens"
+             + (f"; tokens differ at {len(differ)} position(s): {where}{' …' if len(differ) > 6 else ''}" if differ else ""),
+             f"first  {summary['first'][:12]} ({summary['first_model']})",
+             f"second {summary['second'][:12]} ({summary['second_model']})",
+             f"mean |change| over heads {summary['mean_abs_change']:.4f}; largest changes (second − first):",
+             f"  {'head':>6} {'first':>9} {'second':>9} {'change':>9}"]
+    lines += [f"  {c['layer']:>3}.{c['head']:<2} {c['first']:9.4f} {c['second']:9.4f} {c['change']:+9.4f}"
+              for c in summary["largest_changes"]]
+    return lines
+
+
 def _niah_options(p: argparse.ArgumentParser, prefix: str) -> None:
     """The needle placement and decode stop of a sweep (``scan`` and ``ablate --sweep``)."""
     p.add_argument("--depth-rule",
@@ -1149,6 +1232,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ablate)
 
     _add_patch_parser(sub)
+
+    p = sub.add_parser("compare", help="compare two stored runs head by head: the change of a per-head score "
+                                       "(second - first) and of one head's attention")
+    p.add_argument("first", type=non_empty("the first run id"), help="a stored run's id (`headscope runs list`)")
+    p.add_argument("second", type=non_empty("the second run id"),
+                   help="a run of the same length: another text on the same model, or the same text on a model "
+                        "with the same tokenizer")
+    p.add_argument("--metric", help="the per-head score (default entropy; the Attention page's metric names)")
+    p.add_argument("--head", type=layer_head, help="also this head's change in attention (layer.head)")
+    p.add_argument("--top", type=count(1, 10_000), default=10, help="how many heads to print (default 10)")
+    p.add_argument("--out", type=folder)
+    p.add_argument("--formats", default="svg,html")
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("models", help="list what can be loaded offline")
     p.set_defaults(func=cmd_models)

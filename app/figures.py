@@ -616,3 +616,72 @@ def exact_vs_attribution(exact: np.ndarray, approx: np.ndarray, unit_labels: Seq
     fig.update_layout(legend={"orientation": "h", "y": -0.2})
     shown = safe_text(title) + (f"<br><sup>{safe_text(note)}</sup>" if note else "")
     return _layout(fig, shown, height=460)
+
+
+def _symmetric_span(values: np.ndarray) -> float:
+    finite = np.abs(values[np.isfinite(values)])
+    return float(finite.max()) if finite.size and finite.max() > 0 else 1.0
+
+
+def comparison_grids(first: np.ndarray, second: np.ndarray, metric_label: str, first_name: str,
+                     second_name: str, title: str, selected: tuple[int, int] | None = None) -> go.Figure:
+    """Two runs' per-head score side by side (one colour range for both) and their difference
+    (second − first, red up and blue down, white at 0); nan cells blank; the selected head outlined."""
+    from plotly.subplots import make_subplots
+
+    first, second = np.asarray(first, dtype=float), np.asarray(second, dtype=float)
+    diff = second - first
+    n_layers, n_heads = first.shape
+    both = np.concatenate([first[np.isfinite(first)], second[np.isfinite(second)]])
+    lo, hi = (float(both.min()), float(both.max())) if both.size else (0.0, 1.0)
+    span = _symmetric_span(diff)
+    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.09,
+                        subplot_titles=[safe_text(first_name), safe_text(second_name), "second − first"])
+    hover = "layer %{y}, head %{x}<br>" + metric_label + ": %{z:.4f}<extra>%{fullData.name}</extra>"
+    for col, (z, name) in enumerate(((first, "first"), (second, "second")), start=1):
+        fig.add_trace(go.Heatmap(z=np.where(np.isfinite(z), z, None).tolist(), x=list(range(n_heads)),
+                                 y=list(range(n_layers)), colorscale=COLORSCALE, zmin=lo, zmax=hi, name=name,
+                                 showscale=col == 2, hovertemplate=hover, xgap=1, ygap=1,
+                                 colorbar={"title": {"text": metric_label, "side": "right"}, "thickness": 10,
+                                           "x": 0.63}), 1, col)
+    fig.add_trace(go.Heatmap(z=np.where(np.isfinite(diff), diff, None).tolist(), x=list(range(n_heads)),
+                             y=list(range(n_layers)), colorscale=PATCHING_SCALE, reversescale=True, zmin=-span,
+                             zmax=span, name="change", xgap=1, ygap=1,
+                             hovertemplate="layer %{y}, head %{x}<br>change: %{z:+.4f}<extra></extra>",
+                             colorbar={"title": {"text": "change", "side": "right"}, "thickness": 10}), 1, 3)
+    for col in (1, 2, 3):
+        fig.update_xaxes(title="head", dtick=1, showgrid=False, row=1, col=col)
+        fig.update_yaxes(autorange="reversed", showgrid=False, dtick=1 if n_layers <= 32 else None, row=1, col=col,
+                         title="layer" if col == 1 else None)
+        if selected is not None:
+            layer, head = selected
+            fig.add_shape(type="rect", x0=head - 0.5, x1=head + 0.5, y0=layer - 0.5, y1=layer + 0.5,
+                          line={"color": "#e4572e", "width": 3}, row=1, col=col)
+    return _layout(fig, safe_text(title), height=max(380, 18 * n_layers + 120))
+
+
+def attention_difference_map(diff: np.ndarray, tokens: Sequence[str], layer: int, head: int, block: int = 1,
+                             differ: Sequence[int] = ()) -> go.Figure:
+    """A head's attention in the second run minus the first (queries down, keys across; red: more
+    attention in the second run); rows and columns of positions where the tokens differ are marked.
+    With ``block`` > 1 each cell is a ``block × block`` mean (a pooled map), labelled by its first position."""
+    diff = np.asarray(diff, dtype=float)
+    n = diff.shape[0]
+    labels = token_labels(tokens) if block == 1 else [f"{i * block}–{min((i + 1) * block, len(tokens)) - 1}"
+                                                      for i in range(n)]
+    span = _symmetric_span(diff)
+    fig = go.Figure(go.Heatmap(
+        z=np.where(np.isfinite(diff), diff, np.nan).astype(np.float32), x=labels, y=labels,
+        colorscale=PATCHING_SCALE, reversescale=True, zmin=-span, zmax=span,
+        colorbar={"title": {"text": "second − first", "side": "right"}, "thickness": 12},
+        hovertemplate="query %{y}<br>key %{x}<br>change %{z:+.4f}<extra></extra>"))
+    for p in sorted({p // block for p in differ}):
+        fig.add_vrect(x0=p - 0.5, x1=p + 0.5, fillcolor="#f4a259", opacity=0.18, line_width=0)
+        fig.add_hrect(y0=p - 0.5, y1=p + 0.5, fillcolor="#f4a259", opacity=0.18, line_width=0)
+    show_ticks = n <= 80
+    fig.update_xaxes(title="key" + (" (shaded: the tokens differ)" if differ else ""), showticklabels=show_ticks,
+                     tickangle=-60, type="category", dtick=1)
+    fig.update_yaxes(title="query", showticklabels=show_ticks, autorange="reversed", type="category", dtick=1)
+    what = "attention" if block == 1 else f"mean attention per {block}×{block} block"
+    return _layout(fig, f"Change in {what} of layer {layer}, head {head} (second − first)",
+                   height=max(420, min(1100, 14 * n + 220)))

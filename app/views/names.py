@@ -33,6 +33,8 @@ ABLATION_HEAD_SWEEP = "ablation_head_sweep"
 # Patching page (and headscope patch)
 PATCHING_MAP = "patching_map"
 PATCHING_AGREEMENT = "patching_agreement"
+RUN_COMPARISON = "run_comparison"
+ATTENTION_DIFFERENCE = "attention_difference"
 # QK page
 QK_SCATTER = "qk_scatter"
 QK_SPECTRUM = "qk_spectrum"

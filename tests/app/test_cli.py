@@ -624,3 +624,37 @@ def test_scan_defaults_for_s_and_w_are_the_kernels_defaults():
 
     args = build_parser().parse_args(["scan", "--model", "smollm2-135m"])
     assert (args.sink, args.window) == (DEFAULT_SINK_SIZE, DEFAULT_WINDOW)
+
+
+def test_compare_two_runs_prints_the_largest_changes_and_writes_rebuildable_figures(tmp_path):
+    """Two texts of equal length on the embedded model: the printed changes are the previous-token scores
+    of the runs' exported patterns, worked by hand and subtracted (second − first), the figures rebuild from their manifests, a bad id exits 2."""
+    home = tmp_path / "home"
+    ids, scores = [], []
+    for i, text in enumerate(["The capital of France is Paris.", "The capital of Italy is Rome."]):
+        r = headscope("run", text, "--out", str(tmp_path / f"run{i}"), "--formats", "svg", home=home)
+        assert r.returncode == 0, r.stderr
+        ids.append(r.stdout.split("run ", 1)[1].split()[0])
+        patterns = np.load(tmp_path / f"run{i}" / "patterns.npy", allow_pickle=False).astype(np.float64)
+        n = patterns.shape[-1]  # previous-token score by hand: (1/(n−1)) Σ_{i≥1} A[i, i−1]
+        by_hand = np.mean([patterns[:, :, q, q - 1] for q in range(1, n)], axis=0)
+        scores.append({(la, h): float(by_hand[la, h]) for la in range(30) for h in range(9)})
+    out = tmp_path / "cmp"
+    r = headscope("compare", ids[0][:12], ids[1][:12], "--metric", "previous_token", "--head", "3.1", "--out", str(out),
+                  "--formats", "svg", home=home)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["kind"] == "two prompts on one model" and summary["differ"] == [3, 5]  # France/Italy, Paris/Rome
+    biggest = max(scores[0], key=lambda h: abs(scores[1][h] - scores[0][h]))
+    top = summary["largest_changes"][0]
+    assert (top["layer"], top["head"]) == biggest
+    assert top["change"] == pytest.approx(scores[1][biggest] - scores[0][biggest], abs=1e-6)
+    assert f"{biggest[0]:>3}.{biggest[1]:<2}" in r.stdout and "second − first" in r.stdout
+    for view in ("run_comparison", "attention_difference"):
+        assert (out / f"{view}.svg").exists()
+        again = headscope("figure", str(out / f"{view}.manifest.json"), "--out", str(tmp_path / view), "--formats",
+                          "svg", home=home)
+        assert again.returncode == 0, again.stderr
+        assert json.loads((tmp_path / view / f"{view}.json").read_text()) == json.loads((out / f"{view}.json").read_text())
+    bad = headscope("compare", ids[0][:12], "feedfacefeedface", home=home)
+    assert bad.returncode == 2 and "argument second" in bad.stderr and "Traceback" not in bad.stderr
