@@ -635,15 +635,15 @@ def comparison_grids(first: np.ndarray, second: np.ndarray, metric_label: str, f
     both = np.concatenate([first[np.isfinite(first)], second[np.isfinite(second)]])
     lo, hi = (float(both.min()), float(both.max())) if both.size else (0.0, 1.0)
     span = _symmetric_span(diff)
-    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.09,
-                        subplot_titles=[safe_text(first_name), safe_text(second_name), "second − first"])
+    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.11,
+                        subplot_titles=["first", "second", "second − first"])
     hover = "layer %{y}, head %{x}<br>" + metric_label + ": %{z:.4f}<extra>%{fullData.name}</extra>"
     for col, (z, name) in enumerate(((first, "first"), (second, "second")), start=1):
         fig.add_trace(go.Heatmap(z=np.where(np.isfinite(z), z, None).tolist(), x=list(range(n_heads)),
                                  y=list(range(n_layers)), colorscale=COLORSCALE, zmin=lo, zmax=hi, name=name,
                                  showscale=col == 2, hovertemplate=hover, xgap=1, ygap=1,
                                  colorbar={"title": {"text": metric_label, "side": "right"}, "thickness": 10,
-                                           "x": 0.63}), 1, col)
+                                           "x": 0.615, "len": 0.9}), 1, col)
     fig.add_trace(go.Heatmap(z=np.where(np.isfinite(diff), diff, None).tolist(), x=list(range(n_heads)),
                              y=list(range(n_layers)), colorscale=PATCHING_SCALE, reversescale=True, zmin=-span,
                              zmax=span, name="change", xgap=1, ygap=1,
@@ -657,7 +657,12 @@ def comparison_grids(first: np.ndarray, second: np.ndarray, metric_label: str, f
             layer, head = selected
             fig.add_shape(type="rect", x0=head - 0.5, x1=head + 0.5, y0=layer - 0.5, y1=layer + 0.5,
                           line={"color": "#e4572e", "width": 3}, row=1, col=col)
-    return _layout(fig, safe_text(title), height=max(380, 18 * n_layers + 120))
+    fig.add_annotation(text=f"first: {safe_text(first_name)}<br>second: {safe_text(second_name)}",
+                       xref="paper", yref="paper", x=0, y=-0.09, xanchor="left", yanchor="top", showarrow=False,
+                       align="left", font={"size": 11})
+    fig = _layout(fig, safe_text(title), height=max(420, 18 * n_layers + 170))
+    fig.update_layout(margin={"b": 110})
+    return fig
 
 
 def attention_difference_map(diff: np.ndarray, tokens: Sequence[str], layer: int, head: int, block: int = 1,
@@ -667,6 +672,8 @@ def attention_difference_map(diff: np.ndarray, tokens: Sequence[str], layer: int
     With ``block`` > 1 each cell is a ``block × block`` mean (a pooled map), labelled by its first position."""
     diff = np.asarray(diff, dtype=float)
     n = diff.shape[0]
+    if block == 1:  # future keys are masked in both runs: blank, not "no change"
+        diff = np.where(np.tril(np.ones((n, n), dtype=bool)), diff, np.nan)
     labels = token_labels(tokens) if block == 1 else [f"{i * block}–{min((i + 1) * block, len(tokens)) - 1}"
                                                       for i in range(n)]
     span = _symmetric_span(diff)
@@ -676,10 +683,10 @@ def attention_difference_map(diff: np.ndarray, tokens: Sequence[str], layer: int
         colorbar={"title": {"text": "second − first", "side": "right"}, "thickness": 12},
         hovertemplate="query %{y}<br>key %{x}<br>change %{z:+.4f}<extra></extra>"))
     for p in sorted({p // block for p in differ}):
-        fig.add_vrect(x0=p - 0.5, x1=p + 0.5, fillcolor="#f4a259", opacity=0.18, line_width=0)
-        fig.add_hrect(y0=p - 0.5, y1=p + 0.5, fillcolor="#f4a259", opacity=0.18, line_width=0)
+        fig.add_vrect(x0=p - 0.5, x1=p + 0.5, line={"color": "#f4a259", "width": 2}, fillcolor="rgba(0,0,0,0)")
+        fig.add_hrect(y0=p - 0.5, y1=p + 0.5, line={"color": "#f4a259", "width": 2}, fillcolor="rgba(0,0,0,0)")
     show_ticks = n <= 80
-    fig.update_xaxes(title="key" + (" (shaded: the tokens differ)" if differ else ""), showticklabels=show_ticks,
+    fig.update_xaxes(title="key" + (" (outlined: the tokens differ)" if differ else ""), showticklabels=show_ticks,
                      tickangle=-60, type="category", dtick=1)
     fig.update_yaxes(title="query", showticklabels=show_ticks, autorange="reversed", type="category", dtick=1)
     what = "attention" if block == 1 else f"mean attention per {block}×{block} block"
