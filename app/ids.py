@@ -132,6 +132,7 @@ QK_LAYER_VIEW = "hs-qk-layer-view"
 QK_RANK_MAP = "hs-qk-rank-map"
 QK_TEXTS_UPLOAD = "hs-qk-texts-upload"
 # Patching page
+PAT_PAIR = "hs-pat-pair"  # a built-in prompt pair (data/patching/pairs.json) that fills the form
 PAT_CLEAN = "hs-pat-clean"
 PAT_CORRUPTED = "hs-pat-corrupted"
 PAT_ANSWER_CLEAN = "hs-pat-answer-clean"

@@ -24,6 +24,7 @@ from analysis.patching_choices import (
     SITE_DESCRIPTIONS,
     SITES,
 )
+from analysis.patching_pairs import load_pairs, pair_by_id
 from app import ids
 from app.components import (
     GRAPH_CONFIG,
@@ -59,6 +60,12 @@ def _choices(values, describe) -> list[dict]:
             for v in values]
 
 
+def _pair_options() -> list[dict]:
+    """The built-in pairs (:func:`analysis.patching_pairs.load_pairs`) as choices: id, kind and note."""
+    return [{"label": f"{p.id}: {p.clean[:60]}{'…' if len(p.clean) > 60 else ''}", "value": p.id}
+            for p in load_pairs()]
+
+
 def layout(**_query) -> html.Div:
     context = get_context()
     return html.Div(
@@ -68,6 +75,9 @@ def layout(**_query) -> html.Div:
             html.Div(
                 [
                     html.Div([
+                        html.Label("Built-in pair (fills the prompts and answers below)", htmlFor=ids.PAT_PAIR),
+                        dcc.Dropdown(id=ids.PAT_PAIR, options=_pair_options(), placeholder="IOI name swaps, "
+                                     "factual recall, induction…", clearable=True),
                         html.Label("Clean prompt (its answer is the first answer)", htmlFor=ids.PAT_CLEAN),
                         dcc.Textarea(id=ids.PAT_CLEAN, className="hs-textarea", value=CLEAN),
                         html.Label("Corrupted prompt (the same number of tokens)", htmlFor=ids.PAT_CORRUPTED),
@@ -205,6 +215,23 @@ def render(search):
             *[model.tokenizer.decode([t]) for t in pair.answers], *([""] if len(pair.answers) == 1 else []),
             model.name, result.site, result.direction, result.metric]
     return (exact, approx, agree, numbers, _top_text(result), positions, message(problems), *form)
+
+
+@callback(
+    Output(ids.PAT_CLEAN, "value", allow_duplicate=True),
+    Output(ids.PAT_CORRUPTED, "value", allow_duplicate=True),
+    Output(ids.PAT_ANSWER_CLEAN, "value", allow_duplicate=True),
+    Output(ids.PAT_ANSWER_CORRUPTED, "value", allow_duplicate=True),
+    Input(ids.PAT_PAIR, "value"),
+    prevent_initial_call=True,
+)
+def fill_pair(pair_id):
+    """A chosen built-in pair fills the form (the user can edit it before Run); clearing it leaves the
+    form as it is."""
+    if not isinstance(pair_id, str) or not pair_id:
+        raise PreventUpdate
+    pair = pair_by_id(pair_id)
+    return pair.clean, pair.corrupted, *pair.answers
 
 
 @callback(

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from analysis.patching import activation_patching, prompt_pair
-from tests.app.test_browser import browser, page, start_server  # noqa: F401
+from tests.app.test_browser import browser, page, select_option, start_server  # noqa: F401
 
 CLEAN = "When Mary and John went to the store, John gave a drink to"
 CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
@@ -73,6 +73,16 @@ def test_patching_journey(server, page, real_model, reference):
     assert pair.differ == (9,)
     page.wait_for_function("(document.querySelector('#hs-pat-differ')?.innerText || '').includes('differ at position 9')")
     assert "14 tokens each" in page.inner_text("#hs-pat-differ")
+
+    # a built-in pair fills the form, and the page re-tokenises it; the IOI pair brings the defaults back
+    select_option(page, "hs-pat-pair", "fact-capital-france-italy")
+    page.wait_for_function("(document.querySelector('#hs-pat-differ')?.innerText || '').includes('France → ')")
+    assert (page.input_value("#hs-pat-clean"), page.input_value("#hs-pat-corrupted"),
+            page.input_value("#hs-pat-answer-clean"), page.input_value("#hs-pat-answer-corrupted")) == (
+        "The capital of France is", "The capital of Italy is", " Paris", " Rome")
+    select_option(page, "hs-pat-pair", "ioi-mary-john")
+    page.wait_for_function("(document.querySelector('#hs-pat-differ')?.innerText || '').includes('differ at position 9')")
+    assert page.input_value("#hs-pat-clean") == CLEAN and page.input_value("#hs-pat-answer-corrupted") == ANSWERS[1]
 
     # refusals: the analysis's own message, in the error banner (and beside the prompts before Run)
     for field, value, original in (("#hs-pat-corrupted", CORRUPTED + " her", CORRUPTED),
@@ -142,8 +152,10 @@ def test_patching_journey(server, page, real_model, reference):
     # Cancel is enabled exactly while the job runs (a transient progress line may fall between polls)
     page.wait_for_function("!document.querySelector('#hs-pat-cancel').disabled", timeout=120_000)
     page.click("#hs-pat-cancel")
-    page.wait_for_function("(document.querySelector('#hs-pat-status')?.innerText || '').startsWith('Cancelled')")
-    page.wait_for_function("!document.querySelector('#hs-pat-run').disabled")
+    page.wait_for_function("(document.querySelector('#hs-pat-status')?.innerText || '').startsWith('Cancelled')",
+                           timeout=240_000)
+    # Run comes back once the cancel's round trip ends (over 60 s seen with two suites on 2 cores)
+    page.wait_for_function("!document.querySelector('#hs-pat-run').disabled", timeout=240_000)
     assert page.url == link
 
     # a copied link reopens the same view from the store: no job runs
