@@ -13,7 +13,10 @@ state across a fork; this gate makes the fork wait instead until no thread is in
 Use: every SQLite call in a process that forks runs inside ``with GATE.using():`` (re-entrant per
 thread); the gate is closed around every ``os.fork`` of this process by an at-fork hook, so the
 fork waits for the calls in flight and new calls wait for the fork (a fork takes milliseconds). A
-thread that forks while it is itself inside the gate only waits for the others.
+thread that forks while it is itself inside the gate only waits for the others (two threads that both
+fork from inside it would wait for each other: nothing here does). Connections are closed inside the
+gate too (the server closes each request thread's connections when its request ends,
+:func:`app.server.close_sqlite_after_requests`), never left for the interpreter to close at thread exit.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ from analysis.runs import AttentionRun
 
 TWO_PROMPTS = "two prompts on one model"
 TWO_MODELS = "one prompt on two models"
-BOTH_DIFFER = "two prompts on two models"
+ONE_TEXT = "one text on one model"  # the same tokens on the same model: a rerun, or other settings
+SAME_RUN = "one run with itself"
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class RunComparison:
     first_scores: np.ndarray
     second_scores: np.ndarray
     differ: tuple[int, ...]  # positions whose token ids differ
-    kind: str  # TWO_PROMPTS, TWO_MODELS or BOTH_DIFFER
+    kind: str  # TWO_PROMPTS, TWO_MODELS, ONE_TEXT or SAME_RUN
 
     @property
     def difference(self) -> np.ndarray:
@@ -80,7 +81,7 @@ def _comparable(first: AttentionRun, second: AttentionRun) -> tuple[tuple[int, .
         raise InputError(f"The runs come from two models ({first.model_name}, {second.model_name}) and their tokens "
                          f"differ at {len(differ)} position(s): compare one text on two models that share a "
                          "tokenizer, or two texts on one model.")
-    kind = TWO_PROMPTS if same_model else TWO_MODELS
+    kind = (TWO_PROMPTS if differ else ONE_TEXT) if same_model else TWO_MODELS
     return differ, kind
 
 
@@ -89,19 +90,22 @@ def compare_runs(first: AttentionRun, second: AttentionRun, metric: str) -> RunC
     correspond position by position and head by head (see the module docstring) or a run cannot
     compute ``metric``."""
     differ, kind = _comparable(first, second)
+    common = [m for m in first.metrics if m in second.metrics]
     for name, run in (("first", first), ("second", second)):
         if metric not in run.metrics:
-            raise InputError(f"The {name} run ({run.mode}) cannot compute {metric!r}; choose one of: "
-                             f"{', '.join(m for m in first.metrics if m in second.metrics)}.")
+            raise InputError(f"The {name} run ({run.mode}) cannot compute {metric!r}; "
+                             + (f"choose one of: {', '.join(common)}." if common else
+                                "no per-head score is computable on both runs."))
     if first.key == second.key:
-        kind = "one run with itself"
+        kind = SAME_RUN
     return RunComparison(first, second, metric, np.asarray(first.head_scores(metric), dtype=float),
                          np.asarray(second.head_scores(metric), dtype=float), differ, kind)
 
 
 def attention_difference(first: AttentionRun, second: AttentionRun, layer: int, head: int) -> np.ndarray:
     """``A₂[l, h] − A₁[l, h]`` (float32): of the full patterns, or of the means per ``B × B`` block when
-    both runs kept pooled maps of the same block size ``B`` (``nan`` above the diagonal stays ``nan``)."""
+    both runs kept pooled maps of the same block size ``B``. Future keys are 0 in both runs, so 0 above
+    the diagonal (figures blank them)."""
     _comparable(first, second)
     layer, head = check_head_index(first.n_layers, first.n_heads, layer, head)
     if first.block_size != second.block_size:

@@ -446,6 +446,11 @@ def cmd_figure(args) -> int:
     formats = _check_formats(args.formats, FIGURE_FORMATS) if args.formats else FIGURE_FORMATS
     with progress_bar("rebuilding") as bar:
         store = _store(args)
+        from analysis.models import DEFAULT_MODEL
+        from app.context import AppContext, set_context
+
+        # views drawn from stored results (patching, comparison) read them from this store (--home)
+        set_context(AppContext(store=store, default_model=manifest["params"].get("model") or DEFAULT_MODEL))
         try:
             with _argument("manifest"):
                 run, _fig, _rows = regenerate(manifest, store=store)
@@ -1029,17 +1034,21 @@ def cmd_compare(args) -> int:
     store = _store(args)
     from analysis.models import DEFAULT_MODEL
 
-    context = AppContext(store=store, default_model=DEFAULT_MODEL)  # no model is loaded
+    context = AppContext(store=store, default_model=DEFAULT_MODEL)
     set_context(context)
     runs = []
     for which, run_id in (("first", args.first), ("second", args.second)):
-        keys = store.find(run_id)
+        keys = [k for k in store.find(run_id) if (r := store.get(k)) is not None and r.kind in ("run", "stats_run")]
         run = context.run(keys[0]) if len(keys) == 1 else None
         if run is None:
             why = "matches several runs: give more of it" if len(keys) > 1 else "is no stored run"
             raise UsageError(f"argument {which}: {run_id!r} {why} (`headscope runs list` shows them)")
         runs.append(run)
     first, second = runs
+    with _argument("--metric"):
+        for run in runs:
+            if metric not in run.metrics:
+                compare_runs(first, second, metric)  # raises, naming the run that cannot compute it
     with _argument("second"):
         result = compare_runs(first, second, metric)
     # the manifest names the first run's model (checked when rebuilt); both runs are read from the store
@@ -1058,9 +1067,10 @@ def cmd_compare(args) -> int:
         "kind": result.kind, "metric": metric, "metric_label": HEAD_METRICS[metric].label,
         "n_tokens": first.n_tokens, "differ": list(result.differ),
         "differ_tokens": [[first.tokens[i], second.tokens[i]] for i in result.differ],
-        "largest_changes": [{"layer": c.layer, "head": c.head, "first": c.first, "second": c.second,
-                             "change": c.change} for c in top],
-        "mean_abs_change": float(np.nanmean(np.abs(result.difference))),
+        "largest_changes": [{"layer": c.layer, "head": c.head, "first": _finite(c.first), "second": _finite(c.second),
+                             "change": _finite(c.change)} for c in top],
+        "mean_abs_change": _finite(np.nanmean(np.abs(result.difference))) if np.isfinite(result.difference).any()
+        else None,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     try:
@@ -1075,6 +1085,15 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def _finite(x) -> float | None:
+    """A number for JSON: nan (a score the run's length cannot give) is null, not ``NaN``."""
+    return float(x) if x == x else None
+
+
+def _shown(x: float | None, sign: str = "") -> str:
+    return "n/a" if x is None else f"{x:{sign}.4f}"
+
+
 def comparison_table(summary: dict) -> list[str]:
     """``headscope compare``'s printed summary: what was compared, and the heads that changed most."""
     differ = summary["differ"]
@@ -1083,10 +1102,10 @@ def comparison_table(summary: dict) -> list[str]:
              + (f"; tokens differ at {len(differ)} position(s): {where}{' …' if len(differ) > 6 else ''}" if differ else ""),
              f"first  {summary['first'][:12]} ({summary['first_model']})",
              f"second {summary['second'][:12]} ({summary['second_model']})",
-             f"mean |change| over heads {summary['mean_abs_change']:.4f}; largest changes (second − first):",
+             f"mean |change| over heads {_shown(summary['mean_abs_change'])}; largest changes (second − first):",
              f"  {'head':>6} {'first':>9} {'second':>9} {'change':>9}"]
-    lines += [f"  {c['layer']:>3}.{c['head']:<2} {c['first']:9.4f} {c['second']:9.4f} {c['change']:+9.4f}"
-              for c in summary["largest_changes"]]
+    lines += [f"  {c['layer']:>3}.{c['head']:<2} {_shown(c['first']):>9} {_shown(c['second']):>9} "
+              f"{_shown(c['change'], '+'):>9}" for c in summary["largest_changes"]]
     return lines
 
 

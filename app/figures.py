@@ -672,8 +672,8 @@ def attention_difference_map(diff: np.ndarray, tokens: Sequence[str], layer: int
     With ``block`` > 1 each cell is a ``block × block`` mean (a pooled map), labelled by its first position."""
     diff = np.asarray(diff, dtype=float)
     n = diff.shape[0]
-    if block == 1:  # future keys are masked in both runs: blank, not "no change"
-        diff = np.where(np.tril(np.ones((n, n), dtype=bool)), diff, np.nan)
+    # future keys are masked in both runs (whole blocks above the diagonal, when pooled): blank, not "no change"
+    diff = np.where(np.tril(np.ones(diff.shape, dtype=bool)), diff, np.nan)
     labels = token_labels(tokens) if block == 1 else [f"{i * block}–{min((i + 1) * block, len(tokens)) - 1}"
                                                       for i in range(n)]
     span = _symmetric_span(diff)

@@ -74,7 +74,25 @@ def create_app(context: AppContext) -> Dash:
     from app.offers import check_callback_requests
 
     check_callback_requests(app, app.server)
+    close_sqlite_after_requests(app.server, context)
     return app
+
+
+def close_sqlite_after_requests(server, context: AppContext) -> None:
+    """Each request thread closes its SQLite connections (the store's index, the job cache) when its
+    request ends, inside the fork gate (:mod:`analysis.fork_gate`).
+
+    The server runs one thread per request; a connection left open in a thread's local storage was
+    closed when the thread ended, by the interpreter, outside the gate: a job forked at that moment
+    could inherit one of SQLite's mutexes held, and wait on it for ever."""
+    from app.jobs import GatedCache, background_manager
+
+    @server.teardown_request
+    def _close(_error=None) -> None:
+        context.store.close()
+        cache = getattr(background_manager(), "handle", None)
+        if isinstance(cache, GatedCache):
+            cache.close()
 
 
 def _nav_link_id(page: dict) -> str:

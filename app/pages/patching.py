@@ -5,6 +5,7 @@ the URL names the stored results, so a link reopens the same view without comput
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 
@@ -13,7 +14,7 @@ import numpy as np
 from dash import Input, Output, State, callback, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
-from analysis.errors import check_head_index
+from analysis.errors import InputError, check_head_index
 from analysis.models import load_model
 from analysis.patching import ATTRIBUTION_SHARE, activation_patching, prompt_pair
 from analysis.patching_choices import (
@@ -42,6 +43,8 @@ from app.url_state import parse
 from app.views import VIEWS, names
 from app.views.patching import patching_params, stored_patching, unit_names
 
+log = logging.getLogger(__name__)
+
 dash.register_page(__name__, path="/patching", name="Patching", title="headscope — activation patching", order=5)
 
 PREFIX = "pat"
@@ -61,9 +64,14 @@ def _choices(values, describe) -> list[dict]:
 
 
 def _pair_options() -> list[dict]:
-    """The built-in pairs (:func:`analysis.patching_pairs.load_pairs`) as choices: id, kind and note."""
-    return [{"label": f"{p.id}: {p.clean[:60]}{'…' if len(p.clean) > 60 else ''}", "value": p.id}
-            for p in load_pairs()]
+    """The built-in pairs (:func:`analysis.patching_pairs.load_pairs`) as choices: the id and the start of
+    the clean prompt. A pairs file that cannot be read offers none (the page still works; the log says why)."""
+    try:
+        pairs = load_pairs()
+    except InputError as e:
+        log.warning("no built-in prompt pairs on the Patching page: %s", e)
+        return []
+    return [{"label": f"{p.id}: {p.clean[:60]}{'…' if len(p.clean) > 60 else ''}", "value": p.id} for p in pairs]
 
 
 def layout(**_query) -> html.Div:
@@ -230,7 +238,10 @@ def fill_pair(pair_id):
     form as it is."""
     if not isinstance(pair_id, str) or not pair_id:
         raise PreventUpdate
-    pair = pair_by_id(pair_id)
+    try:
+        pair = pair_by_id(pair_id)
+    except InputError:  # the file changed since the page offered it
+        raise PreventUpdate from None
     return pair.clean, pair.corrupted, *pair.answers
 
 

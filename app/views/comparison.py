@@ -30,10 +30,10 @@ def stored_run(key: Any, which: str) -> AttentionRun:
     from app.context import get_context
 
     if not isinstance(key, str) or not key:
-        raise InputError(f"Name the {which} run by its id (at least 8 hex digits, `headscope runs` lists them).")
+        raise InputError(f"Name the {which} run by its id (at least 8 hex digits; `headscope runs list` lists them).")
     run = get_context().run(key)
     if run is None:
-        raise InputError(f"No stored run has the id {key!r} (the {which} run): `headscope runs` lists them.")
+        raise InputError(f"No stored run has the id {key!r} (the {which} run): `headscope runs list` lists them.")
     return run
 
 

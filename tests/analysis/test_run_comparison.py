@@ -8,7 +8,14 @@ import pytest
 
 from analysis.capture import Run
 from analysis.errors import InputError
-from analysis.run_comparison import TWO_MODELS, TWO_PROMPTS, attention_difference, compare_runs
+from analysis.run_comparison import (
+    ONE_TEXT,
+    SAME_RUN,
+    TWO_MODELS,
+    TWO_PROMPTS,
+    attention_difference,
+    compare_runs,
+)
 
 
 def causal_patterns(rng, n_layers=3, n_heads=4, n=7) -> np.ndarray:
@@ -51,7 +58,9 @@ def test_one_prompt_on_two_models_is_compared_and_a_run_with_itself_changes_noth
     second = make_run("c" * 64, causal_patterns(rng), ids, digest="tuned", name="tuned")
     assert compare_runs(first, second, "entropy").kind == TWO_MODELS
     same = compare_runs(first, first, "entropy")
-    assert not np.any(same.difference) and same.differ == ()
+    assert not np.any(same.difference) and same.differ == () and same.kind == SAME_RUN
+    rerun = make_run("d" * 64, first.patterns, ids, digest="base")
+    assert compare_runs(first, rerun, "entropy").kind == ONE_TEXT
 
 
 @pytest.mark.parametrize("second_shape, second_ids, digest, message", [

@@ -207,3 +207,18 @@ def test_a_clicked_button_carries_no_forged_state_past_the_boundary(client):
     print(f"{checked} button-started States forged")
     assert checked >= 30, f"only {checked} button-started States found: the layouts changed?"
     assert not refused, "forged States reached a callback whose button was clicked:\n" + "\n".join(refused)
+
+
+def test_a_request_thread_closes_its_sqlite_connections_when_its_request_ends(client):
+    """The server runs one thread per request; a connection left in the thread's local storage was closed
+    by the interpreter when the thread ended, outside the fork gate (a job forked then could inherit one
+    of SQLite's mutexes held). Each request now closes the store's and the job cache's connections itself."""
+    from app.context import get_context
+    from app.jobs import background_manager
+
+    store, cache = get_context().store, background_manager().handle
+    with client[0].dash_app.server.test_request_context("/"):
+        store.list()
+        cache.get("anything")
+        assert store._local.conn is not None and cache._local.con is not None  # opened in this request
+    assert getattr(store._local, "conn", None) is None and getattr(cache._local, "con", None) is None
