@@ -142,12 +142,13 @@ def test_patching_journey(server, page, real_model, reference):
 
     # Cancel stops a run: the page keeps the finished maps and their link
     link = page.url
-    # a longer pair (the same ~150 shared tokens before each prompt), so the job is still running when
-    # Cancel is clicked: with the short pair a q run can finish first on a quiet machine
+    # a longer pair (the same ~150 shared tokens before each prompt) and the residual stream (31 layers ×
+    # ~160 positions to patch), so the job is still running when Cancel is clicked: a q run of the same
+    # pair (270 heads) finished first on a quiet machine, and its result replaced the link (CI)
     shared = "The weather was mild and the streets were quiet that morning. " * 12
     page.fill("#hs-pat-clean", shared + CLEAN)
     page.fill("#hs-pat-corrupted", shared + CORRUPTED)
-    page.check("#hs-pat-site input[value='q']")
+    page.check("#hs-pat-site input[value='resid']")
     page.click("#hs-pat-run")
     # Cancel is enabled exactly while the job runs (a transient progress line may fall between polls)
     page.wait_for_function("!document.querySelector('#hs-pat-cancel').disabled", timeout=120_000)
