@@ -1,4 +1,5 @@
-"""The ``headscope`` command as a user runs it: real processes, the embedded model, a fresh store."""
+"""The ``headscope`` command as a user runs it: ``app.cli.main`` on the embedded model and a fresh store, and
+real processes where the process itself is what is tested."""
 
 import json
 import os
@@ -12,10 +13,40 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-def headscope(*args, home, timeout=240):
-    env = {**os.environ, "HEADSCOPE_HOME": str(home)}
+def headscope_process(*args, home, timeout=240, env=None):
+    """``headscope ARGS`` in its own process, output captured (a pipe, not a terminal)."""
+    env = {**os.environ, "HEADSCOPE_HOME": str(home), **(env or {})}
     return subprocess.run([sys.executable, "-m", "app.cli", *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def headscope(*args, home, timeout=None, env=None):
+    """``headscope ARGS`` through the same ``app.cli.main`` a process runs, in this process: the
+    embedded model is loaded once per test session instead of once per command (about 12 s each).
+    What only a separate process shows (exit status of the interpreter, progress bars on a pipe,
+    import cost, SIGKILL) is tested with :func:`headscope_process`. An exception that is not a user
+    error propagates and fails the test, as its traceback would fail a process."""
+    import contextlib
+    import io
+
+    from app.cli import main
+
+    saved = {k: os.environ.get(k) for k in ("HEADSCOPE_HOME", *(env or {}))}
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        os.environ.update({"HEADSCOPE_HOME": str(home), **(env or {})})
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse's own errors
+                code = e.code if isinstance(e.code, int) else 2
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(["headscope", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_run_list_figure_rm(tmp_path):
@@ -49,9 +80,7 @@ def test_run_in_statistics_mode_writes_statistics_and_regenerates(tmp_path):
     home, out = tmp_path / "home", tmp_path / "out"
     text = (Path(__file__).resolve().parents[2] / "data" / "niah" / "haystack_prose.txt").read_text()[:1500]
     env_limit = {"HEADSCOPE_MAX_TOKENS": "64"}
-    r = subprocess.run([sys.executable, "-m", "app.cli", "run", text, "--out", str(out)],
-                       env={**os.environ, "HEADSCOPE_HOME": str(home), **env_limit}, capture_output=True, text=True,
-                       timeout=240)
+    r = headscope("run", text, "--out", str(out), home=home, env=env_limit)
     assert r.returncode == 0, r.stderr
     assert "statistics mode, no patterns kept" in r.stdout
     assert not (out / "patterns.npy").exists()
@@ -165,7 +194,7 @@ def test_ablate_writes_effects_and_a_curve_and_refuses_bad_heads(tmp_path):
         assert bad.returncode == 2 and why in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
 
 
-@pytest.mark.timeout(600)  # three processes load the model and one patches 434 units: 257 s measured at load 10
+@pytest.mark.timeout(600)  # one command patches 434 units (257 s measured at load 10 when each command was a process)
 def test_patch_maps_the_residual_stream_and_compares_attribution(tmp_path):
     """``headscope patch`` on an IOI-style name swap: the residual stream map (denoising) is 1 after the
     last layer at the last position and at the swapped name in layer 0 (those patches are the clean
@@ -174,7 +203,7 @@ def test_patch_maps_the_residual_stream_and_compares_attribution(tmp_path):
     home, out = tmp_path / "home", tmp_path / "out"
     args = ("patch", *P, "--corrupted", PATCH_CORRUPTED, "--answers", " Mary, John", "--site", "resid",
             "--attribution", "--formats", "svg")
-    r = headscope(*args, "--out", str(out), home=home, timeout=600)
+    r = headscope(*args, "--out", str(out), home=home)
     assert r.returncode == 0, r.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["clean"] > 0 > summary["corrupted"]  # the model prefers the right name in both prompts
@@ -544,7 +573,7 @@ def test_bad_inputs_in_a_real_process_exit_2_without_traceback(bad_files, tmp_pa
     for argv, names in [(("ablate", *T, "--top-k", "-3"), "--top-k"), (("figure", bad_files["manifest_view_list"]), "view"),
                         (("run", "hi", "--model", bad_files["random_gguf"]), "--model"),
                         (("run", "--file", bad_files["missing"]), "--file")]:
-        r = headscope(*argv, home=tmp_path / "home")
+        r = headscope_process(*argv, home=tmp_path / "home")
         assert r.returncode == 2, r.stderr
         assert "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and names in r.stderr, r.stderr
@@ -580,7 +609,7 @@ def test_help_and_argument_errors_import_nothing_heavy_and_answer_fast(tmp_path)
     for argv, code in [(("--help",), 0), (("ablate", "--help"), 0), (("scan", "--help"), 0),
                        (("ablate", "--top-k", "-3"), 2), (("run", "--file", str(tmp_path / "missing.txt")), 2)]:
         t = time.perf_counter()
-        r = headscope(*argv, home=tmp_path / "home", timeout=60)
+        r = headscope_process(*argv, home=tmp_path / "home", timeout=60)
         took = time.perf_counter() - t
         assert r.returncode == code, r.stderr
         assert took < 5, f"headscope {' '.join(argv)} took {took:.1f} s"
@@ -590,7 +619,7 @@ def test_captured_output_has_no_progress_bars_and_clean_result_lines(tmp_path):
     """Output to a pipe: no carriage returns or escape codes (headscope's bars and transformers'
     'Loading weights' bar are off), and each result is one clean line."""
     out = tmp_path / "out"
-    r = headscope("run", "The capital of France is Paris.", "--out", str(out), home=tmp_path / "home")
+    r = headscope_process("run", "The capital of France is Paris.", "--out", str(out), home=tmp_path / "home")
     assert r.returncode == 0, r.stderr
     for stream in (r.stdout, r.stderr):
         assert "\r" not in stream and "\x1b" not in stream, repr(stream[:300])
