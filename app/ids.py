@@ -156,3 +156,12 @@ PAT_POS_CANCEL = "hs-pat-pos-cancel"
 PAT_POS_PROGRESS = "hs-pat-pos-progress"
 PAT_POS_STATUS = "hs-pat-pos-status"
 PAT_CLICKED = "hs-pat-clicked"  # a head clicked on the map: the per-position job's trigger
+
+# Compare page: two stored runs head by head
+CMP_FIRST = "hs-cmp-first"
+CMP_SECOND = "hs-cmp-second"
+CMP_METRIC = "hs-cmp-metric"
+CMP_STATUS = "hs-cmp-status"  # what is compared (kind, where the tokens differ), or why it cannot be
+CMP_GRIDS = "hs-cmp-grids"
+CMP_DIFF = "hs-cmp-diff"
+CMP_TOP = "hs-cmp-top"  # the heads whose score changed most

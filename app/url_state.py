@@ -24,7 +24,7 @@ SCORES = (*HEAD_METRICS, "evidence")
 ABLATION_METHODS = ABLATION_CHOICES
 RANK_BY = ("retrieval", "effect", *HEAD_METRICS)
 _HEADS = re.compile(r"^[\w.:*,; ]{1,2000}$")
-_HEX_KEYS = ("curve", "hsweep", "source", "ref", "labels", "texts", "patching", "ppos")
+_HEX_KEYS = ("curve", "hsweep", "source", "ref", "labels", "texts", "patching", "ppos", "first", "second")
 _FIND = re.compile(r"^[^\x00-\x1f<>]{1,40}$")
 CHOICES = {"method": PROJECTIONS, "colour": ("position", "kind", "sentence", "norm"),
            "score": SCORES, "stat": ("mean", "std"),
@@ -105,22 +105,31 @@ class PatchingState:
     ppos: str | None = None
 
 
+@dataclass
+class CompareState:
+    """The Compare page's own fields: the two stored runs (keys or unique prefixes); every change is
+    second − first. The first defaults to the shared ``run`` (the run a nav link carries)."""
+
+    first: str | None = None
+    second: str | None = None
+
+
 PARTS = {"attention": AttentionState, "flow": FlowState, "sweeps": HeadsState, "qk": QKState,
-         "ablation": AblationState, "patch": PatchingState}
+         "ablation": AblationState, "patch": PatchingState, "compare": CompareState}
 _OWNER = {f.name: part for part, cls in PARTS.items() for f in fields(cls)}  # page field -> its part
 _SHARED = ("model", "run", "layer", "head", "query")  # ``query``: one URL key, read by Attention and QK
 # the URL's key order (kept as it was, so links the pages write are unchanged), and a field's URL key
 _ORDER = ("model", "run", "layer", "head", "metric", "query", "target", "fusion", "drop_sink", "method", "colour",
           "feature", "sentences", "score", "stat", "sink_size", "window", "heads", "ablate", "by", "k", "seed",
           "curve", "hsweep", "source", "ref", "labels", "texts", "find", "region", "sweep", "trial", "agg",
-          "patching", "ppos")
+          "patching", "ppos", "first", "second")
 _URL_KEY = {"drop_sink": "sink"}
 
 
 class PageState:
     """The state of a page: the shared fields (model, run, layer, head, query) and each page's own
     fields in its part (``state.attention``, ``state.flow``, ``state.sweeps`` (the Heads page), ``state.qk``,
-    ``state.ablation``, ``state.patch``). A page field may also be read and set by its name (``state.metric``);
+    ``state.ablation``, ``state.patch``, ``state.compare``). A page field may also be read and set by its name (``state.metric``);
     the name belongs to one part, so it means the same on every page."""
 
     def __init__(self, model: str | None = None, run: str | None = None, layer: int | None = None,

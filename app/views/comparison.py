@@ -21,8 +21,16 @@ from app.views.registry import Rows, check_metric, register
 
 
 def comparison_params(state: Any, which: str = "") -> dict[str, Any]:
-    """The views' params from a state with ``first``, ``second``, ``metric``, ``layer``, ``head``."""
-    return {k: getattr(state, k, None) for k in ("first", "second", "metric", "layer", "head")}
+    """The views' params from a state with ``first``, ``second``, ``metric``, ``layer``, ``head`` (the
+    Compare page's first run defaults to the page's shared ``run``)."""
+    from app.context import get_context
+
+    params = {k: getattr(state, k, None) for k in ("first", "second", "metric", "layer", "head")}
+    params["first"] = params["first"] or getattr(state, "run", None)
+    # the manifest names the first run's model, as `headscope compare` writes it
+    first = get_context().run(params["first"]) if params["first"] else None
+    params["model"] = first.model_name if first is not None else get_context().default_model
+    return params
 
 
 def stored_run(key: Any, which: str) -> AttentionRun:

@@ -1,0 +1,216 @@
+"""Page "Compare": two stored runs head by head (:func:`analysis.run_comparison.compare_runs`) — two
+prompts of equal length on one model, or one text on two models with the same tokenizer: a per-head
+score of both with its change (second − first), the heads that changed most, and a clicked head's
+change in attention. Nothing is computed but the comparison: both runs are read from the store, and
+the URL names them, so a link reopens the same view.
+
+The drawing is the views :data:`~app.views.names.RUN_COMPARISON` and
+:data:`~app.views.names.ATTENTION_DIFFERENCE`, which ``headscope compare`` exports too.
+"""
+
+from __future__ import annotations
+
+import dash
+import numpy as np
+from dash import Input, Output, State, callback, dcc, html, no_update
+from dash.exceptions import PreventUpdate
+
+from analysis.errors import InputError
+from analysis.head_summary import HEAD_METRICS
+from analysis.run_comparison import compare_runs
+from app import ids
+from app.components import GRAPH_CONFIG, empty_figure, export_bar, page_location, register_export, url_id
+from app.context import get_context
+from app.errors import guarded, message
+from app.jobs import on_workers
+from app.url_state import parse
+from app.views import VIEWS, names
+from app.views.comparison import comparison_params, stored_run
+
+dash.register_page(__name__, path="/compare", name="Compare", title="headscope — compare two runs", order=6)
+
+PREFIX = "cmp"
+NO_RUNS = empty_figure("Choose two stored runs of equal length (Run a text on the Attention page to store one).")
+NO_HEAD = empty_figure("Click a head on the grids to see its change in attention.")
+MAX_LISTED = 200  # newest stored runs offered in each list
+TOP_N = 10
+
+register_export(PREFIX, run_of=lambda state: None)
+
+
+def layout(**_query) -> html.Div:
+    return html.Div(
+        [
+            page_location(PREFIX),
+            html.Div(
+                [
+                    html.Label("First run", htmlFor=ids.CMP_FIRST),
+                    dcc.Dropdown(id=ids.CMP_FIRST, options=[], placeholder="a stored run", className="hs-run-dropdown"),
+                    html.Label("Second run", htmlFor=ids.CMP_SECOND),
+                    dcc.Dropdown(id=ids.CMP_SECOND, options=[], placeholder="a run of the same length",
+                                 className="hs-run-dropdown"),
+                    html.Label("Score", htmlFor=ids.CMP_METRIC),
+                    dcc.Dropdown(id=ids.CMP_METRIC, clearable=False, className="hs-score-dropdown",
+                                 options=[{"label": m.label, "value": m.name, "title": m.description}
+                                          for m in HEAD_METRICS.values()]),
+                ],
+                className="hs-options",
+            ),
+            html.P(id=ids.CMP_STATUS, className="hs-hint"),
+            html.Div([dcc.Graph(id=ids.CMP_GRIDS, figure=NO_RUNS, config=GRAPH_CONFIG),
+                      html.P("Click a head to see its change in attention.", className="hs-hint"),
+                      export_bar(PREFIX, names.RUN_COMPARISON)], className="hs-panel"),
+            html.Div(id=ids.CMP_TOP, className="hs-panel"),
+            html.Div([dcc.Graph(id=ids.CMP_DIFF, figure=NO_HEAD, config=GRAPH_CONFIG),
+                      export_bar(PREFIX, names.ATTENTION_DIFFERENCE)], className="hs-panel"),
+        ]
+    )
+
+
+def _label(record) -> str:
+    meta = record.meta
+    text = " ".join(str(meta.get("text") or "").split())
+    text = text[:48] + "…" if len(text) > 48 else text
+    mode = ", statistics" if record.kind == "stats_run" else ""
+    return f"{record.key[:8]} · {meta.get('model_name', '?')} · {meta.get('n_tokens', '?')} tokens{mode} · {text}"
+
+
+def run_options(first_length: int | None = None) -> list[dict]:
+    """The newest stored runs (both kinds), as options; with ``first_length``, runs of another length
+    are listed but disabled (a comparison needs equal lengths)."""
+    store = get_context().store
+    records = sorted(store.list("run", limit=MAX_LISTED) + store.list("stats_run", limit=MAX_LISTED),
+                     key=lambda r: r.created, reverse=True)[:MAX_LISTED]
+    options = []
+    for r in records:
+        option = {"label": _label(r), "value": r.key[:16]}
+        if first_length is not None and r.meta.get("n_tokens") != first_length:
+            option["disabled"] = True
+        options.append(option)
+    return options
+
+
+def _top_table(result, top_n: int = TOP_N) -> html.Table | str:
+    changes = result.largest_changes(top_n)
+    if not changes:
+        return ""
+    label = HEAD_METRICS[result.metric].label
+    head = html.Tr([html.Th(c) for c in ("head", "first", "second", "change")])
+    rows = [html.Tr([html.Td(f"{c.layer}.{c.head}"), html.Td(f"{c.first:.4f}"), html.Td(f"{c.second:.4f}"),
+                     html.Td(f"{c.change:+.4f}")]) for c in changes]
+    return html.Div([html.H3(f"Largest changes in {label.lower()} (second − first)", className="hs-section"),
+                     html.Table([html.Thead(head), html.Tbody(rows)], className="hs-table")])
+
+
+@callback(
+    Output(ids.CMP_FIRST, "options"),
+    Output(ids.CMP_FIRST, "value"),
+    Output(ids.CMP_SECOND, "options"),
+    Output(ids.CMP_SECOND, "value"),
+    Output(ids.CMP_METRIC, "value"),
+    Output(ids.CMP_STATUS, "children"),
+    Output(ids.CMP_GRIDS, "figure"),
+    Output(ids.CMP_TOP, "children"),
+    Output(ids.CMP_DIFF, "figure"),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Input(url_id(PREFIX), "search"),
+    State(ids.CMP_FIRST, "value"),
+    State(ids.CMP_SECOND, "value"),
+    State(ids.CMP_METRIC, "value"),
+    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker, beside the store it reads
+    prevent_initial_call="initial_duplicate",
+)
+@guarded(outputs=10)
+def render(search, shown_first=None, shown_second=None, shown_metric=None):
+    """Draw the page from its URL: both runs read from the store, their comparison, the clicked head.
+
+    The lists are filled from the URL only while empty (the page arriving, or a link or the back
+    button, which rebuild it): afterwards the user's choices lead and :func:`choose` writes them into
+    the URL. Setting them on every drawing raced with a second choice made while the first was being
+    drawn (the older drawing put the older value back)."""
+    state = parse(search)
+    problems = list(state.problems)
+    first_key = state.first or state.run
+    metric = state.metric if state.metric in HEAD_METRICS else "entropy"
+    first = second = None
+    if first_key:
+        try:
+            first = stored_run(first_key, "first")
+        except InputError as e:
+            problems.append(str(e))
+    if state.second:
+        try:
+            second = stored_run(state.second, "second")
+        except InputError as e:
+            problems.append(str(e))
+    lists = (run_options(), first.key[:16] if first and shown_first is None else no_update,
+             run_options(first.n_tokens if first else None),
+             second.key[:16] if second and shown_second is None else no_update,
+             metric if shown_metric is None else no_update)
+    if first is None or second is None:
+        status = "Choose the second run." if first is not None else "Choose two stored runs of equal length."
+        return (*lists, status, NO_RUNS, "", NO_HEAD, message(problems))
+    try:
+        result = compare_runs(first, second, metric)
+    except InputError as e:  # unequal lengths, other tokenizers, a metric one run cannot give
+        return (*lists, str(e), NO_RUNS, "", NO_HEAD, message(problems))
+    params = comparison_params(state)
+    params.update(first=first.key[:16], second=second.key[:16], metric=metric)
+    if state.layer is not None and state.head is not None and not (
+            0 <= state.layer < first.n_layers and 0 <= state.head < first.n_heads):
+        problems.append(f"The link's head {state.layer}.{state.head} is not a head of {first.model_name}.")
+        params.update(layer=None, head=None)
+    grids, _ = VIEWS[names.RUN_COMPARISON].build(None, params)
+    diff = NO_HEAD
+    if params.get("layer") is not None and params.get("head") is not None:
+        diff, _ = VIEWS[names.ATTENTION_DIFFERENCE].build(None, params)
+    where = ", ".join(f"{i}: {first.tokens[i]} → {second.tokens[i]}" for i in result.differ[:12])
+    more = f" and {len(result.differ) - 12} more" if len(result.differ) > 12 else ""
+    status = (f"{result.kind.capitalize()}, {first.n_tokens} tokens"
+              + (f"; the tokens differ at {where}{more}." if result.differ else "; the same tokens.")
+              + (f" Mean |change| {np.nanmean(np.abs(result.difference)):.4f}."
+                 if np.isfinite(result.difference).any() else ""))
+    return (*lists, status, grids, _top_table(result), diff, message(problems))
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Input(ids.CMP_FIRST, "value"),
+    Input(ids.CMP_SECOND, "value"),
+    Input(ids.CMP_METRIC, "value"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+def choose(first, second, metric, search):
+    """A chosen run or score goes into the URL (the page draws from there). The run lists are filled
+    by :func:`render`, so their values are checked here: run ids (hex) only, resolved when drawn.
+    The clicked head stays: the same head in another pair of runs is what one compares."""
+    state = parse(search)
+    for name, value in (("first", first), ("second", second)):
+        if value is not None and not (isinstance(value, str) and 8 <= len(value) <= 64
+                                      and all(c in "0123456789abcdef" for c in value)):
+            raise PreventUpdate  # not a value the list could offer
+        setattr(state, name, value)
+    if isinstance(metric, str) and metric in HEAD_METRICS:
+        state.metric = metric
+    new = state.to_search()
+    return no_update if new == (search or "") else new
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Input(ids.CMP_GRIDS, "clickData"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+def pick_head(click, search):
+    """A head clicked on any of the three grids: its change in attention below."""
+    points = click.get("points") if isinstance(click, dict) else None
+    if not isinstance(points, list) or not points or not isinstance(points[0], dict):
+        raise PreventUpdate
+    layer, head = points[0].get("y"), points[0].get("x")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 100_000 for v in (layer, head)):
+        raise PreventUpdate
+    state = parse(search)
+    state.layer, state.head = layer, head
+    return state.to_search()
