@@ -32,3 +32,27 @@ DIRECTION_DESCRIPTIONS = {
     "noise": "corrupted activations copied into the clean run (0 = the clean answer needs that activation)",
 }
 METRIC_LABELS = {"logit_diff": "logit difference", "loss": "loss on the answer"}
+
+
+def parse_head_pairs(text: object, what: str | None = None) -> list[tuple[int, int]]:
+    """Heads typed as ``layer.head``, comma-separated (``0.1,3.4``): the senders and receivers of path
+    patching (:func:`analysis.path_patching.path_patching`, which checks them against the model) as the
+    Patching page and ``headscope patch --path-from/--path-to`` take them. Raises ``InputError`` naming
+    ``what`` and the item that is not a head."""
+    import re
+
+    from analysis.errors import InputError
+
+    if not isinstance(text, str) or not text.strip():
+        raise InputError(f"Give the {what or 'heads'} as layer.head, comma-separated, e.g. 9.1,10.7.")
+    if len(text) > 10_000:
+        raise InputError(f"The list of {what or 'heads'} is {len(text):,} characters long; a model has far fewer heads.")
+    heads = []
+    for item in text.split(","):
+        m = re.fullmatch(r"\s*(\d{1,6})\.(\d{1,6})\s*", item)
+        if not m:
+            where = f" in the {what}" if what else ""
+            raise InputError(f"{item.strip()[:40]!r}{where} is not a head: write layer.head, comma-separated, "
+                             "e.g. 9.1,10.7.")
+        heads.append((int(m[1]), int(m[2])))
+    return heads

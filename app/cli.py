@@ -805,15 +805,15 @@ def layer_head(text: str) -> tuple[int, int]:
 
 
 def head_list(text: str) -> list[tuple[int, int]]:
-    """``--path-from``, ``--path-to``: heads as layer.head, comma-separated (``0.1,3.2``)."""
-    heads = []
-    for item in text.split(","):
-        m = _LAYER_HEAD.match(item)
-        if not m:
-            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not a head: write layer.head, comma-separated, "
-                                             f"e.g. 9.1,10.7")
-        heads.append((int(m[1]), int(m[2])))
-    return heads
+    """``--path-from``, ``--path-to``: heads as layer.head, comma-separated (``0.1,3.2``), read by
+    :func:`analysis.patching_choices.parse_head_pairs` as the Patching page reads them."""
+    from analysis.errors import InputError
+    from analysis.patching_choices import parse_head_pairs
+
+    try:
+        return parse_head_pairs(text)
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e).rstrip(".")) from None
 
 
 def patching_table(summary: dict) -> list[str]:

@@ -20,10 +20,13 @@ from analysis.patching import ATTRIBUTION_SHARE, activation_patching, prompt_pai
 from analysis.patching_choices import (
     DIRECTION_DESCRIPTIONS,
     DIRECTIONS,
+    KV_SITES,
     METRIC_LABELS,
     METRICS,
+    PATH_SITES,
     SITE_DESCRIPTIONS,
     SITES,
+    parse_head_pairs,
 )
 from analysis.patching_pairs import load_pairs, pair_by_id
 from app import ids
@@ -153,6 +156,31 @@ def layout(**_query) -> html.Div:
             ], className="hs-options"),
             html.Div([dcc.Graph(id=ids.PAT_POSITIONS, figure=NO_POSITIONS, config=GRAPH_CONFIG),
                       export_bar(PREFIX, names.variant(names.PATCHING_MAP, "positions"))], className="hs-panel"),
+            html.H3("Path patching: sender heads into receivers' queries, keys or values", className="hs-section"),
+            html.Div([
+                html.P("Patches only the path from the senders' outputs into the receivers' input (Wang et al. "
+                       "2022): every other head keeps its output on the receiving prompt. Uses the prompts, answers, "
+                       "direction and metric above.", className="hs-hint"),
+                html.Div([
+                    html.Label("Senders", htmlFor=ids.PAT_PATH_FROM),
+                    dcc.Input(id=ids.PAT_PATH_FROM, className="hs-text-input", placeholder="e.g. 0.1,3.4",
+                              value="0.1,3.4"),
+                    html.Label("Receivers", htmlFor=ids.PAT_PATH_TO),
+                    dcc.Input(id=ids.PAT_PATH_TO, className="hs-text-input", placeholder="e.g. 9.1,12.2",
+                              value="9.1,12.2"),
+                    dcc.RadioItems(id=ids.PAT_PATH_SITE, value="q", inline=True,
+                                   options=[{"label": f" {s} ", "value": s, "title": SITE_DESCRIPTIONS[s]}
+                                            for s in PATH_SITES]),
+                    dcc.Checklist(id=ids.PAT_PATH_FREEZE, options=[{"label": " freeze MLPs (direct paths only)",
+                                                                   "value": "freeze"}], value=[]),
+                    html.Button("Patch path", id=ids.PAT_PATH_RUN, n_clicks=0, className="hs-run"),
+                    html.Button("Cancel", id=ids.PAT_PATH_CANCEL, n_clicks=0, className="hs-button hs-cancel",
+                                disabled=True),
+                    html.Progress(id=ids.PAT_PATH_PROGRESS, value="0", max="100", className="hs-progress"),
+                    html.Span(id=ids.PAT_PATH_STATUS, className="hs-hint"),
+                ], className="hs-options"),
+                html.Div(id=ids.PAT_PATH_RESULT, className="hs-run-info"),
+            ], className="hs-panel"),
         ]
     )
 
@@ -404,3 +432,50 @@ def run_positions(set_progress, click, search):
     state.layer, state.head, state.ppos = layer, head, positions.key[:16]
     return (state.to_search(), "",
             f"head {layer}.{head}: {pair.n_tokens} positions patched in {time.monotonic() - started:.1f} s")
+
+
+@callback(
+    Output(ids.PAT_PATH_RESULT, "children"),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Input(ids.PAT_PATH_RUN, "n_clicks"),
+    State(ids.PAT_CLEAN, "value"),
+    State(ids.PAT_CORRUPTED, "value"),
+    State(ids.PAT_ANSWER_CLEAN, "value"),
+    State(ids.PAT_ANSWER_CORRUPTED, "value"),
+    State(ids.PAT_MODEL, "value"),
+    State(ids.PAT_DIRECTION, "value"),
+    State(ids.PAT_METRIC, "value"),
+    State(ids.PAT_PATH_FROM, "value"),
+    State(ids.PAT_PATH_TO, "value"),
+    State(ids.PAT_PATH_SITE, "value"),
+    State(ids.PAT_PATH_FREEZE, "value"),
+    **cancellable_job(ids.PAT_PATH_RUN, ids.PAT_PATH_CANCEL, ids.PAT_PATH_PROGRESS, ids.PAT_PATH_STATUS),
+    prevent_initial_call=True,
+)
+@guarded(outputs=2, error_index=1)
+def run_path_patching(set_progress, n_clicks, clean, corrupted, answer_clean, answer_corrupted, model_spec,
+                      direction, metric, senders, receivers, site, freeze):
+    """Patch path (a background job): :func:`analysis.path_patching.path_patching`, the function
+    ``headscope patch --path-from … --path-to …`` calls; its value, the endpoints and the heads."""
+    from analysis.path_patching import path_patching
+
+    in_job()
+    if not n_clicks:
+        raise PreventUpdate
+    set_progress(("0", "100", "Patching the path…"))
+    model = load_model(offered_model(model_spec))
+    sends = parse_head_pairs(senders, "senders")
+    receives = parse_head_pairs(receivers, "receivers")
+    result = path_patching(model, clean or "", corrupted or "", _answers(answer_clean, answer_corrupted), sends,
+                           receives, site=site, direction=direction, metric=metric,
+                           freeze_mlps=isinstance(freeze, list) and "freeze" in freeze,
+                           progress=lambda f: set_progress((str(round(100 * f)), "100", "Patching the path…")))
+    kv = " (key-value heads)" if site in KV_SITES else ""
+    heads = ", ".join(f"{la}.{h}" for la, h in result.senders)
+    into = ", ".join(f"{la}.{h}" for la, h in result.receivers)
+    set_progress(("100", "100", ""))
+    return [html.Div(html.B(f"Path value {result.value:.4f}"), className="hs-path-value"),
+            html.Div(f"{result.direction} {heads} → {site} of {into}{kv}"
+                     f"{', MLPs frozen' if result.freeze_mlps else ''}: {METRIC_LABELS[result.metric]} "
+                     f"clean {result.clean:.4f}, corrupted {result.corrupted:.4f}, patched {result.raw:.4f} "
+                     "(0 = corrupted, 1 = clean).")], ""

@@ -219,3 +219,39 @@ def test_a_forged_site_direction_or_metric_is_refused(server):
     status, _ = post(good)  # the page's own values pass (no click: the callback then does nothing)
     assert status in (200, 204)
     assert proc.poll() is None
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+def test_path_patching_on_the_page_is_the_analysis_value(server, page, real_model):
+    """Patch path with the page's prompts: the value shown is :func:`analysis.path_patching.path_patching`
+    computed here; a head list that is not one, or receivers before every sender, is the analysis's
+    message in the banner and nothing else changes."""
+    from analysis.path_patching import path_patching
+
+    url, proc, home = server
+    page.goto(url + "patching")
+    assert page.input_value("#hs-pat-clean", timeout=240_000) == CLEAN
+    page.fill("#hs-pat-path-from", "1-1")
+    page.click("#hs-pat-path-run")
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('in the senders is not a head')",
+                           timeout=120_000)
+    page.fill("#hs-pat-path-from", "9.1")
+    page.fill("#hs-pat-path-to", "3.1")
+    page.click("#hs-pat-path-run")
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('No receiver lies')",
+                           timeout=120_000)
+    assert page.inner_text("#hs-pat-path-result") == ""
+
+    page.fill("#hs-pat-path-from", "0.1, 3.4")
+    page.fill("#hs-pat-path-to", "9.1,12.2")
+    page.check("#hs-pat-path-site input[value='v']")
+    page.click("#hs-pat-path-run")
+    page.wait_for_function("(document.querySelector('#hs-pat-path-result')?.innerText || '').includes('Path value')",
+                           timeout=240_000)
+    expected = path_patching(real_model, CLEAN, CORRUPTED, list(ANSWERS), [(0, 1), (3, 4)], [(9, 1), (12, 2)], site="v")
+    shown = page.inner_text("#hs-pat-path-result")
+    assert f"Path value {expected.value:.4f}" in shown, shown
+    assert "0.1, 3.4 → v of 9.1, 12.2 (key-value heads)" in shown and f"patched {expected.raw:.4f}" in shown
+    assert page.inner_text("#hs-error") == ""
+    assert proc.poll() is None
