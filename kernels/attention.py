@@ -96,13 +96,20 @@ def attention(
     topk: int = 1,
     backend: str = "auto",
     chunk_elements: int | None = None,
+    key_sink: int | Tensor | None = None,
+    key_window: int | Tensor | None = None,
+    softcap: float | None = None,
 ) -> AttentionResult:
     r"""Scaled dot-product attention plus per-head statistics, without the ``n_q × n_k`` matrix.
 
-    With scores :math:`s_{ij} = \text{scale} \cdot q_i \cdot k_j` over the visible keys
-    (:math:`j \le p_i` when causal, :math:`p_i = n_k - n_q + i`) and
+    With scores :math:`s_{ij} = \text{scale} \cdot q_i \cdot k_j` (soft-capped to
+    :math:`c \tanh(s_{ij} / c)` with ``softcap`` :math:`c`) over the visible keys and
     :math:`A_{ij} = \exp(s_{ij} - \text{lse}_i)`, the output is :math:`o_i = \sum_j A_{ij} v_j`.
-    Masked keys have :math:`A_{ij} = 0`.
+    Masked keys have :math:`A_{ij} = 0`, and every statistic is one of this masked distribution.
+    Visible keys: all of them, or when causal those with :math:`j \le p_i` (:math:`p_i = n_k - n_q + i`)
+    and, for a query head :math:`h` with a key window :math:`W_h > 0`, also
+    :math:`j < S_h` or :math:`j > p_i - W_h` (a sliding window of :math:`W_h` keys ending at the
+    query, plus the first :math:`S_h` keys, the ``key_sink``).
 
     Parameters
     ----------
@@ -154,6 +161,13 @@ def attention(
         Number of top keys for ``"argmax"``.
     backend : {"auto", "torch", "triton"}
         ``"auto"``: Triton for CUDA tensors, torch otherwise.
+    key_sink, key_window : int or Tensor, optional
+        The key mask beyond causal: an int for every query head, or an int64 tensor ``[n_heads]``
+        (one per query head). ``key_window`` 0 or None: unlimited (plain causal; ``key_sink``
+        then changes nothing). Needs ``causal=True``. Mistral's and Gemma's sliding windows are
+        ``key_window=sliding_window`` (``key_sink`` 0); StreamingLLM's cache is both.
+    softcap : float, optional
+        Gemma 2's attention logit soft-capping, applied to the scaled scores before the mask.
     chunk_elements : int, optional
         Torch backend only: score elements per chunk, 4 bytes each, one buffer per worker thread
         (two with ``"entropy"``). Default: 512 Ki on CPU (2 MiB), 64 Mi on CUDA.
@@ -184,7 +198,8 @@ def attention(
     >>> res.out.shape, res.entropy.shape, res.sink_mass.shape
     (torch.Size([1, 6, 10, 16]), torch.Size([1, 6, 10]), torch.Size([1, 6, 10]))
     """
-    plan = validate(q, k, v, causal, scale, stats, sink_size, window, spans, block_size, rows, topk, backend)
+    plan = validate(q, k, v, causal, scale, stats, sink_size, window, spans, block_size, rows, topk, backend,
+                    key_sink=key_sink, key_window=key_window, softcap=softcap)
     if chunk_elements is not None and (not isinstance(chunk_elements, int) or chunk_elements < 1):
         raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
     if use_triton(q, backend):
@@ -226,7 +241,8 @@ def _torch_attention(
     cdt = _compute_dtype(q.dtype)
 
     with torch.no_grad():  # an analysis kernel: no autograd graph, in-place writes into outputs
-        if not plan.stats and (not plan.causal or n_q == n_k or n_q == 1):
+        plain = not plan.windowed and plan.softcap is None
+        if plain and not plan.stats and (not plan.causal or n_q == n_k or n_q == 1):
             # Nothing but the output: SDPA's fused kernel is exact (float32) and faster. Its causal
             # mask is top-left aligned, which matches ours only for square or single-row inputs.
             out = F.scaled_dot_product_attention(
@@ -300,6 +316,11 @@ class _Job:
         self.out_dtype = q.dtype
         self.budget = chunk_elements or (_CUDA_CHUNK_ELEMENTS if dev.type == "cuda" else _CPU_CHUNK_ELEMENTS)
         self.neg = torch.finfo(cdt).min
+        if plan.windowed:  # [n_kv, group, 1, 1] per query head, as the chunks' unit × group axes
+            as_heads = dict(dtype=torch.int64, device=dev)
+            self.win = torch.tensor(plan.key_window, **as_heads).view(n_kv, self.group, 1, 1)
+            self.sink = torch.tensor(plan.key_sink, **as_heads).view(n_kv, self.group, 1, 1)
+            self.n_kv = n_kv
         self.lock = threading.Lock()  # for sums that several chunks add into (col_sum, pooled)
 
         # [units, group, n_q, d]: a view when q's head axis allows it; K/V as [units, n_k, d]
@@ -407,6 +428,8 @@ class _Worker:
         qc = torch.mul(j.qu[u0:u1, :, s:e], plan.scale, out=self._buffer("q_buf", rows * j.d).view(nu, group, c, j.d))
         sc = self._buffer("score_buf", rows * n_ke).view(nu, group * c, n_ke)
         torch.bmm(qc.view(nu, group * c, j.d), j.ku[u0:u1, :n_ke].transpose(1, 2), out=sc)
+        if plan.softcap is not None:  # Gemma 2: cap the scores, then mask
+            sc.div_(plan.softcap).tanh_().mul_(plan.softcap)
         if plan.causal:
             # keys before the chunk's first position are visible to every row; only the last c
             # columns form the triangle
@@ -414,13 +437,15 @@ class _Worker:
             if tri is None:
                 tri = self.tri[c] = torch.ones(c, c, dtype=torch.bool, device=dev).triu_(1)
             sc.view(nu, group, c, n_ke)[..., n_ke - c :].masked_fill_(tri, j.neg)
+        if plan.windowed:
+            self._mask_window(sc.view(nu, group, c, n_ke), s, e, u0, u1, n_ke)
         # row maxima (and argmax) from the raw scores, before anything overwrites them
         idx = None
         if stat.ARGMAX in st:
             m, idx = _row_argmax(sc)
             if plan.topk > 1:
                 kk = min(plan.topk, n_ke)
-                top_idx = sc.topk(kk, -1).indices
+                top_val, top_idx = sc.topk(kk, -1)
         elif j.need_lse:
             m = sc.amax(-1)
         if stat.ENTROPY in st:
@@ -451,7 +476,7 @@ class _Worker:
             if plan.topk > 1:
                 ti, tp = top_idx.view(nu, group, c, kk), p.gather(-1, top_idx).view(nu, group, c, kk)
                 if plan.causal:  # rows with fewer than topk visible keys: no such key
-                    dead = ti > torch.arange(offset + s, offset + e, device=dev).view(c, 1)
+                    dead = (top_val == j.neg).view(nu, group, c, kk)
                     ti, tp = ti.masked_fill(dead, -1), tp.masked_fill(dead, 0.0)
                 j.top_i[u0:u1, :, s:e, :kk] = ti
                 j.top_p[u0:u1, :, s:e, :kk] = tp
@@ -485,6 +510,20 @@ class _Worker:
         if stat.ENTROPY in st:
             # last: overwrites the scores. H = lse - sum p s = log l - sum p (s - m)
             put(j.ent, log_l - sc.mul_(p).sum(-1))
+
+    def _mask_window(self, sc: Tensor, s: int, e: int, u0: int, u1: int, n_ke: int) -> None:
+        """Mask keys outside each head's window and sink: ``S_h <= j <= p_i − W_h`` (``W_h > 0``)
+        in scores ``[units, group, c, n_ke]`` of rows ``s..e`` (masking the last key of a row
+        never happens: ``p_i > p_i − W_h``)."""
+        j = self.job
+        first = j.offset + s  # position of the chunk's first row
+        if first + (e - s) - 1 - int(j.win[j.win > 0].min()) < 0:
+            return  # every window reaches back to key 0 for every row of this chunk
+        kv = torch.arange(u0, u1, device=j.dev) % j.n_kv
+        win, sink = j.win[kv], j.sink[kv]  # [units, group, 1, 1]
+        pos = torch.arange(first, j.offset + e, device=j.dev).view(1, 1, -1, 1)
+        keys = torch.arange(n_ke, device=j.dev).view(1, 1, 1, -1)
+        sc.masked_fill_((win > 0) & (keys >= sink) & (keys <= pos - win), j.neg)
 
     def _band(self, s: int, e: int, n_ke: int) -> tuple[int, Tensor]:
         """First key and 0/1 matrix ``[c, width]`` of the keys in (p_i - W, p_i] for rows s..e."""
