@@ -133,3 +133,29 @@ def test_what_still_cannot_run_is_refused_by_name(embedded_tokenizer):
     model.bridge.cfg.qk_norm_after_rope = True
     with pytest.raises(StatisticsModeError, match="qk_norm_after_rope"):
         check_supported(model.bridge)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3", "gpt2"])
+def test_retrieval_argmax_rows_equal_eager_and_the_full_pattern(name, embedded_tokenizer, monkeypatch):
+    """Greedy decoding records each step's argmax key per head (the retrieval score's input): the
+    statistics-mode path, the eager hook path and the full pattern of the whole sequence (no cache,
+    brute force) agree, in the model's positions, also past a sliding window's cache."""
+    import analysis.greedy_decoding as gd
+
+    model = wrap_model(tiny_family_model(name, len(embedded_tokenizer)), embedded_tokenizer,
+                       name=f"tiny-{name}-decode", digest=f"tiny-{name}-decode")
+    prompt = embedded_tokenizer.encode(TEXT)[:30]
+    assert gd.statistics_supported(model)
+    kernel = gd.greedy_decode(model, prompt, max_new_tokens=6, keep_row=(1, 2))
+    monkeypatch.setattr(gd, "statistics_supported", lambda model: False)
+    eager = gd.greedy_decode(model, prompt, max_new_tokens=6, keep_row=(1, 2))
+    assert kernel.generated == eager.generated
+    _, patterns = _eager(model, torch.tensor([prompt + kernel.generated[:-1]]))
+    rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(kernel.generated))
+    full = np.stack([a[0][:, rows].argmax(-1).T.numpy() for a in patterns], 1)  # [step, layer, head]
+    np.testing.assert_array_equal(kernel.argmax_keys, full)
+    np.testing.assert_array_equal(eager.argmax_keys, full)
+    for t, (row_k, row_e) in enumerate(zip(kernel.rows, eager.rows, strict=True)):
+        want = patterns[1][0, 2, rows[t], : rows[t] + 1].numpy()
+        np.testing.assert_allclose(row_k, want, atol=1e-5)
+        np.testing.assert_allclose(row_e, want, atol=1e-5)
