@@ -38,7 +38,7 @@ def synthetic_head(q: np.ndarray, k: np.ndarray, lengths: list[int], *, tokens: 
         positions=np.concatenate([np.arange(m) for m in lengths]).astype(np.int32),
         sentence_index=np.repeat(np.arange(len(lengths)), lengths).astype(np.int32), offsets=offsets,
         char_spans=np.zeros((n, 2), np.int32) if char_spans is None else char_spans,
-        sentences=sentences or [f"s{i}" for i in range(len(lengths))],
+        sentences=sentences or [f"s{i}" for i in range(len(lengths))], scale=1 / np.sqrt(q.shape[1]),
     )
 
 

@@ -46,6 +46,20 @@ def _eager(model, ids):
     return logits, [cache[f"blocks.{layer}.attn.hook_pattern"].double() for layer in range(model.n_layers)]
 
 
+def test_the_bridge_boots_with_hugging_faces_logits(embedded_tokenizer):
+    """Full-pattern mode: TransformerLens' bridge wraps every family with Hugging Face's own logits
+    (a fresh model each: the bridge rewires the one it wraps)."""
+    ids = torch.tensor([embedded_tokenizer.encode(TEXT)[:60]])
+    for name in FAMILIES:
+        hf = tiny_family_model(name, len(embedded_tokenizer))
+        with torch.inference_mode():
+            want = hf(ids).logits.clone()
+        model = wrap_model(hf, embedded_tokenizer, name=f"tiny-{name}-hf", digest=f"tiny-{name}-hf")
+        with torch.inference_mode():
+            got = model.bridge(ids, return_type="logits")
+        assert (got - want).abs().max().item() < 1e-4, name
+
+
 def test_logits_equal_eager_and_every_layer_runs_through_the_kernel(family):
     name, model, ids = family
     check_supported(model.bridge)  # no refusal
