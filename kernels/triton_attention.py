@@ -63,6 +63,17 @@ def _key_range(pid_m, N_K, OFFSET, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit
+def _window_tiles(pid_m, OFFSET, win, sink, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles a block of queries needs under a window: ``[0, s_hi)`` for the sink keys and
+    ``[w_lo, hi)`` for the window (from the block's first query, whose window starts earliest);
+    tiles in between hold only masked keys and are skipped, so a windowed layer costs O(n · W)."""
+    first = OFFSET + pid_m * BLOCK_M
+    w_lo = tl.where(win > 0, (tl.maximum(first - win + 1, 0) // BLOCK_N) * BLOCK_N, 0)
+    s_hi = tl.minimum(((sink + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, w_lo)
+    return w_lo, s_hi
+
+
+@triton.jit
 def _cap(s, cap):
     """Soft-capping of base-2 scores: c · tanh(s_nat / c) with s_nat = s / log2 e, back in base 2."""
     x = s * (2.0 * 0.6931471805599453 / cap)  # 2 · s_nat / c
@@ -178,9 +189,16 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     free, hi = _key_range(pid_m, N_K, OFFSET, CAUSAL, BLOCK_M, BLOCK_N, WINDOWED)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                               offs_d, offs_dv, offs_n, pos, N_K, qk_scale, 0, free, win, sink, cap,
-                               HEAD_D, HEAD_DV, CAUSAL, False, BLOCK_N, PRECISION, UPCAST, WINDOWED, SOFTCAP)
+    if WINDOWED:  # [0, free) is empty: the sink tiles, then the window's, all masked
+        w_lo, s_hi = _window_tiles(pid_m, OFFSET, win, sink, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_d, offs_dv, offs_n, pos, N_K, qk_scale, 0, s_hi, win, sink, cap,
+                                   HEAD_D, HEAD_DV, CAUSAL, True, BLOCK_N, PRECISION, UPCAST, WINDOWED, SOFTCAP)
+        free = w_lo
+    else:
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_d, offs_dv, offs_n, pos, N_K, qk_scale, 0, free, win, sink, cap,
+                                   HEAD_D, HEAD_DV, CAUSAL, False, BLOCK_N, PRECISION, UPCAST, WINDOWED, SOFTCAP)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                offs_d, offs_dv, offs_n, pos, N_K, qk_scale, free, hi, win, sink, cap,
                                HEAD_D, HEAD_DV, CAUSAL, True, BLOCK_N, PRECISION, UPCAST, WINDOWED, SOFTCAP)
@@ -322,14 +340,26 @@ def _attn_stats(
         slots = tl.full([BLOCK_M], -1, tl.int32)
     any_row = tl.max(slots, 0) >= 0
     free, hi = _key_range(pid_m, N_K, OFFSET, CAUSAL, BLOCK_M, BLOCK_N, WINDOWED)
-    ent, best, best_i, span_acc, recent = _stats_tiles(
-        ent, best, best_i, span_acc, recent,
-        q, k_base, stride_kn, stride_kd, offs_d, offs_n, offs_m, pos, pos_lo, pos_hi, lse2, pid_m, pid_bh,
-        N_K, qk_scale, 0, free,
-        Spans, span_ids, WINDOW, Col, Pool, POOL_B, N_QB, N_KB, slots, any_row, RowsOut, N_ROWS, win, sink, cap,
-        HEAD_D, CAUSAL, False, BLOCK_M, BLOCK_N, PRECISION, UPCAST, WINDOWED, SOFTCAP, DO_ENT, DO_ARG, NUM_SPANS,
-        DO_RECENT, DO_COL, POOL_MODE, POOL_PM, POOL_PN, POOL_QBP, POOL_KBP, DO_ROWS,
-    )
+    if WINDOWED:  # sink tiles, then the window's (see _window_tiles)
+        w_lo, s_hi = _window_tiles(pid_m, OFFSET, win, sink, BLOCK_M, BLOCK_N)
+        ent, best, best_i, span_acc, recent = _stats_tiles(
+            ent, best, best_i, span_acc, recent,
+            q, k_base, stride_kn, stride_kd, offs_d, offs_n, offs_m, pos, pos_lo, pos_hi, lse2, pid_m, pid_bh,
+            N_K, qk_scale, 0, s_hi,
+            Spans, span_ids, WINDOW, Col, Pool, POOL_B, N_QB, N_KB, slots, any_row, RowsOut, N_ROWS, win, sink, cap,
+            HEAD_D, CAUSAL, True, BLOCK_M, BLOCK_N, PRECISION, UPCAST, WINDOWED, SOFTCAP, DO_ENT, DO_ARG, NUM_SPANS,
+            DO_RECENT, DO_COL, POOL_MODE, POOL_PM, POOL_PN, POOL_QBP, POOL_KBP, DO_ROWS,
+        )
+        free = w_lo
+    else:
+        ent, best, best_i, span_acc, recent = _stats_tiles(
+            ent, best, best_i, span_acc, recent,
+            q, k_base, stride_kn, stride_kd, offs_d, offs_n, offs_m, pos, pos_lo, pos_hi, lse2, pid_m, pid_bh,
+            N_K, qk_scale, 0, free,
+            Spans, span_ids, WINDOW, Col, Pool, POOL_B, N_QB, N_KB, slots, any_row, RowsOut, N_ROWS, win, sink, cap,
+            HEAD_D, CAUSAL, False, BLOCK_M, BLOCK_N, PRECISION, UPCAST, WINDOWED, SOFTCAP, DO_ENT, DO_ARG, NUM_SPANS,
+            DO_RECENT, DO_COL, POOL_MODE, POOL_PM, POOL_PN, POOL_QBP, POOL_KBP, DO_ROWS,
+        )
     ent, best, best_i, span_acc, recent = _stats_tiles(
         ent, best, best_i, span_acc, recent,
         q, k_base, stride_kn, stride_kd, offs_d, offs_n, offs_m, pos, pos_lo, pos_hi, lse2, pid_m, pid_bh,
@@ -385,7 +415,12 @@ def _attn_colsum(
     m_lo = 0
     if CAUSAL:  # query i (at position OFFSET + i) sees key j when j <= OFFSET + i
         m_lo = (tl.maximum(pid_n * BLOCK_N - OFFSET, 0) // BLOCK_M) * BLOCK_M
-    for start_m in range(m_lo, N_Q, BLOCK_M):
+    m_hi = N_Q
+    if WINDOWED:  # past the sinks, key j is seen only by positions < j + win
+        last_key = pid_n * BLOCK_N + BLOCK_N - 1
+        m_hi = tl.where((win > 0) & (pid_n * BLOCK_N >= sink),
+                        tl.minimum(tl.maximum(last_key + win - OFFSET, 0), N_Q), N_Q)
+    for start_m in range(m_lo, m_hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < N_Q
         q = _load_q(Q, b, h, stride_qb, stride_qh, stride_qm, stride_qd, offs_m, offs_d, row_ok, HEAD_D, UPCAST)
@@ -456,9 +491,16 @@ def _attn_topk_next(
     best = tl.full([BLOCK_M], float("-inf"), tl.float32)
     best_i = tl.full([BLOCK_M], -1, tl.int32)
     free, hi = _key_range(pid_m, N_K, OFFSET, CAUSAL, BLOCK_M, BLOCK_N, WINDOWED)
-    best, best_i = _topk_tiles(best, best_i, prev, prev_i, q, k_base, stride_kn, stride_kd, offs_d, offs_n,
-                               pos, N_K, qk_scale, 0, free, win, sink, cap, HEAD_D, CAUSAL, False, BLOCK_N,
-                               PRECISION, UPCAST, WINDOWED, SOFTCAP)
+    if WINDOWED:  # sink tiles, then the window's (see _window_tiles)
+        w_lo, s_hi = _window_tiles(pid_m, OFFSET, win, sink, BLOCK_M, BLOCK_N)
+        best, best_i = _topk_tiles(best, best_i, prev, prev_i, q, k_base, stride_kn, stride_kd, offs_d, offs_n,
+                                   pos, N_K, qk_scale, 0, s_hi, win, sink, cap, HEAD_D, CAUSAL, True, BLOCK_N,
+                                   PRECISION, UPCAST, WINDOWED, SOFTCAP)
+        free = w_lo
+    else:
+        best, best_i = _topk_tiles(best, best_i, prev, prev_i, q, k_base, stride_kn, stride_kd, offs_d, offs_n,
+                                   pos, N_K, qk_scale, 0, free, win, sink, cap, HEAD_D, CAUSAL, False, BLOCK_N,
+                                   PRECISION, UPCAST, WINDOWED, SOFTCAP)
     best, best_i = _topk_tiles(best, best_i, prev, prev_i, q, k_base, stride_kn, stride_kd, offs_d, offs_n,
                                pos, N_K, qk_scale, free, hi, win, sink, cap, HEAD_D, CAUSAL, True, BLOCK_N,
                                PRECISION, UPCAST, WINDOWED, SOFTCAP)

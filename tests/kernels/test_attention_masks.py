@@ -16,6 +16,7 @@ CASES = {
     "softcap-only": (2, 1, 20, 20, None, None, 2.0),
     "window-2-fewer-keys-than-topk": (4, 1, 33, 33, 2, 0, None),
     "gemma2-window-softcap": (4, 2, 40, 40, 6, 0, 5.0),
+    "sinks-over-a-chunk-short-window": (2, 1, 50, 50, 3, 18, None),
 }
 
 

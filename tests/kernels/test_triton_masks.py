@@ -25,6 +25,7 @@ CASES = {
     "per-head-window-sink-decode": (4, 2, 5, 41, [0, 3, 7, 1], [0, 1, 2, 0], 3.0, "float32", None),
     "softcap-only": (2, 1, 20, 23, None, None, 2.0, "float32", None),
     "window-softcap-bf16": (4, 1, 33, 33, 6, 2, 5.0, "bfloat16", (16, 32)),
+    "sinks-over-a-tile-short-window": (2, 1, 50, 50, 3, 18, None, "float32", None),  # skipped tiles between
 }
 
 
