@@ -218,11 +218,13 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_rows(start: int, n_q: int, offset: int, n_k: int, causal: bool, group: int, budget: int) -> int:
-    """Largest query chunk starting at ``start`` whose scores (``group`` heads) fit in ``budget``."""
+def _chunk_rows(start: int, n_q: int, offset: int, n_k: int, causal: bool, group: int, budget: int,
+                window: int = 0) -> int:
+    """Largest query chunk starting at ``start`` whose scores (``group`` heads) fit in ``budget``;
+    ``window`` > 0: the chunk's scores start at its first row's window (``_Worker._first_key``)."""
     if causal:
         # keys seen by the chunk: offset + start + c; solve group * c * (offset + start + c) <= budget
-        base = offset + start
+        base = offset + start if not window else min(offset + start, window - 1)
         c = int((-base + math.sqrt(base * base + 4.0 * budget / group)) / 2.0)
     else:
         c = budget // (group * n_k)
@@ -321,6 +323,10 @@ class _Job:
             self.win = torch.tensor(plan.key_window, **as_heads).view(n_kv, self.group, 1, 1)
             self.sink = torch.tensor(plan.key_sink, **as_heads).view(n_kv, self.group, 1, 1)
             self.n_kv = n_kv
+        # every head windowed, no sinks (Mistral, Gemma): a chunk's scores start at its first row's
+        # window, so a windowed layer costs O(n · W), not O(n²)
+        windows = plan.key_window
+        self.win_max = max(windows) if windows and min(windows) > 0 and max(plan.key_sink) == 0 else 0
         self.lock = threading.Lock()  # for sums that several chunks add into (col_sum, pooled)
 
         # [units, group, n_q, d]: a view when q's head axis allows it; K/V as [units, n_k, d]
@@ -357,8 +363,11 @@ class _Job:
         tasks = []
         s = 0
         while s < self.n_q:
-            c = _chunk_rows(s, self.n_q, self.offset, self.n_k, self.plan.causal, self.group, self.budget)
+            c = _chunk_rows(s, self.n_q, self.offset, self.n_k, self.plan.causal, self.group, self.budget,
+                            self.win_max)
             n_ke = self.offset + s + c if self.plan.causal else self.n_k
+            if self.win_max:
+                n_ke = min(n_ke, c + self.win_max - 1)
             # small problems: several heads per matmul
             n_units = max(1, min(self.units, self.budget // (self.group * c * n_ke)))
             tasks += [(s, s + c, u0, min(self.units, u0 + n_units)) for u0 in range(0, self.units, n_units)]
@@ -422,12 +431,14 @@ class _Worker:
         s, e, u0, u1 = task
         c, nu, group, offset, dev = e - s, u1 - u0, j.group, j.offset, j.dev
         n_ke = offset + e if plan.causal else j.n_k  # keys any row of the chunk can see
+        k0 = self._first_key(s)  # score columns are keys k0 .. n_ke - 1 (k0 > 0 only under a window)
+        w = n_ke - k0
         rows = nu * group * c
 
         # one matmul per key-value head serves all `group` query heads: rows = group × chunk
         qc = torch.mul(j.qu[u0:u1, :, s:e], plan.scale, out=self._buffer("q_buf", rows * j.d).view(nu, group, c, j.d))
-        sc = self._buffer("score_buf", rows * n_ke).view(nu, group * c, n_ke)
-        torch.bmm(qc.view(nu, group * c, j.d), j.ku[u0:u1, :n_ke].transpose(1, 2), out=sc)
+        sc = self._buffer("score_buf", rows * w).view(nu, group * c, w)
+        torch.bmm(qc.view(nu, group * c, j.d), j.ku[u0:u1, k0:n_ke].transpose(1, 2), out=sc)
         if plan.softcap is not None:  # Gemma 2: cap the scores, then mask
             sc.div_(plan.softcap).tanh_().mul_(plan.softcap)
         if plan.causal:
@@ -436,27 +447,27 @@ class _Worker:
             tri = self.tri.get(c)
             if tri is None:
                 tri = self.tri[c] = torch.ones(c, c, dtype=torch.bool, device=dev).triu_(1)
-            sc.view(nu, group, c, n_ke)[..., n_ke - c :].masked_fill_(tri, j.neg)
+            sc.view(nu, group, c, w)[..., w - c :].masked_fill_(tri, j.neg)
         if plan.windowed:
-            self._mask_window(sc.view(nu, group, c, n_ke), s, e, u0, u1, n_ke)
+            self._mask_window(sc.view(nu, group, c, w), s, e, u0, u1, k0, n_ke)
         # row maxima (and argmax) from the raw scores, before anything overwrites them
         idx = None
         if stat.ARGMAX in st:
             m, idx = _row_argmax(sc)
             if plan.topk > 1:
-                kk = min(plan.topk, n_ke)
+                kk = min(plan.topk, w)
                 top_val, top_idx = sc.topk(kk, -1)
         elif j.need_lse:
             m = sc.amax(-1)
         if stat.ENTROPY in st:
             sc.sub_(m.unsqueeze(-1))  # shift first so that sum(p · s) is computed near zero
         # in place unless entropy needs the scores (each row is read before it is written)
-        p = self._buffer("prob_buf", rows * n_ke).view(nu, group * c, n_ke) if stat.ENTROPY in st else sc
+        p = self._buffer("prob_buf", rows * w).view(nu, group * c, w) if stat.ENTROPY in st else sc
         torch.softmax(sc, -1, out=p)
-        j.out[u0:u1, :, s:e] = torch.bmm(p, j.vu[u0:u1, :n_ke]).view(nu, group, c, j.d_v)
+        j.out[u0:u1, :, s:e] = torch.bmm(p, j.vu[u0:u1, k0:n_ke]).view(nu, group, c, j.d_v)
 
-        # statistics, from this chunk's probabilities
-        pv = p.view(nu, group, c, n_ke)
+        # statistics, from this chunk's probabilities (column t is key k0 + t)
+        pv = p.view(nu, group, c, w)
         here = (slice(u0, u1), slice(None), slice(s, e))
 
         def put(target: Tensor, value: Tensor) -> None:
@@ -471,50 +482,61 @@ class _Worker:
             if stat.LSE in st:
                 put(j.lse, m + log_l)
         if stat.ARGMAX in st:
-            put(j.arg, idx)
+            put(j.arg, idx + k0)
             put(j.arg_p, p_max)
             if plan.topk > 1:
-                ti, tp = top_idx.view(nu, group, c, kk), p.gather(-1, top_idx).view(nu, group, c, kk)
+                ti, tp = top_idx.view(nu, group, c, kk) + k0, p.gather(-1, top_idx).view(nu, group, c, kk)
                 if plan.causal:  # rows with fewer than topk visible keys: no such key
                     dead = (top_val == j.neg).view(nu, group, c, kk)
                     ti, tp = ti.masked_fill(dead, -1), tp.masked_fill(dead, 0.0)
                 j.top_i[u0:u1, :, s:e, :kk] = ti
                 j.top_p[u0:u1, :, s:e, :kk] = tp
         for si, (a, z) in enumerate(j.span_list):
-            z = min(z, n_ke)
+            a, z = max(a, k0) - k0, min(z, n_ke) - k0
             j.span_out[u0:u1, :, s:e, si] = pv[..., a:z].sum(-1) if a < z else 0.0
         if stat.RECENT_MASS in st:
             r_lo, band = self._band(s, e, n_ke)
-            j.recent[here] = torch.linalg.vecdot(pv[..., r_lo : r_lo + band.shape[1]], band)
+            if r_lo < k0:  # keys before k0 are outside every head's window: zero weight
+                band, r_lo = band[:, k0 - r_lo :], k0
+            j.recent[here] = torch.linalg.vecdot(pv[..., r_lo - k0 : r_lo - k0 + band.shape[1]], band)
         if stat.POOLED in st:
             key = (s % plan.block_size, c)
             rows_ind = self.pool_rows.get(key)
             if rows_ind is None:
                 rows_ind = self.pool_rows[key] = _pool_rows(s, e, plan.block_size, dev, j.cdt)
             row_blocks = torch.matmul(rows_ind, pv)
-            with j.lock:
-                _pool_add(j.pool[u0:u1], row_blocks, s, n_ke, plan.block_size)
+            with j.lock:  # k0 is a multiple of the block size here
+                _pool_add(j.pool[u0:u1, :, :, k0 // plan.block_size :], row_blocks, s, w, plan.block_size)
                 if stat.COL_SUM in st:
-                    j.col[u0:u1, :, :n_ke] += row_blocks.sum(2)
+                    j.col[u0:u1, :, k0:n_ke] += row_blocks.sum(2)
         elif stat.COL_SUM in st:
             ones = self.ones.get(c)
             if ones is None:
                 ones = self.ones[c] = torch.ones(1, 1, c, **j.f32)
             col = torch.matmul(ones, pv).squeeze(2)  # a ones-vector matmul: 2× faster than sum(2)
             with j.lock:
-                j.col[u0:u1, :, :n_ke] += col
+                j.col[u0:u1, :, k0:n_ke] += col
         if stat.ROWS in st:
             for r in range(s, e):
                 for slot in j.row_slots.get(r, ()):
-                    j.row_out[u0:u1, :, slot, :n_ke] = pv[:, :, r - s]
+                    j.row_out[u0:u1, :, slot, k0:n_ke] = pv[:, :, r - s]
         if stat.ENTROPY in st:
             # last: overwrites the scores. H = lse - sum p s = log l - sum p (s - m)
             put(j.ent, log_l - sc.mul_(p).sum(-1))
 
-    def _mask_window(self, sc: Tensor, s: int, e: int, u0: int, u1: int, n_ke: int) -> None:
+    def _first_key(self, s: int) -> int:
+        """First key a chunk starting at row ``s`` computes scores for: 0, or under a window with
+        no sinks the first key of row ``s``'s window (aligned down to a pooled block)."""
+        j = self.job
+        if not j.win_max:
+            return 0
+        k0 = max(0, j.offset + s - j.win_max + 1)
+        return k0 - k0 % j.plan.block_size if stat.POOLED in j.st else k0
+
+    def _mask_window(self, sc: Tensor, s: int, e: int, u0: int, u1: int, k0: int, n_ke: int) -> None:
         """Mask keys outside each head's window and sink: ``S_h <= j <= p_i − W_h`` (``W_h > 0``)
-        in scores ``[units, group, c, n_ke]`` of rows ``s..e`` (masking the last key of a row
-        never happens: ``p_i > p_i − W_h``)."""
+        in scores ``[units, group, c, keys k0..n_ke]`` of rows ``s..e`` (masking the last key of a
+        row never happens: ``p_i > p_i − W_h``)."""
         j = self.job
         first = j.offset + s  # position of the chunk's first row
         if first + (e - s) - 1 - int(j.win[j.win > 0].min()) < 0:
@@ -522,7 +544,7 @@ class _Worker:
         kv = torch.arange(u0, u1, device=j.dev) % j.n_kv
         win, sink = j.win[kv], j.sink[kv]  # [units, group, 1, 1]
         pos = torch.arange(first, j.offset + e, device=j.dev).view(1, 1, -1, 1)
-        keys = torch.arange(n_ke, device=j.dev).view(1, 1, 1, -1)
+        keys = torch.arange(k0, n_ke, device=j.dev).view(1, 1, 1, -1)
         sc.masked_fill_((win > 0) & (keys >= sink) & (keys <= pos - win), j.neg)
 
     def _band(self, s: int, e: int, n_ke: int) -> tuple[int, Tensor]:

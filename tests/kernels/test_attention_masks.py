@@ -17,6 +17,9 @@ CASES = {
     "window-2-fewer-keys-than-topk": (4, 1, 33, 33, 2, 0, None),
     "gemma2-window-softcap": (4, 2, 40, 40, 6, 0, 5.0),
     "sinks-over-a-chunk-short-window": (2, 1, 50, 50, 3, 18, None),
+    # every head windowed, no sink: chunks skip the keys before their window (pooled blocks aligned)
+    "per-head-windows-no-sink": (4, 2, 45, 45, [3, 8, 5, 2], None, None),
+    "window-decode-rows": (4, 2, 3, 40, 6, None, 4.0),
 }
 
 
@@ -32,7 +35,7 @@ def _as_arg(x):
     return torch.tensor(x, dtype=torch.int64) if isinstance(x, list) else x
 
 
-@pytest.mark.parametrize("chunk_elements", [None, 150])
+@pytest.mark.parametrize("chunk_elements", [None, 150, 37])
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_statistic_is_the_masked_distributions(name, chunk_elements):
     h, h_kv, n_q, n_k, window, sink, cap = CASES[name]
