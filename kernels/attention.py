@@ -21,7 +21,9 @@ so that one matmul serves the whole group, and K/V are never repeated.
 
 Positions. Query row ``i`` sits at key position ``p_i = n_k - n_q + i``: with ``n_q < n_k`` the
 queries are the last ``n_q`` positions, as when decoding with a KV cache. Causal attention lets
-row ``i`` see keys ``j <= p_i``.
+row ``i`` see keys ``j <= p_i``; a sliding window (``key_window``, per query head, with
+``key_sink`` keys kept at the start) narrows that further, and every statistic is one of the masked
+distribution. Gemma 2's ``softcap`` caps the scores before the mask.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import torch
 from analysis.attention_statistics import (
     LayerRequest,
     StatisticsModeError,
+    _check_causal_mask,
     check_supported,
     statistics_mode,
 )
@@ -173,3 +174,20 @@ def test_retrieval_argmax_rows_equal_eager_and_the_full_pattern(name, embedded_t
         want = patterns[1][0, 2, rows[t], : rows[t] + 1].numpy()
         np.testing.assert_allclose(row_k, want, atol=1e-5)
         np.testing.assert_allclose(row_e, want, atol=1e-5)
+
+
+def test_a_mask_that_disagrees_with_the_layers_window_is_refused():
+    """The window read off the module is held against the mask the model built: a plain causal mask
+    on a layer said to have a window (or another window) stops the run instead of computing something else."""
+    n, neg = 12, torch.finfo(torch.float32).min
+    i = torch.arange(n)
+    window4 = torch.where((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 4), 0.0, neg)[None, None]
+    _check_causal_mask(window4, n, n, window=4)
+    _check_causal_mask(window4[..., -1:, :], 1, n, window=4)  # a decode row
+    causal = torch.where(i[None, :] <= i[:, None], 0.0, neg)[None, None]
+    with pytest.raises(StatisticsModeError, match="sliding window of 4 keys"):
+        _check_causal_mask(causal, n, n, window=4)
+    with pytest.raises(StatisticsModeError, match="sliding window of 5 keys"):
+        _check_causal_mask(window4, n, n, window=5)
+    with pytest.raises(StatisticsModeError, match="not plain causal"):
+        _check_causal_mask(window4, n, n)
