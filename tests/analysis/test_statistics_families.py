@@ -2,9 +2,10 @@
 
 Llama, Mistral (sliding window on every layer), Qwen 2 (q/k/v biases), Qwen 3 (QK-norm),
 Gemma 2 (soft-capping, windows on alternate layers, ``query_pre_attn_scalar``), Gemma 3 (QK-norm,
-windows and a RoPE base per layer, head_dim 256, one KV head for four query heads) and GPT-2
-(absolute positions, fused qkv): built from transformers configs (``tests/tiny_families.py``), no
-downloads. Texts are longer than the windows, so the masks matter.
+windows and a RoPE base per layer, head_dim 256, one KV head for four query heads), GPT-2
+(absolute positions, fused qkv), StableLM (partial RoPE) and OLMo 2 (QK-norm across heads): built
+from transformers configs (``tests/tiny_families.py``), no downloads. Texts are longer than the
+windows, so the masks matter.
 """
 
 from __future__ import annotations
@@ -138,6 +139,10 @@ def test_scores_of_a_statistics_run_equal_those_of_patterns(family):
 
 
 def test_what_still_cannot_run_is_refused_by_name(embedded_tokenizer):
+    phi3 = wrap_model(tiny_family_model("phi3", len(embedded_tokenizer)), embedded_tokenizer,
+                      name="tiny-phi3", digest="tiny-phi3")
+    with pytest.raises(StatisticsModeError, match="JointQKVPositionEmbeddingsAttentionBridge"):
+        check_supported(phi3.bridge)
     model = wrap_model(tiny_family_model("llama", len(embedded_tokenizer)), embedded_tokenizer,
                        name="tiny-llama-sinks", digest="tiny-llama-sinks")
     hf_attn = model.bridge.blocks[1].attn.original_component
