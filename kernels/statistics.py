@@ -279,26 +279,6 @@ def _per_head(value: int | Tensor | None, n_heads: int, what: str) -> tuple[int,
     return values
 
 
-def visible_keys(plan: Plan, n_q: int, n_k: int, device: torch.device, rows: slice | None = None) -> Tensor:
-    """Which keys each query row sees: ``[n_heads or 1, rows, n_k]`` bool.
-
-    Row ``i`` sits at key position ``p_i = n_k − n_q + i``; causal attention shows keys ``j ≤ p_i``,
-    and a head ``h`` with a window ``W_h > 0`` only those with ``j < S_h`` or ``j > p_i − W_h``
-    (``S_h`` its key sink). The head axis has size 1 without windows.
-    """
-    rows = rows or slice(0, n_q)
-    pos = (torch.arange(n_q, device=device)[rows] + (n_k - n_q)).view(1, -1, 1)
-    keys = torch.arange(n_k, device=device).view(1, 1, -1)
-    if not plan.causal:
-        return torch.ones(1, pos.shape[1], n_k, dtype=torch.bool, device=device)
-    vis = keys <= pos
-    if plan.windowed:
-        win = torch.tensor(plan.key_window, device=device).view(-1, 1, 1)
-        sink = torch.tensor(plan.key_sink, device=device).view(-1, 1, 1)
-        vis = vis & ((win == 0) | (keys < sink) | (keys > pos - win))
-    return vis
-
-
 def _check_tensors(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[int, int, int]:
     """Shapes, dtypes and devices of q, k, v (see :func:`validate`); ``(n_q, n_k, d_head)``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
