@@ -17,16 +17,28 @@ would not run. This module replaces that one method, per attention module instan
 duration of a ``with statistics_mode(...)`` block, with the same steps up to the scores and the
 kernel after them.
 
-Supported: rotary causal self-attention with full-width rotate-half RoPE (the Llama family, which
-includes the embedded SmolLM2), grouped-query attention natively (K/V never repeated), KV-cached
-decoding, no padding. Anything else (query/key norms, soft-capping, sliding windows, learned
-sinks, split-qkv inputs, gates) raises :class:`StatisticsModeError` naming what is missing rather
-than computing something else.
+Supported: causal self-attention of the families in the README's table, tested on tiny random
+models of each (``tests/analysis/test_statistics_families.py``):
+
+- rotary attention (``PositionEmbeddingsAttentionBridge``): rotate-half RoPE, full or partial
+  width, with whatever ``cos``/``sin`` the decoder layer hands down (Gemma 3's per-layer RoPE base
+  comes that way); q/k/v biases (Qwen 2: they live in the projections); QK-norm before RoPE
+  (Qwen 3, Gemma 3, OLMo 2); sliding windows per layer (Mistral, Gemma 2/3, Qwen 2 with windows),
+  as the kernel's key mask ``key_window``, checked against the mask the model built; attention
+  logit soft-capping (Gemma 2); the module's own ``scaling`` (Gemma's ``query_pre_attn_scalar``);
+- GPT-2's fused-qkv attention (``JointQKVAttentionBridge``) with absolute positions: the bridge's
+  ``_reconstruct_attention`` is replaced instead of ``forward``;
+- grouped-query attention natively (K/V never repeated), any group ratio, head_dim up to 256
+  (the Triton tiles); KV-cached decoding; no padding.
+
+Anything else (QK-norm after RoPE, learned sinks, split-qkv inputs, gates, clip_qkv, a key
+multiplier, Llama 4 query scaling, GPT-2's reordered upcast) raises :class:`StatisticsModeError`
+naming what is missing rather than computing something else.
 
 Pair terms. Besides the kernel's statistics a layer request can ask for ``pairs``: offsets ``o``
 whose weights ``A[i, p_i − o]`` (``o = 0`` the query's own position, ``o = 1`` the previous token)
-are recovered exactly from the row's log-sum-exp, ``A[i, j] = exp(scale · q_i · k_j − lse_i)``, at
-O(n · d) cost.
+are recovered exactly from the row's log-sum-exp, ``A[i, j] = exp(s_ij − lse_i)`` with ``s_ij`` the
+layer's (soft-capped) score, 0 where the layer's mask hides the key, at O(n · d) cost.
 """
 
 from __future__ import annotations
@@ -41,7 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kernels.attention import LSE, attention
+from kernels.attention import ARGMAX, COL_SUM, LSE, POOLED, ROWS, SINK_MASS, SPAN_MASS, TOPK_INDEX, attention
 
 
 class StatisticsModeError(ValueError):
@@ -87,6 +99,9 @@ _state = threading.local()  # reentrancy guard per thread
 
 def check_supported(bridge: Any) -> None:
     """Raise :class:`StatisticsModeError` when ``bridge``'s attention cannot run through the kernel."""
+    from transformer_lens.model_bridge.generalized_components.joint_qkv_attention import (
+        JointQKVAttentionBridge,
+    )
     from transformer_lens.model_bridge.generalized_components.position_embeddings_attention import (
         PositionEmbeddingsAttentionBridge,
     )
@@ -102,24 +117,32 @@ def check_supported(bridge: Any) -> None:
             reasons.append(flag)
     for i, block in enumerate(blocks):
         attn = getattr(block, "attn", None)
-        if type(attn) is not PositionEmbeddingsAttentionBridge:
-            reasons.append(f"layer {i} attention is {type(attn).__name__}, not rotary self-attention")
+        if type(attn) not in (PositionEmbeddingsAttentionBridge, JointQKVAttentionBridge):
+            reasons.append(f"layer {i} attention is {type(attn).__name__}, not rotary or GPT-2 self-attention")
             break
         hf = attn.original_component
         hf_cfg = getattr(hf, "config", None)
-        for sub in ("q_norm", "k_norm", "gate"):
-            if sub in attn.submodules or attn._modules.get(sub) is not None:
-                reasons.append(f"{sub} in layer {i}")
-        for attr, what in (("attn_logit_softcapping", "soft-capping"), ("sinks", "learned sinks"),
-                           ("key_multiplier", "a key multiplier"), ("sliding_window", "a sliding window")):
+        if "gate" in attn.submodules or attn._modules.get("gate") is not None:
+            reasons.append(f"gate in layer {i}")
+        if type(attn) is JointQKVAttentionBridge:
+            if getattr(hf, "reorder_and_upcast_attn", False):
+                reasons.append("GPT-2's reorder_and_upcast_attn")
+            if getattr(attn, "_layer_idx", None) is None:
+                reasons.append(f"no layer index on layer {i} (KV cache)")
+        elif "q_norm" in attn.submodules and attn._qk_norm_phase not in (None, "pre_reshape", "post_reshape"):
+            reasons.append(f"a QK-norm of unknown placement in layer {i}")
+        for attr, what in (("sinks", "learned sinks"), ("key_multiplier", "a key multiplier")):
             if getattr(hf, attr, None) is not None:
                 reasons.append(f"{what} in layer {i}")
+        if not isinstance(getattr(hf, "scaling", None), (int, float)):
+            reasons.append(f"no attention scale (scaling) on layer {i}'s module")
         if getattr(hf_cfg, "clip_qkv", None) is not None:
             reasons.append("clip_qkv")
         rope = getattr(hf_cfg, "rope_parameters", None)
         if isinstance(rope, dict) and rope.get("llama_4_scaling_beta") is not None:
             reasons.append("llama-4 query scaling")
-        if type(attn)._pre_output_projection is not PositionEmbeddingsAttentionBridge._pre_output_projection:
+        if (type(attn) is PositionEmbeddingsAttentionBridge
+                and type(attn)._pre_output_projection is not PositionEmbeddingsAttentionBridge._pre_output_projection):
             reasons.append("a transform before the output projection")
         if attn.is_cross_attention or not attn.is_causal:
             reasons.append(f"non-causal attention in layer {i}")
@@ -180,15 +203,18 @@ def statistics_mode(
             for layer, block in enumerate(bridge.blocks):
                 attn = block.attn
                 # object.__setattr__: the bridge's own __setattr__ would forward the name to the
-                # wrapped Hugging Face module, which has a ``forward`` too
-                object.__setattr__(attn, "forward", types.MethodType(_forward_factory(layer, request, on_layer), attn))
-                patched.append(attn)
+                # wrapped Hugging Face module, which has a ``forward`` too. GPT-2's joint-qkv bridge
+                # keeps its forward (hooks, qkv split) and loses only _reconstruct_attention
+                name = "_reconstruct_attention" if _is_joint(attn) else "forward"
+                factory = _joint_factory if _is_joint(attn) else _forward_factory
+                object.__setattr__(attn, name, types.MethodType(factory(layer, request, on_layer), attn))
+                patched.append((attn, name))
             _state.active = bridge
             yield
         finally:
             _state.active = None
-            for attn in patched:
-                attn.__dict__.pop("forward", None)
+            for attn, name in patched:
+                attn.__dict__.pop(name, None)
 
 
 def restore_eager(bridge: Any) -> None:
@@ -197,6 +223,15 @@ def restore_eager(bridge: Any) -> None:
     for block in getattr(bridge, "blocks", ()):
         with contextlib.suppress(Exception):
             block.attn.__dict__.pop("forward", None)
+            block.attn.__dict__.pop("_reconstruct_attention", None)
+
+
+def _is_joint(attn: Any) -> bool:
+    from transformer_lens.model_bridge.generalized_components.joint_qkv_attention import (
+        JointQKVAttentionBridge,
+    )
+
+    return type(attn) is JointQKVAttentionBridge
 
 
 def _forward_factory(layer: int, request: Request | None, on_layer: OnLayer | None):
@@ -206,17 +241,58 @@ def _forward_factory(layer: int, request: Request | None, on_layer: OnLayer | No
     return forward
 
 
-def _kernel_forward(self: Any, layer: int, request: Request | None, on_layer: OnLayer | None,
-                    *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
-    """The bridge's rotary attention forward with the kernel in place of scores → softmax → @V."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+def _joint_factory(layer: int, request: Request | None, on_layer: OnLayer | None):
+    def reconstruct(self: Any, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> tuple[Tensor, None]:
+        return _joint_reconstruct(self, layer, request, on_layer, q, k, v, **kwargs)
 
+    return reconstruct
+
+
+def _refuse_pattern_hooks(self: Any) -> None:
     for hp in (self.hook_attn_scores, self.hook_pattern):
         if hp._forward_hooks or hp._forward_pre_hooks:
             raise StatisticsModeError(
                 f"A hook is attached to {hp.name or 'hook_pattern'}: attention patterns are not built in "
                 "statistics mode. Capture full patterns instead (shorter input), or hook q/k/v/z."
             )
+
+
+@dataclass(frozen=True)
+class LayerMask:
+    """What one layer's attention adds to ``scale · q · k`` and the causal mask, read off its
+    Hugging Face module: the scale (Gemma: ``query_pre_attn_scalar ** -0.5``), soft-capping
+    (Gemma 2) and a sliding window (keys ``j > p − window``; 0: none)."""
+
+    scale: float
+    softcap: float | None = None
+    window: int = 0
+
+    @property
+    def kernel(self) -> dict[str, Any]:
+        return dict(scale=self.scale, softcap=self.softcap, key_window=self.window or None)
+
+
+def layer_mask(hf_attn: Any) -> LayerMask:
+    """The :class:`LayerMask` of a Hugging Face attention module. The window is the module's own
+    ``sliding_window`` (Gemma 2/3 and Qwen 2 set it per layer, None on full-attention layers), else
+    the config's (Mistral uses one window on every layer); :func:`_check_mask` then holds it against
+    the mask the model actually built."""
+    if hasattr(hf_attn, "sliding_window"):
+        window = hf_attn.sliding_window
+    else:
+        window = getattr(getattr(hf_attn, "config", None), "sliding_window", None)
+    softcap = getattr(hf_attn, "attn_logit_softcapping", None)
+    return LayerMask(scale=float(hf_attn.scaling), softcap=None if softcap is None else float(softcap),
+                     window=int(window or 0))
+
+
+def _kernel_forward(self: Any, layer: int, request: Request | None, on_layer: OnLayer | None,
+                    *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
+    """The bridge's rotary attention forward with the kernel in place of scores → softmax → @V.
+
+    The steps up to the scores are those of ``PositionEmbeddingsAttentionBridge.forward`` for the
+    configurations :func:`check_supported` lets through, with the same hooks in the same order."""
+    _refuse_pattern_hooks(self)
     hf_attn = self.original_component
     if "hidden_states" in kwargs:
         hidden_states = kwargs.pop("hidden_states")
@@ -230,38 +306,36 @@ def _kernel_forward(self: Any, layer: int, request: Request | None, on_layer: On
     input_shape = hidden_states.shape[:-1]
     head_dim = hf_attn.head_dim
     hidden_shape = (*input_shape, -1, head_dim)
-    # the LinearBridges fire hook_q / hook_k / hook_v on the live path, as in the eager forward
-    q = self.q(hidden_states).view(hidden_shape).transpose(1, 2)
-    k = self.k(hidden_states).view(hidden_shape).transpose(1, 2)
-    v = self.v(hidden_states).view(hidden_shape).transpose(1, 2)
+    # the LinearBridges fire hook_q / hook_k / hook_v on the live path (biases included), as in eager
+    q = self.q(hidden_states)
+    k = self.k(hidden_states)
+    v = self.v(hidden_states)
+    has_q_norm, has_k_norm = "q_norm" in self.submodules, "k_norm" in self.submodules
+    if has_q_norm and self._qk_norm_phase == "pre_reshape":  # OLMo 2: RMS over all heads at once
+        q = self._apply_pre_reshape_qk_norm(q, self.q_norm, self.hook_q_normed, head_dim)
+        if has_k_norm:
+            k = self._apply_pre_reshape_qk_norm(k, self.k_norm, self.hook_k_normed, head_dim)
+    q = q.view(hidden_shape).transpose(1, 2)
+    k = k.view(hidden_shape).transpose(1, 2)
+    v = v.view(hidden_shape).transpose(1, 2)
+    if has_q_norm and self._qk_norm_phase == "post_reshape":  # Qwen 3, Gemma 3: per head, before RoPE
+        if self._qk_norm_per_head:
+            q = self.hook_q_normed(self.q_norm(q.transpose(1, 2)).transpose(1, 2))
+            if has_k_norm:
+                k = self.hook_k_normed(self.k_norm(k.transpose(1, 2)).transpose(1, 2))
+        else:
+            q = self.hook_q_normed(self.q_norm(q))
+            if has_k_norm:
+                k = self.hook_k_normed(self.k_norm(k))
     if position_embeddings is None:
         raise StatisticsModeError("No rotary position embeddings reached the attention layer.")
-    cos, sin = self._apply_position_embedding_hooks(position_embeddings)
-    if cos.shape[-1] != head_dim:
-        raise StatisticsModeError("Partial or half-width rotary embeddings are not supported in statistics mode.")
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    q, k = _rotate(self, q, k, position_embeddings, head_dim)
     q = self.hook_rot_q(q)
     k = self.hook_rot_k(k)
     k, v = self._update_kv_cache(k, v, **kwargs)
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    _check_causal_mask(attention_mask, n_q, n_k)
-
-    scale = float(getattr(hf_attn, "scaling", head_dim**-0.5))
-    req = request(layer, n_q, n_k) if request is not None else None
-    kernel_kwargs = dict(req.kernel) if req is not None else {}
-    stats = kernel_kwargs.pop("stats", ())
-    stats = (stats,) if isinstance(stats, str) else tuple(stats)
-    if req is not None and (req.pairs or req.pair_index is not None) and LSE not in stats:
-        stats = (*stats, LSE)
-    result = attention(q, k, v, causal=True, scale=scale, stats=stats, **kernel_kwargs)
-    if req is not None and on_layer is not None and (stats or req.pairs):
-        pairs = {o: _pair_weights(q, k, result.stats[LSE], scale, o) for o in req.pairs}
-        cells = None
-        if req.pair_index is not None:
-            cells = cell_weights(q, k, result.stats[LSE], scale, *req.pair_index)
-        on_layer(LayerStats(layer=layer, n_q=n_q, n_k=n_k, stats=dict(result.stats), pairs=pairs, cells=cells))
-
-    attn_output = result.out.transpose(1, 2).reshape(*input_shape, -1)
+    attn_output = _attend(self, layer, request, on_layer, q, k, v, attention_mask, layer_mask(hf_attn),
+                          kwargs.get("position_ids"))
+    attn_output = attn_output.reshape(*input_shape, -1)
     o_weight = getattr(getattr(self.o, "original_component", None), "weight", None)
     if isinstance(o_weight, Tensor) and o_weight.dtype.is_floating_point and attn_output.dtype != o_weight.dtype:
         attn_output = attn_output.to(dtype=o_weight.dtype)
@@ -270,11 +344,95 @@ def _kernel_forward(self: Any, layer: int, request: Request | None, on_layer: On
     return attn_output, None
 
 
-def _check_causal_mask(mask: Tensor | None, n_q: int, n_k: int) -> None:
-    """The kernel applies a plain causal mask; refuse a mask that says more (padding, windows).
+def _rotate(self: Any, q: Tensor, k: Tensor, position_embeddings: tuple[Tensor, Tensor],
+            head_dim: int) -> tuple[Tensor, Tensor]:
+    """Rotate-half RoPE as the bridge applies it: full width, GPT-OSS's half-width ``cos``/``sin``
+    (duplicated), or partial (the first ``rotary_dim`` dimensions rotated, the rest passed)."""
+    from transformer_lens.utilities.hf_utils import get_rotary_pct_from_config
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    O(n) check: every key of the last query row is visible (no padding, no window) and the first
-    query row sees exactly keys ``0..n_k − n_q``."""
+    cos, sin = self._apply_position_embedding_hooks(position_embeddings)
+    rotary_dim = cos.shape[-1]
+    if rotary_dim * 2 == head_dim and get_rotary_pct_from_config(self.config) == 1.0:
+        return apply_rotary_pos_emb(q, k, torch.cat([cos, cos], -1), torch.cat([sin, sin], -1))
+    if rotary_dim < head_dim:
+        q_rot, k_rot = apply_rotary_pos_emb(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin)
+        return torch.cat([q_rot, q[..., rotary_dim:]], -1), torch.cat([k_rot, k[..., rotary_dim:]], -1)
+    return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def _joint_reconstruct(self: Any, layer: int, request: Request | None, on_layer: OnLayer | None,
+                       q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> tuple[Tensor, None]:
+    """GPT-2's attention after its fused qkv projection (``JointQKVAttentionBridge._reconstruct_attention``)
+    with the kernel in place of scores → softmax → @V; positions were added to the residual stream."""
+    _refuse_pattern_hooks(self)
+    n_heads = self.config.n_heads
+    n_kv = getattr(self.config, "n_key_value_heads", None) or n_heads
+    q, k, v, batch, seq_len, head_dim = self._reshape_qkv_to_heads(q, k, v, n_heads, n_kv)
+    k, v = self._update_kv_cache(k, v, **kwargs)
+    out = _attend(self, layer, request, on_layer, q, k, v, kwargs.get("attention_mask"),
+                  layer_mask(self.original_component), kwargs.get("position_ids"))
+    out = out.reshape(batch, seq_len, n_heads * head_dim)
+    return self._apply_output_projection(out), None
+
+
+def _attend(self: Any, layer: int, request: Request | None, on_layer: OnLayer | None, q: Tensor, k: Tensor,
+            v: Tensor, attention_mask: Tensor | None, mask: LayerMask, position_ids: Tensor | None) -> Tensor:
+    """The kernel on ``q`` ``[b, h, n_q, d]``, ``k``/``v`` ``[b, h_kv, n_k, d]`` with the layer's mask,
+    scale and soft-cap; reports the requested statistics; returns ``[b, n_q, h, d_v]``.
+
+    A sliding-window layer's KV cache (transformers' ``DynamicSlidingWindowLayer``) keeps only the
+    last keys: the first ``dropped`` positions are gone, and were outside every later query's
+    window. Statistics are reported in the model's positions all the same: key indices shifted by
+    ``dropped``, rows and column sums zero on the dropped keys; statistics over absolute key spans
+    (span and sink masses, pooled maps, listed cells) are refused there."""
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    _check_causal_mask(attention_mask, n_q, n_k, mask.window)
+    dropped = 0
+    if mask.window and position_ids is not None and position_ids.numel():
+        dropped = max(0, int(position_ids.reshape(-1)[-1]) - (n_k - 1))
+    req = request(layer, n_q, n_k + dropped) if request is not None else None
+    kernel_kwargs = dict(req.kernel) if req is not None else {}
+    stats = kernel_kwargs.pop("stats", ())
+    stats = (stats,) if isinstance(stats, str) else tuple(stats)
+    if dropped and (set(stats) & {SPAN_MASS, SINK_MASS, POOLED} or (req is not None and req.pair_index is not None)):
+        raise StatisticsModeError(
+            f"Layer {layer}'s sliding-window KV cache has dropped the first {dropped} keys: span and sink "
+            "masses, pooled maps and listed cells need them. Run the text without the cache (one forward pass).")
+    if req is not None and (req.pairs or req.pair_index is not None) and LSE not in stats:
+        stats = (*stats, LSE)
+    result = attention(q, k, v, causal=True, stats=stats, **mask.kernel, **kernel_kwargs)
+    if req is not None and on_layer is not None and (stats or req.pairs):
+        lse = result.stats[LSE] if LSE in result.stats else None
+        pairs = {o: _pair_weights(q, k, lse, mask, o) for o in req.pairs}
+        cells = None
+        if req.pair_index is not None:
+            cells = cell_weights(q, k, lse, mask.scale, *req.pair_index, softcap=mask.softcap, window=mask.window)
+        found = dict(result.stats)
+        if dropped:
+            found = _in_model_positions(found, dropped)
+        on_layer(LayerStats(layer=layer, n_q=n_q, n_k=n_k + dropped, stats=found, pairs=pairs, cells=cells))
+    return result.out.transpose(1, 2)
+
+
+def _in_model_positions(stats: dict[str, Tensor], dropped: int) -> dict[str, Tensor]:
+    """Statistics over a cache missing its first ``dropped`` keys, in the model's key positions."""
+    out = dict(stats)
+    for name in (ARGMAX, TOPK_INDEX):
+        if name in out:
+            out[name] = torch.where(out[name] >= 0, out[name] + dropped, out[name])
+    for name in (ROWS, COL_SUM):
+        if name in out:
+            out[name] = torch.nn.functional.pad(out[name], (dropped, 0))
+    return out
+
+
+def _check_causal_mask(mask: Tensor | None, n_q: int, n_k: int, window: int = 0) -> None:
+    """The kernel applies a causal mask, narrowed to the last ``window`` keys when ``window > 0``;
+    refuse a mask that says anything else (padding, another window, bidirectional spans).
+
+    O(n) check: the first, middle and last query rows see exactly the keys the kernel shows them
+    (row ``i`` at position ``p = n_k − n_q + i``: keys ``j ≤ p``, and ``j > p − window``)."""
     if mask is None:
         return
     visible = mask if mask.dtype == torch.bool else mask == 0
@@ -283,39 +441,56 @@ def _check_causal_mask(mask: Tensor | None, n_q: int, n_k: int) -> None:
             raise StatisticsModeError("Padded batches are not supported in statistics mode.")
         return
     visible = visible[..., -n_q:, :n_k]
-    first = visible[..., 0, :]
-    offset = n_k - n_q
-    ok = bool(visible[..., -1, :].all()) and bool(first[..., : offset + 1].all()) and not bool(first[..., offset + 1:].any())
-    if not ok:
-        raise StatisticsModeError("The attention mask is not plain causal (padding or a window): "
-                                  "statistics mode supports unpadded causal inputs only.")
+    keys = torch.arange(n_k, device=visible.device)
+    for i in sorted({0, n_q // 2, n_q - 1}):
+        p = n_k - n_q + i
+        want = (keys <= p) & ((keys > p - window) if window > 0 else True)
+        if not bool((visible[..., i, :] == want).all()):
+            if window > 0:
+                raise StatisticsModeError(
+                    f"The attention mask does not match the layer's sliding window of {window} keys "
+                    "(padding, or a mask the model builds differently): statistics mode cannot run it.")
+            raise StatisticsModeError("The attention mask is not plain causal (padding or a window): "
+                                      "statistics mode supports unpadded causal inputs only.")
 
 
-def _pair_weights(q: Tensor, k: Tensor, lse: Tensor, scale: float, offset: int) -> Tensor:
-    """``A[i, p_i − offset] = exp(scale · q_i · k_{p_i − offset} − lse_i)``, 0 before position 0."""
+def _scores(q: Tensor, keys: Tensor, scale: float, softcap: float | None) -> Tensor:
+    """``scale · q · k`` row by row (float32), soft-capped as the layer does."""
+    s = (q.float() * keys.float()).sum(-1) * scale
+    return s if softcap is None else softcap * torch.tanh(s / softcap)
+
+
+def _pair_weights(q: Tensor, k: Tensor, lse: Tensor, mask: LayerMask, offset: int) -> Tensor:
+    """``A[i, p_i − offset] = exp(s − lse_i)``, 0 before position 0 or outside the layer's window."""
     b, h, n_q, _ = q.shape
     n_k = k.shape[-2]
     group = h // k.shape[1]
     pos = torch.arange(n_q, device=q.device) + (n_k - n_q) - offset
     valid = pos >= 0
+    if mask.window and offset >= mask.window:
+        valid = torch.zeros_like(valid)
     keys = k[:, :, pos.clamp(min=0)].repeat_interleave(group, dim=1)  # [b, h, n_q, d]: O(n · d)
-    s = (q.float() * keys.float()).sum(-1) * scale
+    s = _scores(q, keys, mask.scale, mask.softcap)
     return torch.where(valid, torch.exp(s - lse), torch.zeros((), device=q.device))
 
 
 def cell_weights(q: Tensor, k: Tensor, lse: Tensor, scale: float, rows: Tensor, keys: Tensor,
-                 chunk: int = 1 << 14) -> Tensor:
-    """``A[r, c] = exp(scale · q_r · k_c − lse_r)`` for listed cells (query row ``r``, key position
-    ``c``), ``[b, h, P]``; ``chunk`` cells at a time, so memory is O(chunk · h · d) whatever P is.
-    Cells a causal query cannot see must not be listed."""
-    b, h, _, _ = q.shape
+                 chunk: int = 1 << 14, softcap: float | None = None, window: int = 0) -> Tensor:
+    """``A[r, c] = exp(s_rc − lse_r)`` for listed cells (query row ``r``, key position ``c``),
+    ``[b, h, P]``, with ``s_rc = scale · q_r · k_c`` soft-capped by ``softcap``; 0 where a sliding
+    ``window`` hides the key (``c ≤ p_r − window``). ``chunk`` cells at a time, so memory is
+    O(chunk · h · d) whatever P is. Cells a causal query cannot see must not be listed."""
+    b, h, n_q, _ = q.shape
     group = h // k.shape[1]
+    offset = k.shape[-2] - n_q
     out = torch.empty(b, h, rows.numel(), dtype=torch.float32, device=q.device)
     rows, keys = rows.to(q.device), keys.to(q.device)
     for a in range(0, rows.numel(), chunk):
         r, c = rows[a : a + chunk], keys[a : a + chunk]
         qr = q[:, :, r].float()  # [b, h, p, d]
         kc = k[:, :, c].float().repeat_interleave(group, dim=1)
-        out[:, :, a : a + chunk] = torch.exp((qr * kc).sum(-1) * scale - lse[:, :, r])
+        w = torch.exp(_scores(qr, kc, scale, softcap) - lse[:, :, r])
+        if window:
+            w = torch.where(c > r + offset - window, w, torch.zeros((), device=q.device))
+        out[:, :, a : a + chunk] = w
     return out
-

@@ -91,7 +91,7 @@ def greedy_decode(
     The prompt minus its last token is pre-filled without keeping any attention; then each step
     feeds one token and, when ``record``, every layer's decode row ``[head, key]`` is reduced to its
     argmax key and maximum. The first step's query is the prompt's last token, so row t produces
-    token t. Models that run in statistics mode (the Llama family) do all of it through
+    token t. Models that run in statistics mode (the families in the README's table) do all of it through
     :func:`kernels.attention` (the prefill builds no N × N matrix; the argmax comes from the
     kernel); others through a hook on ``hook_pattern``, which gives the same numbers.
 
@@ -155,7 +155,7 @@ def greedy_decode(
         mode = statistics_mode(model, request, on_layer)
         hooked = nullcontext()
     else:
-        hooks = _row_recorders(n_layers, keys, weights, step_box, rows, keep_row)
+        hooks = _row_recorders(n_layers, keys, weights, step_box, rows, keep_row, len(prompt_ids))
         mode = nullcontext()
         hooked = bridge.hooks(fwd_hooks=hooks) if record else nullcontext()
     device = model.device
@@ -195,18 +195,22 @@ def greedy_decode(
 
 
 def _row_recorders(n_layers: int, keys: torch.Tensor, weights: torch.Tensor, step_box: list[int],
-                   rows: list[np.ndarray], keep_row: tuple[int, int] | None) -> list[tuple[str, Any]]:
+                   rows: list[np.ndarray], keep_row: tuple[int, int] | None, n_prompt: int) -> list[tuple[str, Any]]:
     """The eager path's ``hook_pattern`` hooks: each decode row's argmax key and weight per head
-    (into ``keys``/``weights`` at step ``step_box[0]``), and ``keep_row``'s whole row."""
+    (into ``keys``/``weights`` at step ``step_box[0]``), and ``keep_row``'s whole row, in the
+    model's key positions: a sliding-window layer's cache (Mistral, Gemma) holds only the last
+    keys, so its pattern row starts at ``dropped`` = query position − (row length − 1)."""
 
     def record_row(layer: int):
         def hook(pattern: torch.Tensor, hook: Any = None) -> None:
             # pattern: [batch, head, query, key]; the decode step has a single query row.
+            dropped = max(0, n_prompt - 1 + step_box[0] - (pattern.shape[-1] - 1))
             w, j = pattern[0, :, -1, :].max(dim=-1)
-            keys[step_box[0], layer] = j
+            keys[step_box[0], layer] = j + dropped
             weights[step_box[0], layer] = w.float()
             if keep_row is not None and keep_row[0] == layer:
-                rows.append(pattern[0, keep_row[1], -1, :].float().cpu().numpy().copy())
+                row = pattern[0, keep_row[1], -1, :].float().cpu().numpy()
+                rows.append(np.concatenate([np.zeros(dropped, dtype=row.dtype), row]))
 
         return hook
 

@@ -413,7 +413,7 @@ def query_attention(head: HeadQK, token_index: int, *, top_k: int = 5,
                     embedding: QKEmbedding | None = None) -> list[KeyHit]:
     """The ``top_k`` keys query ``token_index`` attends to most, within its own sentence.
 
-    Attention is the head's own softmax of ``q_i · k_j / sqrt(d_head)`` over keys ``j ≤ i`` of the
+    Attention is the head's own softmax of its logits (:meth:`HeadQK.logits`) over keys ``j ≤ i`` of the
     sentence (post-rotary vectors). With ``embedding``, each hit carries the 2-D distance from the
     query's point to the key's point.
     """

@@ -6,7 +6,8 @@ queries and keys of one head pooled over many short inputs. This module produces
 - every sentence is run on its own (batched with right padding, which a causal model never sees:
   a token only attends to the tokens before it), with exactly its own token ids (no BOS added);
 - for the chosen layer it keeps post-rotary queries and keys (``hook_rot_q``/``hook_rot_k``, what
-  the attention logits are made of: ``logit[i, j] = q_i · k_j / sqrt(d_head)``) and pre-rotary ones
+  the attention logits are made of: ``logit[i, j] = scale · q_i · k_j`` with the layer's own scale,
+  soft-capped and windowed as the layer does) and pre-rotary ones
   (``hook_q``/``hook_k``), shapes ``[batch, pos, head, d_head]`` and ``[batch, pos, kv_head, d_head]``;
 - with grouped-query attention the keys of query head ``h`` are those of its key-value head
   ``h // (H / H_kv)`` (``LoadedModel.kv_head``);
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 from transformer_lens.utilities import get_act_name
 
+from analysis.attention_statistics import layer_mask
 from analysis.errors import InputError, check_head, check_head_index, check_layer, parse_json
 from analysis.models import LoadedModel
 from analysis.paths import DATA_DIR
@@ -38,7 +40,7 @@ PROBES_DIR = DATA_DIR / "probes"
 SENTENCES_FILE = PROBES_DIR / "sentences.txt"
 FEATURES_FILE = PROBES_DIR / "features.json"
 
-QK_VERSION = 1
+QK_VERSION = 2  # 2: the layer's scale, soft-cap and window are stored with the vectors
 MAX_POINTS = 20_000  # the default; the app passes analysis.limits.limit("HEADSCOPE_MAX_QK_POINTS")
 """Most points (queries + keys of one head) collected at once; UMAP/t-SNE past this take minutes."""
 MAX_SENTENCE_TOKENS = 256
@@ -160,6 +162,9 @@ class QKSet:
     offsets : ``[sentence + 1]`` sentence ``s`` owns rows ``offsets[s]:offsets[s + 1]``.
     char_spans : ``[token, 2]`` start and end character of each token in its sentence (a leading
         space belongs to the token), for labelling words.
+    scale, softcap, window : the layer's logit scale (Gemma: ``query_pre_attn_scalar ** -0.5``),
+        soft-cap (Gemma 2; None) and sliding window (0: none), from
+        :func:`analysis.attention_statistics.layer_mask`.
     """
 
     key: str
@@ -169,6 +174,9 @@ class QKSet:
     n_heads: int
     n_kv_heads: int
     d_head: int
+    scale: float
+    softcap: float | None
+    window: int
     sentences: list[str]
     tokens: list[str]
     token_ids: np.ndarray
@@ -212,7 +220,7 @@ class QKSet:
             token_ids=np.asarray(self.token_ids), tokens=self.tokens, positions=np.asarray(self.positions),
             sentence_index=np.asarray(self.sentence_index), offsets=np.asarray(self.offsets),
             char_spans=np.asarray(self.char_spans), sentences=self.sentences, source_key=self.key,
-            model_name=self.model_name,
+            model_name=self.model_name, scale=self.scale, softcap=self.softcap, window=self.window,
         )
 
 
@@ -223,7 +231,8 @@ class HeadQK:
     ``q[i]`` and ``k[i]`` belong to the same token ``i``; attention only runs within a sentence and
     causally: query ``i`` sees keys ``j`` of its own sentence with ``positions[j] <= positions[i]``.
     ``q_rot``/``k_rot`` are always the post-rotary vectors (used for attention); ``q``/``k`` are the
-    space chosen for analysis (post-rotary by default, the same arrays).
+    space chosen for analysis (post-rotary by default, the same arrays). ``scale``, ``softcap`` and
+    ``window`` are the layer's (see :class:`QKSet`): :meth:`scores` applies them as the model does.
     """
 
     layer: int
@@ -241,6 +250,9 @@ class HeadQK:
     offsets: np.ndarray
     char_spans: np.ndarray
     sentences: list[str]
+    scale: float
+    softcap: float | None = None
+    window: int = 0
     source_key: str = ""
     model_name: str = ""
 
@@ -272,11 +284,21 @@ class HeadQK:
         return slice(int(self.offsets[sentence]), int(self.offsets[sentence + 1]))
 
     def logits(self, sentence: int) -> np.ndarray:
-        """``[query, key]`` attention logits of one sentence: ``q_i · k_j / sqrt(d_head)``, ``-inf``
-        for ``j > i`` (post-rotary vectors, exactly what the model's softmax sees)."""
+        """``[query, key]`` attention logits of one sentence (post-rotary vectors, exactly what the
+        model's softmax sees): :meth:`scores` of its queries and keys."""
         r = self.rows(sentence)
-        s = self.q_rot[r].astype(np.float64) @ self.k_rot[r].astype(np.float64).T / np.sqrt(self.d_head)
+        return self.scores(self.q_rot[r], self.k_rot[r])
+
+    def scores(self, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """``[query, key]`` logits of one sentence's queries ``q`` and keys ``k`` (rows = positions
+        0..m−1): ``s_ij = scale · q_i · k_j``, soft-capped to ``c · tanh(s_ij / c)`` when the layer
+        caps, ``-inf`` for ``j > i`` and, with a sliding window ``W``, for ``j ≤ i − W``."""
+        s = np.asarray(q, dtype=np.float64) @ np.asarray(k, dtype=np.float64).T * self.scale
+        if self.softcap is not None:
+            s = self.softcap * np.tanh(s / self.softcap)
         s[np.triu_indices(s.shape[0], 1)] = -np.inf
+        if self.window:
+            s[np.tril_indices(s.shape[0], -self.window)] = -np.inf
         return s
 
     def attention(self, sentence: int) -> np.ndarray:
@@ -298,6 +320,7 @@ class HeadQK:
             token_ids=self.token_ids[rows], tokens=[self.tokens[i] for i in rows],
             positions=self.positions[rows], sentence_index=sent_index, offsets=offsets,
             char_spans=self.char_spans[rows], sentences=[self.sentences[s] for s in idx], source_key=self.source_key, model_name=self.model_name,
+            scale=self.scale, softcap=self.softcap, window=self.window,
         )
 
     def point_table(self) -> dict[str, list[Any]]:
@@ -518,10 +541,12 @@ def _qk_sets(model: LoadedModel, sentences: list[str], ids: list[list[int]], spa
     token_ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in ids])
     char_spans = np.concatenate(spans).astype(np.int32)
     tokens = model.token_strings(token_ids.tolist())
+    masks = {layer: layer_mask(model.bridge.blocks[layer].attn.original_component) for layer in vectors}
     return {
         layer: QKSet(
             key=keys[layer], model_name=model.name, model_digest=model.digest, layer=layer,
             n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, d_head=model.d_head, sentences=sentences,
+            scale=masks[layer].scale, softcap=masks[layer].softcap, window=masks[layer].window,
             tokens=tokens, token_ids=token_ids, positions=positions, sentence_index=sentence_index,
             offsets=offsets, char_spans=char_spans, **arrays,
         )
@@ -559,7 +584,8 @@ def collect_head(
     """Queries of query head ``head`` of ``layer`` and the keys of its key-value group, over a probe set.
 
     AttentionViz (Yeh et al. 2023) pools one head's queries ``q_i`` and keys ``k_j`` over many inputs;
-    here ``logit[i, j] = q_i · k_j / sqrt(d_head)`` within each sentence (post-rotary vectors).
+    here ``logit[i, j] = scale · q_i · k_j`` (the layer's scale, soft-cap and window applied) within
+    each sentence (post-rotary vectors).
     The whole layer is collected and stored (one forward pass gives every head), so switching heads
     of a layer is instant.
 
@@ -585,6 +611,7 @@ def _save(store: Store, qk: QKSet) -> None:
     meta = {
         "model_name": qk.model_name, "model_digest": qk.model_digest, "layer": qk.layer,
         "n_heads": qk.n_heads, "n_kv_heads": qk.n_kv_heads, "d_head": qk.d_head,
+        "scale": qk.scale, "softcap": qk.softcap, "window": qk.window,
         "sentences": qk.sentences, "tokens": qk.tokens, "qk_version": QK_VERSION,
     }
     store.put(qk.key, "qk_points", meta, {a: getattr(qk, a) for a in _ARRAYS})
@@ -603,7 +630,7 @@ def _load(store: Store, key: str) -> QKSet | None:
     return QKSet(
         key=key, model_name=m["model_name"], model_digest=m["model_digest"], layer=m["layer"],
         n_heads=m["n_heads"], n_kv_heads=m["n_kv_heads"], d_head=m["d_head"], sentences=m["sentences"],
-        tokens=m["tokens"], **arrays,
+        tokens=m["tokens"], scale=float(m["scale"]), softcap=m["softcap"], window=int(m["window"]), **arrays,
     )
 
 

@@ -12,7 +12,7 @@ over valid causal pairs (``j`` before ``i`` in the same sentence). Whatever the 
 cancels; what is left is the feature's interaction. ``ΔC = U Σ Vᵀ`` (SVD): the number of singular
 values above noise is the feature's rank, the first ``r`` left singular vectors span its query
 subspace and the first ``r`` right singular vectors its key subspace. Attention logits
-``q_i · k_j / sqrt(d_head)`` are then attributed to those subspaces (:func:`attribute_logits`), and
+``scale · q_i · k_j`` are then attributed to those subspaces (:func:`attribute_logits`), and
 projecting the query subspace out shows what attention does without the feature
 (:func:`ablate_query_subspace`).
 
@@ -53,7 +53,6 @@ token, where a causal model has read the whole word (``token:`` rules label that
 from __future__ import annotations
 
 import csv
-import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -507,8 +506,8 @@ def decompose_head(head: HeadQK, feature: LabelFeature | ProbeTask | str, *, neg
 class LogitAttribution:
     """Each logit split into feature terms, a cross term and a residual that sum to it exactly.
 
-    ``logits = Σ_f terms[f] + cross + residual`` (all ``[pair]`` arrays, already scaled by
-    ``1 / sqrt(d_head)``).
+    ``logits = Σ_f terms[f] + cross + residual`` (all ``[pair]`` arrays, already multiplied by the
+    layer's scale; before any soft-capping, which is not linear).
     """
 
     logits: np.ndarray
@@ -543,7 +542,7 @@ def attribute_logits(
     k: np.ndarray,
     decompositions: Sequence[QKDecomposition],
     *,
-    scale: float | None = None,
+    scale: float,
 ) -> LogitAttribution:
     """Attribute logits ``q · k · scale`` to feature subspaces (Lee et al. 2026, Sec. on attribution).
 
@@ -556,14 +555,14 @@ def attribute_logits(
               + q_r · k_r                          residual
 
     exactly. Parameters: ``q``, ``k`` are ``[pair, d]`` (row ``p`` of each makes logit ``p``);
-    ``scale`` defaults to ``1 / sqrt(d)``.
+    ``scale`` is the layer's logit scale (:attr:`HeadQK.scale`).
     """
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     if q.shape != k.shape or q.ndim != 2:
         raise InputError(f"q and k must be [pair, d] arrays of one shape; got {q.shape} and {k.shape}.")
     d = q.shape[1]
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    scale = float(scale)
     names = [dc.feature for dc in decompositions]
     if len(set(names)) != len(names):
         raise InputError("Two decompositions have the same feature name; attribute each feature once.")
@@ -600,7 +599,7 @@ def attribute_sentence(head: HeadQK, sentence: int, decompositions: Sequence[QKD
     r = head.rows(sentence)
     m = r.stop - r.start
     a, b = np.tril_indices(m)
-    att = attribute_logits(head.q[r][a], head.k[r][b], decompositions)
+    att = attribute_logits(head.q[r][a], head.k[r][b], decompositions, scale=head.scale)
     out = {}
     for name, v in [("logits", att.logits), *att.terms.items(), ("cross", att.cross), ("residual", att.residual)]:
         grid = np.full((m, m), np.nan)
@@ -622,7 +621,7 @@ def ablate_query_subspace(head: HeadQK, basis: np.ndarray | QKDecomposition, sen
     """Project a subspace out of the queries and recompute this head's attention on one sentence.
 
     ``q' = (I − U Uᵀ) q`` with ``U`` an orthonormal basis (a decomposition's query subspace);
-    ``A' = softmax(q' · k / sqrt(d_head))`` over the causal keys. Only this head's pattern changes:
+    ``A' = softmax(scale · q' · k)`` over the causal keys (:meth:`HeadQK.scores`). Only this head's pattern changes:
     later layers are not recomputed. Needs post-rotary vectors (the subspace must live where the
     logits are computed).
     """
@@ -635,9 +634,7 @@ def ablate_query_subspace(head: HeadQK, basis: np.ndarray | QKDecomposition, sen
     r = head.rows(sentence)
     q = head.q_rot[r].astype(np.float64)
     q = q - (q @ u) @ u.T
-    logits = q @ head.k_rot[r].astype(np.float64).T / math.sqrt(head.d_head)
-    logits[np.triu_indices(logits.shape[0], 1)] = -np.inf
-    return Intervention(sentence, head.attention(sentence), causal_softmax(logits))
+    return Intervention(sentence, head.attention(sentence), causal_softmax(head.scores(q, head.k_rot[r])))
 
 
 @dataclass(frozen=True)

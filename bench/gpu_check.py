@@ -4,9 +4,11 @@ Run through ``bench/gpu_check.sh`` on a CUDA machine (written for an H100/H200, 
 
 1. parity: Triton vs the torch kernel (both on CUDA tensors) for every statistic, on shapes that
    cover GQA, causal and not, decode rows (n_q < n_k), odd lengths, fp32 / fp16 / bf16, pooled
-   blocks that nest with the tiles and ones that do not;
+   blocks that nest with the tiles and ones that do not; sliding windows (per head, with sinks)
+   and soft-capping (Mistral, Gemma 2/3 shapes, head_dim 256);
 2. timing: the Triton kernel against ``scaled_dot_product_attention`` (flash backend) at
-   4k / 16k / 32k / 64k tokens, 32 heads, d_head 128, bf16, causal, for each statistic;
+   4k / 16k / 32k / 64k tokens, 32 heads, d_head 128, bf16, causal, for each statistic; a 4,096-key
+   sliding window (and soft-capping) against SDPA with the same boolean mask, up to 16k tokens;
 3. if time is left, a small sweep of tile shapes at 16k tokens.
 
 Every case is guarded: a failure prints one line and the table goes on.
@@ -53,8 +55,14 @@ def short_error(exc: BaseException) -> str:
 
 # --- 1. parity --------------------------------------------------------------------------------------
 
-# name: (batch, n_heads, n_kv_heads, n_q, n_k, d, dtype, causal, pooled block)
+# name: (batch, n_heads, n_kv_heads, n_q, n_k, d, dtype, causal, pooled block[, key mask / soft-cap])
 PARITY = {
+    "mistral window 512 of 3000 bf16": (1, 8, 2, 3000, 3000, 128, torch.bfloat16, True, 64, dict(key_window=512)),
+    "gemma2 window+cap 2000 bf16": (1, 8, 4, 2000, 2000, 128, torch.bfloat16, True, 64,
+                                    dict(key_window=512, softcap=50.0)),
+    "gemma3 d256 4:1 window 1500 bf16": (1, 4, 1, 1500, 1500, 256, torch.bfloat16, True, 32, dict(key_window=512)),
+    "per-head window+sink decode 3x5000": (1, 8, 2, 3, 5000, 128, torch.bfloat16, True, 16,
+                                           dict(key_window=torch.tensor([0, 64, 512, 4096] * 2), key_sink=4)),
     "gqa 8/2 causal 1000 fp32": (2, 8, 2, 1000, 1000, 64, torch.float32, True, 64),
     "gqa 32/8 causal 4096 bf16": (1, 32, 8, 4096, 4096, 128, torch.bfloat16, True, 64),
     "mha causal 777 fp16 odd": (1, 4, 4, 777, 777, 128, torch.float16, True, 48),
@@ -66,13 +74,14 @@ PARITY = {
 }
 
 
-def parity_case(b, h, h_kv, n_q, n_k, d, dtype, causal, block) -> tuple[bool, str]:
+def parity_case(b, h, h_kv, n_q, n_k, d, dtype, causal, block, mask=None) -> tuple[bool, str]:
+    mask = mask or {}
     g = torch.Generator(device=DEVICE).manual_seed(0)
     q = torch.randn(b, h, n_q, d, device=DEVICE, dtype=dtype, generator=g)
     k = torch.randn(b, h_kv, n_k, d, device=DEVICE, dtype=dtype, generator=g)
     v = torch.randn(b, h_kv, n_k, d, device=DEVICE, dtype=dtype, generator=g)
     kw = dict(causal=causal, stats=stat.STATISTICS, spans=[(0, min(4, n_k)), (n_k // 2, n_k)], sink_size=4,
-              window=min(256, n_k), block_size=block, rows=[0, n_q - 1, n_q // 2], topk=min(4, n_k))
+              window=min(256, n_k), block_size=block, rows=[0, n_q - 1, n_q // 2], topk=min(4, n_k), **mask)
     ref = attention(q, k, v, backend="torch", **kw)
     got = attention(q, k, v, backend="triton", **kw)
     sync()
@@ -85,7 +94,7 @@ def parity_case(b, h, h_kv, n_q, n_k, d, dtype, causal, block) -> tuple[bool, st
         checks[name] = ((got[name] - ref[name]).abs().max().item(), 1e-4)
     col_rel = ((got[stat.COL_SUM] - ref[stat.COL_SUM]).abs() / ref[stat.COL_SUM].abs().clamp(min=1)).max().item()
     checks["col_sum (rel)"] = (col_rel, 1e-4)
-    col_alone = attention(q, k, v, backend="triton", causal=causal, stats=(stat.COL_SUM,))[stat.COL_SUM]  # own kernel
+    col_alone = attention(q, k, v, backend="triton", causal=causal, stats=(stat.COL_SUM,), **mask)[stat.COL_SUM]
     col_alone_rel = ((col_alone - ref[stat.COL_SUM]).abs() / ref[stat.COL_SUM].abs().clamp(min=1)).max().item()
     checks["col_sum alone (rel)"] = (col_alone_rel, 1e-4)
     # argmax: an index may differ only where two keys are within rounding of each other, so
@@ -96,7 +105,9 @@ def parity_case(b, h, h_kv, n_q, n_k, d, dtype, causal, block) -> tuple[bool, st
         k_chosen = k.repeat_interleave(h // h_kv, 1).float().gather(
             2, got[stat.ARGMAX].unsqueeze(-1).expand(-1, -1, -1, d)
         )
-        s_chosen = (q.float() * k_chosen).sum(-1) * d**-0.5
+        s_chosen = (q.float() * k_chosen).sum(-1) * d**-0.5  # the kernels' default scale
+        if mask.get("softcap"):
+            s_chosen = mask["softcap"] * torch.tanh(s_chosen / mask["softcap"])
         gap = (ref[stat.ARGMAX_PROB] - torch.exp(s_chosen - ref[stat.LSE])).abs().max().item()
     checks["argmax (prob gap)"] = (gap, 1e-3)
     if stat.TOPK_PROB in ref.stats:
@@ -104,7 +115,7 @@ def parity_case(b, h, h_kv, n_q, n_k, d, dtype, causal, block) -> tuple[bool, st
     if b * h * n_q * n_k <= 64 * 2**20:
         # the torch kernel itself against plain eager attention (kernels/reference.py: the full
         # matrix, here in float32), so that a failure says which side is wrong
-        eager = reference_attention(q, k, v, causal=causal, dtype=torch.float32)
+        eager = reference_attention(q, k, v, causal=causal, dtype=torch.float32, **mask)
         checks["torch vs eager: lse"] = ((ref[stat.LSE] - eager[stat.LSE]).abs().max().item(), 1e-3)
         checks["torch vs eager: out"] = ((ref.out.float() - eager[OUT]).abs().max().item(), out_tol)
         del eager
@@ -237,6 +248,23 @@ def time_size(n: int, heads: int, d: int, budget_s: float) -> None:
         except Exception as exc:
             log(f"{'triton: ' + label:30s} {n:7d}  ERROR {short_error(exc)}")
         empty_cache()
+    # a sliding window of 4,096 keys (Mistral), then with Gemma 2's soft-capping, against SDPA with
+    # the same boolean mask (SDPA cannot cap: that row's ratio is against the uncapped mask)
+    if n <= 16384:
+        try:
+            pos = torch.arange(n, device=DEVICE)
+            band = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - 4096)
+            mbase = bench_ms(lambda: sdpa(q, k, v, attn_mask=band))
+            log(f"{'sdpa + window mask':30s} {n:7d} {mbase:9.2f} {mbase / base if base else 0:7.2f}")
+            del band
+            empty_cache()
+            for label, extra in (("window 4096", {}), ("window 4096 + cap", dict(softcap=50.0)),
+                                 ("window 4096 + entropy", dict(stats=(stat.ENTROPY,)))):
+                ms = bench_ms(lambda extra=extra: attention(q, k, v, backend="triton", key_window=4096, **extra))
+                log(f"{'triton: ' + label:30s} {n:7d} {ms:9.2f} {ms / mbase:7.2f}  (× sdpa with the mask)")
+        except Exception as exc:
+            log(f"{'triton: window':30s} {n:7d}  ERROR {short_error(exc)}")
+        empty_cache()
     # grouped-query attention (4 query heads per kv head) and one decode row
     label = "triton: gqa 4:1 lse+ent+col"
     try:
@@ -308,10 +336,13 @@ def main() -> int:
     global DEVICE
     if args.dry_run:
         DEVICE = "cpu"
-        for name, (_b, h, h_kv, n_q, n_k, d, dtype, causal, block) in list(PARITY.items()):
+        for name, (_b, h, h_kv, n_q, n_k, d, dtype, causal, block, *mask) in list(PARITY.items()):
             d_small = min(d, 32) if d & (d - 1) == 0 else 24  # keep a non-power-of-two head size
+            mask = dict(mask[0]) if mask else {}
+            if "key_window" in mask:  # a window that still masks at 47 keys, one per (fewer) head
+                mask["key_window"] = 5 if isinstance(mask["key_window"], int) else torch.tensor([0, 3, 5, 9][: min(h, 4)])
             PARITY[name] = (1, min(h, 4), min(h_kv, 2), min(n_q, 33), min(n_k, 47), d_small, dtype, causal,
-                            min(block, 8))
+                            min(block, 8), mask)
         args.sizes, args.heads, args.d_head = [64], 2, 16
 
     import triton

@@ -21,7 +21,9 @@ so that one matmul serves the whole group, and K/V are never repeated.
 
 Positions. Query row ``i`` sits at key position ``p_i = n_k - n_q + i``: with ``n_q < n_k`` the
 queries are the last ``n_q`` positions, as when decoding with a KV cache. Causal attention lets
-row ``i`` see keys ``j <= p_i``.
+row ``i`` see keys ``j <= p_i``; a sliding window (``key_window``, per query head, with
+``key_sink`` keys kept at the start) narrows that further, and every statistic is one of the masked
+distribution. Gemma 2's ``softcap`` caps the scores before the mask.
 """
 
 from __future__ import annotations
@@ -96,13 +98,20 @@ def attention(
     topk: int = 1,
     backend: str = "auto",
     chunk_elements: int | None = None,
+    key_sink: int | Tensor | None = None,
+    key_window: int | Tensor | None = None,
+    softcap: float | None = None,
 ) -> AttentionResult:
     r"""Scaled dot-product attention plus per-head statistics, without the ``n_q × n_k`` matrix.
 
-    With scores :math:`s_{ij} = \text{scale} \cdot q_i \cdot k_j` over the visible keys
-    (:math:`j \le p_i` when causal, :math:`p_i = n_k - n_q + i`) and
+    With scores :math:`s_{ij} = \text{scale} \cdot q_i \cdot k_j` (soft-capped to
+    :math:`c \tanh(s_{ij} / c)` with ``softcap`` :math:`c`) over the visible keys and
     :math:`A_{ij} = \exp(s_{ij} - \text{lse}_i)`, the output is :math:`o_i = \sum_j A_{ij} v_j`.
-    Masked keys have :math:`A_{ij} = 0`.
+    Masked keys have :math:`A_{ij} = 0`, and every statistic is one of this masked distribution.
+    Visible keys: all of them, or when causal those with :math:`j \le p_i` (:math:`p_i = n_k - n_q + i`)
+    and, for a query head :math:`h` with a key window :math:`W_h > 0`, also
+    :math:`j < S_h` or :math:`j > p_i - W_h` (a sliding window of :math:`W_h` keys ending at the
+    query, plus the first :math:`S_h` keys, the ``key_sink``).
 
     Parameters
     ----------
@@ -154,6 +163,13 @@ def attention(
         Number of top keys for ``"argmax"``.
     backend : {"auto", "torch", "triton"}
         ``"auto"``: Triton for CUDA tensors, torch otherwise.
+    key_sink, key_window : int or Tensor, optional
+        The key mask beyond causal: an int for every query head, or an int64 tensor ``[n_heads]``
+        (one per query head). ``key_window`` 0 or None: unlimited (plain causal; ``key_sink``
+        then changes nothing). Needs ``causal=True``. Mistral's and Gemma's sliding windows are
+        ``key_window=sliding_window`` (``key_sink`` 0); StreamingLLM's cache is both.
+    softcap : float, optional
+        Gemma 2's attention logit soft-capping, applied to the scaled scores before the mask.
     chunk_elements : int, optional
         Torch backend only: score elements per chunk, 4 bytes each, one buffer per worker thread
         (two with ``"entropy"``). Default: 512 Ki on CPU (2 MiB), 64 Mi on CUDA.
@@ -184,7 +200,8 @@ def attention(
     >>> res.out.shape, res.entropy.shape, res.sink_mass.shape
     (torch.Size([1, 6, 10, 16]), torch.Size([1, 6, 10]), torch.Size([1, 6, 10]))
     """
-    plan = validate(q, k, v, causal, scale, stats, sink_size, window, spans, block_size, rows, topk, backend)
+    plan = validate(q, k, v, causal, scale, stats, sink_size, window, spans, block_size, rows, topk, backend,
+                    key_sink=key_sink, key_window=key_window, softcap=softcap)
     if chunk_elements is not None and (not isinstance(chunk_elements, int) or chunk_elements < 1):
         raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
     if use_triton(q, backend):
@@ -203,11 +220,13 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_rows(start: int, n_q: int, offset: int, n_k: int, causal: bool, group: int, budget: int) -> int:
-    """Largest query chunk starting at ``start`` whose scores (``group`` heads) fit in ``budget``."""
+def _chunk_rows(start: int, n_q: int, offset: int, n_k: int, causal: bool, group: int, budget: int,
+                window: int = 0) -> int:
+    """Largest query chunk starting at ``start`` whose scores (``group`` heads) fit in ``budget``;
+    ``window`` > 0: the chunk's scores start at its first row's window (``_Worker._first_key``)."""
     if causal:
         # keys seen by the chunk: offset + start + c; solve group * c * (offset + start + c) <= budget
-        base = offset + start
+        base = offset + start if not window else min(offset + start, window - 1)
         c = int((-base + math.sqrt(base * base + 4.0 * budget / group)) / 2.0)
     else:
         c = budget // (group * n_k)
@@ -226,7 +245,8 @@ def _torch_attention(
     cdt = _compute_dtype(q.dtype)
 
     with torch.no_grad():  # an analysis kernel: no autograd graph, in-place writes into outputs
-        if not plan.stats and (not plan.causal or n_q == n_k or n_q == 1):
+        plain = not plan.windowed and plan.softcap is None
+        if plain and not plan.stats and (not plan.causal or n_q == n_k or n_q == 1):
             # Nothing but the output: SDPA's fused kernel is exact (float32) and faster. Its causal
             # mask is top-left aligned, which matches ours only for square or single-row inputs.
             out = F.scaled_dot_product_attention(
@@ -300,6 +320,15 @@ class _Job:
         self.out_dtype = q.dtype
         self.budget = chunk_elements or (_CUDA_CHUNK_ELEMENTS if dev.type == "cuda" else _CPU_CHUNK_ELEMENTS)
         self.neg = torch.finfo(cdt).min
+        if plan.windowed:  # [n_kv, group, 1, 1] per query head, as the chunks' unit × group axes
+            as_heads = dict(dtype=torch.int64, device=dev)
+            self.win = torch.tensor(plan.key_window, **as_heads).view(n_kv, self.group, 1, 1)
+            self.sink = torch.tensor(plan.key_sink, **as_heads).view(n_kv, self.group, 1, 1)
+            self.n_kv = n_kv
+        # every head windowed, no sinks (Mistral, Gemma): a chunk's scores start at its first row's
+        # window, so a windowed layer costs O(n · W), not O(n²)
+        windows = plan.key_window
+        self.win_max = max(windows) if windows and min(windows) > 0 and max(plan.key_sink) == 0 else 0
         self.lock = threading.Lock()  # for sums that several chunks add into (col_sum, pooled)
 
         # [units, group, n_q, d]: a view when q's head axis allows it; K/V as [units, n_k, d]
@@ -336,8 +365,11 @@ class _Job:
         tasks = []
         s = 0
         while s < self.n_q:
-            c = _chunk_rows(s, self.n_q, self.offset, self.n_k, self.plan.causal, self.group, self.budget)
+            c = _chunk_rows(s, self.n_q, self.offset, self.n_k, self.plan.causal, self.group, self.budget,
+                            self.win_max)
             n_ke = self.offset + s + c if self.plan.causal else self.n_k
+            if self.win_max:
+                n_ke = min(n_ke, c + self.win_max - 1)
             # small problems: several heads per matmul
             n_units = max(1, min(self.units, self.budget // (self.group * c * n_ke)))
             tasks += [(s, s + c, u0, min(self.units, u0 + n_units)) for u0 in range(0, self.units, n_units)]
@@ -401,37 +433,43 @@ class _Worker:
         s, e, u0, u1 = task
         c, nu, group, offset, dev = e - s, u1 - u0, j.group, j.offset, j.dev
         n_ke = offset + e if plan.causal else j.n_k  # keys any row of the chunk can see
+        k0 = self._first_key(s)  # score columns are keys k0 .. n_ke - 1 (k0 > 0 only under a window)
+        w = n_ke - k0
         rows = nu * group * c
 
         # one matmul per key-value head serves all `group` query heads: rows = group × chunk
         qc = torch.mul(j.qu[u0:u1, :, s:e], plan.scale, out=self._buffer("q_buf", rows * j.d).view(nu, group, c, j.d))
-        sc = self._buffer("score_buf", rows * n_ke).view(nu, group * c, n_ke)
-        torch.bmm(qc.view(nu, group * c, j.d), j.ku[u0:u1, :n_ke].transpose(1, 2), out=sc)
+        sc = self._buffer("score_buf", rows * w).view(nu, group * c, w)
+        torch.bmm(qc.view(nu, group * c, j.d), j.ku[u0:u1, k0:n_ke].transpose(1, 2), out=sc)
+        if plan.softcap is not None:  # Gemma 2: cap the scores, then mask
+            sc.div_(plan.softcap).tanh_().mul_(plan.softcap)
         if plan.causal:
             # keys before the chunk's first position are visible to every row; only the last c
             # columns form the triangle
             tri = self.tri.get(c)
             if tri is None:
                 tri = self.tri[c] = torch.ones(c, c, dtype=torch.bool, device=dev).triu_(1)
-            sc.view(nu, group, c, n_ke)[..., n_ke - c :].masked_fill_(tri, j.neg)
+            sc.view(nu, group, c, w)[..., w - c :].masked_fill_(tri, j.neg)
+        if plan.windowed:
+            self._mask_window(sc.view(nu, group, c, w), s, e, u0, u1, k0, n_ke)
         # row maxima (and argmax) from the raw scores, before anything overwrites them
         idx = None
         if stat.ARGMAX in st:
             m, idx = _row_argmax(sc)
             if plan.topk > 1:
-                kk = min(plan.topk, n_ke)
-                top_idx = sc.topk(kk, -1).indices
+                kk = min(plan.topk, w)
+                top_val, top_idx = sc.topk(kk, -1)
         elif j.need_lse:
             m = sc.amax(-1)
         if stat.ENTROPY in st:
             sc.sub_(m.unsqueeze(-1))  # shift first so that sum(p · s) is computed near zero
         # in place unless entropy needs the scores (each row is read before it is written)
-        p = self._buffer("prob_buf", rows * n_ke).view(nu, group * c, n_ke) if stat.ENTROPY in st else sc
+        p = self._buffer("prob_buf", rows * w).view(nu, group * c, w) if stat.ENTROPY in st else sc
         torch.softmax(sc, -1, out=p)
-        j.out[u0:u1, :, s:e] = torch.bmm(p, j.vu[u0:u1, :n_ke]).view(nu, group, c, j.d_v)
+        j.out[u0:u1, :, s:e] = torch.bmm(p, j.vu[u0:u1, k0:n_ke]).view(nu, group, c, j.d_v)
 
-        # statistics, from this chunk's probabilities
-        pv = p.view(nu, group, c, n_ke)
+        # statistics, from this chunk's probabilities (column t is key k0 + t)
+        pv = p.view(nu, group, c, w)
         here = (slice(u0, u1), slice(None), slice(s, e))
 
         def put(target: Tensor, value: Tensor) -> None:
@@ -446,45 +484,70 @@ class _Worker:
             if stat.LSE in st:
                 put(j.lse, m + log_l)
         if stat.ARGMAX in st:
-            put(j.arg, idx)
+            put(j.arg, idx + k0)
             put(j.arg_p, p_max)
             if plan.topk > 1:
-                ti, tp = top_idx.view(nu, group, c, kk), p.gather(-1, top_idx).view(nu, group, c, kk)
+                ti, tp = top_idx.view(nu, group, c, kk) + k0, p.gather(-1, top_idx).view(nu, group, c, kk)
                 if plan.causal:  # rows with fewer than topk visible keys: no such key
-                    dead = ti > torch.arange(offset + s, offset + e, device=dev).view(c, 1)
+                    dead = (top_val == j.neg).view(nu, group, c, kk)
                     ti, tp = ti.masked_fill(dead, -1), tp.masked_fill(dead, 0.0)
                 j.top_i[u0:u1, :, s:e, :kk] = ti
                 j.top_p[u0:u1, :, s:e, :kk] = tp
         for si, (a, z) in enumerate(j.span_list):
-            z = min(z, n_ke)
+            a, z = max(a, k0) - k0, min(z, n_ke) - k0
             j.span_out[u0:u1, :, s:e, si] = pv[..., a:z].sum(-1) if a < z else 0.0
         if stat.RECENT_MASS in st:
             r_lo, band = self._band(s, e, n_ke)
-            j.recent[here] = torch.linalg.vecdot(pv[..., r_lo : r_lo + band.shape[1]], band)
+            if r_lo < k0:  # keys before k0 are outside every head's window: zero weight
+                band, r_lo = band[:, k0 - r_lo :], k0
+            j.recent[here] = torch.linalg.vecdot(pv[..., r_lo - k0 : r_lo - k0 + band.shape[1]], band)
         if stat.POOLED in st:
             key = (s % plan.block_size, c)
             rows_ind = self.pool_rows.get(key)
             if rows_ind is None:
                 rows_ind = self.pool_rows[key] = _pool_rows(s, e, plan.block_size, dev, j.cdt)
             row_blocks = torch.matmul(rows_ind, pv)
-            with j.lock:
-                _pool_add(j.pool[u0:u1], row_blocks, s, n_ke, plan.block_size)
+            with j.lock:  # k0 is a multiple of the block size here
+                _pool_add(j.pool[u0:u1, :, :, k0 // plan.block_size :], row_blocks, s, w, plan.block_size)
                 if stat.COL_SUM in st:
-                    j.col[u0:u1, :, :n_ke] += row_blocks.sum(2)
+                    j.col[u0:u1, :, k0:n_ke] += row_blocks.sum(2)
         elif stat.COL_SUM in st:
             ones = self.ones.get(c)
             if ones is None:
                 ones = self.ones[c] = torch.ones(1, 1, c, **j.f32)
             col = torch.matmul(ones, pv).squeeze(2)  # a ones-vector matmul: 2× faster than sum(2)
             with j.lock:
-                j.col[u0:u1, :, :n_ke] += col
+                j.col[u0:u1, :, k0:n_ke] += col
         if stat.ROWS in st:
             for r in range(s, e):
                 for slot in j.row_slots.get(r, ()):
-                    j.row_out[u0:u1, :, slot, :n_ke] = pv[:, :, r - s]
+                    j.row_out[u0:u1, :, slot, k0:n_ke] = pv[:, :, r - s]
         if stat.ENTROPY in st:
             # last: overwrites the scores. H = lse - sum p s = log l - sum p (s - m)
             put(j.ent, log_l - sc.mul_(p).sum(-1))
+
+    def _first_key(self, s: int) -> int:
+        """First key a chunk starting at row ``s`` computes scores for: 0, or under a window with
+        no sinks the first key of row ``s``'s window (aligned down to a pooled block)."""
+        j = self.job
+        if not j.win_max:
+            return 0
+        k0 = max(0, j.offset + s - j.win_max + 1)
+        return k0 - k0 % j.plan.block_size if stat.POOLED in j.st else k0
+
+    def _mask_window(self, sc: Tensor, s: int, e: int, u0: int, u1: int, k0: int, n_ke: int) -> None:
+        """Mask keys outside each head's window and sink: ``S_h <= j <= p_i − W_h`` (``W_h > 0``)
+        in scores ``[units, group, c, keys k0..n_ke]`` of rows ``s..e`` (masking the last key of a
+        row never happens: ``p_i > p_i − W_h``)."""
+        j = self.job
+        first = j.offset + s  # position of the chunk's first row
+        if first + (e - s) - 1 - int(j.win[j.win > 0].min()) < 0:
+            return  # every window reaches back to key 0 for every row of this chunk
+        kv = torch.arange(u0, u1, device=j.dev) % j.n_kv
+        win, sink = j.win[kv], j.sink[kv]  # [units, group, 1, 1]
+        pos = torch.arange(first, j.offset + e, device=j.dev).view(1, 1, -1, 1)
+        keys = torch.arange(k0, n_ke, device=j.dev).view(1, 1, 1, -1)
+        sc.masked_fill_((win > 0) & (keys >= sink) & (keys <= pos - win), j.neg)
 
     def _band(self, s: int, e: int, n_ke: int) -> tuple[int, Tensor]:
         """First key and 0/1 matrix ``[c, width]`` of the keys in (p_i - W, p_i] for rows s..e."""

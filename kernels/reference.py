@@ -28,21 +28,25 @@ OUT = "out"
 
 
 def attention_scores(
-    q: Tensor, k: Tensor, *, causal: bool = True, scale: float | None = None, dtype: torch.dtype = torch.float64
+    q: Tensor, k: Tensor, *, causal: bool = True, scale: float | None = None, dtype: torch.dtype = torch.float64,
+    key_sink: int | Tensor | None = None, key_window: int | Tensor | None = None, softcap: float | None = None,
 ) -> Tensor:
     """Scaled scores ``[b, n_heads, n_q, n_k]`` in ``dtype``, ``-inf`` on masked keys.
 
     ``q`` is ``[b, n_heads, n_q, d]`` and ``k`` ``[b, n_kv_heads, n_k, d]``; with grouped-query
     attention K is repeated so that query head ``h`` meets key-value head ``h // (n_heads // n_kv_heads)``.
+    ``softcap`` caps the scaled scores (``c · tanh(s / c)``) before the mask; ``key_sink`` and
+    ``key_window`` (int or ``[n_heads]``) narrow the causal mask as in :func:`kernels.attention.attention`.
     """
     n_heads, n_q, d = q.shape[1:]
     n_kv, n_k = k.shape[1], k.shape[2]
     scale = 1 / math.sqrt(d) if scale is None else scale
     kr = k.to(dtype).repeat_interleave(n_heads // n_kv, 1)
     scores = q.to(dtype) @ kr.transpose(-1, -2) * scale
-    if causal:
-        scores = scores.masked_fill(~_visible(n_q, n_k, True, q.device), float("-inf"))
-    return scores
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    visible = _visible(n_q, n_k, causal, q.device, n_heads, key_sink, key_window)
+    return scores.masked_fill(~visible, float("-inf"))
 
 
 def eager_attention(
@@ -78,12 +82,15 @@ def reference_attention(
     rows: Sequence[int] = (),
     topk: int = 1,
     dtype: torch.dtype = torch.float64,
+    key_sink: int | Tensor | None = None,
+    key_window: int | Tensor | None = None,
+    softcap: float | None = None,
 ) -> dict[str, Tensor]:
     """The output and every statistic of :func:`kernels.attention.attention`, from the full matrix.
 
     Parameters
     ----------
-    q, k, v, causal, scale, sink_size, window, spans, block_size, rows, topk
+    q, k, v, causal, scale, sink_size, window, spans, block_size, rows, topk, key_sink, key_window, softcap
         As for :func:`kernels.attention.attention`. ``"span_mass"`` is computed only with
         ``spans``, ``"pooled"`` only with ``block_size``, ``"rows"`` only with ``rows``, and
         ``"topk_index"`` / ``"topk_prob"`` only with ``topk > 1``.
@@ -98,7 +105,8 @@ def reference_attention(
     """
     b, n_heads, n_q, _ = q.shape
     n_kv, n_k = k.shape[1], k.shape[2]
-    s = attention_scores(q, k, causal=causal, scale=scale, dtype=dtype)
+    mask = dict(key_sink=key_sink, key_window=key_window)
+    s = attention_scores(q, k, causal=causal, scale=scale, dtype=dtype, softcap=softcap, **mask)
     a = torch.softmax(s, -1)
     ref = {
         OUT: a @ v.to(dtype).repeat_interleave(n_heads // n_kv, 1),
@@ -109,10 +117,10 @@ def reference_attention(
         stat.SINK_MASS: a[..., : min(sink_size, n_k)].sum(-1),
         stat.COL_SUM: a.sum(-2),
     }
-    visible = _visible(n_q, n_k, causal, q.device)
+    visible = _visible(n_q, n_k, causal, q.device, n_heads, **mask)
     if topk > 1:
         probs, idx = a.topk(topk, -1)
-        dead = torch.arange(topk, device=q.device) >= visible.sum(-1, keepdim=True)  # [n_q, topk]
+        dead = torch.arange(topk, device=q.device) >= visible.sum(-1, keepdim=True)  # [h, n_q, topk]
         ref[stat.TOPK_INDEX] = idx.masked_fill(dead, -1)
         ref[stat.TOPK_PROB] = probs.masked_fill(dead, 0.0)
     if spans:
@@ -134,9 +142,16 @@ def reference_attention(
     return ref
 
 
-def _visible(n_q: int, n_k: int, causal: bool, device: torch.device) -> Tensor:
-    """``[n_q, n_k]``: which keys each query row sees (row ``i`` sits at key position ``n_k - n_q + i``)."""
+def _visible(n_q: int, n_k: int, causal: bool, device: torch.device, n_heads: int = 1,
+             key_sink: int | Tensor | None = None, key_window: int | Tensor | None = None) -> Tensor:
+    """``[n_heads, n_q, n_k]``: which keys each query row of each head sees, by the definition
+    (row ``i`` sits at key position ``p = n_k - n_q + i``; key ``j`` is visible when ``j <= p`` and,
+    for a head with window ``W > 0``, ``j < S`` or ``j > p - W``)."""
     if not causal:
-        return torch.ones(n_q, n_k, dtype=torch.bool, device=device)
-    pos = torch.arange(n_q, device=device) + (n_k - n_q)
-    return torch.arange(n_k, device=device)[None, :] <= pos[:, None]
+        return torch.ones(n_heads, n_q, n_k, dtype=torch.bool, device=device)
+    window = torch.as_tensor(0 if key_window is None else key_window, device=device).expand(n_heads)
+    sink = torch.as_tensor(0 if key_sink is None else key_sink, device=device).expand(n_heads)
+    window, sink = window.view(-1, 1, 1), sink.view(-1, 1, 1)
+    p = (torch.arange(n_q, device=device) + (n_k - n_q)).view(1, -1, 1)
+    j = torch.arange(n_k, device=device).view(1, 1, -1)
+    return (j <= p) & ((window == 0) | (j < sink) | (j > p - window))

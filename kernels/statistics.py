@@ -85,6 +85,18 @@ class Plan:
     block_size: int | None
     rows: tuple[int, ...]
     topk: int
+    #: Per query head: keys ``j < key_sink[h]`` stay visible outside the window (all 0: none).
+    key_sink: tuple[int, ...] = ()
+    #: Per query head: row ``i`` sees keys ``j > p_i − key_window[h]`` (0: unlimited). Empty
+    #: tuple: no head has a window, the mask is plain causal.
+    key_window: tuple[int, ...] = ()
+    #: Gemma 2's logit soft-capping: ``s ← softcap · tanh(s / softcap)`` before the mask.
+    softcap: float | None = None
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some head's key mask is narrower than causal (a sliding window)."""
+        return any(self.key_window)
 
     @property
     def mass_spans(self) -> list[tuple[int, int]]:
@@ -165,6 +177,9 @@ def validate(
     rows: Sequence[int] | Tensor | None,
     topk: int,
     backend: str,
+    key_sink: int | Tensor | None = None,
+    key_window: int | Tensor | None = None,
+    softcap: float | None = None,
 ) -> Plan:
     """Check the arguments of :func:`kernels.attention.attention` (same meanings) and normalise them.
 
@@ -173,7 +188,8 @@ def validate(
     ValueError
         With a message that says what was wrong and what to pass: inconsistent shapes, dtypes or
         devices, an unknown statistic or backend, a span, row, window, sink or block size out of
-        range, or a statistic asked for without the argument it needs.
+        range, or a statistic asked for without the argument it needs; a key window on
+        non-causal attention, or a key sink / window that is negative or not one value per query head.
     """
     n_q, n_k, d = _check_tensors(q, k, v, causal)
     if backend not in BACKENDS:
@@ -214,6 +230,23 @@ def validate(
     if ROWS in wanted and rows is None:
         raise ValueError("'rows' needs rows=[query index, ...]")
 
+    n_heads = q.shape[1]
+    windows = _per_head(key_window, n_heads, "key_window")
+    sinks = _per_head(key_sink, n_heads, "key_sink")
+    if any(windows) and not causal:
+        raise ValueError("key_window needs causal attention (a window counts back from each query's position)")
+    if not any(windows):
+        windows, sinks = (), ()  # sinks only matter outside a window
+    elif not sinks:
+        sinks = (0,) * n_heads
+    if softcap is not None:
+        try:
+            softcap = float(softcap)
+        except (TypeError, ValueError):
+            raise ValueError(f"softcap must be a positive number or None, got {softcap!r}") from None
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap must be a positive number or None, got {softcap}")
+
     return Plan(
         causal=bool(causal),
         scale=scale,
@@ -224,7 +257,26 @@ def validate(
         block_size=block_size,
         rows=tuple(norm_rows),
         topk=topk,
+        key_sink=sinks,
+        key_window=windows,
+        softcap=softcap,
     )
+
+
+def _per_head(value: int | Tensor | None, n_heads: int, what: str) -> tuple[int, ...]:
+    """``key_sink`` / ``key_window`` as one non-negative int per query head (``()`` for None)."""
+    if value is None:
+        return ()
+    if isinstance(value, Tensor):
+        if value.dtype.is_floating_point or value.dtype == torch.bool or value.shape != (n_heads,):
+            raise ValueError(f"{what} as a tensor must be int64 of shape [n_heads] = [{n_heads}], "
+                             f"got {value.dtype} {tuple(value.shape)}")
+        values = tuple(int(x) for x in value.tolist())
+    else:
+        values = (_as_int(value, what),) * n_heads
+    if min(values) < 0:
+        raise ValueError(f"{what} must be >= 0 (0 or None: no {what.removeprefix('key_')}), got {min(values)}")
+    return values
 
 
 def _check_tensors(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[int, int, int]:

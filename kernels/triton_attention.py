@@ -46,9 +46,13 @@ def _load_q(Q, b, h, stride_qb, stride_qh, stride_qm, stride_qd, offs_m, offs_d,
 
 
 @triton.jit
-def _key_range(pid_m, N_K, OFFSET, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _key_range(pid_m, N_K, OFFSET, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               WINDOWED: tl.constexpr):
     """(free, hi): tiles in [0, free) need no mask; the block sees no key at or after hi."""
-    if CAUSAL:
+    if WINDOWED:  # a sliding window masks old keys too: every tile takes the masked path
+        hi = tl.minimum(N_K, OFFSET + (pid_m + 1) * BLOCK_M)
+        free = 0
+    elif CAUSAL:
         hi = tl.minimum(N_K, OFFSET + (pid_m + 1) * BLOCK_M)
         # tiles wholly at or before the block's first query position (and inside n_k)
         free = tl.minimum(((OFFSET + pid_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N, (N_K // BLOCK_N) * BLOCK_N)
@@ -59,10 +63,31 @@ def _key_range(pid_m, N_K, OFFSET, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit
+def _window_tiles(pid_m, OFFSET, win, sink, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles a block of queries needs under a window: ``[0, s_hi)`` for the sink keys and
+    ``[w_lo, hi)`` for the window (from the block's first query, whose window starts earliest);
+    tiles in between hold only masked keys and are skipped, so a windowed layer costs O(n · W)."""
+    first = OFFSET + pid_m * BLOCK_M
+    w_lo = tl.where(win > 0, (tl.maximum(first - win + 1, 0) // BLOCK_N) * BLOCK_N, 0)
+    s_hi = tl.minimum(((sink + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, w_lo)
+    return w_lo, s_hi
+
+
+@triton.jit
+def _cap(s, cap):
+    """Soft-capping of base-2 scores: c · tanh(s_nat / c) with s_nat = s / log2 e, back in base 2."""
+    x = s * (2.0 * 0.6931471805599453 / cap)  # 2 · s_nat / c
+    t = 1.0 - 2.0 / (tl.math.exp(x) + 1.0)  # tanh(s_nat / c); exp overflow gives ±1 exactly
+    return t * (cap * 1.4426950408889634)
+
+
+@triton.jit
 def _score_tile(q, k_base, stride_kn, stride_kd, offs_d, start_n, offs_n, pos, N_K, qk_scale,
+                win, sink, cap,
                 HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """Scores of one key tile in base-2 units (s · scale · log2 e), -inf where masked."""
+                PRECISION: tl.constexpr, UPCAST: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Scores of one key tile in base-2 units (s · scale · log2 e), soft-capped when SOFTCAP, -inf
+    where masked (causal, and with WINDOWED: outside this head's window ``win`` and sink ``sink``)."""
     cols = start_n + offs_n
     if MASKED:
         k = tl.load(
@@ -77,24 +102,31 @@ def _score_tile(q, k_base, stride_kn, stride_kd, offs_d, start_n, offs_n, pos, N
     if UPCAST:
         k = k.to(tl.float32)
     s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+    if SOFTCAP:
+        s = _cap(s, cap)
     if MASKED:
         visible = cols[None, :] < N_K
         if CAUSAL:
             visible = visible & (cols[None, :] <= pos[:, None])
+        if WINDOWED:
+            visible = visible & ((win == 0) | (cols[None, :] < sink) | (cols[None, :] > pos[:, None] - win))
         s = tl.where(visible, s, float("-inf"))
     return s
 
 
 @triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-               offs_d, offs_dv, offs_n, pos, N_K, qk_scale, lo, hi,
+               offs_d, offs_dv, offs_n, pos, N_K, qk_scale, lo, hi, win, sink, cap,
                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-               BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+               BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+               WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     """Online softmax over the key tiles in [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
         s = _score_tile(q, k_base, stride_kn, stride_kd, offs_d, start_n, offs_n, pos, N_K, qk_scale,
-                        HEAD_D, CAUSAL, MASKED, PRECISION, UPCAST)
+                        win, sink, cap, HEAD_D, CAUSAL, MASKED, PRECISION, UPCAST, WINDOWED, SOFTCAP)
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        if WINDOWED:  # a row may see no key of its first tiles yet: exp2(-inf - -inf) would be nan
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -114,6 +146,14 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
 
 
 @triton.jit
+def _head_mask(Win, Sink, h, WINDOWED: tl.constexpr):
+    """This query head's key window and sink (0, 0 without windows)."""
+    if WINDOWED:
+        return tl.load(Win + h), tl.load(Sink + h)
+    return 0, 0
+
+
+@triton.jit
 def _attn_fwd(
     Q, K, V, Out, Lse,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -122,10 +162,11 @@ def _attn_fwd(
     stride_ob, stride_oh, stride_om, stride_od,
     qk_scale,  # scale · log2(e)
     H, GROUP, N_Q, N_K, OFFSET,
+    Win, Sink, cap,  # per query head window and sink (WINDOWED), soft-cap (SOFTCAP)
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Pass 1: output and natural-log lse per row."""
     pid_m = tl.program_id(0)
@@ -142,17 +183,25 @@ def _attn_fwd(
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     pos = OFFSET + offs_m  # key position of each query row
+    win, sink = _head_mask(Win, Sink, h, WINDOWED)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    free, hi = _key_range(pid_m, N_K, OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
+    free, hi = _key_range(pid_m, N_K, OFFSET, CAUSAL, BLOCK_M, BLOCK_N, WINDOWED)
+    if WINDOWED:  # [0, free) is empty: the sink tiles, then the window's, all masked
+        w_lo, s_hi = _window_tiles(pid_m, OFFSET, win, sink, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_d, offs_dv, offs_n, pos, N_K, qk_scale, 0, s_hi, win, sink, cap,
+                                   HEAD_D, HEAD_DV, CAUSAL, True, BLOCK_N, PRECISION, UPCAST, WINDOWED, SOFTCAP)
+        free = w_lo
+    else:
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_d, offs_dv, offs_n, pos, N_K, qk_scale, 0, free, win, sink, cap,
+                                   HEAD_D, HEAD_DV, CAUSAL, False, BLOCK_N, PRECISION, UPCAST, WINDOWED, SOFTCAP)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                               offs_d, offs_dv, offs_n, pos, N_K, qk_scale, 0, free,
-                               HEAD_D, HEAD_DV, CAUSAL, False, BLOCK_N, PRECISION, UPCAST)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                               offs_d, offs_dv, offs_n, pos, N_K, qk_scale, free, hi,
-                               HEAD_D, HEAD_DV, CAUSAL, True, BLOCK_N, PRECISION, UPCAST)
+                               offs_d, offs_dv, offs_n, pos, N_K, qk_scale, free, hi, win, sink, cap,
+                               HEAD_D, HEAD_DV, CAUSAL, True, BLOCK_N, PRECISION, UPCAST, WINDOWED, SOFTCAP)
     acc = acc / l_i[:, None]
     tl.store(
         Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
@@ -167,9 +216,10 @@ def _stats_tiles(
     ent, best, best_i, span_acc, recent,
     q, k_base, stride_kn, stride_kd, offs_d, offs_n, offs_m, pos, pos_lo, pos_hi, lse2, pid_m, pid_bh,
     N_K, qk_scale, lo, hi,
-    Spans, span_ids, WINDOW, Col, Pool, POOL_B, N_QB, N_KB, slots, any_row, RowsOut, N_ROWS,
+    Spans, span_ids, WINDOW, Col, Pool, POOL_B, N_QB, N_KB, slots, any_row, RowsOut, N_ROWS, win, sink, cap,
     HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
     DO_ENT: tl.constexpr, DO_ARG: tl.constexpr, NUM_SPANS: tl.constexpr,
     DO_RECENT: tl.constexpr, DO_COL: tl.constexpr,
     POOL_MODE: tl.constexpr, POOL_PM: tl.constexpr, POOL_PN: tl.constexpr,
@@ -179,7 +229,7 @@ def _stats_tiles(
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         s = _score_tile(q, k_base, stride_kn, stride_kd, offs_d, start_n, offs_n, pos, N_K, qk_scale,
-                        HEAD_D, CAUSAL, MASKED, PRECISION, UPCAST)
+                        win, sink, cap, HEAD_D, CAUSAL, MASKED, PRECISION, UPCAST, WINDOWED, SOFTCAP)
         p = tl.math.exp2(s - lse2[:, None])  # masked: exp2(-inf) = 0
         if DO_ENT:
             ent += tl.sum(p * tl.where(p > 0, s - lse2[:, None], 0.0), 1)  # no 0 · -inf
@@ -250,13 +300,14 @@ def _attn_stats(
     Col,
     Pool, POOL_B, N_QB, N_KB,
     RowSlot, RowsOut, N_ROWS,
+    Win, Sink, cap,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     DO_ENT: tl.constexpr, DO_ARG: tl.constexpr, NUM_SPANS: tl.constexpr, SPAN_PAD: tl.constexpr,
     DO_RECENT: tl.constexpr, DO_COL: tl.constexpr,
     POOL_MODE: tl.constexpr, POOL_PM: tl.constexpr, POOL_PN: tl.constexpr,
     POOL_QBP: tl.constexpr, POOL_KBP: tl.constexpr,
-    DO_ROWS: tl.constexpr, UPCAST: tl.constexpr,
+    DO_ROWS: tl.constexpr, UPCAST: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Pass 2: recompute scores with the known lse and reduce the requested statistics."""
     pid_m = tl.program_id(0)
@@ -273,6 +324,7 @@ def _attn_stats(
     # +inf lse on padding rows makes their probabilities exactly 0 everywhere
     lse2 = tl.load(Lse + pid_bh * N_Q + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
     pos = OFFSET + offs_m
+    win, sink = _head_mask(Win, Sink, h, WINDOWED)
     pos_lo = OFFSET + pid_m * BLOCK_M
     pos_hi = tl.minimum(OFFSET + (pid_m + 1) * BLOCK_M, OFFSET + N_Q) - 1
 
@@ -287,21 +339,33 @@ def _attn_stats(
     else:
         slots = tl.full([BLOCK_M], -1, tl.int32)
     any_row = tl.max(slots, 0) >= 0
-    free, hi = _key_range(pid_m, N_K, OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
-    ent, best, best_i, span_acc, recent = _stats_tiles(
-        ent, best, best_i, span_acc, recent,
-        q, k_base, stride_kn, stride_kd, offs_d, offs_n, offs_m, pos, pos_lo, pos_hi, lse2, pid_m, pid_bh,
-        N_K, qk_scale, 0, free,
-        Spans, span_ids, WINDOW, Col, Pool, POOL_B, N_QB, N_KB, slots, any_row, RowsOut, N_ROWS,
-        HEAD_D, CAUSAL, False, BLOCK_M, BLOCK_N, PRECISION, UPCAST, DO_ENT, DO_ARG, NUM_SPANS,
-        DO_RECENT, DO_COL, POOL_MODE, POOL_PM, POOL_PN, POOL_QBP, POOL_KBP, DO_ROWS,
-    )
+    free, hi = _key_range(pid_m, N_K, OFFSET, CAUSAL, BLOCK_M, BLOCK_N, WINDOWED)
+    if WINDOWED:  # sink tiles, then the window's (see _window_tiles)
+        w_lo, s_hi = _window_tiles(pid_m, OFFSET, win, sink, BLOCK_M, BLOCK_N)
+        ent, best, best_i, span_acc, recent = _stats_tiles(
+            ent, best, best_i, span_acc, recent,
+            q, k_base, stride_kn, stride_kd, offs_d, offs_n, offs_m, pos, pos_lo, pos_hi, lse2, pid_m, pid_bh,
+            N_K, qk_scale, 0, s_hi,
+            Spans, span_ids, WINDOW, Col, Pool, POOL_B, N_QB, N_KB, slots, any_row, RowsOut, N_ROWS, win, sink, cap,
+            HEAD_D, CAUSAL, True, BLOCK_M, BLOCK_N, PRECISION, UPCAST, WINDOWED, SOFTCAP, DO_ENT, DO_ARG, NUM_SPANS,
+            DO_RECENT, DO_COL, POOL_MODE, POOL_PM, POOL_PN, POOL_QBP, POOL_KBP, DO_ROWS,
+        )
+        free = w_lo
+    else:
+        ent, best, best_i, span_acc, recent = _stats_tiles(
+            ent, best, best_i, span_acc, recent,
+            q, k_base, stride_kn, stride_kd, offs_d, offs_n, offs_m, pos, pos_lo, pos_hi, lse2, pid_m, pid_bh,
+            N_K, qk_scale, 0, free,
+            Spans, span_ids, WINDOW, Col, Pool, POOL_B, N_QB, N_KB, slots, any_row, RowsOut, N_ROWS, win, sink, cap,
+            HEAD_D, CAUSAL, False, BLOCK_M, BLOCK_N, PRECISION, UPCAST, WINDOWED, SOFTCAP, DO_ENT, DO_ARG, NUM_SPANS,
+            DO_RECENT, DO_COL, POOL_MODE, POOL_PM, POOL_PN, POOL_QBP, POOL_KBP, DO_ROWS,
+        )
     ent, best, best_i, span_acc, recent = _stats_tiles(
         ent, best, best_i, span_acc, recent,
         q, k_base, stride_kn, stride_kd, offs_d, offs_n, offs_m, pos, pos_lo, pos_hi, lse2, pid_m, pid_bh,
         N_K, qk_scale, free, hi,
-        Spans, span_ids, WINDOW, Col, Pool, POOL_B, N_QB, N_KB, slots, any_row, RowsOut, N_ROWS,
-        HEAD_D, CAUSAL, True, BLOCK_M, BLOCK_N, PRECISION, UPCAST, DO_ENT, DO_ARG, NUM_SPANS,
+        Spans, span_ids, WINDOW, Col, Pool, POOL_B, N_QB, N_KB, slots, any_row, RowsOut, N_ROWS, win, sink, cap,
+        HEAD_D, CAUSAL, True, BLOCK_M, BLOCK_N, PRECISION, UPCAST, WINDOWED, SOFTCAP, DO_ENT, DO_ARG, NUM_SPANS,
         DO_RECENT, DO_COL, POOL_MODE, POOL_PM, POOL_PN, POOL_QBP, POOL_KBP, DO_ROWS,
     )
 
@@ -326,9 +390,10 @@ def _attn_colsum(
     stride_kb, stride_kh, stride_kn, stride_kd,
     qk_scale,
     H, GROUP, N_Q, N_K, OFFSET,
+    Win, Sink, cap,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Pass 2 for column sums alone: one program per key tile walks the query blocks that see it
     (FlashAttention's backward loop order), so each column sum stays in registers, no atomics.
@@ -346,32 +411,44 @@ def _attn_colsum(
     if UPCAST:
         kt = kt.to(tl.float32)
     acc = tl.zeros([BLOCK_N], tl.float32)
+    win, sink = _head_mask(Win, Sink, h, WINDOWED)
     m_lo = 0
     if CAUSAL:  # query i (at position OFFSET + i) sees key j when j <= OFFSET + i
         m_lo = (tl.maximum(pid_n * BLOCK_N - OFFSET, 0) // BLOCK_M) * BLOCK_M
-    for start_m in range(m_lo, N_Q, BLOCK_M):
+    m_hi = N_Q
+    if WINDOWED:  # past the sinks, key j is seen only by positions < j + win
+        last_key = pid_n * BLOCK_N + BLOCK_N - 1
+        m_hi = tl.where((win > 0) & (pid_n * BLOCK_N >= sink),
+                        tl.minimum(tl.maximum(last_key + win - OFFSET, 0), N_Q), N_Q)
+    for start_m in range(m_lo, m_hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < N_Q
         q = _load_q(Q, b, h, stride_qb, stride_qh, stride_qm, stride_qd, offs_m, offs_d, row_ok, HEAD_D, UPCAST)
         lse2 = tl.load(Lse + pid_bh * N_Q + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        if SOFTCAP:
+            s = _cap(s, cap)
         p = tl.math.exp2(s - lse2[:, None])
         valid = row_ok[:, None] & col_ok[None, :]
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= (OFFSET + offs_m)[:, None])
+        if WINDOWED:
+            pos = (OFFSET + offs_m)[:, None]
+            valid = valid & ((win == 0) | (offs_n[None, :] < sink) | (offs_n[None, :] > pos - win))
         acc += tl.sum(tl.where(valid, p, 0.0), 0)
     tl.store(Col + pid_bh * N_K + offs_n, acc, mask=col_ok)
 
 
 @triton.jit
 def _topk_tiles(best, best_i, prev, prev_i, q, k_base, stride_kn, stride_kd, offs_d, offs_n, pos,
-                N_K, qk_scale, lo, hi,
+                N_K, qk_scale, lo, hi, win, sink, cap,
                 HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         s = _score_tile(q, k_base, stride_kn, stride_kd, offs_d, start_n, offs_n, pos, N_K, qk_scale,
-                        HEAD_D, CAUSAL, MASKED, PRECISION, UPCAST)
+                        win, sink, cap, HEAD_D, CAUSAL, MASKED, PRECISION, UPCAST, WINDOWED, SOFTCAP)
         after = (s < prev[:, None]) | ((s == prev[:, None]) & (cols[None, :] > prev_i[:, None]))
         s = tl.where(after & (s > float("-inf")), s, float("-inf"))
         tile_best = tl.max(s, 1)
@@ -390,9 +467,10 @@ def _attn_topk_next(
     qk_scale,
     H, GROUP, N_Q, N_K, OFFSET,
     PrevVal, PrevIdx, NextVal, NextIdx,
+    Win, Sink, cap,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """The best key strictly after (prev score, prev index) in (score desc, index asc) order."""
     pid_m = tl.program_id(0)
@@ -407,15 +485,25 @@ def _attn_topk_next(
     q = _load_q(Q, b, h, stride_qb, stride_qh, stride_qm, stride_qd, offs_m, offs_d, row_ok, HEAD_D, UPCAST)
     k_base = K + b * stride_kb + hk * stride_kh
     pos = OFFSET + offs_m
+    win, sink = _head_mask(Win, Sink, h, WINDOWED)
     prev = tl.load(PrevVal + pid_bh * N_Q + offs_m, mask=row_ok, other=float("-inf"))
     prev_i = tl.load(PrevIdx + pid_bh * N_Q + offs_m, mask=row_ok, other=0)
     best = tl.full([BLOCK_M], float("-inf"), tl.float32)
     best_i = tl.full([BLOCK_M], -1, tl.int32)
-    free, hi = _key_range(pid_m, N_K, OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
+    free, hi = _key_range(pid_m, N_K, OFFSET, CAUSAL, BLOCK_M, BLOCK_N, WINDOWED)
+    if WINDOWED:  # sink tiles, then the window's (see _window_tiles)
+        w_lo, s_hi = _window_tiles(pid_m, OFFSET, win, sink, BLOCK_M, BLOCK_N)
+        best, best_i = _topk_tiles(best, best_i, prev, prev_i, q, k_base, stride_kn, stride_kd, offs_d, offs_n,
+                                   pos, N_K, qk_scale, 0, s_hi, win, sink, cap, HEAD_D, CAUSAL, True, BLOCK_N,
+                                   PRECISION, UPCAST, WINDOWED, SOFTCAP)
+        free = w_lo
+    else:
+        best, best_i = _topk_tiles(best, best_i, prev, prev_i, q, k_base, stride_kn, stride_kd, offs_d, offs_n,
+                                   pos, N_K, qk_scale, 0, free, win, sink, cap, HEAD_D, CAUSAL, False, BLOCK_N,
+                                   PRECISION, UPCAST, WINDOWED, SOFTCAP)
     best, best_i = _topk_tiles(best, best_i, prev, prev_i, q, k_base, stride_kn, stride_kd, offs_d, offs_n,
-                               pos, N_K, qk_scale, 0, free, HEAD_D, CAUSAL, False, BLOCK_N, PRECISION, UPCAST)
-    best, best_i = _topk_tiles(best, best_i, prev, prev_i, q, k_base, stride_kn, stride_kd, offs_d, offs_n,
-                               pos, N_K, qk_scale, free, hi, HEAD_D, CAUSAL, True, BLOCK_N, PRECISION, UPCAST)
+                               pos, N_K, qk_scale, free, hi, win, sink, cap, HEAD_D, CAUSAL, True, BLOCK_N,
+                               PRECISION, UPCAST, WINDOWED, SOFTCAP)
     tl.store(NextVal + pid_bh * N_Q + offs_m, best, mask=row_ok)
     tl.store(NextIdx + pid_bh * N_Q + offs_m, best_i, mask=row_ok)
 
@@ -468,6 +556,11 @@ def triton_attention(
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
     qk_scale = plan.scale * LOG2E
     block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(d_v))
+    windowed = plan.windowed
+    win_t = torch.tensor(plan.key_window or (0,), dtype=torch.int32, device=dev)
+    sink_t = torch.tensor(plan.key_sink or (0,), dtype=torch.int32, device=dev)
+    mask_args = (win_t, sink_t, float(plan.softcap or 1.0))
+    mask_flags = dict(WINDOWED=windowed, SOFTCAP=plan.softcap is not None)
 
     bm, bn, warps, stages = _tiles(max(d, d_v), "fwd")
     bm, bn = block_m or bm, block_n or bn
@@ -477,9 +570,10 @@ def triton_attention(
     common = (*q.stride(), *k.stride())
     _attn_fwd[grid](
         q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), qk_scale,
-        n_heads, group, n_q, n_k, offset,
+        n_heads, group, n_q, n_k, offset, *mask_args,
         HEAD_D=d, HEAD_DV=d_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         CAUSAL=plan.causal, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision, UPCAST=upcast, num_warps=warps, num_stages=stages,
+        **mask_flags,
     )
     res: dict[str, Tensor] = {}
     if stat.LSE in st:
@@ -493,9 +587,9 @@ def triton_attention(
         bm, bn = block_m or bm, block_n or bn
         col = torch.empty(b, n_heads, n_k, dtype=torch.float32, device=dev)
         _attn_colsum[(triton.cdiv(n_k, bn), b * n_heads)](
-            q, k, lse, col, *q.stride(), *k.stride(), qk_scale, n_heads, group, n_q, n_k, offset,
+            q, k, lse, col, *q.stride(), *k.stride(), qk_scale, n_heads, group, n_q, n_k, offset, *mask_args,
             HEAD_D=d, BLOCK_D=block_d, CAUSAL=plan.causal, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision,
-            UPCAST=upcast, num_warps=warps, num_stages=stages,
+            UPCAST=upcast, num_warps=warps, num_stages=stages, **mask_flags,
         )
         res[stat.COL_SUM] = col
         return out, res
@@ -533,12 +627,12 @@ def triton_attention(
     _attn_stats[grid](
         q, k, lse, *common, qk_scale, n_heads, group, n_q, n_k, offset,
         ent, arg_i, arg_v, spans_t, span_out, recent, plan.window, col,
-        pool, B, n_qb, n_kb, row_slot, rows_out, len(unique_rows),
+        pool, B, n_qb, n_kb, row_slot, rows_out, len(unique_rows), *mask_args,
         HEAD_D=d, BLOCK_D=block_d, CAUSAL=plan.causal, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision,
         DO_ENT=stat.ENTROPY in st, DO_ARG=stat.ARGMAX in st, NUM_SPANS=len(span_list),
         SPAN_PAD=max(2, triton.next_power_of_2(max(len(span_list), 1))),
         DO_RECENT=stat.RECENT_MASS in st, DO_COL=stat.COL_SUM in st, DO_ROWS=stat.ROWS in st, UPCAST=upcast,
-        **pool_cfg,
+        **pool_cfg, **mask_flags,
         num_warps=warps, num_stages=stages,
     )
 
@@ -553,9 +647,9 @@ def triton_attention(
                 nv, ni = torch.empty_like(arg_v), torch.empty_like(arg_i)
                 _attn_topk_next[grid](
                     q, k, *common, qk_scale, n_heads, group, n_q, n_k, offset,
-                    vals[-1], idxs[-1], nv, ni,
+                    vals[-1], idxs[-1], nv, ni, *mask_args,
                     HEAD_D=d, BLOCK_D=block_d, CAUSAL=plan.causal, BLOCK_M=bm, BLOCK_N=bn,
-                    PRECISION=precision, UPCAST=upcast, num_warps=warps, num_stages=stages,
+                    PRECISION=precision, UPCAST=upcast, num_warps=warps, num_stages=stages, **mask_flags,
                 )
                 vals.append(nv)
                 idxs.append(ni)

@@ -14,6 +14,7 @@ from analysis.qk_collect import (
     causal_softmax,
     collect_head,
     collect_layer,
+    collect_layers,
     load_probe_tasks,
     load_sentences,
 )
@@ -38,7 +39,7 @@ def synthetic_head(q: np.ndarray, k: np.ndarray, lengths: list[int], *, tokens: 
         positions=np.concatenate([np.arange(m) for m in lengths]).astype(np.int32),
         sentence_index=np.repeat(np.arange(len(lengths)), lengths).astype(np.int32), offsets=offsets,
         char_spans=np.zeros((n, 2), np.int32) if char_spans is None else char_spans,
-        sentences=sentences or [f"s{i}" for i in range(len(lengths))],
+        sentences=sentences or [f"s{i}" for i in range(len(lengths))], scale=1 / np.sqrt(q.shape[1]),
     )
 
 
@@ -53,6 +54,23 @@ def test_attention_from_collected_vectors_equals_the_models_pattern(tiny_model):
             np.testing.assert_allclose(h.k[h.rows(s)], run.k[1][head // 2], atol=1e-5)
             assert h.tokens[h.rows(s)] == run.tokens
             assert h.positions[h.rows(s)].tolist() == list(range(run.n_tokens))
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_attention_from_collected_vectors_uses_the_layers_scale_cap_and_window(family, embedded_tokenizer):
+    """Gemma's logits are ``q · k / sqrt(query_pre_attn_scalar)`` (not ``sqrt(d_head)``), soft-capped
+    (Gemma 2) and windowed on sliding layers: the collected vectors' attention is still the model's."""
+    from analysis.models import wrap_model
+    from tests.tiny_families import tiny_family_model
+
+    model = wrap_model(tiny_family_model(family, len(embedded_tokenizer)), embedded_tokenizer,
+                       name=f"tiny-{family}-qk", digest=f"tiny-{family}-qk")
+    assert max(len(model.encode(text)) for text in SENTENCES) > 6  # longer than the window
+    for layer, qk in collect_layers(model, SENTENCES, list(range(model.n_layers))).items():
+        h = qk.head(1)
+        for s, text in enumerate(SENTENCES):
+            run = capture(model, model.encode(text), pattern_dtype="float32")
+            np.testing.assert_allclose(h.attention(s), run.patterns[layer, 1], atol=1e-5)
 
 
 def test_second_request_for_any_head_of_the_layer_runs_nothing(tiny_model, store, monkeypatch):

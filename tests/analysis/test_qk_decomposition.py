@@ -147,7 +147,7 @@ def test_attribution_terms_sum_to_the_logit_exactly():
     other = decompose(q, k, FeaturePairs("other", pairs.query_index, pairs.key_index, rng.permutation(pairs.positive)),
                       rank=3)  # overlaps nothing in particular: exercises the cross terms
     qp, kp = q[pairs.query_index].astype(np.float64), k[pairs.key_index].astype(np.float64)
-    att = attribute_logits(qp, kp, [dc, other])
+    att = attribute_logits(qp, kp, [dc, other], scale=1 / np.sqrt(D))
     np.testing.assert_allclose(att.total(), att.logits, atol=1e-9)
     np.testing.assert_allclose(att.logits, np.einsum("pd,pd->p", qp, kp) / np.sqrt(D), rtol=1e-6)
     # the shared planted feature raises positive logits: its term separates the two conditions

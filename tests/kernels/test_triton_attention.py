@@ -140,28 +140,33 @@ def _compile_worker() -> None:
                 sig[name] = "constexpr"
             elif name in ("Q", "K", "V", "Out"):
                 sig[name] = "*" + dtype
-            elif name in ("ArgIdx", "RowSlot", "Spans", "PrevIdx", "NextIdx"):
+            elif name in ("ArgIdx", "RowSlot", "Spans", "PrevIdx", "NextIdx", "Win", "Sink"):
                 sig[name] = "*i32"
             elif name[0].isupper() and not name.isupper():
                 sig[name] = "*fp32"
             else:
-                sig[name] = "fp32" if name == "qk_scale" else "i32"
+                sig[name] = "fp32" if name in ("qk_scale", "cap") else "i32"
         src = ASTSource(fn, sig, constexprs)
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3})
 
     every = dict(DO_ENT=True, DO_ARG=True, NUM_SPANS=3, SPAN_PAD=4, DO_RECENT=True, DO_COL=True, DO_ROWS=True,
                  UPCAST=False)
+    plain, masked = dict(WINDOWED=False, SOFTCAP=False), dict(WINDOWED=True, SOFTCAP=True)  # Gemma 2
     build(ta._attn_fwd, "bf16", 8, HEAD_D=128, HEAD_DV=128, BLOCK_D=128, BLOCK_DV=128, CAUSAL=True,
-          BLOCK_M=128, BLOCK_N=64, PRECISION="tf32", UPCAST=False)
+          BLOCK_M=128, BLOCK_N=64, PRECISION="tf32", UPCAST=False, **plain)
+    build(ta._attn_fwd, "bf16", 4, HEAD_D=256, HEAD_DV=256, BLOCK_D=256, BLOCK_DV=256, CAUSAL=True,
+          BLOCK_M=64, BLOCK_N=32, PRECISION="tf32", UPCAST=False, **masked)
     build(ta._attn_stats, "bf16", 8, HEAD_D=128, BLOCK_D=128, CAUSAL=True, BLOCK_M=64, BLOCK_N=64,
-          PRECISION="tf32", POOL_MODE=1, POOL_PM=1, POOL_PN=1, POOL_QBP=1, POOL_KBP=1, **every)
+          PRECISION="tf32", POOL_MODE=1, POOL_PM=1, POOL_PN=1, POOL_QBP=1, POOL_KBP=1, **every, **plain)
+    build(ta._attn_stats, "bf16", 4, HEAD_D=256, BLOCK_D=256, CAUSAL=True, BLOCK_M=32, BLOCK_N=32,
+          PRECISION="tf32", POOL_MODE=1, POOL_PM=1, POOL_PN=1, POOL_QBP=1, POOL_KBP=1, **every, **masked)
     build(ta._attn_stats, "fp32", 4, HEAD_D=80, BLOCK_D=128, CAUSAL=False, BLOCK_M=64, BLOCK_N=64,
-          PRECISION="ieee", POOL_MODE=2, POOL_PM=1, POOL_PN=1, POOL_QBP=16, POOL_KBP=16, **every)
+          PRECISION="ieee", POOL_MODE=2, POOL_PM=1, POOL_PN=1, POOL_QBP=16, POOL_KBP=16, **every, **plain)
     build(ta._attn_topk_next, "fp16", 4, HEAD_D=64, BLOCK_D=64, CAUSAL=True, BLOCK_M=64, BLOCK_N=64,
-          PRECISION="tf32", UPCAST=False)
+          PRECISION="tf32", UPCAST=False, **masked)
     build(ta._attn_colsum, "bf16", 4, HEAD_D=128, BLOCK_D=128, CAUSAL=True, BLOCK_M=64, BLOCK_N=64,
-          PRECISION="tf32", UPCAST=False)
-    print(json.dumps({"compiled": 5}))
+          PRECISION="tf32", UPCAST=False, **masked)
+    print(json.dumps({"compiled": 7}))
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +241,7 @@ def test_kernels_compile_for_hopper_without_a_gpu(workers):
     if code != 0 and "ptxas" in err and "No such file" in err:
         pytest.skip("triton's CUDA toolchain (ptxas) is not installed")
     assert code == 0, err[-4000:]
-    assert json.loads(out.strip().splitlines()[-1]) == {"compiled": 5}
+    assert json.loads(out.strip().splitlines()[-1]) == {"compiled": 7}
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
