@@ -341,6 +341,20 @@ class CompressionCurve:
     def rows(self) -> list[dict[str, Any]]:
         return [e.row() for e in self.evaluations]
 
+    def find(self, ranking: str, fraction: float | None = None, seed: int | None = None) -> PolicyEvaluation | None:
+        """The evaluation of ``ranking`` at ``fraction`` (any, for the two ends) and ``seed`` (random: the
+        first seed when None), or None."""
+        for e in self.evaluations:
+            p = e.policy
+            if p.ranking != ranking:
+                continue
+            if fraction is not None and RANKINGS[ranking].fixed_fraction is None and abs(p.fraction - fraction) > 1e-9:
+                continue
+            if seed is not None and p.seed is not None and p.seed != seed:
+                continue
+            return e
+        return None
+
     def smallest_within(self, ranking: str, tolerance: float = 0.05, metric: str = "niah_accuracy"
                         ) -> PolicyEvaluation | None:
         """The policy of ``ranking`` with the smallest KV fraction whose ``metric`` is within ``tolerance``
