@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,6 +246,46 @@ def streaming_key_mask(n_queries: int, n_keys: int, sink_size: int, recent_size:
     return (j <= i) & ((j < sink_size) | (j > i - recent_size))
 
 
+_score_seam_ok: weakref.WeakKeyDictionary[LoadedModel, bool] = weakref.WeakKeyDictionary()
+
+
+def check_score_seam(model: LoadedModel) -> None:
+    """Check once per model that a ``hook_attn_scores`` edit reaches the softmax and the output.
+
+    On three tokens, every key but 0 of layer 0 is set to −inf; each query head's last output
+    ``z[0, h]_2`` must then be ``v_0`` of its KV group. Raises :class:`InputError` for a bridge that
+    reports scores after the fact (the policy would silently change nothing).
+    """
+    if _score_seam_ok.get(model):
+        return
+    got: dict[str, torch.Tensor] = {}
+
+    def only_first(scores: torch.Tensor, hook: Any = None) -> torch.Tensor:
+        out = torch.full_like(scores, float("-inf"))
+        out[..., 0] = scores[..., 0]
+        return out
+
+    def keep(name: str):
+        def hook(t: torch.Tensor, hook: Any = None) -> None:
+            got[name] = t.detach().clone()
+
+        return hook
+
+    hooks = [(get_act_name("attn_scores", 0), only_first), (get_act_name("v", 0), keep("v")),
+             (get_act_name("z", 0), keep("z"))]
+    ids = torch.tensor([[min(i, model.vocab_size - 1) for i in (1, 2, 3)]], device=model.device)
+    with model.lock, torch.inference_mode():
+        model.bridge.run_with_hooks(ids, fwd_hooks=hooks, return_type=None)
+    ok = "v" in got and "z" in got
+    if ok:
+        expected = got["v"][0, 0][[model.kv_head(h) for h in range(model.n_heads)]]
+        ok = torch.allclose(got["z"][0, -1], expected, atol=1e-5, rtol=1e-4)
+    if not ok:
+        raise InputError(f"KV-cache policies cannot be evaluated on {model.architecture}: its bridge reports "
+                         "attention scores after computing the output, so masking them changes nothing.")
+    _score_seam_ok[model] = True
+
+
 def policy_hooks(model: LoadedModel, policy: Policy) -> list[Hook]:
     """Forward hooks that apply ``policy`` on the eager path: for each layer with streaming groups,
     ``hook_attn_scores`` (``[batch, head, query, key]``, after the causal mask, before the softmax)
@@ -254,6 +295,8 @@ def policy_hooks(model: LoadedModel, policy: Policy) -> list[Hook]:
         raise InputError(f"The policy has shape {policy.full.shape}, the model's layers × KV heads are "
                          f"{(model.n_layers, model.n_kv_heads)}.")
     hooks: list[Hook] = []
+    if not policy.full.all():
+        check_score_seam(model)
     for layer in range(model.n_layers):
         heads = [h for h in range(model.n_heads) if not policy.full[layer, model.kv_head(h)]]
         if not heads:
