@@ -560,7 +560,9 @@ def evaluate_policies(
 
 
 def export_policy(policy: Policy, folder: str | Path, *, model_name: str = "") -> list[Path]:
-    """Write ``policy`` as DuoAttention's pattern folder (what kvpress' ``DuoAttentionPress`` reads).
+    """Write ``policy`` as DuoAttention's pattern folder: what ``duo_attn.utils.load_attn_pattern(folder)``
+    reads, and the files kvpress' ``DuoAttentionPress.load_attention_pattern`` parses (it fetches them
+    from DuoAttention's repository for the models it knows, with the same ``np.loadtxt`` call).
 
     - ``config.json``: ``sink_size`` and ``recent_size`` (plus how the policy was built);
     - ``full_attention_heads.tsv``: one row per layer, one tab-separated column per KV head, 1.0 for a
