@@ -523,6 +523,20 @@ BAD_INPUTS = [
     (("patch", *PAIR, "--path-from", "1.1", "--path-to", "3.1", "--attribution"), "--attribution"),
     (("patch", *PAIR, "--path-from", "1.1", "--path-to", "3.1", "--path-site", "z"), "--path-site"),
     (("patch", *PAIR, "--path-site", "k"), "--path-site"),
+    # compress: rankings, fractions, S and W, the exported policy, the sweep's inputs
+    (("compress", "--fractions", "1.5"), "--fractions"), (("compress", "--fractions", "x"), "--fractions"),
+    (("compress", "--rankings", "bogus"), "--rankings"), (("compress", "--rankings", ","), "--rankings"),
+    (("compress", "--sink", "-1"), "--sink"), (("compress", "--recent", "0"), "--recent"),
+    (("compress", "--seeds", "0"), "--seeds"), (("compress", "--tolerance", "2"), "--tolerance"),
+    (("compress", "--tolerance", "nan"), "--tolerance"),
+    (("compress", "--lengths", "256"), "--recent"),  # S + W = 128 + 256 keeps every key of 256 tokens
+    (("compress", "--export", "bogus:0.5"), "--export"), (("compress", "--export", "retrieval:x"), "--export"),
+    (("compress", "--export", "evidence:0.5"), "--export"), (("compress", "--export", "retrieval:0.3"), "--export"),
+    (("compress", "--export", "retrieval:0.5:1"), "--export"),
+    (("compress", *T, "--file", "{text}"), "--file"), (("compress", "--file", "{binary}"), "--file"),
+    (("compress", "--needles", "no-such-needle"), "--needles"), (("compress", "--haystack", "nosuch"), "--haystack"),
+    (("compress", "--lengths", "100000", "--needles", "locker-code", "--depths", "50"), "--lengths"),
+    (("compress", "--model", "{random_gguf}"), "--model"),
     # serve, worker
     (("serve", "--port", "0"), "--port"), (("serve", "--port", "70000"), "--port"), (("serve", "--port", "http"), "--port"),
     (("serve", "--port", "{busy_port}"), "--port"), (("serve", "--host", ""), "--host"),
@@ -595,7 +609,8 @@ def test_help_and_argument_errors_import_nothing_heavy_and_answer_fast(tmp_path)
         "         ['figure', 'm.json'], ['ablate', '--text', 'x', '--top-k', '3', '--curve', '0,1,3'],\n"
         "         ['ablate', '--top-k', '-3'], ['scan', '--lengths', 'abc'], ['--help'], ['ablate', '--help'],\n"
         "         ['patch', '--clean', 'a', '--corrupted', 'b', '--answers', ' x, y', '--site', 'resid'],\n"
-        "         ['patch', '--help']]\n"
+        "         ['patch', '--help'], ['compress', '--rankings', 'retrieval,random', '--fractions', '0.1,0.5'],\n"
+        "         ['compress', '--export', 'retrieval:0.3'], ['compress', '--help']]\n"
         "for argv in argvs:\n"
         "    try:\n"
         "        build_parser().parse_args(argv)\n"
@@ -687,3 +702,40 @@ def test_compare_two_runs_prints_the_largest_changes_and_writes_rebuildable_figu
         assert json.loads((tmp_path / view / f"{view}.json").read_text()) == json.loads((out / f"{view}.json").read_text())
     bad = headscope("compare", ids[0][:12], "feedfacefeedface", home=home)
     assert bad.returncode == 2 and "argument second" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_compress_prints_the_policy_table_and_writes_a_pattern_folder(tmp_path, real_model, capsys, monkeypatch):
+    """In-process on the embedded model, one needle at 256 tokens: the uncompressed row, the retrieval-ranked
+    policy keeping half the KV groups full, all-streaming; KV numbers by hand for 30 layers × 3 KV heads ×
+    d_head 64 in float32; the exported TSV reads back as 30 × 3."""
+    from app.cli import main
+
+    for var in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"):
+        monkeypatch.setenv(var, os.environ.get(var, "1"))
+    out = tmp_path / "out"
+    code = main(["--home", str(tmp_path / "home"), "compress", "--lengths", "256", "--depths", "50", "--needles",
+                 "locker-code", "--sink", "16", "--recent", "64", "--fractions", "0.5", "--rankings",
+                 "retrieval,all_streaming", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    summary = json.loads((out / "summary.json").read_text())
+    base, rows = summary["baseline"], {r["ranking"]: r for r in summary["rows"]}
+    n = base["kv_tokens"]
+    assert 200 < n <= 256 and base["kv_full_bytes"] == 30 * 3 * n * 2 * 64 * 4
+    assert base["agreement"] == 1.0 and base["niah_accuracy"] == 1.0  # the sweep's one trial was answered
+    assert rows["all_streaming"]["kv_fraction"] == pytest.approx(80 / n)
+    assert rows["retrieval"]["kv_fraction"] == pytest.approx((45 * n + 45 * 80) / (90 * n))
+    assert rows["all_streaming"]["loss"] > base["loss"] and rows["all_streaming"]["agreement"] < 1.0
+    lines = printed.splitlines()
+    assert lines[1].split() == ["ranking", "seed", "full", "KV", "frac", "KV", "MiB", "loss", "agree", "NIAH"]
+    assert lines[2].split()[0] == "uncompressed" and f"{base['loss']:.4f}" in lines[2]
+    assert any(line.startswith("retrieval ") and f"{rows['retrieval']['kv_fraction']:.3f}" in line for line in lines)
+    assert lines[-1] == f"results in {out}"
+    with open(out / "compress.csv") as f:
+        assert len(f.read().strip().splitlines()) == 1 + 2
+    table = np.loadtxt(out / "pattern" / "full_attention_heads.tsv", delimiter="\t")
+    assert table.shape == (30, 3) and set(np.unique(table)) <= {0.0, 1.0}
+    config = json.loads((out / "pattern" / "config.json").read_text())
+    assert (config["sink_size"], config["recent_size"]) == (16, 64)
+    exported = summary["exported"]
+    assert int(table.sum()) == round(0.5 * 90) if exported["ranking"] == "retrieval" else table.sum() == 0

@@ -1,0 +1,597 @@
+"""KV-cache compression policies from head classes, evaluated exactly, and exported for deployment.
+
+DuoAttention (Xiao et al. 2024, "DuoAttention: Efficient Long-Context LLM Inference with Retrieval
+and Streaming Heads", arXiv:2410.10819, §3) keeps the full KV cache only for *retrieval* heads and,
+for *streaming* heads, the first S tokens (attention sinks, StreamingLLM: Xiao et al. 2023,
+"Efficient Streaming Language Models with Attention Sinks", arXiv:2309.17453) plus the last W tokens.
+RazorAttention (Tang et al. 2024, "RazorAttention: Efficient KV Cache Compression Through Retrieval
+Heads", arXiv:2407.15891) does the same with retrieval heads found by a training-free score. The
+cache is stored per key-value head, so a policy here is one decision per (layer, KV group):
+
+    full(l, g) ∈ {True, False};  a streaming group's query heads see key j from query i iff
+    j ≤ i  and  (j < S  or  j > i − W)                                  (:func:`streaming_key_mask`)
+
+i.e. S sinks and a window of W keys ending at the query itself, in the prefill and at every decode
+step (a real compressed cache holds exactly these S + W keys). A policy is built from a *ranking*
+of the groups and a fraction kept full (:func:`build_policy`): the ``round(fraction · L · H_kv)``
+groups ranked highest are full. Rankings (:data:`RANKINGS`) turn a per-query-head score ``[layer,
+head]`` into a per-group priority with :func:`analysis.detectors.group_heads`, the aggregation the
+Heads page shows: retrieval and evidence score by their group maximum (a group must stay full if
+any of its query heads retrieves), streaming score by ``max(1 − streaming)`` (a group may stream only
+if all its heads do); ``random`` draws a priority per seed; ``all_full`` and ``all_streaming``
+(StreamingLLM) are the two ends.
+
+KV memory kept (:func:`kv_memory`), exact for the model's layout, for a cache of n tokens:
+
+    bytes = Σ_{l, g} kept(l, g) · 2 (K and V) · d_head · dtype bytes,
+    kept = n for a full group, min(n, S + W) for a streaming group,
+
+reported with the fraction of the full cache (every group full).
+
+Evaluation (:func:`evaluate_policies`) runs the model's eager path with a hook on
+``hook_attn_scores`` that sets the scores of keys a streaming group cannot see to −inf before the
+softmax (prefill and every KV-cached decode step; :func:`policy_hooks`): mean next-token loss and
+next-token agreement with the uncompressed model on texts, and needle-in-a-haystack accuracy on a
+sweep's prompts (:func:`analysis.ablation_curve.retrieval_accuracy`, the same decoding and answer
+scoring as the ablation curves). The policy can be exported as the pattern folder DuoAttention ships
+and NVIDIA kvpress' ``DuoAttentionPress`` reads (:func:`export_policy`).
+
+Defaults S = 128 sinks and W = 256 recent tokens are those of DuoAttention's shipped patterns
+(``attn_patterns/*/config.json`` in mit-han-lab/duo-attention: ``"sink_size": 128, "recent_size":
+256`` for Llama-3-8B-Instruct-Gradient-1048k and Meta-Llama-3.1-8B-Instruct), also the values
+kvpress' ``DuoAttentionPress`` uses for its on-the-fly scores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformer_lens.utilities import get_act_name
+
+from analysis.ablation import Cancel, Hook, Progress, loss_metric
+from analysis.ablation_curve import retrieval_accuracy
+from analysis.detectors import group_heads
+from analysis.errors import InputError
+from analysis.kv_compression_choices import (
+    DEFAULT_RANKINGS,
+    DEFAULT_RECENT_SIZE,
+    DEFAULT_SINK_SIZE,
+    RANKING_LABELS,
+)
+from analysis.models import LoadedModel
+from analysis.niah import NiahPrompt
+from analysis.retrieval import Cancelled, cancel_requested
+from analysis.store import Store, content_key
+
+KV_COMPRESSION_VERSION = 1
+PATTERN_CONFIG = "config.json"
+PATTERN_TSV = "full_attention_heads.tsv"
+POLICY_JSON = "policy.json"
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """How one ranking orders KV groups: ``priority(scores [layer, head], n_kv, seed) -> [layer, n_kv]``
+    (higher = kept full first); ``score`` names the per-head table it needs (None: none)."""
+
+    name: str
+    score: str | None
+    fixed_fraction: float | None = None  # the two ends ignore the fraction asked for
+    seeded: bool = False
+
+    @property
+    def label(self) -> str:
+        return RANKING_LABELS[self.name]
+
+
+RANKINGS: dict[str, Ranking] = {r.name: r for r in [
+    Ranking("retrieval", "retrieval"),
+    Ranking("streaming", "streaming"),
+    Ranking("evidence", "evidence"),
+    Ranking("random", None, seeded=True),
+    Ranking("all_full", None, fixed_fraction=1.0),
+    Ranking("all_streaming", None, fixed_fraction=0.0),
+]}
+assert tuple(RANKINGS) == tuple(RANKING_LABELS)
+
+
+def group_priority(model: LoadedModel, ranking: str, scores: Mapping[str, np.ndarray] | None = None,
+                   seed: int = 0) -> np.ndarray:
+    """``[layer, kv_head]`` priority of ``ranking`` (higher = kept full first); see the module docstring.
+
+    Query-head scores are aggregated with :func:`analysis.detectors.group_heads` (nan counts as 0).
+    """
+    if ranking not in RANKINGS:
+        raise InputError(f"Unknown ranking {ranking!r}: choose from {', '.join(RANKINGS)}.")
+    r = RANKINGS[ranking]
+    shape = (model.n_layers, model.n_kv_heads)
+    if r.seeded:
+        return np.random.default_rng(int(seed)).random(shape)
+    if r.score is None:
+        return np.zeros(shape)
+    table = (scores or {}).get(r.score)
+    if table is None:
+        raise InputError(f"The {ranking} ranking needs the {r.score} score, which was not computed here.")
+    table = np.asarray(table, dtype=np.float64)
+    if table.shape != (model.n_layers, model.n_heads):
+        raise InputError(f"The {r.score} score must have shape [layer, head] = {(model.n_layers, model.n_heads)}, "
+                         f"got {table.shape}.")
+    if ranking == "streaming":
+        table = 1.0 - table
+    return group_heads(np.nan_to_num(table, nan=0.0), model.n_kv_heads, "max")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Per (layer, KV group): full cache or streaming (S sinks + W recent keys).
+
+    Attributes
+    ----------
+    full : ``[layer, kv_head]`` bool, True = full cache.
+    sink_size, recent_size : S and W of the streaming groups.
+    ranking, fraction, seed : how it was built (fraction = share of groups asked to stay full).
+    """
+
+    full: np.ndarray
+    sink_size: int = DEFAULT_SINK_SIZE
+    recent_size: int = DEFAULT_RECENT_SIZE
+    ranking: str = ""
+    fraction: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "full", np.asarray(self.full, dtype=bool))
+        if self.full.ndim != 2:
+            raise InputError(f"A policy is a [layer, kv_head] table; got shape {self.full.shape}.")
+        if self.sink_size < 0 or self.recent_size < 1:
+            raise InputError(f"A streaming group needs S >= 0 sinks and W >= 1 recent tokens; got S={self.sink_size}, "
+                             f"W={self.recent_size}.")
+
+    @property
+    def n_full(self) -> int:
+        return int(self.full.sum())
+
+    @property
+    def full_share(self) -> float:
+        """Share of KV groups kept full."""
+        return float(self.full.mean())
+
+    def mask_key(self) -> str:
+        """What the evaluation depends on: which groups stream, and S and W."""
+        return content_key(np.packbits(self.full).tolist(), list(self.full.shape), self.sink_size, self.recent_size)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sink_size": self.sink_size, "recent_size": self.recent_size, "ranking": self.ranking,
+                "fraction": self.fraction, "seed": self.seed, "n_full": self.n_full,
+                "full_share": self.full_share, "full": self.full.astype(int).tolist()}
+
+
+def build_policy(model: LoadedModel, ranking: str, fraction: float, scores: Mapping[str, np.ndarray] | None = None,
+                 *, seed: int = 0, sink_size: int = DEFAULT_SINK_SIZE,
+                 recent_size: int = DEFAULT_RECENT_SIZE) -> Policy:
+    """The policy keeping the ``round(fraction · L · H_kv)`` highest-priority groups full.
+
+    Ties keep (layer, group) order. ``all_full`` and ``all_streaming`` ignore ``fraction``.
+    """
+    if not (isinstance(fraction, int | float) and 0.0 <= float(fraction) <= 1.0):
+        raise InputError(f"The fraction of KV groups kept full must be between 0 and 1, got {fraction!r}.")
+    priority = group_priority(model, ranking, scores, seed)
+    fixed = RANKINGS[ranking].fixed_fraction
+    fraction = float(fixed if fixed is not None else fraction)
+    n_groups = priority.size
+    k = int(math.floor(fraction * n_groups + 0.5))
+    order = np.argsort(-priority.reshape(-1), kind="stable")
+    full = np.zeros(n_groups, dtype=bool)
+    full[order[:k]] = True
+    return Policy(full.reshape(priority.shape), sink_size, recent_size, ranking, fraction,
+                  int(seed) if RANKINGS[ranking].seeded else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+
+
+@dataclass(frozen=True)
+class KVMemory:
+    """KV cache bytes under a policy for ``n_tokens`` cached tokens, and of the full cache."""
+
+    n_tokens: int
+    bytes: int
+    full_bytes: int
+
+    @property
+    def fraction(self) -> float:
+        return self.bytes / self.full_bytes if self.full_bytes else math.nan
+
+
+def dtype_bytes(model: LoadedModel) -> int:
+    """Bytes per cached K or V element: the model's parameter dtype (the cache is kept in it)."""
+    return int(next(model.hf_model.parameters()).element_size())
+
+
+def kv_memory(policy: Policy, n_tokens: int, d_head: int, element_bytes: int) -> KVMemory:
+    """``Σ_{l,g} kept(l, g) · 2 · d_head · bytes`` with kept = n (full) or min(n, S + W) (streaming)."""
+    n = int(n_tokens)
+    per_token = 2 * int(d_head) * int(element_bytes)
+    streaming_kept = min(n, policy.sink_size + policy.recent_size)
+    n_full = policy.n_full
+    n_stream = policy.full.size - n_full
+    return KVMemory(n, (n_full * n + n_stream * streaming_kept) * per_token, policy.full.size * n * per_token)
+
+
+# ---------------------------------------------------------------------------------------------
+# The mask
+
+
+def streaming_key_mask(n_queries: int, n_keys: int, sink_size: int, recent_size: int,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+    """``[n_queries, n_keys]`` bool: keys a streaming head may see.
+
+    Query row r is absolute position ``i = n_keys − n_queries + r`` (with the KV cache the rows are
+    the last positions); key j is visible iff ``j ≤ i and (j < S or j > i − W)``. This is the one
+    place the mask is defined: a kernel backend (``kernels.attention(..., key_sink=, key_window=)``)
+    can replace :func:`policy_hooks` and must agree with it.
+    """
+    i = torch.arange(n_keys - n_queries, n_keys, device=device)[:, None]
+    j = torch.arange(n_keys, device=device)[None, :]
+    return (j <= i) & ((j < sink_size) | (j > i - recent_size))
+
+
+_score_seam_ok: weakref.WeakKeyDictionary[LoadedModel, bool] = weakref.WeakKeyDictionary()
+
+
+def check_score_seam(model: LoadedModel) -> None:
+    """Check once per model that a ``hook_attn_scores`` edit reaches the softmax and the output.
+
+    On three tokens, every key but 0 of layer 0 is set to −inf; each query head's last output
+    ``z[0, h]_2`` must then be ``v_0`` of its KV group. Raises :class:`InputError` for a bridge that
+    reports scores after the fact (the policy would silently change nothing).
+    """
+    if _score_seam_ok.get(model):
+        return
+    got: dict[str, torch.Tensor] = {}
+
+    def only_first(scores: torch.Tensor, hook: Any = None) -> torch.Tensor:
+        out = torch.full_like(scores, float("-inf"))
+        out[..., 0] = scores[..., 0]
+        return out
+
+    def keep(name: str):
+        def hook(t: torch.Tensor, hook: Any = None) -> None:
+            got[name] = t.detach().clone()
+
+        return hook
+
+    hooks = [(get_act_name("attn_scores", 0), only_first), (get_act_name("v", 0), keep("v")),
+             (get_act_name("z", 0), keep("z"))]
+    ids = torch.tensor([[min(i, model.vocab_size - 1) for i in (1, 2, 3)]], device=model.device)
+    with model.lock, torch.inference_mode():
+        model.bridge.run_with_hooks(ids, fwd_hooks=hooks, return_type=None)
+    ok = "v" in got and "z" in got
+    if ok:
+        expected = got["v"][0, 0][[model.kv_head(h) for h in range(model.n_heads)]]
+        ok = torch.allclose(got["z"][0, -1], expected, atol=1e-5, rtol=1e-4)
+    if not ok:
+        raise InputError(f"KV-cache policies cannot be evaluated on {model.architecture}: its bridge reports "
+                         "attention scores after computing the output, so masking them changes nothing.")
+    _score_seam_ok[model] = True
+
+
+def policy_hooks(model: LoadedModel, policy: Policy) -> list[Hook]:
+    """Forward hooks that apply ``policy`` on the eager path: for each layer with streaming groups,
+    ``hook_attn_scores`` (``[batch, head, query, key]``, after the causal mask, before the softmax)
+    gets −inf where a streaming group's query heads may not look (:func:`streaming_key_mask`).
+    Prefill and KV-cached decode steps alike. The all-full policy gives no hooks."""
+    if policy.full.shape != (model.n_layers, model.n_kv_heads):
+        raise InputError(f"The policy has shape {policy.full.shape}, the model's layers × KV heads are "
+                         f"{(model.n_layers, model.n_kv_heads)}.")
+    hooks: list[Hook] = []
+    if not policy.full.all():
+        check_score_seam(model)
+    for layer in range(model.n_layers):
+        heads = [h for h in range(model.n_heads) if not policy.full[layer, model.kv_head(h)]]
+        if not heads:
+            continue
+
+        def hook(scores: torch.Tensor, hook: Any = None, heads: list[int] = heads) -> torch.Tensor:
+            hidden = ~streaming_key_mask(scores.shape[-2], scores.shape[-1], policy.sink_size, policy.recent_size,
+                                         scores.device)
+            hs = torch.tensor(heads, device=scores.device)
+            scores = scores.clone()
+            scores[:, hs] = scores[:, hs].masked_fill(hidden, float("-inf"))
+            return scores
+
+        hooks.append((get_act_name("attn_scores", layer), hook))
+    return hooks
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@dataclass
+class TextMetrics:
+    """Loss and next-token argmax on a set of texts (token-weighted over all of them)."""
+
+    loss: float
+    argmax: list[np.ndarray]
+
+
+def text_metrics(model: LoadedModel, texts: Sequence[Sequence[int]], hooks: Sequence[Hook] = (),
+                 cancel: Cancel | None = None) -> TextMetrics:
+    """Mean next-token loss ``(1/Σ(n−1)) Σ_texts Σ_{i≥1} −log p(t_i | t_<i)`` with ``hooks`` active,
+    and each position's most likely next token."""
+    total, count, argmax = 0.0, 0, []
+    for ids in texts:
+        if cancel_requested(cancel):
+            raise Cancelled("cancelled")
+        x = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
+        with model.lock, torch.inference_mode():
+            logits = model.bridge.run_with_hooks(x, fwd_hooks=list(hooks), return_type="logits")
+        n = len(ids) - 1
+        total += float(loss_metric(ids)(logits)[0]) * n
+        count += n
+        argmax.append(logits[0].argmax(-1).cpu().numpy())
+        del logits
+    return TextMetrics(total / count if count else math.nan, argmax)
+
+
+@dataclass
+class PolicyEvaluation:
+    """One policy's numbers; ``agreement`` = share of positions whose most likely next token is the
+    uncompressed model's; ``niah_accuracy`` nan without prompts."""
+
+    policy: Policy
+    memory: KVMemory
+    loss: float
+    agreement: float
+    niah_accuracy: float
+    seconds: float = 0.0
+
+    def row(self) -> dict[str, Any]:
+        p = self.policy
+        return {"ranking": p.ranking, "seed": p.seed, "fraction_full": p.fraction, "n_full_groups": p.n_full,
+                "kv_tokens": self.memory.n_tokens, "kv_bytes": self.memory.bytes,
+                "kv_full_bytes": self.memory.full_bytes, "kv_fraction": self.memory.fraction,
+                "loss": self.loss, "agreement": self.agreement, "niah_accuracy": self.niah_accuracy}
+
+
+@dataclass
+class CompressionCurve:
+    """Every evaluated policy, the uncompressed baseline, and how they were measured.
+
+    ``complete`` is False when ``cancel`` stopped the evaluation (finished policies are kept).
+    """
+
+    evaluations: list[PolicyEvaluation]
+    baseline: PolicyEvaluation
+    sink_size: int
+    recent_size: int
+    n_texts: int
+    n_prompts: int
+    complete: bool = True
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [e.row() for e in self.evaluations]
+
+    def find(self, ranking: str, fraction: float | None = None, seed: int | None = None) -> PolicyEvaluation | None:
+        """The evaluation of ``ranking`` at ``fraction`` (any, for the two ends) and ``seed`` (random: the
+        first seed when None), or None."""
+        for e in self.evaluations:
+            p = e.policy
+            if p.ranking != ranking:
+                continue
+            if fraction is not None and RANKINGS[ranking].fixed_fraction is None and abs(p.fraction - fraction) > 1e-9:
+                continue
+            if seed is not None and p.seed is not None and p.seed != seed:
+                continue
+            return e
+        return None
+
+    def smallest_within(self, ranking: str, tolerance: float = 0.05, metric: str = "niah_accuracy"
+                        ) -> PolicyEvaluation | None:
+        """The policy of ``ranking`` with the smallest KV fraction whose ``metric`` is within ``tolerance``
+        of the uncompressed value (accuracy: ``≥ full − tolerance``; loss: ``≤ full + tolerance``); for
+        ``random`` every seed must pass. None when none does."""
+        base = getattr(self.baseline, metric)
+        by_fraction: dict[float, list[PolicyEvaluation]] = {}
+        for e in self.evaluations:
+            if e.policy.ranking == ranking:
+                by_fraction.setdefault(e.policy.fraction, []).append(e)
+
+        def ok(e: PolicyEvaluation) -> bool:
+            v = getattr(e, metric)
+            return v <= base + tolerance if metric == "loss" else v >= base - tolerance - 1e-12
+
+        passing = [es for es in by_fraction.values() if all(ok(e) for e in es)]
+        if not passing:
+            return None
+        best = min(passing, key=lambda es: np.mean([e.memory.fraction for e in es]))
+        return max(best, key=lambda e: e.memory.fraction)
+
+
+def _evaluate_one(model: LoadedModel, policy: Policy, texts: Sequence[Sequence[int]],
+                  prompts: Sequence[NiahPrompt], clean_argmax: list[np.ndarray], n_tokens: int,
+                  max_new_tokens: int, cancel: Cancel | None) -> PolicyEvaluation:
+    t0 = time.perf_counter()
+    hooks = policy_hooks(model, policy)
+    tm = text_metrics(model, texts, hooks, cancel)
+    same = sum(int((a == b).sum()) for a, b in zip(tm.argmax, clean_argmax, strict=True))
+    positions = sum(len(a) for a in clean_argmax)
+    acc = math.nan
+    if prompts:
+        acc = retrieval_accuracy(model, prompts, hooks, max_new_tokens=max_new_tokens, cancel=cancel).accuracy
+    memory = kv_memory(policy, n_tokens, model.d_head, dtype_bytes(model))
+    return PolicyEvaluation(policy, memory, tm.loss, same / positions if positions else math.nan, acc,
+                            time.perf_counter() - t0)
+
+
+def evaluate_policies(
+    model: LoadedModel,
+    scores: Mapping[str, np.ndarray] | None,
+    rankings: Sequence[str] = DEFAULT_RANKINGS,
+    fractions: Sequence[float] = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0),
+    *,
+    texts: Sequence[Sequence[int]] = (),
+    prompts: Sequence[NiahPrompt] = (),
+    seeds: Sequence[int] = (0, 1, 2),
+    sink_size: int = DEFAULT_SINK_SIZE,
+    recent_size: int = DEFAULT_RECENT_SIZE,
+    max_new_tokens: int = 24,
+    store: Store | None = None,
+    progress: Progress | None = None,
+    cancel: Cancel | None = None,
+) -> CompressionCurve:
+    """Evaluate every (ranking, fraction[, seed]) policy against the uncompressed model.
+
+    The user action of ``headscope compress`` (and, later, the Compress page and its job): builds
+    each policy with :func:`build_policy`, runs it with :func:`policy_hooks` and measures mean loss
+    and next-token agreement on ``texts`` and NIAH accuracy on ``prompts`` (module docstring), and
+    the KV memory kept for a cache as long as the longest input. ``all_full`` and ``all_streaming``
+    are evaluated once each; a policy equal to one already measured is not run again.
+
+    Parameters
+    ----------
+    scores : per-query-head tables ``[layer, head]`` by name (``retrieval``, ``streaming``,
+        ``evidence``) for the rankings that need them.
+    rankings : names from :data:`RANKINGS`.
+    fractions : shares of KV groups kept full, each in [0, 1].
+    texts : token-id lists for loss and agreement (at least one, or ``prompts``).
+    prompts : needle-in-a-haystack prompts (e.g. a sweep's, :func:`analysis.retrieval.trial_prompt`).
+    seeds : one random policy per seed and fraction.
+    store : each policy's numbers are stored as they finish, under the model, the inputs and the
+        policy's mask: a cancelled evaluation run again resumes, other curves reuse shared policies.
+    progress, cancel : as every long analysis; a cancel returns what finished (``complete=False``).
+
+    Returns
+    -------
+    :class:`CompressionCurve`.
+    """
+    rankings = list(dict.fromkeys(rankings))
+    if not rankings:
+        raise InputError("Choose at least one ranking.")
+    for name in rankings:
+        if name not in RANKINGS:
+            raise InputError(f"Unknown ranking {name!r}: choose from {', '.join(RANKINGS)}.")
+    fractions = sorted({float(f) for f in fractions})
+    if not fractions or fractions[0] < 0 or fractions[-1] > 1:
+        raise InputError(f"Give fractions of KV groups kept full between 0 and 1; got {fractions}.")
+    texts = [[int(t) for t in ids] for ids in texts]
+    if not texts and not prompts:
+        raise InputError("Give a text (for loss and agreement) or needle-in-a-haystack prompts to evaluate on.")
+    if any(len(ids) < 2 for ids in texts):
+        raise InputError("Each text needs at least two tokens to have a loss.")
+    if sink_size < 0 or recent_size < 1:
+        raise InputError(f"A streaming group needs S >= 0 sinks and W >= 1 recent tokens; got S={sink_size}, "
+                         f"W={recent_size}.")
+    for name in rankings:  # a missing score is reported before any work
+        group_priority(model, name, scores, 0)
+    seeds = [int(s) for s in seeds] or [0]
+    policies: list[Policy] = []
+    for name in rankings:
+        r = RANKINGS[name]
+        for f in ([r.fixed_fraction] if r.fixed_fraction is not None else fractions):
+            for seed in (seeds if r.seeded else [0]):
+                policies.append(build_policy(model, name, f, scores, seed=seed, sink_size=sink_size,
+                                             recent_size=recent_size))
+    n_tokens = max([len(t) for t in texts] + [p.n_tokens for p in prompts])
+    inputs = content_key(texts, [p.token_ids for p in prompts], max_new_tokens)
+    full_policy = build_policy(model, "all_full", 1.0, sink_size=sink_size, recent_size=recent_size)
+
+    clean = text_metrics(model, texts, (), cancel)
+    memo: dict[str, PolicyEvaluation] = {}
+
+    def evaluate(policy: Policy) -> PolicyEvaluation:
+        mk = policy.mask_key()
+        if mk in memo:
+            e = memo[mk]
+            return PolicyEvaluation(policy, e.memory, e.loss, e.agreement, e.niah_accuracy, 0.0)
+        key = content_key("kv_policy_eval", KV_COMPRESSION_VERSION, model.digest, inputs, mk)
+        record = store.get(key) if store is not None else None
+        if record is not None and record.kind == "kv_policy_eval":
+            m = record.meta
+            e = PolicyEvaluation(policy, kv_memory(policy, n_tokens, model.d_head, dtype_bytes(model)),
+                                 float(m["loss"]), float(m["agreement"]), float(m["niah_accuracy"]), 0.0)
+        else:
+            e = _evaluate_one(model, policy, texts, prompts, clean.argmax, n_tokens, max_new_tokens, cancel)
+            if store is not None:
+                store.put(key, "kv_policy_eval", {"loss": e.loss, "agreement": e.agreement,
+                                                  "niah_accuracy": e.niah_accuracy, "seconds": e.seconds}, {})
+        memo[mk] = e
+        return e
+
+    evaluations: list[PolicyEvaluation] = []
+    complete = True
+    baseline = None
+    try:
+        baseline = evaluate(full_policy)
+        if progress:
+            progress(1 / (len(policies) + 1))
+        for done, policy in enumerate(policies):
+            if cancel_requested(cancel):
+                complete = False
+                break
+            evaluations.append(evaluate(policy))
+            if progress:
+                progress((done + 2) / (len(policies) + 1))
+    except Cancelled:
+        if baseline is None:
+            raise
+        complete = False
+    meta = {"model_name": model.name, "model_digest": model.digest, "rankings": rankings, "fractions": fractions,
+            "seeds": seeds, "n_tokens": n_tokens, "dtype_bytes": dtype_bytes(model),
+            "layout": {"n_layers": model.n_layers, "n_kv_heads": model.n_kv_heads, "d_head": model.d_head},
+            "version": KV_COMPRESSION_VERSION}
+    return CompressionCurve(evaluations, baseline, sink_size, recent_size, len(texts), len(prompts), complete, meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+
+
+def export_policy(policy: Policy, folder: str | Path, *, model_name: str = "") -> list[Path]:
+    """Write ``policy`` as DuoAttention's pattern folder: what ``duo_attn.utils.load_attn_pattern(folder)``
+    reads, and the files kvpress' ``DuoAttentionPress.load_attention_pattern`` parses (it fetches them
+    from DuoAttention's repository for the models it knows, with the same ``np.loadtxt`` call).
+
+    - ``config.json``: ``sink_size`` and ``recent_size`` (plus how the policy was built);
+    - ``full_attention_heads.tsv``: one row per layer, one tab-separated column per KV head, 1.0 for a
+      full group and 0.0 for a streaming one; ``np.loadtxt(path, delimiter="\\t")`` reads it back
+      (DuoAttention's ``load_attn_pattern``; its threshold 0.5, or kvpress' ``head_compression_ratio``
+      = share of streaming groups, recovers this policy exactly);
+    - ``policy.json``: the policy as JSON.
+    """
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"sink_size": policy.sink_size, "recent_size": policy.recent_size, "model_name": model_name,
+              "ranking": policy.ranking, "fraction_full": policy.fraction, "seed": policy.seed,
+              "head_compression_ratio": 1.0 - policy.full_share, "source": "headscope"}
+    paths = [out / PATTERN_CONFIG, out / PATTERN_TSV, out / POLICY_JSON]
+    paths[0].write_text(json.dumps(config, indent=2))
+    np.savetxt(paths[1], policy.full.astype(np.float64), delimiter="\t", fmt="%.1f")
+    paths[2].write_text(json.dumps({**policy.to_json(), "model_name": model_name}, indent=2))
+    return paths
+
+
+def load_policy(folder: str | Path) -> Policy:
+    """Read a pattern folder back (``config.json`` + ``full_attention_heads.tsv``): groups scoring
+    above 0.5 are full (DuoAttention's default threshold)."""
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / PATTERN_CONFIG).read_text())
+        table = np.atleast_2d(np.loadtxt(folder / PATTERN_TSV, delimiter="\t", dtype=np.float64))
+    except (OSError, ValueError) as e:
+        raise InputError(f"Cannot read a pattern folder at {folder}: {e}") from None
+    return Policy(np.clip(table, 0, 1) > 0.5, int(config["sink_size"]), int(config["recent_size"]),
+                  str(config.get("ranking", "")), float(config.get("fraction_full", float((table > 0.5).mean()))))
+

@@ -1,0 +1,32 @@
+"""What a user can choose in a KV-cache compression policy, spelled once: the rankings of KV groups,
+the streaming groups' S and W (DuoAttention's shipped defaults) and the default fractions and seeds.
+
+This module imports nothing heavy, so the command line checks its arguments against these names
+before torch is loaded; :mod:`analysis.kv_compression` and (later) the Compress page read the same names.
+"""
+
+from __future__ import annotations
+
+RANKING_LABELS = {
+    "retrieval": "Retrieval score (group max)",
+    "streaming": "Streaming score (group max of 1 − score)",
+    "evidence": "Evidence score (group max)",
+    "random": "Random groups",
+    "all_full": "All full (uncompressed)",
+    "all_streaming": "All streaming (StreamingLLM)",
+}
+"""Rankings of KV groups (higher = kept full first): :data:`analysis.kv_compression.RANKINGS` says how each
+orders the groups."""
+RANKINGS = tuple(RANKING_LABELS)
+DEFAULT_RANKINGS = ("retrieval", "streaming", "random", "all_full", "all_streaming")
+
+DEFAULT_SINK_SIZE = 128
+"""S: ``sink_size`` of DuoAttention's shipped patterns (mit-han-lab/duo-attention,
+``attn_patterns/Meta-Llama-3.1-8B-Instruct/.../config.json`` and the Llama-3-8B-Gradient ones), also
+kvpress' ``DuoAttentionPress`` on-the-fly default."""
+DEFAULT_RECENT_SIZE = 256
+"""W: ``recent_size`` of the same configs."""
+DEFAULT_FRACTIONS = (0.1, 0.25, 0.5, 0.75)
+DEFAULT_SEEDS = 3
+DEFAULT_TOLERANCE = 0.05
+"""The smallest KV fraction "within 5 NIAH points of full" the issue asks for."""

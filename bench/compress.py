@@ -1,0 +1,174 @@
+"""KV-cache compression policies on the embedded model (DuoAttention, Xiao et al. 2024, arXiv:2410.10819).
+
+``ratio``: one policy evaluation (mean loss on a text + NIAH accuracy on one prompt, through
+:mod:`analysis.kv_compression`'s masked eager path) against the same evaluation of the uncompressed
+model, in the same run, alternating, best of ``--repeats``; prints time, peak RSS growth during the
+call and the ratio. Both run the eager path (the N × N scores of a layer exist in both); the mask is
+one ``masked_fill`` per layer with streaming groups.
+
+``curve``: a needle-in-a-haystack sweep (stored: reused) at ``--length`` tokens, retrieval scores from
+its trials and streaming scores over its prompts with the policy's S and W, then
+:func:`analysis.kv_compression.evaluate_policies` for the retrieval, streaming and random rankings
+over ``--fractions`` and the two ends; prints the table and, per ranking, the smallest KV fraction
+within 5 NIAH points of full (for random: every seed within).
+
+    .venv/bin/python bench/compress.py ratio [--length 1024] [--repeats 3]
+    .venv/bin/python bench/compress.py curve [--length 2048] [--depths 25,75] [--needles a,b,c]
+                                             [--fractions 0.1,0.25,0.5,0.75] [--seeds 3] [--loss-texts N]
+                                             [--home DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        import os
+
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measured(fn):
+    """(result, seconds, peak RSS growth in bytes while ``fn`` ran; sampled every 5 ms)."""
+    base = _rss()
+    peak = [base]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.005)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    t = time.perf_counter()
+    try:
+        out = fn()
+    finally:
+        seconds = time.perf_counter() - t
+        done.set()
+        th.join()
+    return out, seconds, max(peak[0], _rss()) - base
+
+
+def ratio(args) -> None:
+    import torch
+
+    from analysis.ablation_curve import retrieval_accuracy
+    from analysis.kv_compression import build_policy, policy_hooks, text_metrics
+    from analysis.models import load_model
+    from analysis.niah import build_prompt, load_haystack, load_needles
+
+    model = load_model("smollm2-135m")
+    hay = load_haystack("prose")
+    prompt = build_prompt(model, load_needles()[0], hay, args.length, 50.0)
+    text = prompt.token_ids
+    policy = build_policy(model, "random", 0.5, seed=0, sink_size=args.sink, recent_size=args.recent)
+    variants = {"uncompressed": [], f"random 50% full, S={args.sink} W={args.recent}": policy_hooks(model, policy)}
+    best: dict[str, tuple[float, int, float, float]] = {}
+    for _ in range(args.repeats):
+        for name, hooks in variants.items():
+            def run(hooks=hooks):
+                loss = text_metrics(model, [text], hooks).loss
+                return loss, retrieval_accuracy(model, [prompt], hooks).accuracy
+
+            (loss, acc), s, mem = measured(run)
+            if name not in best or s < best[name][0]:
+                best[name] = (s, mem, loss, acc)
+    base = best["uncompressed"][0]
+    print(f"one evaluation = mean loss on {len(text)} tokens + NIAH on one {prompt.n_tokens}-token prompt "
+          f"(24 new tokens), eager path, {torch.get_num_threads()} thread(s), best of {args.repeats}")
+    print(f"{'what':<34} {'tokens':>6} {'time s':>7} {'peak RSS MiB':>12} {'ratio':>6} {'loss':>7} {'NIAH':>5}")
+    for name, (s, mem, loss, acc) in best.items():
+        print(f"{name:<34} {len(text):>6} {s:>7.2f} {mem / 2**20:>12.1f} {s / base:>6.2f} {loss:>7.4f} {acc:>5.2f}")
+
+
+def curve(args) -> None:
+    from analysis.head_scores import score_prompts, trial_prompts
+    from analysis.kv_compression import evaluate_policies
+    from analysis.models import load_model
+    from analysis.niah import load_haystack, load_needles
+    from analysis.retrieval import sweep, trial_prompt
+    from analysis.store import Store
+
+    store = Store(args.home) if args.home else Store()
+    model = load_model("smollm2-135m")
+    by_id = {n.id: n for n in load_needles()}
+    needles = [by_id[k] for k in args.needles.split(",")]
+    depths = [float(d) for d in args.depths.split(",")]
+    fractions = [float(f) for f in args.fractions.split(",")]
+    t = time.perf_counter()
+    result = sweep(model, needles, [args.length], depths, load_haystack("prose"), store=store)
+    print(f"sweep: {len(result.trials)} prompts at {args.length} tokens, {result.n_counted} answered "
+          f"({time.perf_counter() - t:.0f} s)")
+    t = time.perf_counter()
+    hs = score_prompts(model, trial_prompts(result.trials), sink=args.sink, window=args.recent, store=store)
+    print(f"streaming scores (S={args.sink}, W={args.recent}) on {hs.n_prompts} prompts ({time.perf_counter() - t:.0f} s)")
+    prompts = [trial_prompt(tr) for tr in result.trials]
+    texts = [p.token_ids for p in trial_prompts(result.trials)][: args.loss_texts or None]
+    t = time.perf_counter()
+    last = [0.0]
+
+    def progress(f: float) -> None:
+        if f - last[0] >= 0.1 or f >= 1:
+            last[0] = f
+            print(f"  {f:.0%} after {time.perf_counter() - t:.0f} s", flush=True)
+
+    c = evaluate_policies(model, {"retrieval": result.scores, "streaming": hs.mean["streaming"]},
+                          ["retrieval", "streaming", "random", "all_full", "all_streaming"], fractions,
+                          texts=texts, prompts=prompts, seeds=range(args.seeds), sink_size=args.sink,
+                          recent_size=args.recent, store=store, progress=progress)
+    b = c.baseline
+    print(f"\npolicies ({time.perf_counter() - t:.0f} s): S={args.sink} W={args.recent}, KV for {b.memory.n_tokens} "
+          f"tokens (full {b.memory.full_bytes / 2**20:.1f} MiB), loss/agreement on {c.n_texts} prompt(s), "
+          f"NIAH on {c.n_prompts}")
+    print(f"{'ranking':<14} {'seed':>4} {'full':>5} {'KV frac':>7} {'loss':>7} {'agree':>6} {'NIAH':>5}")
+    print(f"{'uncompressed':<14} {'':>4} {1:>5.2f} {1:>7.3f} {b.loss:>7.4f} {b.agreement:>6.3f} {b.niah_accuracy:>5.2f}")
+    for e in c.evaluations:
+        p = e.policy
+        print(f"{p.ranking:<14} {'' if p.seed is None else p.seed:>4} {p.fraction:>5.2f} {e.memory.fraction:>7.3f} "
+              f"{e.loss:>7.4f} {e.agreement:>6.3f} {e.niah_accuracy:>5.2f}")
+    print()
+    for ranking in ("retrieval", "streaming", "random", "all_streaming"):
+        e = c.smallest_within(ranking, 0.05)
+        where = "none" if e is None else f"KV fraction {e.memory.fraction:.3f} (fraction full {e.policy.fraction:.2f})"
+        print(f"smallest KV within 5 NIAH points of full ({b.niah_accuracy:.2f}), {ranking}: {where}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("ratio")
+    p.add_argument("--length", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sink", type=int, default=128)
+    p.add_argument("--recent", type=int, default=256)
+    p = sub.add_parser("curve")
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--depths", default="25,75")
+    p.add_argument("--needles", default="locker-code,chess-club,tram-depot")
+    p.add_argument("--fractions", default="0.1,0.25,0.5,0.75")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--sink", type=int, default=128)
+    p.add_argument("--recent", type=int, default=256)
+    p.add_argument("--loss-texts", type=int, default=0,
+                   help="measure loss and agreement on the first N prompts only (default 0: all)")
+    p.add_argument("--home", help="store folder (default: HEADSCOPE_HOME or the user data dir)")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)  # decoding is many tiny matmuls; one thread is fastest on a shared box
+    (ratio if args.what == "ratio" else curve)(args)
+
+
+if __name__ == "__main__":
+    main()
