@@ -29,9 +29,13 @@ def _watch_effects_requests(page) -> list[dict]:
         body = request.post_data or ""
         if "hs-abl-effects" in body:
             try:
-                changed = json.loads(body).get("changedPropIds", [])
+                sent = json.loads(body)
             except ValueError:
-                changed = []
+                sent = {}
+            changed = sent.get("changedPropIds", [])
+            link = [i.get("value") for i in sent.get("inputs", []) if isinstance(i, dict) and i.get("id") == "hs-abl-from-link"]
+            if changed == ["hs-abl-from-link.data"] and not any(link):
+                return  # the page's empty link store arriving: the job refuses it at once (nothing computed)
             seen.append({"url": request.url, "changed": changed})
 
     page.on("request", on_request)

@@ -163,7 +163,22 @@ def wait_for_run(page, timeout: float | None = None):
     page.wait_for_selector("#hs-grid .heatmaplayer .hm")
 
 
+def settled(page, timeout: float = 20_000) -> None:
+    """Wait until Dash has no callback in flight (it titles the tab "Updating..." meanwhile) and two
+    frames were painted: a figure still being redrawn (plotly rebuilds its drag layer, and draws again
+    when its margins change) can drop a click, which a user sees as a click that did nothing; under
+    load that window grows. A background job polling for longer is not waited for past ``timeout``."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function("() => document.title !== 'Updating...'", timeout=timeout)
+    except PlaywrightTimeout:
+        pass
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+
+
 def click_cell(page, graph, col, row, n_cols, n_rows):
+    settled(page)
     page.locator(f"#{graph}").scroll_into_view_if_needed()
     box = page.locator(f"#{graph} .nsewdrag").first.bounding_box()
     page.mouse.click(box["x"] + box["width"] * (col + 0.5) / n_cols, box["y"] + box["height"] * (row + 0.5) / n_rows)
