@@ -81,7 +81,7 @@ class Run(RunRecord):
 
         if metric not in HEAD_METRICS:
             raise InputError(f"Unknown metric {metric!r}; choose one of: {', '.join(HEAD_METRICS)}.")
-        return HEAD_METRICS[metric].compute(self.patterns, self.token_ids)
+        return HEAD_METRICS[metric].compute(self.patterns, self.token_ids, self.settings.get("layer_windows"))
 
     def received_attention(self) -> np.ndarray:
         """``[layer, head, n]`` :func:`analysis.streaming.sink_map`'s ``received``."""
@@ -187,6 +187,8 @@ def capture(
     ids = tokenize_input(model, text_or_ids, max_tokens)
     text = text_or_ids if isinstance(text_or_ids, str) else None
     settings = {"pattern_dtype": pattern_dtype, "qk_layers": layers}
+    if model.facts.windowed:  # per-layer sliding windows (entropy's visible keys); absent: all full
+        settings["layer_windows"] = model.facts.run_windows()
     key = run_key(model, ids, settings)
     if store is not None:
         stored = load_run(store, key)

@@ -98,6 +98,17 @@ class LoadedModel:
     architecture: str
     # Forward passes on one model are serialised: hooks are global state on the module.
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    _facts: Any = field(default=None, repr=False)
+
+    @property
+    def facts(self) -> Any:
+        """The model's :class:`analysis.model_facts.ModelFacts` (windows per layer, BOS policy, chat
+        template, which q/k the QK page shows), read once."""
+        if self._facts is None:
+            from analysis.model_facts import model_facts
+
+            self._facts = model_facts(self)
+        return self._facts
 
     @property
     def group_size(self) -> int:
