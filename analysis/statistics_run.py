@@ -236,7 +236,8 @@ def capture_statistics(
 
     Parameters
     ----------
-    text_or_ids : text (tokenised without adding a BOS) or token ids, used exactly as given.
+    text_or_ids : text (tokenised by :func:`analysis.capture.tokenize_input`: a BOS only where the
+        model expects one) or token ids, used exactly as given.
     sink, window : S and W of the sink and recent-window masses (the streaming score).
     spans : half-open key spans whose mass each query row puts on them (e.g. a needle).
     store : a stored run with the same key is loaded instead of recomputed; a new one is stored.

@@ -3,6 +3,8 @@ models of several families, and entropy normalised by the keys a windowed layer 
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -61,10 +63,51 @@ def test_entropy_by_hand_on_a_window_of_two():
     np.testing.assert_allclose(normalised_entropy(a[None, None]), [[full]], rtol=1e-12)
 
 
-def test_bos_policy_follows_the_tokenizer(embedded_tokenizer):
+@pytest.fixture(scope="module")
+def base_tokenizer(embedded_tokenizer):
+    """The embedded tokenizer made to behave like Gemma 3 270M's: it puts a BOS before a text, and
+    the model is a base model without a chat template (a copy: the session's tokenizer stays as it is)."""
+    tok = copy.deepcopy(embedded_tokenizer)
+    tok.add_bos_token = True
+    tok.chat_template = None
+    assert tok("a")["input_ids"][0] == tok.bos_token_id  # the copy really prepends its BOS
+    return tok
+
+
+def test_a_model_without_bos_reads_text_as_written(embedded_tokenizer):
     model = _wrap("mistral", embedded_tokenizer)
     assert not model.facts.adds_bos  # SmolLM2's tokenizer adds nothing: text is encoded as written
     assert model.facts.has_chat_template
+    run = capture(model, "The cat sat.")
+    assert run.token_ids == embedded_tokenizer.encode("The cat sat.", add_special_tokens=False)
+
+
+def test_a_model_that_expects_bos_gets_it_as_a_visible_token(base_tokenizer):
+    """Gemma-like: the BOS is prepended once, is position 0 of the run and is shown as a token; the
+    statistics run sees the same ids."""
+    model = _wrap("gemma3", base_tokenizer)
+    bos = base_tokenizer.bos_token_id
+    assert model.facts.bos_id == bos and not model.facts.has_chat_template
+    plain = base_tokenizer.encode("The cat sat.", add_special_tokens=False)
+    run = capture(model, "The cat sat.")
+    assert run.token_ids == [bos, *plain]
+    assert run.tokens[0] == base_tokenizer.bos_token  # shown, not hidden
+    assert run.patterns.shape[-1] == len(plain) + 1
+    assert capture_statistics(model, "The cat sat.").token_ids == run.token_ids
+    assert capture(model, run.token_ids).token_ids == run.token_ids  # ids are used as given: no second BOS
+
+
+def test_niah_prompt_of_a_base_model_is_the_plain_message_after_bos(base_tokenizer):
+    from analysis.niah import Needle, build_prompt, load_haystack
+
+    model = _wrap("gemma3", base_tokenizer)
+    needle = Needle("The secret colour of the lighthouse is teal.", "What is the secret colour of the lighthouse?",
+                    "teal")
+    p = build_prompt(model, needle, load_haystack("prose"), 200, 50)
+    assert p.token_ids == [base_tokenizer.bos_token_id, *base_tokenizer.encode(p.text, add_special_tokens=False)]
+    assert "<|im_start|>" not in base_tokenizer.decode(p.token_ids[1:])  # no chat turn markers
+    a, b = p.needle_span
+    assert base_tokenizer.decode(p.token_ids[a:b]).strip() == needle.needle
 
 
 def test_qk_page_label_names_norm_and_rotation(embedded_tokenizer):
