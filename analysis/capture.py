@@ -81,7 +81,7 @@ class Run(RunRecord):
 
         if metric not in HEAD_METRICS:
             raise InputError(f"Unknown metric {metric!r}; choose one of: {', '.join(HEAD_METRICS)}.")
-        return HEAD_METRICS[metric].compute(self.patterns, self.token_ids, self.settings.get("layer_windows"))
+        return HEAD_METRICS[metric].compute(self.patterns, self.token_ids, self.layer_windows)
 
     def received_attention(self) -> np.ndarray:
         """``[layer, head, n]`` :func:`analysis.streaming.sink_map`'s ``received``."""

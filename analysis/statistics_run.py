@@ -424,7 +424,7 @@ def statistics_score(run: StatsRun, name: str, sink: int | None = None, window: 
     nan = np.full((L, H), np.nan)
     r = run.rows
     if name == "entropy":
-        return mean_normalised_entropy(r["entropy"], run.settings.get("layer_windows"))
+        return mean_normalised_entropy(r["entropy"], run.layer_windows)
     if name in ("first_token", "previous_token", "max_attention"):
         if n < 2:
             return nan
