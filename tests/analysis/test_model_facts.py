@@ -115,3 +115,24 @@ def test_qk_page_label_names_norm_and_rotation(embedded_tokenizer):
     assert "QK-norm (per head) and RoPE" in _wrap("qwen3", embedded_tokenizer).facts.qk_label
     assert "absolute positions" in _wrap("gpt2", embedded_tokenizer).facts.qk_label
 
+
+
+def test_qk_probe_sentences_start_with_the_bos_the_model_expects(base_tokenizer):
+    """QK page probes of a BOS model: each sentence is read after its BOS (a point shown as a token,
+    with no characters of the sentence), and the queries are those of the model run on [BOS] + text."""
+    from transformer_lens.utilities import get_act_name
+
+    from analysis.qk_collect import collect_layer
+
+    model = _wrap("gemma3", base_tokenizer)
+    sentences = ["The cat sat on the mat.", "A dog ran home."]
+    qk = collect_layer(model, sentences, 1)
+    bos = base_tokenizer.bos_token_id
+    first = [bos, *base_tokenizer.encode(sentences[0], add_special_tokens=False)]
+    assert qk.token_ids[: len(first)].tolist() == first
+    assert qk.tokens[0] == base_tokenizer.bos_token
+    assert qk.char_spans[0].tolist() == [0, 0] and qk.char_spans[1, 0] == 0  # "The" starts the text
+    with torch.inference_mode():
+        _, cache = model.bridge.run_with_cache(torch.tensor([first]))
+    want = cache[get_act_name("rot_q", 1)][0]  # [pos, head, d_head]
+    np.testing.assert_allclose(qk.q_rot[: len(first)], want.numpy(), atol=1e-4)
