@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.app.test_browser import browser, error_text, page, select_option, start_server, wait_for_run  # noqa: F401
+from tests.app.test_browser import (  # noqa: F401
+    browser,
+    page,
+    select_option,
+    start_server,
+    wait_for_run,
+    wait_title,
+)
 from tests.tiny_families import tiny_family_model
 
 TEXT = ("The keeper of the lighthouse wrote every evening in a small blue notebook. She counted the ships, "
@@ -119,4 +126,65 @@ def test_heads_page_sweeps_on_qwen3(server, page, folders):
     assert page.inner_text("#hs-error").strip() == ""
     page.wait_for_function("(document.querySelector('#hs-heads-info')?.innerText || '').includes('trials')")
     assert "/1 trials" in page.inner_text("#hs-heads-info")
+    assert proc.poll() is None
+
+
+def hf_zero_ablation_loss(folder: str, ids: list[int], heads: list[tuple[int, int]]) -> tuple[float, float]:
+    """Mean next-token loss of the saved model, clean and with the heads' outputs zeroed before the
+    output projection (``hook_z``), from Hugging Face's model with a pre-hook on ``o_proj``."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
+    d = hf.config.head_dim
+    x = torch.tensor([ids])
+
+    def loss() -> float:
+        with torch.inference_mode():
+            logp = hf(x).logits[0].log_softmax(-1)
+        return float(-logp[:-1].gather(1, x[0, 1:, None]).mean())
+
+    clean = loss()
+    hooks = []
+    for layer in sorted({la for la, _ in heads}):
+        cut = [h for la, h in heads if la == layer]
+
+        def zero(module, args, cut=cut):
+            z = args[0].clone()
+            for h in cut:
+                z[..., h * d : (h + 1) * d] = 0
+            return (z, *args[1:])
+
+        hooks.append(hf.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(zero))
+    try:
+        return clean, loss()
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(600)
+def test_ablation_page_zero_ablates_heads_of_gemma3(server, page, folders, embedded_tokenizer):
+    """Zero ablation of two Gemma 3 heads (one on a windowed layer, one global) from the Ablation page:
+    its mean losses equal Hugging Face's model with those heads' outputs zeroed."""
+    import re
+
+    url, proc, _ = server
+    page.goto(url + "ablation?model=" + urllib.parse.quote(folders["gemma3"], safe=""))
+    page.fill("#abl-hs-text", TEXT, timeout=240_000)
+    page.click("#abl-hs-run")
+    page.wait_for_function("location.search.includes('run=')", timeout=240_000)
+    wait_title(page, "hs-abl-grid", "0 heads chosen")  # the page has drawn the run: the box is live
+    page.fill("#hs-abl-heads", "0.1,1.3")
+    page.press("#hs-abl-heads", "Enter")
+    page.wait_for_function("(document.querySelector('#hs-abl-chosen')?.innerText || '').includes('L1H3')")
+    page.click("#hs-abl-apply")
+    page.wait_for_function("""() => (document.querySelector('#hs-abl-effects .gtitle')?.textContent || '')
+                              .includes('zero ablation of 2 heads: mean loss')""", timeout=240_000)
+    title = page.locator("#hs-abl-effects .gtitle").text_content()
+    shown = [float(v) for v in re.search(r"mean loss ([\d.]+) → ([\d.]+)", title).groups()]
+    ids = embedded_tokenizer.encode(TEXT, add_special_tokens=False)
+    want = hf_zero_ablation_loss(folders["gemma3"], ids, [(0, 1), (1, 3)])
+    np.testing.assert_allclose(shown, want, atol=1.5e-3)
+    assert page.inner_text("#hs-error").strip() == ""
     assert proc.poll() is None
