@@ -216,7 +216,7 @@ def head_means(
 
     Parameters
     ----------
-    reference : texts (tokenised without a BOS) or token-id lists; the user's choice of what
+    reference : texts (tokenised as `tokenize_input` does: a BOS only where the model expects one) or token-id lists; the user's choice of what
         "typical" input means.
     store : when given, a stored mean is loaded, a new one stored.
     """
@@ -651,7 +651,7 @@ def ablation_effects(
 
     Parameters
     ----------
-    text_or_ids : the input, tokenised without a BOS, or exact token ids.
+    text_or_ids : the input, tokenised as `tokenize_input` does (a BOS only where the model expects one), or exact token ids.
     target_position, target_token : read ``logit`` and ``p = softmax(logits)`` of ``target_token``
         in the prediction made at ``target_position`` (negative counts from the end).
     max_new_tokens : length of the greedy continuations (0: none), generated with the ablation

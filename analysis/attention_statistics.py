@@ -273,14 +273,12 @@ class LayerMask:
 
 
 def layer_mask(hf_attn: Any) -> LayerMask:
-    """The :class:`LayerMask` of a Hugging Face attention module. The window is the module's own
-    ``sliding_window`` (Gemma 2/3 and Qwen 2 set it per layer, None on full-attention layers), else
-    the config's (Mistral uses one window on every layer); :func:`_check_mask` then holds it against
-    the mask the model actually built."""
-    if hasattr(hf_attn, "sliding_window"):
-        window = hf_attn.sliding_window
-    else:
-        window = getattr(getattr(hf_attn, "config", None), "sliding_window", None)
+    """The :class:`LayerMask` of a Hugging Face attention module. The window is
+    :func:`analysis.model_facts.attention_window` (the one place windows are read);
+    :func:`_check_causal_mask` then holds it against the mask the model actually built."""
+    from analysis.model_facts import attention_window
+
+    window = attention_window(hf_attn)
     softcap = getattr(hf_attn, "attn_logit_softcapping", None)
     return LayerMask(scale=float(hf_attn.scaling), softcap=None if softcap is None else float(softcap),
                      window=int(window or 0))

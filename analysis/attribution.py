@@ -143,7 +143,7 @@ class Attribution:
 
     Attributes
     ----------
-    token_ids, tokens : the whole input as the model saw it (no BOS added).
+    token_ids, tokens : the whole input as the model saw it (with the BOS it expects, if any).
     position : t, the position whose next-token log-probability is explained.
     target_id, target_token : y, the explained next token.
     target_logprob : ``log p(y | x_0 .. x_t)`` of the unablated input.
@@ -550,7 +550,7 @@ def attribute(
 
     Parameters
     ----------
-    text_or_ids : text (tokenised without a BOS) or token ids, used as given.
+    text_or_ids : text (tokenised as `tokenize_input` does: a BOS only where the model expects one) or token ids, used as given.
     position : t, the position whose next token is explained; ``None``: the last (negative counts
         from the end).
     target : y, a token id or a one-token string such as ``" Paris"``; ``None``: the model's top

@@ -81,7 +81,7 @@ class Run(RunRecord):
 
         if metric not in HEAD_METRICS:
             raise InputError(f"Unknown metric {metric!r}; choose one of: {', '.join(HEAD_METRICS)}.")
-        return HEAD_METRICS[metric].compute(self.patterns, self.token_ids)
+        return HEAD_METRICS[metric].compute(self.patterns, self.token_ids, self.layer_windows)
 
     def received_attention(self) -> np.ndarray:
         """``[layer, head, n]`` :func:`analysis.streaming.sink_map`'s ``received``."""
@@ -122,7 +122,8 @@ def run_key(model: LoadedModel, token_ids: Sequence[int], settings: dict[str, An
 def tokenize_input(model: LoadedModel, text_or_ids: str | Sequence[int], max_tokens: int, *,
                    limited: str = "full attention patterns are limited to",
                    variable: str = "HEADSCOPE_MAX_TOKENS") -> list[int]:
-    """Token ids for a string (no BOS added behind the user's back) or validated ids.
+    """Token ids for a string (:meth:`LoadedModel.input_ids`: the BOS the model expects, shown as
+    token 0, and nothing else) or validated ids, used as given.
 
     At most ``max_tokens`` (a limit set by ``variable``) and at most the model's context
     ``model.n_ctx``. Above the context the message says so and names no setting: none makes the model
@@ -135,7 +136,7 @@ def tokenize_input(model: LoadedModel, text_or_ids: str | Sequence[int], max_tok
         # has far fewer than 32 characters a token, so this one is far beyond the context).
         if len(text_or_ids) > max(max_tokens, model.n_ctx) * 32:
             raise InputError(_beyond_context(model, f"The text has {len(text_or_ids):,} characters, far"))
-        ids = model.encode(text_or_ids)
+        ids = model.input_ids(text_or_ids)  # a BOS only where the model expects one (model.facts)
     else:
         ids = [int(i) for i in text_or_ids]
         bad = [i for i in ids if not 0 <= i < model.vocab_size]
@@ -173,7 +174,8 @@ def capture(
 
     Parameters
     ----------
-    text_or_ids : text (tokenised without adding a BOS) or token ids, used exactly as given.
+    text_or_ids : text (tokenised by :func:`tokenize_input`: a BOS only where the model expects one)
+        or token ids, used exactly as given.
     qk_layers : layers whose post-rotary q and k vectors (``hook_rot_q``/``hook_rot_k``) are kept.
     store : when given, a stored run with the same key is loaded instead of recomputed, and a new
         run is stored.
@@ -187,6 +189,8 @@ def capture(
     ids = tokenize_input(model, text_or_ids, max_tokens)
     text = text_or_ids if isinstance(text_or_ids, str) else None
     settings = {"pattern_dtype": pattern_dtype, "qk_layers": layers}
+    if model.facts.windowed:  # per-layer sliding windows (entropy's visible keys); absent: all full
+        settings["layer_windows"] = model.facts.run_windows()
     key = run_key(model, ids, settings)
     if store is not None:
         stored = load_run(store, key)

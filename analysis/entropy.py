@@ -1,13 +1,19 @@
 """Normalised attention entropy per head.
 
-For a causal pattern row i (query i sees keys 0..i), the row entropy is
-``H_i = -Σ_j A[i, j] log A[i, j]``; normalised by its maximum ``log(i + 1)`` (uniform over the visible
-keys) it lies in [0, 1]: 0 = all attention on one key, 1 = uniform. A head's score is the mean of
-``H_i / log(i + 1)`` over rows with at least two visible keys (row 0 has one key and no entropy to
-normalise). See DESIGN.md, "Entropy".
+For a causal pattern row i (query i sees keys 0..i, or on a sliding-window layer of window W only
+the last ``min(i + 1, W)`` of them), the row entropy is ``H_i = -Σ_j A[i, j] log A[i, j]``;
+normalised by its maximum ``log(v_i)`` with ``v_i`` the number of visible keys (uniform over them) it
+lies in [0, 1]: 0 = all attention on one key, 1 = uniform over what the query can see. A head's
+score is the mean of ``H_i / log(v_i)`` over rows with at least two visible keys (row 0 has one key
+and no entropy to normalise). See DESIGN.md, "Entropy". The pattern path
+(:func:`normalised_entropy`) and statistics mode (:func:`analysis.statistics_run.statistics_score`)
+both normalise with :func:`mean_normalised_entropy`; the windows come from
+:attr:`analysis.model_facts.ModelFacts.windows`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -25,13 +31,47 @@ def row_entropy(patterns: np.ndarray, chunk: int = 64) -> np.ndarray:
     return out
 
 
-def normalised_entropy(patterns: np.ndarray) -> np.ndarray:
+def visible_keys(n: int, windows: Sequence[int | None] | None, n_layers: int) -> np.ndarray:
+    """``[layer, n]`` keys query row i sees: ``i + 1``, or ``min(i + 1, W)`` on a layer with a sliding
+    window of ``W`` keys (``windows[layer]``; None or 0 = full attention; ``windows`` None = all full)."""
+    rows = np.arange(1, n + 1, dtype=np.int64)
+    if windows is None:
+        return np.broadcast_to(rows, (n_layers, n))
+    if len(windows) != n_layers:
+        raise ValueError(f"windows has {len(windows)} entries for {n_layers} layers")
+    return np.stack([np.minimum(rows, w) if w else rows for w in windows])
+
+
+def mean_normalised_entropy(entropy: np.ndarray, windows: Sequence[int | None] | None = None) -> np.ndarray:
+    """``[layer, head]`` mean of ``H_i / log(v_i)`` over rows with ``v_i ≥ 2`` visible keys.
+
+    Parameters
+    ----------
+    entropy : ``[layer, head, n]`` row entropies ``H_i`` in nats (:func:`row_entropy`, or the kernel's).
+    windows : per layer the sliding window in keys (None or 0: full attention), or None (all full).
+
+    Returns
+    -------
+    ``[layer, head]`` in [0, 1]; nan where no row sees two keys (a single token, or a window of 1).
+    """
+    h = np.asarray(entropy, dtype=np.float64)
+    L, _, n = h.shape
+    v = visible_keys(n, windows, L)[:, None, :]  # [layer, 1, n]
+    counted = v >= 2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(counted, h / np.log(np.maximum(v, 2)), 0.0)
+        return ratio.sum(-1) / counted.sum(-1)
+
+
+def normalised_entropy(patterns: np.ndarray, windows: Sequence[int | None] | None = None) -> np.ndarray:
     """Mean normalised row entropy per head.
 
     Parameters
     ----------
     patterns : ``[layer, head, query, key]`` causal post-softmax attention (query i sees keys ≤ i,
         queries and keys aligned: the run's own positions).
+    windows : per layer the sliding window in keys (None or 0: full), e.g.
+        ``model.facts.windows``; None: every layer attends to all earlier keys.
 
     Returns
     -------
@@ -40,9 +80,4 @@ def normalised_entropy(patterns: np.ndarray) -> np.ndarray:
     patterns = np.asarray(patterns)
     if patterns.ndim != 4 or patterns.shape[-1] != patterns.shape[-2]:
         raise ValueError(f"patterns must be [layer, head, n, n], got shape {patterns.shape}")
-    n = patterns.shape[-1]
-    if n < 2:
-        return np.full(patterns.shape[:2], np.nan)
-    h = row_entropy(patterns)[..., 1:]  # rows 1..n-1 see 2..n keys
-    norm = np.log(np.arange(2, n + 1, dtype=np.float64))
-    return (h / norm).mean(-1)
+    return mean_normalised_entropy(row_entropy(patterns), windows)

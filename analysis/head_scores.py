@@ -140,7 +140,8 @@ def score_prompts(
                 if name == "streaming":
                     tables[name] = streaming_score(run.patterns, sink=sink, window=window)
                 else:
-                    tables[name] = HEAD_METRICS[name].compute(run.patterns, run.token_ids)
+                    tables[name] = HEAD_METRICS[name].compute(run.patterns, run.token_ids,
+                                                              run.layer_windows)
             if with_evidence and EVIDENCE not in tables:
                 tables[EVIDENCE] = evidence_score(run.patterns, tuple(prompt.question_span),
                                                   tuple(prompt.evidence_span))

@@ -71,20 +71,26 @@ def mid_sequence_sink(patterns: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class HeadMetric:
-    """A named per-head score: ``compute(patterns [L, H, N, N], token_ids [N]) -> [L, H]``."""
+    """A named per-head score: ``compute(patterns [L, H, N, N], token_ids [N], windows) -> [L, H]``
+    with ``windows`` the per-layer sliding windows (:attr:`analysis.model_facts.ModelFacts.windows`;
+    None: all full attention), which only entropy reads."""
 
     name: str
     label: str
-    compute: Callable[[np.ndarray, Sequence[int]], np.ndarray]
+    compute: Callable[..., np.ndarray]
     description: str
 
 
-def _patterns_only(fn: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray, Sequence[int]], np.ndarray]:
-    return lambda patterns, token_ids=(): fn(patterns)
+def _patterns_only(fn: Callable[[np.ndarray], np.ndarray]) -> Callable[..., np.ndarray]:
+    return lambda patterns, token_ids=(), windows=None: fn(patterns)
 
 
-def _detector(kind: str) -> Callable[[np.ndarray, Sequence[int]], np.ndarray]:
-    def compute(patterns: np.ndarray, token_ids: Sequence[int]) -> np.ndarray:
+def _entropy(patterns: np.ndarray, token_ids: Sequence[int] = (), windows=None) -> np.ndarray:
+    return normalised_entropy(patterns, windows)
+
+
+def _detector(kind: str) -> Callable[..., np.ndarray]:
+    def compute(patterns: np.ndarray, token_ids: Sequence[int], windows=None) -> np.ndarray:
         if np.asarray(patterns).shape[-1] < 2:
             return np.full(np.asarray(patterns).shape[:2], np.nan)
         return head_detector_scores(patterns, token_ids, kind)
@@ -95,7 +101,7 @@ def _detector(kind: str) -> Callable[[np.ndarray, Sequence[int]], np.ndarray]:
 HEAD_METRICS: dict[str, HeadMetric] = {
     m.name: m
     for m in [
-        HeadMetric("entropy", "Normalised entropy", _patterns_only(normalised_entropy),
+        HeadMetric("entropy", "Normalised entropy", _entropy,
                    "Mean row entropy / log(visible keys): 0 = one key, 1 = uniform."),
         HeadMetric("first_token", "Attention on first token", _patterns_only(first_token_mass),
                    "Mean attention on position 0 (sink share)."),

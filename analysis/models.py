@@ -98,6 +98,17 @@ class LoadedModel:
     architecture: str
     # Forward passes on one model are serialised: hooks are global state on the module.
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    _facts: Any = field(default=None, repr=False)
+
+    @property
+    def facts(self) -> Any:
+        """The model's :class:`analysis.model_facts.ModelFacts` (windows per layer, BOS policy, chat
+        template, which q/k the QK page shows), read once."""
+        if self._facts is None:
+            from analysis.model_facts import model_facts
+
+            self._facts = model_facts(self)
+        return self._facts
 
     @property
     def group_size(self) -> int:
@@ -121,17 +132,29 @@ class LoadedModel:
         check_unicode(text)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def input_ids(self, text: str) -> list[int]:
+        """Token ids the model reads for ``text``: :meth:`encode`, after the BOS token when the model
+        expects one (``facts.bos_id``, :func:`analysis.model_facts.bos_policy`). The BOS is then a
+        real position, shown as token 0; nothing else is added."""
+        ids = self.encode(text)
+        bos = self.facts.bos_id
+        return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
+
     def chat_ids(self, user_message: str) -> list[int]:
+        """Token ids of a one-turn chat with the generation prompt, when the model has a template;
+        for a model without one (a base model) the plain message, :meth:`input_ids`. Either way
+        the prompt starts with the BOS token when the model expects one."""
         check_unicode(user_message)
-        """Token ids of a one-turn chat with the generation prompt, when the model has a template."""
         if not self.chat_template:
-            return self.encode(user_message)
+            return self.input_ids(user_message)
         ids = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=True
         )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
-        return list(ids)
+        ids = [int(i) for i in ids]
+        bos = self.facts.bos_id
+        return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
 
     def token_strings(self, ids: list[int]) -> list[str]:
         """Display strings per token, whitespace and special tokens made visible."""

@@ -146,8 +146,8 @@ def prompt_pair(
 ) -> PromptPair:
     """Tokenise and check a clean/corrupted prompt pair and its one or two answer tokens.
 
-    Prompts are tokenised exactly as written (no BOS; DESIGN.md, *Conventions*); answers too, so an
-    answer that follows a space is written with it (``" Mary"``).
+    Prompts are tokenised as written, after the BOS the model expects if any (DESIGN.md, *Conventions*);
+    answers as written, so an answer that follows a space is written with it (``" Mary"``).
 
     Raises
     ------
@@ -544,7 +544,7 @@ def activation_patching(
 
     Parameters
     ----------
-    clean, corrupted : texts (tokenised as written, no BOS) or token ids, of equal token length.
+    clean, corrupted : texts (tokenised as written, after the BOS the model expects if any) or token ids, of equal token length.
     answers : the clean answer, then optionally the corrupted one: single tokens as text (with their
         leading space, ``" Mary"``) or ids. ``logit_diff`` needs both.
     site : ``z``, ``q``, ``k``, ``v`` (per head; k and v per key-value head) or ``resid``

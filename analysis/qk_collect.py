@@ -4,7 +4,8 @@ AttentionViz (Yeh et al. 2023, "AttentionViz: A Global View of Transformer Atten
 queries and keys of one head pooled over many short inputs. This module produces those vectors:
 
 - every sentence is run on its own (batched with right padding, which a causal model never sees:
-  a token only attends to the tokens before it), with exactly its own token ids (no BOS added);
+  a token only attends to the tokens before it), with exactly its own token ids, after the BOS
+  token when the model expects one (``model.facts``; the BOS is then a point like any token);
 - for the chosen layer it keeps post-rotary queries and keys (``hook_rot_q``/``hook_rot_k``, what
   the attention logits are made of: ``logit[i, j] = scale · q_i · k_j`` with the layer's own scale,
   soft-capped and windowed as the layer does) and pre-rotary ones
@@ -356,8 +357,9 @@ def _tokenize(model: LoadedModel, sentences: Sequence[str]) -> tuple[list[list[i
     for n, s in enumerate(sentences):
         if not isinstance(s, str) or not s.strip():
             raise InputError(f"Sentence {n + 1} is empty; remove it or write some text.")
-        t = model.encode(s)
-        if not t:
+        t = model.input_ids(s)  # after the BOS the model expects, if any (model.facts)
+        plain = t[1:] if len(t) > len(model.encode(s)) else t
+        if not plain:
             raise InputError(f"Sentence {n + 1} has no tokens.")
         if len(t) > min(MAX_SENTENCE_TOKENS, model.n_ctx):
             raise InputError(
@@ -365,7 +367,8 @@ def _tokenize(model: LoadedModel, sentences: Sequence[str]) -> tuple[list[list[i
                 f"{min(MAX_SENTENCE_TOKENS, model.n_ctx)}. Split it into shorter sentences."
             )
         ids.append(t)
-        spans.append(_char_spans(model, s, t))
+        chars = _char_spans(model, s, plain)
+        spans.append(chars if len(plain) == len(t) else np.vstack([np.zeros((1, 2), np.int32), chars]))  # BOS: no text
     return ids, spans
 
 
@@ -409,8 +412,9 @@ def collect_layers(
 ) -> dict[int, QKSet]:
     """Collect queries and keys of every head of some layers over a probe set, in one pass.
 
-    Each sentence is run separately (token ids exactly as encoded, no BOS added), batched with right
-    padding (exact for a causal model), and the forward pass stops after the deepest layer asked for.
+    Each sentence is run separately (token ids as encoded, after the BOS the model expects if any),
+    batched with right padding (exact for a causal model), and the forward pass stops after the
+    deepest layer asked for.
     Pre-rotary (``hook_q``, ``hook_k``) and post-rotary (``hook_rot_q``, ``hook_rot_k``) vectors are
     kept; a model without rotary embeddings has identical pre and post vectors.
 

@@ -56,6 +56,10 @@ class AttentionRun(Protocol):
     @property
     def mode(self) -> str:
         """What was kept, in words (the CLI prints it)."""
+    @property
+    def layer_windows(self) -> list[int | None] | None:
+        """Per layer the sliding window in keys the model attended with (None: full attention),
+        from :attr:`analysis.model_facts.ModelFacts.windows` at capture; None when no layer has one."""
 
     def require_patterns(self, what: str) -> None:
         """Nothing when full patterns are kept; else an ``InputError`` saying ``what`` needs them."""
@@ -101,6 +105,10 @@ class RunRecord:
     @property
     def short_id(self) -> str:
         return self.key[:12]
+
+    @property
+    def layer_windows(self) -> list[int | None] | None:
+        return self.settings.get("layer_windows")
 
     def common_meta(self) -> dict[str, Any]:
         """The metadata every run stores (its kind adds a version and its own fields after it)."""

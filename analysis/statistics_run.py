@@ -11,7 +11,8 @@ Per-head scores from statistics (:func:`statistics_scores`) follow the same defi
 pattern-based ones in :mod:`analysis.head_summary`, :mod:`analysis.entropy`,
 :mod:`analysis.streaming` and :mod:`analysis.evidence` (tested equal on a 512-token run):
 
-- entropy: ``mean_{i≥1} H_i / log(i+1)`` with ``H_i`` the kernel's row entropy;
+- entropy: ``mean H_i / log(v_i)`` over rows with ``v_i ≥ 2`` visible keys (``i + 1``, at most the
+  layer's sliding window), ``H_i`` the kernel's row entropy (:func:`analysis.entropy.mean_normalised_entropy`);
 - first_token: ``mean_{i≥1} A[i, 0]``; previous_token: ``mean_{i≥1} A[i, i−1]`` (a pair term);
 - max_attention: ``mean_{i≥1} max_j A[i, j]`` (the kernel's argmax probability);
 - streaming: ``mean_{i≥S+W} (Σ_{j<S} A[i, j] + Σ_{i−W<j≤i} A[i, j])`` (sink and recent mass);
@@ -40,6 +41,7 @@ import torch
 
 from analysis.attention_statistics import LayerRequest, LayerStats, statistics_mode, statistics_supported
 from analysis.capture import TOP_K
+from analysis.entropy import mean_normalised_entropy
 from analysis.errors import InputError, check_head_index
 from analysis.models import LoadedModel
 from analysis.runs import RunRecord
@@ -234,7 +236,8 @@ def capture_statistics(
 
     Parameters
     ----------
-    text_or_ids : text (tokenised without adding a BOS) or token ids, used exactly as given.
+    text_or_ids : text (tokenised by :func:`analysis.capture.tokenize_input`: a BOS only where the
+        model expects one) or token ids, used exactly as given.
     sink, window : S and W of the sink and recent-window masses (the streaming score).
     spans : half-open key spans whose mass each query row puts on them (e.g. a needle).
     store : a stored run with the same key is loaded instead of recomputed; a new one is stored.
@@ -249,6 +252,8 @@ def capture_statistics(
     spans = _merge_spans(spans, n, "key")
     B = block_size_for(n)
     settings = {"sink": int(sink), "window": int(window), "spans": [list(s) for s in spans], "block_size": B}
+    if model.facts.windowed:  # per-layer sliding windows (entropy's visible keys); absent: all full
+        settings["layer_windows"] = model.facts.run_windows()
     key = stats_key(model, ids, settings)
     if store is not None:
         stored = load_stats_run(store, key)
@@ -419,10 +424,7 @@ def statistics_score(run: StatsRun, name: str, sink: int | None = None, window: 
     nan = np.full((L, H), np.nan)
     r = run.rows
     if name == "entropy":
-        if n < 2:
-            return nan
-        norm = np.log(np.arange(2, n + 1, dtype=np.float64))
-        return (r["entropy"][..., 1:].astype(np.float64) / norm).mean(-1)
+        return mean_normalised_entropy(r["entropy"], run.layer_windows)
     if name in ("first_token", "previous_token", "max_attention"):
         if n < 2:
             return nan

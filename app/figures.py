@@ -62,28 +62,37 @@ def head_grid(
     metric_label: str,
     selected: tuple[int, int] | None = None,
     colorscale: str = COLORSCALE,
+    windows: Sequence[int | None] | None = None,
 ) -> go.Figure:
     """Layer × head heatmap of a per-head score; the selected head is outlined.
 
     Parameters
     ----------
     scores : ``[layer, head]`` array (nan shows as blank).
+    windows : per layer the sliding attention window in keys (None: full attention), e.g. a run's
+        ``layer_windows``; windowed layers are marked ``w`` on the layer axis and every cell's hover
+        says which attention its layer has.
     """
     scores = np.asarray(scores, dtype=float)
     n_layers, n_heads = scores.shape
     z = np.where(np.isfinite(scores), scores, None)
+    attn = [f"sliding window of {w:,} keys" if w else "full attention" for w in (windows or [None] * n_layers)]
     fig = go.Figure(
         go.Heatmap(
             z=z.tolist(),
             x=list(range(n_heads)),
             y=list(range(n_layers)),
+            customdata=[[a] * n_heads for a in attn],
             colorscale=colorscale,
             colorbar={"title": {"text": metric_label, "side": "right"}, "thickness": 12},
-            hovertemplate="layer %{y}, head %{x}<br>" + metric_label + ": %{z:.4f}<extra></extra>",
+            hovertemplate="layer %{y}, head %{x} (%{customdata})<br>" + metric_label + ": %{z:.4f}<extra></extra>",
             xgap=1,
             ygap=1,
         )
     )
+    if windows and any(windows):  # mark windowed layers on the axis: "3 w" (hover gives the size)
+        fig.update_yaxes(tickmode="array", tickvals=list(range(n_layers)),
+                         ticktext=[f"{layer} w" if w else str(layer) for layer, w in enumerate(windows)])
     if selected is not None:
         layer, head = selected
         fig.add_shape(
@@ -91,7 +100,8 @@ def head_grid(
             line={"color": "#e4572e", "width": 3},
         )
     fig.update_xaxes(title="head", dtick=1, showgrid=False)
-    fig.update_yaxes(title="layer", dtick=1 if n_layers <= 32 else None, autorange="reversed", showgrid=False)
+    fig.update_yaxes(title="layer (w: sliding window)" if windows and any(windows) else "layer",
+                     dtick=1 if n_layers <= 32 else None, autorange="reversed", showgrid=False)
     return _layout(fig, f"{metric_label} per head", height=max(360, 18 * n_layers + 100))
 
 

@@ -34,9 +34,11 @@ def head_grid_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure
     if params.get("layer") is not None and params.get("head") is not None:
         selected = check_head(run, params["layer"], params["head"])
     scores = metric_scores(run, metric)
-    fig = figures.head_grid(scores, HEAD_METRICS[metric].label, selected)
+    windows = run.layer_windows
+    fig = figures.head_grid(scores, HEAD_METRICS[metric].label, selected, windows=windows)
     rows = [
-        {"layer": layer, "head": head, "metric": metric, "value": float(scores[layer, head])}
+        {"layer": layer, "head": head, "metric": metric, "value": float(scores[layer, head]),
+         "attention_window": windows[layer] if windows else None}
         for layer in range(scores.shape[0])
         for head in range(scores.shape[1])
     ]

@@ -168,7 +168,8 @@ def qk_scatter_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]
                       "distance": h.distance} for h in hits]
     title = (f"Layer {params.get('layer', 0)}, head {params.get('head', 0)}: joint query-key embedding "
              f"({METHODS[method]}, {n} tokens)" + (f" — '{find}' found {found} times" if find else ""))
-    title = figures.safe_text(title)
+    # which vectors these are (after QK-norm / RoPE where the model has them): model facts
+    title = figures.safe_text(title) + f"<br><sup>{figures.safe_text(_model(params).facts.qk_label)}</sup>"
     figures._layout(fig, title, height=620)
     # below the plot: above it, the legend covered the title
     fig.update_layout(legend={"orientation": "h", "x": 0, "y": -0.08, "yanchor": "top", "xanchor": "left"})

@@ -22,7 +22,6 @@ from analysis.attention_statistics import (
     statistics_mode,
 )
 from analysis.capture import capture
-from analysis.head_summary import HEAD_METRICS
 from analysis.models import wrap_model
 from analysis.statistics_run import STATS_METRICS, capture_statistics, statistics_score
 from kernels.attention import ARGMAX, ARGMAX_PROB, COL_SUM, ENTROPY, RECENT_MASS, ROWS, SINK_MASS
@@ -133,7 +132,7 @@ def test_scores_of_a_statistics_run_equal_those_of_patterns(family):
 
             expected = streaming_score(run.patterns, sink=4, window=16)
         else:
-            expected = HEAD_METRICS[metric].compute(run.patterns, run.token_ids)
+            expected = run.head_scores(metric)
         got = statistics_score(stats, metric)
         np.testing.assert_allclose(got, expected, atol=5e-6, rtol=0, err_msg=metric)
 

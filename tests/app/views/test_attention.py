@@ -86,3 +86,29 @@ def test_the_grid_and_sinks_of_a_statistics_run_are_those_of_its_patterns(tiny_m
         flow.relevance_view(stats, {"target": 2, "method": "rollout"})
     with pytest.raises(InputError, match="Layer 9 is out of range"):
         views.head_grid_view(stats, {"metric": "entropy", "layer": 9, "head": 0})
+
+
+@pytest.mark.parametrize("stats_mode", [False, True])
+def test_head_grid_marks_sliding_window_layers(embedded_tokenizer, stats_mode):
+    """Gemma 3 (tiny, random): layers 0 and 2 slide over 6 keys, layer 1 is global; the grid says
+    so on its layer axis and in every cell's hover, in both run kinds, and the export rows carry it."""
+    from analysis.models import wrap_model
+    from tests.tiny_families import tiny_family_model
+
+    model = wrap_model(tiny_family_model("gemma3", len(embedded_tokenizer)), embedded_tokenizer,
+                       name="tiny-gemma3", digest="tiny-gemma3-grid")
+    text = "The keys to the cabinet are on the table by the door of the hall."
+    run = capture_statistics(model, text) if stats_mode else capture(model, text, pattern_dtype="float32")
+    assert run.layer_windows == [6, None, 6]
+    fig, rows = views.head_grid_view(run, {"metric": "entropy"})
+    assert list(fig.layout.yaxis.ticktext) == ["0 w", "1", "2 w"]
+    hover = fig.data[0].customdata
+    assert hover[0][0] == "sliding window of 6 keys" and hover[1][3] == "full attention"
+    assert {(r["layer"], r["attention_window"]) for r in rows} == {(0, 6), (1, None), (2, 6)}
+
+
+def test_head_grid_of_a_model_without_windows_has_plain_layers(run):
+    assert run.layer_windows is None
+    fig, rows = views.head_grid_view(run, {"metric": "entropy"})
+    assert fig.layout.yaxis.ticktext is None and fig.layout.yaxis.title.text == "layer"
+    assert all(r["attention_window"] is None for r in rows)
