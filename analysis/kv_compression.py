@@ -75,6 +75,7 @@ from analysis.attention_statistics import HeadKeyMask, statistics_mode, statisti
 from analysis.detectors import group_heads
 from analysis.errors import InputError
 from analysis.kv_compression_choices import (
+    BACKENDS,
     DEFAULT_RANKINGS,
     DEFAULT_RECENT_SIZE,
     DEFAULT_SINK_SIZE,
@@ -86,7 +87,6 @@ from analysis.retrieval import Cancelled, cancel_requested
 from analysis.store import Store, content_key
 
 KV_COMPRESSION_VERSION = 1
-BACKENDS = ("auto", "eager", "statistics")
 PATTERN_CONFIG = "config.json"
 PATTERN_TSV = "full_attention_heads.tsv"
 POLICY_JSON = "policy.json"
