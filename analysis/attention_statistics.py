@@ -246,9 +246,9 @@ def masked_segments(mask: HeadKeyMask, model_window: int, n_q: int, n_k: int, dr
     if none_from < n_q:
         out.append(Segment(none_from, n_q, 0, sinks(10**18), windows))
     merged = out[:1]
-    for seg in out[1:]:  # equal masks on all keys (no sink left anywhere): one call
+    for seg in out[1:]:  # neighbours with the same mask on the same keys (no sinks at all): one call
         last = merged[-1]
-        if (last.key_start, last.sink, last.window) == (seg.key_start, seg.sink, seg.window) == (0, seg.sink, seg.window):
+        if last.key_start == seg.key_start == 0 and (last.sink, last.window) == (seg.sink, seg.window):
             merged[-1] = Segment(last.row_start, seg.row_end, 0, seg.sink, seg.window)
         else:
             merged.append(seg)
