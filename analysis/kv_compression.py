@@ -360,6 +360,29 @@ def choose_backend(model: LoadedModel, backend: str, n_tokens: int) -> str:
     return "statistics" if long and statistics_supported(model) else "eager"
 
 
+def smallest_model_window(model: LoadedModel) -> int:
+    """The narrowest sliding window of ``model``'s attention layers (0: none has one)."""
+    from analysis.attention_statistics import layer_mask
+
+    windows = []
+    for block in model.bridge.blocks:
+        with contextlib.suppress(Exception):
+            windows.append(layer_mask(block.attn.original_component).window)
+    return min((w for w in windows if w), default=0)
+
+
+def check_eager_decode(model: LoadedModel, sink_size: int, n_decoded: int) -> None:
+    """Refuse the eager backend where it would be wrong: decoding past a sliding window with sinks.
+
+    The KV cache of a sliding-window layer drops keys older than its window, and the scores hook
+    sees only the cache, so it would take the cache's first keys for the sinks. Statistics mode
+    knows the positions (:func:`analysis.attention_statistics.masked_segments`)."""
+    window = smallest_model_window(model)
+    if sink_size > 0 and window and n_decoded > window:
+        raise InputError(f"{model.name} has a sliding window of {window} keys and the prompts decode past it: the eager "
+                         "backend cannot place the sinks in its shortened KV cache. Use the statistics backend.")
+
+
 @contextlib.contextmanager
 def policy_applied(model: LoadedModel, policy: Policy | None, backend: str) -> Iterator[list[Hook]]:
     """Within the block, ``model``'s forward passes (prefill and cached decoding) run under
@@ -560,7 +583,16 @@ def evaluate_policies(
     for name in rankings:  # a missing score is reported before any work
         group_priority(model, name, scores, 0)
     n_tokens = max([len(t) for t in texts] + [p.n_tokens for p in prompts])
-    backend = choose_backend(model, backend, n_tokens + (max_new_tokens if prompts else 0))
+    n_decoded = max([p.n_tokens for p in prompts], default=0) + max_new_tokens if prompts else 0
+    wanted = backend
+    backend = choose_backend(model, backend, max(n_tokens, n_decoded))
+    if backend == "eager" and prompts:
+        try:
+            check_eager_decode(model, sink_size, n_decoded)
+        except InputError:
+            if wanted != "auto" or not statistics_supported(model):
+                raise
+            backend = "statistics"
     seeds = [int(s) for s in seeds] or [0]
     policies: list[Policy] = []
     for name in rankings:
