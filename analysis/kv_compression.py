@@ -39,7 +39,8 @@ every KV-cached decode step, on one of two backends (:data:`BACKENDS`):
   sliding-window model's own window); O(n) memory;
 - ``auto`` (default): statistics mode where the model supports it and the longest input is over
   ``HEADSCOPE_MAX_TOKENS`` (the Attention page's rule for full patterns) or the model is on CUDA,
-  else eager.
+  else eager; and statistics mode where prompts with sinks decode past a sliding window, which the
+  eager hook cannot mask (:func:`check_eager_decode`).
 
 Both measure mean next-token loss and
 next-token agreement with the uncompressed model on texts, and needle-in-a-haystack accuracy on a
@@ -71,7 +72,7 @@ from transformer_lens.utilities import get_act_name
 
 from analysis.ablation import Cancel, Hook, Progress, loss_metric
 from analysis.ablation_curve import retrieval_accuracy
-from analysis.attention_statistics import HeadKeyMask, statistics_mode, statistics_supported
+from analysis.attention_statistics import HeadKeyMask, layer_mask, statistics_mode, statistics_supported
 from analysis.detectors import group_heads
 from analysis.errors import InputError
 from analysis.kv_compression_choices import (
@@ -362,8 +363,6 @@ def choose_backend(model: LoadedModel, backend: str, n_tokens: int) -> str:
 
 def smallest_model_window(model: LoadedModel) -> int:
     """The narrowest sliding window of ``model``'s attention layers (0: none has one)."""
-    from analysis.attention_statistics import layer_mask
-
     windows = []
     for block in model.bridge.blocks:
         with contextlib.suppress(Exception):
