@@ -103,6 +103,8 @@ def _one(args) -> None:
     prints a JSON line with seconds, peak RSS growth, loss and NIAH accuracy."""
     import json
 
+    import torch
+
     from analysis.ablation_curve import retrieval_accuracy
     from analysis.kv_compression import build_policy, policy_applied, text_metrics
     from analysis.models import load_model
@@ -118,8 +120,15 @@ def _one(args) -> None:
 
     def run():
         with policy_applied(model, policy, args.backend) as hooks:
+            if args.forward_only:  # the layers alone: no [n, vocab] logits, so attention memory shows
+                with torch.inference_mode():
+                    model.bridge.run_with_hooks(torch.tensor([prompt.token_ids]), fwd_hooks=hooks, return_type=None,
+                                                stop_at_layer=model.n_layers)
+                return float("nan"), float("nan")
             loss = text_metrics(model, [prompt.token_ids], hooks).loss
-            acc = retrieval_accuracy(model, [prompt], hooks, max_new_tokens=args.new_tokens).accuracy
+            acc = float("nan")
+            if args.new_tokens:  # 0: the loss pass alone (one prefill)
+                acc = retrieval_accuracy(model, [prompt], hooks, max_new_tokens=args.new_tokens).accuracy
         return loss, acc
 
     (loss, acc), s, mem = measured(run)
@@ -145,14 +154,18 @@ def backends(args) -> None:
                 for variant in ("uncompressed", "policy"):
                     cmd = [sys.executable, __file__, "_one", "--length", str(length), "--backend", backend,
                            "--variant", variant, "--sink", str(args.sink), "--recent", str(args.recent),
-                           "--new-tokens", str(args.new_tokens)]
+                           "--new-tokens", str(args.new_tokens), *(["--forward-only"] if args.forward_only else [])]
                     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
                     m = json.loads(out.strip().splitlines()[-1])
                     print(f"  {length} {backend} {variant}: {m['seconds']:.1f} s, {m['rss'] / 2**20:.0f} MiB", flush=True)
                     if (backend, variant) not in best or m["seconds"] < best[(backend, variant)]["seconds"]:
                         best[(backend, variant)] = m
         rows.append(best)
-    print(f"\none evaluation = mean loss on a NIAH prompt + NIAH on it ({args.new_tokens} new tokens, KV cache), "
+    what = (f"mean loss on a NIAH prompt + NIAH on it ({args.new_tokens} new tokens, KV cache)" if args.new_tokens
+            else "mean loss on a NIAH prompt (one prefill; --new-tokens 0: no NIAH decode)")
+    if args.forward_only:
+        what = "one forward pass over a NIAH prompt without the unembedding (--forward-only: no logits)"
+    print(f"\none evaluation = {what}, "
           f"{torch.get_num_threads()} thread(s), each in a fresh process, best of {args.repeats}; t ratio = policy / "
           "uncompressed on the same backend; RSS growth = peak RSS during the evaluation minus RSS before it (sampled "
           "every 5 ms); max RSS = the process's high-water mark (model included); mem ratio = RSS growth of this row / "
@@ -233,7 +246,9 @@ def main() -> None:
     p = sub.add_parser("backends")
     p.add_argument("--lengths", default="2048,4096")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--new-tokens", type=int, default=24, help="NIAH decode steps (0: loss only, one prefill)")
+    p.add_argument("--forward-only", action="store_true",
+                   help="time one forward pass without the unembedding ([n, vocab] logits dominate memory otherwise)")
     p.add_argument("--sink", type=int, default=128)
     p.add_argument("--recent", type=int, default=256)
     p = sub.add_parser("_one")
@@ -241,6 +256,7 @@ def main() -> None:
     p.add_argument("--backend", required=True)
     p.add_argument("--variant", choices=("uncompressed", "policy"), required=True)
     p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--forward-only", action="store_true")
     p.add_argument("--sink", type=int, default=128)
     p.add_argument("--recent", type=int, default=256)
     p = sub.add_parser("curve")
