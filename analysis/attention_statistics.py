@@ -35,6 +35,14 @@ Anything else (QK-norm after RoPE, learned sinks, split-qkv inputs, gates, clip_
 multiplier, Llama 4 query scaling, GPT-2's reordered upcast) raises :class:`StatisticsModeError`
 naming what is missing rather than computing something else.
 
+Key masks from a KV-cache policy. ``statistics_mode(..., key_masks=)`` gives layers a per-query-head
+:class:`HeadKeyMask` (S sinks + a window of W keys, the kernel's ``key_sink``/``key_window``, equal to
+:func:`analysis.kv_compression.streaming_key_mask`), applied in the prefill and at every KV-cached
+decode step. On a sliding-window layer it is intersected with the model's window: a query at
+position ``p`` sees key ``j ≤ p`` iff ``j > p − W_model`` and (``j < S`` or ``j > p − W``)
+(:func:`masked_segments`); rows where only some sinks are still inside the model's window run one
+at a time on the keys that window keeps. The policy's O(n) memory is the kernel's.
+
 Pair terms. Besides the kernel's statistics a layer request can ask for ``pairs``: offsets ``o``
 whose weights ``A[i, p_i − o]`` (``o = 0`` the query's own position, ``o = 1`` the previous token)
 are recovered exactly from the row's log-sum-exp, ``A[i, j] = exp(s_ij − lse_i)`` with ``s_ij`` the
@@ -176,9 +184,81 @@ def statistics_supported(model: Any) -> bool:
     return not pattern_hooks_attached(bridge)
 
 
+@dataclass(frozen=True)
+class HeadKeyMask:
+    """Per query head of one layer: keys ``j < sink[h]`` and the last ``window[h]`` keys up to the
+    query (``0``: no limit, the head sees every earlier key), as ``kernels.attention``'s ``key_sink``
+    and ``key_window``."""
+
+    sink: tuple[int, ...]
+    window: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.sink) != len(self.window) or min(self.sink + self.window, default=0) < 0:
+            raise StatisticsModeError(f"A head key mask needs one sink >= 0 and one window >= 0 per query head; "
+                                      f"got sinks {self.sink} and windows {self.window}.")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Query rows ``[row_start, row_end)`` attending to cached keys ``key_start ..`` (up to the last row's
+    position) with per-head
+    ``key_sink``/``key_window`` (in the sliced keys' positions; window 0: none)."""
+
+    row_start: int
+    row_end: int
+    key_start: int
+    sink: tuple[int, ...]
+    window: tuple[int, ...]
+
+
+def masked_segments(mask: HeadKeyMask, model_window: int, n_q: int, n_k: int, dropped: int = 0) -> list[Segment]:
+    """The kernel calls that apply ``mask`` intersected with a layer's sliding window.
+
+    Query row ``r`` is model position ``p = dropped + n_k − n_q + r`` (the cache holds positions
+    ``dropped ..``); head ``h`` sees key ``j ≤ p`` iff ``(W_m = 0 or j > p − W_m)`` and
+    ``(W_h = 0 or j < S_h or j > p − W_h)``. Without a model window that is one call with the
+    head mask. With one, a head with ``W_h = 0`` or ``W_h ≥ W_m`` has the model's window; the others
+    have ``min(W_h, W_m)`` and sinks ``j < S_h`` visible while ``j > p − W_m``: all of them for rows
+    with ``p < W_m``, none for ``p ≥ S_max + W_m − 1``, and in between one call per row on the keys
+    ``j > p − W_m`` with the sinks that remain.
+    """
+    heads = range(len(mask.sink))
+    if not model_window:
+        return [Segment(0, n_q, 0, mask.sink, mask.window)]
+    wm = model_window
+    narrow = [0 < mask.window[h] < wm and mask.sink[h] > 0 for h in heads]
+    windows = tuple(min(mask.window[h], wm) if mask.window[h] else wm for h in heads)
+
+    def sinks(n_sink_gone: int) -> tuple[int, ...]:  # sinks left once positions < n_sink_gone are gone
+        return tuple(max(0, mask.sink[h] - n_sink_gone) if narrow[h] else 0 for h in heads)
+
+    first = dropped + n_k - n_q  # position of row 0
+    s_max = max((mask.sink[h] for h in heads if narrow[h]), default=0)
+    all_in = max(0, min(n_q, wm - first))  # rows with p < W_m: every sink inside the model window
+    none_from = max(all_in, min(n_q, s_max + wm - 1 - first))  # rows from here: no sink inside
+    out = []
+    if all_in:
+        out.append(Segment(0, all_in, 0, sinks(0), windows))
+    for r in range(all_in, none_from):
+        gone = first + r - wm + 1  # positions < gone are outside the model window of this row
+        out.append(Segment(r, r + 1, max(0, gone - dropped), sinks(gone), windows))
+    if none_from < n_q:
+        out.append(Segment(none_from, n_q, 0, sinks(10**18), windows))
+    merged = out[:1]
+    for seg in out[1:]:  # neighbours with the same mask on the same keys (no sinks at all): one call
+        last = merged[-1]
+        if last.key_start == seg.key_start == 0 and (last.sink, last.window) == (seg.sink, seg.window):
+            merged[-1] = Segment(last.row_start, seg.row_end, 0, seg.sink, seg.window)
+        else:
+            merged.append(seg)
+    return merged
+
+
 @contextlib.contextmanager
 def statistics_mode(
-    model: Any, request: Request | None = None, on_layer: OnLayer | None = None
+    model: Any, request: Request | None = None, on_layer: OnLayer | None = None,
+    key_masks: dict[int, HeadKeyMask] | None = None,
 ) -> Iterator[None]:
     """Within the block, ``model``'s forward passes compute attention with :func:`kernels.attention`.
 
@@ -188,6 +268,8 @@ def statistics_mode(
         bare ``TransformerBridge``.
     request : ``request(layer, n_q, n_k) -> LayerRequest | None`` for each attention call.
     on_layer : receives each call's :class:`LayerStats` (when its request asked for anything).
+    key_masks : layer → :class:`HeadKeyMask`, a KV-cache policy's sinks and windows per query head
+        (module docstring); layers not listed attend as the model does.
 
     Every forward pass inside the block (``bridge(...)``, ``run_with_hooks``, cached decoding) goes
     through the kernel; the original method is restored on exit, also after an exception.
@@ -207,7 +289,11 @@ def statistics_mode(
                 # keeps its forward (hooks, qkv split) and loses only _reconstruct_attention
                 name = "_reconstruct_attention" if _is_joint(attn) else "forward"
                 factory = _joint_factory if _is_joint(attn) else _forward_factory
-                object.__setattr__(attn, name, types.MethodType(factory(layer, request, on_layer), attn))
+                head_mask = (key_masks or {}).get(layer)
+                if head_mask is not None and len(head_mask.sink) != bridge.cfg.n_heads:
+                    raise StatisticsModeError(f"Layer {layer}'s key mask has {len(head_mask.sink)} heads; the model "
+                                              f"has {bridge.cfg.n_heads} query heads.")
+                object.__setattr__(attn, name, types.MethodType(factory(layer, request, on_layer, head_mask), attn))
                 patched.append((attn, name))
             _state.active = bridge
             yield
@@ -234,16 +320,16 @@ def _is_joint(attn: Any) -> bool:
     return type(attn) is JointQKVAttentionBridge
 
 
-def _forward_factory(layer: int, request: Request | None, on_layer: OnLayer | None):
+def _forward_factory(layer: int, request: Request | None, on_layer: OnLayer | None, head_mask: HeadKeyMask | None):
     def forward(self: Any, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
-        return _kernel_forward(self, layer, request, on_layer, *args, **kwargs)
+        return _kernel_forward(self, layer, request, on_layer, *args, head_mask=head_mask, **kwargs)
 
     return forward
 
 
-def _joint_factory(layer: int, request: Request | None, on_layer: OnLayer | None):
+def _joint_factory(layer: int, request: Request | None, on_layer: OnLayer | None, head_mask: HeadKeyMask | None):
     def reconstruct(self: Any, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> tuple[Tensor, None]:
-        return _joint_reconstruct(self, layer, request, on_layer, q, k, v, **kwargs)
+        return _joint_reconstruct(self, layer, request, on_layer, q, k, v, head_mask=head_mask, **kwargs)
 
     return reconstruct
 
@@ -285,7 +371,7 @@ def layer_mask(hf_attn: Any) -> LayerMask:
 
 
 def _kernel_forward(self: Any, layer: int, request: Request | None, on_layer: OnLayer | None,
-                    *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
+                    *args: Any, head_mask: HeadKeyMask | None = None, **kwargs: Any) -> tuple[Tensor, None]:
     """The bridge's rotary attention forward with the kernel in place of scores → softmax → @V.
 
     The steps up to the scores are those of ``PositionEmbeddingsAttentionBridge.forward`` for the
@@ -332,7 +418,7 @@ def _kernel_forward(self: Any, layer: int, request: Request | None, on_layer: On
     k = self.hook_rot_k(k)
     k, v = self._update_kv_cache(k, v, **kwargs)
     attn_output = _attend(self, layer, request, on_layer, q, k, v, attention_mask, layer_mask(hf_attn),
-                          kwargs.get("position_ids"))
+                          kwargs.get("position_ids"), head_mask)
     attn_output = attn_output.reshape(*input_shape, -1)
     o_weight = getattr(getattr(self.o, "original_component", None), "weight", None)
     if isinstance(o_weight, Tensor) and o_weight.dtype.is_floating_point and attn_output.dtype != o_weight.dtype:
@@ -360,7 +446,8 @@ def _rotate(self: Any, q: Tensor, k: Tensor, position_embeddings: tuple[Tensor, 
 
 
 def _joint_reconstruct(self: Any, layer: int, request: Request | None, on_layer: OnLayer | None,
-                       q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> tuple[Tensor, None]:
+                       q: Tensor, k: Tensor, v: Tensor, head_mask: HeadKeyMask | None = None,
+                       **kwargs: Any) -> tuple[Tensor, None]:
     """GPT-2's attention after its fused qkv projection (``JointQKVAttentionBridge._reconstruct_attention``)
     with the kernel in place of scores → softmax → @V; positions were added to the residual stream."""
     _refuse_pattern_hooks(self)
@@ -369,13 +456,14 @@ def _joint_reconstruct(self: Any, layer: int, request: Request | None, on_layer:
     q, k, v, batch, seq_len, head_dim = self._reshape_qkv_to_heads(q, k, v, n_heads, n_kv)
     k, v = self._update_kv_cache(k, v, **kwargs)
     out = _attend(self, layer, request, on_layer, q, k, v, kwargs.get("attention_mask"),
-                  layer_mask(self.original_component), kwargs.get("position_ids"))
+                  layer_mask(self.original_component), kwargs.get("position_ids"), head_mask)
     out = out.reshape(batch, seq_len, n_heads * head_dim)
     return self._apply_output_projection(out), None
 
 
 def _attend(self: Any, layer: int, request: Request | None, on_layer: OnLayer | None, q: Tensor, k: Tensor,
-            v: Tensor, attention_mask: Tensor | None, mask: LayerMask, position_ids: Tensor | None) -> Tensor:
+            v: Tensor, attention_mask: Tensor | None, mask: LayerMask, position_ids: Tensor | None,
+            head_mask: HeadKeyMask | None = None) -> Tensor:
     """The kernel on ``q`` ``[b, h, n_q, d]``, ``k``/``v`` ``[b, h_kv, n_k, d]`` with the layer's mask,
     scale and soft-cap; reports the requested statistics; returns ``[b, n_q, h, d_v]``.
 
@@ -399,6 +487,8 @@ def _attend(self: Any, layer: int, request: Request | None, on_layer: OnLayer | 
             "masses, pooled maps and listed cells need them. Run the text without the cache (one forward pass).")
     if req is not None and (req.pairs or req.pair_index is not None) and LSE not in stats:
         stats = (*stats, LSE)
+    if head_mask is not None:
+        return _attend_masked(layer, q, k, v, mask, head_mask, dropped, stats, kernel_kwargs, req, on_layer)
     result = attention(q, k, v, causal=True, stats=stats, **mask.kernel, **kernel_kwargs)
     if req is not None and on_layer is not None and (stats or req.pairs):
         lse = result.stats[LSE] if LSE in result.stats else None
@@ -411,6 +501,36 @@ def _attend(self: Any, layer: int, request: Request | None, on_layer: OnLayer | 
             found = _in_model_positions(found, dropped)
         on_layer(LayerStats(layer=layer, n_q=n_q, n_k=n_k + dropped, stats=found, pairs=pairs, cells=cells))
     return result.out.transpose(1, 2)
+
+
+def _attend_masked(layer: int, q: Tensor, k: Tensor, v: Tensor, mask: LayerMask, head_mask: HeadKeyMask,
+                   dropped: int, stats: tuple[str, ...], kernel_kwargs: dict[str, Any], req: LayerRequest | None,
+                   on_layer: OnLayer | None) -> Tensor:
+    """:func:`_attend` under a policy's key mask: one kernel call per :func:`masked_segments` segment.
+    Statistics are reported when one call covers every row (pair terms and cells are refused: their
+    formulas know only the model's window)."""
+    if req is not None and (req.pairs or req.pair_index is not None):
+        raise StatisticsModeError("Pair terms and listed cells are not computed under a KV-cache policy's key mask.")
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    segments = masked_segments(head_mask, mask.window, n_q, n_k, dropped)
+    if stats and len(segments) > 1:
+        raise StatisticsModeError(
+            f"Layer {layer}: the policy's sinks leave the model's sliding window of {mask.window} keys part-way "
+            "through these rows, so they run in several kernel calls: statistics are not reported there.")
+    outs = []
+    for seg in segments:
+        as_tensor = dict(dtype=torch.int64, device=q.device)
+        # the kernel puts its queries at the last key positions: end the keys at the segment's last row
+        keys = slice(seg.key_start, n_k - (n_q - seg.row_end))
+        result = attention(q[:, :, seg.row_start:seg.row_end], k[:, :, keys], v[:, :, keys],
+                           causal=True, stats=stats, scale=mask.scale, softcap=mask.softcap,
+                           key_sink=torch.tensor(seg.sink, **as_tensor),
+                           key_window=torch.tensor(seg.window, **as_tensor), **kernel_kwargs)
+        outs.append(result.out)
+    if stats and on_layer is not None:
+        found = _in_model_positions(dict(result.stats), dropped) if dropped else dict(result.stats)
+        on_layer(LayerStats(layer=layer, n_q=n_q, n_k=n_k + dropped, stats=found, pairs={}))
+    return torch.cat(outs, 2).transpose(1, 2) if len(outs) > 1 else outs[0].transpose(1, 2)
 
 
 def _in_model_positions(stats: dict[str, Tensor], dropped: int) -> dict[str, Tensor]:

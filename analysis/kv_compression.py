@@ -28,9 +28,21 @@ KV memory kept (:func:`kv_memory`), exact for the model's layout, for a cache of
 
 reported with the fraction of the full cache (every group full).
 
-Evaluation (:func:`evaluate_policies`) runs the model's eager path with a hook on
-``hook_attn_scores`` that sets the scores of keys a streaming group cannot see to −inf before the
-softmax (prefill and every KV-cached decode step; :func:`policy_hooks`): mean next-token loss and
+Evaluation (:func:`evaluate_policies`) runs the model with the policy's mask in the prefill and at
+every KV-cached decode step, on one of two backends (:data:`BACKENDS`):
+
+- ``eager``: the model's eager path with a hook on ``hook_attn_scores`` that sets the scores of keys
+  a streaming group cannot see to −inf before the softmax (:func:`policy_hooks`); O(n²) memory per layer;
+- ``statistics``: statistics mode (:mod:`analysis.attention_statistics`), the model's own forward
+  pass with its attention in :func:`kernels.attention.attention`, the mask given to the kernel as
+  per-query-head ``key_sink``/``key_window`` (:func:`policy_key_masks`; intersected with a
+  sliding-window model's own window); O(n) memory;
+- ``auto`` (default): statistics mode where the model supports it and the longest input is over
+  ``HEADSCOPE_MAX_TOKENS`` (the Attention page's rule for full patterns) or the model is on CUDA,
+  else eager; and statistics mode where prompts with sinks decode past a sliding window, which the
+  eager hook cannot mask (:func:`check_eager_decode`).
+
+Both measure mean next-token loss and
 next-token agreement with the uncompressed model on texts, and needle-in-a-haystack accuracy on a
 sweep's prompts (:func:`analysis.ablation_curve.retrieval_accuracy`, the same decoding and answer
 scoring as the ablation curves). The policy can be exported as the pattern folder DuoAttention ships
@@ -44,11 +56,12 @@ kvpress' ``DuoAttentionPress`` uses for its on-the-fly scores.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,9 +72,11 @@ from transformer_lens.utilities import get_act_name
 
 from analysis.ablation import Cancel, Hook, Progress, loss_metric
 from analysis.ablation_curve import retrieval_accuracy
+from analysis.attention_statistics import HeadKeyMask, layer_mask, statistics_mode, statistics_supported
 from analysis.detectors import group_heads
 from analysis.errors import InputError
 from analysis.kv_compression_choices import (
+    BACKENDS,
     DEFAULT_RANKINGS,
     DEFAULT_RECENT_SIZE,
     DEFAULT_SINK_SIZE,
@@ -314,6 +329,72 @@ def policy_hooks(model: LoadedModel, policy: Policy) -> list[Hook]:
     return hooks
 
 
+def policy_key_masks(model: LoadedModel, policy: Policy) -> dict[int, HeadKeyMask]:
+    """The policy as statistics mode's per-layer, per-query-head key masks: a streaming group's query
+    heads get ``key_sink = S`` and ``key_window = W`` (the kernel's visible keys ``j ≤ p`` and
+    ``(j < S or j > p − W)`` are :func:`streaming_key_mask`'s), a full group's ``0``/``0`` (no limit).
+    Layers whose groups are all full are left out; the all-full policy gives no masks."""
+    if policy.full.shape != (model.n_layers, model.n_kv_heads):
+        raise InputError(f"The policy has shape {policy.full.shape}, the model's layers × KV heads are "
+                         f"{(model.n_layers, model.n_kv_heads)}.")
+    masks = {}
+    for layer in range(model.n_layers):
+        streaming = [not policy.full[layer, model.kv_head(h)] for h in range(model.n_heads)]
+        if any(streaming):
+            masks[layer] = HeadKeyMask(tuple(policy.sink_size if s else 0 for s in streaming),
+                                       tuple(policy.recent_size if s else 0 for s in streaming))
+    return masks
+
+
+def choose_backend(model: LoadedModel, backend: str, n_tokens: int) -> str:
+    """``eager`` or ``statistics`` for ``backend`` (see the module docstring for ``auto``)."""
+    from analysis.limits import limit
+
+    if backend not in BACKENDS:
+        raise InputError(f"Unknown backend {backend!r}: choose from {', '.join(BACKENDS)}.")
+    if backend == "statistics" and not statistics_supported(model):
+        raise InputError(f"{model.name} cannot run in statistics mode (its attention is not supported by the "
+                         "kernels, or a hook edits its patterns): use the eager backend.")
+    if backend != "auto":
+        return backend
+    long = n_tokens > limit("HEADSCOPE_MAX_TOKENS") or str(model.device).startswith("cuda")
+    return "statistics" if long and statistics_supported(model) else "eager"
+
+
+def smallest_model_window(model: LoadedModel) -> int:
+    """The narrowest sliding window of ``model``'s attention layers (0: none has one)."""
+    windows = []
+    for block in model.bridge.blocks:
+        with contextlib.suppress(Exception):
+            windows.append(layer_mask(block.attn.original_component).window)
+    return min((w for w in windows if w), default=0)
+
+
+def check_eager_decode(model: LoadedModel, sink_size: int, n_decoded: int) -> None:
+    """Refuse the eager backend where it would be wrong: decoding past a sliding window with sinks.
+
+    The KV cache of a sliding-window layer drops keys older than its window, and the scores hook
+    sees only the cache, so it would take the cache's first keys for the sinks. Statistics mode
+    knows the positions (:func:`analysis.attention_statistics.masked_segments`)."""
+    window = smallest_model_window(model)
+    if sink_size > 0 and window and n_decoded > window:
+        raise InputError(f"{model.name} has a sliding window of {window} keys and the prompts decode past it: the eager "
+                         "backend cannot place the sinks in its shortened KV cache. Use the statistics backend.")
+
+
+@contextlib.contextmanager
+def policy_applied(model: LoadedModel, policy: Policy | None, backend: str) -> Iterator[list[Hook]]:
+    """Within the block, ``model``'s forward passes (prefill and cached decoding) run under
+    ``policy`` (None: uncompressed) on ``backend`` (``eager`` or ``statistics``); yields the hooks to
+    pass to each run (eager: :func:`policy_hooks`; statistics: none, the kernel applies the mask)."""
+    if backend == "statistics":
+        masks = policy_key_masks(model, policy) if policy is not None else {}
+        with statistics_mode(model, key_masks=masks):
+            yield []
+    else:
+        yield policy_hooks(model, policy) if policy is not None else []
+
+
 # ---------------------------------------------------------------------------------------------
 # Evaluation
 
@@ -422,15 +503,15 @@ class CompressionCurve:
 
 def _evaluate_one(model: LoadedModel, policy: Policy, texts: Sequence[Sequence[int]],
                   prompts: Sequence[NiahPrompt], clean_argmax: list[np.ndarray], n_tokens: int,
-                  max_new_tokens: int, cancel: Cancel | None) -> PolicyEvaluation:
+                  max_new_tokens: int, cancel: Cancel | None, backend: str = "eager") -> PolicyEvaluation:
     t0 = time.perf_counter()
-    hooks = policy_hooks(model, policy)
-    tm = text_metrics(model, texts, hooks, cancel)
+    acc = math.nan
+    with policy_applied(model, policy, backend) as hooks:
+        tm = text_metrics(model, texts, hooks, cancel)
+        if prompts:
+            acc = retrieval_accuracy(model, prompts, hooks, max_new_tokens=max_new_tokens, cancel=cancel).accuracy
     same = sum(int((a == b).sum()) for a, b in zip(tm.argmax, clean_argmax, strict=True))
     positions = sum(len(a) for a in clean_argmax)
-    acc = math.nan
-    if prompts:
-        acc = retrieval_accuracy(model, prompts, hooks, max_new_tokens=max_new_tokens, cancel=cancel).accuracy
     memory = kv_memory(policy, n_tokens, model.d_head, dtype_bytes(model))
     return PolicyEvaluation(policy, memory, tm.loss, same / positions if positions else math.nan, acc,
                             time.perf_counter() - t0)
@@ -448,6 +529,7 @@ def evaluate_policies(
     sink_size: int = DEFAULT_SINK_SIZE,
     recent_size: int = DEFAULT_RECENT_SIZE,
     max_new_tokens: int = 24,
+    backend: str = "auto",
     store: Store | None = None,
     progress: Progress | None = None,
     cancel: Cancel | None = None,
@@ -469,6 +551,9 @@ def evaluate_policies(
     texts : token-id lists for loss and agreement (at least one, or ``prompts``).
     prompts : needle-in-a-haystack prompts (e.g. a sweep's, :func:`analysis.retrieval.trial_prompt`).
     seeds : one random policy per seed and fraction.
+    backend : ``eager`` (masked scores, O(n²) memory), ``statistics`` (the kernels' key mask, O(n)) or
+        ``auto`` (statistics mode above ``HEADSCOPE_MAX_TOKENS`` tokens or on CUDA where the model
+        supports it); the uncompressed baseline runs on the same backend. Recorded in ``meta``.
     store : each policy's numbers are stored as they finish, under the model, the inputs and the
         policy's mask: a cancelled evaluation run again resumes, other curves reuse shared policies.
     progress, cancel : as every long analysis; a cancel returns what finished (``complete=False``).
@@ -496,6 +581,17 @@ def evaluate_policies(
                          f"W={recent_size}.")
     for name in rankings:  # a missing score is reported before any work
         group_priority(model, name, scores, 0)
+    n_tokens = max([len(t) for t in texts] + [p.n_tokens for p in prompts])
+    n_decoded = max([p.n_tokens for p in prompts], default=0) + max_new_tokens if prompts else 0
+    wanted = backend
+    backend = choose_backend(model, backend, max(n_tokens, n_decoded))
+    if backend == "eager" and prompts:
+        try:
+            check_eager_decode(model, sink_size, n_decoded)
+        except InputError:
+            if wanted != "auto" or not statistics_supported(model):
+                raise
+            backend = "statistics"
     seeds = [int(s) for s in seeds] or [0]
     policies: list[Policy] = []
     for name in rankings:
@@ -504,11 +600,11 @@ def evaluate_policies(
             for seed in (seeds if r.seeded else [0]):
                 policies.append(build_policy(model, name, f, scores, seed=seed, sink_size=sink_size,
                                              recent_size=recent_size))
-    n_tokens = max([len(t) for t in texts] + [p.n_tokens for p in prompts])
     inputs = content_key(texts, [p.token_ids for p in prompts], max_new_tokens)
     full_policy = build_policy(model, "all_full", 1.0, sink_size=sink_size, recent_size=recent_size)
 
-    clean = text_metrics(model, texts, (), cancel)
+    with policy_applied(model, None, backend):
+        clean = text_metrics(model, texts, (), cancel)
     memo: dict[str, PolicyEvaluation] = {}
 
     def evaluate(policy: Policy) -> PolicyEvaluation:
@@ -516,14 +612,16 @@ def evaluate_policies(
         if mk in memo:
             e = memo[mk]
             return PolicyEvaluation(policy, e.memory, e.loss, e.agreement, e.niah_accuracy, 0.0)
-        key = content_key("kv_policy_eval", KV_COMPRESSION_VERSION, model.digest, inputs, mk)
+        # eager keys as before (stored results stay valid); the kernel's rounding differs slightly
+        key = content_key("kv_policy_eval", KV_COMPRESSION_VERSION, model.digest, inputs, mk,
+                          *([backend] if backend != "eager" else []))
         record = store.get(key) if store is not None else None
         if record is not None and record.kind == "kv_policy_eval":
             m = record.meta
             e = PolicyEvaluation(policy, kv_memory(policy, n_tokens, model.d_head, dtype_bytes(model)),
                                  float(m["loss"]), float(m["agreement"]), float(m["niah_accuracy"]), 0.0)
         else:
-            e = _evaluate_one(model, policy, texts, prompts, clean.argmax, n_tokens, max_new_tokens, cancel)
+            e = _evaluate_one(model, policy, texts, prompts, clean.argmax, n_tokens, max_new_tokens, cancel, backend)
             if store is not None:
                 store.put(key, "kv_policy_eval", {"loss": e.loss, "agreement": e.agreement,
                                                   "niah_accuracy": e.niah_accuracy, "seconds": e.seconds}, {})
@@ -549,7 +647,7 @@ def evaluate_policies(
             raise
         complete = False
     meta = {"model_name": model.name, "model_digest": model.digest, "rankings": rankings, "fractions": fractions,
-            "seeds": seeds, "n_tokens": n_tokens, "dtype_bytes": dtype_bytes(model),
+            "seeds": seeds, "n_tokens": n_tokens, "dtype_bytes": dtype_bytes(model), "backend": backend,
             "layout": {"n_layers": model.n_layers, "n_kv_heads": model.n_kv_heads, "d_head": model.d_head},
             "version": KV_COMPRESSION_VERSION}
     return CompressionCurve(evaluations, baseline, sink_size, recent_size, len(texts), len(prompts), complete, meta)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from analysis.ablation_choices import CONTROL_TOP_N, DEFAULT_METHOD, DEFAULT_SEEDS, MAX_SEEDS, METHODS
+from analysis.kv_compression_choices import BACKENDS as COMPRESS_BACKENDS
 from analysis.kv_compression_choices import DEFAULT_FRACTIONS as COMPRESS_FRACTIONS
 from analysis.kv_compression_choices import DEFAULT_RANKINGS as COMPRESS_RANKINGS
 from analysis.kv_compression_choices import DEFAULT_RECENT_SIZE, DEFAULT_SINK_SIZE, DEFAULT_TOLERANCE
@@ -925,7 +926,7 @@ def cmd_compress(args) -> int:
             _argument("--rankings/--fractions"):
         curve = evaluate_policies(model, scores, args.rankings, args.fractions, texts=texts, prompts=prompts,
                                   seeds=seeds, sink_size=args.sink, recent_size=args.recent, store=store,
-                                  progress=bar)
+                                  backend=args.backend, progress=bar)
     key = content_key("compress", result.key, args.rankings, curve.meta["fractions"], seeds, args.sink,
                       args.recent, texts if text_ids else None)
     out = Path(args.out) if args.out else store.root / "exports" / f"compress-{key[:12]}"
@@ -956,7 +957,7 @@ def cmd_compress(args) -> int:
         "rankings": args.rankings, "fractions": curve.meta["fractions"], "seeds": seeds,
         "n_texts": curve.n_texts, "n_prompts": curve.n_prompts, "text": "given" if text_ids else "sweep prompts",
         "layout": curve.meta["layout"], "dtype_bytes": curve.meta["dtype_bytes"], "complete": curve.complete,
-        "tolerance": args.tolerance,
+        "tolerance": args.tolerance, "backend": curve.meta["backend"],
         "baseline": {k: finite(v) for k, v in curve.baseline.row().items()},
         "rows": [{k: finite(v) for k, v in r.items()} for r in rows],
         "smallest_within_tolerance": {r: (None if e is None else {k: finite(v) for k, v in e.row().items()})
@@ -1463,6 +1464,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--needles-file", type=text_file, help="sweep: a JSON file of needles")
     p.add_argument("--haystack", type=haystack, help="sweep: prose (default), passkey, or a UTF-8 text file")
     _niah_options(p, "sweep: ")
+    p.add_argument("--backend", choices=COMPRESS_BACKENDS, default="auto",
+                   help="eager: mask the attention scores (N × N per layer); statistics: the kernels' per-head key "
+                        "mask (O(N) memory); auto (default): statistics mode above HEADSCOPE_MAX_TOKENS tokens or "
+                        "on CUDA, where the model supports it")
     p.add_argument("--tolerance", type=share, default=DEFAULT_TOLERANCE,
                    help="report the smallest KV fraction whose NIAH accuracy is within this of full (default 0.05)")
     p.add_argument("--export", type=export_choice,

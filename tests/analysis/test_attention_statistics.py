@@ -122,3 +122,48 @@ def test_nested_use_is_refused(real_model):
         with pytest.raises(StatisticsModeError, match="already active"):
             with statistics_mode(real_model):
                 pass
+
+
+def test_masked_segments_apply_a_policy_mask_within_the_models_window_as_the_definition_says():
+    """Brute force over random layouts (prefill and cached decode rows, caches that dropped keys the
+    model's window no longer shows): the keys each segment's kernel call shows each query head are
+    exactly ``j ≤ p`` and ``j > p − W_model`` (if any) and ``j < S_h or j > p − W_h`` (if ``W_h``)."""
+    import numpy as np
+
+    from analysis.attention_statistics import HeadKeyMask, masked_segments
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n_heads = int(rng.integers(1, 5))
+        wm = int(rng.choice([0, 1, 3, 6, 9]))
+        sink = tuple(int(x) for x in rng.integers(0, 5, n_heads))
+        window = tuple(int(x) for x in rng.choice([0, 1, 2, 4, 7, 12], n_heads))
+        n_k = int(rng.integers(1, 30))
+        n_q = int(rng.integers(1, n_k + 1))
+        dropped = 0
+        if wm and n_q == 1 and n_k >= wm:  # a sliding cache holds the window and nothing older
+            dropped = int(rng.integers(0, 10))
+            n_k = wm
+        segs = masked_segments(HeadKeyMask(sink, window), wm, n_q, n_k, dropped)
+        got = np.zeros((n_heads, n_q, n_k), bool)
+        covered = []
+        for seg in segs:
+            key_end = n_k - (n_q - seg.row_end)
+            n_s = key_end - seg.key_start
+            for i, r in enumerate(range(seg.row_start, seg.row_end)):
+                covered.append(r)
+                p_s = n_s - (seg.row_end - seg.row_start) + i  # the kernel's position of this row
+                for h in range(n_heads):
+                    for js in range(n_s):
+                        w, s = seg.window[h], seg.sink[h]
+                        got[h, r, seg.key_start + js] = js <= p_s and (w == 0 or js < s or js > p_s - w)
+        assert covered == list(range(n_q))
+        want = np.zeros_like(got)
+        for r in range(n_q):
+            p = dropped + n_k - n_q + r
+            for jc in range(n_k):
+                j = dropped + jc
+                for h in range(n_heads):
+                    want[h, r, jc] = (j <= p and (wm == 0 or j > p - wm)
+                                      and (window[h] == 0 or j < sink[h] or j > p - window[h]))
+        assert np.array_equal(got, want), (wm, sink, window, n_q, n_k, dropped, segs)

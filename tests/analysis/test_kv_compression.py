@@ -21,6 +21,7 @@ from analysis.kv_compression import (
     kv_memory,
     load_policy,
     policy_hooks,
+    smallest_model_window,
     streaming_key_mask,
 )
 from tests.conftest import tiny_hf_model
@@ -247,3 +248,180 @@ def test_evaluate_policies_refuses_bad_input_before_any_work(model, kwargs, mess
     args = {"rankings": ["random"], "fractions": [0.5], "texts": [IDS], **kwargs}
     with pytest.raises(InputError, match=message):
         evaluate_policies(model, None, args.pop("rankings"), args.pop("fractions"), **args)
+
+
+# ---------------------------------------------------------------------------------------------
+# The statistics backend: the policy as the kernels' per-head key mask (O(n) memory)
+
+
+@pytest.mark.parametrize("n_q, n_k, sink, recent", [(11, 11, 2, 3), (1, 11, 2, 3), (4, 11, 0, 5), (9, 9, 4, 1),
+                                                    (6, 20, 3, 30)])
+def test_the_kernels_key_sink_and_window_are_streaming_key_mask(n_q, n_k, sink, recent):
+    """One definition of the mask: the kernel's visible keys (read off its exact rows) and the eager
+    reference's are :func:`streaming_key_mask`'s, also for decode rows (n_q < n_k)."""
+    from kernels.attention import attention
+    from kernels.reference import attention_scores
+
+    g = torch.Generator().manual_seed(n_q * 100 + n_k)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (n_q, n_k, n_k))
+    want = streaming_key_mask(n_q, n_k, sink, recent)
+    rows = attention(q, k, v, stats="rows", rows=list(range(n_q)), key_sink=sink, key_window=recent,
+                     backend="torch").stats["rows"]
+    assert torch.equal(rows[0, 0] > 0, want) and torch.equal(rows[0, 1] > 0, want)
+    scores = attention_scores(q, k, key_sink=sink, key_window=recent)
+    assert torch.equal(torch.isfinite(scores[0, 0]), want)
+
+
+def _decode_logits(model, ids: list[int], n_prompt: int, hooks=()) -> list[torch.Tensor]:
+    """Prefill ``ids[:n_prompt]`` with the KV cache, then one token at a time: each step's last logits."""
+    with torch.inference_mode(), model.bridge.hooks(fwd_hooks=list(hooks)):
+        logits, past = model.bridge(torch.tensor([ids[:n_prompt]]), return_type="logits_and_cache", use_cache=True)
+        steps = [logits[0, -1]]
+        for t in ids[n_prompt:]:
+            logits, past = model.bridge(torch.tensor([[t]]), return_type="logits_and_cache", past_key_values=past)
+            steps.append(logits[0, -1])
+    return steps
+
+
+def test_statistics_backend_equals_a_hand_written_forward_prefill_and_decode(model, reference):
+    """The same GQA policy through the kernels: prefill logits and every KV-cached decode step equal
+    the hand-written forward with :func:`brute_visible`'s mask."""
+    from analysis.kv_compression import policy_applied, policy_key_masks
+
+    policy = Policy(MIXED, sink_size=2, recent_size=3)
+    masks = policy_key_masks(model, policy)
+    assert sorted(masks) == [0, 1] and masks[0].window == (0, 0, 3, 3) and masks[1].sink == (2, 2, 0, 0)
+    with policy_applied(model, policy, "statistics") as hooks:
+        assert hooks == []
+        got = bridge_logits(model, IDS, hooks)
+        steps = _decode_logits(model, IDS, 8)
+    want = reference_logits(reference, IDS, brute_visible(MIXED, len(IDS), 2, 3, model.group_size))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    for k, step in enumerate(steps):
+        seq = IDS[: 8 + k]
+        want = reference_logits(reference, seq, brute_visible(MIXED, len(seq), 2, 3, model.group_size))[-1]
+        torch.testing.assert_close(step, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module", params=["mistral", "gemma3"])
+def windowed(request, embedded_tokenizer):
+    """Sliding-window families (tests/tiny_families.py): Mistral, window 7 on every layer; Gemma 3,
+    window 6 on layers 0 and 2, one KV head for four query heads, soft scale, QK-norm."""
+    from analysis.models import wrap_model
+    from tests.tiny_families import tiny_family_model
+
+    name = request.param
+    return wrap_model(tiny_family_model(name, len(embedded_tokenizer)), embedded_tokenizer, name=f"tiny-{name}",
+                      digest=f"tiny-{name}-kv")
+
+
+LONG = [int(t) for t in np.random.default_rng(5).integers(100, 5000, size=30)]
+
+
+def test_statistics_backend_intersects_the_models_sliding_window_prefill_and_decode(windowed):
+    """S = 2, W = 3 on a model window of 6-7 keys and 30 tokens: the sinks leave the model's window
+    part-way (rows that run one at a time). Prefill equals the eager path's masked scores (which hold
+    the model's own window); each KV-cached decode step, whose sliding cache has dropped early keys,
+    equals the last row of an uncached eager forward over the same tokens."""
+    from analysis.attention_statistics import layer_mask, masked_segments
+    from analysis.kv_compression import policy_applied, policy_key_masks
+
+    full = np.zeros((windowed.n_layers, windowed.n_kv_heads), bool)
+    full[0, 0] = windowed.n_kv_heads > 1  # Mistral: one full group in layer 0
+    policy = Policy(full, sink_size=2, recent_size=3)
+    window = layer_mask(windowed.bridge.blocks[0].attn.original_component).window
+    assert window in (6, 7) and len(masked_segments(policy_key_masks(windowed, policy)[0], window, 30, 30)) > 2
+    with policy_applied(windowed, policy, "eager") as hooks:
+        want = bridge_logits(windowed, LONG, hooks)
+    with policy_applied(windowed, policy, "statistics") as hooks:
+        got = bridge_logits(windowed, LONG, hooks)
+        steps = _decode_logits(windowed, LONG, 12)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    clean = bridge_logits(windowed, LONG, [])
+    assert (got - clean).abs().max() > 1e-3
+    for k, step in enumerate(steps):
+        torch.testing.assert_close(step, want[11 + k], atol=2e-5, rtol=1e-4)
+
+
+def _metrics(curve):
+    return [(r["ranking"], r["seed"], r["loss"], r["agreement"], r["niah_accuracy"], r["kv_bytes"])
+            for r in [curve.baseline.row(), *curve.rows()]]
+
+
+def _check_backends_agree(m) -> None:
+    """Loss within 1e-4, agreement, NIAH accuracy and KV bytes exactly, on texts and on prompts decoded
+    with the cache (6 new tokens each)."""
+    from analysis.niah import build_prompt, load_haystack, load_needles
+
+    texts = [LONG, LONG[::-1]]
+    prompts = [build_prompt(m, n, load_haystack("prose"), 160, 50.0) for n in load_needles()[:2]]
+    # on a sliding-window model the eager hook cannot place sinks once the cache drops keys: no sinks
+    sink = 0 if smallest_model_window(m) else 2
+    kw = dict(texts=texts, prompts=prompts, seeds=[0, 1], sink_size=sink, recent_size=3, max_new_tokens=6)
+    eager = evaluate_policies(m, None, ["random", "all_full", "all_streaming"], [0.5], backend="eager", **kw)
+    stats = evaluate_policies(m, None, ["random", "all_full", "all_streaming"], [0.5], backend="statistics", **kw)
+    assert (eager.meta["backend"], stats.meta["backend"]) == ("eager", "statistics")
+    for a, b in zip(_metrics(eager), _metrics(stats), strict=True):
+        assert a[:2] == b[:2] and a[3:] == b[3:]
+        assert b[2] == pytest.approx(a[2], abs=1e-4)
+    assert min(r["agreement"] for r in stats.rows()) < 1.0  # the policies change predictions
+
+
+def test_statistics_backend_metrics_equal_eager_metrics_tiny_llama(model):
+    _check_backends_agree(model)
+
+
+def test_statistics_backend_metrics_equal_eager_metrics_sliding_window_families(windowed):
+    _check_backends_agree(windowed)
+
+
+def test_all_full_on_the_statistics_backend_is_the_uncompressed_statistics_run(model):
+    """The all-full policy gives no key masks: its loss and predictions are exactly those of a plain
+    statistics-mode run (the baseline), and a policy whose S + W covers every text changes nothing."""
+    from analysis.attention_statistics import statistics_mode
+    from analysis.kv_compression import policy_key_masks, text_metrics
+
+    assert policy_key_masks(model, build_policy(model, "all_full", 1.0)) == {}
+    with statistics_mode(model):
+        plain = text_metrics(model, [IDS, IDS[::-1]])
+    curve = evaluate_policies(model, None, ["all_full"], [1.0], texts=[IDS, IDS[::-1]], backend="statistics",
+                              sink_size=4, recent_size=len(IDS))
+    assert curve.baseline.loss == plain.loss and curve.evaluations[0].loss == plain.loss
+    wide = evaluate_policies(model, None, ["all_streaming"], [0.0], texts=[IDS, IDS[::-1]], backend="statistics",
+                             sink_size=4, recent_size=len(IDS))
+    assert wide.evaluations[0].agreement == 1.0
+    assert wide.evaluations[0].loss == pytest.approx(plain.loss, abs=1e-6)
+
+
+def test_auto_backend_follows_the_page_rule(model, monkeypatch):
+    """``auto``: eager up to HEADSCOPE_MAX_TOKENS tokens on CPU, statistics mode above."""
+    from analysis.errors import InputError
+    from analysis.kv_compression import choose_backend
+
+    assert choose_backend(model, "auto", 100) == "eager"
+    monkeypatch.setenv("HEADSCOPE_MAX_TOKENS", "10")
+    assert choose_backend(model, "auto", 100) == "statistics"
+    curve = evaluate_policies(model, None, ["all_streaming"], [0.0], texts=[IDS], sink_size=2, recent_size=3)
+    assert curve.meta["backend"] == "statistics"
+    with pytest.raises(InputError, match="backend"):
+        choose_backend(model, "flash", 100)
+
+
+def test_eager_decode_past_a_sliding_window_with_sinks_is_refused_and_auto_uses_the_kernels(windowed):
+    """The eager hook sees only the shortened sliding-window cache and would take its first keys for the
+    sinks (its decode steps differ from the uncached forward by ~0.3-0.5 in the logits): asked for,
+    it is refused; ``auto`` evaluates such prompts in statistics mode."""
+    from analysis.errors import InputError
+    from analysis.kv_compression import policy_applied
+    from analysis.niah import build_prompt, load_haystack, load_needles
+
+    policy = Policy(np.zeros((windowed.n_layers, windowed.n_kv_heads), bool), sink_size=2, recent_size=3)
+    with policy_applied(windowed, policy, "eager") as hooks:
+        want = bridge_logits(windowed, LONG, hooks)
+        steps = _decode_logits(windowed, LONG, 12, hooks)
+    assert max(float((s - want[11 + k]).abs().max()) for k, s in enumerate(steps)) > 1e-2
+    prompts = [build_prompt(windowed, load_needles()[0], load_haystack("prose"), 160, 50.0)]
+    kw = dict(texts=[LONG], prompts=prompts, sink_size=2, recent_size=3, max_new_tokens=4)
+    with pytest.raises(InputError, match="statistics backend"):
+        evaluate_policies(windowed, None, ["all_streaming"], [0.0], backend="eager", **kw)
+    assert evaluate_policies(windowed, None, ["all_streaming"], [0.0], **kw).meta["backend"] == "statistics"

@@ -739,3 +739,16 @@ def test_compress_prints_the_policy_table_and_writes_a_pattern_folder(tmp_path, 
     assert (config["sink_size"], config["recent_size"]) == (16, 64)
     exported = summary["exported"]
     assert int(table.sum()) == round(0.5 * 90) if exported["ranking"] == "retrieval" else table.sum() == 0
+    assert summary["backend"] == "eager"  # auto: 256 tokens is under HEADSCOPE_MAX_TOKENS on CPU
+    # the same policies through the kernels' key mask (statistics mode, O(N) memory): the same numbers
+    code = main(["--home", str(tmp_path / "home"), "compress", "--lengths", "256", "--depths", "50", "--needles",
+                 "locker-code", "--sink", "16", "--recent", "64", "--fractions", "0.5", "--rankings",
+                 "retrieval,all_streaming", "--backend", "statistics", "--out", str(tmp_path / "stats")])
+    capsys.readouterr()
+    assert code == 0
+    stats = json.loads((tmp_path / "stats" / "summary.json").read_text())
+    assert stats["backend"] == "statistics"
+    for a, b in zip([base, *summary["rows"]], [stats["baseline"], *stats["rows"]], strict=True):
+        assert (a["ranking"], a["kv_bytes"], a["agreement"], a["niah_accuracy"]) == \
+            (b["ranking"], b["kv_bytes"], b["agreement"], b["niah_accuracy"])
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-4)
