@@ -366,6 +366,11 @@ def run_compress(set_progress, n_clicks, sweep_id, needle_ids, lengths, depths, 
             raise InputError(f"Fractions of KV groups kept full must be between 0 and 1, got {fractions!r}.")
         n_seeds = _whole(seeds, "Random seeds", 1)
         sink_, recent_ = _whole(sink, "S (sinks)", 0), _whole(recent, "W (recent tokens)", 1)
+        if not (sweep_id or "").strip():  # said before the sweep runs (compress_sweep checks the prompts too)
+            shortest = min(int(x) for x in _numbers(lengths, "Context lengths", int))
+            if sink_ + recent_ >= shortest:
+                raise InputError(f"S + W = {sink_ + recent_} keeps every key of a {shortest}-token prompt: nothing "
+                                 "to compress. Lower S or W, or use longer context lengths.")
         found = _sweep(model, sweep_id, needle_ids, lengths, depths, haystack, set_progress)
         if not found.trials:
             return no_update, message("The sweep has no finished trial."), "Not run: see the message above."

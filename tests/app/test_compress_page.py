@@ -83,9 +83,21 @@ def test_compress_journey(server, page, real_model, reference):
     page.wait_for_selector("#hs-cmp-run", timeout=240_000)
     fill_form(page)
 
+    # S + W covering the whole prompt is refused before any sweep runs, with what to change
+    page.fill("#hs-cmp-sink", str(LENGTH))
+    page.click("#hs-cmp-run")
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('nothing to compress')",
+                           timeout=120_000)
+    assert f"S + W = {LENGTH + RECENT} keeps every key of a {LENGTH}-token prompt" in page.inner_text("#hs-error")
+    page.fill("#hs-cmp-sink", str(SINK))
+    page.wait_for_function("!document.querySelector('#hs-cmp-run').disabled", timeout=60_000)
+
     # Cancel stops the job: no curve, the page says what was kept
     page.click("#hs-cmp-run")
     page.wait_for_function("!document.querySelector('#hs-cmp-cancel').disabled", timeout=120_000)
+    # a progress line has come back, so the browser knows the job it cancels (a click before that was lost)
+    page.wait_for_function("/trial|evaluating/.test(document.querySelector('#hs-cmp-status')?.innerText || '')",
+                           timeout=120_000)
     page.click("#hs-cmp-cancel")
     page.wait_for_function("(document.querySelector('#hs-cmp-status')?.innerText || '').startsWith('Cancelled')",
                            timeout=240_000)
