@@ -893,13 +893,15 @@ def cmd_compress(args) -> int:
     import numpy as np
 
     from analysis.capture import tokenize_input
-    from analysis.head_scores import trial_prompts
-    from analysis.kv_compression import evaluate_policies, export_policy
+    from analysis.kv_compression import export_policy
+    from analysis.kv_compression_sweep import compress_sweep
     from analysis.niah import load_haystack
-    from analysis.retrieval import trial_prompt
     from analysis.store import content_key
-    from app.views.heads import head_scores_of
+    from app.export import FIGURE_FORMATS, write_files
+    from app.views import names
+    from app.views.compress import pick_text
 
+    formats = _check_formats(args.formats, FIGURE_FORMATS)
     needles = _needles(args)
     with _argument("--haystack"):
         hay = load_haystack(args.haystack or "prose")
@@ -911,24 +913,18 @@ def cmd_compress(args) -> int:
     if not result.trials:
         print("headscope compress: no trial finished", file=sys.stderr)
         return 1
-    scores = {"retrieval": result.scores}
-    if {"streaming", "evidence"} & set(args.rankings):
-        params = {"model": spec, "sink_size": args.sink, "window": args.recent}
-        with progress_bar("per-head scores on the sweep's prompts") as bar:
-            head_scores = head_scores_of(result, params, progress=bar)
-        scores.update({k: head_scores.mean[k] for k in ("streaming", "evidence") if k in head_scores.mean})
-    prompts = [trial_prompt(t) for t in result.trials]
-    texts = [text_ids] if text_ids else [p.token_ids for p in trial_prompts(result.trials)]
+    texts = [text_ids] if text_ids else None
     seeds = list(range(args.seeds))
     n_policies = sum(1 if r.startswith("all_") else len(args.fractions) * (len(seeds) if r == "random" else 1)
                      for r in args.rankings)
-    with progress_bar(f"{n_policies} policies on {len(prompts)} prompts") as bar, \
+    with progress_bar(f"{n_policies} policies on {len(result.trials)} prompts") as bar, \
             _argument("--rankings/--fractions"):
-        curve = evaluate_policies(model, scores, args.rankings, args.fractions, texts=texts, prompts=prompts,
-                                  seeds=seeds, sink_size=args.sink, recent_size=args.recent, store=store,
-                                  backend=args.backend, progress=bar)
+        stored = compress_sweep(model, result, args.rankings, args.fractions, seeds=seeds, sink_size=args.sink,
+                                recent_size=args.recent, texts=texts, backend=args.backend, store=store,
+                                progress=bar)
+    curve = stored.curve
     key = content_key("compress", result.key, args.rankings, curve.meta["fractions"], seeds, args.sink,
-                      args.recent, texts if text_ids else None)
+                      args.recent, texts, *([args.backend] if args.backend != "auto" else []))
     out = Path(args.out) if args.out else store.root / "exports" / f"compress-{key[:12]}"
     out.mkdir(parents=True, exist_ok=True)
     rows = curve.rows()
@@ -967,6 +963,12 @@ def cmd_compress(args) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "policies.json").write_text(json.dumps([e.policy.to_json() for e in curve.evaluations]))
     np.savetxt(out / "retrieval_group_max.csv", result.group_max, delimiter=",", fmt="%.6f")
+    if stored.key:  # the figures read the stored curve (a cancelled one is not stored)
+        params = {"model": spec, "compress": stored.key[:16], "tolerance": args.tolerance,
+                  "pick": None if chosen is None else pick_text(chosen)}
+        write_files(None, names.COMPRESSION_PARETO, params, out, formats)
+        if chosen is not None:
+            write_files(None, names.COMPRESSION_POLICY, params, out, formats)
     for line in compression_table(summary):
         print(line)
     if chosen is not None:
@@ -1474,6 +1476,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the policy written as the pattern folder, RANKING:FRACTION[:SEED] (default: the first score "
                         "ranking's smallest policy within --tolerance)")
     p.add_argument("--out", type=folder)
+    p.add_argument("--formats", default="svg,html",
+                   help="figure formats of compression_pareto and compression_policy (default svg,html; none: '')")
     p.set_defaults(func=cmd_compress)
 
     _add_patch_parser(sub)

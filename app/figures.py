@@ -702,3 +702,100 @@ def attention_difference_map(diff: np.ndarray, tokens: Sequence[str], layer: int
     what = "attention" if block == 1 else f"mean attention per {block}×{block} block"
     return _layout(fig, f"Change in {what} of layer {layer}, head {head} (second − first)",
                    height=max(420, min(1100, 14 * n + 220)))
+
+
+COMPRESSION_COLOURS = {"retrieval": "#e4572e", "streaming": "#17bebb", "evidence": "#76b041",
+                       "all_full": "#2e282a", "all_streaming": "#6c4e97"}
+COMPRESSION_METRICS = (("niah_accuracy", "NIAH accuracy"), ("loss", "mean loss"))
+
+
+def compression_pareto(points: Sequence[dict[str, Any]], baseline: dict[str, Any], labels: dict[str, str],
+                       tolerance: float, best: dict[str, float | None], title: str) -> go.Figure:
+    """NIAH accuracy (top) and mean loss (bottom) against the share of the KV cache kept, one curve per
+    ranking; random policies as a band (lowest to highest seed) around their mean; the uncompressed
+    model as a dashed line, the accuracy within ``tolerance`` of it shaded; per ranking, the smallest KV
+    fraction within the tolerance (``best[ranking]``, a KV fraction, or None) marked with a star.
+
+    ``points``: one dict per evaluated policy with ``ranking``, ``seed``, ``kv_fraction``,
+    ``niah_accuracy`` and ``loss``; ``baseline``: the uncompressed ``niah_accuracy`` and ``loss``.
+    """
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=[label for _, label in COMPRESSION_METRICS])
+
+    def finite(values) -> list:
+        return [None if v is None or not np.isfinite(v) else float(v) for v in values]
+
+    rankings = list(dict.fromkeys(p["ranking"] for p in points))
+    for row, (metric, label) in enumerate(COMPRESSION_METRICS, start=1):
+        base = baseline.get(metric)
+        if base is not None and np.isfinite(base):
+            if metric == "niah_accuracy" and tolerance > 0:
+                fig.add_hrect(y0=base - tolerance, y1=base, fillcolor="rgba(46,40,42,0.08)", line_width=0,
+                              row=row, col=1)
+            fig.add_hline(y=base, line={"color": "#2e282a", "dash": "dash", "width": 1}, row=row, col=1)
+        for ranking in rankings:
+            mine = sorted((p for p in points if p["ranking"] == ranking), key=lambda p: p["kv_fraction"])
+            name = labels.get(ranking, ranking)
+            if ranking == "random":
+                fractions = sorted({round(p["kv_fraction"], 12) for p in mine})
+                groups = [[p[metric] for p in mine if round(p["kv_fraction"], 12) == f] for f in fractions]
+                with np.errstate(all="ignore"):
+                    arrays = [np.asarray(g, dtype=float) for g in groups]
+                    lo = [float(np.nanmin(a)) if np.isfinite(a).any() else None for a in arrays]
+                    hi = [float(np.nanmax(a)) if np.isfinite(a).any() else None for a in arrays]
+                    mean = [float(np.nanmean(a)) if np.isfinite(a).any() else None for a in arrays]
+                n_seeds = max((len(g) for g in groups), default=0)
+                fig.add_trace(go.Scatter(x=fractions + fractions[::-1], y=hi + lo[::-1], fill="toself",
+                                         fillcolor="rgba(120,120,120,0.2)", line={"width": 0}, mode="lines",
+                                         name=f"{name}: {n_seeds} seeds, lowest to highest", legendgroup=ranking,
+                                         showlegend=row == 1, hoverinfo="skip"), row, 1)
+                fig.add_trace(go.Scatter(x=fractions, y=mean, mode="lines+markers", name=f"{name} (mean)",
+                                         legendgroup=ranking, showlegend=row == 1,
+                                         line={"color": "#555", "dash": "dot"},
+                                         hovertemplate=f"KV %{{x:.3f}}: %{{y:.4f}} ({safe_text(name)}, mean)"
+                                                       "<extra></extra>"), row, 1)
+                continue
+            colour = COMPRESSION_COLOURS.get(ranking, "#444")
+            fig.add_trace(go.Scatter(
+                x=[p["kv_fraction"] for p in mine], y=finite(p[metric] for p in mine), name=name,
+                mode="lines+markers" if len(mine) > 1 else "markers", legendgroup=ranking, showlegend=row == 1,
+                line={"color": colour, "width": 2.5}, marker={"color": colour, "size": 8},
+                customdata=[p.get("fraction_full") for p in mine],
+                hovertemplate=f"KV %{{x:.3f}} (groups full %{{customdata}}): %{{y:.4f}} ({safe_text(name)})"
+                              "<extra></extra>"), row, 1)
+        stars = [(r, f) for r, f in best.items() if f is not None and r in rankings]
+        if stars:
+            ys = []
+            for r, f in stars:
+                at = [p[metric] for p in points if p["ranking"] == r and abs(p["kv_fraction"] - f) < 1e-9]
+                with np.errstate(all="ignore"):
+                    ys.append(float(np.nanmean(at)) if at and np.isfinite(at).any() else None)
+            fig.add_trace(go.Scatter(
+                x=[f for _, f in stars], y=ys, mode="markers", name=f"smallest KV within {tolerance:g} of full",
+                legendgroup="best", showlegend=row == 1, text=[labels.get(r, r) for r, _ in stars],
+                marker={"symbol": "star", "size": 16, "color": [COMPRESSION_COLOURS.get(r, "#555") for r, _ in stars],
+                        "line": {"color": "#000", "width": 1}},
+                hovertemplate="%{text}: smallest KV within tolerance, %{x:.3f}<extra></extra>"), row, 1)
+        fig.update_yaxes(title=label, row=row, col=1)
+    fig.update_xaxes(title="KV cache kept (fraction of full)", range=[-0.02, 1.02], row=2, col=1)
+    fig.update_layout(legend={"orientation": "h", "y": -0.18})
+    fig = _layout(fig, safe_text(title), height=640)
+    fig.update_layout(margin={"b": 120})
+    return fig
+
+
+def policy_map(full: np.ndarray, title: str) -> go.Figure:
+    """A KV-cache policy per (layer, KV group): full cache (dark) or streaming (light, sinks + recent)."""
+    full = np.asarray(full, dtype=bool)
+    n_layers, n_kv = full.shape
+    text = np.where(full, "full", "streaming")
+    fig = go.Figure(go.Heatmap(
+        z=full.astype(int).tolist(), x=list(range(n_kv)), y=list(range(n_layers)), text=text.tolist(),
+        colorscale=[[0, "#d9eef0"], [0.5, "#d9eef0"], [0.5, "#e4572e"], [1, "#e4572e"]], zmin=0, zmax=1, xgap=2,
+        ygap=1, hovertemplate="layer %{y}, KV group %{x}: %{text}<extra></extra>",
+        colorbar={"tickvals": [0.25, 0.75], "ticktext": ["streaming", "full"], "thickness": 10, "len": 0.5}))
+    fig.update_xaxes(title="KV group (key-value head)", dtick=1, showgrid=False)
+    fig.update_yaxes(title="layer", autorange="reversed", showgrid=False, dtick=1 if n_layers <= 32 else None)
+    return _layout(fig, safe_text(title), height=max(360, 16 * n_layers + 120))

@@ -174,3 +174,27 @@ PAT_PATH_CANCEL = "hs-pat-path-cancel"
 PAT_PATH_PROGRESS = "hs-pat-path-progress"
 PAT_PATH_STATUS = "hs-pat-path-status"
 PAT_PATH_RESULT = "hs-pat-path-result"
+
+# Compress page: KV-cache policies from head classes (issue 17)
+CMP_SWEEP = "hs-cmp-sweep"  # a stored sweep's id (from the Heads page); empty: run the sweep settings below
+CMP_NEEDLES = "hs-cmp-needles"
+CMP_LENGTHS = "hs-cmp-lengths"
+CMP_DEPTHS = "hs-cmp-depths"
+CMP_HAYSTACK = "hs-cmp-haystack"
+CMP_MODEL = "hs-cmp-model"
+CMP_RANKINGS = "hs-cmp-rankings"
+CMP_FRACTIONS = "hs-cmp-fractions"
+CMP_SEEDS = "hs-cmp-seeds"
+CMP_SINK = "hs-cmp-sink"
+CMP_RECENT = "hs-cmp-recent"
+CMP_TOLERANCE = "hs-cmp-tolerance"  # NIAH points: the smallest KV fraction within it of full is marked
+CMP_RUN = "hs-cmp-run"
+CMP_CANCEL = "hs-cmp-cancel"
+CMP_PROGRESS = "hs-cmp-progress"
+CMP_STATUS = "hs-cmp-status"
+CMP_INFO = "hs-cmp-info"  # what the curve was measured on, and the smallest KV within the tolerance per ranking
+CMP_PARETO = "hs-cmp-pareto"
+CMP_TABLE = "hs-cmp-table"
+CMP_PICK = "hs-cmp-pick"  # the policy shown on the map and downloaded (options: the curve's policies)
+CMP_POLICY = "hs-cmp-policy"
+CMP_DOWNLOAD = "hs-cmp-download"  # the chosen policy as DuoAttention's pattern folder (a zip)

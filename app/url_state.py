@@ -19,12 +19,13 @@ from analysis.rollout import FUSIONS
 from app.context import offered_model
 
 _RUN_ID = re.compile(r"^[0-9a-f]{8,64}$")
-_INT_KEYS = ("layer", "head", "query", "target", "trial", "sentences", "sink_size", "window", "k", "seed")
+_INT_KEYS = ("layer", "head", "query", "target", "trial", "sentences", "sink_size", "window", "k", "seed", "tol")
 SCORES = (*HEAD_METRICS, "evidence")
 ABLATION_METHODS = ABLATION_CHOICES
 RANK_BY = ("retrieval", "effect", *HEAD_METRICS)
 _HEADS = re.compile(r"^[\w.:*,; ]{1,2000}$")
-_HEX_KEYS = ("curve", "hsweep", "source", "ref", "labels", "texts", "patching", "ppos", "first", "second")
+_HEX_KEYS = ("curve", "hsweep", "source", "ref", "labels", "texts", "patching", "ppos", "first", "second", "compress")
+_PICK = re.compile(r"^[a-z_]{1,20}(:[0-9]{0,3}\.?[0-9]{1,8})?(:[0-9]{1,4})?$")  # RANKING[:FRACTION[:SEED]]
 _FIND = re.compile(r"^[^\x00-\x1f<>]{1,40}$")
 CHOICES = {"method": PROJECTIONS, "colour": ("position", "kind", "sentence", "norm"),
            "score": SCORES, "stat": ("mean", "std"),
@@ -114,22 +115,33 @@ class CompareState:
     second: str | None = None
 
 
+@dataclass
+class CompressState:
+    """The Compress page's own fields: the stored compression curve, the tolerance in NIAH points
+    (default: :data:`analysis.kv_compression_choices.DEFAULT_TOLERANCE`) and the policy shown
+    (``RANKING:FRACTION[:SEED]``; default: the first score ranking's smallest within the tolerance)."""
+
+    compress: str | None = None
+    tol: int | None = None
+    pick: str | None = None
+
+
 PARTS = {"attention": AttentionState, "flow": FlowState, "sweeps": HeadsState, "qk": QKState,
-         "ablation": AblationState, "patch": PatchingState, "compare": CompareState}
+         "ablation": AblationState, "patch": PatchingState, "compare": CompareState, "kv": CompressState}
 _OWNER = {f.name: part for part, cls in PARTS.items() for f in fields(cls)}  # page field -> its part
 _SHARED = ("model", "run", "layer", "head", "query")  # ``query``: one URL key, read by Attention and QK
 # the URL's key order (kept as it was, so links the pages write are unchanged), and a field's URL key
 _ORDER = ("model", "run", "layer", "head", "metric", "query", "target", "fusion", "drop_sink", "method", "colour",
           "feature", "sentences", "score", "stat", "sink_size", "window", "heads", "ablate", "by", "k", "seed",
           "curve", "hsweep", "source", "ref", "labels", "texts", "find", "region", "sweep", "trial", "agg",
-          "patching", "ppos", "first", "second")
+          "patching", "ppos", "first", "second", "compress", "tol", "pick")
 _URL_KEY = {"drop_sink": "sink"}
 
 
 class PageState:
     """The state of a page: the shared fields (model, run, layer, head, query) and each page's own
     fields in its part (``state.attention``, ``state.flow``, ``state.sweeps`` (the Heads page), ``state.qk``,
-    ``state.ablation``, ``state.patch``, ``state.compare``). A page field may also be read and set by its name (``state.metric``);
+    ``state.ablation``, ``state.patch``, ``state.compare``, ``state.kv`` (the Compress page)). A page field may also be read and set by its name (``state.metric``);
     the name belongs to one part, so it means the same on every page."""
 
     def __init__(self, model: str | None = None, run: str | None = None, layer: int | None = None,
@@ -266,6 +278,14 @@ def parse(search: str | None) -> PageState:
             state.region = first["region"]
         else:
             state.problems.append("The link's region must be written q0-q1,k0-k1 (token positions).")
+    if state.tol is not None and state.tol > 100:
+        state.problems.append(f"The link's tolerance {state.tol} is more than 100 NIAH points; using the default.")
+        state.tol = None
+    if "pick" in first:
+        if _PICK.match(first["pick"]):
+            state.pick = first["pick"]
+        else:
+            state.problems.append(f"The link's policy {first['pick'][:40]!r} is not RANKING:FRACTION[:SEED].")
     if "agg" in first:
         if first["agg"] in AGGREGATES:
             state.agg = first["agg"]

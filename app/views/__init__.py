@@ -3,7 +3,7 @@ a figure and the table of numbers behind it.
 
 :mod:`app.views.registry` holds :data:`VIEWS` and what every view shares; each page's module
 (:mod:`~app.views.attention`, :mod:`~app.views.flow`, :mod:`~app.views.heads`,
-:mod:`~app.views.ablation`, :mod:`~app.views.qk`, :mod:`~app.views.patching`; :mod:`~app.views.comparison`
+:mod:`~app.views.ablation`, :mod:`~app.views.qk`, :mod:`~app.views.patching`, :mod:`~app.views.compress`; :mod:`~app.views.comparison`
 has no page yet: ``headscope compare``) registers its views where they are defined, with
 their parameters. Importing this package imports them all, so exports and ``headscope figure`` find
 every view; the registry imports none of them, so there is no import circle. Names are constants of
@@ -12,7 +12,17 @@ every view; the registry imports none of them, so there is no import circle. Nam
 
 from __future__ import annotations
 
-from app.views import ablation, attention, comparison, flow, heads, names, patching, qk  # noqa: F401  (each registers its views)
+from app.views import (  # noqa: F401  (each registers its views)
+    ablation,
+    attention,
+    comparison,
+    compress,
+    flow,
+    heads,
+    names,
+    patching,
+    qk,
+)
 from app.views.registry import VIEWS, Rows, View
 
 __all__ = ["VIEWS", "Rows", "View", "names"]

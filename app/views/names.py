@@ -35,6 +35,9 @@ PATCHING_MAP = "patching_map"
 PATCHING_AGREEMENT = "patching_agreement"
 RUN_COMPARISON = "run_comparison"
 ATTENTION_DIFFERENCE = "attention_difference"
+# Compress page (and headscope compress)
+COMPRESSION_PARETO = "compression_pareto"
+COMPRESSION_POLICY = "compression_policy"
 # QK page
 QK_SCATTER = "qk_scatter"
 QK_SPECTRUM = "qk_spectrum"

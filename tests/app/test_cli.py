@@ -715,7 +715,7 @@ def test_compress_prints_the_policy_table_and_writes_a_pattern_folder(tmp_path, 
     out = tmp_path / "out"
     code = main(["--home", str(tmp_path / "home"), "compress", "--lengths", "256", "--depths", "50", "--needles",
                  "locker-code", "--sink", "16", "--recent", "64", "--fractions", "0.5", "--rankings",
-                 "retrieval,all_streaming", "--out", str(out)])
+                 "retrieval,all_streaming", "--out", str(out), "--formats", "html"])
     printed = capsys.readouterr().out
     assert code == 0, printed
     summary = json.loads((out / "summary.json").read_text())
@@ -739,6 +739,20 @@ def test_compress_prints_the_policy_table_and_writes_a_pattern_folder(tmp_path, 
     assert (config["sink_size"], config["recent_size"]) == (16, 64)
     exported = summary["exported"]
     assert int(table.sum()) == round(0.5 * 90) if exported["ranking"] == "retrieval" else table.sum() == 0
+    # the page's figures, with data and manifests: the Pareto view's table is summary.json's rows
+    pareto = json.loads((out / "compression_pareto.json").read_text())
+    assert pareto[0]["ranking"] == "uncompressed" and pareto[0]["loss"] == pytest.approx(base["loss"])
+    assert [(r["ranking"], r["kv_fraction"], r["loss"]) for r in pareto[1:3]] == [
+        (r["ranking"], pytest.approx(r["kv_fraction"]), pytest.approx(r["loss"])) for r in summary["rows"]]
+    assert (out / "compression_pareto.html").stat().st_size > 0
+    policy = json.loads((out / "compression_policy.json").read_text())
+    assert np.array([r["full"] for r in policy]).reshape(30, 3).tolist() == table.astype(int).tolist()
+    # `headscope figure` rebuilds both from their manifests and the stored curve
+    for view in ("compression_pareto", "compression_policy"):
+        again = main(["--home", str(tmp_path / "home"), "figure", str(out / f"{view}.manifest.json"), "--out",
+                      str(tmp_path / view), "--formats", "html"])
+        assert again == 0
+        assert json.loads((tmp_path / view / f"{view}.json").read_text()) == json.loads((out / f"{view}.json").read_text())
     assert summary["backend"] == "eager"  # auto: 256 tokens is under HEADSCOPE_MAX_TOKENS on CPU
     # the same policies through the kernels' key mask (statistics mode, O(N) memory): the same numbers
     code = main(["--home", str(tmp_path / "home"), "compress", "--lengths", "256", "--depths", "50", "--needles",

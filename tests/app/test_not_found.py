@@ -13,7 +13,7 @@ from tests.app.test_browser import browser, page, server, start_server  # noqa: 
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
-PAGES = ["/", "/flow", "/heads", "/qk", "/ablation", "/patching", "/compare"]
+PAGES = ["/", "/flow", "/heads", "/qk", "/ablation", "/patching", "/compare", "/compress"]
 
 
 def assert_not_found_page(page, shown: str) -> None:

@@ -117,3 +117,15 @@ def test_each_page_has_its_own_part_and_the_shared_fields_are_few():
         state.no_such_field = 1
     with pytest.raises(TypeError):
         PageState(no_such_field=1)
+
+
+def test_compress_fields_round_trip_and_bad_ones_are_dropped():
+    state = parse("?model=smollm2-135m&sweep=0123456789abcdef&compress=fedcba9876543210&tol=10&pick=random:0.25:1")
+    assert (state.kv.compress, state.kv.tol, state.kv.pick, state.sweep) == (
+        "fedcba9876543210", 10, "random:0.25:1", "0123456789abcdef")
+    assert parse(state.to_search()) == state and state.problems == []
+    bad = parse("?compress=zz&tol=101&pick=<b>:1")
+    assert (bad.compress, bad.tol, bad.pick) == (None, None, None)
+    assert sorted(bad.problems) == ["The link's compress id 'zz' is not valid (8–64 hex digits).",
+                                    "The link's policy '<b>:1' is not RANKING:FRACTION[:SEED].",
+                                    "The link's tolerance 101 is more than 100 NIAH points; using the default."]

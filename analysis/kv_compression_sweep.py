@@ -1,0 +1,185 @@
+"""KV-cache compression curves on a needle-in-a-haystack sweep, stored whole: the user action of the
+Compress page and ``headscope compress``.
+
+:func:`compress_sweep` takes a stored sweep (:func:`analysis.retrieval.sweep`), obtains the per-head
+scores its rankings need (retrieval from the sweep; streaming and evidence from
+:func:`analysis.head_scores.score_prompts` over the sweep's prompts, the streaming score with the
+policy's own S and W), and calls :func:`analysis.kv_compression.evaluate_policies` on the sweep's
+prompts. The finished curve is stored as one record keyed by its inputs (:func:`curve_key`), so a
+link that names it reopens the curve without computing (:func:`load_curve`); each policy's numbers
+are also stored by ``evaluate_policies`` itself, so a cancelled run resumes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from analysis.ablation import Cancel, Progress
+from analysis.errors import InputError
+from analysis.kv_compression import (
+    KV_COMPRESSION_VERSION,
+    RANKINGS,
+    CompressionCurve,
+    KVMemory,
+    Policy,
+    PolicyEvaluation,
+    evaluate_policies,
+)
+from analysis.kv_compression_choices import (
+    DEFAULT_FRACTIONS,
+    DEFAULT_RANKINGS,
+    DEFAULT_RECENT_SIZE,
+    DEFAULT_SINK_SIZE,
+)
+from analysis.models import LoadedModel
+from analysis.retrieval import RetrievalSweep, trial_prompt
+from analysis.store import Store, content_key
+
+CURVE_KIND = "kv_compression_curve"
+SCORES_SHARE = 0.2  # of the progress bar, for the streaming/evidence scores when they are computed
+
+
+@dataclass
+class StoredCurve:
+    """A compression curve and the key it is stored under (empty when it was not stored: cancelled)."""
+
+    key: str
+    curve: CompressionCurve
+    sweep_key: str
+
+
+def curve_key(model: LoadedModel, sweep_key: str, rankings: Sequence[str], fractions: Sequence[float],
+              seeds: Sequence[int], sink_size: int, recent_size: int,
+              texts: Sequence[Sequence[int]] | None = None, backend: str = "auto") -> str:
+    """The content key of a curve: model, sweep, every choice, the loss text (None: the sweep's prompts)
+    and the backend asked for."""
+    return content_key(CURVE_KIND, KV_COMPRESSION_VERSION, model.digest, sweep_key, list(rankings),
+                       sorted({float(f) for f in fractions}), [int(s) for s in seeds], int(sink_size),
+                       int(recent_size), None if texts is None else [[int(t) for t in ids] for ids in texts],
+                       *([backend] if backend != "auto" else []))
+
+
+def sweep_scores(model: LoadedModel, sweep: RetrievalSweep, rankings: Sequence[str], sink_size: int,
+                 recent_size: int, store: Store | None = None, progress: Progress | None = None
+                 ) -> dict[str, np.ndarray]:
+    """The ``[layer, head]`` tables the rankings need: the sweep's retrieval scores, and the streaming
+    (with S = ``sink_size``, W = ``recent_size``) and evidence scores' means over its prompts."""
+    from analysis.head_scores import score_prompts, trial_prompts
+
+    scores = {"retrieval": np.asarray(sweep.scores)}
+    if {"streaming", "evidence"} & set(rankings):
+        head_scores = score_prompts(model, trial_prompts(sweep.trials), sink=sink_size, window=recent_size,
+                                    store=store, progress=progress)
+        scores.update({k: head_scores.mean[k] for k in ("streaming", "evidence") if k in head_scores.mean})
+    return scores
+
+
+def compress_sweep(
+    model: LoadedModel,
+    sweep: RetrievalSweep,
+    rankings: Sequence[str] = DEFAULT_RANKINGS,
+    fractions: Sequence[float] = DEFAULT_FRACTIONS,
+    *,
+    seeds: Sequence[int] = (0, 1, 2),
+    sink_size: int = DEFAULT_SINK_SIZE,
+    recent_size: int = DEFAULT_RECENT_SIZE,
+    texts: Sequence[Sequence[int]] | None = None,
+    backend: str = "auto",
+    store: Store | None = None,
+    progress: Progress | None = None,
+    cancel: Cancel | None = None,
+) -> StoredCurve:
+    """Evaluate KV-cache policies on ``sweep``'s prompts (NIAH accuracy; loss and agreement on ``texts``,
+    default the sweep's distinct prompts) and store the finished curve as one record.
+
+    A curve already stored under the same inputs is read back, not computed. A cancelled evaluation
+    returns the finished policies (``curve.complete`` False) and stores no curve record. ``backend``
+    is :func:`analysis.kv_compression.evaluate_policies`' (``auto``, ``eager`` or ``statistics``).
+    """
+    from analysis.head_scores import trial_prompts
+
+    if not sweep.trials:
+        raise InputError("The sweep has no finished trial: run it again, or with more needles or lengths.")
+    rankings = list(dict.fromkeys(rankings))
+    seeds = [int(s) for s in seeds] or [0]
+    prompts = [trial_prompt(t) for t in sweep.trials]
+    shortest = min(p.n_tokens for p in prompts)
+    if sink_size + recent_size >= shortest:
+        raise InputError(f"S + W = {sink_size + recent_size} keeps every key of the sweep's {shortest}-token "
+                         "prompts: nothing to compress. Lower S or W, or use a sweep with longer contexts.")
+    key = curve_key(model, sweep.key, rankings, fractions, seeds, sink_size, recent_size, texts, backend)
+    if store is not None:
+        found = load_curve(store, key)
+        if found is not None:
+            return StoredCurve(key, found, sweep.key)
+    needs_scores = bool({"streaming", "evidence"} & set(rankings))
+    share = SCORES_SHARE if needs_scores else 0.0
+
+    def part(lo: float, hi: float) -> Progress | None:
+        return None if progress is None else (lambda f: progress(lo + (hi - lo) * float(f)))
+
+    scores = sweep_scores(model, sweep, rankings, sink_size, recent_size, store, part(0.0, share))
+    loss_texts = [list(t) for t in texts] if texts is not None else [p.token_ids for p in trial_prompts(sweep.trials)]
+    curve = evaluate_policies(model, scores, rankings, fractions, texts=loss_texts, prompts=prompts, seeds=seeds,
+                              sink_size=sink_size, recent_size=recent_size, backend=backend, store=store,
+                              progress=part(share, 1.0), cancel=cancel)
+    curve.meta.setdefault("sweep", sweep.key)
+    if store is not None and curve.complete:
+        save_curve(store, key, curve)
+        return StoredCurve(key, curve, sweep.key)
+    return StoredCurve("" if not curve.complete else key, curve, sweep.key)
+
+
+# ---------------------------------------------------------------------------------------------
+# One record per curve
+
+
+def _evaluation_json(e: PolicyEvaluation) -> dict[str, Any]:
+    m = e.memory
+    return {"policy": e.policy.to_json(), "n_tokens": m.n_tokens, "bytes": m.bytes, "full_bytes": m.full_bytes,
+            "loss": e.loss, "agreement": e.agreement, "niah_accuracy": e.niah_accuracy, "seconds": e.seconds}
+
+
+def _evaluation(d: dict[str, Any]) -> PolicyEvaluation:
+    p = d["policy"]
+    if p["ranking"] not in RANKINGS:
+        raise ValueError(f"unknown ranking {p['ranking']!r}")
+    policy = Policy(np.asarray(p["full"], dtype=bool), int(p["sink_size"]), int(p["recent_size"]), str(p["ranking"]),
+                    float(p["fraction"]), None if p["seed"] is None else int(p["seed"]))
+    return PolicyEvaluation(policy, KVMemory(int(d["n_tokens"]), int(d["bytes"]), int(d["full_bytes"])),
+                            float(d["loss"]), float(d["agreement"]), float(d["niah_accuracy"]), float(d["seconds"]))
+
+
+def save_curve(store: Store, key: str, curve: CompressionCurve) -> None:
+    """Store ``curve`` (every evaluation with its policy) as one record under ``key``."""
+    store.put(key, CURVE_KIND, {
+        "baseline": _evaluation_json(curve.baseline), "evaluations": [_evaluation_json(e) for e in curve.evaluations],
+        "sink_size": curve.sink_size, "recent_size": curve.recent_size, "n_texts": curve.n_texts,
+        "n_prompts": curve.n_prompts, "complete": curve.complete, "meta": curve.meta}, {})
+
+
+def load_curve(store: Store, key: str) -> CompressionCurve | None:
+    """The curve stored under ``key`` (a full key), or None (absent, or not a curve record)."""
+    record = store.get(key)
+    if record is None or record.kind != CURVE_KIND:
+        return None
+    m = record.meta
+    try:
+        return CompressionCurve([_evaluation(d) for d in m["evaluations"]], _evaluation(m["baseline"]),
+                                int(m["sink_size"]), int(m["recent_size"]), int(m["n_texts"]), int(m["n_prompts"]),
+                                bool(m["complete"]), dict(m["meta"]))
+    except (KeyError, TypeError, ValueError, InputError):
+        return None
+
+
+def find_curve(store: Store, prefix: str) -> tuple[str, CompressionCurve]:
+    """The stored curve whose key starts with ``prefix`` (a link's id); an ``InputError`` when none does."""
+    keys = [k for k in store.find(str(prefix or ""))] if prefix else []
+    curve = load_curve(store, keys[0]) if len(keys) == 1 else None
+    if curve is None:
+        raise InputError(f"No stored compression curve has the id {prefix!r}: run the evaluation again.")
+    return keys[0], curve

@@ -1,0 +1,425 @@
+"""Page "Compress": KV-cache compression from head classes (DuoAttention, RazorAttention). Each key-value
+group keeps its full cache or only S sinks + W recent tokens; the groups ranked highest by a head score
+stay full. Run evaluates every (ranking, fraction) policy on a needle-in-a-haystack sweep's prompts as a
+background job (:func:`analysis.kv_compression_sweep.compress_sweep`, which ``headscope compress`` calls
+too); the URL names the stored curve, so a link reopens it without computing. A chosen policy downloads
+as DuoAttention's pattern folder (:func:`analysis.kv_compression.export_policy`)."""
+
+from __future__ import annotations
+
+import io
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import dash
+from dash import Input, Output, State, callback, dash_table, dcc, html, no_update
+from dash.exceptions import PreventUpdate
+
+from analysis.ablation_choices import MAX_SEEDS
+from analysis.errors import InputError
+from analysis.kv_compression_choices import (
+    DEFAULT_FRACTIONS,
+    DEFAULT_RANKINGS,
+    DEFAULT_RECENT_SIZE,
+    DEFAULT_SEEDS,
+    DEFAULT_SINK_SIZE,
+    DEFAULT_TOLERANCE,
+    RANKING_LABELS,
+    RANKINGS,
+)
+from analysis.models import load_model
+from analysis.niah import load_needles, named_haystack
+from app import ids
+from app.components import (
+    GRAPH_CONFIG,
+    empty_figure,
+    export_bar,
+    page_location,
+    query_store_id,
+    register_export,
+    url_id,
+)
+from app.context import get_context, offered_model
+from app.errors import guarded, message
+from app.jobs import cancellable_job, in_job, on_workers, progress_reporter, trial_progress
+from app.url_state import parse
+from app.views import VIEWS, names
+from app.views.compress import (
+    chosen_evaluation,
+    compress_params,
+    curve_rows,
+    parse_pick,
+    pick_text,
+    smallest_within,
+    stored_curve,
+)
+
+dash.register_page(__name__, path="/compress", name="Compress", title="headscope — KV-cache compression", order=7)
+
+PREFIX = "cmp"
+EMPTY = empty_figure("Run the evaluation to see what each policy keeps and costs.")
+NO_POLICY = empty_figure("The chosen policy's map appears here.")
+DEFAULT_TOL_POINTS = round(DEFAULT_TOLERANCE * 100)
+TABLE_COLUMNS = [("ranking", "ranking"), ("seed", "seed"), ("fraction_full", "groups full"),
+                 ("n_full_groups", "full groups"), ("kv_fraction", "KV kept"), ("kv_mib", "KV MiB"),
+                 ("loss", "mean loss"), ("agreement", "next-token agreement"), ("niah_accuracy", "NIAH accuracy")]
+MAX_FRACTIONS = 12
+
+
+def _needle_options() -> list[dict]:
+    try:
+        return [{"label": f" {n.id}: {n.answer}", "value": n.id} for n in load_needles()]
+    except ValueError:
+        return []
+
+
+def layout(**_query) -> html.Div:
+    context = get_context()
+    needles = _needle_options()
+    return html.Div([
+        page_location(PREFIX),
+        dcc.Store(id=query_store_id(PREFIX)),
+        html.Div([
+            html.Div([
+                html.H4("Prompts: a needle-in-a-haystack sweep", className="hs-section"),
+                html.Label("Stored sweep id (from the Heads page; empty: run the settings below)", htmlFor=ids.CMP_SWEEP),
+                dcc.Input(id=ids.CMP_SWEEP, className="hs-text-input", value="", placeholder="e.g. 3f9a01c2"),
+                html.Label("Needles"),
+                dcc.Checklist(id=ids.CMP_NEEDLES, options=needles, value=[o["value"] for o in needles[:2]],
+                              className="hs-needles"),
+                html.Label("Context lengths (tokens)", htmlFor=ids.CMP_LENGTHS),
+                dcc.Input(id=ids.CMP_LENGTHS, value="1024", className="hs-text-input"),
+                html.Label("Depths (%)", htmlFor=ids.CMP_DEPTHS),
+                dcc.Input(id=ids.CMP_DEPTHS, value="25,75", className="hs-text-input"),
+                html.Label("Haystack", htmlFor=ids.CMP_HAYSTACK),
+                dcc.Dropdown(id=ids.CMP_HAYSTACK, clearable=False, value="prose", options=[
+                    {"label": "prose (shipped essays)", "value": "prose"},
+                    {"label": "passkey (synthetic filler)", "value": "passkey"}]),
+                html.Label("Model", htmlFor=ids.CMP_MODEL),
+                dcc.Dropdown(id=ids.CMP_MODEL, options=context.model_options(), value=context.default_model,
+                             clearable=False, className="hs-model"),
+            ], className="hs-panel hs-field"),
+            html.Div([
+                html.H4("Policies: per KV group, full cache or S sinks + W recent tokens", className="hs-section"),
+                html.Label("Rankings of KV groups (the highest kept full)", htmlFor=ids.CMP_RANKINGS),
+                dcc.Checklist(id=ids.CMP_RANKINGS, value=list(DEFAULT_RANKINGS), className="hs-methods",
+                              options=[{"label": f" {RANKING_LABELS[r]}", "value": r} for r in RANKINGS]),
+                html.Label("Fractions of KV groups kept full", htmlFor=ids.CMP_FRACTIONS),
+                dcc.Input(id=ids.CMP_FRACTIONS, value=",".join(f"{f:g}" for f in DEFAULT_FRACTIONS),
+                          className="hs-text-input"),
+                html.Div([
+                    html.Label("random seeds", htmlFor=ids.CMP_SEEDS),
+                    dcc.Input(id=ids.CMP_SEEDS, type="number", min=1, max=MAX_SEEDS, step=1, value=DEFAULT_SEEDS,
+                              className="hs-number"),
+                    html.Label("S (sinks)", htmlFor=ids.CMP_SINK),
+                    dcc.Input(id=ids.CMP_SINK, type="number", min=0, step=1, value=DEFAULT_SINK_SIZE,
+                              className="hs-number"),
+                    html.Label("W (recent)", htmlFor=ids.CMP_RECENT),
+                    dcc.Input(id=ids.CMP_RECENT, type="number", min=1, step=1, value=DEFAULT_RECENT_SIZE,
+                              className="hs-number"),
+                ], className="hs-options"),
+                html.P("S and W default to DuoAttention's shipped patterns (sink_size 128, recent_size 256); "
+                       "S + W must be below the sweep's shortest prompt.", className="hs-hint"),
+                html.Div([
+                    html.Button("Run", id=ids.CMP_RUN, n_clicks=0, className="hs-run"),
+                    html.Button("Cancel", id=ids.CMP_CANCEL, n_clicks=0, className="hs-button hs-cancel",
+                                disabled=True),
+                    html.Progress(id=ids.CMP_PROGRESS, value="0", max="100", className="hs-progress"),
+                    html.Span(id=ids.CMP_STATUS, className="hs-hint"),
+                ], className="hs-options"),
+            ], className="hs-panel hs-field"),
+        ], className="hs-panels hs-even"),
+        html.Div(id=ids.CMP_INFO, className="hs-run-info"),
+        html.Div([
+            html.Div([
+                html.Label("Tolerance (NIAH points below full): the smallest KV fraction within it is starred",
+                           htmlFor=ids.CMP_TOLERANCE),
+                dcc.Input(id=ids.CMP_TOLERANCE, type="number", min=0, max=100, step=1, value=DEFAULT_TOL_POINTS,
+                          debounce=True, className="hs-number"),
+            ], className="hs-options"),
+            dcc.Graph(id=ids.CMP_PARETO, figure=EMPTY, config=GRAPH_CONFIG),
+            export_bar(PREFIX, names.COMPRESSION_PARETO),
+        ], className="hs-panel"),
+        html.Div([
+            dash_table.DataTable(id=ids.CMP_TABLE, sort_action="native", page_size=40, data=[],
+                                 columns=[{"name": label, "id": key} for key, label in TABLE_COLUMNS],
+                                 style_cell={"fontFamily": "inherit", "fontSize": 12}),
+        ], className="hs-panel"),
+        html.Div([
+            html.Div([
+                html.Label("Policy", htmlFor=ids.CMP_PICK),
+                dcc.Dropdown(id=ids.CMP_PICK, options=[], clearable=False, className="hs-model"),
+                html.Button("Download pattern folder", id=ids.CMP_DOWNLOAD, n_clicks=0, className="hs-button",
+                            title="config.json + full_attention_heads.tsv, as DuoAttention ships them and kvpress' "
+                                  "DuoAttentionPress reads them"),
+            ], className="hs-options"),
+            dcc.Graph(id=ids.CMP_POLICY, figure=NO_POLICY, config=GRAPH_CONFIG),
+            export_bar(PREFIX, names.COMPRESSION_POLICY),
+        ], className="hs-panel"),
+    ])
+
+
+register_export(PREFIX, run_of=lambda state: None)  # both views are drawn from the stored curve
+
+
+def _num(value, fmt: str) -> str:
+    return "—" if value is None or value != value else format(value, fmt)
+
+
+def table_rows(curve) -> list[dict]:
+    """The table's cells as the page shows them (the export's data.csv has every digit)."""
+    out = []
+    for r in curve_rows(curve):
+        out.append({"ranking": r["ranking"], "seed": "" if r["seed"] is None else str(r["seed"]),
+                    "fraction_full": _num(r["fraction_full"], ".2f"), "n_full_groups": r["n_full_groups"],
+                    "kv_fraction": _num(r["kv_fraction"], ".4f"), "kv_mib": _num(r["kv_bytes"] / 2**20, ".2f"),
+                    "loss": _num(r["loss"], ".4f"), "agreement": _num(r["agreement"], ".4f"),
+                    "niah_accuracy": _num(r["niah_accuracy"], ".3f")})
+    return out
+
+
+def _info(curve, tolerance: float) -> list:
+    b = curve.baseline
+    parts = [html.Span(f"{curve.meta.get('model_name', '')}: {curve.n_prompts} NIAH prompt(s), loss on "
+                       f"{curve.n_texts} text(s); KV for {b.memory.n_tokens:,} tokens, full "
+                       f"{b.memory.full_bytes / 2**20:.2f} MiB; uncompressed NIAH {_num(b.niah_accuracy, '.3f')}, "
+                       f"loss {_num(b.loss, '.4f')}.")]
+    for r, e in smallest_within(curve, tolerance).items():
+        where = "none" if e is None else f"KV {e.memory.fraction:.3f} (groups full {e.policy.fraction:g})"
+        parts.append(html.Div(f"Smallest KV within {tolerance * 100:g} NIAH points of full, {RANKING_LABELS[r]}: "
+                              f"{where}", className="hs-cmp-best"))
+    if not curve.complete:
+        parts.append(html.Div("Cancelled: the curve holds the policies that finished.", className="hs-hint"))
+    return parts
+
+
+@callback(
+    Output(ids.CMP_PARETO, "figure"),
+    Output(ids.CMP_POLICY, "figure"),
+    Output(ids.CMP_TABLE, "data"),
+    Output(ids.CMP_PICK, "options"),
+    Output(ids.CMP_PICK, "value"),
+    Output(ids.CMP_INFO, "children"),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Output(ids.CMP_TOLERANCE, "value"),
+    Output(ids.CMP_MODEL, "value"),
+    Output(ids.CMP_SWEEP, "value"),
+    Output(ids.CMP_RANKINGS, "value"),
+    Output(ids.CMP_FRACTIONS, "value"),
+    Output(ids.CMP_SEEDS, "value"),
+    Output(ids.CMP_SINK, "value"),
+    Output(ids.CMP_RECENT, "value"),
+    Input(url_id(PREFIX), "search"),
+    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
+    prevent_initial_call="initial_duplicate",
+)
+@guarded(outputs=15, error_index=6)
+def render(search):
+    """Draw the page from its URL: the stored curve it names, read back, never computed."""
+    state = parse(search)
+    problems = list(state.problems)
+    tol_points = DEFAULT_TOL_POINTS if state.tol is None else state.tol
+    if not state.compress:
+        return (EMPTY, NO_POLICY, [], [], None, "", message(problems), tol_points, *[no_update] * 7)
+    _, curve = stored_curve(state.compress)
+    params = compress_params(state)
+    pareto, _ = VIEWS[names.COMPRESSION_PARETO].build(None, params)
+    try:
+        policy, _ = VIEWS[names.COMPRESSION_POLICY].build(None, params)
+        chosen = pick_text(chosen_evaluation(curve, state.pick, params["tolerance"]))
+    except InputError as e:
+        problems.append(str(e))
+        policy, chosen = NO_POLICY, None
+    options = [{"label": f"{pick_text(e)}  (KV {e.memory.fraction:.3f}, NIAH {_num(e.niah_accuracy, '.3f')})",
+                "value": pick_text(e)} for e in curve.evaluations]
+    meta = curve.meta
+    form = [meta.get("model_name") or no_update, (meta.get("sweep") or "")[:16], list(meta.get("rankings", [])),
+            ",".join(f"{f:g}" for f in meta.get("fractions", [])), len(meta.get("seeds", [])) or no_update,
+            curve.sink_size, curve.recent_size]
+    return (pareto, policy, table_rows(curve), options, chosen, _info(curve, params["tolerance"]), message(problems),
+            tol_points, *form)
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Input(ids.CMP_TOLERANCE, "value"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+def set_tolerance(points, search):
+    """A new tolerance (whole NIAH points, 0–100; the box's range is checked at the request) redraws the marks."""
+    if points is None:
+        raise PreventUpdate  # an empty box, or a value the browser refused
+    state = parse(search)
+    new = None if int(points) == DEFAULT_TOL_POINTS else int(points)
+    if new == state.tol:
+        raise PreventUpdate
+    state.tol = new
+    return state.to_search()
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Input(ids.CMP_PICK, "value"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+def set_pick(pick, search):
+    """A policy chosen from the menu (filled from the stored curve, so checked here, not at the request)."""
+    state = parse(search)
+    if not pick or pick == state.pick or not state.compress:
+        raise PreventUpdate
+    try:
+        _, curve = stored_curve(state.compress)
+        parse_pick(pick)
+        tolerance = DEFAULT_TOLERANCE if state.tol is None else state.tol / 100
+        chosen = chosen_evaluation(curve, pick, tolerance)
+    except InputError as e:
+        return no_update, message(str(e))
+    if chosen is chosen_evaluation(curve, state.pick, tolerance):
+        raise PreventUpdate  # the policy already shown (the default one, named)
+    state.pick = pick_text(chosen)
+    return state.to_search(), ""
+
+
+def _numbers(text, what: str, cast=float) -> list:
+    try:
+        values = [cast(x) for x in str(text or "").replace(";", ",").split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"{what} must be numbers separated by commas, got {str(text)[:40]!r}.") from None
+    if not values:
+        raise InputError(f"Give at least one value for {what.lower()}.")
+    if len(values) > MAX_FRACTIONS:
+        raise InputError(f"At most {MAX_FRACTIONS} values for {what.lower()}.")
+    return values
+
+
+def _whole(value, what: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < low:
+        raise InputError(f"{what} must be a whole number of at least {low}, got {value!r}.")
+    return int(value)
+
+
+def _sweep(model, sweep_id, needle_ids, lengths, depths, haystack, set_progress):
+    """The stored sweep named by id, or the sweep of the settings (stored trials are reused)."""
+    from analysis.retrieval import sweep
+    from app.views.heads import sweep_of
+
+    sweep_id = (sweep_id or "").strip().lower()
+    if sweep_id:
+        found = sweep_of({"sweep": sweep_id})
+        record = get_context().store.get(found.key)
+        if record is not None and record.meta.get("model_digest") != model.digest:
+            raise InputError(f"Sweep {sweep_id} was run on {record.meta.get('model_name')}, not {model.name}: choose "
+                             "its model, or leave the id empty to run the sweep on this one.")
+        return found
+    chosen = [n for n in load_needles() if n.id in set(needle_ids or [])]
+    if not chosen:
+        raise InputError("Tick at least one needle, or give a stored sweep's id.")
+    lengths_ = [int(x) for x in _numbers(lengths, "Context lengths", int)]
+    depths_ = _numbers(depths, "Depths")
+    return sweep(model, chosen, lengths_, depths_, named_haystack(haystack or "prose"), store=get_context().store,
+                 progress=trial_progress(set_progress, len(lengths_) * len(depths_) * len(chosen)))
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Output(ids.CMP_STATUS, "children"),
+    Input(ids.CMP_RUN, "n_clicks"),
+    State(ids.CMP_SWEEP, "value"),
+    State(ids.CMP_NEEDLES, "value"),
+    State(ids.CMP_LENGTHS, "value"),
+    State(ids.CMP_DEPTHS, "value"),
+    State(ids.CMP_HAYSTACK, "value"),
+    State(ids.CMP_MODEL, "value"),
+    State(ids.CMP_RANKINGS, "value"),
+    State(ids.CMP_FRACTIONS, "value"),
+    State(ids.CMP_SEEDS, "value"),
+    State(ids.CMP_SINK, "value"),
+    State(ids.CMP_RECENT, "value"),
+    State(url_id(PREFIX), "search"),
+    **cancellable_job(ids.CMP_RUN, ids.CMP_CANCEL, ids.CMP_PROGRESS, ids.CMP_STATUS),
+    prevent_initial_call=True,
+)
+def run_compress(set_progress, n_clicks, sweep_id, needle_ids, lengths, depths, haystack, model_spec, rankings,
+                 fractions, seeds, sink, recent, search):
+    """Run: the sweep (or the stored one), then every policy (:func:`compress_sweep`, stored); the curve's
+    key goes into the URL."""
+    from analysis.kv_compression_sweep import compress_sweep
+
+    in_job()
+    if not n_clicks:
+        raise PreventUpdate
+    started = time.monotonic()
+    try:
+        context = get_context()
+        model = load_model(offered_model(model_spec))
+        chosen = [r for r in RANKINGS if r in (rankings or [])]
+        if not chosen:
+            raise InputError("Tick at least one ranking.")
+        fractions_ = _numbers(fractions, "Fractions of KV groups kept full")
+        if any(not 0 <= f <= 1 for f in fractions_):
+            raise InputError(f"Fractions of KV groups kept full must be between 0 and 1, got {fractions!r}.")
+        n_seeds = _whole(seeds, "Random seeds", 1)
+        sink_, recent_ = _whole(sink, "S (sinks)", 0), _whole(recent, "W (recent tokens)", 1)
+        if not (sweep_id or "").strip():  # said before the sweep runs (compress_sweep checks the prompts too)
+            shortest = min(int(x) for x in _numbers(lengths, "Context lengths", int))
+            if sink_ + recent_ >= shortest:
+                raise InputError(f"S + W = {sink_ + recent_} keeps every key of a {shortest}-token prompt: nothing "
+                                 "to compress. Lower S or W, or use longer context lengths.")
+        found = _sweep(model, sweep_id, needle_ids, lengths, depths, haystack, set_progress)
+        if not found.trials:
+            return no_update, message("The sweep has no finished trial."), "Not run: see the message above."
+        result = compress_sweep(model, found, chosen, fractions_, seeds=list(range(n_seeds)), sink_size=sink_,
+                                recent_size=recent_, store=context.store,
+                                progress=progress_reporter(set_progress, "evaluating policies"))
+    except ValueError as e:
+        return no_update, message(str(e)), "Not run: see the message above."
+    state = parse(search)
+    state.model, state.compress, state.pick = model.name, result.key[:16], None
+    state.sweep = found.key[:16] or None
+    n = len(result.curve.evaluations)
+    return state.to_search(), "", f"{n} policies and the uncompressed model evaluated in {time.monotonic() - started:.1f} s"
+
+
+@callback(
+    Output(ids.CMP_STATUS, "children", allow_duplicate=True),
+    Input(ids.CMP_CANCEL, "n_clicks"),
+    prevent_initial_call=True,
+)
+def cancelled(n_clicks):
+    if not n_clicks:
+        raise PreventUpdate
+    return "Cancelled: policies that finished are stored, and Run resumes from them; the curve shown is the last finished one."
+
+
+@callback(
+    Output(ids.DOWNLOAD, "data", allow_duplicate=True),
+    Output(ids.ERROR, "children", allow_duplicate=True),
+    Input(ids.CMP_DOWNLOAD, "n_clicks"),
+    State(url_id(PREFIX), "search"),
+    **on_workers(),
+    prevent_initial_call=True,
+)
+@guarded(outputs=2, error_index=1)
+def download_pattern(n_clicks, search):
+    """The chosen policy as DuoAttention's pattern folder (:func:`analysis.kv_compression.export_policy`),
+    zipped under ``pattern/``."""
+    from analysis.kv_compression import export_policy
+
+    if not n_clicks:
+        raise PreventUpdate
+    state = parse(search)
+    _, curve = stored_curve(state.compress)
+    tolerance = DEFAULT_TOLERANCE if state.tol is None else state.tol / 100
+    e = chosen_evaluation(curve, state.pick, tolerance)
+    buf = io.BytesIO()
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for path in export_policy(e.policy, Path(tmp) / "pattern", model_name=curve.meta.get("model_name", "")):
+            z.write(path, f"pattern/{path.name}")
+    name = f"headscope-pattern-{pick_text(e).replace(':', '-')}.zip"
+    return dcc.send_bytes(buf.getvalue(), name), ""

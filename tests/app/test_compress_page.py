@@ -1,0 +1,172 @@
+"""The Compress page (``/compress``) in real Chromium against a real ``headscope serve`` on the embedded
+model, kept small (one needle at 192 tokens, two fractions, the retrieval and random rankings): Cancel,
+Run with progress, the table and the Pareto figure against :func:`analysis.kv_compression.evaluate_policies`
+computed here on the same sweep, the pattern-folder download read back with ``np.loadtxt``, and a copied
+link reopening the curve from the store without a job."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+
+from tests.app.test_browser import browser, page, select_option, start_server  # noqa: F401
+
+NEEDLE, LENGTH, DEPTH = "locker-code", 192, 50
+FRACTIONS, SEEDS, SINK, RECENT = (0.25, 0.5), 2, 4, 32
+RANKINGS = ("retrieval", "random")
+PARETO, TABLE = "#hs-cmp-pareto", "#hs-cmp-table"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("compress-home")
+    env = {**os.environ, "HEADSCOPE_HOME": str(home)}
+    env.pop("HEADSCOPE_REDIS_URL", None)
+    proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, home / "server.log")
+    yield url, proc, home
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def reference(real_model):
+    """The same sweep and policies, computed in this process (no store): the analysis's own numbers."""
+    from analysis.head_scores import trial_prompts
+    from analysis.kv_compression import evaluate_policies
+    from analysis.niah import load_needles, named_haystack
+    from analysis.retrieval import sweep, trial_prompt
+
+    needle = [n for n in load_needles() if n.id == NEEDLE]
+    swept = sweep(real_model, needle, [LENGTH], [DEPTH], named_haystack("prose"))
+    return evaluate_policies(real_model, {"retrieval": swept.scores}, RANKINGS, FRACTIONS,
+                             texts=[p.token_ids for p in trial_prompts(swept.trials)],
+                             prompts=[trial_prompt(t) for t in swept.trials], seeds=list(range(SEEDS)),
+                             sink_size=SINK, recent_size=RECENT)
+
+
+def plot_data(page, selector: str) -> list:
+    return page.evaluate("s => document.querySelector(s + ' .js-plotly-plot').data", selector)
+
+
+def column(page, name: str) -> list[str]:
+    return page.locator(f"{TABLE} td[data-dash-column='{name}']").all_inner_texts()
+
+
+def fill_form(page) -> None:
+    for box in page.locator("#hs-cmp-needles input").all():
+        box.uncheck()
+    page.check(f"#hs-cmp-needles input[value='{NEEDLE}']")
+    page.fill("#hs-cmp-lengths", str(LENGTH))
+    page.fill("#hs-cmp-depths", str(DEPTH))
+    for box in page.locator("#hs-cmp-rankings input").all():
+        if box.get_attribute("value") in RANKINGS:
+            box.check()
+        else:
+            box.uncheck()
+    page.fill("#hs-cmp-fractions", ",".join(map(str, FRACTIONS)))
+    for field, value in (("#hs-cmp-seeds", SEEDS), ("#hs-cmp-sink", SINK), ("#hs-cmp-recent", RECENT)):
+        page.fill(field, str(value))
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+@pytest.mark.timeout(600)  # a one-trial sweep and 7 policies, twice (page and reference), on a shared 2-core machine
+def test_compress_journey(server, page, real_model, reference):
+    url, proc, home = server
+    page.goto(url + "compress")
+    page.wait_for_selector("#hs-cmp-run", timeout=240_000)
+    fill_form(page)
+
+    # S + W covering the whole prompt is refused before any sweep runs, with what to change
+    page.fill("#hs-cmp-sink", str(LENGTH))
+    page.click("#hs-cmp-run")
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('nothing to compress')",
+                           timeout=120_000)
+    assert f"S + W = {LENGTH + RECENT} keeps every key of a {LENGTH}-token prompt" in page.inner_text("#hs-error")
+    page.fill("#hs-cmp-sink", str(SINK))
+    page.wait_for_function("!document.querySelector('#hs-cmp-run').disabled", timeout=60_000)
+
+    # Cancel stops the job: no curve, the page says what was kept
+    page.click("#hs-cmp-run")
+    page.wait_for_function("!document.querySelector('#hs-cmp-cancel').disabled", timeout=120_000)
+    # a progress line has come back, so the browser knows the job it cancels (a click before that was lost)
+    page.wait_for_function("/trial|evaluating/.test(document.querySelector('#hs-cmp-status')?.innerText || '')",
+                           timeout=120_000)
+    page.click("#hs-cmp-cancel")
+    page.wait_for_function("(document.querySelector('#hs-cmp-status')?.innerText || '').startsWith('Cancelled')",
+                           timeout=240_000)
+    page.wait_for_function("!document.querySelector('#hs-cmp-run').disabled", timeout=240_000)
+    assert "compress=" not in page.url
+
+    # Run: a background job with progress; the curve's id goes into the URL
+    page.click("#hs-cmp-run")
+    page.wait_for_function("new URLSearchParams(location.search).has('compress')", timeout=400_000)
+    page.wait_for_selector(f"{TABLE} td[data-dash-column='loss']")
+    assert page.inner_text("#hs-error").strip() == ""
+    assert "6 policies and the uncompressed model evaluated" in page.inner_text("#hs-cmp-status")
+
+    # the table: the uncompressed model, then every policy, equal to evaluate_policies run here
+    want = [reference.baseline, *reference.evaluations]
+    assert column(page, "ranking") == ["uncompressed", "retrieval", "retrieval", "random", "random", "random", "random"]
+    for name, digits in (("kv_fraction", 4), ("loss", 4), ("agreement", 4), ("niah_accuracy", 3)):
+        shown = [float(x) for x in column(page, name)]
+        expected = [e.row()[name] for e in want]
+        np.testing.assert_allclose(shown, expected, atol=0.5 * 10 ** -digits + 1e-6, err_msg=name)
+    assert column(page, "seed") == ["", "", "", "0", "1", "0", "1"]
+
+    # the Pareto figure: the retrieval curve's points, random as a band from the lowest to the highest seed
+    data = plot_data(page, PARETO)
+    accuracy = [t for t in data if t.get("yaxis", "y") == "y"]
+    retrieval = next(t for t in accuracy if t["name"].startswith("Retrieval score"))
+    mine = sorted((e for e in reference.evaluations if e.policy.ranking == "retrieval"), key=lambda e: e.memory.fraction)
+    np.testing.assert_allclose(retrieval["x"], [e.memory.fraction for e in mine])
+    np.testing.assert_allclose(retrieval["y"], [e.niah_accuracy for e in mine])
+    band = next(t for t in accuracy if t["name"].startswith(f"Random groups: {SEEDS} seeds"))
+    rand = [[e.niah_accuracy for e in reference.evaluations if e.policy.ranking == "random" and e.policy.fraction == f]
+            for f in FRACTIONS]
+    np.testing.assert_allclose(band["y"], [max(v) for v in rand] + [min(v) for v in rand][::-1])
+    loss_curve = next(t for t in data if t.get("yaxis") == "y2" and t["name"].startswith("Retrieval score"))
+    np.testing.assert_allclose(loss_curve["y"], [e.loss for e in mine], rtol=1e-5)
+    best = reference.smallest_within("retrieval", 0.05)
+    info = page.inner_text("#hs-cmp-info")
+    where = "none" if best is None else f"KV {best.memory.fraction:.3f}"
+    assert f"Smallest KV within 5 NIAH points of full, Retrieval score (group max): {where}" in info
+
+    # the map shows the retrieval policy the CLI would export (the smallest within the tolerance, else the
+    # largest); the other retrieval policy, chosen from the menu, downloads as DuoAttention's pattern folder:
+    # layers × KV heads as np.loadtxt reads it
+    shown = best or reference.find("retrieval", max(FRACTIONS))
+    np.testing.assert_array_equal(np.array(plot_data(page, "#hs-cmp-policy")[0]["z"], dtype=float),
+                                  shown.policy.full.astype(float))
+    other_fraction = next(f for f in FRACTIONS if f != shown.policy.fraction)
+    pick = f"retrieval:{other_fraction:g}"
+    select_option(page, "hs-cmp-pick", pick)
+    page.wait_for_function("p => new URLSearchParams(location.search).get('pick') === p", arg=pick)
+    with page.expect_download() as got:
+        page.click("#hs-cmp-download")
+    with zipfile.ZipFile(got.value.path()) as z:
+        table = np.loadtxt(io.BytesIO(z.read("pattern/full_attention_heads.tsv")), delimiter="\t")
+        config = json.loads(z.read("pattern/config.json"))
+    assert table.shape == (real_model.n_layers, real_model.n_kv_heads) == (30, 3)
+    np.testing.assert_array_equal(table, reference.find("retrieval", other_fraction).policy.full.astype(float))
+    assert (config["sink_size"], config["recent_size"]) == (SINK, RECENT)
+
+    # a copied link reopens the curve and the chosen policy from the store: no job runs
+    link = page.url
+    other = page.context.new_page()
+    other.goto(link)
+    other.wait_for_selector(f"{TABLE} td[data-dash-column='loss']", timeout=240_000)
+    assert column(other, "loss") == column(page, "loss")
+    other.wait_for_selector("#hs-cmp-policy .heatmaplayer .hm")
+    z = np.array(plot_data(other, "#hs-cmp-policy")[0]["z"], dtype=float)
+    np.testing.assert_array_equal(z, table)
+    assert other.inner_text("#hs-cmp-status") == "" and other.get_attribute("#hs-cmp-progress", "value") == "0"
+    assert other.input_value("#hs-cmp-fractions") == "0.25,0.5" and other.input_value("#hs-cmp-sink") == str(SINK)
+    other.close()
+    assert proc.poll() is None
