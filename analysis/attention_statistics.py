@@ -475,6 +475,10 @@ def _attend(self: Any, layer: int, request: Request | None, on_layer: OnLayer | 
     n_q, n_k = q.shape[-2], k.shape[-2]
     _check_causal_mask(attention_mask, n_q, n_k, mask.window)
     dropped = 0
+    if head_mask is not None and mask.window and (position_ids is None or not position_ids.numel()):
+        # without positions a shortened cache's first key would be taken for position 0: sinks misplaced
+        raise StatisticsModeError(f"Layer {layer} has a sliding window and a per-head key mask but no position ids: "
+                                  "the sinks' positions in its KV cache are unknown.")
     if mask.window and position_ids is not None and position_ids.numel():
         dropped = max(0, int(position_ids.reshape(-1)[-1]) - (n_k - 1))
     req = request(layer, n_q, n_k + dropped) if request is not None else None
@@ -513,6 +517,10 @@ def _attend_masked(layer: int, q: Tensor, k: Tensor, v: Tensor, mask: LayerMask,
         raise StatisticsModeError("Pair terms and listed cells are not computed under a KV-cache policy's key mask.")
     n_q, n_k = q.shape[-2], k.shape[-2]
     segments = masked_segments(head_mask, mask.window, n_q, n_k, dropped)
+    if stats and len(segments) == 1 and segments[0].key_start:
+        raise StatisticsModeError(
+            f"Layer {layer}: under the policy these rows read only keys from {segments[0].key_start} on, so the "
+            "kernel's key indices are not the model's positions: statistics are not reported there.")
     if stats and len(segments) > 1:
         raise StatisticsModeError(
             f"Layer {layer}: the policy's sinks leave the model's sliding window of {mask.window} keys part-way "

@@ -72,7 +72,7 @@ from transformer_lens.utilities import get_act_name
 
 from analysis.ablation import Cancel, Hook, Progress, loss_metric
 from analysis.ablation_curve import retrieval_accuracy
-from analysis.attention_statistics import HeadKeyMask, layer_mask, statistics_mode, statistics_supported
+from analysis.attention_statistics import HeadKeyMask, statistics_mode, statistics_supported
 from analysis.detectors import group_heads
 from analysis.errors import InputError
 from analysis.kv_compression_choices import (
@@ -363,11 +363,7 @@ def choose_backend(model: LoadedModel, backend: str, n_tokens: int) -> str:
 
 def smallest_model_window(model: LoadedModel) -> int:
     """The narrowest sliding window of ``model``'s attention layers (0: none has one)."""
-    windows = []
-    for block in model.bridge.blocks:
-        with contextlib.suppress(Exception):
-            windows.append(layer_mask(block.attn.original_component).window)
-    return min((w for w in windows if w), default=0)
+    return min((w for w in model.facts.windows if w), default=0)
 
 
 def check_eager_decode(model: LoadedModel, sink_size: int, n_decoded: int) -> None:
@@ -379,7 +375,9 @@ def check_eager_decode(model: LoadedModel, sink_size: int, n_decoded: int) -> No
     window = smallest_model_window(model)
     if sink_size > 0 and window and n_decoded > window:
         raise InputError(f"{model.name} has a sliding window of {window} keys and the prompts decode past it: the eager "
-                         "backend cannot place the sinks in its shortened KV cache. Use the statistics backend.")
+                         "backend cannot place the sinks in its shortened KV cache. Use the statistics backend"
+                         + ("." if statistics_supported(model) else
+                            " (this model's attention is not supported in statistics mode yet), or S = 0."))
 
 
 @contextlib.contextmanager

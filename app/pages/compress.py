@@ -41,7 +41,7 @@ from app.components import (
     register_export,
     url_id,
 )
-from app.context import get_context, offered_model
+from app.context import dropdown_model, get_context, offered_model
 from app.errors import guarded, message
 from app.jobs import cancellable_job, in_job, on_workers, progress_reporter, trial_progress
 from app.url_state import parse
@@ -235,7 +235,8 @@ def render(search):
     options = [{"label": f"{pick_text(e)}  (KV {e.memory.fraction:.3f}, NIAH {_num(e.niah_accuracy, '.3f')})",
                 "value": pick_text(e)} for e in curve.evaluations]
     meta = curve.meta
-    form = [meta.get("model_name") or no_update, (meta.get("sweep") or "")[:16], list(meta.get("rankings", [])),
+    model_value = dropdown_model(meta["model_name"], problems) if meta.get("model_name") else no_update
+    form = [model_value, (meta.get("sweep") or "")[:16], list(meta.get("rankings", [])),
             ",".join(f"{f:g}" for f in meta.get("fractions", [])), len(meta.get("seeds", [])) or no_update,
             curve.sink_size, curve.recent_size]
     return (pareto, policy, table_rows(curve), options, chosen, _info(curve, params["tolerance"]), message(problems),

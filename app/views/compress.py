@@ -60,7 +60,8 @@ def pick_text(e: PolicyEvaluation) -> str:
     p = e.policy
     if p.ranking in ENDS:
         return p.ranking
-    return f"{p.ranking}:{p.fraction:g}" + ("" if p.seed is None else f":{p.seed}")
+    fraction = f"{p.fraction:.6f}".rstrip("0").rstrip(".") or "0"  # fixed point: a link's pattern has no exponent
+    return f"{p.ranking}:{fraction}" + ("" if p.seed is None else f":{p.seed}")
 
 
 def parse_pick(text: Any) -> tuple[str, float | None, int | None]:
@@ -89,7 +90,8 @@ def chosen_evaluation(curve: CompressionCurve, pick: Any, tolerance: float) -> P
         found = default_pick(curve, tolerance)
     else:
         ranking, fraction, seed = parse_pick(pick)
-        found = curve.find(ranking, fraction, seed)
+        # the text an option offers names its policy even where it rounds the fraction (six places)
+        found = next((e for e in curve.evaluations if pick_text(e) == pick), None) or curve.find(ranking, fraction, seed)
     if found is None:
         raise InputError(f"The curve has no policy {pick!r}: choose one of "
                          f"{', '.join(pick_text(e) for e in curve.evaluations)}.")
