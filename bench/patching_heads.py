@@ -20,8 +20,12 @@ each head's output ``z`` of the embedded SmolLM2-135M exactly and by attribution
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, before bench/ (bench/kernels.py)
 
 TOP = 10
 
