@@ -1318,8 +1318,8 @@ def _niah_options(p: argparse.ArgumentParser, prefix: str) -> None:
                                  "paper's rule; default: at EOS or after 32 tokens)")
 
 
-MODEL_HELP = "model spec: an embedded model, a .gguf file, a folder of safetensors (default: the embedded " \
-             "model; `headscope models` lists them)"
+MODEL_HELP = "model spec: an embedded model (smollm2-135m; gemma3-270m after `make gemma3`), a .gguf file, " \
+             "a folder of safetensors (default: the embedded model; `headscope models` lists them)"
 
 
 def _add_patch_parser(sub) -> None:
