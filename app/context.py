@@ -44,12 +44,6 @@ class AppContext:
         any (an embedded model's ``terms``), so they are read where the model is chosen."""
         return [{"label": model_label(s), "value": s} for s in self.allowed_models()]
 
-
-def model_label(spec: str) -> str:
-    """``spec``, followed by the terms its weights come under when it is an embedded model with terms."""
-    terms = EMBEDDED[spec].terms if spec in EMBEDDED else None
-    return f"{spec} — {terms}" if terms else spec
-
     def run(self, run_id: str) -> Run | StatsRun | None:
         """A stored run (patterns, or statistics for a long one) by full key or unique prefix
         (≥ 8 hex digits), cached in memory. Anything else (a number, an empty or short string, as a
@@ -86,6 +80,12 @@ def model_label(spec: str) -> str:
         """Keys of the runs held in memory, least recently used first."""
         with self._lock:
             return list(self._runs)
+
+
+def model_label(spec: str) -> str:
+    """``spec``, followed by the terms its weights come under when it is an embedded model with terms."""
+    terms = EMBEDDED[spec].terms if spec in EMBEDDED else None
+    return f"{spec} — {terms}" if terms else spec
 
 
 def run_cache_bytes() -> float:
