@@ -58,7 +58,7 @@ from app.views.compress import (
 
 dash.register_page(__name__, path="/compress", name="Compress", title="headscope — KV-cache compression", order=7)
 
-PREFIX = "cmp"
+PREFIX = "kv"
 EMPTY = empty_figure("Run the evaluation to see what each policy keeps and costs.")
 NO_POLICY = empty_figure("The chosen policy's map appears here.")
 DEFAULT_TOL_POINTS = round(DEFAULT_TOLERANCE * 100)
@@ -84,78 +84,78 @@ def layout(**_query) -> html.Div:
         html.Div([
             html.Div([
                 html.H4("Prompts: a needle-in-a-haystack sweep", className="hs-section"),
-                html.Label("Stored sweep id (from the Heads page; empty: run the settings below)", htmlFor=ids.CMP_SWEEP),
-                dcc.Input(id=ids.CMP_SWEEP, className="hs-text-input", value="", placeholder="e.g. 3f9a01c2"),
+                html.Label("Stored sweep id (from the Heads page; empty: run the settings below)", htmlFor=ids.KV_SWEEP),
+                dcc.Input(id=ids.KV_SWEEP, className="hs-text-input", value="", placeholder="e.g. 3f9a01c2"),
                 html.Label("Needles"),
-                dcc.Checklist(id=ids.CMP_NEEDLES, options=needles, value=[o["value"] for o in needles[:2]],
+                dcc.Checklist(id=ids.KV_NEEDLES, options=needles, value=[o["value"] for o in needles[:2]],
                               className="hs-needles"),
-                html.Label("Context lengths (tokens)", htmlFor=ids.CMP_LENGTHS),
-                dcc.Input(id=ids.CMP_LENGTHS, value="1024", className="hs-text-input"),
-                html.Label("Depths (%)", htmlFor=ids.CMP_DEPTHS),
-                dcc.Input(id=ids.CMP_DEPTHS, value="25,75", className="hs-text-input"),
-                html.Label("Haystack", htmlFor=ids.CMP_HAYSTACK),
-                dcc.Dropdown(id=ids.CMP_HAYSTACK, clearable=False, value="prose", options=[
+                html.Label("Context lengths (tokens)", htmlFor=ids.KV_LENGTHS),
+                dcc.Input(id=ids.KV_LENGTHS, value="1024", className="hs-text-input"),
+                html.Label("Depths (%)", htmlFor=ids.KV_DEPTHS),
+                dcc.Input(id=ids.KV_DEPTHS, value="25,75", className="hs-text-input"),
+                html.Label("Haystack", htmlFor=ids.KV_HAYSTACK),
+                dcc.Dropdown(id=ids.KV_HAYSTACK, clearable=False, value="prose", options=[
                     {"label": "prose (shipped essays)", "value": "prose"},
                     {"label": "passkey (synthetic filler)", "value": "passkey"}]),
-                html.Label("Model", htmlFor=ids.CMP_MODEL),
-                dcc.Dropdown(id=ids.CMP_MODEL, options=context.model_options(), value=context.default_model,
+                html.Label("Model", htmlFor=ids.KV_MODEL),
+                dcc.Dropdown(id=ids.KV_MODEL, options=context.model_options(), value=context.default_model,
                              clearable=False, className="hs-model"),
             ], className="hs-panel hs-field"),
             html.Div([
                 html.H4("Policies: per KV group, full cache or S sinks + W recent tokens", className="hs-section"),
-                html.Label("Rankings of KV groups (the highest kept full)", htmlFor=ids.CMP_RANKINGS),
-                dcc.Checklist(id=ids.CMP_RANKINGS, value=list(DEFAULT_RANKINGS), className="hs-methods",
+                html.Label("Rankings of KV groups (the highest kept full)", htmlFor=ids.KV_RANKINGS),
+                dcc.Checklist(id=ids.KV_RANKINGS, value=list(DEFAULT_RANKINGS), className="hs-methods",
                               options=[{"label": f" {RANKING_LABELS[r]}", "value": r} for r in RANKINGS]),
-                html.Label("Fractions of KV groups kept full", htmlFor=ids.CMP_FRACTIONS),
-                dcc.Input(id=ids.CMP_FRACTIONS, value=",".join(f"{f:g}" for f in DEFAULT_FRACTIONS),
+                html.Label("Fractions of KV groups kept full", htmlFor=ids.KV_FRACTIONS),
+                dcc.Input(id=ids.KV_FRACTIONS, value=",".join(f"{f:g}" for f in DEFAULT_FRACTIONS),
                           className="hs-text-input"),
                 html.Div([
-                    html.Label("random seeds", htmlFor=ids.CMP_SEEDS),
-                    dcc.Input(id=ids.CMP_SEEDS, type="number", min=1, max=MAX_SEEDS, step=1, value=DEFAULT_SEEDS,
+                    html.Label("random seeds", htmlFor=ids.KV_SEEDS),
+                    dcc.Input(id=ids.KV_SEEDS, type="number", min=1, max=MAX_SEEDS, step=1, value=DEFAULT_SEEDS,
                               className="hs-number"),
-                    html.Label("S (sinks)", htmlFor=ids.CMP_SINK),
-                    dcc.Input(id=ids.CMP_SINK, type="number", min=0, step=1, value=DEFAULT_SINK_SIZE,
+                    html.Label("S (sinks)", htmlFor=ids.KV_SINK),
+                    dcc.Input(id=ids.KV_SINK, type="number", min=0, step=1, value=DEFAULT_SINK_SIZE,
                               className="hs-number"),
-                    html.Label("W (recent)", htmlFor=ids.CMP_RECENT),
-                    dcc.Input(id=ids.CMP_RECENT, type="number", min=1, step=1, value=DEFAULT_RECENT_SIZE,
+                    html.Label("W (recent)", htmlFor=ids.KV_RECENT),
+                    dcc.Input(id=ids.KV_RECENT, type="number", min=1, step=1, value=DEFAULT_RECENT_SIZE,
                               className="hs-number"),
                 ], className="hs-options"),
                 html.P("S and W default to DuoAttention's shipped patterns (sink_size 128, recent_size 256); "
                        "S + W must be below the sweep's shortest prompt.", className="hs-hint"),
                 html.Div([
-                    html.Button("Run", id=ids.CMP_RUN, n_clicks=0, className="hs-run"),
-                    html.Button("Cancel", id=ids.CMP_CANCEL, n_clicks=0, className="hs-button hs-cancel",
+                    html.Button("Run", id=ids.KV_RUN, n_clicks=0, className="hs-run"),
+                    html.Button("Cancel", id=ids.KV_CANCEL, n_clicks=0, className="hs-button hs-cancel",
                                 disabled=True),
-                    html.Progress(id=ids.CMP_PROGRESS, value="0", max="100", className="hs-progress"),
-                    html.Span(id=ids.CMP_STATUS, className="hs-hint"),
+                    html.Progress(id=ids.KV_PROGRESS, value="0", max="100", className="hs-progress"),
+                    html.Span(id=ids.KV_STATUS, className="hs-hint"),
                 ], className="hs-options"),
             ], className="hs-panel hs-field"),
         ], className="hs-panels hs-even"),
-        html.Div(id=ids.CMP_INFO, className="hs-run-info"),
+        html.Div(id=ids.KV_INFO, className="hs-run-info"),
         html.Div([
             html.Div([
                 html.Label("Tolerance (NIAH points below full): the smallest KV fraction within it is starred",
-                           htmlFor=ids.CMP_TOLERANCE),
-                dcc.Input(id=ids.CMP_TOLERANCE, type="number", min=0, max=100, step=1, value=DEFAULT_TOL_POINTS,
+                           htmlFor=ids.KV_TOLERANCE),
+                dcc.Input(id=ids.KV_TOLERANCE, type="number", min=0, max=100, step=1, value=DEFAULT_TOL_POINTS,
                           debounce=True, className="hs-number"),
             ], className="hs-options"),
-            dcc.Graph(id=ids.CMP_PARETO, figure=EMPTY, config=GRAPH_CONFIG),
+            dcc.Graph(id=ids.KV_PARETO, figure=EMPTY, config=GRAPH_CONFIG),
             export_bar(PREFIX, names.COMPRESSION_PARETO),
         ], className="hs-panel"),
         html.Div([
-            dash_table.DataTable(id=ids.CMP_TABLE, sort_action="native", page_size=40, data=[],
+            dash_table.DataTable(id=ids.KV_TABLE, sort_action="native", page_size=40, data=[],
                                  columns=[{"name": label, "id": key} for key, label in TABLE_COLUMNS],
                                  style_cell={"fontFamily": "inherit", "fontSize": 12}),
         ], className="hs-panel"),
         html.Div([
             html.Div([
-                html.Label("Policy", htmlFor=ids.CMP_PICK),
-                dcc.Dropdown(id=ids.CMP_PICK, options=[], clearable=False, className="hs-model"),
-                html.Button("Download pattern folder", id=ids.CMP_DOWNLOAD, n_clicks=0, className="hs-button",
+                html.Label("Policy", htmlFor=ids.KV_PICK),
+                dcc.Dropdown(id=ids.KV_PICK, options=[], clearable=False, className="hs-model"),
+                html.Button("Download pattern folder", id=ids.KV_DOWNLOAD, n_clicks=0, className="hs-button",
                             title="config.json + full_attention_heads.tsv, as DuoAttention ships them and kvpress' "
                                   "DuoAttentionPress reads them"),
             ], className="hs-options"),
-            dcc.Graph(id=ids.CMP_POLICY, figure=NO_POLICY, config=GRAPH_CONFIG),
+            dcc.Graph(id=ids.KV_POLICY, figure=NO_POLICY, config=GRAPH_CONFIG),
             export_bar(PREFIX, names.COMPRESSION_POLICY),
         ], className="hs-panel"),
     ])
@@ -189,28 +189,28 @@ def _info(curve, tolerance: float) -> list:
     for r, e in smallest_within(curve, tolerance).items():
         where = "none" if e is None else f"KV {e.memory.fraction:.3f} (groups full {e.policy.fraction:g})"
         parts.append(html.Div(f"Smallest KV within {tolerance * 100:g} NIAH points of full, {RANKING_LABELS[r]}: "
-                              f"{where}", className="hs-cmp-best"))
+                              f"{where}", className="hs-kv-best"))
     if not curve.complete:
         parts.append(html.Div("Cancelled: the curve holds the policies that finished.", className="hs-hint"))
     return parts
 
 
 @callback(
-    Output(ids.CMP_PARETO, "figure"),
-    Output(ids.CMP_POLICY, "figure"),
-    Output(ids.CMP_TABLE, "data"),
-    Output(ids.CMP_PICK, "options"),
-    Output(ids.CMP_PICK, "value"),
-    Output(ids.CMP_INFO, "children"),
+    Output(ids.KV_PARETO, "figure"),
+    Output(ids.KV_POLICY, "figure"),
+    Output(ids.KV_TABLE, "data"),
+    Output(ids.KV_PICK, "options"),
+    Output(ids.KV_PICK, "value"),
+    Output(ids.KV_INFO, "children"),
     Output(ids.ERROR, "children", allow_duplicate=True),
-    Output(ids.CMP_TOLERANCE, "value"),
-    Output(ids.CMP_MODEL, "value"),
-    Output(ids.CMP_SWEEP, "value"),
-    Output(ids.CMP_RANKINGS, "value"),
-    Output(ids.CMP_FRACTIONS, "value"),
-    Output(ids.CMP_SEEDS, "value"),
-    Output(ids.CMP_SINK, "value"),
-    Output(ids.CMP_RECENT, "value"),
+    Output(ids.KV_TOLERANCE, "value"),
+    Output(ids.KV_MODEL, "value"),
+    Output(ids.KV_SWEEP, "value"),
+    Output(ids.KV_RANKINGS, "value"),
+    Output(ids.KV_FRACTIONS, "value"),
+    Output(ids.KV_SEEDS, "value"),
+    Output(ids.KV_SINK, "value"),
+    Output(ids.KV_RECENT, "value"),
     Input(url_id(PREFIX), "search"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
@@ -245,7 +245,7 @@ def render(search):
 
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
-    Input(ids.CMP_TOLERANCE, "value"),
+    Input(ids.KV_TOLERANCE, "value"),
     State(url_id(PREFIX), "search"),
     prevent_initial_call=True,
 )
@@ -264,7 +264,7 @@ def set_tolerance(points, search):
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Output(ids.ERROR, "children", allow_duplicate=True),
-    Input(ids.CMP_PICK, "value"),
+    Input(ids.KV_PICK, "value"),
     State(url_id(PREFIX), "search"),
     prevent_initial_call=True,
 )
@@ -329,21 +329,21 @@ def _sweep(model, sweep_id, needle_ids, lengths, depths, haystack, set_progress)
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Output(ids.ERROR, "children", allow_duplicate=True),
-    Output(ids.CMP_STATUS, "children"),
-    Input(ids.CMP_RUN, "n_clicks"),
-    State(ids.CMP_SWEEP, "value"),
-    State(ids.CMP_NEEDLES, "value"),
-    State(ids.CMP_LENGTHS, "value"),
-    State(ids.CMP_DEPTHS, "value"),
-    State(ids.CMP_HAYSTACK, "value"),
-    State(ids.CMP_MODEL, "value"),
-    State(ids.CMP_RANKINGS, "value"),
-    State(ids.CMP_FRACTIONS, "value"),
-    State(ids.CMP_SEEDS, "value"),
-    State(ids.CMP_SINK, "value"),
-    State(ids.CMP_RECENT, "value"),
+    Output(ids.KV_STATUS, "children"),
+    Input(ids.KV_RUN, "n_clicks"),
+    State(ids.KV_SWEEP, "value"),
+    State(ids.KV_NEEDLES, "value"),
+    State(ids.KV_LENGTHS, "value"),
+    State(ids.KV_DEPTHS, "value"),
+    State(ids.KV_HAYSTACK, "value"),
+    State(ids.KV_MODEL, "value"),
+    State(ids.KV_RANKINGS, "value"),
+    State(ids.KV_FRACTIONS, "value"),
+    State(ids.KV_SEEDS, "value"),
+    State(ids.KV_SINK, "value"),
+    State(ids.KV_RECENT, "value"),
     State(url_id(PREFIX), "search"),
-    **cancellable_job(ids.CMP_RUN, ids.CMP_CANCEL, ids.CMP_PROGRESS, ids.CMP_STATUS),
+    **cancellable_job(ids.KV_RUN, ids.KV_CANCEL, ids.KV_PROGRESS, ids.KV_STATUS),
     prevent_initial_call=True,
 )
 def run_compress(set_progress, n_clicks, sweep_id, needle_ids, lengths, depths, haystack, model_spec, rankings,
@@ -388,8 +388,8 @@ def run_compress(set_progress, n_clicks, sweep_id, needle_ids, lengths, depths, 
 
 
 @callback(
-    Output(ids.CMP_STATUS, "children", allow_duplicate=True),
-    Input(ids.CMP_CANCEL, "n_clicks"),
+    Output(ids.KV_STATUS, "children", allow_duplicate=True),
+    Input(ids.KV_CANCEL, "n_clicks"),
     prevent_initial_call=True,
 )
 def cancelled(n_clicks):
@@ -401,7 +401,7 @@ def cancelled(n_clicks):
 @callback(
     Output(ids.DOWNLOAD, "data", allow_duplicate=True),
     Output(ids.ERROR, "children", allow_duplicate=True),
-    Input(ids.CMP_DOWNLOAD, "n_clicks"),
+    Input(ids.KV_DOWNLOAD, "n_clicks"),
     State(url_id(PREFIX), "search"),
     **on_workers(),
     prevent_initial_call=True,

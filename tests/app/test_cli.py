@@ -717,6 +717,7 @@ def test_compare_two_runs_prints_the_largest_changes_and_writes_rebuildable_figu
     assert bad.returncode == 2 and "argument second" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.timeout(900)  # a sweep and two policy sets (eager, statistics): 57 s beside one process, over 300 s at load 5
 def test_compress_prints_the_policy_table_and_writes_a_pattern_folder(tmp_path, real_model, capsys, monkeypatch):
     """In-process on the embedded model, one needle at 256 tokens: the uncompressed row, the retrieval-ranked
     policy keeping half the KV groups full, all-streaming; KV numbers by hand for 30 layers × 3 KV heads ×

@@ -20,7 +20,7 @@ from tests.app.test_browser import browser, page, select_option, start_server  #
 NEEDLE, LENGTH, DEPTH = "locker-code", 192, 50
 FRACTIONS, SEEDS, SINK, RECENT = (0.25, 0.5), 2, 4, 32
 RANKINGS = ("retrieval", "random")
-PARETO, TABLE = "#hs-cmp-pareto", "#hs-cmp-table"
+PARETO, TABLE = "#hs-kv-pareto", "#hs-kv-table"
 
 
 @pytest.fixture(scope="module")
@@ -59,18 +59,18 @@ def column(page, name: str) -> list[str]:
 
 
 def fill_form(page) -> None:
-    for box in page.locator("#hs-cmp-needles input").all():
+    for box in page.locator("#hs-kv-needles input").all():
         box.uncheck()
-    page.check(f"#hs-cmp-needles input[value='{NEEDLE}']")
-    page.fill("#hs-cmp-lengths", str(LENGTH))
-    page.fill("#hs-cmp-depths", str(DEPTH))
-    for box in page.locator("#hs-cmp-rankings input").all():
+    page.check(f"#hs-kv-needles input[value='{NEEDLE}']")
+    page.fill("#hs-kv-lengths", str(LENGTH))
+    page.fill("#hs-kv-depths", str(DEPTH))
+    for box in page.locator("#hs-kv-rankings input").all():
         if box.get_attribute("value") in RANKINGS:
             box.check()
         else:
             box.uncheck()
-    page.fill("#hs-cmp-fractions", ",".join(map(str, FRACTIONS)))
-    for field, value in (("#hs-cmp-seeds", SEEDS), ("#hs-cmp-sink", SINK), ("#hs-cmp-recent", RECENT)):
+    page.fill("#hs-kv-fractions", ",".join(map(str, FRACTIONS)))
+    for field, value in (("#hs-kv-seeds", SEEDS), ("#hs-kv-sink", SINK), ("#hs-kv-recent", RECENT)):
         page.fill(field, str(value))
 
 
@@ -80,36 +80,36 @@ def fill_form(page) -> None:
 def test_compress_journey(server, page, real_model, reference):
     url, proc, home = server
     page.goto(url + "compress")
-    page.wait_for_selector("#hs-cmp-run", timeout=240_000)
+    page.wait_for_selector("#hs-kv-run", timeout=240_000)
     fill_form(page)
 
     # S + W covering the whole prompt is refused before any sweep runs, with what to change
-    page.fill("#hs-cmp-sink", str(LENGTH))
-    page.click("#hs-cmp-run")
+    page.fill("#hs-kv-sink", str(LENGTH))
+    page.click("#hs-kv-run")
     page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('nothing to compress')",
                            timeout=120_000)
     assert f"S + W = {LENGTH + RECENT} keeps every key of a {LENGTH}-token prompt" in page.inner_text("#hs-error")
-    page.fill("#hs-cmp-sink", str(SINK))
-    page.wait_for_function("!document.querySelector('#hs-cmp-run').disabled", timeout=60_000)
+    page.fill("#hs-kv-sink", str(SINK))
+    page.wait_for_function("!document.querySelector('#hs-kv-run').disabled", timeout=60_000)
 
     # Cancel stops the job: no curve, the page says what was kept
-    page.click("#hs-cmp-run")
-    page.wait_for_function("!document.querySelector('#hs-cmp-cancel').disabled", timeout=120_000)
+    page.click("#hs-kv-run")
+    page.wait_for_function("!document.querySelector('#hs-kv-cancel').disabled", timeout=120_000)
     # a progress line has come back, so the browser knows the job it cancels (a click before that was lost)
-    page.wait_for_function("/trial|evaluating/.test(document.querySelector('#hs-cmp-status')?.innerText || '')",
+    page.wait_for_function("/trial|evaluating/.test(document.querySelector('#hs-kv-status')?.innerText || '')",
                            timeout=120_000)
-    page.click("#hs-cmp-cancel")
-    page.wait_for_function("(document.querySelector('#hs-cmp-status')?.innerText || '').startsWith('Cancelled')",
+    page.click("#hs-kv-cancel")
+    page.wait_for_function("(document.querySelector('#hs-kv-status')?.innerText || '').startsWith('Cancelled')",
                            timeout=240_000)
-    page.wait_for_function("!document.querySelector('#hs-cmp-run').disabled", timeout=240_000)
+    page.wait_for_function("!document.querySelector('#hs-kv-run').disabled", timeout=240_000)
     assert "compress=" not in page.url
 
     # Run: a background job with progress; the curve's id goes into the URL
-    page.click("#hs-cmp-run")
+    page.click("#hs-kv-run")
     page.wait_for_function("new URLSearchParams(location.search).has('compress')", timeout=400_000)
     page.wait_for_selector(f"{TABLE} td[data-dash-column='loss']")
     assert page.inner_text("#hs-error").strip() == ""
-    assert "6 policies and the uncompressed model evaluated" in page.inner_text("#hs-cmp-status")
+    assert "6 policies and the uncompressed model evaluated" in page.inner_text("#hs-kv-status")
 
     # the table: the uncompressed model, then every policy, equal to evaluate_policies run here
     want = [reference.baseline, *reference.evaluations]
@@ -134,7 +134,7 @@ def test_compress_journey(server, page, real_model, reference):
     loss_curve = next(t for t in data if t.get("yaxis") == "y2" and t["name"].startswith("Retrieval score"))
     np.testing.assert_allclose(loss_curve["y"], [e.loss for e in mine], rtol=1e-5)
     best = reference.smallest_within("retrieval", 0.05)
-    info = page.inner_text("#hs-cmp-info")
+    info = page.inner_text("#hs-kv-info")
     where = "none" if best is None else f"KV {best.memory.fraction:.3f}"
     assert f"Smallest KV within 5 NIAH points of full, Retrieval score (group max): {where}" in info
 
@@ -142,14 +142,14 @@ def test_compress_journey(server, page, real_model, reference):
     # largest); the other retrieval policy, chosen from the menu, downloads as DuoAttention's pattern folder:
     # layers × KV heads as np.loadtxt reads it
     shown = best or reference.find("retrieval", max(FRACTIONS))
-    np.testing.assert_array_equal(np.array(plot_data(page, "#hs-cmp-policy")[0]["z"], dtype=float),
+    np.testing.assert_array_equal(np.array(plot_data(page, "#hs-kv-policy")[0]["z"], dtype=float),
                                   shown.policy.full.astype(float))
     other_fraction = next(f for f in FRACTIONS if f != shown.policy.fraction)
     pick = f"retrieval:{other_fraction:g}"
-    select_option(page, "hs-cmp-pick", pick)
+    select_option(page, "hs-kv-pick", pick)
     page.wait_for_function("p => new URLSearchParams(location.search).get('pick') === p", arg=pick)
     with page.expect_download() as got:
-        page.click("#hs-cmp-download")
+        page.click("#hs-kv-download")
     with zipfile.ZipFile(got.value.path()) as z:
         table = np.loadtxt(io.BytesIO(z.read("pattern/full_attention_heads.tsv")), delimiter="\t")
         config = json.loads(z.read("pattern/config.json"))
@@ -163,10 +163,10 @@ def test_compress_journey(server, page, real_model, reference):
     other.goto(link)
     other.wait_for_selector(f"{TABLE} td[data-dash-column='loss']", timeout=240_000)
     assert column(other, "loss") == column(page, "loss")
-    other.wait_for_selector("#hs-cmp-policy .heatmaplayer .hm")
-    z = np.array(plot_data(other, "#hs-cmp-policy")[0]["z"], dtype=float)
+    other.wait_for_selector("#hs-kv-policy .heatmaplayer .hm")
+    z = np.array(plot_data(other, "#hs-kv-policy")[0]["z"], dtype=float)
     np.testing.assert_array_equal(z, table)
-    assert other.inner_text("#hs-cmp-status") == "" and other.get_attribute("#hs-cmp-progress", "value") == "0"
-    assert other.input_value("#hs-cmp-fractions") == "0.25,0.5" and other.input_value("#hs-cmp-sink") == str(SINK)
+    assert other.inner_text("#hs-kv-status") == "" and other.get_attribute("#hs-kv-progress", "value") == "0"
+    assert other.input_value("#hs-kv-fractions") == "0.25,0.5" and other.input_value("#hs-kv-sink") == str(SINK)
     other.close()
     assert proc.poll() is None

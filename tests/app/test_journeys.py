@@ -253,6 +253,8 @@ def test_leaving_every_page_by_the_nav_bar_leaves_no_console_error(server, page,
     for name, path, ready in [("Flow", "/flow", strip("flow") + " .gtitle"), ("Heads", "/heads", "#hs-heads-run"),
                               ("QK space", "/qk", "#hs-qk-show"), ("Ablation", "/ablation", "#hs-abl-grid .gtitle"),
                               ("Compare", "/compare", "#hs-cmp-first .dash-dropdown-value, #hs-cmp-first"),
+                              ("Compress", "/compress", "#hs-kv-run"),
+                              ("Compare", "/compare", "#hs-cmp-first .dash-dropdown-value, #hs-cmp-first"),
                               ("Attention", "/", "#hs-grid .heatmaplayer .hm"), ("Flow", "/flow", strip("flow") + " .gtitle"),
                               ("Attention", "/", "#hs-grid .heatmaplayer .hm")]:
         page.locator(".hs-nav").get_by_role("link", name=name, exact=True).click()
