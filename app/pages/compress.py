@@ -43,6 +43,7 @@ from app.components import (
 )
 from app.context import dropdown_model, get_context, offered_model
 from app.errors import guarded, message
+from app.form_values import number_list, whole_number
 from app.jobs import cancellable_job, in_job, on_workers, progress_reporter, trial_progress
 from app.url_state import parse
 from app.views import VIEWS, names
@@ -286,22 +287,6 @@ def set_pick(pick, search):
     return state.to_search(), ""
 
 
-def _numbers(text, what: str, cast=float) -> list:
-    try:
-        values = [cast(x) for x in str(text or "").replace(";", ",").split(",") if x.strip()]
-    except ValueError:
-        raise InputError(f"{what} must be numbers separated by commas, got {str(text)[:40]!r}.") from None
-    if not values:
-        raise InputError(f"Give at least one value for {what.lower()}.")
-    if len(values) > MAX_FRACTIONS:
-        raise InputError(f"At most {MAX_FRACTIONS} values for {what.lower()}.")
-    return values
-
-
-def _whole(value, what: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < low:
-        raise InputError(f"{what} must be a whole number of at least {low}, got {value!r}.")
-    return int(value)
 
 
 def _sweep(model, sweep_id, needle_ids, lengths, depths, haystack, set_progress):
@@ -320,8 +305,8 @@ def _sweep(model, sweep_id, needle_ids, lengths, depths, haystack, set_progress)
     chosen = [n for n in load_needles() if n.id in set(needle_ids or [])]
     if not chosen:
         raise InputError("Tick at least one needle, or give a stored sweep's id.")
-    lengths_ = [int(x) for x in _numbers(lengths, "Context lengths", int)]
-    depths_ = _numbers(depths, "Depths")
+    lengths_ = number_list(lengths, "Context lengths", int)
+    depths_ = number_list(depths, "Depths")
     return sweep(model, chosen, lengths_, depths_, named_haystack(haystack or "prose"), store=get_context().store,
                  progress=trial_progress(set_progress, len(lengths_) * len(depths_) * len(chosen)))
 
@@ -362,13 +347,13 @@ def run_compress(set_progress, n_clicks, sweep_id, needle_ids, lengths, depths, 
         chosen = [r for r in RANKINGS if r in (rankings or [])]
         if not chosen:
             raise InputError("Tick at least one ranking.")
-        fractions_ = _numbers(fractions, "Fractions of KV groups kept full")
+        fractions_ = number_list(fractions, "Fractions of KV groups kept full", most=MAX_FRACTIONS)
         if any(not 0 <= f <= 1 for f in fractions_):
             raise InputError(f"Fractions of KV groups kept full must be between 0 and 1, got {fractions!r}.")
-        n_seeds = _whole(seeds, "Random seeds", 1)
-        sink_, recent_ = _whole(sink, "S (sinks)", 0), _whole(recent, "W (recent tokens)", 1)
+        n_seeds = whole_number(seeds, "Random seeds", 1)
+        sink_, recent_ = whole_number(sink, "S (sinks)", 0), whole_number(recent, "W (recent tokens)", 1)
         if not (sweep_id or "").strip():  # said before the sweep runs (compress_sweep checks the prompts too)
-            shortest = min(int(x) for x in _numbers(lengths, "Context lengths", int))
+            shortest = min(number_list(lengths, "Context lengths", int))
             if sink_ + recent_ >= shortest:
                 raise InputError(f"S + W = {sink_ + recent_} keeps every key of a {shortest}-token prompt: nothing "
                                  "to compress. Lower S or W, or use longer context lengths.")

@@ -37,6 +37,7 @@ from app.components import (
 )
 from app.context import get_context
 from app.errors import guarded, message
+from app.form_values import number_list, whole_number
 from app.jobs import cancellable_job, in_job, on_workers, progress_reporter, trial_progress
 from app.url_state import parse
 from app.views import VIEWS, names
@@ -184,26 +185,6 @@ def layout(**_query) -> html.Div:
 register_export(PREFIX, lambda state: None)  # every view here is drawn from the sweep in its params
 
 
-def _numbers(text: str, what: str, cast=int) -> list:
-    try:
-        values = [cast(x) for x in str(text or "").replace(";", ",").split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{what} must be numbers separated by commas, got {text!r}.") from None
-    if not values:
-        raise ValueError(f"Give at least one value for {what.lower()}.")
-    if len(values) > 12:
-        raise ValueError(f"At most 12 values for {what.lower()}.")
-    return values
-
-
-def _whole(value, what: str, low: int) -> int:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be a whole number, got {value!r}.") from None
-    if number < low:
-        raise ValueError(f"{what} must be at least {low}, got {number}.")
-    return number
 
 
 def _haystack(choice: str | None, pasted: str | None) -> str:
@@ -337,9 +318,9 @@ def run_sweep(set_progress, n_clicks, needle_ids, custom_needles, lengths, depth
         context = get_context()
         model = load_model(context.default_model)
         chosen = _needles(needle_ids, custom_needles)
-        lengths_ = _numbers(lengths, "Context lengths")
-        depths_ = _numbers(depths, "Depths", float)
-        sink_, window_ = _whole(sink, "The sink size S", 0), _whole(window, "The window W", 1)
+        lengths_ = number_list(lengths, "Context lengths", int)
+        depths_ = number_list(depths, "Depths")
+        sink_, window_ = whole_number(sink, "The sink size S", 0), whole_number(window, "The window W", 1)
         result = sweep(model, chosen, lengths_, depths_, _haystack(haystack, custom_haystack), store=context.store,
                        depth_rule=depth_rule or DEFAULT_DEPTH_RULE, stop_at_newline=bool(stop_newline),
                        progress=trial_progress(set_progress, len(lengths_) * len(depths_) * len(chosen)))

@@ -1,0 +1,26 @@
+"""The form parsers every page uses: what a user can type, and what a forged request can send."""
+
+from __future__ import annotations
+
+import pytest
+
+from analysis.errors import InputError
+from app.form_values import number_list, whole_number
+
+
+def test_number_lists_take_commas_or_semicolons_and_refuse_the_rest_naming_the_field():
+    assert number_list("1024; 2048,4096", "Context lengths", int) == [1024, 2048, 4096]
+    assert number_list(" 0.25, 0.5 ", "Fractions") == [0.25, 0.5]
+    for text, found in (("", "at least one value for depths"), ("1,a", "Depths must be numbers"),
+                        (",".join(["1"] * 13), "At most 12 values for depths"), (None, "at least one value")):
+        with pytest.raises(InputError, match=found):
+            number_list(text, "Depths")
+    with pytest.raises(InputError, match="Context lengths must be numbers"):
+        number_list("2.5", "Context lengths", int)
+
+
+def test_whole_numbers_refuse_fractions_text_booleans_and_values_below_the_floor():
+    assert whole_number(3, "Seeds", 1) == 3 and whole_number(2.0, "Seeds", 1) == 2
+    for bad in (2.5, "3", True, None, 0, [1]):
+        with pytest.raises(InputError, match="Seeds must be a whole number of at least 1"):
+            whole_number(bad, "Seeds", 1)
