@@ -735,6 +735,12 @@ def compression_pareto(points: Sequence[dict[str, Any]], baseline: dict[str, Any
                 fig.add_hrect(y0=base - tolerance, y1=base, fillcolor="rgba(46,40,42,0.08)", line_width=0,
                               row=row, col=1)
             fig.add_hline(y=base, line={"color": "#2e282a", "dash": "dash", "width": 1}, row=row, col=1)
+            # the uncompressed model as the curve's point at KV 1.0: a trace, so the axis range includes it
+            # (a line alone does not, and a loss below every policy's fell outside the plot)
+            fig.add_trace(go.Scatter(x=[1.0], y=[float(base)], mode="markers", name="uncompressed",
+                                     legendgroup="uncompressed", showlegend=row == 1,
+                                     marker={"symbol": "diamond", "size": 10, "color": "#2e282a"},
+                                     hovertemplate="uncompressed: %{y:.4f}<extra></extra>"), row, 1)
         for ranking in rankings:
             mine = sorted((p for p in points if p["ranking"] == ranking), key=lambda p: p["kv_fraction"])
             name = labels.get(ranking, ranking)
@@ -778,7 +784,7 @@ def compression_pareto(points: Sequence[dict[str, Any]], baseline: dict[str, Any
                 marker={"symbol": "star", "size": 16, "color": [COMPRESSION_COLOURS.get(r, "#555") for r, _ in stars],
                         "line": {"color": "#000", "width": 1}},
                 hovertemplate="%{text}: smallest KV within tolerance, %{x:.3f}<extra></extra>"), row, 1)
-        fig.update_yaxes(title=label, row=row, col=1)
+        fig.update_yaxes(title=label, row=row, col=1, **({"range": [-0.05, 1.05]} if metric == "niah_accuracy" else {}))
     fig.update_xaxes(title="KV cache kept (fraction of full)", range=[-0.02, 1.02], row=2, col=1)
     fig.update_layout(legend={"orientation": "h", "y": -0.18})
     fig = _layout(fig, safe_text(title), height=640)

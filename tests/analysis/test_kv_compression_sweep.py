@@ -112,6 +112,10 @@ def test_pareto_figure_band_and_marks_are_the_curves_numbers(model, swept):
     assert list(band.y) == [max(v) for v in per] + [min(v) for v in per][::-1]
     mean = by_name[f"{RANKING_LABELS['random']} (mean)"]
     np.testing.assert_allclose(mean.y, [np.mean(v) for v in per])
+    # the uncompressed model is a point at KV 1.0 in both panels, so each axis range includes it
+    for panel, metric in (("y", "niah_accuracy"), ("y2", "loss")):
+        point = next(t for t in fig.data if t.name == "uncompressed" and (t.yaxis or "y") == panel)
+        assert list(point.x) == [1.0] and list(point.y) == [pytest.approx(curve.baseline.row()[metric])]
     # the smallest KV fraction within the tolerance: a star per ranking at that fraction
     stars = next(t for t in traces if t.name.startswith("smallest KV within"))
     assert sorted(stars.x) == sorted(e.memory.fraction for e in best.values())
