@@ -49,6 +49,9 @@ __all__ = [*stat.__all__, "AttentionResult", "attention"]
 _CPU_CHUNK_ELEMENTS = 1 << 19
 _CUDA_CHUNK_ELEMENTS = 1 << 26
 _MIN_CHUNK_ROWS = 16
+# What a chunk can compute when its score columns skip keys (sinks, then a window band): nothing
+# that sums over key positions; argmax and top-k indices are mapped back to keys.
+_GATHERED_STATS = frozenset({stat.LSE, stat.ENTROPY, stat.ARGMAX})
 
 
 @dataclass(frozen=True)
@@ -221,12 +224,13 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _chunk_rows(start: int, n_q: int, offset: int, n_k: int, causal: bool, group: int, budget: int,
-                window: int = 0) -> int:
+                window: int = 0, sink: int = 0) -> int:
     """Largest query chunk starting at ``start`` whose scores (``group`` heads) fit in ``budget``;
-    ``window`` > 0: the chunk's scores start at its first row's window (``_Worker._first_key``)."""
+    ``window`` > 0: the chunk's scores cover ``sink`` keys and its rows' windows (``_Worker._first_keys``)."""
     if causal:
         # keys seen by the chunk: offset + start + c; solve group * c * (offset + start + c) <= budget
-        base = offset + start if not window else min(offset + start, window - 1)
+        # (under a window: at most sink + window - 1 + c of them)
+        base = offset + start if not window else min(offset + start, sink + window - 1)
         c = int((-base + math.sqrt(base * base + 4.0 * budget / group)) / 2.0)
     else:
         c = budget // (group * n_k)
@@ -325,10 +329,15 @@ class _Job:
             self.win = torch.tensor(plan.key_window, **as_heads).view(n_kv, self.group, 1, 1)
             self.sink = torch.tensor(plan.key_sink, **as_heads).view(n_kv, self.group, 1, 1)
             self.n_kv = n_kv
-        # every head windowed, no sinks (Mistral, Gemma): a chunk's scores start at its first row's
-        # window, so a windowed layer costs O(n · W), not O(n²)
-        windows = plan.key_window
-        self.win_max = max(windows) if windows and min(windows) > 0 and max(plan.key_sink) == 0 else 0
+        # every head windowed: a chunk's scores cover its first row's window on (no sinks: Mistral,
+        # Gemma) or the sink keys and that band (a policy's streaming heads), so the layer costs
+        # O(n · (S + W)), not O(n²). With sinks the score columns skip keys, so only statistics that
+        # index no key, or whose index maps back (argmax, top-k), take that path.
+        windows, sinks = plan.key_window, plan.key_sink
+        every = bool(windows) and min(windows) > 0
+        gathers = every and max(sinks) > 0 and self.st <= _GATHERED_STATS
+        self.win_max = max(windows) if every and (max(sinks) == 0 or gathers) else 0
+        self.sink_max = min(max(sinks), n_k) if gathers else 0
         self.lock = threading.Lock()  # for sums that several chunks add into (col_sum, pooled)
 
         # [units, group, n_q, d]: a view when q's head axis allows it; K/V as [units, n_k, d]
@@ -366,10 +375,10 @@ class _Job:
         s = 0
         while s < self.n_q:
             c = _chunk_rows(s, self.n_q, self.offset, self.n_k, self.plan.causal, self.group, self.budget,
-                            self.win_max)
+                            self.win_max, self.sink_max)
             n_ke = self.offset + s + c if self.plan.causal else self.n_k
             if self.win_max:
-                n_ke = min(n_ke, c + self.win_max - 1)
+                n_ke = min(n_ke, self.sink_max + c + self.win_max - 1)  # the chunk's score columns
             # small problems: several heads per matmul
             n_units = max(1, min(self.units, self.budget // (self.group * c * n_ke)))
             tasks += [(s, s + c, u0, min(self.units, u0 + n_units)) for u0 in range(0, self.units, n_units)]
@@ -416,6 +425,8 @@ class _Worker:
         self.score_buf = torch.empty(0, **job.f32)
         self.prob_buf = torch.empty(0, **job.f32)
         self.q_buf = torch.empty(0, **job.f32)
+        self.k_buf = torch.empty(0, **job.f32)
+        self.v_buf = torch.empty(0, **job.f32)
         self.tri: dict[int, Tensor] = {}
         self.ones: dict[int, Tensor] = {}
         self.band: dict[tuple[int, int, int], Tensor] = {}
@@ -433,25 +444,31 @@ class _Worker:
         s, e, u0, u1 = task
         c, nu, group, offset, dev = e - s, u1 - u0, j.group, j.offset, j.dev
         n_ke = offset + e if plan.causal else j.n_k  # keys any row of the chunk can see
-        k0 = self._first_key(s)  # score columns are keys k0 .. n_ke - 1 (k0 > 0 only under a window)
-        w = n_ke - k0
+        # score columns: keys 0 .. n_sink - 1, then k0 .. n_ke - 1 (n_sink, k0 > 0 only under windows)
+        n_sink, k0 = self._first_keys(s)
+        w = n_sink + n_ke - k0
         rows = nu * group * c
+        if n_sink:  # the sinks and the band as one [nu, w, d] key block: one matmul each way
+            keys = self._gather("k_buf", j.ku, u0, u1, n_sink, k0, n_ke)
+            values = self._gather("v_buf", j.vu, u0, u1, n_sink, k0, n_ke)
+        else:
+            keys, values = j.ku[u0:u1, k0:n_ke], j.vu[u0:u1, k0:n_ke]
 
         # one matmul per key-value head serves all `group` query heads: rows = group × chunk
         qc = torch.mul(j.qu[u0:u1, :, s:e], plan.scale, out=self._buffer("q_buf", rows * j.d).view(nu, group, c, j.d))
         sc = self._buffer("score_buf", rows * w).view(nu, group * c, w)
-        torch.bmm(qc.view(nu, group * c, j.d), j.ku[u0:u1, k0:n_ke].transpose(1, 2), out=sc)
+        torch.bmm(qc.view(nu, group * c, j.d), keys.transpose(1, 2), out=sc)
         if plan.softcap is not None:  # Gemma 2: cap the scores, then mask
             sc.div_(plan.softcap).tanh_().mul_(plan.softcap)
         if plan.causal:
             # keys before the chunk's first position are visible to every row; only the last c
-            # columns form the triangle
+            # columns form the triangle (also after sinks: the band holds at least the chunk's c keys)
             tri = self.tri.get(c)
             if tri is None:
                 tri = self.tri[c] = torch.ones(c, c, dtype=torch.bool, device=dev).triu_(1)
             sc.view(nu, group, c, w)[..., w - c :].masked_fill_(tri, j.neg)
         if plan.windowed:
-            self._mask_window(sc.view(nu, group, c, w), s, e, u0, u1, k0, n_ke)
+            self._mask_window(sc.view(nu, group, c, w), s, e, u0, u1, n_sink, k0, n_ke)
         # row maxima (and argmax) from the raw scores, before anything overwrites them
         idx = None
         if stat.ARGMAX in st:
@@ -466,9 +483,10 @@ class _Worker:
         # in place unless entropy needs the scores (each row is read before it is written)
         p = self._buffer("prob_buf", rows * w).view(nu, group * c, w) if stat.ENTROPY in st else sc
         torch.softmax(sc, -1, out=p)
-        j.out[u0:u1, :, s:e] = torch.bmm(p, j.vu[u0:u1, k0:n_ke]).view(nu, group, c, j.d_v)
+        j.out[u0:u1, :, s:e] = torch.bmm(p, values).view(nu, group, c, j.d_v)
 
-        # statistics, from this chunk's probabilities (column t is key k0 + t)
+        # statistics, from this chunk's probabilities (column t is key k0 + t; with sinks, t < n_sink
+        # is key t and the rest k0 + t - n_sink: only lse, entropy, argmax and top-k are asked then)
         pv = p.view(nu, group, c, w)
         here = (slice(u0, u1), slice(None), slice(s, e))
 
@@ -484,10 +502,11 @@ class _Worker:
             if stat.LSE in st:
                 put(j.lse, m + log_l)
         if stat.ARGMAX in st:
-            put(j.arg, idx + k0)
+            put(j.arg, _column_keys(idx, n_sink, k0))
             put(j.arg_p, p_max)
             if plan.topk > 1:
-                ti, tp = top_idx.view(nu, group, c, kk) + k0, p.gather(-1, top_idx).view(nu, group, c, kk)
+                ti = _column_keys(top_idx, n_sink, k0).view(nu, group, c, kk)
+                tp = p.gather(-1, top_idx).view(nu, group, c, kk)
                 if plan.causal:  # rows with fewer than topk visible keys: no such key
                     dead = (top_val == j.neg).view(nu, group, c, kk)
                     ti, tp = ti.masked_fill(dead, -1), tp.masked_fill(dead, 0.0)
@@ -526,19 +545,30 @@ class _Worker:
             # last: overwrites the scores. H = lse - sum p s = log l - sum p (s - m)
             put(j.ent, log_l - sc.mul_(p).sum(-1))
 
-    def _first_key(self, s: int) -> int:
-        """First key a chunk starting at row ``s`` computes scores for: 0, or under a window with
-        no sinks the first key of row ``s``'s window (aligned down to a pooled block)."""
+    def _first_keys(self, s: int) -> tuple[int, int]:
+        """``(n_sink, k0)``: a chunk starting at row ``s`` computes scores for keys ``0 .. n_sink - 1``
+        and ``k0 ..`` on. Without a window ``(0, 0)``; with windows ``k0`` is the first key of row
+        ``s``'s widest window (aligned down to a pooled block), and with sinks ``n_sink`` is the
+        largest sink, or ``(0, 0)`` while that window still reaches the sinks (one contiguous block)."""
         j = self.job
         if not j.win_max:
-            return 0
+            return 0, 0
         k0 = max(0, j.offset + s - j.win_max + 1)
-        return k0 - k0 % j.plan.block_size if stat.POOLED in j.st else k0
+        if j.sink_max:
+            return (j.sink_max, k0) if k0 > j.sink_max else (0, 0)
+        return 0, k0 - k0 % j.plan.block_size if stat.POOLED in j.st else k0
 
-    def _mask_window(self, sc: Tensor, s: int, e: int, u0: int, u1: int, k0: int, n_ke: int) -> None:
+    def _gather(self, name: str, x: Tensor, u0: int, u1: int, n_sink: int, k0: int, n_ke: int) -> Tensor:
+        """Rows ``0 .. n_sink - 1`` and ``k0 .. n_ke - 1`` of ``x[u0:u1]`` ``[units, n_k, d]``, in a
+        reused buffer ``[u1 - u0, n_sink + n_ke - k0, d]``."""
+        d = x.shape[-1]
+        buf = self._buffer(name, (u1 - u0) * (n_sink + n_ke - k0) * d).view(u1 - u0, -1, d)
+        return torch.cat([x[u0:u1, :n_sink], x[u0:u1, k0:n_ke]], 1, out=buf)
+
+    def _mask_window(self, sc: Tensor, s: int, e: int, u0: int, u1: int, n_sink: int, k0: int, n_ke: int) -> None:
         """Mask keys outside each head's window and sink: ``S_h <= j <= p_i − W_h`` (``W_h > 0``)
-        in scores ``[units, group, c, keys k0..n_ke]`` of rows ``s..e`` (masking the last key of a
-        row never happens: ``p_i > p_i − W_h``)."""
+        in scores ``[units, group, c, columns]`` of rows ``s..e``, columns keys ``0..n_sink`` then
+        ``k0..n_ke`` (masking the last key of a row never happens: ``p_i > p_i − W_h``)."""
         j = self.job
         first = j.offset + s  # position of the chunk's first row
         if first + (e - s) - 1 - int(j.win[j.win > 0].min()) < 0:
@@ -546,7 +576,10 @@ class _Worker:
         kv = torch.arange(u0, u1, device=j.dev) % j.n_kv
         win, sink = j.win[kv], j.sink[kv]  # [units, group, 1, 1]
         pos = torch.arange(first, j.offset + e, device=j.dev).view(1, 1, -1, 1)
-        keys = torch.arange(k0, n_ke, device=j.dev).view(1, 1, 1, -1)
+        keys = torch.arange(k0, n_ke, device=j.dev)
+        if n_sink:
+            keys = torch.cat([torch.arange(n_sink, device=j.dev), keys])
+        keys = keys.view(1, 1, 1, -1)
         sc.masked_fill_((win > 0) & (keys >= sink) & (keys <= pos - win), j.neg)
 
     def _band(self, s: int, e: int, n_ke: int) -> tuple[int, Tensor]:
@@ -561,6 +594,13 @@ class _Worker:
             i = torch.arange(c, device=j.dev).unsqueeze(1)
             band = self.band[key] = ((rel <= i) & (rel > i - j.plan.window)).to(j.cdt)
         return r_lo, band
+
+
+def _column_keys(col: Tensor, n_sink: int, k0: int) -> Tensor:
+    """Key index of score columns ``col``: keys ``0 .. n_sink - 1``, then ``k0`` on."""
+    if not n_sink:
+        return col + k0
+    return torch.where(col < n_sink, col, col + (k0 - n_sink))
 
 
 def _row_argmax(x: Tensor, width: int = 64) -> tuple[Tensor, Tensor]:

@@ -86,3 +86,78 @@ def test_bad_masks_are_refused(kwargs, message):
     q, k, v = _inputs(2, 1, 6, 6)
     with pytest.raises(ValueError, match=message):
         attention(q, k, v, **kwargs)
+
+
+# Every head windowed and some sinks (a KV-cache policy's streaming heads): a chunk's scores cover the
+# sink keys and its rows' window band only, O(n · (S + W)); statistics that do not index keys, or
+# whose key indices map back (lse, entropy, argmax, top-k), take that path.
+GATHERED_STATS = [(), ("lse",), ("entropy",), ("argmax",), ("lse", "entropy", "argmax")]
+
+
+def _random_sink_window_case(seed):
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(*options):
+        return options[int(torch.randint(len(options), (), generator=g))]
+
+    def ints(lo, hi, n=None):
+        return torch.randint(lo, hi + 1, (n,) if n else (), generator=g)
+
+    n_kv = pick(1, 2, 3)
+    group = pick(1, 2, 4)
+    h = n_kv * group
+    n_k = int(ints(1, 90))
+    n_q = pick(n_k, n_k, 1, int(ints(1, n_k)))  # prefill, one decode row, or rows after a cache
+    # per KV group, as a policy gives them; windows from 1 (the query alone) up; sinks mostly a few keys,
+    # sometimes more than there are positions
+    window = ints(1, 12, n_kv).repeat_interleave(group)
+    sink = torch.where(ints(0, 4, n_kv) == 0, ints(0, n_k + 5, n_kv), ints(0, 4, n_kv)).repeat_interleave(group)
+    if pick(True, False):  # heads of one group may differ too
+        window, sink = ints(1, 12, h), ints(0, 6, h)
+    dtype = pick(torch.float32, torch.float64)
+    b = pick(1, 2)
+    q = torch.randn(b, h, n_q, 16, generator=g, dtype=dtype) * 2
+    k = torch.randn(b, n_kv, n_k, 16, generator=g, dtype=dtype)
+    v = torch.randn(b, n_kv, n_k, 8, generator=g, dtype=dtype)
+    kw = dict(key_window=window, key_sink=sink, softcap=pick(None, 4.0), topk=min(n_k, pick(1, 3)))
+    return q, k, v, kw, pick(None, 7, 40, 300, 3000)
+
+
+@pytest.mark.parametrize("stats", GATHERED_STATS, ids=lambda s: "+".join(s) or "out-only")
+@pytest.mark.parametrize("seed", range(24))
+def test_sink_and_window_heads_equal_the_masked_reference(seed, stats):
+    """Random shapes (GQA, decode rows after a cache, sinks past the last position, W = 1, chunks down
+    to one row, float64): the output and each statistic equal the dense masked softmax."""
+    q, k, v, kw, chunk = _random_sink_window_case(seed)
+    got = attention(q, k, v, stats=stats, chunk_elements=chunk, **kw)
+    ref = reference_attention(q, k, v, **kw)
+    tol = 1e-10 if q.dtype == torch.float64 else 2e-5
+    assert got.out.dtype == q.dtype
+    assert (got.out.double() - ref["out"]).abs().max() < tol
+    want = set(stats) | ({"argmax_prob"} if "argmax" in stats else set())
+    if "argmax" in stats and kw["topk"] > 1:
+        want |= {"topk_index", "topk_prob"}
+    assert set(got.stats) == want
+    for name, value in got.stats.items():
+        if value.dtype == torch.int64:
+            assert torch.equal(value, ref[name]), name
+        else:
+            assert torch.allclose(value.double(), ref[name].double(), atol=max(tol, 2e-6)), name
+
+
+@pytest.mark.parametrize("stats", GATHERED_STATS[:3] + [("argmax",)], ids=lambda s: "+".join(s) or "out-only")
+def test_sink_and_window_heads_never_read_keys_no_row_can_see(stats):
+    """Four decode rows after a cache of 200 keys, sinks 3 and windows of 6 to 10: keys 3 .. 186 are
+    hidden from every row of every head, so poisoning them (NaN keys and values) changes nothing: the
+    kernel reads S + W keys per row, not all earlier ones."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, n, d, generator=g) for h, n, d in ((4, 4, 16), (2, 200, 16), (2, 200, 8)))
+    kw = dict(key_window=torch.tensor([6, 6, 10, 10]), key_sink=3, topk=2)
+    ref = reference_attention(q, k, v, **kw)
+    k[:, :, 3:187], v[:, :, 3:187] = float("nan"), float("nan")
+    got = attention(q, k, v, stats=stats, chunk_elements=16, **kw)
+    assert torch.isfinite(got.out).all()
+    assert (got.out.double() - ref["out"]).abs().max() < 1e-5
+    for name, value in got.stats.items():
+        assert torch.allclose(value.double(), ref[name].double(), atol=2e-6), name
+    assert "argmax" not in stats or int(got.stats["topk_index"].min()) >= 0
