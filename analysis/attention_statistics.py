@@ -61,7 +61,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kernels.attention import ARGMAX, COL_SUM, LSE, POOLED, ROWS, SINK_MASS, SPAN_MASS, TOPK_INDEX, attention
+from kernels.attention import (
+    ARGMAX,
+    COL_SUM,
+    LSE,
+    POOLED,
+    ROWS,
+    SINK_MASS,
+    SPAN_MASS,
+    TOPK_INDEX,
+    AttentionResult,
+    attention,
+)
 
 
 class StatisticsModeError(ValueError):
@@ -512,7 +523,12 @@ def _attend_masked(layer: int, q: Tensor, k: Tensor, v: Tensor, mask: LayerMask,
                    on_layer: OnLayer | None) -> Tensor:
     """:func:`_attend` under a policy's key mask: one kernel call per :func:`masked_segments` segment.
     Statistics are reported when one call covers every row (pair terms and cells are refused: their
-    formulas know only the model's window)."""
+    formulas know only the model's window).
+
+    With no statistics asked, the KV groups whose query heads all have window 0 (a policy's full
+    groups) run apart, with the layer's own mask alone: the kernel then takes SDPA's fused path where
+    it applies (no model window, square or single-row inputs), and the streaming groups' call has every
+    head windowed, so it computes only their sink and window keys."""
     if req is not None and (req.pairs or req.pair_index is not None):
         raise StatisticsModeError("Pair terms and listed cells are not computed under a KV-cache policy's key mask.")
     n_q, n_k = q.shape[-2], k.shape[-2]
@@ -525,9 +541,25 @@ def _attend_masked(layer: int, q: Tensor, k: Tensor, v: Tensor, mask: LayerMask,
         raise StatisticsModeError(
             f"Layer {layer}: the policy's sinks leave the model's sliding window of {mask.window} keys part-way "
             "through these rows, so they run in several kernel calls: statistics are not reported there.")
+    group = q.shape[1] // k.shape[1]
+    full = [g for g in range(k.shape[1]) if not any(head_mask.window[g * group : (g + 1) * group])]
+    if not stats and 0 < len(full) < k.shape[1]:
+        return _attend_split(q, k, v, mask, head_mask, dropped, kernel_kwargs, full).transpose(1, 2)
+    out, result = _attend_segments(q, k, v, mask, segments, stats, kernel_kwargs)
+    if stats and on_layer is not None:
+        found = _in_model_positions(dict(result.stats), dropped) if dropped else dict(result.stats)
+        on_layer(LayerStats(layer=layer, n_q=n_q, n_k=n_k + dropped, stats=found, pairs={}))
+    return out.transpose(1, 2)
+
+
+def _attend_segments(q: Tensor, k: Tensor, v: Tensor, mask: LayerMask, segments: list[Segment],
+                     stats: tuple[str, ...], kernel_kwargs: dict[str, Any]) -> tuple[Tensor, AttentionResult]:
+    """The kernel on each segment's rows and keys with its per-head mask: the output ``[b, h, n_q, d_v]``
+    and the last call's result (the only one when statistics are asked)."""
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    as_tensor = dict(dtype=torch.int64, device=q.device)
     outs = []
     for seg in segments:
-        as_tensor = dict(dtype=torch.int64, device=q.device)
         # the kernel puts its queries at the last key positions: end the keys at the segment's last row
         keys = slice(seg.key_start, n_k - (n_q - seg.row_end))
         result = attention(q[:, :, seg.row_start:seg.row_end], k[:, :, keys], v[:, :, keys],
@@ -535,10 +567,30 @@ def _attend_masked(layer: int, q: Tensor, k: Tensor, v: Tensor, mask: LayerMask,
                            key_sink=torch.tensor(seg.sink, **as_tensor),
                            key_window=torch.tensor(seg.window, **as_tensor), **kernel_kwargs)
         outs.append(result.out)
-    if stats and on_layer is not None:
-        found = _in_model_positions(dict(result.stats), dropped) if dropped else dict(result.stats)
-        on_layer(LayerStats(layer=layer, n_q=n_q, n_k=n_k + dropped, stats=found, pairs={}))
-    return torch.cat(outs, 2).transpose(1, 2) if len(outs) > 1 else outs[0].transpose(1, 2)
+    return (torch.cat(outs, 2) if len(outs) > 1 else outs[0]), result
+
+
+def _attend_split(q: Tensor, k: Tensor, v: Tensor, mask: LayerMask, head_mask: HeadKeyMask, dropped: int,
+                  kernel_kwargs: dict[str, Any], full: list[int]) -> Tensor:
+    """The output ``[b, h, n_q, d_v]`` with the KV groups ``full`` (every query head window 0) in one
+    kernel call under the layer's mask alone, as :func:`_attend` without a policy runs them, and the
+    other groups under their head mask (:func:`masked_segments` of their heads alone)."""
+    n_kv, n_q, n_k = k.shape[1], q.shape[-2], k.shape[-2]
+    group = q.shape[1] // n_kv
+    out = q.new_empty(*q.shape[:3], v.shape[-1])
+    masked = [g for g in range(n_kv) if g not in full]
+    for kv_heads in (full, masked):
+        heads = [g * group + i for g in kv_heads for i in range(group)]
+        hi = torch.tensor(heads, device=q.device)
+        ki = torch.tensor(kv_heads, device=q.device)
+        qs, ks, vs = q[:, hi], k[:, ki], v[:, ki]
+        if kv_heads is full:
+            out[:, hi] = attention(qs, ks, vs, causal=True, **mask.kernel, **kernel_kwargs).out
+        else:
+            part = HeadKeyMask(tuple(head_mask.sink[h] for h in heads), tuple(head_mask.window[h] for h in heads))
+            segments = masked_segments(part, mask.window, n_q, n_k, dropped)
+            out[:, hi] = _attend_segments(qs, ks, vs, mask, segments, (), kernel_kwargs)[0]
+    return out
 
 
 def _in_model_positions(stats: dict[str, Tensor], dropped: int) -> dict[str, Tensor]:

@@ -11,7 +11,7 @@ from analysis.attention_statistics import (
     _check_causal_mask,
     statistics_mode,
 )
-from kernels.attention import ARGMAX, ENTROPY, ROWS
+from kernels.attention import ARGMAX, ENTROPY, ROWS, attention
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +167,68 @@ def test_masked_segments_apply_a_policy_mask_within_the_models_window_as_the_def
                     want[h, r, jc] = (j <= p and (wm == 0 or j > p - wm)
                                       and (window[h] == 0 or j < sink[h] or j > p - window[h]))
         assert np.array_equal(got, want), (wm, sink, window, n_q, n_k, dropped, segs)
+
+
+def _dense_masked_attention(q, k, v, scale, softcap, wm, sink, window, dropped):
+    """softmax over the keys the definition shows (module docstring of analysis.attention_statistics),
+    ``[b, n_q, h, d_v]``: row ``r`` at position ``p = dropped + n_k − n_q + r`` sees cache key ``jc``
+    (position ``j = dropped + jc``) iff ``j ≤ p``, ``j > p − W_m`` (if any) and ``j < S_h or j > p − W_h``
+    (if ``W_h``)."""
+    b, h, n_q, _ = q.shape
+    n_k = k.shape[2]
+    group = h // k.shape[1]
+    s = q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    p = (dropped + n_k - n_q + torch.arange(n_q)).view(1, -1, 1)
+    j = (dropped + torch.arange(n_k)).view(1, 1, -1)
+    w, sk = torch.tensor(window).view(-1, 1, 1), torch.tensor(sink).view(-1, 1, 1)
+    visible = (j <= p) & ((j > p - wm) if wm else True) & ((w == 0) | (j < sk) | (j > p - w))
+    a = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
+    return (a @ v.double().repeat_interleave(group, 1)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_policy_mask_runs_full_groups_apart_and_equals_the_definition(seed, monkeypatch):
+    """Random GQA layouts (model windows or none, prefill and decode rows, caches that dropped keys,
+    some KV groups full and some streaming): the output equals a dense softmax under the definition's
+    mask, and the full groups' heads run in a kernel call without a key mask (SDPA where it applies)."""
+    import numpy as np
+
+    from analysis import attention_statistics as mod
+    from analysis.attention_statistics import HeadKeyMask, LayerMask, _attend_masked
+
+    rng = np.random.default_rng(seed)
+    n_kv, group = int(rng.integers(1, 4)), int(rng.choice([1, 2, 3]))
+    h = n_kv * group
+    wm = int(rng.choice([0, 0, 3, 6, 9]))
+    n_k = int(rng.integers(1, 40))
+    n_q = int(rng.choice([n_k, 1, rng.integers(1, n_k + 1)]))
+    dropped = 0
+    if wm and n_q == 1 and n_k >= wm:  # a sliding cache holds the window and nothing older
+        dropped, n_k = int(rng.integers(0, 10)), wm
+    full = rng.random(n_kv) < 0.5
+    streaming_sink, streaming_window = int(rng.integers(0, 5)), int(rng.choice([1, 2, 4, 7]))
+    sink = tuple(0 if full[g // group] else streaming_sink for g in range(h))
+    window = tuple(0 if full[g // group] else streaming_window for g in range(h))
+    dtype = torch.float64 if seed % 2 else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, h, n_q, 8, generator=g, dtype=dtype) * 2
+    k, v = torch.randn(1, n_kv, n_k, 8, generator=g, dtype=dtype), torch.randn(1, n_kv, n_k, 4, generator=g, dtype=dtype)
+    mask = LayerMask(scale=0.4, softcap=None if seed % 3 else 3.0, window=wm)
+
+    calls = []
+
+    def spy(q, k, v, **kw):
+        calls.append((q.shape[1], kw.get("key_window")))
+        return attention(q, k, v, **kw)
+
+    monkeypatch.setattr(mod, "attention", spy)
+    got = _attend_masked(0, q, k, v, mask, HeadKeyMask(sink, window), dropped, (), {}, None, None)
+    want = _dense_masked_attention(q, k, v, mask.scale, mask.softcap, wm, sink, window, dropped)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert (got.double() - want).abs().max() < (1e-10 if dtype == torch.float64 else 2e-5)
+    if 0 < full.sum() < n_kv:  # the full groups' heads in one call with the model's mask alone
+        unmasked = [c for c in calls if not isinstance(c[1], torch.Tensor)]
+        assert unmasked == [(int(full.sum()) * group, wm or None)]
+        assert all(c[0] == (n_kv - int(full.sum())) * group for c in calls if isinstance(c[1], torch.Tensor))
