@@ -10,7 +10,8 @@ one ``masked_fill`` per layer with streaming groups.
 :func:`analysis.kv_compression.policy_applied` at each of ``--lengths``: ``eager`` (masked
 ``hook_attn_scores``, the N × N scores of a layer exist) and ``statistics`` (the kernels' per-head
 key mask, O(N)); prints time, peak RSS growth, the time ratio policy / uncompressed on the same
-backend and the peak-memory ratio statistics / eager, all measured in the same run.
+backend and the peak-memory ratio statistics / eager, all measured in the same run. ``--backends statistics``
+runs one backend only (eager's N × N pass takes several times as long; its memory ratio is then nan).
 
 ``curve``: a needle-in-a-haystack sweep (stored: reused) at ``--length`` tokens, retrieval scores from
 its trials and streaming scores over its prompts with the policy's S and W, then
@@ -19,7 +20,7 @@ over ``--fractions`` and the two ends; prints the table and, per ranking, the sm
 within 5 NIAH points of full (for random: every seed within).
 
     .venv/bin/python bench/compress.py ratio [--length 1024] [--repeats 3]
-    .venv/bin/python bench/compress.py backends [--lengths 2048,4096] [--repeats 1]
+    .venv/bin/python bench/compress.py backends [--lengths 2048,4096] [--repeats 1] [--backends eager,statistics]
     .venv/bin/python bench/compress.py curve [--length 2048] [--backend auto] [--depths 25,75] [--needles a,b,c]
                                              [--fractions 0.1,0.25,0.5,0.75] [--seeds 3] [--loss-texts N]
                                              [--home DIR]
@@ -150,7 +151,7 @@ def backends(args) -> None:
     for length in [int(x) for x in args.lengths.split(",")]:
         best: dict[tuple[str, str], dict] = {}
         for _ in range(args.repeats):
-            for backend in ("eager", "statistics"):
+            for backend in args.backends.split(","):
                 for variant in ("uncompressed", "policy"):
                     cmd = [sys.executable, __file__, "_one", "--length", str(length), "--backend", backend,
                            "--variant", variant, "--sink", str(args.sink), "--recent", str(args.recent),
@@ -175,7 +176,7 @@ def backends(args) -> None:
     for best in rows:
         for (backend, variant), m in best.items():
             base = best[(backend, "uncompressed")]["seconds"]
-            eager_mem = best[("eager", variant)]["rss"]
+            eager_mem = best[("eager", variant)]["rss"] if ("eager", variant) in best else float("nan")
             name = label if variant == "policy" else "uncompressed"
             print(f"{backend:<11} {name:<30} {m['tokens']:>6} {m['seconds']:>7.1f} {m['rss'] / 2**20:>14.1f} "
                   f"{m['max_rss'] / 2**20:>11.0f} "
@@ -251,6 +252,8 @@ def main() -> None:
                    help="time one forward pass without the unembedding ([n, vocab] logits dominate memory otherwise)")
     p.add_argument("--sink", type=int, default=128)
     p.add_argument("--recent", type=int, default=256)
+    p.add_argument("--backends", default="eager,statistics", choices=("eager,statistics", "eager", "statistics"),
+                   help="which backends to time (default both)")
     p = sub.add_parser("_one")
     p.add_argument("--length", type=int, required=True)
     p.add_argument("--backend", required=True)
