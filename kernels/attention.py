@@ -9,6 +9,8 @@ One public entry, :func:`attention`, with two implementations of identical seman
   On CPU the chunks are shared among ``torch.get_num_threads()`` worker threads that each run
   single-threaded ops (see :func:`_run_threaded` for why); with no statistics requested the
   output comes from ``scaled_dot_product_attention`` where its causal mask agrees with ours.
+  When every head has a key window, a chunk scores only the keys its rows can see (the window
+  band, and the sink keys before it), so a sliding-window or streaming layer costs O(n · (S + W)).
 - ``backend="triton"``: two fused passes (:mod:`kernels.triton_attention`), for CUDA tensors.
 
 The statistic names, their defaults and the validation of a request live in
@@ -329,6 +331,10 @@ class _Job:
             self.win = torch.tensor(plan.key_window, **as_heads).view(n_kv, self.group, 1, 1)
             self.sink = torch.tensor(plan.key_sink, **as_heads).view(n_kv, self.group, 1, 1)
             self.n_kv = n_kv
+            # per key-value head, its query heads' (windows, sinks): chunks of heads with the same
+            # masks share a mask bias
+            self.head_masks = [(tuple(self.win[g].flatten().tolist()), tuple(self.sink[g].flatten().tolist()))
+                               for g in range(n_kv)]
         # every head windowed: a chunk's scores cover its first row's window on (no sinks: Mistral,
         # Gemma) or the sink keys and that band (a policy's streaming heads), so the layer costs
         # O(n · (S + W)), not O(n²). With sinks the score columns skip keys, so only statistics that
@@ -430,6 +436,7 @@ class _Worker:
         self.tri: dict[int, Tensor] = {}
         self.ones: dict[int, Tensor] = {}
         self.band: dict[tuple[int, int, int], Tensor] = {}
+        self.bias: dict[tuple, Tensor] = {}
         self.pool_rows: dict[tuple[int, int], Tensor] = {}
 
     def _buffer(self, name: str, size: int) -> Tensor:
@@ -457,18 +464,22 @@ class _Worker:
         # one matmul per key-value head serves all `group` query heads: rows = group × chunk
         qc = torch.mul(j.qu[u0:u1, :, s:e], plan.scale, out=self._buffer("q_buf", rows * j.d).view(nu, group, c, j.d))
         sc = self._buffer("score_buf", rows * w).view(nu, group * c, w)
-        torch.bmm(qc.view(nu, group * c, j.d), keys.transpose(1, 2), out=sc)
-        if plan.softcap is not None:  # Gemma 2: cap the scores, then mask
-            sc.div_(plan.softcap).tanh_().mul_(plan.softcap)
-        if plan.causal:
-            # keys before the chunk's first position are visible to every row; only the last c
-            # columns form the triangle (also after sinks: the band holds at least the chunk's c keys)
-            tri = self.tri.get(c)
-            if tri is None:
-                tri = self.tri[c] = torch.ones(c, c, dtype=torch.bool, device=dev).triu_(1)
-            sc.view(nu, group, c, w)[..., w - c :].masked_fill_(tri, j.neg)
-        if plan.windowed:
-            self._mask_window(sc.view(nu, group, c, w), s, e, u0, u1, n_sink, k0, n_ke)
+        bias = self._steady_bias(s, c, n_sink, k0, u0, u1) if j.win_max and plan.softcap is None else None
+        if bias is not None:  # the causal and window mask inside the matmul: scores = bias + q · kᵀ
+            torch.baddbmm(bias, qc.view(nu, group * c, j.d), keys.transpose(1, 2), out=sc)
+        else:
+            torch.bmm(qc.view(nu, group * c, j.d), keys.transpose(1, 2), out=sc)
+            if plan.softcap is not None:  # Gemma 2: cap the scores, then mask
+                sc.div_(plan.softcap).tanh_().mul_(plan.softcap)
+            if plan.causal:
+                # keys before the chunk's first position are visible to every row; only the last c
+                # columns form the triangle (also after sinks: the band holds at least the chunk's c keys)
+                tri = self.tri.get(c)
+                if tri is None:
+                    tri = self.tri[c] = torch.ones(c, c, dtype=torch.bool, device=dev).triu_(1)
+                sc.view(nu, group, c, w)[..., w - c :].masked_fill_(tri, j.neg)
+            if plan.windowed:
+                self._mask_window(sc.view(nu, group, c, w), s, e, u0, u1, n_sink, k0, n_ke)
         # row maxima (and argmax) from the raw scores, before anything overwrites them
         idx = None
         if stat.ARGMAX in st:
@@ -557,6 +568,29 @@ class _Worker:
         if j.sink_max:
             return (j.sink_max, k0) if k0 > j.sink_max else (0, 0)
         return 0, k0 - k0 % j.plan.block_size if stat.POOLED in j.st else k0
+
+    def _steady_bias(self, s: int, c: int, n_sink: int, k0: int, u0: int, u1: int) -> Tensor | None:
+        """The mask of a chunk whose columns start at its first row's widest window (after any
+        sinks) as an additive bias ``[units, group · c, columns]`` (0 visible, the dtype's minimum
+        hidden), or None for other chunks. Such chunks all see the same pattern, relative to ``k0``:
+        row ``i`` is at position ``k0 + W_max − 1 + i``, so band column ``t`` (key ``k0 + t``) is
+        visible to head ``h`` iff ``t ≤ W_max − 1 + i`` and ``t > W_max − 1 + i − W_h``, and sink
+        column ``t`` iff ``t < S_h``: one bias per chunk size and heads' masks serves them all."""
+        j = self.job
+        if k0 != j.offset + s - j.win_max + 1 or bool(j.sink_max) != bool(n_sink):
+            return None  # a window still reaching key 0 or the sinks, or aligned to pooled blocks
+        kv = [u % j.n_kv for u in range(u0, u1)]
+        key = (c, *(j.head_masks[g] for g in kv))
+        bias = self.bias.get(key)
+        if bias is None:
+            win, sink = j.win[kv], j.sink[kv]  # [units, group, 1, 1]
+            row = torch.arange(c, device=j.dev).view(1, 1, -1, 1) + (j.win_max - 1)
+            col = torch.arange(n_sink + c + j.win_max - 1, device=j.dev).view(1, 1, 1, -1)
+            band = col - n_sink
+            visible = torch.where(col < n_sink, col < sink, (band <= row) & (band > row - win))
+            bias = torch.zeros(visible.shape, **j.f32).masked_fill_(~visible, j.neg)
+            self.bias[key] = bias = bias.view(len(kv), j.group * c, -1)
+        return bias
 
     def _gather(self, name: str, x: Tensor, u0: int, u1: int, n_sink: int, k0: int, n_ke: int) -> Tensor:
         """Rows ``0 .. n_sink - 1`` and ``k0 .. n_ke - 1`` of ``x[u0:u1]`` ``[units, n_k, d]``, in a
