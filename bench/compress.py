@@ -45,7 +45,8 @@ def _rss() -> int:
 
 
 def measured(fn):
-    """(result, seconds, peak RSS growth in bytes while ``fn`` ran; sampled every 5 ms)."""
+    """(result, seconds, peak RSS growth in bytes while ``fn`` ran (sampled every 5 ms), CPU seconds of
+    the process meanwhile). CPU time hardly moves with other work on the machine; wall time does."""
     base = _rss()
     peak = [base]
     done = threading.Event()
@@ -57,14 +58,15 @@ def measured(fn):
 
     th = threading.Thread(target=sample, daemon=True)
     th.start()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     try:
         out = fn()
     finally:
         seconds = time.perf_counter() - t
+        cpu = time.process_time() - cpu
         done.set()
         th.join()
-    return out, seconds, max(peak[0], _rss()) - base
+    return out, seconds, max(peak[0], _rss()) - base, cpu
 
 
 def ratio(args) -> None:
@@ -88,7 +90,7 @@ def ratio(args) -> None:
                 loss = text_metrics(model, [text], hooks).loss
                 return loss, retrieval_accuracy(model, [prompt], hooks).accuracy
 
-            (loss, acc), s, mem = measured(run)
+            (loss, acc), s, mem, _ = measured(run)
             if name not in best or s < best[name][0]:
                 best[name] = (s, mem, loss, acc)
     base = best["uncompressed"][0]
@@ -132,11 +134,11 @@ def _one(args) -> None:
                 acc = retrieval_accuracy(model, [prompt], hooks, max_new_tokens=args.new_tokens).accuracy
         return loss, acc
 
-    (loss, acc), s, mem = measured(run)
+    (loss, acc), s, mem, cpu = measured(run)
     import resource
 
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process's high-water mark
-    print(json.dumps({"tokens": prompt.n_tokens, "seconds": s, "rss": mem, "max_rss": max_rss, "loss": loss,
+    print(json.dumps({"tokens": prompt.n_tokens, "seconds": s, "cpu": cpu, "rss": mem, "max_rss": max_rss, "loss": loss,
                       "niah": acc}))
 
 
@@ -158,7 +160,8 @@ def backends(args) -> None:
                            "--new-tokens", str(args.new_tokens), *(["--forward-only"] if args.forward_only else [])]
                     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
                     m = json.loads(out.strip().splitlines()[-1])
-                    print(f"  {length} {backend} {variant}: {m['seconds']:.1f} s, {m['rss'] / 2**20:.0f} MiB", flush=True)
+                    print(f"  {length} {backend} {variant}: {m['seconds']:.1f} s, CPU {m['cpu']:.1f} s, "
+                          f"{m['rss'] / 2**20:.0f} MiB", flush=True)
                     if (backend, variant) not in best or m["seconds"] < best[(backend, variant)]["seconds"]:
                         best[(backend, variant)] = m
         rows.append(best)
@@ -168,19 +171,19 @@ def backends(args) -> None:
         what = "one forward pass over a NIAH prompt without the unembedding (--forward-only: no logits)"
     print(f"\none evaluation = {what}, "
           f"{torch.get_num_threads()} thread(s), each in a fresh process, best of {args.repeats}; t ratio = policy / "
-          "uncompressed on the same backend; RSS growth = peak RSS during the evaluation minus RSS before it (sampled "
+          "uncompressed on the same backend, cpu ratio the same on the process's CPU time (steadier on a loaded machine); RSS growth = peak RSS during the evaluation minus RSS before it (sampled "
           "every 5 ms); max RSS = the process's high-water mark (model included); mem ratio = RSS growth of this row / "
           "the eager row of the same variant")
-    print(f"{'backend':<11} {'what':<30} {'tokens':>6} {'time s':>7} {'RSS growth MiB':>14} {'max RSS MiB':>11} "
-          f"{'t ratio':>7} {'mem ratio':>9} {'loss':>7} {'NIAH':>5}")
+    print(f"{'backend':<11} {'what':<30} {'tokens':>6} {'time s':>7} {'CPU s':>6} {'RSS growth MiB':>14} "
+          f"{'max RSS MiB':>11} {'t ratio':>7} {'cpu ratio':>9} {'mem ratio':>9} {'loss':>7} {'NIAH':>5}")
     for best in rows:
         for (backend, variant), m in best.items():
-            base = best[(backend, "uncompressed")]["seconds"]
+            base = best[(backend, "uncompressed")]
             eager_mem = best[("eager", variant)]["rss"] if ("eager", variant) in best else float("nan")
             name = label if variant == "policy" else "uncompressed"
-            print(f"{backend:<11} {name:<30} {m['tokens']:>6} {m['seconds']:>7.1f} {m['rss'] / 2**20:>14.1f} "
-                  f"{m['max_rss'] / 2**20:>11.0f} "
-                  f"{m['seconds'] / base:>7.2f} {m['rss'] / eager_mem if eager_mem > 0 else float('nan'):>9.2f} "
+            print(f"{backend:<11} {name:<30} {m['tokens']:>6} {m['seconds']:>7.1f} {m['cpu']:>6.1f} "
+                  f"{m['rss'] / 2**20:>14.1f} {m['max_rss'] / 2**20:>11.0f} {m['seconds'] / base['seconds']:>7.2f} "
+                  f"{m['cpu'] / base['cpu']:>9.2f} {m['rss'] / eager_mem if eager_mem > 0 else float('nan'):>9.2f} "
                   f"{m['loss']:>7.4f} {m['niah']:>5.2f}")
 
 
