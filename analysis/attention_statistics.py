@@ -41,7 +41,10 @@ Key masks from a KV-cache policy. ``statistics_mode(..., key_masks=)`` gives lay
 decode step. On a sliding-window layer it is intersected with the model's window: a query at
 position ``p`` sees key ``j ≤ p`` iff ``j > p − W_model`` and (``j < S`` or ``j > p − W``)
 (:func:`masked_segments`); rows where only some sinks are still inside the model's window run one
-at a time on the keys that window keeps. The policy's O(n) memory is the kernel's.
+at a time on the keys that window keeps. The policy's O(n) memory is the kernel's. When no statistics
+are asked, a layer's full KV groups run apart as the model runs them (SDPA's fused kernel where it
+applies) and the streaming groups score only their S + W keys, so a policy costs less than the
+uncompressed pass (``bench/compress.py backends``).
 
 Pair terms. Besides the kernel's statistics a layer request can ask for ``pairs``: offsets ``o``
 whose weights ``A[i, p_i − o]`` (``o = 0`` the query's own position, ``o = 1`` the previous token)
