@@ -95,7 +95,7 @@ class Run(RunRecord):
         from analysis.streaming import sink_map
 
         if "sink_map" not in self._memo:
-            self._memo["sink_map"] = sink_map(self.patterns)
+            self._memo["sink_map"] = sink_map(self.patterns, layer_windows=self.layer_windows)
         return self._memo["sink_map"]
 
     def attention_overview(self, layer: int, head: int) -> np.ndarray:

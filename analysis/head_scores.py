@@ -38,7 +38,7 @@ from analysis.statistics_run import (
 from analysis.store import Store, content_key
 from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW, streaming_score
 
-HEAD_SCORES_VERSION = 2  # 2: statistics mode
+HEAD_SCORES_VERSION = 3  # 2: statistics mode; 3: streaming and sinks read windowed layers where the window lets them
 EVIDENCE = "evidence"
 LABELS = {**{name: m.label for name, m in HEAD_METRICS.items()}, EVIDENCE: "Evidence score (question → needle)"}
 
@@ -138,7 +138,8 @@ def score_prompts(
             run = capture(model, prompt.token_ids, max_tokens=max(n, 1))
             for name in need_patterns:
                 if name == "streaming":
-                    tables[name] = streaming_score(run.patterns, sink=sink, window=window)
+                    tables[name] = streaming_score(run.patterns, sink=sink, window=window,
+                                                   layer_windows=run.layer_windows)
                 else:
                     tables[name] = HEAD_METRICS[name].compute(run.patterns, run.token_ids,
                                                               run.layer_windows)

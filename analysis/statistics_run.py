@@ -13,11 +13,13 @@ pattern-based ones in :mod:`analysis.head_summary`, :mod:`analysis.entropy`,
 
 - entropy: ``mean H_i / log(v_i)`` over rows with ``v_i ≥ 2`` visible keys (``i + 1``, at most the
   layer's sliding window), ``H_i`` the kernel's row entropy (:func:`analysis.entropy.mean_normalised_entropy`);
-- first_token: ``mean_{i≥1} A[i, 0]``; previous_token: ``mean_{i≥1} A[i, i−1]`` (a pair term);
+- first_token: ``mean_{1≤i<min(n, W_l)} A[i, 0]``; previous_token: ``mean_{i≥1} A[i, i−1]`` (a pair term);
 - max_attention: ``mean_{i≥1} max_j A[i, j]`` (the kernel's argmax probability);
-- streaming: ``mean_{i≥S+W} (Σ_{j<S} A[i, j] + Σ_{i−W<j≤i} A[i, j])`` (sink and recent mass);
-- received (sink map): ``(Σ_i A[i, j] − A[j, j]) / (n − 1 − j)`` from the column sums and the
-  diagonal pair term; mid_sink its maximum over ``1 ≤ j < n − 16``;
+- streaming: ``mean_{S+W≤i<min(n, W_l)} (Σ_{j<S} A[i, j] + Σ_{i−W<j≤i} A[i, j])`` (sink and recent
+  mass, on the rows before a model window ``W_l`` binds; :func:`analysis.streaming.streaming_score`);
+- received (sink map): ``(Σ_i A[i, j] − A[j, j]) / v_l(j)`` from the column sums and the diagonal
+  pair term, ``v_l(j)`` the later queries that see key j (:func:`analysis.streaming.visible_later`);
+  mid_sink its maximum over the checked keys ``j ≥ 1`` (:func:`analysis.streaming.mid_sink_score`);
 - evidence: ``mean_{i∈Q} Σ_{j∈E} A[i, j]`` from the span masses of the evidence spans.
 
 - duplicate-token and induction (TransformerLens' ``head_detector``, ``mul``): ``Σ_{D[i,j]=1} A[i, j]
@@ -51,8 +53,10 @@ from analysis.streaming import (
     DEFAULT_WINDOW,
     SINK_MIN_LATER,
     SINK_THRESHOLD,
+    mid_sink_score,
     received_from_columns,
     sink_flags,
+    unbound_rows,
 )
 from kernels.attention import (
     ARGMAX,
@@ -401,17 +405,17 @@ def capture_for_page(model: LoadedModel, text: str, store: Store | None, max_tok
 
 
 def received(run: StatsRun) -> np.ndarray:
-    """``[layer, head, n]`` attention received from strictly later queries, averaged over them
-    (:func:`analysis.streaming.sink_map`'s ``received``); nan at the last position."""
+    """``[layer, head, n]`` attention received from strictly later queries, averaged over those that
+    see the key (:func:`analysis.streaming.sink_map`'s ``received``); nan at the last position."""
     if "received" not in run._memo:
         column = run.col_sum.astype(np.float64) - run.rows["diag"].astype(np.float64)
-        run._memo["received"] = received_from_columns(column)
+        run._memo["received"] = received_from_columns(column, run.layer_windows)
     return run._memo["received"]
 
 
 def sink_positions(run: StatsRun, threshold: float = SINK_THRESHOLD, min_later: int = SINK_MIN_LATER) -> np.ndarray:
     """``[n]`` number of heads for which each position is a sink (as in :func:`analysis.streaming.sink_map`)."""
-    return sink_flags(received(run), threshold, min_later).sum((0, 1))
+    return sink_flags(received(run), threshold, min_later, run.layer_windows).sum((0, 1))
 
 
 def statistics_score(run: StatsRun, name: str, sink: int | None = None, window: int | None = None) -> np.ndarray:
@@ -425,24 +429,31 @@ def statistics_score(run: StatsRun, name: str, sink: int | None = None, window: 
     r = run.rows
     if name == "entropy":
         return mean_normalised_entropy(r["entropy"], run.layer_windows)
-    if name in ("first_token", "previous_token", "max_attention"):
+    windows = run.layer_windows or [None] * L
+    if name in ("previous_token", "max_attention"):
         if n < 2:
             return nan
-        src = {"first_token": "first", "previous_token": "prev", "max_attention": "argmax_prob"}[name]
+        src = {"previous_token": "prev", "max_attention": "argmax_prob"}[name]
         return r[src][..., 1:].astype(np.float64).mean(-1)
+    if name == "first_token":  # rows that see key 0: 1 <= i < min(n, W_l)
+        if n < 2:
+            return nan
+        return np.stack([r["first"][la, :, 1 : min(n, w) if w else n].astype(np.float64).mean(-1)
+                         for la, w in enumerate(windows)])
     if name == "streaming":
         S, W = run.settings["sink"], run.settings["window"]
         if (sink is not None and sink != S) or (window is not None and window != W):
             raise InputError(f"This run's masses were taken with S={S}, W={W}; capture it again for S={sink}, W={window}.")
-        first = S + W
-        if n <= first:
-            return nan
-        m = r["sink_mass"][..., first:].astype(np.float64) + r["recent_mass"][..., first:].astype(np.float64)
-        return m.mean(-1)
+        out = nan.copy()
+        for la, w in enumerate(windows):
+            rows_read = unbound_rows(n, S, W, w)
+            if len(rows_read):
+                sl = slice(rows_read.start, rows_read.stop)
+                out[la] = (r["sink_mass"][la, :, sl].astype(np.float64)
+                           + r["recent_mass"][la, :, sl].astype(np.float64)).mean(-1)
+        return out
     if name == "mid_sink":
-        if n < SINK_MIN_LATER + 2:
-            return nan
-        return received(run)[..., 1 : n - SINK_MIN_LATER].max(-1)
+        return mid_sink_score(received(run), SINK_MIN_LATER, run.layer_windows)
     if name in DETECTORS:
         if n < 2 or name not in run.detectors:
             return nan
