@@ -77,6 +77,11 @@ class HeadScores:
     def names(self) -> list[str]:
         return list(self.mean)
 
+    @property
+    def layer_windows(self) -> list[int | None] | None:
+        """The model's sliding window per layer the scores were taken with (None: all full attention)."""
+        return self.meta.get("layer_windows")
+
 
 def _key(model: LoadedModel, prompts: Sequence[ScoredPrompt], sink: int, window: int) -> str:
     return content_key(
@@ -161,7 +166,7 @@ def score_prompts(
         mean[name], std[name] = agg.mean, agg.std
     meta = {"model_name": model.name, "model_digest": model.digest, "sink": sink, "window": window,
             "n_prompts": len(prompts), "n_tokens": [len(p.token_ids) for p in prompts],
-            "names": list(runs), "version": HEAD_SCORES_VERSION}
+            "names": list(runs), "layer_windows": model.facts.run_windows(), "version": HEAD_SCORES_VERSION}
     result = HeadScores(runs, mean, std, sink, window, len(prompts), key=key, meta=meta)
     if store is not None:
         store.put(key, "head_scores", meta, {f"runs_{n}": a.astype(np.float32) for n, a in runs.items()})

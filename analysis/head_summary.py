@@ -142,7 +142,7 @@ HEAD_METRICS: dict[str, HeadMetric] = {
         HeadMetric("streaming", "Streaming score", _with_windows(streaming_score),
                    f"Share of attention on the first {DEFAULT_SINK} tokens plus the last {DEFAULT_WINDOW} "
                    "(DuoAttention's sink + recent window): high = streaming head, low = needs full context.",
-                   "scored only on rows S+W ≤ i < W, before the window binds (locality forced by the "
-                   "model is not counted); blank: the window binds before row S+W"),
+                   "scored only on rows from S+W until the window binds (they still see every key), so "
+                   "locality the model forces is not counted; blank: the window binds before row S+W"),
     ]
 }

@@ -19,6 +19,7 @@ One place answers, for any model the bridge boots:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +85,21 @@ class ModelFacts:
         """The windows as a run's settings record them: None when every layer is full attention
         (so runs of models without windows keep their keys)."""
         return list(self.windows) if self.windowed else None
+
+
+def windowed_by_model(windows: Sequence[int | None] | None) -> str:
+    """``"windowed by the model (W=512)"``: what marks a layer with a sliding window, in words (sizes
+    joined by "/" when layers differ); "" when no layer has one."""
+    sizes = sorted({int(w) for w in windows or () if w})
+    return f"windowed by the model (W={'/'.join(f'{w:,}' for w in sizes)})" if sizes else ""
+
+
+def window_note(windows: Sequence[int | None] | None, treatment: str) -> str:
+    """``"w: windowed by the model (W=512): <treatment>"``, the line under a figure of a windowed
+    model's layers (marked ``w``) saying how its number reads them; "" when no layer is windowed or
+    the number reads such a layer like any other (``treatment`` "")."""
+    marked = windowed_by_model(windows)
+    return f"w: {marked}: {treatment}" if marked and treatment else ""
 
 
 def bos_policy(tokenizer: Any) -> int | None:

@@ -64,6 +64,8 @@ from kernels.statistics import DEFAULT_SINK_SIZE, DEFAULT_WINDOW
 DEFAULT_SINK = DEFAULT_SINK_SIZE  # S and W as the kernels define them (StreamingLLM's 4 sinks, a 64-token window)
 SINK_THRESHOLD = 0.2
 SINK_MIN_LATER = 16
+WINDOWED_SINKS = "each key averaged over the queries that see it"
+"""How the sink map reads a layer the model windows, in words (the page says it beside such layers)."""
 
 
 def _check_windows(layer_windows: Sequence[int | None] | None, n_layers: int) -> list[int | None]:
