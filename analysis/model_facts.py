@@ -11,7 +11,8 @@ One place answers, for any model the bridge boots:
   prepends it deliberately and shows it as token 0, so positions stay those the model saw
   (DESIGN.md, "Conventions").
 - **chat template**: whether the tokenizer has one. Without it (a base model) NIAH prompts are the
-  plain user message (:meth:`analysis.models.LoadedModel.chat_ids`).
+  plain user message (:meth:`analysis.models.LoadedModel.chat_ids`) ending with an answer cue
+  (:data:`analysis.niah.ANSWER_CUE`).
 - **which q and k the QK page shows**: ``hook_rot_q``/``hook_rot_k``, i.e. after QK-norm (Qwen 3,
   Gemma 3, OLMo 2) and after RoPE where the model has them: the vectors the attention logits are
   made of. :attr:`ModelFacts.qk_label` says so in words.
