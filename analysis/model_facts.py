@@ -71,6 +71,15 @@ class ModelFacts:
         return f"sliding window {w:,} keys" if w else "full attention"
 
     @property
+    def prompt_policy(self) -> str:
+        """How a text becomes the tokens the model sees, in one line for the pages: whether a BOS is
+        prepended (and then shown as token 0) and whether prompts go through a chat template, e.g.
+        ``"BOS prepended (shown as token 0) · chat template: no (plain prompt)"``."""
+        bos = "BOS prepended (shown as token 0)" if self.adds_bos else "no BOS (text read as written)"
+        chat = "chat template: yes" if self.has_chat_template else "chat template: no (plain prompt)"
+        return f"{bos} · {chat}"
+
+    @property
     def qk_label(self) -> str:
         """Which query and key vectors the QK page shows, in words."""
         steps = []
