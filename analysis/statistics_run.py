@@ -3,9 +3,10 @@
 A :class:`StatsRun` is what :func:`capture_statistics` keeps of one forward pass whose attention ran
 through :func:`kernels.attention` (:mod:`analysis.attention_statistics`): per layer, head and query
 row the statistics the per-head scores need, the attention received per key, a block-pooled map of
-every head, plus the per-token loss and top-5 predictions. Memory is O(layers · heads · n) plus the
-pooled maps (at most ``MAX_BLOCKS²`` per head): a 4,096-token run of the embedded model stores about
-60 MB where its float16 patterns would take 9 GB.
+every head, plus the per-token loss and top-5 predictions (from the final hidden state, a chunk of
+positions at a time: :mod:`analysis.token_predictions`, so never an ``[n, vocab]`` array). Memory is
+O(layers · heads · n) plus the pooled maps (at most ``MAX_BLOCKS²`` per head): a 4,096-token run of
+the embedded model stores about 60 MB where its float16 patterns would take 9 GB.
 
 Per-head scores from statistics (:func:`statistics_scores`) follow the same definitions as the
 pattern-based ones in :mod:`analysis.head_summary`, :mod:`analysis.entropy`,
@@ -42,7 +43,6 @@ import numpy as np
 import torch
 
 from analysis.attention_statistics import LayerRequest, LayerStats, statistics_mode, statistics_supported
-from analysis.capture import TOP_K
 from analysis.entropy import mean_normalised_entropy
 from analysis.errors import InputError, check_head_index
 from analysis.models import LoadedModel
@@ -58,6 +58,7 @@ from analysis.streaming import (
     sink_flags,
     unbound_rows,
 )
+from analysis.token_predictions import final_hidden_state, token_predictions
 from kernels.attention import (
     ARGMAX,
     ARGMAX_PROB,
@@ -76,7 +77,6 @@ MAX_BLOCKS = 128
 """Pooled maps have at most this many blocks per side: block size ``B = ceil(n / MAX_BLOCKS)``."""
 MAX_REGION = 256
 """Largest side of a region whose exact attention is recomputed."""
-LOSS_CHUNK = 256  # rows of logits turned into losses at a time
 #: Per-row statistics kept per layer: name → what it is.
 ROW_STATS = {
     "entropy": "row entropy H_i (nats)",
@@ -315,10 +315,14 @@ def capture_statistics(
 
     t0 = time.perf_counter()
     tokens_t = torch.tensor([ids], dtype=torch.long, device=model.device)
-    with torch.inference_mode(), statistics_mode(model, lambda layer, n_q, n_k: request, keep):
-        logits = model.bridge(tokens_t, return_type="logits")
-    token_loss, top_ids, top_probs = _losses(logits[0], tokens_t[0])
-    del logits
+    # The last position's logits only: loss and top-5 come from the final hidden state, a chunk of
+    # positions at a time (analysis.token_predictions), never an [n, vocab] array (8 GiB for Gemma 3 at 8k).
+    with (torch.inference_mode(), statistics_mode(model, lambda layer, n_q, n_k: request, keep),
+          final_hidden_state(model) as kept):
+        last = model.bridge(tokens_t, return_type="logits", logits_to_keep=1)
+    predicted = token_predictions(model, kept.hidden, ids, last_logits=last[0, -1])
+    token_loss, top_ids, top_probs = predicted.token_loss, predicted.top_ids, predicted.top_probs
+    del kept, last
     run = StatsRun(
         key=key, model_name=model.name, model_digest=model.digest, token_ids=ids,
         tokens=model.token_strings(ids), text=text_or_ids if isinstance(text_or_ids, str) else None,
@@ -331,25 +335,6 @@ def capture_statistics(
     if progress:
         progress(1.0)
     return run
-
-
-def _losses(logits: torch.Tensor, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-token loss and top-5, ``LOSS_CHUNK`` rows at a time (no second ``n × vocab`` array)."""
-    n = logits.shape[0]
-    loss = np.full(n, np.nan, dtype=np.float32)
-    top_ids = np.zeros((n, min(TOP_K, logits.shape[-1])), dtype=np.int64)
-    top_probs = np.zeros(top_ids.shape, dtype=np.float32)
-    for a in range(0, n, LOSS_CHUNK):
-        e = min(a + LOSS_CHUNK, n)
-        lp = torch.log_softmax(logits[a:e].float(), dim=-1)
-        top = torch.topk(lp, k=top_ids.shape[1], dim=-1)
-        top_ids[a:e] = top.indices.cpu().numpy()
-        top_probs[a:e] = top.values.exp().cpu().numpy()
-        stop = min(e, n - 1)
-        if stop > a:
-            target = ids[a + 1 : stop + 1]
-            loss[a + 1 : stop + 1] = (-lp[: stop - a].gather(1, target[:, None])[:, 0]).cpu().numpy()
-    return loss, top_ids, top_probs
 
 
 def save_stats_run(store: Store, run: StatsRun) -> None:
