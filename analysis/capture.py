@@ -22,12 +22,12 @@ from analysis.errors import InputError, check_layer  # InputError also re-export
 from analysis.models import LoadedModel
 from analysis.runs import RunRecord
 from analysis.store import Store, content_key
+from analysis.token_predictions import final_hidden_state, token_predictions
 
 CAPTURE_VERSION = 1
 MAX_TOKENS_PATTERNS = 2048
 """Longest input whose full patterns are captured (30 layers × 9 heads × N² grows fast)."""
 
-TOP_K = 5
 
 
 @dataclass
@@ -95,7 +95,7 @@ class Run(RunRecord):
         from analysis.streaming import sink_map
 
         if "sink_map" not in self._memo:
-            self._memo["sink_map"] = sink_map(self.patterns)
+            self._memo["sink_map"] = sink_map(self.patterns, layer_windows=self.layer_windows)
         return self._memo["sink_map"]
 
     def attention_overview(self, layer: int, head: int) -> np.ndarray:
@@ -199,8 +199,8 @@ def capture(
                 progress(1.0)
             return stored
 
-    patterns, q, k, logits = _forward(model, ids, layers, np.dtype(pattern_dtype), progress)
-    token_loss, top_ids, top_probs = _predictions(logits, ids)
+    patterns, q, k, predicted = _forward(model, ids, layers, np.dtype(pattern_dtype), progress)
+    token_loss, top_ids, top_probs = predicted.token_loss, predicted.top_ids, predicted.top_probs
     run = Run(
         key=key,
         model_name=model.name,
@@ -226,8 +226,10 @@ def capture(
 def _forward(model: LoadedModel, ids: list[int], layers: list[int], dtype: np.dtype,
              progress: Callable[[float], None] | None):
     """One forward pass over ``ids`` keeping every layer's attention pattern and the post-rotary q/k
-    of ``layers``: ``(patterns [layer, head, N, N] in dtype, q, k (layer → [head, N, d_head]), logits
-    [1, N, vocab])``. ``progress`` hears of each layer's pattern."""
+    of ``layers``: ``(patterns [layer, head, N, N] in dtype, q, k (layer → [head, N, d_head]),
+    predictions)``, the per-token loss and top-k from the final hidden state in chunks
+    (:func:`analysis.token_predictions.token_predictions`: no ``[N, vocab]`` logits array).
+    ``progress`` hears of each layer's pattern."""
     n = len(ids)
     patterns = np.empty((model.n_layers, model.n_heads, n, n), dtype=dtype)
     q: dict[int, np.ndarray] = {}
@@ -253,21 +255,9 @@ def _forward(model: LoadedModel, ids: list[int], layers: list[int], dtype: np.dt
         hooks.append((get_act_name("rot_q", layer), keep(q, layer)))
         hooks.append((get_act_name("rot_k", layer), keep(k, layer)))
     tokens_t = torch.tensor([ids], dtype=torch.long, device=model.device)
-    with model.lock, torch.inference_mode():
-        logits = model.bridge.run_with_hooks(tokens_t, fwd_hooks=hooks, return_type="logits")
-    return patterns, q, k, logits
-
-
-def _predictions(logits: torch.Tensor, ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-token loss ``−log p(ids[i] | ids[:i])`` (nan at position 0) and the top-``TOP_K`` next-token
-    ids and probabilities at every position, from ``logits`` [1, N, vocab]."""
-    logprobs = torch.log_softmax(logits[0].float(), dim=-1)
-    token_loss = np.full(len(ids), np.nan, dtype=np.float32)
-    if len(ids) > 1:
-        target = torch.tensor(ids[1:], dtype=torch.long, device=logprobs.device)
-        token_loss[1:] = (-logprobs[:-1].gather(1, target[:, None])[:, 0]).numpy()
-    top = torch.topk(logprobs, k=min(TOP_K, logprobs.shape[-1]), dim=-1)
-    return token_loss, top.indices.numpy().astype(np.int64), top.values.exp().numpy().astype(np.float32)
+    with model.lock, torch.inference_mode(), final_hidden_state(model) as kept:
+        last = model.bridge.run_with_hooks(tokens_t, fwd_hooks=hooks, return_type="logits", logits_to_keep=1)
+    return patterns, q, k, token_predictions(model, kept.hidden, ids, last_logits=last[0, -1])
 
 
 def save_run(store: Store, run: Run) -> None:

@@ -38,7 +38,7 @@ from analysis.statistics_run import (
 from analysis.store import Store, content_key
 from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW, streaming_score
 
-HEAD_SCORES_VERSION = 2  # 2: statistics mode
+HEAD_SCORES_VERSION = 3  # 2: statistics mode; 3: streaming and sinks read windowed layers where the window lets them
 EVIDENCE = "evidence"
 LABELS = {**{name: m.label for name, m in HEAD_METRICS.items()}, EVIDENCE: "Evidence score (question → needle)"}
 
@@ -76,6 +76,11 @@ class HeadScores:
     @property
     def names(self) -> list[str]:
         return list(self.mean)
+
+    @property
+    def layer_windows(self) -> list[int | None] | None:
+        """The model's sliding window per layer the scores were taken with (None: all full attention)."""
+        return self.meta.get("layer_windows")
 
 
 def _key(model: LoadedModel, prompts: Sequence[ScoredPrompt], sink: int, window: int) -> str:
@@ -138,7 +143,8 @@ def score_prompts(
             run = capture(model, prompt.token_ids, max_tokens=max(n, 1))
             for name in need_patterns:
                 if name == "streaming":
-                    tables[name] = streaming_score(run.patterns, sink=sink, window=window)
+                    tables[name] = streaming_score(run.patterns, sink=sink, window=window,
+                                                   layer_windows=run.layer_windows)
                 else:
                     tables[name] = HEAD_METRICS[name].compute(run.patterns, run.token_ids,
                                                               run.layer_windows)
@@ -160,7 +166,7 @@ def score_prompts(
         mean[name], std[name] = agg.mean, agg.std
     meta = {"model_name": model.name, "model_digest": model.digest, "sink": sink, "window": window,
             "n_prompts": len(prompts), "n_tokens": [len(p.token_ids) for p in prompts],
-            "names": list(runs), "version": HEAD_SCORES_VERSION}
+            "names": list(runs), "layer_windows": model.facts.run_windows(), "version": HEAD_SCORES_VERSION}
     result = HeadScores(runs, mean, std, sink, window, len(prompts), key=key, meta=meta)
     if store is not None:
         store.put(key, "head_scores", meta, {f"runs_{n}": a.astype(np.float32) for n, a in runs.items()})

@@ -11,7 +11,8 @@ One place answers, for any model the bridge boots:
   prepends it deliberately and shows it as token 0, so positions stay those the model saw
   (DESIGN.md, "Conventions").
 - **chat template**: whether the tokenizer has one. Without it (a base model) NIAH prompts are the
-  plain user message (:meth:`analysis.models.LoadedModel.chat_ids`).
+  plain user message (:meth:`analysis.models.LoadedModel.chat_ids`) ending with an answer cue
+  (:data:`analysis.niah.ANSWER_CUE`).
 - **which q and k the QK page shows**: ``hook_rot_q``/``hook_rot_k``, i.e. after QK-norm (Qwen 3,
   Gemma 3, OLMo 2) and after RoPE where the model has them: the vectors the attention logits are
   made of. :attr:`ModelFacts.qk_label` says so in words.
@@ -19,6 +20,7 @@ One place answers, for any model the bridge boots:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +71,15 @@ class ModelFacts:
         return f"sliding window {w:,} keys" if w else "full attention"
 
     @property
+    def prompt_policy(self) -> str:
+        """How a text becomes the tokens the model sees, in one line for the pages: whether a BOS is
+        prepended (and then shown as token 0) and whether prompts go through a chat template, e.g.
+        ``"BOS prepended (shown as token 0) · chat template: no (plain prompt)"``."""
+        bos = "BOS prepended (shown as token 0)" if self.adds_bos else "no BOS (text read as written)"
+        chat = "chat template: yes" if self.has_chat_template else "chat template: no (plain prompt)"
+        return f"{bos} · {chat}"
+
+    @property
     def qk_label(self) -> str:
         """Which query and key vectors the QK page shows, in words."""
         steps = []
@@ -84,6 +95,21 @@ class ModelFacts:
         """The windows as a run's settings record them: None when every layer is full attention
         (so runs of models without windows keep their keys)."""
         return list(self.windows) if self.windowed else None
+
+
+def windowed_by_model(windows: Sequence[int | None] | None) -> str:
+    """``"windowed by the model (W=512)"``: what marks a layer with a sliding window, in words (sizes
+    joined by "/" when layers differ); "" when no layer has one."""
+    sizes = sorted({int(w) for w in windows or () if w})
+    return f"windowed by the model (W={'/'.join(f'{w:,}' for w in sizes)})" if sizes else ""
+
+
+def window_note(windows: Sequence[int | None] | None, treatment: str) -> str:
+    """``"w: windowed by the model (W=512): <treatment>"``, the line under a figure of a windowed
+    model's layers (marked ``w``) saying how its number reads them; "" when no layer is windowed or
+    the number reads such a layer like any other (``treatment`` "")."""
+    marked = windowed_by_model(windows)
+    return f"w: {marked}: {treatment}" if marked and treatment else ""
 
 
 def bos_policy(tokenizer: Any) -> int | None:

@@ -10,7 +10,10 @@ The construction follows Kamradt's "needle in a haystack" test as used by Wu et 
    default) takes the boundary nearest to that point, ``previous`` the last boundary at or before it
    (the rule of Kamradt's test and of the retrieval-head paper's code, which back up from the
    insertion point to the previous sentence end, so the needle never lands later than asked);
-3. the question follows the context, inside the model's chat template when it has one;
+3. the question follows the context, inside the model's chat template when it has one; a model
+   without one (a base model) reads the plain message followed by :data:`ANSWER_CUE` ("\nAnswer:"),
+   as the retrieval-head paper's prompts for base models end (``... Question: {q}\nAnswer:``), so
+   that the greedy continuation is the answer rather than more text;
 4. the needle's token span is located exactly in the final token ids. When tokenisation merges the
    needle with its neighbours, so that no contiguous run of tokens spells exactly the needle, the
    build fails with an :class:`~analysis.capture.InputError` that says so: scores that count
@@ -44,6 +47,10 @@ DEFAULT_TEMPLATE = (
     "Question: {question} Answer in one short sentence."
 )
 """The user message around the context; ``{context}`` and ``{question}`` are filled in."""
+ANSWER_CUE = "\nAnswer:"
+"""Appended to the message of a model without a chat template (a base model): where a chat model's
+generation prompt opens the assistant's turn, this line says that the answer comes next (Wu et al.
+2024's base-model prompts end with ``Question: {question}\nAnswer:``)."""
 
 # A sentence ends at . ! or ? (optionally followed by a closing quote or bracket) and the whitespace
 # after it; a blank line (a paragraph or a title line) also ends one. The whitespace stays at the
@@ -87,7 +94,8 @@ class NiahPrompt:
     depth : the requested depth in percent; ``actual_depth`` is where the needle landed, in percent
         of the haystack's tokens before it.
     haystack_tokens : tokens of haystack text in the prompt (around the needle).
-    text : the user message (context and question) before the chat template.
+    text : the user message (context and question) before the chat template; for a model without
+        one, the whole text after the BOS, :data:`ANSWER_CUE` included.
     depth_rule : how the boundary was chosen (:data:`DEPTH_RULES`).
     """
 
@@ -287,6 +295,13 @@ def _render(template: str, context: str, question: str) -> str:
     return template.replace("{context}", context).replace("{question}", question)
 
 
+def prompt_text(model: LoadedModel, template: str, context: str, question: str) -> str:
+    """The message the model reads: ``template`` filled in, then :data:`ANSWER_CUE` when the model has
+    no chat template (its chat template's generation prompt is the cue otherwise)."""
+    text = _render(template, context, question)
+    return text if model.chat_template else text + ANSWER_CUE
+
+
 def find_span(ids: Sequence[int], sub: Sequence[int]) -> list[int]:
     """Start positions of every occurrence of ``sub`` as a contiguous run in ``ids``."""
     n, m = len(ids), len(sub)
@@ -342,7 +357,8 @@ def build_prompt(
     """Hide ``needle`` at ``depth`` percent of a haystack cut to ``length`` tokens, then ask.
 
     Follows Wu et al. 2024 (arXiv:2404.15574), section 2: the prompt is
-    ``chat(template(context = haystack[:d] + needle + haystack[d:], question))`` with
+    ``chat(template(context = haystack[:d] + needle + haystack[d:], question))`` (for a model without
+    a chat template: ``BOS? + template(...) + "\nAnswer:"``, :func:`prompt_text`) with
     ``|prompt| <= length`` tokens and ``d`` the sentence boundary nearest to ``depth``% of the
     haystack's tokens (``depth_rule="nearest"``) or the last one at or before it (``"previous"``).
 
@@ -373,7 +389,7 @@ def build_prompt(
             f"The haystack already contains the needle {needle_text[:60]!r}; choose another needle."
         )
 
-    overhead = len(model.chat_ids(_render(template, needle_text, needle.question.strip())))
+    overhead = len(model.chat_ids(prompt_text(model, template, needle_text, needle.question.strip())))
     budget = length - overhead
     if budget < 1:
         raise InputError(
@@ -475,7 +491,7 @@ def _assemble(
         context += after if after[0].isspace() else " " + after
     context = context.strip()
     question = needle.question.strip()
-    text = _render(template, context, question)
+    text = prompt_text(model, template, context, question)
     ids = model.chat_ids(text)
     needle_span = locate(model, ids, needle_text, "needle")
     question_span = locate(model, ids, question, "question")

@@ -3,9 +3,10 @@
 A :class:`StatsRun` is what :func:`capture_statistics` keeps of one forward pass whose attention ran
 through :func:`kernels.attention` (:mod:`analysis.attention_statistics`): per layer, head and query
 row the statistics the per-head scores need, the attention received per key, a block-pooled map of
-every head, plus the per-token loss and top-5 predictions. Memory is O(layers · heads · n) plus the
-pooled maps (at most ``MAX_BLOCKS²`` per head): a 4,096-token run of the embedded model stores about
-60 MB where its float16 patterns would take 9 GB.
+every head, plus the per-token loss and top-5 predictions (from the final hidden state, a chunk of
+positions at a time: :mod:`analysis.token_predictions`, so never an ``[n, vocab]`` array). Memory is
+O(layers · heads · n) plus the pooled maps (at most ``MAX_BLOCKS²`` per head): a 4,096-token run of
+the embedded model stores about 60 MB where its float16 patterns would take 9 GB.
 
 Per-head scores from statistics (:func:`statistics_scores`) follow the same definitions as the
 pattern-based ones in :mod:`analysis.head_summary`, :mod:`analysis.entropy`,
@@ -13,11 +14,13 @@ pattern-based ones in :mod:`analysis.head_summary`, :mod:`analysis.entropy`,
 
 - entropy: ``mean H_i / log(v_i)`` over rows with ``v_i ≥ 2`` visible keys (``i + 1``, at most the
   layer's sliding window), ``H_i`` the kernel's row entropy (:func:`analysis.entropy.mean_normalised_entropy`);
-- first_token: ``mean_{i≥1} A[i, 0]``; previous_token: ``mean_{i≥1} A[i, i−1]`` (a pair term);
+- first_token: ``mean_{1≤i<min(n, W_l)} A[i, 0]``; previous_token: ``mean_{i≥1} A[i, i−1]`` (a pair term);
 - max_attention: ``mean_{i≥1} max_j A[i, j]`` (the kernel's argmax probability);
-- streaming: ``mean_{i≥S+W} (Σ_{j<S} A[i, j] + Σ_{i−W<j≤i} A[i, j])`` (sink and recent mass);
-- received (sink map): ``(Σ_i A[i, j] − A[j, j]) / (n − 1 − j)`` from the column sums and the
-  diagonal pair term; mid_sink its maximum over ``1 ≤ j < n − 16``;
+- streaming: ``mean_{S+W≤i<min(n, W_l)} (Σ_{j<S} A[i, j] + Σ_{i−W<j≤i} A[i, j])`` (sink and recent
+  mass, on the rows before a model window ``W_l`` binds; :func:`analysis.streaming.streaming_score`);
+- received (sink map): ``(Σ_i A[i, j] − A[j, j]) / v_l(j)`` from the column sums and the diagonal
+  pair term, ``v_l(j)`` the later queries that see key j (:func:`analysis.streaming.visible_later`);
+  mid_sink its maximum over the checked keys ``j ≥ 1`` (:func:`analysis.streaming.mid_sink_score`);
 - evidence: ``mean_{i∈Q} Σ_{j∈E} A[i, j]`` from the span masses of the evidence spans.
 
 - duplicate-token and induction (TransformerLens' ``head_detector``, ``mul``): ``Σ_{D[i,j]=1} A[i, j]
@@ -40,7 +43,6 @@ import numpy as np
 import torch
 
 from analysis.attention_statistics import LayerRequest, LayerStats, statistics_mode, statistics_supported
-from analysis.capture import TOP_K
 from analysis.entropy import mean_normalised_entropy
 from analysis.errors import InputError, check_head_index
 from analysis.models import LoadedModel
@@ -51,9 +53,12 @@ from analysis.streaming import (
     DEFAULT_WINDOW,
     SINK_MIN_LATER,
     SINK_THRESHOLD,
+    mid_sink_score,
     received_from_columns,
     sink_flags,
+    unbound_rows,
 )
+from analysis.token_predictions import final_hidden_state, token_predictions
 from kernels.attention import (
     ARGMAX,
     ARGMAX_PROB,
@@ -72,7 +77,6 @@ MAX_BLOCKS = 128
 """Pooled maps have at most this many blocks per side: block size ``B = ceil(n / MAX_BLOCKS)``."""
 MAX_REGION = 256
 """Largest side of a region whose exact attention is recomputed."""
-LOSS_CHUNK = 256  # rows of logits turned into losses at a time
 #: Per-row statistics kept per layer: name → what it is.
 ROW_STATS = {
     "entropy": "row entropy H_i (nats)",
@@ -311,10 +315,14 @@ def capture_statistics(
 
     t0 = time.perf_counter()
     tokens_t = torch.tensor([ids], dtype=torch.long, device=model.device)
-    with torch.inference_mode(), statistics_mode(model, lambda layer, n_q, n_k: request, keep):
-        logits = model.bridge(tokens_t, return_type="logits")
-    token_loss, top_ids, top_probs = _losses(logits[0], tokens_t[0])
-    del logits
+    # The last position's logits only: loss and top-5 come from the final hidden state, a chunk of
+    # positions at a time (analysis.token_predictions), never an [n, vocab] array (8 GiB for Gemma 3 at 8k).
+    with (torch.inference_mode(), statistics_mode(model, lambda layer, n_q, n_k: request, keep),
+          final_hidden_state(model) as kept):
+        last = model.bridge(tokens_t, return_type="logits", logits_to_keep=1)
+    predicted = token_predictions(model, kept.hidden, ids, last_logits=last[0, -1])
+    token_loss, top_ids, top_probs = predicted.token_loss, predicted.top_ids, predicted.top_probs
+    del kept, last
     run = StatsRun(
         key=key, model_name=model.name, model_digest=model.digest, token_ids=ids,
         tokens=model.token_strings(ids), text=text_or_ids if isinstance(text_or_ids, str) else None,
@@ -327,25 +335,6 @@ def capture_statistics(
     if progress:
         progress(1.0)
     return run
-
-
-def _losses(logits: torch.Tensor, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-token loss and top-5, ``LOSS_CHUNK`` rows at a time (no second ``n × vocab`` array)."""
-    n = logits.shape[0]
-    loss = np.full(n, np.nan, dtype=np.float32)
-    top_ids = np.zeros((n, min(TOP_K, logits.shape[-1])), dtype=np.int64)
-    top_probs = np.zeros(top_ids.shape, dtype=np.float32)
-    for a in range(0, n, LOSS_CHUNK):
-        e = min(a + LOSS_CHUNK, n)
-        lp = torch.log_softmax(logits[a:e].float(), dim=-1)
-        top = torch.topk(lp, k=top_ids.shape[1], dim=-1)
-        top_ids[a:e] = top.indices.cpu().numpy()
-        top_probs[a:e] = top.values.exp().cpu().numpy()
-        stop = min(e, n - 1)
-        if stop > a:
-            target = ids[a + 1 : stop + 1]
-            loss[a + 1 : stop + 1] = (-lp[: stop - a].gather(1, target[:, None])[:, 0]).cpu().numpy()
-    return loss, top_ids, top_probs
 
 
 def save_stats_run(store: Store, run: StatsRun) -> None:
@@ -401,17 +390,17 @@ def capture_for_page(model: LoadedModel, text: str, store: Store | None, max_tok
 
 
 def received(run: StatsRun) -> np.ndarray:
-    """``[layer, head, n]`` attention received from strictly later queries, averaged over them
-    (:func:`analysis.streaming.sink_map`'s ``received``); nan at the last position."""
+    """``[layer, head, n]`` attention received from strictly later queries, averaged over those that
+    see the key (:func:`analysis.streaming.sink_map`'s ``received``); nan at the last position."""
     if "received" not in run._memo:
         column = run.col_sum.astype(np.float64) - run.rows["diag"].astype(np.float64)
-        run._memo["received"] = received_from_columns(column)
+        run._memo["received"] = received_from_columns(column, run.layer_windows)
     return run._memo["received"]
 
 
 def sink_positions(run: StatsRun, threshold: float = SINK_THRESHOLD, min_later: int = SINK_MIN_LATER) -> np.ndarray:
     """``[n]`` number of heads for which each position is a sink (as in :func:`analysis.streaming.sink_map`)."""
-    return sink_flags(received(run), threshold, min_later).sum((0, 1))
+    return sink_flags(received(run), threshold, min_later, run.layer_windows).sum((0, 1))
 
 
 def statistics_score(run: StatsRun, name: str, sink: int | None = None, window: int | None = None) -> np.ndarray:
@@ -425,24 +414,31 @@ def statistics_score(run: StatsRun, name: str, sink: int | None = None, window: 
     r = run.rows
     if name == "entropy":
         return mean_normalised_entropy(r["entropy"], run.layer_windows)
-    if name in ("first_token", "previous_token", "max_attention"):
+    windows = run.layer_windows or [None] * L
+    if name in ("previous_token", "max_attention"):
         if n < 2:
             return nan
-        src = {"first_token": "first", "previous_token": "prev", "max_attention": "argmax_prob"}[name]
+        src = {"previous_token": "prev", "max_attention": "argmax_prob"}[name]
         return r[src][..., 1:].astype(np.float64).mean(-1)
+    if name == "first_token":  # rows that see key 0: 1 <= i < min(n, W_l)
+        if n < 2:
+            return nan
+        return np.stack([r["first"][la, :, 1 : min(n, w) if w else n].astype(np.float64).mean(-1)
+                         for la, w in enumerate(windows)])
     if name == "streaming":
         S, W = run.settings["sink"], run.settings["window"]
         if (sink is not None and sink != S) or (window is not None and window != W):
             raise InputError(f"This run's masses were taken with S={S}, W={W}; capture it again for S={sink}, W={window}.")
-        first = S + W
-        if n <= first:
-            return nan
-        m = r["sink_mass"][..., first:].astype(np.float64) + r["recent_mass"][..., first:].astype(np.float64)
-        return m.mean(-1)
+        out = nan.copy()
+        for la, w in enumerate(windows):
+            rows_read = unbound_rows(n, S, W, w)
+            if len(rows_read):
+                sl = slice(rows_read.start, rows_read.stop)
+                out[la] = (r["sink_mass"][la, :, sl].astype(np.float64)
+                           + r["recent_mass"][la, :, sl].astype(np.float64)).mean(-1)
+        return out
     if name == "mid_sink":
-        if n < SINK_MIN_LATER + 2:
-            return nan
-        return received(run)[..., 1 : n - SINK_MIN_LATER].max(-1)
+        return mid_sink_score(received(run), SINK_MIN_LATER, run.layer_windows)
     if name in DETECTORS:
         if n < 2 or name not in run.detectors:
             return nan

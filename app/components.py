@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from dash import ALL, Input, Output, State, callback, clientside_callback, ctx, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
 from analysis.capture import capture
-from analysis.models import load_model
+from analysis.models import ModelError, load_model
 from analysis.statistics_run import capture_for_page
 from app import ids
 from app.context import get_context, offered_model
@@ -66,6 +67,41 @@ def model_id(prefix: str) -> str:
 
 def run_id(prefix: str) -> str:
     return f"{prefix}-{ids.RUN_BUTTON}"
+
+
+PROMPT_POLICY_TITLE = ("How a text becomes the model's tokens: a BOS the model expects is prepended and shown "
+                       "as token 0, so positions are those the model saw; a model without a chat template "
+                       "(a base model) reads plain prompts, and needle-in-a-haystack prompts end with 'Answer:'.")
+
+
+def prompt_policy(spec: str) -> str:
+    """The BOS and chat-template line of a model this server offers
+    (:attr:`analysis.model_facts.ModelFacts.prompt_policy`); "" for any other spec (nothing is claimed
+    about a model this server does not load)."""
+    try:
+        return load_model(offered_model(spec)).facts.prompt_policy
+    except ModelError:
+        return ""
+
+
+def run_info(run: Any, layer: int, head: int, policy: str = "") -> html.Div:
+    """The line of chips above a run's figures: run id, model, tokens, how it ran, mean loss, the
+    model's BOS/template ``policy`` (:func:`prompt_policy`; left out when ""), the selected head."""
+    loss = np.nanmean(run.token_loss) if run.n_tokens > 1 else float("nan")
+    return html.Div(
+        [
+            html.Span(f"run {run.short_id}", className="hs-chip"),
+            html.Span(run.model_name, className="hs-chip"),
+            html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
+            *([html.Span(f"statistics mode (no patterns kept; {run.seconds:.1f} s)", className="hs-chip",
+                         title="Attention ran through the statistics kernels: the grid, sink map and pooled "
+                               "map come from per-row statistics; zoom into the map for exact values.")]
+              if not run.has_patterns else []),
+            html.Span(f"mean loss {loss:.3f}", className="hs-chip"),
+            *([html.Span(policy, className="hs-chip", title=PROMPT_POLICY_TITLE)] if policy else []),
+            html.Span(f"selected: layer {layer}, head {head}", className="hs-chip hs-selected"),
+        ]
+    )
 
 
 def input_bar(prefix: str, placeholder: str = "Type or paste text to analyse…") -> html.Div:

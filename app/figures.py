@@ -8,6 +8,7 @@ interprets a few HTML-like tags in text: a token ``<b>`` or ``<a href=…>`` mus
 from __future__ import annotations
 
 import html
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,12 +58,28 @@ def _layout(fig: go.Figure, title: str, height: int | None = None) -> go.Figure:
     return fig
 
 
+def _mark_windowed_layers(fig: go.Figure, windows: Sequence[int | None] | None, note: str) -> None:
+    """Mark the layers a model windows ``w`` on the layer axis and, with ``note``, say under the plot
+    what ``w`` means for the numbers shown ("w: windowed by the model (W=512): <note>")."""
+    if not windows or not any(windows):
+        return
+    fig.update_yaxes(tickmode="array", tickvals=list(range(len(windows))),
+                     ticktext=[f"{layer} w" if w else str(layer) for layer, w in enumerate(windows)])
+    if note:  # under the title, where rotated token labels cannot cover it; wrapped to the plot's width
+        lines = textwrap.wrap(note, 85)
+        fig.add_annotation(text="<br>".join(safe_text(line) for line in lines), xref="paper", yref="paper",
+                           x=0, y=1, xanchor="left", yanchor="bottom", yshift=6, showarrow=False, align="left",
+                           font={"size": 11, "color": "#555"})
+        fig.update_layout(margin={"t": 56 + 15 * len(lines)})
+
+
 def head_grid(
     scores: np.ndarray,
     metric_label: str,
     selected: tuple[int, int] | None = None,
     colorscale: str = COLORSCALE,
     windows: Sequence[int | None] | None = None,
+    window_note: str = "",
 ) -> go.Figure:
     """Layer × head heatmap of a per-head score; the selected head is outlined.
 
@@ -72,6 +89,8 @@ def head_grid(
     windows : per layer the sliding attention window in keys (None: full attention), e.g. a run's
         ``layer_windows``; windowed layers are marked ``w`` on the layer axis and every cell's hover
         says which attention its layer has.
+    window_note : what ``w`` means for this score, shown under the grid when a layer is windowed
+        (e.g. ``"w: windowed by the model (W=512): scored only on rows ..."``).
     """
     scores = np.asarray(scores, dtype=float)
     n_layers, n_heads = scores.shape
@@ -90,9 +109,6 @@ def head_grid(
             ygap=1,
         )
     )
-    if windows and any(windows):  # mark windowed layers on the axis: "3 w" (hover gives the size)
-        fig.update_yaxes(tickmode="array", tickvals=list(range(n_layers)),
-                         ticktext=[f"{layer} w" if w else str(layer) for layer, w in enumerate(windows)])
     if selected is not None:
         layer, head = selected
         fig.add_shape(
@@ -102,7 +118,9 @@ def head_grid(
     fig.update_xaxes(title="head", dtick=1, showgrid=False)
     fig.update_yaxes(title="layer (w: sliding window)" if windows and any(windows) else "layer",
                      dtick=1 if n_layers <= 32 else None, autorange="reversed", showgrid=False)
-    return _layout(fig, f"{metric_label} per head", height=max(360, 18 * n_layers + 100))
+    fig = _layout(fig, f"{metric_label} per head", height=max(360, 18 * n_layers + 100))
+    _mark_windowed_layers(fig, windows, window_note)  # "3 w" on the axis (hover gives the size), the note below
+    return fig
 
 
 def attention_heatmap(pattern: np.ndarray, tokens: Sequence[str], layer: int, head: int) -> go.Figure:
@@ -297,16 +315,20 @@ def token_strip_position(point: Any, per_row: int = 16) -> int | None:
 
 
 def layer_position_heatmap(values: np.ndarray, tokens: Sequence[str], title: str,
-                           value_label: str = "relevance", log: bool = False) -> go.Figure:
+                           value_label: str = "relevance", log: bool = False,
+                           windows: Sequence[int | None] | None = None, window_note: str = "") -> go.Figure:
     """``[layer, position]`` values (e.g. cumulative rollout to one token after each layer).
 
     ``log``: colour by ``log10`` (for values spanning decades, like attention received, where
     position 0 would otherwise leave the rest of the map blank), with the x axis numbered by position
-    above 80 tokens (the token is in the hover) and naming every token up to 80."""
+    above 80 tokens (the token is in the hover) and naming every token up to 80. ``windows`` and
+    ``window_note``: layers the model windows, marked as in :func:`head_grid`."""
     values = np.asarray(values, dtype=float)
     labels = token_labels(tokens)
     if log:
-        return _log_position_heatmap(values, labels, title, value_label)
+        fig = _log_position_heatmap(values, labels, title, value_label)
+        _mark_windowed_layers(fig, windows, window_note)
+        return fig
     fig = go.Figure(
         go.Heatmap(
             z=values.tolist(),
@@ -319,7 +341,9 @@ def layer_position_heatmap(values: np.ndarray, tokens: Sequence[str], title: str
     )
     fig.update_xaxes(title="input token", type="category", tickangle=-60, showticklabels=len(tokens) <= 80)
     fig.update_yaxes(title="layer", autorange="reversed")
-    return _layout(fig, title, height=max(380, 14 * values.shape[0] + 160))
+    fig = _layout(fig, title, height=max(380, 14 * values.shape[0] + 160))
+    _mark_windowed_layers(fig, windows, window_note)
+    return fig
 
 
 def _log_position_heatmap(values: np.ndarray, labels: list[str], title: str, value_label: str) -> go.Figure:

@@ -24,9 +24,11 @@ from app.components import (
     input_bar,
     model_id,
     page_location,
+    prompt_policy,
     query_store_id,
     register_export,
     run_id,
+    run_info,
     text_id,
     url_id,
 )
@@ -234,20 +236,7 @@ def render(search, sinks_run=None):
             strip, _ = VIEWS[names.TOKEN_STRIP].build(run, params)
         except InputError as e:  # a bad region in the link: say so, keep the rest of the page
             problems.append(str(e))
-    loss = np.nanmean(run.token_loss) if run.n_tokens > 1 else float("nan")
-    info = html.Div(
-        [
-            html.Span(f"run {run.short_id}", className="hs-chip"),
-            html.Span(run.model_name, className="hs-chip"),
-            html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
-            *([html.Span(f"statistics mode (no patterns kept; {run.seconds:.1f} s)", className="hs-chip",
-                         title="Attention ran through the statistics kernels: the grid, sink map and pooled "
-                               "map come from per-row statistics; zoom into the map for exact values.")]
-              if not run.has_patterns else []),
-            html.Span(f"mean loss {loss:.3f}", className="hs-chip"),
-            html.Span(f"selected: layer {layer}, head {head}", className="hs-chip hs-selected"),
-        ]
-    )
+    info = run_info(run, layer, head, prompt_policy(run.model_name))
     model = dropdown_model(run.model_name, problems)
     return (grid, heat, strip, strip_style, strip_data, info, message(problems), run.text or no_update, model,
             state.metric, query, run.key if fresh else no_update)

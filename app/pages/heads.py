@@ -24,9 +24,11 @@ from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 from app import ids
 from app.components import (
     GRAPH_CONFIG,
+    PROMPT_POLICY_TITLE,
     empty_figure,
     export_bar,
     page_location,
+    prompt_policy,
     query_store_id,
     register_export,
     register_upload,
@@ -393,6 +395,8 @@ def render(search):
         html.Span(f"lengths {sw.lengths}, depths {sw.depths}", className="hs-chip"),
         html.Span(sw.settings_text(), className="hs-chip"),
         html.Span(f"streaming S={params['sink_size']}, W={params['window']}", className="hs-chip"),
+        *([html.Span(policy, className="hs-chip", title=PROMPT_POLICY_TITLE)]
+          if (policy := prompt_policy(params["model"])) else []),
         html.Span("cancelled: partial" if sw.cancelled else "complete", className="hs-chip"),
         dcc.Link("Ablate the top retrieval heads →", href=f"/ablation?sweep={sw.key[:16]}&by=retrieval",
                  id=ids.HEADS_ABLATE_LINK, className="hs-chip"),

@@ -15,6 +15,7 @@ import plotly.graph_objects as go
 
 from analysis.errors import InputError
 from analysis.head_summary import HEAD_METRICS
+from analysis.model_facts import window_note
 from analysis.runs import AttentionRun
 from analysis.statistics_run import parse_region
 from app import figures
@@ -35,7 +36,8 @@ def head_grid_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure
         selected = check_head(run, params["layer"], params["head"])
     scores = metric_scores(run, metric)
     windows = run.layer_windows
-    fig = figures.head_grid(scores, HEAD_METRICS[metric].label, selected, windows=windows)
+    fig = figures.head_grid(scores, HEAD_METRICS[metric].label, selected, windows=windows,
+                            window_note=window_note(windows, HEAD_METRICS[metric].windowed))
     rows = [
         {"layer": layer, "head": head, "metric": metric, "value": float(scores[layer, head]),
          "attention_window": windows[layer] if windows else None}
@@ -127,7 +129,7 @@ def sink_map_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure,
     or more later queries. Sinks after position 0 are the mid-sequence sinks (Gu et al. 2024). The
     title says which positions were checked, and when a text is too short to call any sink.
     """
-    from analysis.streaming import SINK_MIN_LATER, sink_checked_positions
+    from analysis.streaming import SINK_MIN_LATER, WINDOWED_SINKS, sink_checked_positions
 
     rec, counts = memoised((run.key, "sink_map"), lambda: (run.received_attention(), run.sink_counts()))
     positions = [int(p) for p in np.flatnonzero(counts)]
@@ -144,7 +146,8 @@ def sink_map_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure,
                  f"({SINK_MIN_LATER}+ later tokens): position 0 is a sink for {int(counts[0])} heads; "
                  f"mid-sequence sinks: {mid or 'none'}")
     fig = figures.layer_position_heatmap(per_layer, run.tokens, figures.safe_text(title), "received attention",
-                                        log=True)
+                                         log=True, windows=run.layer_windows,
+                                         window_note=window_note(run.layer_windows, WINDOWED_SINKS))
     rows: Rows = [{"layer": la, "pos": j, "token": run.tokens[j], "mean_received": float(per_layer[la, j])}
                   for la in range(per_layer.shape[0]) for j in range(per_layer.shape[1])]
     rows += [{"sink_pos": p, "token": run.tokens[p], "heads_flagging": int(counts[p])} for p in positions]

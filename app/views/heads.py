@@ -17,6 +17,8 @@ import plotly.graph_objects as go
 from analysis.errors import InputError
 from analysis.evidence import cumulative_mass
 from analysis.head_scores import LABELS, HeadScores, score_prompts, trial_prompts
+from analysis.head_summary import HEAD_METRICS
+from analysis.model_facts import window_note
 from analysis.retrieval import AGGREGATES, RetrievalSweep, decode_rows, load_sweep
 from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 from app import figures
@@ -135,7 +137,9 @@ def head_score_grid_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, 
     if params.get("layer") is not None and params.get("head") is not None:
         selected = check_sweep_head(sweep, params["layer"], params["head"])
     stat = params.get("stat", "mean")
-    fig = figures.head_grid(table, label if stat == "mean" else f"std of {label}", selected)
+    treatment = HEAD_METRICS[name].windowed if name in HEAD_METRICS else ""
+    fig = figures.head_grid(table, label if stat == "mean" else f"std of {label}", selected,
+                            windows=scores.layer_windows, window_note=window_note(scores.layer_windows, treatment))
     fig.update_layout(title_text=figures.safe_text(
         f"{label}: {'mean' if stat == 'mean' else 'standard deviation'} over {scores.n_prompts} prompts"))
     rows = [{"layer": la, "head": h, "score": name, "mean": float(scores.mean[name][la, h]),

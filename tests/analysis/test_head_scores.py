@@ -71,3 +71,31 @@ def test_trial_prompts_dedupe_and_carry_the_needle_spans():
     out = trial_prompts([T([1, 2, 3]), T([1, 2, 3]), T([4, 5])])
     assert [p.token_ids for p in out] == [[1, 2, 3], [4, 5]]
     assert out[0].question_span == (5, 7) and out[0].evidence_span == (1, 3)
+
+
+def test_scores_of_a_windowed_model_keep_its_windows_and_the_heads_grid_says_so(embedded_tokenizer, store,
+                                                                                  monkeypatch):
+    """Tiny Gemma 3 (window 6 on layers 0 and 2): the scores over prompts read windowed layers as the
+    single-run scores do, the stored result keeps the windows, and the Heads page's score map marks
+    those layers and says how the streaming score treats them."""
+    from analysis.models import wrap_model
+    from app.views import heads as views
+    from tests.tiny_families import tiny_family_model
+
+    model = wrap_model(tiny_family_model("gemma3", len(embedded_tokenizer)), embedded_tokenizer,
+                       name="tiny-gemma3", digest="tiny-gemma3-head-scores")
+    ids = model.encode("The cat sat on the mat. The cat sat on the mat again, said the cat by the door.")
+    result = score_prompts(model, [ScoredPrompt(ids)], sink=1, window=2, store=store)
+    run = capture(model, ids, pattern_dtype="float32")
+    np.testing.assert_allclose(result.runs["streaming"][0],
+                               streaming_score(run.patterns, 1, 2, layer_windows=[6, None, 6]), atol=1e-6)
+    assert result.layer_windows == [6, None, 6] and load_head_scores(store, result.key).layer_windows == [6, None, 6]
+
+    class Sweep:
+        scores = np.zeros((3, 4))
+
+    monkeypatch.setattr(views, "sweep_of", lambda params: Sweep())
+    monkeypatch.setattr(views, "head_scores_of", lambda sweep, params: result)
+    fig, _ = views.head_score_grid_view(None, {"score": "streaming"})
+    assert list(fig.layout.yaxis.ticktext) == ["0 w", "1", "2 w"]
+    assert "w: windowed by the model (W=6)" in fig.layout.annotations[0].text

@@ -136,3 +136,12 @@ def test_qk_probe_sentences_start_with_the_bos_the_model_expects(base_tokenizer)
         _, cache = model.bridge.run_with_cache(torch.tensor([first]))
     want = cache[get_act_name("rot_q", 1)][0]  # [pos, head, d_head]
     np.testing.assert_allclose(qk.q_rot[: len(first)], want.numpy(), atol=1e-4)
+
+
+def test_the_bos_and_template_policy_in_one_line(embedded_tokenizer, base_tokenizer):
+    """What the pages say about how a text becomes tokens: a base model like Gemma 3 270M, and
+    SmolLM2's tokenizer (no BOS added, a chat template)."""
+    assert _wrap("gemma3", base_tokenizer).facts.prompt_policy == (
+        "BOS prepended (shown as token 0) · chat template: no (plain prompt)")
+    assert _wrap("mistral", embedded_tokenizer).facts.prompt_policy == (
+        "no BOS (text read as written) · chat template: yes")

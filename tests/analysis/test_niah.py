@@ -202,3 +202,45 @@ def test_previous_depth_rule_never_places_the_needle_after_the_requested_depth(t
     assert later  # the two rules differ on this haystack: nearest did land after the depth
     with pytest.raises(InputError, match="nearest, previous"):
         build_prompt(tiny, NEEDLE, prose, 400, 50, depth_rule="after")
+
+
+# -- base models (no chat template) ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base_model(embedded_tokenizer):
+    """A tiny random Gemma 3 whose tokenizer behaves like Gemma 3 270M's: it puts a BOS before a text
+    and has no chat template (a base model; a copy, the session's tokenizer stays as it is)."""
+    import copy
+
+    from analysis.models import wrap_model
+    from tests.tiny_families import tiny_family_model
+
+    tok = copy.deepcopy(embedded_tokenizer)
+    tok.add_bos_token = True
+    tok.chat_template = None
+    return wrap_model(tiny_family_model("gemma3", len(tok), max_positions=1024), tok, name="tiny-base",
+                      digest="tiny-base-niah")
+
+
+def test_a_base_model_prompt_ends_with_the_answer_cue(base_model, prose):
+    """Without a chat template nothing marks where the answer goes; like the retrieval-head paper's
+    base-model prompts, the question is followed by 'Answer:', so greedy decoding starts with it."""
+    from analysis.niah import ANSWER_CUE
+
+    p = build_prompt(base_model, NEEDLE, prose, 300, 50)
+    tok = base_model.tokenizer
+    assert p.text.endswith(f"Question: {NEEDLE.question} Answer in one short sentence.{ANSWER_CUE}")
+    assert ANSWER_CUE == "\nAnswer:"
+    assert p.token_ids == [tok.bos_token_id, *tok.encode(p.text, add_special_tokens=False)]
+    assert tok.decode(p.token_ids[-3:]).endswith("\nAnswer:") and p.n_tokens <= 300
+    assert tok.decode(p.token_ids[slice(*p.question_span)]).strip() == NEEDLE.question
+    assert tok.decode(p.token_ids[slice(*p.needle_span)]).strip() == NEEDLE.needle
+
+
+def test_a_chat_template_prompt_has_no_answer_cue(tiny, prose):
+    """With a chat template the generation prompt (the assistant turn) is the cue: the message is as before."""
+    p = build_prompt(tiny, NEEDLE, prose, 300, 50)
+    assert p.text.endswith(f"Question: {NEEDLE.question} Answer in one short sentence.")
+    assert p.token_ids == tiny.chat_ids(p.text)
+    assert tiny.tokenizer.decode(p.token_ids).endswith("<|im_start|>assistant\n")

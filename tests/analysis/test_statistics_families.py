@@ -130,7 +130,7 @@ def test_scores_of_a_statistics_run_equal_those_of_patterns(family):
         if metric == "streaming":
             from analysis.streaming import streaming_score
 
-            expected = streaming_score(run.patterns, sink=4, window=16)
+            expected = streaming_score(run.patterns, sink=4, window=16, layer_windows=run.layer_windows)
         else:
             expected = run.head_scores(metric)
         got = statistics_score(stats, metric)

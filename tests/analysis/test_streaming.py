@@ -144,3 +144,122 @@ def test_a_sink_needs_min_later_later_tokens():
         assert (sink_checked_positions(n) > 0) is called
     assert sink_checked_positions(40) == 40 - SINK_MIN_LATER  # positions 0 .. 23 have 16+ later tokens
     assert sink_checked_positions(3, min_later=1) == 2
+
+
+# --- layers with a sliding window set by the model ---------------------------------------------------
+
+
+def random_windowed(rng, n, windows, n_heads=2):
+    """Random causal rows that, on a layer with window w, spread only over keys i - w < j <= i."""
+    a = np.zeros((len(windows), n_heads, n, n))
+    for layer, w in enumerate(windows):
+        for i in range(n):
+            lo = max(0, i - w + 1) if w else 0
+            a[layer, :, i, lo : i + 1] = rng.dirichlet(np.ones(i + 1 - lo), size=n_heads)
+    return a
+
+
+def brute_windowed_streaming(a, sink, window, windows):
+    """Mean sink + recent mass over the rows i >= S + W whose query sees every key 0..i (i < W_model)."""
+    n = a.shape[-1]
+    out = np.full(a.shape[:2], np.nan)
+    for layer in range(a.shape[0]):
+        w_model = windows[layer] or n + 1
+        rows = [i for i in range(sink + window, n) if i < w_model]
+        for head in range(a.shape[1]):
+            if rows:
+                keys = lambda i: set(range(sink)) | set(range(i - window + 1, i + 1))  # noqa: E731
+                out[layer, head] = np.mean([sum(a[layer, head, i, j] for j in keys(i)) for i in rows])
+    return out
+
+
+def brute_windowed_received(a, windows):
+    """Per key: mean attention from the strictly later queries that can see it (i - W_model < j)."""
+    n = a.shape[-1]
+    out = np.full(a.shape[:3], np.nan)
+    for layer in range(a.shape[0]):
+        w_model = windows[layer] or n + 1
+        for j in range(n):
+            queries = [i for i in range(j + 1, n) if i - w_model < j]
+            if queries:
+                out[layer, :, j] = a[layer, :, queries, j].mean(0)
+    return out
+
+
+def test_windowed_layers_are_scored_only_where_the_model_window_does_not_bind():
+    """Layer 0 has a model window of 6 keys, layer 1 full attention. The streaming score of layer 0
+    reads rows S + W <= i < 6 only, the sink map averages each key over the queries that can see it,
+    and a layer whose window binds before row S + W has no streaming score (nan)."""
+    rng = np.random.default_rng(5)
+    windows = [6, None]
+    a = random_windowed(rng, 30, windows)
+    np.testing.assert_allclose(streaming_score(a, 1, 2, layer_windows=windows),
+                               brute_windowed_streaming(a, 1, 2, windows), atol=1e-12)
+    # the unwindowed definition counts rows 6.. of layer 0, where key 0 is out of reach: not the same
+    assert not np.allclose(streaming_score(a, 1, 2)[0], brute_windowed_streaming(a, 1, 2, windows)[0])
+    s = streaming_score(a, 2, 4, layer_windows=windows)  # S + W = 6: no row of layer 0 before the window binds
+    assert np.isnan(s[0]).all() and np.isfinite(s[1]).all()
+    sm = sink_map(a, threshold=0.3, min_later=3, layer_windows=windows)
+    np.testing.assert_allclose(sm.received, brute_windowed_received(a, windows), atol=1e-12, equal_nan=True)
+    # a key is checked when at least min_later queries can see it: on layer 0 at most 5 ever do
+    assert not sink_map(a, threshold=0.01, min_later=6, layer_windows=windows).flags[0].any()
+    assert sink_map(a, threshold=0.01, min_later=5, layer_windows=windows).flags[0, :, : 30 - 5].all()
+
+
+def test_a_sink_on_a_windowed_layer_is_not_diluted_by_queries_that_cannot_see_it():
+    """A head that puts half of every visible row on key 0: on a windowed layer, key 0 receives 0.5
+    from each query that can see it; averaged over all later queries it would read 5/39 * 0.5."""
+    n, w = 40, 6
+    a = np.zeros((1, 1, n, n))
+    for i in range(n):
+        if i < w:
+            a[0, 0, i, 0] += 0.5 if i else 1.0
+            a[0, 0, i, i] += 0.5 if i else 0.0
+        else:
+            a[0, 0, i, i] = 1.0
+    # the model window of 6 keys hides key 0 from queries 6..39; rows 1..5 give it 0.5 each
+    sm = sink_map(a, min_later=5, layer_windows=[w])
+    assert sm.received[0, 0, 0] == pytest.approx(0.5) and sm.flags[0, 0, 0]
+    assert HEAD_METRICS["first_token"].compute(a, (), [w])[0, 0] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_streaming_and_sinks_of_tiny_windowed_models_equal_brute_force_from_eager_patterns(family, embedded_tokenizer):
+    """Tiny Mistral (window 7 on every layer) and Gemma 3 (window 6 on layers 0 and 2): the streaming
+    score, the attention received per key, the first-token share and the mid-sequence sink of a
+    full-pattern run and of a statistics run equal brute force over the eager patterns."""
+    from analysis.capture import capture
+    from analysis.models import wrap_model
+    from analysis.statistics_run import capture_statistics, statistics_score
+    from tests.tiny_families import tiny_family_model
+
+    model = wrap_model(tiny_family_model(family, len(embedded_tokenizer)), embedded_tokenizer,
+                       name=f"tiny-{family}-streaming", digest=f"tiny-{family}-streaming")
+    text = ("The keeper of the lighthouse wrote every evening in a small blue notebook. She counted the "
+            "ships, the gulls and the storms, and once a year she sent the notebook to her sister.")
+    ids = embedded_tokenizer.encode(text)[:40]
+    run = capture(model, ids, pattern_dtype="float32", max_tokens=len(ids))
+    windows = list(model.facts.windows)
+    assert run.layer_windows == windows and any(windows)
+    a = run.patterns.astype(np.float64)
+    i, j = np.ogrid[: len(ids), : len(ids)]
+    for layer, w in enumerate(windows):  # the brute force's window is the model's own mask
+        if w:
+            assert (a[layer][:, (j <= i - w) & (j <= i)] == 0).all()
+    stats = capture_statistics(model, ids, sink=1, window=2)
+    want = brute_windowed_streaming(a, 1, 2, windows)
+    np.testing.assert_allclose(streaming_score(run.patterns, 1, 2, layer_windows=run.layer_windows), want, atol=1e-6)
+    np.testing.assert_allclose(statistics_score(stats, "streaming"), want, atol=5e-6)
+    received = brute_windowed_received(a, windows)
+    np.testing.assert_allclose(run.received_attention(), received, atol=1e-6, equal_nan=True)
+    np.testing.assert_allclose(stats.received_attention(), received, atol=5e-6, equal_nan=True)
+    np.testing.assert_allclose(run.head_scores("first_token"), received[..., 0], atol=1e-6)
+    np.testing.assert_allclose(stats.head_scores("first_token"), received[..., 0], atol=5e-6)
+    # a key needs SINK_MIN_LATER queries that can see it: a 6- or 7-key window never has them
+    later = len(ids) - 1 - np.arange(len(ids))
+    checked = np.stack([(np.minimum(later, w - 1) if w else later) >= SINK_MIN_LATER for w in windows])
+    mid = np.where(checked[:, None, 1:], np.nan_to_num(received[..., 1:], nan=-1), -1).max(-1)
+    mid = np.where(checked[:, 1:].any(-1)[:, None], mid, np.nan)
+    np.testing.assert_allclose(run.head_scores("mid_sink"), mid, atol=1e-6, equal_nan=True)
+    np.testing.assert_allclose(stats.head_scores("mid_sink"), mid, atol=5e-6, equal_nan=True)
+    assert np.isnan(mid[[la for la, w in enumerate(windows) if w]]).all()

@@ -112,3 +112,36 @@ def test_head_grid_of_a_model_without_windows_has_plain_layers(run):
     fig, rows = views.head_grid_view(run, {"metric": "entropy"})
     assert fig.layout.yaxis.ticktext is None and fig.layout.yaxis.title.text == "layer"
     assert all(r["attention_window"] is None for r in rows)
+
+
+def _tiny_gemma3(embedded_tokenizer, digest):
+    from analysis.models import wrap_model
+    from tests.tiny_families import tiny_family_model
+
+    return wrap_model(tiny_family_model("gemma3", len(embedded_tokenizer)), embedded_tokenizer,
+                      name="tiny-gemma3", digest=digest)
+
+
+def _notes(fig):
+    return " ".join(a.text.replace("<br>", " ") for a in fig.layout.annotations)  # wrapped lines
+
+
+@pytest.mark.parametrize("stats_mode", [False, True])
+def test_streaming_grid_and_sink_map_say_which_layers_the_model_windows(embedded_tokenizer, stats_mode):
+    """On a windowed layer the streaming score is read before the window binds, and the sink map
+    averages each key over the queries that see it: both figures say so under the plot, naming the
+    window, and mark those layers 'w'."""
+    model = _tiny_gemma3(embedded_tokenizer, "tiny-gemma3-notes")
+    text = "The keys to the cabinet are on the table by the door of the hall, and the hall is dark."
+    run = capture_statistics(model, text) if stats_mode else capture(model, text, pattern_dtype="float32")
+    fig, _ = views.head_grid_view(run, {"metric": "streaming"})
+    note = _notes(fig)
+    assert "w: windowed by the model (W=6)" in note and "until the window binds" in note
+    fig, _ = views.sink_map_view(run, {})
+    assert list(fig.layout.yaxis.ticktext) == ["0 w", "1", "2 w"]
+    assert "w: windowed by the model (W=6)" in _notes(fig) and "queries that see it" in _notes(fig)
+
+
+def test_figures_of_a_model_without_windows_carry_no_window_note(run):
+    for fig, _ in (views.head_grid_view(run, {"metric": "streaming"}), views.sink_map_view(run, {})):
+        assert "windowed" not in _notes(fig)
