@@ -69,6 +69,37 @@ def run_id(prefix: str) -> str:
     return f"{prefix}-{ids.RUN_BUTTON}"
 
 
+def job_error_id(prefix: str) -> str:
+    return f"{prefix}-hs-job-error"
+
+
+def job_error(prefix: str) -> Output:
+    """The output a page's background job writes its error message to (``""`` clears the banner).
+
+    Not the banner itself: a background callback that writes to the app shell is called by Dash
+    whenever its page loads, ``prevent_initial_call`` or not, because its inputs and outputs are not in
+    one layout chunk (plotly/dash#2369). Each page load then forked a job, and the page's Run button
+    stayed disabled until it came back (7-12 s seen), so a click right after the page appeared was lost.
+    The message goes into a store on the page (:func:`job_error_store`), and :func:`show_job_errors`
+    copies it into the banner in the browser."""
+    return Output(job_error_id(prefix), "data", allow_duplicate=True)
+
+
+def job_error_store(prefix: str) -> dcc.Store:
+    """The page's store for :func:`job_error`: put it in the page's layout."""
+    return dcc.Store(id=job_error_id(prefix))
+
+
+def show_job_errors(prefix: str) -> None:
+    """Copy the page's job errors into the app's banner, in the browser (once per page module)."""
+    clientside_callback(
+        "function (m) { return m === null || m === undefined ? window.dash_clientside.no_update : m; }",
+        Output(ids.ERROR, "children", allow_duplicate=True),
+        Input(job_error_id(prefix), "data"),
+        prevent_initial_call=True,
+    )
+
+
 PROMPT_POLICY_TITLE = ("How a text becomes the model's tokens: a BOS the model expects is prepended and shown "
                        "as token 0, so positions are those the model saw; a model without a chat template "
                        "(a base model) reads plain prompts, and needle-in-a-haystack prompts end with 'Answer:'.")

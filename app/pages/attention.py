@@ -22,6 +22,8 @@ from app.components import (
     empty_figure,
     export_bar,
     input_bar,
+    job_error,
+    job_error_store,
     model_id,
     page_location,
     prompt_policy,
@@ -29,6 +31,7 @@ from app.components import (
     register_export,
     run_id,
     run_info,
+    show_job_errors,
     text_id,
     url_id,
 )
@@ -54,6 +57,7 @@ def layout(**_query) -> html.Div:
     return html.Div(
         [
             page_location(PREFIX),
+            job_error_store(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
             dcc.Store(id=SINKS_RUN),
             dcc.Store(id=STRIP_DATA),
@@ -133,9 +137,12 @@ def _after_run(old: PageState, model, run) -> PageState:
 register_export(PREFIX)
 
 
+show_job_errors(PREFIX)
+
+
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
-    Output(ids.ERROR, "children", allow_duplicate=True),
+    job_error(PREFIX),
     Output(STATUS, "children", allow_duplicate=True),
     Input(run_id(PREFIX), "n_clicks"),
     State(text_id(PREFIX), "value"),

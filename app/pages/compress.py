@@ -36,9 +36,12 @@ from app.components import (
     GRAPH_CONFIG,
     empty_figure,
     export_bar,
+    job_error,
+    job_error_store,
     page_location,
     query_store_id,
     register_export,
+    show_job_errors,
     url_id,
 )
 from app.context import dropdown_model, get_context, offered_model
@@ -81,6 +84,7 @@ def layout(**_query) -> html.Div:
     needles = _needle_options()
     return html.Div([
         page_location(PREFIX),
+        job_error_store(PREFIX),
         dcc.Store(id=query_store_id(PREFIX)),
         html.Div([
             html.Div([
@@ -194,6 +198,9 @@ def _info(curve, tolerance: float) -> list:
     if not curve.complete:
         parts.append(html.Div("Cancelled: the curve holds the policies that finished.", className="hs-hint"))
     return parts
+
+
+show_job_errors(PREFIX)
 
 
 @callback(
@@ -313,7 +320,7 @@ def _sweep(model, sweep_id, needle_ids, lengths, depths, haystack, set_progress)
 
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
-    Output(ids.ERROR, "children", allow_duplicate=True),
+    job_error(PREFIX),
     Output(ids.KV_STATUS, "children"),
     Input(ids.KV_RUN, "n_clicks"),
     State(ids.KV_SWEEP, "value"),

@@ -27,11 +27,14 @@ from app.components import (
     PROMPT_POLICY_TITLE,
     empty_figure,
     export_bar,
+    job_error,
+    job_error_store,
     page_location,
     prompt_policy,
     query_store_id,
     register_export,
     register_upload,
+    show_job_errors,
     upload_field,
     upload_file,
     upload_file_id,
@@ -67,6 +70,7 @@ def layout(**_query) -> html.Div:
     return html.Div(
         [
             page_location(PREFIX),
+            job_error_store(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
             dcc.Store(id=ids.HEADS_FORM_SWEEP),
             html.P(id=ids.HEADS_FORM_NOTE, className="hs-hint", role="status"),
@@ -207,6 +211,9 @@ def _needles(ticked: list[str] | None, custom: str | None):
     return chosen
 
 
+show_job_errors(PREFIX)
+
+
 @callback(
     Output(ids.HEADS_CUSTOM_HAYSTACK, "value"),
     Output(ids.HEADS_HAYSTACK, "value"),
@@ -295,7 +302,7 @@ def form_from_sweep(search, filled, own_haystack):
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Output(ids.HEADS_STATUS, "children"),
-    Output(ids.ERROR, "children", allow_duplicate=True),
+    job_error(PREFIX),
     Input(ids.HEADS_RUN, "n_clicks"),
     State(ids.HEADS_NEEDLES, "value"),
     State(ids.HEADS_CUSTOM_NEEDLES, "value"),

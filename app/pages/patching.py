@@ -34,9 +34,12 @@ from app.components import (
     GRAPH_CONFIG,
     empty_figure,
     export_bar,
+    job_error,
+    job_error_store,
     page_location,
     query_store_id,
     register_export,
+    show_job_errors,
     url_id,
 )
 from app.context import get_context, offered_model
@@ -82,6 +85,7 @@ def layout(**_query) -> html.Div:
     return html.Div(
         [
             page_location(PREFIX),
+            job_error_store(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
             html.Div(
                 [
@@ -201,6 +205,9 @@ def _top_text(result) -> str:
     top = ", ".join(f"{labels[int(np.ravel_multi_index(i, shape))]} ({v:.2f})" for i, v in result.top_units(TOP_N))
     return (f"Largest effects ({result.direction} {result.site}): {top}. Exact in {result.seconds:.1f} s, "
             f"attribution in {result.attribution_seconds:.1f} s.")
+
+
+show_job_errors(PREFIX)
 
 
 @callback(
@@ -325,7 +332,7 @@ def _job_progress(set_progress, n: int, unit: str):
 
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
-    Output(ids.ERROR, "children", allow_duplicate=True),
+    job_error(PREFIX),
     Output(ids.PAT_STATUS, "children"),
     Input(ids.PAT_RUN, "n_clicks"),
     State(ids.PAT_CLEAN, "value"),
@@ -398,7 +405,7 @@ def _clicked_cell(click) -> tuple[int, int]:
 
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
-    Output(ids.ERROR, "children", allow_duplicate=True),
+    job_error(PREFIX),
     Output(ids.PAT_POS_STATUS, "children"),
     Input(ids.PAT_MAP, "clickData"),
     State(url_id(PREFIX), "search"),
@@ -436,7 +443,7 @@ def run_positions(set_progress, click, search):
 
 @callback(
     Output(ids.PAT_PATH_RESULT, "children"),
-    Output(ids.ERROR, "children", allow_duplicate=True),
+    job_error(PREFIX),
     Input(ids.PAT_PATH_RUN, "n_clicks"),
     State(ids.PAT_CLEAN, "value"),
     State(ids.PAT_CORRUPTED, "value"),

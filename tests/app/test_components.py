@@ -19,3 +19,33 @@ def test_run_info_says_the_models_bos_and_template_policy(tiny_model):
 
 def test_prompt_policy_of_a_model_this_server_does_not_offer_is_not_claimed():
     assert components.prompt_policy("/nowhere/not-a-model") == ""
+
+
+def test_no_background_job_starts_when_a_page_loads(tmp_path):
+    """A background callback (a forked job, or a Celery task) that writes to the app shell (the error
+    banner, the download) is called by Dash whenever its page loads, whatever ``prevent_initial_call``
+    says: its inputs and outputs are not in one layout chunk (plotly/dash#2369). Each page load then
+    forked a job, and the page's Run button stayed disabled until that job came back (7-12 s seen),
+    so a click right after the page appeared was lost. Jobs write their errors into their own page,
+    which copies them into the banner in the browser. (The QK page's job draws a linked head on
+    landing: it is called on load on purpose.)"""
+    import json
+
+    from analysis.store import Store
+    from app import ids
+    from app.context import AppContext
+    from app.server import create_app
+
+    app = create_app(AppContext(store=Store(tmp_path / "store")))
+    client = app.server.test_client()
+    client.get("/")
+    deps = json.loads(client.get("/_dash-dependencies").data)
+    shell = {ids.ERROR, ids.DOWNLOAD}
+    background = [d for d in deps if d.get("background")]
+    assert len(background) >= 10
+    into_shell = []
+    for d in background:
+        outputs = {p.rpartition(".")[0].split("@")[0] for p in d["output"].strip(".").split("...")}
+        if d["prevent_initial_call"] and outputs & shell:
+            into_shell.append(sorted(outputs))
+    assert into_shell == []

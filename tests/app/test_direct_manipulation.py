@@ -233,3 +233,26 @@ def test_cancel_stops_a_running_text_without_an_error(server, page):
     assert job_children(proc) == []
     assert "tokens" not in page.locator("#hs-run-info").inner_text()
 
+
+
+def test_run_is_ready_the_moment_the_page_appears(server, page):
+    """Loading a page starts no background job: Run is enabled from the first frame it is drawn, and a
+    click at once runs the text. (Dash called every page's background job on page load, because the
+    job wrote to the app's banner: Run stayed disabled for 7-12 s, and a click then was lost; ten
+    sessions clicking Run right after loading left one of them waiting for ever.)"""
+    url, _, home = server
+    page.add_init_script("""window.__runDisabled = [];
+        const watch = () => { const b = document.querySelector('#attn-hs-run');
+            if (b) window.__runDisabled.push(b.disabled); requestAnimationFrame(watch); };
+        requestAnimationFrame(watch);""")
+    jobs_before = (home / "server.log").read_text().count("&job=")
+    page.goto(url)
+    page.wait_for_selector("#attn-hs-run")
+    page.wait_for_timeout(3000)  # the old page-load job kept Run disabled for seconds
+    seen = page.evaluate("window.__runDisabled")
+    assert seen and not any(seen), f"Run was disabled in {sum(seen)} of {len(seen)} frames after the page appeared"
+    assert (home / "server.log").read_text().count("&job=") == jobs_before  # no job polled: none started
+    page.fill("#attn-hs-text", "The cat sat on the mat.")
+    page.click("#attn-hs-run", timeout=1000)  # enabled: clickable at once
+    wait_for_run(page)
+    assert page.locator("#hs-error").inner_text() == ""
