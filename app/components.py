@@ -135,8 +135,12 @@ def run_info(run: Any, layer: int, head: int, policy: str = "") -> html.Div:
     )
 
 
-def input_bar(prefix: str, placeholder: str = "Type or paste text to analyse…") -> html.Div:
+def input_bar(prefix: str, placeholder: str = "Type or paste text to analyse…", model: Any = None) -> html.Div:
+    """The text box, model menu and Run button. ``model``: the model the page's link names (its
+    ``model=`` query), chosen in the menu from the first frame when the server offers it. Set later by
+    the page's render, a Run pressed at once ran the default model although the link named another."""
     context = get_context()
+    chosen = model if isinstance(model, str) and model in context.allowed_models() else context.default_model
     return html.Div(
         [
             dcc.Textarea(id=text_id(prefix), placeholder=placeholder, className="hs-text", value=""),
@@ -144,7 +148,7 @@ def input_bar(prefix: str, placeholder: str = "Type or paste text to analyse…"
                 [
                     html.Label("Model", htmlFor=model_id(prefix)),
                     dcc.Dropdown(id=model_id(prefix), options=context.model_options(),
-                                 value=context.default_model, clearable=False, className="hs-model"),
+                                 value=chosen, clearable=False, className="hs-model"),
                     html.Button("Run", id=run_id(prefix), n_clicks=0, className="hs-run"),
                 ],
                 className="hs-controls",

@@ -64,7 +64,7 @@ EMPTY = empty_figure("Run a text, then choose heads to ablate.")
 KEEP = {"persistence": True, "persistence_type": "session"}
 
 
-def layout(**_query) -> html.Div:
+def layout(**query) -> html.Div:
     return html.Div(
         [
             page_location(PREFIX),
@@ -74,7 +74,7 @@ def layout(**_query) -> html.Div:
             dcc.Store(id=ids.ABL_SHOWN, data=None),  # what the effects on the page were computed for
             dcc.Store(id=ids.ABL_MAP, data=None),  # the run and score the map was drawn for
             dcc.Store(id=ids.ABL_FROM_LINK, data=None),  # a link's applied set, handed to the Apply job
-            input_bar(PREFIX, "Text to ablate heads on (loss, next-token prediction, continuation)…"),
+            input_bar(PREFIX, "Text to ablate heads on (loss, next-token prediction, continuation)…", model=query.get("model")),
             html.Div(
                 [
                     html.Div([

@@ -53,7 +53,7 @@ STRIP_DATA = f"{PREFIX}-hs-strip-data"  # the token-strip figure the HTML strip 
 HIDDEN = {"display": "none"}
 
 
-def layout(**_query) -> html.Div:
+def layout(**query) -> html.Div:
     return html.Div(
         [
             page_location(PREFIX),
@@ -61,7 +61,7 @@ def layout(**_query) -> html.Div:
             dcc.Store(id=query_store_id(PREFIX)),
             dcc.Store(id=SINKS_RUN),
             dcc.Store(id=STRIP_DATA),
-            input_bar(PREFIX),
+            input_bar(PREFIX, model=query.get("model")),
             html.Div(
                 [
                     html.Progress(id=PROGRESS, value="0", max="100", className="hs-progress"),

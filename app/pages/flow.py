@@ -79,12 +79,12 @@ def strip_panel(method: str) -> html.Div:
                      export_bar(PREFIX, names.variant(names.RELEVANCE, method))], className="hs-panel")
 
 
-def layout(**_query) -> html.Div:
+def layout(**query) -> html.Div:
     return html.Div(
         [
             page_location(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
-            input_bar(PREFIX, f"Text to attribute (attention flow: up to {max_flow_tokens()} tokens)…"),
+            input_bar(PREFIX, f"Text to attribute (attention flow: up to {max_flow_tokens()} tokens)…", model=query.get("model")),
             html.Div(
                 [
                     html.Label("Target position", htmlFor=ids.FLOW_TARGET),

@@ -49,3 +49,32 @@ def test_no_background_job_starts_when_a_page_loads(tmp_path):
         if d["prevent_initial_call"] and outputs & shell:
             into_shell.append(sorted(outputs))
     assert into_shell == []
+
+
+def test_a_link_naming_a_model_has_it_chosen_from_the_first_frame(tmp_path):
+    """A link with ``model=`` draws the page with that model already in the menu: set later by the
+    page's render, a Run pressed at once ran the server's default model instead (seen in Chromium once
+    Run was enabled at page load). A model the server does not offer is not put in the menu."""
+    from analysis.store import Store
+    from app.context import AppContext, set_context
+    from app.pages import ablation, attention, flow
+
+    set_context(AppContext(store=Store(tmp_path / "store"), default_model="smollm2-135m",
+                           extra_models=["/models/tiny-qwen3"]))
+
+    def chosen(layout, prefix):
+        found = []
+
+        def walk(node):
+            if getattr(node, "id", None) == components.model_id(prefix):
+                found.append(node.value)
+            for child in getattr(node, "children", None) or []:
+                if hasattr(child, "children") or hasattr(child, "id"):
+                    walk(child)
+        walk(layout)
+        return found
+
+    for page in (attention, ablation, flow):
+        assert chosen(page.layout(model="/models/tiny-qwen3"), page.PREFIX) == ["/models/tiny-qwen3"]
+        assert chosen(page.layout(), page.PREFIX) == ["smollm2-135m"]
+        assert chosen(page.layout(model="/etc/passwd"), page.PREFIX) == ["smollm2-135m"]
