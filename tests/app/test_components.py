@@ -51,16 +51,22 @@ def test_no_background_job_starts_when_a_page_loads(tmp_path):
     assert into_shell == []
 
 
-def test_a_link_naming_a_model_has_it_chosen_from_the_first_frame(tmp_path):
+def test_a_link_naming_a_model_has_it_chosen_from_the_first_frame(tmp_path, monkeypatch):
     """A link with ``model=`` draws the page with that model already in the menu: set later by the
     page's render, a Run pressed at once ran the server's default model instead (seen in Chromium once
     Run was enabled at page load). A model the server does not offer is not put in the menu."""
-    from analysis.store import Store
-    from app.context import AppContext, set_context
-    from app.pages import ablation, attention, flow
+    import dash
 
-    set_context(AppContext(store=Store(tmp_path / "store"), default_model="smollm2-135m",
-                           extra_models=["/models/tiny-qwen3"]))
+    import app.context
+    from analysis.store import Store
+    from app.context import AppContext
+    from app.server import create_app
+
+    monkeypatch.setattr(app.context, "_context", app.context._context)  # restored after the test
+    # the pages as Dash loads them (importing app.pages.* here would register their callbacks twice)
+    create_app(AppContext(store=Store(tmp_path / "store"), default_model="smollm2-135m",
+                          extra_models=["/models/tiny-qwen3"]))
+    layouts = {p["module"].rpartition(".")[2]: p["layout"] for p in dash.page_registry.values()}
 
     def chosen(layout, prefix):
         found = []
@@ -68,13 +74,15 @@ def test_a_link_naming_a_model_has_it_chosen_from_the_first_frame(tmp_path):
         def walk(node):
             if getattr(node, "id", None) == components.model_id(prefix):
                 found.append(node.value)
-            for child in getattr(node, "children", None) or []:
-                if hasattr(child, "children") or hasattr(child, "id"):
+            children = getattr(node, "children", None)
+            for child in children if isinstance(children, list) else [children]:
+                if hasattr(child, "to_plotly_json"):
                     walk(child)
         walk(layout)
         return found
 
-    for page in (attention, ablation, flow):
-        assert chosen(page.layout(model="/models/tiny-qwen3"), page.PREFIX) == ["/models/tiny-qwen3"]
-        assert chosen(page.layout(), page.PREFIX) == ["smollm2-135m"]
-        assert chosen(page.layout(model="/etc/passwd"), page.PREFIX) == ["smollm2-135m"]
+    for name, prefix in (("attention", "attn"), ("ablation", "abl"), ("flow", "flow")):
+        layout = layouts[name]
+        assert chosen(layout(model="/models/tiny-qwen3"), prefix) == ["/models/tiny-qwen3"]
+        assert chosen(layout(), prefix) == ["smollm2-135m"]
+        assert chosen(layout(model="/etc/passwd"), prefix) == ["smollm2-135m"]
