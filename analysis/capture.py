@@ -29,7 +29,6 @@ MAX_TOKENS_PATTERNS = 2048
 """Longest input whose full patterns are captured (30 layers × 9 heads × N² grows fast)."""
 
 
-
 @dataclass
 class Run(RunRecord):
     """What one forward pass captured (an :class:`analysis.runs.AttentionRun` with full patterns).

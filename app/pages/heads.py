@@ -65,8 +65,51 @@ def _needle_options():
         return []
 
 
-def layout(**_query) -> html.Div:
+def _sweep_settings() -> html.Div:
+    """The sweep form: needles, lengths, depths, haystack, streaming-score S and W, depth rule, own haystack
+    and needles (filled from a sweep's own settings when a link names one)."""
     options = _needle_options()
+    return html.Div(
+        [
+            html.Div([html.Label("Needles"), dcc.Checklist(
+                id=ids.HEADS_NEEDLES, **KEEP, options=options, value=[o["value"] for o in options[:4]],
+                className="hs-needles")], className="hs-field"),
+            html.Div([
+                html.Label("Context lengths (tokens)", htmlFor=ids.HEADS_LENGTHS),
+                dcc.Input(id=ids.HEADS_LENGTHS, **KEEP, value="512", className="hs-text-input"),
+                html.Label("Depths (%)", htmlFor=ids.HEADS_DEPTHS),
+                dcc.Input(id=ids.HEADS_DEPTHS, **KEEP, value="10,50,90", className="hs-text-input"),
+                html.Label("Haystack", htmlFor=ids.HEADS_HAYSTACK),
+                dcc.Dropdown(id=ids.HEADS_HAYSTACK, **KEEP, clearable=False, value="prose", options=[
+                    {"label": "prose (shipped essays)", "value": "prose"},
+                    {"label": "passkey (synthetic filler)", "value": "passkey"},
+                    {"label": "my own (paste or upload below)", "value": "custom"}]),
+                html.Label("Streaming score: sink size S, window W", htmlFor=ids.HEADS_SINK),
+                html.Div([dcc.Input(id=ids.HEADS_SINK, **KEEP, type="number", min=0, value=DEFAULT_SINK,
+                                    className="hs-number"),
+                          dcc.Input(id=ids.HEADS_WINDOW, **KEEP, type="number", min=1, value=DEFAULT_WINDOW,
+                                    className="hs-number")]),
+                html.Label("Needle placed at", htmlFor=ids.HEADS_DEPTH_RULE),
+                dcc.RadioItems(id=ids.HEADS_DEPTH_RULE, **KEEP, value=DEFAULT_DEPTH_RULE, options=[
+                    {"label": f" {text}", "value": r} for r, text in DEPTH_RULE_DESCRIPTIONS.items()]),
+                dcc.Checklist(id=ids.HEADS_STOP_NEWLINE, **KEEP, value=[], options=[
+                    {"label": " stop each answer at its first newline (the paper's rule)", "value": "on"}]),
+            ], className="hs-field"),
+            html.Div([
+                html.Label("Own haystack (used when Haystack is 'my own')", htmlFor=ids.HEADS_CUSTOM_HAYSTACK),
+                dcc.Textarea(id=ids.HEADS_CUSTOM_HAYSTACK, **KEEP, className="hs-textarea",
+                             placeholder="Paste prose here, or upload a UTF-8 .txt file."),
+                *upload_field(ids.HEADS_HAYSTACK_UPLOAD, "Upload a .txt haystack"),
+                html.Label("Own needles (used instead of the ticked ones when given)",
+                           htmlFor=ids.HEADS_CUSTOM_NEEDLES),
+                dcc.Textarea(id=ids.HEADS_CUSTOM_NEEDLES, **KEEP, className="hs-textarea", placeholder=NEEDLES_HINT),
+            ], className="hs-field hs-wide"),
+        ],
+        className="hs-sweep-settings",
+    )
+
+
+def layout(**_query) -> html.Div:
     return html.Div(
         [
             page_location(PREFIX),
@@ -74,44 +117,7 @@ def layout(**_query) -> html.Div:
             dcc.Store(id=query_store_id(PREFIX)),
             dcc.Store(id=ids.HEADS_FORM_SWEEP),
             html.P(id=ids.HEADS_FORM_NOTE, className="hs-hint", role="status"),
-            html.Div(
-                [
-                    html.Div([html.Label("Needles"), dcc.Checklist(
-                        id=ids.HEADS_NEEDLES, **KEEP, options=options, value=[o["value"] for o in options[:4]],
-                        className="hs-needles")], className="hs-field"),
-                    html.Div([
-                        html.Label("Context lengths (tokens)", htmlFor=ids.HEADS_LENGTHS),
-                        dcc.Input(id=ids.HEADS_LENGTHS, **KEEP, value="512", className="hs-text-input"),
-                        html.Label("Depths (%)", htmlFor=ids.HEADS_DEPTHS),
-                        dcc.Input(id=ids.HEADS_DEPTHS, **KEEP, value="10,50,90", className="hs-text-input"),
-                        html.Label("Haystack", htmlFor=ids.HEADS_HAYSTACK),
-                        dcc.Dropdown(id=ids.HEADS_HAYSTACK, **KEEP, clearable=False, value="prose", options=[
-                            {"label": "prose (shipped essays)", "value": "prose"},
-                            {"label": "passkey (synthetic filler)", "value": "passkey"},
-                            {"label": "my own (paste or upload below)", "value": "custom"}]),
-                        html.Label("Streaming score: sink size S, window W", htmlFor=ids.HEADS_SINK),
-                        html.Div([dcc.Input(id=ids.HEADS_SINK, **KEEP, type="number", min=0, value=DEFAULT_SINK,
-                                            className="hs-number"),
-                                  dcc.Input(id=ids.HEADS_WINDOW, **KEEP, type="number", min=1, value=DEFAULT_WINDOW,
-                                            className="hs-number")]),
-                        html.Label("Needle placed at", htmlFor=ids.HEADS_DEPTH_RULE),
-                        dcc.RadioItems(id=ids.HEADS_DEPTH_RULE, **KEEP, value=DEFAULT_DEPTH_RULE, options=[
-                            {"label": f" {text}", "value": r} for r, text in DEPTH_RULE_DESCRIPTIONS.items()]),
-                        dcc.Checklist(id=ids.HEADS_STOP_NEWLINE, **KEEP, value=[], options=[
-                            {"label": " stop each answer at its first newline (the paper's rule)", "value": "on"}]),
-                    ], className="hs-field"),
-                    html.Div([
-                        html.Label("Own haystack (used when Haystack is 'my own')", htmlFor=ids.HEADS_CUSTOM_HAYSTACK),
-                        dcc.Textarea(id=ids.HEADS_CUSTOM_HAYSTACK, **KEEP, className="hs-textarea",
-                                     placeholder="Paste prose here, or upload a UTF-8 .txt file."),
-                        *upload_field(ids.HEADS_HAYSTACK_UPLOAD, "Upload a .txt haystack"),
-                        html.Label("Own needles (used instead of the ticked ones when given)",
-                                   htmlFor=ids.HEADS_CUSTOM_NEEDLES),
-                        dcc.Textarea(id=ids.HEADS_CUSTOM_NEEDLES, **KEEP, className="hs-textarea", placeholder=NEEDLES_HINT),
-                    ], className="hs-field hs-wide"),
-                ],
-                className="hs-sweep-settings",
-            ),
+            _sweep_settings(),
             html.Div(
                 [
                     html.Button("Run sweep", id=ids.HEADS_RUN, n_clicks=0, className="hs-run"),
