@@ -8,8 +8,14 @@ Two passes, in the spirit of Triton's fused-attention tutorial (``06-fused-atten
    argmax, span / sink / recent mass in registers, column sums and pooled block sums with atomics,
    and stores the chosen rows.
 
-``topk > 1`` adds ``topk - 1`` launches of ``_attn_topk_next``, each finding the next key below
-the previous one in (score, index) order, so no per-row list is ever held.
+Pass 2 is one launch whatever the set of row statistics, and ``topk <= 16`` is part of it: each row
+keeps a running list of its K best (score, index) pairs packed into sortable int64 keys
+(``_order_key``), merged tile by tile by K steps of max-extraction (skipped for a block none of whose
+rows has a tile key above its K-th), so its cost does not grow with the number of statistics. ``topk > 16`` keeps the old way: ``topk - 1`` more launches of
+``_attn_topk_next``, each finding the next key below the previous one in (score, index) order.
+Column sums asked alone have their own pass (``_attn_colsum``, no atomics); with other statistics
+they are atomics inside pass 2. Decode rows (few queries, many keys) take the split-K kernel of
+:mod:`kernels.triton_decode` instead (see :func:`kernels.attention.attention`).
 
 Grid: ``(ceil(n_q / BLOCK_M), batch · n_heads)``; the program for query head ``h`` reads key-value
 head ``h // group`` directly, so grouped-query attention never repeats K/V. Scores are kept in
@@ -154,6 +160,53 @@ def _head_mask(Win, Sink, h, WINDOWED: tl.constexpr):
 
 
 @triton.jit
+def _order_key(s, cols):
+    """(score, key index) as one int64 whose signed order is score first, then the lower index: the
+    IEEE bits of a float32 made monotone as an int32 (negative values' magnitude bits flipped) in the
+    high word, ``2^31 − 1 − index`` in the low word. Keys are unique per row, so the largest keys are
+    the (score desc, index asc) order: the first place is what ``torch.argmax`` picks on ties."""
+    s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties with +0.0, as in torch
+    bits = s.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
+
+
+@triton.jit
+def _order_key_empty(BLOCK_M: tl.constexpr, TOPK_P: tl.constexpr):
+    """A running top-K list of nothing: key of (-inf, index 2^31 − 1), below every real key."""
+    return tl.full([BLOCK_M, TOPK_P], -8388608 ^ 0x7FFFFFFF, tl.int64) << 32  # -inf's bits, made monotone
+
+
+@triton.jit
+def _topk_merge(top, s, cols, TOPK: tl.constexpr):
+    """Merge one tile's scores ``[BLOCK_M, BLOCK_N]`` (key indices ``cols``) into the running top-K
+    ``[BLOCK_M, TOPK_P]`` of :func:`_order_key` keys (sorted, best first; slots from ``TOPK`` on
+    unused). K steps of max-extraction over the union of the list and the tile (keys are unique, so
+    each step removes exactly one), skipped when no row of the block has a tile key above its K-th."""
+    keys = _order_key(s, cols[None, :])
+    slot = tl.arange(0, top.shape[1])[None, :]
+    kth = tl.min(tl.where(slot < TOPK, top, 9223372036854775807), 1)
+    if tl.max((tl.max(keys, 1) > kth).to(tl.int32), 0) > 0:
+        new = top
+        for r in tl.static_range(TOPK):
+            best = tl.maximum(tl.max(keys, 1), tl.max(top, 1))
+            new = tl.where(slot == r, best[:, None], new)
+            keys = tl.where(keys == best[:, None], -9223372036854775807, keys)
+            top = tl.where(top == best[:, None], -9223372036854775807, top)
+        top = new
+    return top
+
+
+@triton.jit
+def _order_key_unpack(top):
+    """(base-2 score, key index) back out of :func:`_order_key` keys."""
+    idx = 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32)
+    ordered = (top >> 32).to(tl.int32)
+    bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True), idx
+
+
+@triton.jit
 def _attn_fwd(
     Q, K, V, Out, Lse,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -213,7 +266,7 @@ def _attn_fwd(
 
 @triton.jit
 def _stats_tiles(
-    ent, best, best_i, span_acc, recent,
+    ent, best, best_i, span_acc, recent, top,
     q, k_base, stride_kn, stride_kd, offs_d, offs_n, offs_m, pos, pos_lo, pos_hi, lse2, pid_m, pid_bh,
     N_K, qk_scale, lo, hi,
     Spans, span_ids, WINDOW, Col, Pool, POOL_B, N_QB, N_KB, slots, any_row, RowsOut, N_ROWS, win, sink, cap,
@@ -224,8 +277,10 @@ def _stats_tiles(
     DO_RECENT: tl.constexpr, DO_COL: tl.constexpr,
     POOL_MODE: tl.constexpr, POOL_PM: tl.constexpr, POOL_PN: tl.constexpr,
     POOL_QBP: tl.constexpr, POOL_KBP: tl.constexpr, DO_ROWS: tl.constexpr,
+    DO_TOPK: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
 ):
-    """Pass 2 over the key tiles in [lo, hi): every statistic from A = exp2(s - lse2)."""
+    """Pass 2 over the key tiles in [lo, hi): every statistic from A = exp2(s - lse2), and the
+    running top-K keys by score (DO_TOPK)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         s = _score_tile(q, k_base, stride_kn, stride_kd, offs_d, start_n, offs_n, pos, N_K, qk_scale,
@@ -239,6 +294,8 @@ def _stats_tiles(
             better = tile_best > best  # strict: the earlier (lower) index wins ties
             best_i = tl.where(better, tile_i, best_i)
             best = tl.where(better, tile_best, best)
+        if DO_TOPK:
+            top = _topk_merge(top, s, cols, TOPK)
         if NUM_SPANS > 0:
             for si in tl.static_range(NUM_SPANS):
                 a = tl.load(Spans + 2 * si)
@@ -284,7 +341,7 @@ def _stats_tiles(
                     RowsOut + (pid_bh * N_ROWS + slots[:, None]) * N_K + cols[None, :], p,
                     mask=(slots[:, None] >= 0) & (cols[None, :] < N_K),
                 )
-    return ent, best, best_i, span_acc, recent
+    return ent, best, best_i, span_acc, recent, top
 
 
 @triton.jit
@@ -300,6 +357,7 @@ def _attn_stats(
     Col,
     Pool, POOL_B, N_QB, N_KB,
     RowSlot, RowsOut, N_ROWS,
+    TopVal, TopIdx,
     Win, Sink, cap,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -308,8 +366,10 @@ def _attn_stats(
     POOL_MODE: tl.constexpr, POOL_PM: tl.constexpr, POOL_PN: tl.constexpr,
     POOL_QBP: tl.constexpr, POOL_KBP: tl.constexpr,
     DO_ROWS: tl.constexpr, UPCAST: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
+    DO_TOPK: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
 ):
-    """Pass 2: recompute scores with the known lse and reduce the requested statistics."""
+    """Pass 2: recompute scores with the known lse and reduce the requested statistics, top-K
+    (K = TOPK <= 16, in TOPK_P >= K slots, a power of two) included: one pass for any number of them."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
@@ -334,6 +394,7 @@ def _attn_stats(
     span_acc = tl.zeros([BLOCK_M, SPAN_PAD], tl.float32)
     span_ids = tl.arange(0, SPAN_PAD)
     recent = tl.zeros([BLOCK_M], tl.float32)
+    top = _order_key_empty(BLOCK_M, TOPK_P)
     if DO_ROWS:
         slots = tl.load(RowSlot + offs_m, mask=row_ok, other=-1)
     else:
@@ -342,31 +403,31 @@ def _attn_stats(
     free, hi = _key_range(pid_m, N_K, OFFSET, CAUSAL, BLOCK_M, BLOCK_N, WINDOWED)
     if WINDOWED:  # sink tiles, then the window's (see _window_tiles)
         w_lo, s_hi = _window_tiles(pid_m, OFFSET, win, sink, BLOCK_M, BLOCK_N)
-        ent, best, best_i, span_acc, recent = _stats_tiles(
-            ent, best, best_i, span_acc, recent,
+        ent, best, best_i, span_acc, recent, top = _stats_tiles(
+            ent, best, best_i, span_acc, recent, top,
             q, k_base, stride_kn, stride_kd, offs_d, offs_n, offs_m, pos, pos_lo, pos_hi, lse2, pid_m, pid_bh,
             N_K, qk_scale, 0, s_hi,
             Spans, span_ids, WINDOW, Col, Pool, POOL_B, N_QB, N_KB, slots, any_row, RowsOut, N_ROWS, win, sink, cap,
             HEAD_D, CAUSAL, True, BLOCK_M, BLOCK_N, PRECISION, UPCAST, WINDOWED, SOFTCAP, DO_ENT, DO_ARG, NUM_SPANS,
-            DO_RECENT, DO_COL, POOL_MODE, POOL_PM, POOL_PN, POOL_QBP, POOL_KBP, DO_ROWS,
+            DO_RECENT, DO_COL, POOL_MODE, POOL_PM, POOL_PN, POOL_QBP, POOL_KBP, DO_ROWS, DO_TOPK, TOPK, TOPK_P,
         )
         free = w_lo
     else:
-        ent, best, best_i, span_acc, recent = _stats_tiles(
-            ent, best, best_i, span_acc, recent,
+        ent, best, best_i, span_acc, recent, top = _stats_tiles(
+            ent, best, best_i, span_acc, recent, top,
             q, k_base, stride_kn, stride_kd, offs_d, offs_n, offs_m, pos, pos_lo, pos_hi, lse2, pid_m, pid_bh,
             N_K, qk_scale, 0, free,
             Spans, span_ids, WINDOW, Col, Pool, POOL_B, N_QB, N_KB, slots, any_row, RowsOut, N_ROWS, win, sink, cap,
             HEAD_D, CAUSAL, False, BLOCK_M, BLOCK_N, PRECISION, UPCAST, WINDOWED, SOFTCAP, DO_ENT, DO_ARG, NUM_SPANS,
-            DO_RECENT, DO_COL, POOL_MODE, POOL_PM, POOL_PN, POOL_QBP, POOL_KBP, DO_ROWS,
+            DO_RECENT, DO_COL, POOL_MODE, POOL_PM, POOL_PN, POOL_QBP, POOL_KBP, DO_ROWS, DO_TOPK, TOPK, TOPK_P,
         )
-    ent, best, best_i, span_acc, recent = _stats_tiles(
-        ent, best, best_i, span_acc, recent,
+    ent, best, best_i, span_acc, recent, top = _stats_tiles(
+        ent, best, best_i, span_acc, recent, top,
         q, k_base, stride_kn, stride_kd, offs_d, offs_n, offs_m, pos, pos_lo, pos_hi, lse2, pid_m, pid_bh,
         N_K, qk_scale, free, hi,
         Spans, span_ids, WINDOW, Col, Pool, POOL_B, N_QB, N_KB, slots, any_row, RowsOut, N_ROWS, win, sink, cap,
         HEAD_D, CAUSAL, True, BLOCK_M, BLOCK_N, PRECISION, UPCAST, WINDOWED, SOFTCAP, DO_ENT, DO_ARG, NUM_SPANS,
-        DO_RECENT, DO_COL, POOL_MODE, POOL_PM, POOL_PN, POOL_QBP, POOL_KBP, DO_ROWS,
+        DO_RECENT, DO_COL, POOL_MODE, POOL_PM, POOL_PN, POOL_QBP, POOL_KBP, DO_ROWS, DO_TOPK, TOPK, TOPK_P,
     )
 
     if DO_ENT:
@@ -381,6 +442,11 @@ def _attn_stats(
         )
     if DO_RECENT:
         tl.store(Recent + pid_bh * N_Q + offs_m, recent, mask=row_ok)
+    if DO_TOPK:
+        top_v, top_i = _order_key_unpack(top)
+        slot = (pid_bh * N_Q + offs_m[:, None]) * TOPK_P + tl.arange(0, TOPK_P)[None, :]
+        tl.store(TopVal + slot, top_v, mask=row_ok[:, None])
+        tl.store(TopIdx + slot, top_i, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -517,6 +583,8 @@ TILES = {
     "cols": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (32, 32, 4, 2)},
 }
 TILE_OVERRIDE: dict[str, tuple[int, int, int, int]] = {}
+#: Largest ``topk`` kept as a running list inside the statistics pass; above it, one pass per rank.
+FUSED_TOPK_MAX = 16
 
 
 def _tiles(d: int, which: str) -> tuple[int, int, int, int]:
@@ -599,9 +667,14 @@ def triton_attention(
     grid = (triton.cdiv(n_q, bm), b * n_heads)
     f32 = dict(dtype=torch.float32, device=dev)
     dummy = lse
+    fused_topk = stat.ARGMAX in st and 1 < plan.topk <= FUSED_TOPK_MAX
+    do_arg = stat.ARGMAX in st and not fused_topk  # with the fused list, argmax is its first place
     ent = torch.empty(b, n_heads, n_q, **f32) if stat.ENTROPY in st else dummy
-    arg_i = torch.empty(b, n_heads, n_q, dtype=torch.int32, device=dev) if stat.ARGMAX in st else dummy
-    arg_v = torch.empty(b, n_heads, n_q, **f32) if stat.ARGMAX in st else dummy
+    arg_i = torch.empty(b, n_heads, n_q, dtype=torch.int32, device=dev) if do_arg else dummy
+    arg_v = torch.empty(b, n_heads, n_q, **f32) if do_arg else dummy
+    topk_p = triton.next_power_of_2(plan.topk) if fused_topk else 2
+    top_v = torch.empty(b, n_heads, n_q, topk_p, **f32) if fused_topk else dummy
+    top_i = torch.empty(b, n_heads, n_q, topk_p, dtype=torch.int32, device=dev) if fused_topk else dummy
     span_list = plan.mass_spans
     spans_t = torch.tensor(span_list or [(0, 0)], dtype=torch.int32, device=dev)
     span_out = torch.empty(b, n_heads, n_q, len(span_list), **f32) if span_list else dummy
@@ -627,35 +700,27 @@ def triton_attention(
     _attn_stats[grid](
         q, k, lse, *common, qk_scale, n_heads, group, n_q, n_k, offset,
         ent, arg_i, arg_v, spans_t, span_out, recent, plan.window, col,
-        pool, B, n_qb, n_kb, row_slot, rows_out, len(unique_rows), *mask_args,
+        pool, B, n_qb, n_kb, row_slot, rows_out, len(unique_rows), top_v, top_i, *mask_args,
         HEAD_D=d, BLOCK_D=block_d, CAUSAL=plan.causal, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision,
-        DO_ENT=stat.ENTROPY in st, DO_ARG=stat.ARGMAX in st, NUM_SPANS=len(span_list),
+        DO_ENT=stat.ENTROPY in st, DO_ARG=do_arg, NUM_SPANS=len(span_list),
         SPAN_PAD=max(2, triton.next_power_of_2(max(len(span_list), 1))),
         DO_RECENT=stat.RECENT_MASS in st, DO_COL=stat.COL_SUM in st, DO_ROWS=stat.ROWS in st, UPCAST=upcast,
-        **pool_cfg, **mask_flags,
+        DO_TOPK=fused_topk, TOPK=plan.topk if fused_topk else 1, TOPK_P=topk_p, **pool_cfg, **mask_flags,
         num_warps=warps, num_stages=stages,
     )
 
     if stat.ENTROPY in st:
         res[stat.ENTROPY] = ent
-    if stat.ARGMAX in st:
+    if fused_topk:
+        res.update(top_outputs(top_v[..., : plan.topk], top_i[..., : plan.topk], lse))
+    elif stat.ARGMAX in st:
         res[stat.ARGMAX] = arg_i.long()
         res[stat.ARGMAX_PROB] = torch.exp2(arg_v - lse * LOG2E)
         if plan.topk > 1:
-            vals, idxs = [arg_v], [arg_i]
-            for _ in range(plan.topk - 1):
-                nv, ni = torch.empty_like(arg_v), torch.empty_like(arg_i)
-                _attn_topk_next[grid](
-                    q, k, *common, qk_scale, n_heads, group, n_q, n_k, offset,
-                    vals[-1], idxs[-1], nv, ni, *mask_args,
-                    HEAD_D=d, BLOCK_D=block_d, CAUSAL=plan.causal, BLOCK_M=bm, BLOCK_N=bn,
-                    PRECISION=precision, UPCAST=upcast, num_warps=warps, num_stages=stages, **mask_flags,
-                )
-                vals.append(nv)
-                idxs.append(ni)
-            top_v = torch.stack(vals, -1)
-            res[stat.TOPK_INDEX] = torch.stack(idxs, -1).long()
-            res[stat.TOPK_PROB] = torch.exp2(top_v - (lse * LOG2E).unsqueeze(-1))  # -inf → 0
+            pass_args = (q, k, common, qk_scale, n_heads, group, n_q, n_k, offset, mask_args, mask_flags)
+            tiles = dict(HEAD_D=d, BLOCK_D=block_d, CAUSAL=plan.causal, BLOCK_M=bm, BLOCK_N=bn,
+                         PRECISION=precision, UPCAST=upcast, num_warps=warps, num_stages=stages)
+            res.update(_topk_by_passes(arg_v, arg_i, lse, plan.topk, grid, pass_args, tiles))
     if span_list:
         res.update(split_span_masses(plan, span_out))
     if stat.RECENT_MASS in st:
@@ -669,3 +734,33 @@ def triton_attention(
         res[stat.ROWS] = rows_out.index_select(2, index)
     return out, res
 
+
+def top_outputs(top_v: Tensor, top_i: Tensor, lse: Tensor) -> dict[str, Tensor]:
+    r"""``"argmax"``, ``"argmax_prob"``, ``"topk_index"`` and ``"topk_prob"`` from the top-k base-2
+    scores ``[b, h, n_q, k]`` (by decreasing score, -inf where a row sees fewer than k keys), their
+    key indices and the rows' natural-log lse: :math:`A = 2^{s_2 - \text{lse} \log_2 e}`."""
+    prob = torch.exp2(top_v - (lse * LOG2E).unsqueeze(-1))  # -inf → 0
+    index = top_i.long().masked_fill(top_v == float("-inf"), -1)
+    res = {stat.ARGMAX: index[..., 0].contiguous(), stat.ARGMAX_PROB: prob[..., 0].contiguous()}
+    if top_v.shape[-1] > 1:
+        res[stat.TOPK_INDEX], res[stat.TOPK_PROB] = index, prob
+    return res
+
+
+def _topk_by_passes(arg_v: Tensor, arg_i: Tensor, lse: Tensor, topk: int, grid: tuple, pass_args: tuple,
+                    tiles: dict) -> dict[str, Tensor]:
+    """Top-k for k > :data:`FUSED_TOPK_MAX`: ``k − 1`` more passes of :func:`_attn_topk_next`, each
+    the next key in (score desc, index asc) order after the previous one; nothing held per row."""
+    q, k, common, qk_scale, n_heads, group, n_q, n_k, offset, mask_args, mask_flags = pass_args
+    vals, idxs = [arg_v], [arg_i]
+    for _ in range(topk - 1):
+        nv, ni = torch.empty_like(arg_v), torch.empty_like(arg_i)
+        _attn_topk_next[grid](
+            q, k, *common, qk_scale, n_heads, group, n_q, n_k, offset, vals[-1], idxs[-1], nv, ni, *mask_args,
+            **tiles, **mask_flags,
+        )
+        vals.append(nv)
+        idxs.append(ni)
+    top_v = torch.stack(vals, -1)
+    return {stat.TOPK_INDEX: torch.stack(idxs, -1).long(),
+            stat.TOPK_PROB: torch.exp2(top_v - (lse * LOG2E).unsqueeze(-1))}  # -inf → 0

@@ -140,7 +140,7 @@ def _compile_worker() -> None:
                 sig[name] = "constexpr"
             elif name in ("Q", "K", "V", "Out"):
                 sig[name] = "*" + dtype
-            elif name in ("ArgIdx", "RowSlot", "Spans", "PrevIdx", "NextIdx", "Win", "Sink"):
+            elif name in ("ArgIdx", "RowSlot", "Spans", "PrevIdx", "NextIdx", "Win", "Sink", "TopIdx"):
                 sig[name] = "*i32"
             elif name[0].isupper() and not name.isupper():
                 sig[name] = "*fp32"
@@ -150,7 +150,7 @@ def _compile_worker() -> None:
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3})
 
     every = dict(DO_ENT=True, DO_ARG=True, NUM_SPANS=3, SPAN_PAD=4, DO_RECENT=True, DO_COL=True, DO_ROWS=True,
-                 UPCAST=False)
+                 UPCAST=False, DO_TOPK=True, TOPK=16, TOPK_P=16)  # the fused top-16 list on top of all
     plain, masked = dict(WINDOWED=False, SOFTCAP=False), dict(WINDOWED=True, SOFTCAP=True)  # Gemma 2
     build(ta._attn_fwd, "bf16", 8, HEAD_D=128, HEAD_DV=128, BLOCK_D=128, BLOCK_DV=128, CAUSAL=True,
           BLOCK_M=128, BLOCK_N=64, PRECISION="tf32", UPCAST=False, **plain)
