@@ -11,7 +11,9 @@ One public entry, :func:`attention`, with two implementations of identical seman
   output comes from ``scaled_dot_product_attention`` where its causal mask agrees with ours.
   When every head has a key window, a chunk scores only the keys its rows can see (the window
   band, and the sink keys before it), so a sliding-window or streaming layer costs O(n · (S + W)).
-- ``backend="triton"``: two fused passes (:mod:`kernels.triton_attention`), for CUDA tensors.
+- ``backend="triton"``: two fused passes (:mod:`kernels.triton_attention`), for CUDA tensors;
+  decode rows (at most 16 queries per head against 512 keys or more, statistics that split over
+  keys) take one split-K pass and a reduction instead (:mod:`kernels.triton_decode`, flash-decoding).
 
 The statistic names, their defaults and the validation of a request live in
 :mod:`kernels.statistics` and are re-exported here. :mod:`kernels.reference` is the eager
@@ -211,8 +213,12 @@ def attention(
         raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
     if use_triton(q, backend):
         from kernels.triton_attention import triton_attention
+        from kernels.triton_decode import splits_keys, triton_decode
 
-        out, out_stats = triton_attention(q, k, v, plan)
+        if splits_keys(plan, q.shape[2], k.shape[2]):  # decode rows: split-K over the keys
+            out, out_stats = triton_decode(q, k, v, plan)
+        else:
+            out, out_stats = triton_attention(q, k, v, plan)
     else:
         out, out_stats = _torch_attention(q, k, v, plan, chunk_elements)
     return AttentionResult(out=out, stats=out_stats)

@@ -131,6 +131,7 @@ def _compile_worker() -> None:
     from triton.compiler import ASTSource
 
     from kernels import triton_attention as ta
+    from kernels import triton_decode as td
 
     def build(fn, dtype, num_warps, **constexprs):
         # naming convention in kernels/triton_attention.py: Capitalised = pointer, ALL_CAPS = constexpr
@@ -140,8 +141,10 @@ def _compile_worker() -> None:
                 sig[name] = "constexpr"
             elif name in ("Q", "K", "V", "Out"):
                 sig[name] = "*" + dtype
-            elif name in ("ArgIdx", "RowSlot", "Spans", "PrevIdx", "NextIdx", "Win", "Sink", "TopIdx"):
+            elif name in ("ArgIdx", "RowSlot", "Spans", "PrevIdx", "NextIdx", "Win", "Sink", "TopIdx", "PartArgI"):
                 sig[name] = "*i32"
+            elif name == "PartTop":
+                sig[name] = "*i64"
             elif name[0].isupper() and not name.isupper():
                 sig[name] = "*fp32"
             else:
@@ -166,7 +169,15 @@ def _compile_worker() -> None:
           PRECISION="tf32", UPCAST=False, **masked)
     build(ta._attn_colsum, "bf16", 4, HEAD_D=128, BLOCK_D=128, CAUSAL=True, BLOCK_M=64, BLOCK_N=64,
           PRECISION="tf32", UPCAST=False, **masked)
-    print(json.dumps({"compiled": 7}))
+    # split-K decode: 1 row x 4 heads per kv head (MQA/GQA packing), every statistic it has, top-16;
+    # Gemma 2's mask with head_dim 256
+    decode = dict(DO_ENT=True, DO_ARG=False, DO_TOPK=True, TOPK=16, TOPK_P=16, NUM_SPANS=3, SPAN_PAD=4,
+                  DO_RECENT=True, DO_ROWS=True, UPCAST=False, CAUSAL=True, PRECISION="tf32")
+    build(td._attn_decode_split, "bf16", 4, HEAD_D=128, HEAD_DV=128, BLOCK_D=128, BLOCK_DV=128, BLOCK_M=16,
+          BLOCK_N=64, **decode, **plain)
+    build(td._attn_decode_split, "bf16", 4, HEAD_D=256, HEAD_DV=256, BLOCK_D=256, BLOCK_DV=256, BLOCK_M=16,
+          BLOCK_N=32, **decode, **masked)
+    print(json.dumps({"compiled": 9}))
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +252,7 @@ def test_kernels_compile_for_hopper_without_a_gpu(workers):
     if code != 0 and "ptxas" in err and "No such file" in err:
         pytest.skip("triton's CUDA toolchain (ptxas) is not installed")
     assert code == 0, err[-4000:]
-    assert json.loads(out.strip().splitlines()[-1]) == {"compiled": 7}
+    assert json.loads(out.strip().splitlines()[-1]) == {"compiled": 9}
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
