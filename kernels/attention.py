@@ -212,16 +212,20 @@ def attention(
     if chunk_elements is not None and (not isinstance(chunk_elements, int) or chunk_elements < 1):
         raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
     if use_triton(q, backend):
-        from kernels.triton_attention import triton_attention
-        from kernels.triton_decode import splits_keys, triton_decode
-
-        if splits_keys(plan, q.shape[2], k.shape[2]):  # decode rows: split-K over the keys
-            out, out_stats = triton_decode(q, k, v, plan)
-        else:
-            out, out_stats = triton_attention(q, k, v, plan)
+        out, out_stats = _triton_attention(q, k, v, plan)
     else:
         out, out_stats = _torch_attention(q, k, v, plan, chunk_elements)
     return AttentionResult(out=out, stats=out_stats)
+
+
+def _triton_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan) -> tuple[Tensor, dict[str, Tensor]]:
+    """The Triton kernels: split-K for decode rows (:func:`kernels.triton_decode.splits_keys`), else two passes."""
+    from kernels.triton_attention import triton_attention
+    from kernels.triton_decode import splits_keys, triton_decode
+
+    if splits_keys(plan, q.shape[2], k.shape[2]):
+        return triton_decode(q, k, v, plan)
+    return triton_attention(q, k, v, plan)
 
 
 # --- torch backend ------------------------------------------------------------------------------------

@@ -688,14 +688,7 @@ def triton_attention(
         pool = torch.zeros(b, n_heads, n_qb, n_kb, **f32)
     else:
         pool = dummy
-    unique_rows = sorted(set(plan.rows))
-    if stat.ROWS in st:
-        slot = torch.full((n_q,), -1, dtype=torch.int32)
-        slot[unique_rows] = torch.arange(len(unique_rows), dtype=torch.int32)
-        row_slot = slot.to(dev)
-        rows_out = torch.zeros(b, n_heads, len(unique_rows), n_k, **f32)
-    else:
-        row_slot, rows_out = dummy, dummy
+    unique_rows, row_slot, rows_out = row_slots(plan, b, n_heads, n_q, n_k, dev, 0.0, dummy)
 
     _attn_stats[grid](
         q, k, lse, *common, qk_scale, n_heads, group, n_q, n_k, offset,
@@ -733,6 +726,20 @@ def triton_attention(
         index = torch.tensor([unique_rows.index(r) for r in plan.rows], dtype=torch.long, device=dev)
         res[stat.ROWS] = rows_out.index_select(2, index)
     return out, res
+
+
+def row_slots(plan: Plan, b: int, n_heads: int, n_q: int, n_k: int, dev: torch.device, fill: float,
+              dummy: Tensor) -> tuple[list[int], Tensor, Tensor]:
+    """For ``"rows"``: the distinct requested rows (sorted), each query row's slot among them (-1:
+    not requested) and the output ``[b, h, n_rows, n_k]`` filled with ``fill``; ``dummy`` twice
+    when rows are not asked for."""
+    unique_rows = sorted(set(plan.rows))
+    if stat.ROWS not in plan.stats:
+        return unique_rows, dummy, dummy
+    slot = torch.full((n_q,), -1, dtype=torch.int32)
+    slot[unique_rows] = torch.arange(len(unique_rows), dtype=torch.int32)
+    return unique_rows, slot.to(dev), torch.full((b, n_heads, len(unique_rows), n_k), fill, dtype=torch.float32,
+                                                device=dev)
 
 
 def top_outputs(top_v: Tensor, top_i: Tensor, lse: Tensor) -> dict[str, Tensor]:

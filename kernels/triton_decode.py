@@ -47,6 +47,7 @@ from kernels.triton_attention import (
     _order_key_empty,
     _score_tile,
     _topk_merge,
+    row_slots,
     top_outputs,
 )
 
@@ -285,14 +286,7 @@ def triton_decode(q: Tensor, k: Tensor, v: Tensor, plan: Plan, split: int | None
     spans_t = torch.tensor(span_list or [(0, 0)], dtype=torch.int32, device=dev)
     part_span = torch.empty(*part, len(span_list), **f32) if span_list else dummy
     part_recent = torch.empty(part, **f32) if stat.RECENT_MASS in st else dummy
-    unique_rows = sorted(set(plan.rows))
-    if stat.ROWS in st:
-        slot = torch.full((n_q,), -1, dtype=torch.int32)
-        slot[unique_rows] = torch.arange(len(unique_rows), dtype=torch.int32)
-        row_slot = slot.to(dev)
-        rows_raw = torch.full((b, n_heads, len(unique_rows), n_k), float("-inf"), **f32)
-    else:
-        row_slot, rows_raw = dummy, dummy
+    unique_rows, row_slot, rows_raw = row_slots(plan, b, n_heads, n_q, n_k, dev, float("-inf"), dummy)
     win_t = torch.tensor(plan.key_window or (0,), dtype=torch.int32, device=dev)
     sink_t = torch.tensor(plan.key_sink or (0,), dtype=torch.int32, device=dev)
 
