@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# GPU check for kernels/: Triton vs torch-kernel parity on CUDA tensors, then timings against
-# SDPA (flash) at 4k/16k/32k/64k tokens, 32 heads, d_head 128, bf16. Under 8 minutes on an H100/H200.
+# GPU check for kernels/: Triton vs torch-kernel parity on CUDA tensors (two-pass, top-k list,
+# split-K decode), then timings against
+# SDPA (flash) at 4k/16k/32k/64k tokens, 32 heads, d_head 128, bf16, and decode rows against SDPA and
+# the K/V read time. Under 8 minutes on an H100/H200 (the script stops starting cases at --budget-s).
 #
 #   bash bench/gpu_check.sh                 # everything
 #   bash bench/gpu_check.sh --skip-sweep    # extra arguments go to bench/gpu_check.py
