@@ -35,6 +35,7 @@ DECODE_CASES = {  # triton_decode with ranges of 32 keys (two 16-key tiles): eve
     "window-sinks-softcap-k4": (4, 2, 3, 70, 4, [0, 3, 7, 1], [0, 1, 2, 0], 3.0, "float32"),
     "bf16-window-k8": (4, 1, 5, 50, 8, 5, 2, None, "bfloat16"),
     "16-rows-two-row-blocks-k16": (2, 1, 16, 40, 16, None, None, None, "float32"),
+    "bidirectional-k2": (2, 2, 2, 37, 2, None, None, None, "float32"),  # causal=False
 }
 DISPATCH = (2, 1, 1, 512)  # n_heads, n_kv_heads, n_q, n_k: attention() picks the split-K kernel
 
@@ -54,11 +55,11 @@ def _worker() -> None:
         return ((torch.randn(1, h, n_q, 16, generator=g) * 2).to(dt), torch.randn(1, h_kv, n_k, 16, generator=g).to(dt),
                 torch.randn(1, h_kv, n_k, 16, generator=g).to(dt))
 
-    def compare(got: dict, out, want, q, k, v, mask) -> dict:
+    def compare(got: dict, out, want, q, k, v, mask, causal=True) -> dict:
         """Max differences; index slots that differ from the torch kernel's where the two keys'
         reference probabilities differ by more than 1e-6 (not a tie) are counted apart."""
         diffs = {"out": (out.float() - want.out.float()).abs().max().item()}
-        probs = _matrix(q, k, mask)  # [b, h, n_q, n_k]
+        probs = _matrix(q, k, mask, causal)  # [b, h, n_q, n_k]
         for key, w in want.stats.items():
             g = got[key]
             assert g.shape == w.shape, (key, g.shape, w.shape)
@@ -90,11 +91,12 @@ def _worker() -> None:
         q, k, v = tensors(name, h, h_kv, n_q, n_k, dtype)
         mask = mask_of(window, sink, cap)
         kw = dict(spans=[(0, 1), (n_k // 2, n_k)], rows=[0, n_q - 1], window=7, sink_size=3, topk=topk)
-        plan = validate(q, k, v, True, None, DECODE_STATS, 3, 7, kw["spans"], None, kw["rows"], topk, "triton",
+        causal = not name.startswith("bidirectional")
+        plan = validate(q, k, v, causal, None, DECODE_STATS, 3, 7, kw["spans"], None, kw["rows"], topk, "triton",
                         **mask)
         out, stats = triton_decode(q, k, v, plan, split=32)
-        want = attention(q, k, v, backend="torch", stats=DECODE_STATS, **kw, **mask)
-        report["decode"][name] = compare(stats, out, want, q, k, v, mask)
+        want = attention(q, k, v, backend="torch", causal=causal, stats=DECODE_STATS, **kw, **mask)
+        report["decode"][name] = compare(stats, out, want, q, k, v, mask, causal)
 
     # exact ties (q = 0: every visible key scores 0): keys listed by increasing index, both kernels
     q0, k0 = torch.zeros(1, 2, 2, 16), torch.randn(1, 1, 40, 16, generator=torch.Generator().manual_seed(1))
@@ -116,13 +118,13 @@ def _worker() -> None:
     print(json.dumps(report))
 
 
-def _matrix(q, k, mask):
+def _matrix(q, k, mask, causal=True):
     """The reference attention matrix in float64 (for the probability of any chosen key)."""
     import torch
 
     from kernels.reference import attention_scores
 
-    return torch.softmax(attention_scores(q, k, **mask), -1)
+    return torch.softmax(attention_scores(q, k, causal=causal, **mask), -1)
 
 
 @pytest.fixture(scope="module")
