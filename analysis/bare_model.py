@@ -82,20 +82,23 @@ def bare_statistics(model: Any, request: Request | None = None, on_layer: OnLaye
         _state.calls = outer
 
 
-def bare_twin(model: Any) -> nn.Module:
-    """The twin of ``model.hf_model`` (module docstring), built on first use and kept while the model lives."""
+def bare_twin(model: Any, attn_implementation: str = ATTENTION) -> nn.Module:
+    """The twin of ``model.hf_model`` (module docstring), built on first use and kept while the model lives.
+
+    ``attn_implementation`` another of transformers' implementations (``"sdpa"``) gives Hugging Face's own
+    model on the same weights, unwrapped: the baseline ``bench/scale.py`` times statistics mode against."""
     with _twins_lock:
-        twin = _twins.get(model)
-        if twin is None:
-            twin = _twins[model] = _build_twin(model.hf_model)
-    return twin
+        twins = _twins.setdefault(model, {})
+        if attn_implementation not in twins:
+            twins[attn_implementation] = _build_twin(model.hf_model, attn_implementation)
+        return twins[attn_implementation]
 
 
-def _build_twin(hf_model: nn.Module) -> nn.Module:
+def _build_twin(hf_model: nn.Module, attn_implementation: str) -> nn.Module:
     from transformer_lens.model_bridge.generalized_components.base import GeneralizedComponent
 
     config = copy.deepcopy(hf_model.config)
-    config._attn_implementation = ATTENTION  # the setter passes it on to sub-configs
+    config._attn_implementation = attn_implementation  # the setter passes it on to sub-configs
     configs = {id(hf_model.config): config}
     for key in getattr(hf_model.config, "sub_configs", {}) or {}:
         if getattr(hf_model.config, key, None) is not None:
