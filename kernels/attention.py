@@ -287,7 +287,8 @@ def _decode_row(q: Tensor, k: Tensor, v: Tensor, plan: Plan) -> tuple[Tensor, di
     cdt = _compute_dtype(q.dtype)
     qs = torch.mul(q.to(cdt).reshape(b * n_kv, group, d), plan.scale)
     sc = torch.bmm(qs, k.to(cdt).flatten(0, 1).transpose(1, 2))  # [units, group, n_k]
-    idx = _row_argmax(sc)[1] if stat.ARGMAX in plan.stats else None
+    # one row: a plain argmax (the first maximum, as _row_argmax's blocks give) beats the blocked search
+    idx = sc.argmax(-1) if stat.ARGMAX in plan.stats else None
     torch.softmax(sc, -1, out=sc)
     out = torch.bmm(sc, v.to(cdt).flatten(0, 1)).to(q.dtype).view(b, n_heads, 1, v.shape[-1])
     if idx is None:

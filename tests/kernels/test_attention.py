@@ -207,6 +207,8 @@ def test_one_decode_row_with_its_argmax_equals_the_chunked_path_and_eager(dtype,
         assert torch.equal(fast[name], chunked[name]), name
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
     assert_matches(fast, reference_attention(q, k, v, causal=True), [stat.ARGMAX, stat.ARGMAX_PROB], tol, tol)
+    tied = attention(torch.zeros_like(q), k, v, stats=stat.ARGMAX, backend="torch")  # every score equal
+    assert torch.equal(tied[stat.ARGMAX], torch.zeros(1, n_heads, 1, dtype=torch.int64))
 
 
 def _qkv():
