@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from transformer_lens.utilities import get_act_name
 
-from analysis.attention_statistics import statistics_supported
+from analysis.attention_statistics import statistics_mode, statistics_supported
+from analysis.bare_model import bare_statistics, bare_supported
 from analysis.errors import InputError, check_head_index
 from analysis.models import LoadedModel
 from kernels.attention import ARGMAX, ARGMAX_PROB, ROWS
@@ -93,7 +94,9 @@ def greedy_decode(
     argmax key and maximum. The first step's query is the prompt's last token, so row t produces
     token t. Models that run in statistics mode (the families in the README's table) do all of it through
     :func:`kernels.attention` (the prefill builds no N × N matrix; the argmax comes from the
-    kernel); others through a hook on ``hook_pattern``, which gives the same numbers.
+    kernel); others through a hook on ``hook_pattern``, which gives the same numbers. When no hook is
+    attached to the bridge, the passes run on the Hugging Face modules it wraps, without its wrappers
+    (:mod:`analysis.bare_model`: the same numbers, without the bridge's per-module cost).
 
     Parameters
     ----------
@@ -132,41 +135,25 @@ def greedy_decode(
     if keep_row is not None:
         keep_row = check_head_index(n_layers, n_heads, *keep_row)
     record = record or keep_row is not None
-    kernel = statistics_supported(model)
-    if kernel:
-        # statistics mode: the prefill never builds an N × N matrix, each decode row's argmax (and
-        # the kept row) come from the kernel in the same pass as the output
-        from analysis.attention_statistics import LayerRequest, statistics_mode
-
-        argmax_only = LayerRequest({"stats": (ARGMAX,)})
-        with_row = LayerRequest({"stats": (ARGMAX, ROWS), "rows": [0]})
-
-        def request(layer: int, n_q: int, n_k: int):
-            if not record or n_q != 1:
-                return None
-            return with_row if keep_row is not None and keep_row[0] == layer else argmax_only
-
-        def on_layer(ls) -> None:
-            keys[step_box[0], ls.layer] = ls.stats[ARGMAX][0, :, 0]
-            weights[step_box[0], ls.layer] = ls.stats[ARGMAX_PROB][0, :, 0]
-            if ROWS in ls.stats:
-                rows.append(ls.stats[ROWS][0, keep_row[1], 0].float().cpu().numpy().copy())
-
-        mode = statistics_mode(model, request, on_layer)
-        hooked = nullcontext()
+    hooked, bare = nullcontext(), False
+    if statistics_supported(model):
+        request, on_layer = _kernel_recorders(keys, weights, step_box, rows, keep_row, record)
+        bare = bare_supported(model)  # nothing hooked: the Hugging Face modules without the bridge's wrappers
+        mode = bare_statistics(model, request, on_layer) if bare else statistics_mode(model, request, on_layer)
     else:
         hooks = _row_recorders(n_layers, keys, weights, step_box, rows, keep_row, len(prompt_ids))
         mode = nullcontext()
         hooked = bridge.hooks(fwd_hooks=hooks) if record else nullcontext()
     device = model.device
     generated: list[int] = []
-    with model.lock, mode:
+    with model.lock, mode as twin:
+        forward = _bare_forward(twin) if bare else _bridge_forward(bridge)
         past = None
         if len(prompt_ids) > 1:
             prefix = torch.tensor([list(prompt_ids[:-1])], dtype=torch.long, device=device)
             # only the cache is used: logits of the last position alone, never [n, vocab] (Gemma 3's
             # 262k-word vocabulary would make that 8.6 GB at 8k tokens, and most of the prefill's time)
-            _, past = bridge(prefix, return_type="logits_and_cache", use_cache=True, logits_to_keep=1)
+            _, past = forward(prefix, None, prefill=True)
         token = int(prompt_ids[-1])
         with hooked:
             for step in range(max_new_tokens):
@@ -174,10 +161,7 @@ def greedy_decode(
                     raise Cancelled("cancelled")
                 step_box[0] = step
                 inp = torch.tensor([[token]], dtype=torch.long, device=device)
-                if past is None:
-                    logits, past = bridge(inp, return_type="logits_and_cache", use_cache=True)
-                else:
-                    logits, past = bridge(inp, return_type="logits_and_cache", past_key_values=past)
+                logits, past = forward(inp, past)
                 token = int(force[step]) if force is not None else int(logits[0, -1].argmax())
                 generated.append(token)
                 if progress:
@@ -194,6 +178,57 @@ def greedy_decode(
         seconds=time.perf_counter() - t0,
         rows=rows if keep_row is not None else None,
     )
+
+
+Forward = Callable[..., tuple[torch.Tensor, Any]]
+"""``forward(ids [1, n], past, prefill=False) -> (logits [1, n or 1, vocab], past)``: one KV-cached pass."""
+
+
+def _bridge_forward(bridge: Any) -> Forward:
+    """A pass through the bridge (its hooks fire)."""
+
+    def forward(ids: torch.Tensor, past: Any, prefill: bool = False) -> tuple[torch.Tensor, Any]:
+        if prefill:
+            return bridge(ids, return_type="logits_and_cache", use_cache=True, logits_to_keep=1)
+        if past is None:
+            return bridge(ids, return_type="logits_and_cache", use_cache=True)
+        return bridge(ids, return_type="logits_and_cache", past_key_values=past)
+
+    return forward
+
+
+def _bare_forward(twin: Any) -> Forward:
+    """A pass through the bridge's Hugging Face modules without its wrappers (:mod:`analysis.bare_model`)."""
+
+    def forward(ids: torch.Tensor, past: Any, prefill: bool = False) -> tuple[torch.Tensor, Any]:
+        out = twin(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=1)
+        return out.logits, out.past_key_values
+
+    return forward
+
+
+def _kernel_recorders(keys: torch.Tensor, weights: torch.Tensor, step_box: list[int], rows: list[np.ndarray],
+                      keep_row: tuple[int, int] | None, record: bool) -> tuple[Any, Any]:
+    """Statistics mode's ``request`` and ``on_layer`` for greedy decoding: each decode row (one query)
+    reduced to its argmax key and weight by the kernel, into ``keys``/``weights`` at step ``step_box[0]``,
+    and ``keep_row``'s whole row; the prefill asks for nothing (no N × N matrix)."""
+    from analysis.attention_statistics import LayerRequest
+
+    argmax_only = LayerRequest({"stats": (ARGMAX,)})
+    with_row = LayerRequest({"stats": (ARGMAX, ROWS), "rows": [0]})
+
+    def request(layer: int, n_q: int, n_k: int):
+        if not record or n_q != 1:
+            return None
+        return with_row if keep_row is not None and keep_row[0] == layer else argmax_only
+
+    def on_layer(ls) -> None:
+        keys[step_box[0], ls.layer] = ls.stats[ARGMAX][0, :, 0]
+        weights[step_box[0], ls.layer] = ls.stats[ARGMAX_PROB][0, :, 0]
+        if ROWS in ls.stats:
+            rows.append(ls.stats[ROWS][0, keep_row[1], 0].float().cpu().numpy().copy())
+
+    return request, on_layer
 
 
 def _row_recorders(n_layers: int, keys: torch.Tensor, weights: torch.Tensor, step_box: list[int],

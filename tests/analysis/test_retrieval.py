@@ -309,6 +309,43 @@ def test_statistics_mode_decode_equals_the_eager_pattern_hook_path(real_model, m
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_decoding_without_the_bridges_wrappers_keeps_tokens_and_argmax_keys(real_model, monkeypatch, one_thread):
+    """With nothing hooked, decoding runs on the Hugging Face modules under the bridge (analysis.bare_model):
+    on a needle prompt of the embedded model the tokens, argmax keys and weights and the kept row are
+    those of the bridge's statistics-mode pass bit for bit, and those of the eager pattern hook."""
+    import analysis.greedy_decoding as decoding
+
+    prompt = build_prompt(real_model, load_needles()[0], load_haystack("prose"), 400, 50)
+    assert decoding.bare_supported(real_model)
+    bare = decoding.greedy_decode(real_model, prompt.token_ids, 10, keep_row=(17, 3))
+    monkeypatch.setattr(decoding, "bare_supported", lambda model: False)
+    bridge = decoding.greedy_decode(real_model, prompt.token_ids, 10, keep_row=(17, 3))
+    monkeypatch.setattr(decoding, "statistics_supported", lambda model: False)
+    eager = decoding.greedy_decode(real_model, prompt.token_ids, 10, keep_row=(17, 3))
+    assert len(bare.generated) >= 5
+    assert bare.generated == bridge.generated == eager.generated
+    np.testing.assert_array_equal(bare.argmax_keys, bridge.argmax_keys)
+    np.testing.assert_array_equal(bare.argmax_weight, bridge.argmax_weight)
+    np.testing.assert_array_equal(bare.argmax_keys, eager.argmax_keys)
+    np.testing.assert_allclose(bare.argmax_weight, eager.argmax_weight, atol=1e-5)
+    for a, b, c in zip(bare.rows, bridge.rows, eager.rows, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, c, atol=1e-5)
+
+
+def test_a_hook_on_the_bridge_keeps_decoding_on_the_bridge(tiny, prompt):
+    """A hook (an ablation, a capture) must fire: decoding then runs through the bridge, not its modules."""
+    import analysis.greedy_decoding as decoding
+
+    fired = []
+    assert decoding.bare_supported(tiny)
+    with tiny.bridge.hooks(fwd_hooks=[("blocks.1.attn.hook_z", lambda z, hook: fired.append(z.shape[1]))]):
+        assert not decoding.bare_supported(tiny)
+        decoding.greedy_decode(tiny, prompt.token_ids, 3, force=[11, 12, 13])
+    assert fired == [len(prompt.token_ids) - 1, 1, 1, 1]
+    assert decoding.bare_supported(tiny)
+
+
 def test_newline_stop_ends_the_decode_at_the_first_newline_after_text_and_keys_stay(tiny, prompt, tmp_path):
     """The retrieval-head paper's rule, as an option: a leading newline does not stop the decode, the
     first newline after the answer does; the default decodes on (to EOS) and keeps its old trial key."""

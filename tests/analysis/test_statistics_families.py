@@ -154,17 +154,19 @@ def test_what_still_cannot_run_is_refused_by_name(embedded_tokenizer):
         check_supported(model.bridge)
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma3", "gpt2"])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_retrieval_argmax_rows_equal_eager_and_the_full_pattern(name, embedded_tokenizer, monkeypatch):
     """Greedy decoding records each step's argmax key per head (the retrieval score's input): the
     statistics-mode path, the eager hook path and the full pattern of the whole sequence (no cache,
-    brute force) agree, in the model's positions, also past a sliding window's cache."""
+    brute force) agree, in the model's positions, also past a sliding window's cache. Nothing is hooked,
+    so the statistics-mode decode runs on the Hugging Face modules without the bridge's wrappers
+    (analysis.bare_model): every family's twin is checked here."""
     import analysis.greedy_decoding as gd
 
     model = wrap_model(tiny_family_model(name, len(embedded_tokenizer)), embedded_tokenizer,
                        name=f"tiny-{name}-decode", digest=f"tiny-{name}-decode")
     prompt = embedded_tokenizer.encode(TEXT)[:30]
-    assert gd.statistics_supported(model)
+    assert gd.statistics_supported(model) and gd.bare_supported(model)
     kernel = gd.greedy_decode(model, prompt, max_new_tokens=6, keep_row=(1, 2))
     monkeypatch.setattr(gd, "statistics_supported", lambda model: False)
     eager = gd.greedy_decode(model, prompt, max_new_tokens=6, keep_row=(1, 2))

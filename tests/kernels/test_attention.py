@@ -194,6 +194,23 @@ def test_rows_match_decode_step_argmax():
     assert torch.allclose(res[stat.ROWS].sum(-1), torch.ones(1, 6, 1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n_heads,n_kv", [(9, 3), (4, 4)])
+def test_one_decode_row_with_its_argmax_equals_the_chunked_path_and_eager(dtype, n_heads, n_kv):
+    """A decode step asking only for the argmax takes a short path (no chunk set-up): the same numbers,
+    bit for bit, as the chunked path computing more statistics, and eager attention's."""
+    q, k, v = make_qkv(1, n_heads, n_kv, 1, 530, 64, dtype=dtype, seed=11)
+    fast = attention(q, k, v, stats=stat.ARGMAX, backend="torch")
+    chunked = attention(q, k, v, stats=(stat.ARGMAX, stat.LSE), backend="torch")
+    assert torch.equal(fast.out, chunked.out) and fast.out.dtype == dtype
+    for name in (stat.ARGMAX, stat.ARGMAX_PROB):
+        assert torch.equal(fast[name], chunked[name]), name
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    assert_matches(fast, reference_attention(q, k, v, causal=True), [stat.ARGMAX, stat.ARGMAX_PROB], tol, tol)
+    tied = attention(torch.zeros_like(q), k, v, stats=stat.ARGMAX, backend="torch")  # every score equal
+    assert torch.equal(tied[stat.ARGMAX], torch.zeros(1, n_heads, 1, dtype=torch.int64))
+
+
 def _qkv():
     return make_qkv(1, 6, 2, 8, 8, 16)
 
