@@ -267,15 +267,9 @@ def draw_sinks(run_key):
     return VIEWS[names.SINK_MAP].build(run, {})[0], no_update
 
 
-# A click on the grid writes the head into the URL in the browser (no server round trip before the
-# render that draws it); the render checks it like any link.
-clientside_callback(
-    ClientsideFunction(namespace="headscope", function_name="selectHead"),
-    Output(url_id(PREFIX), "search", allow_duplicate=True),
-    Input(ids.GRID, "clickData"),
-    State(url_id(PREFIX), "search"),
-    prevent_initial_call=True,
-)
+# A click on the grid writes the head into the URL in the browser (assets/grid_clicks.js: the cell
+# under the mouse, not plotly's last hover, so a click soon after another is not read as the first
+# one's head); the render checks it like any link.
 
 
 @callback(
