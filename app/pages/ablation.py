@@ -31,11 +31,13 @@ from app.components import (
     empty_figure,
     export_bar,
     input_bar,
+    job_error,
     model_id,
     page_location,
     query_store_id,
     register_export,
     register_run,
+    shell_stores,
     text_id,
     url_id,
 )
@@ -68,6 +70,7 @@ def layout(**query) -> html.Div:
     return html.Div(
         [
             page_location(PREFIX),
+            shell_stores(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
             dcc.Store(id=ids.ABL_KEPT, storage_type="local", data=[]),
             dcc.Store(id=ids.ABL_PENDING, data=None),  # heads chosen on the map or typed, not yet applied
@@ -360,7 +363,7 @@ def _summary(run, params) -> html.Div:
     Output(ids.ABL_HEADS, "value", allow_duplicate=True),
     Output(ids.ABL_GRID, "figure", allow_duplicate=True),
     Output(ids.ABL_CHOSEN, "children", allow_duplicate=True),
-    Output(ids.ERROR, "children", allow_duplicate=True),
+    job_error(PREFIX),  # with Redis this is a job: not the banner (components.job_error)
     Input(ids.ABL_PENDING, "data"),
     Input(ids.ABL_HEADS, "value"),
     Input(ids.ABL_TOPK, "n_clicks"),
@@ -417,7 +420,7 @@ def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, se
 
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
-    Output(ids.ERROR, "children", allow_duplicate=True),
+    job_error(PREFIX),
     Input(ids.ABL_BY, "value"),
     Input(ids.ABL_SWEEP, "value"),
     State(url_id(PREFIX), "search"),
