@@ -73,31 +73,49 @@ def job_error_id(prefix: str) -> str:
     return f"{prefix}-hs-job-error"
 
 
+def download_id(prefix: str) -> str:
+    return f"{prefix}-hs-download"
+
+
 def job_error(prefix: str) -> Output:
-    """The output a page's background job writes its error message to (``""`` clears the banner).
+    """The output a page's callback writes its error message to (``""`` clears the banner), when the
+    callback is a job or expensive (every :func:`app.jobs.on_workers` callback: with Redis, a job too).
 
     Not the banner itself: a background callback that writes to the app shell is called by Dash
     whenever its page loads, ``prevent_initial_call`` or not, because its inputs and outputs are not in
     one layout chunk (plotly/dash#2369). Each page load then forked a job, and the page's Run button
-    stayed disabled until it came back (7-12 s seen), so a click right after the page appeared was lost.
-    The message goes into a store on the page (:func:`job_error_store`), and :func:`show_job_errors`
+    stayed disabled until it came back (7-12 s seen), so a click right after the page appeared was lost;
+    with Redis workers each page load queued a job per such callback (Run, export, sinks, ...).
+    The message goes into a store on the page (:func:`shell_stores`), and :func:`show_in_shell`
     copies it into the banner in the browser."""
     return Output(job_error_id(prefix), "data", allow_duplicate=True)
 
 
-def job_error_store(prefix: str) -> dcc.Store:
-    """The page's store for :func:`job_error`: put it in the page's layout."""
-    return dcc.Store(id=job_error_id(prefix))
+def page_download(prefix: str) -> Output:
+    """The output a page's callback writes a download to (``dcc.send_bytes``), copied into the app's
+    ``dcc.Download`` in the browser: not that component itself, for :func:`job_error`'s reason."""
+    return Output(download_id(prefix), "data", allow_duplicate=True)
 
 
-def show_job_errors(prefix: str) -> None:
-    """Copy the page's job errors into the app's banner, in the browser (once per page module)."""
-    clientside_callback(
-        "function (m) { return m === null || m === undefined ? window.dash_clientside.no_update : m; }",
-        Output(ids.ERROR, "children", allow_duplicate=True),
-        Input(job_error_id(prefix), "data"),
-        prevent_initial_call=True,
-    )
+def shell_stores(prefix: str) -> html.Div:
+    """The page's stores for :func:`job_error` and :func:`page_download`: put them in the page's layout."""
+    return html.Div([dcc.Store(id=job_error_id(prefix)), dcc.Store(id=download_id(prefix))], hidden=True)
+
+
+_SHOWN: set[str] = set()
+
+
+def show_in_shell(prefix: str) -> None:
+    """Copy the page's errors into the app's banner and its downloads into the app's download, in the
+    browser. Registered once per page, however many of its callbacks ask (Run, export, jobs)."""
+    if prefix in _SHOWN:
+        return
+    _SHOWN.add(prefix)
+    copy = "function (m) { return m === null || m === undefined ? window.dash_clientside.no_update : m; }"
+    clientside_callback(copy, Output(ids.ERROR, "children", allow_duplicate=True),
+                        Input(job_error_id(prefix), "data"), prevent_initial_call=True)
+    clientside_callback(copy, Output(ids.DOWNLOAD, "data", allow_duplicate=True),
+                        Input(download_id(prefix), "data"), prevent_initial_call=True)
 
 
 PROMPT_POLICY_TITLE = ("How a text becomes the model's tokens: a BOS the model expects is prepended and shown "
@@ -166,9 +184,11 @@ def register_run(prefix: str, state_after: Any, long_runs: bool = False) -> None
     (:func:`analysis.statistics_run.capture_for_page`); without, it is refused with the limit.
     """
 
+    show_in_shell(prefix)
+
     @callback(
         Output(url_id(prefix), "search", allow_duplicate=True),
-        Output(ids.ERROR, "children", allow_duplicate=True),
+        job_error(prefix),  # with Redis this is a job: not the banner (see there)
         Input(run_id(prefix), "n_clicks"),
         State(text_id(prefix), "value"),
         State(model_id(prefix), "value"),
@@ -225,9 +245,11 @@ def register_export(prefix: str, run_of: Any = _stored_run) -> None:
     ``run_of(state)`` gives the run the page's figures are drawn from (default: the URL's run).
     """
 
+    show_in_shell(prefix)
+
     @callback(
-        Output(ids.DOWNLOAD, "data", allow_duplicate=True),
-        Output(ids.ERROR, "children", allow_duplicate=True),
+        page_download(prefix),  # with Redis this is a job: not the app's download (see job_error)
+        job_error(prefix),
         Input({"type": ids.EXPORT, "page": prefix, "view": ALL, "fmt": ALL}, "n_clicks"),
         url_state_when_present(prefix),  # the export buttons vanish with the page: see there
         State(query_store_id(prefix), "data", allow_optional=True),

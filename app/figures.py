@@ -522,14 +522,17 @@ def decode_rows_heatmap(rows: np.ndarray, span: tuple[int, int], argmax: np.ndar
 
 
 def head_selection(scores: np.ndarray, label: str, chosen: Sequence[tuple[int, int]]) -> go.Figure:
-    """The ranking score per head with the heads chosen for ablation marked (click toggles them)."""
+    """The ranking score per head with the heads chosen for ablation marked (click toggles them).
+
+    The markers' trace is there even when no head is chosen (``uid="chosen"``): the page toggles a
+    clicked head in the browser by rewriting its points and the count in the title
+    (``assets/grid_clicks.js``)."""
     fig = head_grid(scores, label)
-    if chosen:
-        fig.add_trace(go.Scatter(
-            x=[h for _, h in chosen], y=[la for la, _ in chosen], mode="markers", showlegend=False,
-            marker={"symbol": "square-open", "size": 13, "color": "#e4572e", "line": {"width": 3}},
-            hovertemplate="layer %{y}, head %{x}: chosen<extra></extra>",
-        ))
+    fig.add_trace(go.Scatter(
+        x=[h for _, h in chosen], y=[la for la, _ in chosen], mode="markers", showlegend=False, uid="chosen",
+        marker={"symbol": "square-open", "size": 13, "color": "#e4572e", "line": {"width": 3}},
+        hovertemplate="layer %{y}, head %{x}: chosen<extra></extra>",
+    ))
     fig.update_layout(title_text=safe_text(f"{len(chosen)} heads chosen (boxed) — colour: {label}"))
     return fig
 

@@ -157,16 +157,13 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
       return "hs-token-strip";
     },
 
-    /* A click on the layer × head grid: that head, in the URL (keys as app/url_state.py names them;
-       the query token goes back to the default, as a new head's row starts at the last token). */
-    selectHead: function (click, search) {
-      const point = click && click.points && click.points[0];
-      if (!point || !Number.isFinite(Number(point.x)) || !Number.isFinite(Number(point.y))) {
-        return window.dash_clientside.no_update;
-      }
+    /* The page's URL ``search`` with head (layer, head) selected (keys as app/url_state.py names
+       them; the query token goes back to the default, as a new head's row starts at the last token).
+       A click on the grid calls it (assets/grid_clicks.js). */
+    headSearch: function (search, layer, head) {
       const params = new URLSearchParams(search || "");
-      params.set("layer", String(Math.round(Number(point.y))));
-      params.set("head", String(Math.round(Number(point.x))));
+      params.set("layer", String(layer));
+      params.set("head", String(head));
       params.delete("query");
       return "?" + params.toString();
     },

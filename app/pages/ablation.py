@@ -7,7 +7,7 @@ import re
 import time
 
 import dash
-from dash import Input, Output, State, callback, clientside_callback, dash_table, dcc, html, no_update
+from dash import Input, Output, State, callback, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
 from analysis.ablation import format_heads, head_means, parse_heads
@@ -31,11 +31,13 @@ from app.components import (
     empty_figure,
     export_bar,
     input_bar,
+    job_error,
     model_id,
     page_location,
     query_store_id,
     register_export,
     register_run,
+    shell_stores,
     text_id,
     url_id,
 )
@@ -68,6 +70,7 @@ def layout(**query) -> html.Div:
     return html.Div(
         [
             page_location(PREFIX),
+            shell_stores(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
             dcc.Store(id=ids.ABL_KEPT, storage_type="local", data=[]),
             dcc.Store(id=ids.ABL_PENDING, data=None),  # heads chosen on the map or typed, not yet applied
@@ -350,26 +353,9 @@ def _summary(run, params) -> html.Div:
     ], className="hs-panels hs-even")
 
 
-# A click on the map toggles the head in the pending selection in the browser, at once: clicks made
-# faster than the server answers are never lost (a server toggle would read a stale selection, and
-# a late answer writing the heads box would undo later clicks). The box is written here too.
-clientside_callback(
-    """function(click, pending) {
-        const p = click && click.points && click.points[0];
-        if (!p || !Number.isInteger(p.x) || !Number.isInteger(p.y)) { return window.dash_clientside.no_update; }
-        const heads = new Set(typeof pending === "string" && pending ? pending.split(",") : []);
-        const key = p.y + "." + p.x;
-        if (heads.has(key)) { heads.delete(key); } else { heads.add(key); }
-        const text = Array.from(heads, h => h.split(".").map(Number)).sort((a, b) => a[0] - b[0] || a[1] - b[1])
-            .map(h => h[0] + "." + h[1]).join(",");
-        return [text, text];
-    }""",
-    Output(ids.ABL_PENDING, "data", allow_duplicate=True),
-    Output(ids.ABL_HEADS, "value", allow_duplicate=True),
-    Input(ids.ABL_GRID, "clickData"),
-    State(ids.ABL_PENDING, "data"),
-    prevent_initial_call=True,
-)
+# A click on the map toggles the head in the pending selection in the browser, at once, and repaints
+# the boxes and the count there (assets/grid_clicks.js): every click is applied, in order, however fast
+# they come; the heads box is written there too. ``choose`` then writes the line under the box.
 
 
 @callback(
@@ -377,7 +363,7 @@ clientside_callback(
     Output(ids.ABL_HEADS, "value", allow_duplicate=True),
     Output(ids.ABL_GRID, "figure", allow_duplicate=True),
     Output(ids.ABL_CHOSEN, "children", allow_duplicate=True),
-    Output(ids.ERROR, "children", allow_duplicate=True),
+    job_error(PREFIX),  # with Redis this is a job: not the banner (components.job_error)
     Input(ids.ABL_PENDING, "data"),
     Input(ids.ABL_HEADS, "value"),
     Input(ids.ABL_TOPK, "n_clicks"),
@@ -423,18 +409,18 @@ def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, se
     else:
         raise PreventUpdate
     heads = format_heads(sorted(chosen))
+    applied = format_heads(sorted(set(parse_heads(model, state.heads)))) if state.heads else None
+    if trigger == ids.ABL_PENDING:  # a click: the browser wrote the box and repainted the map already
+        return no_update, no_update, no_update, _chosen_text(heads, applied), ""
     grid = no_update
     if run is not None or (state.by == "retrieval" and state.sweep):
         grid, _ = VIEWS[names.ABLATION_SELECTION].build(run, {**ablation_params(state), "heads": heads or None})
-    applied = format_heads(sorted(set(parse_heads(model, state.heads)))) if state.heads else None
-    if trigger == ids.ABL_PENDING:  # the box was written with it: a late answer must not write it again
-        return no_update, no_update, grid, _chosen_text(heads, applied), ""
     return heads, heads, grid, _chosen_text(heads, applied), ""
 
 
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
-    Output(ids.ERROR, "children", allow_duplicate=True),
+    job_error(PREFIX),
     Input(ids.ABL_BY, "value"),
     Input(ids.ABL_SWEEP, "value"),
     State(url_id(PREFIX), "search"),

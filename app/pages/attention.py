@@ -23,7 +23,6 @@ from app.components import (
     export_bar,
     input_bar,
     job_error,
-    job_error_store,
     model_id,
     page_location,
     prompt_policy,
@@ -31,7 +30,8 @@ from app.components import (
     register_export,
     run_id,
     run_info,
-    show_job_errors,
+    shell_stores,
+    show_in_shell,
     text_id,
     url_id,
 )
@@ -57,7 +57,7 @@ def layout(**query) -> html.Div:
     return html.Div(
         [
             page_location(PREFIX),
-            job_error_store(PREFIX),
+            shell_stores(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
             dcc.Store(id=SINKS_RUN),
             dcc.Store(id=STRIP_DATA),
@@ -137,7 +137,7 @@ def _after_run(old: PageState, model, run) -> PageState:
 register_export(PREFIX)
 
 
-show_job_errors(PREFIX)
+show_in_shell(PREFIX)
 
 
 @callback(
@@ -251,7 +251,7 @@ def render(search, sinks_run=None):
 
 @callback(
     Output(ids.SINKS, "figure"),
-    Output(ids.ERROR, "children", allow_duplicate=True),
+    job_error(PREFIX),  # with Redis this is a job: not the banner (components.job_error)
     Input(SINKS_RUN, "data"),
     **on_workers(),
     prevent_initial_call=True,
@@ -267,15 +267,9 @@ def draw_sinks(run_key):
     return VIEWS[names.SINK_MAP].build(run, {})[0], no_update
 
 
-# A click on the grid writes the head into the URL in the browser (no server round trip before the
-# render that draws it); the render checks it like any link.
-clientside_callback(
-    ClientsideFunction(namespace="headscope", function_name="selectHead"),
-    Output(url_id(PREFIX), "search", allow_duplicate=True),
-    Input(ids.GRID, "clickData"),
-    State(url_id(PREFIX), "search"),
-    prevent_initial_call=True,
-)
+# A click on the grid writes the head into the URL in the browser (assets/grid_clicks.js: the cell
+# under the mouse, not plotly's last hover, so a click soon after another is not read as the first
+# one's head); the render checks it like any link.
 
 
 @callback(

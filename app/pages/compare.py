@@ -19,7 +19,15 @@ from analysis.errors import InputError
 from analysis.head_summary import HEAD_METRICS
 from analysis.run_comparison import compare_runs
 from app import ids
-from app.components import GRAPH_CONFIG, empty_figure, export_bar, page_location, register_export, url_id
+from app.components import (
+    GRAPH_CONFIG,
+    empty_figure,
+    export_bar,
+    page_location,
+    register_export,
+    shell_stores,
+    url_id,
+)
 from app.context import get_context
 from app.errors import guarded, message
 from app.jobs import on_workers
@@ -42,6 +50,7 @@ def layout(**_query) -> html.Div:
     return html.Div(
         [
             page_location(PREFIX),
+            shell_stores(PREFIX),
             html.Div(
                 [
                     html.Label("First run", htmlFor=ids.CMP_FIRST),

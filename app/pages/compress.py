@@ -37,11 +37,12 @@ from app.components import (
     empty_figure,
     export_bar,
     job_error,
-    job_error_store,
+    page_download,
     page_location,
     query_store_id,
     register_export,
-    show_job_errors,
+    shell_stores,
+    show_in_shell,
     url_id,
 )
 from app.context import dropdown_model, get_context, offered_model
@@ -84,7 +85,7 @@ def layout(**_query) -> html.Div:
     needles = _needle_options()
     return html.Div([
         page_location(PREFIX),
-        job_error_store(PREFIX),
+        shell_stores(PREFIX),
         dcc.Store(id=query_store_id(PREFIX)),
         html.Div([
             html.Div([
@@ -200,7 +201,7 @@ def _info(curve, tolerance: float) -> list:
     return parts
 
 
-show_job_errors(PREFIX)
+show_in_shell(PREFIX)
 
 
 @callback(
@@ -391,8 +392,8 @@ def cancelled(n_clicks):
 
 
 @callback(
-    Output(ids.DOWNLOAD, "data", allow_duplicate=True),
-    Output(ids.ERROR, "children", allow_duplicate=True),
+    page_download(PREFIX),  # with Redis this is a job: not the shell (components.job_error)
+    job_error(PREFIX),
     Input(ids.KV_DOWNLOAD, "n_clicks"),
     State(url_id(PREFIX), "search"),
     **on_workers(),

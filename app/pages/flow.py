@@ -14,11 +14,13 @@ from app.components import (
     empty_figure,
     export_bar,
     input_bar,
+    job_error,
     model_id,
     page_location,
     query_store_id,
     register_export,
     register_run,
+    shell_stores,
     text_id,
     url_id,
 )
@@ -83,6 +85,7 @@ def layout(**query) -> html.Div:
     return html.Div(
         [
             page_location(PREFIX),
+            shell_stores(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
             input_bar(PREFIX, f"Text to attribute (attention flow: up to {max_flow_tokens()} tokens)…", model=query.get("model")),
             html.Div(
@@ -254,7 +257,7 @@ def change_options(target, fusion, sink, search):
 
 @callback(
     Output(ids.FAITH_INPUT, "children"),
-    Output(ids.ERROR, "children", allow_duplicate=True),
+    job_error(PREFIX),  # with Redis this is a job: not the banner (components.job_error)
     Input(ids.FAITH_INPUT_BUTTON, "n_clicks"),
     State(url_id(PREFIX), "search"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker

@@ -28,13 +28,13 @@ from app.components import (
     empty_figure,
     export_bar,
     job_error,
-    job_error_store,
     page_location,
     prompt_policy,
     query_store_id,
     register_export,
     register_upload,
-    show_job_errors,
+    shell_stores,
+    show_in_shell,
     upload_field,
     upload_file,
     upload_file_id,
@@ -113,7 +113,7 @@ def layout(**_query) -> html.Div:
     return html.Div(
         [
             page_location(PREFIX),
-            job_error_store(PREFIX),
+            shell_stores(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
             dcc.Store(id=ids.HEADS_FORM_SWEEP),
             html.P(id=ids.HEADS_FORM_NOTE, className="hs-hint", role="status"),
@@ -217,7 +217,7 @@ def _needles(ticked: list[str] | None, custom: str | None):
     return chosen
 
 
-show_job_errors(PREFIX)
+show_in_shell(PREFIX)
 
 
 @callback(

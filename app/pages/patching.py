@@ -35,11 +35,11 @@ from app.components import (
     empty_figure,
     export_bar,
     job_error,
-    job_error_store,
     page_location,
     query_store_id,
     register_export,
-    show_job_errors,
+    shell_stores,
+    show_in_shell,
     url_id,
 )
 from app.context import get_context, offered_model
@@ -85,7 +85,7 @@ def layout(**_query) -> html.Div:
     return html.Div(
         [
             page_location(PREFIX),
-            job_error_store(PREFIX),
+            shell_stores(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
             html.Div(
                 [
@@ -207,7 +207,7 @@ def _top_text(result) -> str:
             f"attribution in {result.attribution_seconds:.1f} s.")
 
 
-show_job_errors(PREFIX)
+show_in_shell(PREFIX)
 
 
 @callback(

@@ -17,6 +17,7 @@ from app.components import (
     query_store_id,
     register_export,
     register_upload,
+    shell_stores,
     upload_field,
     upload_file,
     upload_file_id,
@@ -39,6 +40,7 @@ def layout(**_query) -> html.Div:
     return html.Div(
         [
             page_location(PREFIX),
+            shell_stores(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
             html.Div(
                 [

@@ -21,6 +21,36 @@ def test_prompt_policy_of_a_model_this_server_does_not_offer_is_not_claimed():
     assert components.prompt_policy("/nowhere/not-a-model") == ""
 
 
+def _into_shell_on_page_load(deps: list[dict]) -> list[list[str]]:
+    """The outputs of each background callback (a forked job, or a Celery task) in the served
+    dependencies ``deps`` that Dash calls on every page load: it has ``prevent_initial_call`` and
+    writes to the app shell (the error banner, the download)."""
+    from app import ids
+
+    shell = {ids.ERROR, ids.DOWNLOAD}
+    into_shell = []
+    for d in deps:
+        outputs = {p.rpartition(".")[0].split("@")[0] for p in d["output"].strip(".").split("...")}
+        if d.get("background") and d["prevent_initial_call"] and outputs & shell:
+            into_shell.append(sorted(outputs))
+    return into_shell
+
+
+# Prints the app's served dependencies: run in a fresh process, where the pages register their
+# callbacks as this environment says (the pages are imported once per process).
+_DEPENDENCIES = """
+import json, sys, tempfile
+from pathlib import Path
+from analysis.store import Store
+from app.context import AppContext
+from app.server import create_app
+app = create_app(AppContext(store=Store(Path(tempfile.mkdtemp()) / "store")))
+client = app.server.test_client()
+client.get("/")
+sys.stdout.write(client.get("/_dash-dependencies").get_data(as_text=True))
+"""
+
+
 def test_no_background_job_starts_when_a_page_loads(tmp_path):
     """A background callback (a forked job, or a Celery task) that writes to the app shell (the error
     banner, the download) is called by Dash whenever its page loads, whatever ``prevent_initial_call``
@@ -32,7 +62,6 @@ def test_no_background_job_starts_when_a_page_loads(tmp_path):
     import json
 
     from analysis.store import Store
-    from app import ids
     from app.context import AppContext
     from app.server import create_app
 
@@ -40,15 +69,33 @@ def test_no_background_job_starts_when_a_page_loads(tmp_path):
     client = app.server.test_client()
     client.get("/")
     deps = json.loads(client.get("/_dash-dependencies").data)
-    shell = {ids.ERROR, ids.DOWNLOAD}
+    assert len([d for d in deps if d.get("background")]) >= 10
+    assert _into_shell_on_page_load(deps) == []
+
+
+def test_no_job_is_queued_when_a_page_loads_with_redis_workers(tmp_path):
+    """With ``HEADSCOPE_REDIS_URL`` every expensive callback (:func:`app.jobs.on_workers`: it loads a
+    model or reads results) is a Celery task too: one that wrote to the app shell was queued on every
+    page load, as above (each page's export, Run on the Ablation and Flow pages, the sink map, the
+    heads chosen, the faithfulness input, the KV pattern download). They write into their page
+    (:func:`app.components.job_error`, :func:`app.components.page_download`). The app is made as the
+    web process makes it (Redis is not reached until a job runs)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "HEADSCOPE_REDIS_URL": "redis://127.0.0.1:9/0", "HEADSCOPE_HOME": str(tmp_path / "home"),
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _DEPENDENCIES], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    deps = json.loads(out.stdout)
     background = [d for d in deps if d.get("background")]
-    assert len(background) >= 10
-    into_shell = []
-    for d in background:
-        outputs = {p.rpartition(".")[0].split("@")[0] for p in d["output"].strip(".").split("...")}
-        if d["prevent_initial_call"] and outputs & shell:
-            into_shell.append(sorted(outputs))
-    assert into_shell == []
+    assert len(background) >= 30  # the page callbacks are tasks too
+    assert _into_shell_on_page_load(deps) == []
 
 
 def test_a_link_naming_a_model_has_it_chosen_from_the_first_frame(tmp_path, monkeypatch):

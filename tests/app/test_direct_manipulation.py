@@ -256,3 +256,39 @@ def test_run_is_ready_the_moment_the_page_appears(server, page):
     page.click("#attn-hs-run", timeout=1000)  # enabled: clickable at once
     wait_for_run(page)
     assert page.locator("#hs-error").inner_text() == ""
+
+
+def test_a_head_clicked_while_the_last_one_is_drawn_is_the_one_shown(server, page):
+    """Two grid clicks in a row, the second from at once to 0.8 s after the first (while the first
+    head's grid, heatmap and strip are drawn, and plotly hovers again at the last mouse position): the
+    page ends on the second head every time. (Plotly reports a click at the point its last hover
+    found, and hovers at most every 50 ms: a second click 0.6 s after the first was read as the first
+    head, and the page stayed on it, #16.)"""
+    url, _, _ = server
+    run_prompt(page, url, PROMPT)
+    wait_for_run(page)
+    box = page.locator("#hs-grid .nsewdrag").first.bounding_box()
+
+    def click(col: int, row: int) -> None:
+        page.mouse.click(box["x"] + box["width"] * (col + 0.5) / 9, box["y"] + box["height"] * (row + 0.5) / 30)
+
+    def outlined() -> str:  # the head the grid outlines, as the browser drew it
+        return page.evaluate("""() => { const s = (document.querySelector('#hs-grid .js-plotly-plot')._fullLayout.shapes || [])[0];
+            return s ? `${s.y0 + 0.5}.${s.x0 + 0.5}` : ''; }""")
+
+    missed = []
+    for gap in (0, 100, 200, 300, 400, 500, 600, 700, 800):
+        page.wait_for_function("() => document.title !== 'Updating...'")
+        first, second = ((2, 4), (5, 7)) if gap % 200 == 0 else ((5, 7), (2, 4))
+        click(*first)
+        page.wait_for_timeout(gap)
+        click(*second)
+        try:
+            wait_title(page, "hs-heatmap", f"layer {second[1]}, head {second[0]}", timeout=10_000)
+        except Exception:
+            pass
+        page.wait_for_timeout(1000)
+        if outlined() != f"{second[1]}.{second[0]}" or f"layer={second[1]}&head={second[0]}" not in page.evaluate("location.search"):
+            missed.append(gap)
+    assert missed == [], f"the second click was lost when it came {missed} ms after the first"
+    assert error_text(page) == ""

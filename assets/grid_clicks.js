@@ -1,0 +1,90 @@
+/* headscope: clicks on a layer × head grid (the Attention and Ablation pages), applied in the browser,
+   in order.
+
+   A click is read from the mouse event itself (where the button went down and came up), not from
+   plotly's click event: plotly reports the point its last hover found, and its hover runs at most
+   every 50 ms and again after each redraw, so a second click soon after the first was reported as
+   the first cell again (one head toggled twice, the other never). The toggle reads the selection
+   where Dash keeps it (the page's store, read synchronously) and writes it back at once with
+   ``dash_clientside.set_props``, with the heads box and the boxed markers and count on the map: no
+   server round trip, no Dash callback in between (a callback queued behind another click's read the
+   selection before that click was applied, or was dropped for the newer click). The server then
+   only writes the line under the box (app/pages/ablation.py ``choose``). On the Attention page a
+   click selects that head in the page's URL, as a link would (its render draws it): read from
+   plotly's click, a second click while the first head was being drawn was read as the first. */
+(function () {
+const GRID = "hs-abl-grid", PENDING = "hs-abl-pending", HEADS = "hs-abl-heads", ATTENTION_URL = "attn-hs-url";
+const CHOSEN_TRACE = "chosen";  // the uid of the boxed markers' trace (app/figures.py head_selection)
+const MOVE = 4;  // pixels: a press that moves further is a drag (a zoom), not a click
+
+function props(id) {
+  const api = window.dash_component_api;
+  const component = api && api.getLayout ? api.getLayout(id) : null;
+  return component && component.props ? component.props : null;
+}
+
+/* The (layer, head) under client point (x, y) of graph div ``gd``: its axes' ranges over the plot
+   area (the drag layer), cells centred on whole numbers (a reversed layer axis included). */
+function cellAt(gd, x, y) {
+  const layout = gd && gd._fullLayout, drag = gd && gd.querySelector(".nsewdrag");
+  if (!layout || !layout.xaxis || !layout.yaxis || !drag) { return null; }
+  const box = drag.getBoundingClientRect();
+  if (!box.width || !box.height) { return null; }
+  const [x0, x1] = layout.xaxis.range, [y0, y1] = layout.yaxis.range;
+  const head = Math.round(x0 + (x - box.left) / box.width * (x1 - x0));
+  const layer = Math.round(y1 + (y - box.top) / box.height * (y0 - y1));
+  return Number.isInteger(head) && Number.isInteger(layer) && head >= 0 && layer >= 0 ? [layer, head] : null;
+}
+
+function sortedHeads(set) {
+  return Array.from(set, h => h.split(".").map(Number)).sort((a, b) => a[0] - b[0] || a[1] - b[1]);
+}
+
+/* Toggle (layer, head) in the pending selection; repaint the boxes and the count on the map. */
+function toggle(layer, head) {
+  const grid = props(GRID), store = props(PENDING);
+  const figure = grid && grid.figure;
+  const marks = figure && Array.isArray(figure.data) ? figure.data.findIndex(t => t && t.uid === CHOSEN_TRACE) : -1;
+  if (marks < 0 || !store) { return; }  // no heads to choose on this map (no run and no sweep yet)
+  const pending = store.data;
+  const heads = new Set(typeof pending === "string" && pending ? pending.split(",") : []);
+  const key = layer + "." + head;
+  if (heads.has(key)) { heads.delete(key); } else { heads.add(key); }
+  const pairs = sortedHeads(heads);
+  const text = pairs.map(h => h[0] + "." + h[1]).join(",");
+  const data = figure.data.slice();
+  data[marks] = Object.assign({}, data[marks], {x: pairs.map(h => h[1]), y: pairs.map(h => h[0])});
+  const title = Object.assign({}, figure.layout.title);
+  title.text = String(title.text || "").replace(/^\d+ heads chosen/, pairs.length + " heads chosen");
+  const set = window.dash_clientside.set_props;
+  set(PENDING, {data: text});
+  set(HEADS, {value: text});
+  set(GRID, {figure: Object.assign({}, figure, {data: data, layout: Object.assign({}, figure.layout, {title: title})})});
+}
+
+/* Select (layer, head) on the Attention page: its URL, where the page's render reads it. */
+function selectHead(layer, head) {
+  const url = props(ATTENTION_URL), grid = props("hs-grid");
+  const figure = grid && grid.figure;
+  if (!url || !figure || !Array.isArray(figure.data) || !figure.data.length) { return; }  // no run yet
+  const search = window.dash_clientside.headscope.headSearch(url.search, layer, head);
+  if (search !== url.search) { window.dash_clientside.set_props(ATTENTION_URL, {search: search}); }
+}
+
+const GRIDS = {"hs-abl-grid": toggle, "hs-grid": selectHead};  // graph id → what a click on a cell does
+
+let pressed = null;
+document.addEventListener("mousedown", function (e) {
+  const drag = e.button === 0 && e.target.closest ? e.target.closest(".nsewdrag") : null;
+  const id = drag ? Object.keys(GRIDS).find(g => drag.closest("#" + g)) : undefined;
+  pressed = id ? {id: id, x: e.clientX, y: e.clientY} : null;
+}, true);
+document.addEventListener("mouseup", function (e) {
+  const p = pressed;
+  pressed = null;
+  if (!p || e.button !== 0 || Math.hypot(e.clientX - p.x, e.clientY - p.y) > MOVE) { return; }
+  const graph = document.getElementById(p.id);
+  const cell = cellAt(graph && graph.querySelector(".js-plotly-plot"), p.x, p.y);
+  if (cell) { GRIDS[p.id](cell[0], cell[1]); }
+}, true);
+})();
