@@ -178,6 +178,16 @@ def _order_key_empty(BLOCK_M: tl.constexpr, TOPK_P: tl.constexpr):
 
 
 @triton.jit
+def _argmax_merge(best, best_i, s, start_n):
+    """Merge one tile's scores ``[BLOCK_M, BLOCK_N]`` (keys from ``start_n``) into each row's running
+    (max score, its key index). Strict ``>``: on a tie the earlier (lower) key index is kept."""
+    tile_best = tl.max(s, 1)
+    tile_i = tl.argmax(s, 1).to(tl.int32) + start_n
+    better = tile_best > best
+    return tl.where(better, tile_best, best), tl.where(better, tile_i, best_i)
+
+
+@triton.jit
 def _topk_merge(top, s, cols, TOPK: tl.constexpr):
     """Merge one tile's scores ``[BLOCK_M, BLOCK_N]`` (key indices ``cols``) into the running top-K
     ``[BLOCK_M, TOPK_P]`` of :func:`_order_key` keys (sorted, best first; slots from ``TOPK`` on
@@ -289,11 +299,7 @@ def _stats_tiles(
         if DO_ENT:
             ent += tl.sum(p * tl.where(p > 0, s - lse2[:, None], 0.0), 1)  # no 0 · -inf
         if DO_ARG:
-            tile_best = tl.max(s, 1)
-            tile_i = tl.argmax(s, 1).to(tl.int32) + start_n
-            better = tile_best > best  # strict: the earlier (lower) index wins ties
-            best_i = tl.where(better, tile_i, best_i)
-            best = tl.where(better, tile_best, best)
+            best, best_i = _argmax_merge(best, best_i, s, start_n)
         if DO_TOPK:
             top = _topk_merge(top, s, cols, TOPK)
         if NUM_SPANS > 0:
@@ -517,11 +523,7 @@ def _topk_tiles(best, best_i, prev, prev_i, q, k_base, stride_kn, stride_kd, off
                         win, sink, cap, HEAD_D, CAUSAL, MASKED, PRECISION, UPCAST, WINDOWED, SOFTCAP)
         after = (s < prev[:, None]) | ((s == prev[:, None]) & (cols[None, :] > prev_i[:, None]))
         s = tl.where(after & (s > float("-inf")), s, float("-inf"))
-        tile_best = tl.max(s, 1)
-        tile_i = tl.argmax(s, 1).to(tl.int32) + start_n
-        better = tile_best > best
-        best_i = tl.where(better, tile_i, best_i)
-        best = tl.where(better, tile_best, best)
+        best, best_i = _argmax_merge(best, best_i, s, start_n)
     return best, best_i
 
 

@@ -44,6 +44,7 @@ from kernels.statistics import Plan, split_span_masses, triton_interpreting
 from kernels.triton_attention import (
     FUSED_TOPK_MAX,
     LOG2E,
+    _argmax_merge,
     _order_key_empty,
     _score_tile,
     _topk_merge,
@@ -99,11 +100,7 @@ def _decode_tiles(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
         if DO_ARG:
-            tile_best = tl.max(s, 1)
-            tile_i = tl.argmax(s, 1).to(tl.int32) + start_n
-            better = tile_best > best  # strict: the earlier (lower) index wins ties
-            best_i = tl.where(better, tile_i, best_i)
-            best = tl.where(better, tile_best, best)
+            best, best_i = _argmax_merge(best, best_i, s, start_n)
         if DO_TOPK:
             top = _topk_merge(top, s, cols, TOPK)
         if NUM_SPANS > 0:
