@@ -1,5 +1,5 @@
-/* headscope: clicks on a layer × head grid (the Attention and Ablation pages), applied in the browser,
-   in order.
+/* headscope: clicks on a layer × head grid (the Attention, Heads and Ablation pages), applied in the
+   browser, in order.
 
    A click is read from the mouse event itself (where the button went down and came up), not from
    plotly's click event: plotly reports the point its last hover found, and its hover runs at most
@@ -9,11 +9,12 @@
    ``dash_clientside.set_props``, with the heads box and the boxed markers and count on the map: no
    server round trip, no Dash callback in between (a callback queued behind another click's read the
    selection before that click was applied, or was dropped for the newer click). The server then
-   only writes the line under the box (app/pages/ablation.py ``choose``). On the Attention page a
-   click selects that head in the page's URL, as a link would (its render draws it): read from
-   plotly's click, a second click while the first head was being drawn was read as the first. */
+   only writes the line under the box (app/pages/ablation.py ``choose``). On the Attention and Heads
+   pages a click selects that head in the page's URL, as a link would (their renders draw it): read
+   from plotly's click, a second click while the first head was being drawn was read as the first. */
 (function () {
-const GRID = "hs-abl-grid", PENDING = "hs-abl-pending", HEADS = "hs-abl-heads", ATTENTION_URL = "attn-hs-url";
+const GRID = "hs-abl-grid", PENDING = "hs-abl-pending", HEADS = "hs-abl-heads";
+const ATTENTION_URL = "attn-hs-url", HEADS_URL = "heads-hs-url";  // app/components.py url_id(page prefix)
 const CHOSEN_TRACE = "chosen";  // the uid of the boxed markers' trace (app/figures.py head_selection)
 const MOVE = 4;  // pixels: a press that moves further is a drag (a zoom), not a click
 
@@ -62,16 +63,32 @@ function toggle(layer, head) {
   set(GRID, {figure: Object.assign({}, figure, {data: data, layout: Object.assign({}, figure.layout, {title: title})})});
 }
 
-/* Select (layer, head) on the Attention page: its URL, where the page's render reads it. */
-function selectHead(layer, head) {
-  const url = props(ATTENTION_URL), grid = props("hs-grid");
+/* Select (layer, head) on the page whose URL store is ``urlId``, where the page's render reads it, once
+   graph ``gridId`` shows a map (no run or sweep yet: nothing to select). */
+function selectHead(urlId, gridId, layer, head, extra) {
+  const url = props(urlId), grid = props(gridId);
   const figure = grid && grid.figure;
-  if (!url || !figure || !Array.isArray(figure.data) || !figure.data.length) { return; }  // no run yet
-  const search = window.dash_clientside.headscope.headSearch(url.search, layer, head);
-  if (search !== url.search) { window.dash_clientside.set_props(ATTENTION_URL, {search: search}); }
+  if (!url || !figure || !Array.isArray(figure.data) || !figure.data.length) { return; }
+  if (extra && !extra(new URLSearchParams(url.search || ""))) { return; }
+  let search = window.dash_clientside.headscope.headSearch(url.search, layer, head);
+  if (urlId === HEADS_URL) {  // a new head starts at its trial list (app/pages/heads.py ``select``)
+    const params = new URLSearchParams(search);
+    params.delete("trial");
+    search = "?" + params.toString();
+  }
+  if (search !== url.search) { window.dash_clientside.set_props(urlId, {search: search}); }
 }
 
-const GRIDS = {"hs-abl-grid": toggle, "hs-grid": selectHead};  // graph id → what a click on a cell does
+/* The Heads page's retrieval map has a cell per query head only under the query-head aggregation
+   (under a key-value group view its cells are groups, not heads). */
+const perQueryHead = params => (params.get("agg") || "query") === "query";
+
+const GRIDS = {  // graph id → what a click on a cell does
+  "hs-abl-grid": toggle,
+  "hs-grid": (layer, head) => selectHead(ATTENTION_URL, "hs-grid", layer, head),
+  "hs-heads-grid": (layer, head) => selectHead(HEADS_URL, "hs-heads-grid", layer, head, perQueryHead),
+  "hs-heads-score-grid": (layer, head) => selectHead(HEADS_URL, "hs-heads-score-grid", layer, head),
+};
 
 let pressed = null;
 document.addEventListener("mousedown", function (e) {

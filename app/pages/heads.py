@@ -420,8 +420,6 @@ def render(search):
 
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
-    Input(ids.HEADS_GRID, "clickData"),
-    Input(ids.HEADS_SCORE_GRID, "clickData"),
     Input(ids.HEADS_AGG, "value"),
     Input(ids.HEADS_SCORE, "value"),
     Input(ids.HEADS_STAT, "value"),
@@ -432,9 +430,10 @@ def render(search):
     State(url_id(PREFIX), "search"),
     prevent_initial_call=True,
 )
-def select(click, score_click, agg, score, stat, cell, top_cell, rows, top_rows, search):
-    """What the user picked, into the URL: a head (a map cell, or a top-20 row: the same head, its
-    trials and decode steps), the aggregation, the score and statistic, or a trial."""
+def select(agg, score, stat, cell, top_cell, rows, top_rows, search):
+    """What the user picked, into the URL: a head (a top-20 row: its trials and decode steps), the
+    aggregation, the score and statistic, or a trial. A click on a map cell selects its head in the
+    browser (assets/grid_clicks.js), from the mouse press rather than plotly's click (#16)."""
     state = parse(search)
     trigger = dash.ctx.triggered_id
     if trigger == ids.HEADS_TOPK:
@@ -445,12 +444,6 @@ def select(click, score_click, agg, score, stat, cell, top_cell, rows, top_rows,
             state.layer, state.head, state.trial = int(row["layer"]), int(row["head"]), None
         except (KeyError, TypeError, ValueError):
             return no_update
-    elif trigger in (ids.HEADS_GRID, ids.HEADS_SCORE_GRID):
-        click = click if trigger == ids.HEADS_GRID else score_click
-        if not (click and click.get("points")) or (trigger == ids.HEADS_GRID and state.agg != "query"):
-            return no_update
-        point = click["points"][0]
-        state.layer, state.head, state.trial = int(point["y"]), int(point["x"]), None
     elif trigger == ids.HEADS_AGG and agg and agg != state.agg:
         state.agg = agg
     elif trigger == ids.HEADS_SCORE and score and score != state.score:

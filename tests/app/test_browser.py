@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -420,6 +421,26 @@ def test_heads_page_runs_a_small_sweep_and_opens_a_heads_trials(server, page, tm
     steps = json.loads(z.read("data.json"))
     assert any(r["in_needle"] for r in steps) and sum(r["argmax"] for r in steps) == 1 + max(r["step"] for r in steps)
     assert json.loads(z.read("manifest.json"))["params"]["layer"] == top_layer
+    # two clicks in quick succession on either map: the page ends on the second head (#16: plotly
+    # reported a quick second click at the cell its last hover found, the first one)
+    missed = []
+    for graph in ("hs-heads-grid", "hs-heads-score-grid"):
+        page.locator(f"#{graph}").scroll_into_view_if_needed()
+        box = page.locator(f"#{graph} .nsewdrag").first.bounding_box()
+        for gap in (0, 150, 300):
+            first, second = ((1, 2), (7, 25)) if gap != 150 else ((7, 25), (1, 2))
+            page.wait_for_function("() => document.title !== 'Updating...'")
+            for i, (head, layer) in enumerate((first, second)):
+                page.wait_for_timeout(gap * i)
+                page.mouse.click(box["x"] + box["width"] * (head + 0.5) / 9, box["y"] + box["height"] * (layer + 0.5) / 30)
+            try:
+                page.wait_for_function(f"location.search.includes('layer={second[1]}&head={second[0]}')", timeout=5000)
+                page.wait_for_timeout(1000)  # and it stays there
+                assert f"layer={second[1]}&head={second[0]}" in page.evaluate("location.search")
+            except (AssertionError, PlaywrightTimeoutError):
+                missed.append((graph, gap))
+    assert missed == [], f"the second of two quick clicks was lost on {missed}"
+    wait_title(page, "hs-heads-steps", "Layer 25, head 7, trial 0")
     # the paper's experiment from here: the sweep's top retrieval heads against random heads
     page.click("#hs-heads-ablate-link")
     page.wait_for_function("location.pathname == '/ablation' && location.search.includes('by=retrieval')")
