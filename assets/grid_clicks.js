@@ -1,4 +1,4 @@
-/* headscope: clicks on a layer × head grid (the Attention, Heads and Ablation pages), applied in the
+/* headscope: clicks on a layer × head grid (the Attention, Heads, QK and Ablation pages), applied in the
    browser, in order.
 
    A click is read from the mouse event itself (where the button went down and came up), not from
@@ -9,12 +9,12 @@
    ``dash_clientside.set_props``, with the heads box and the boxed markers and count on the map: no
    server round trip, no Dash callback in between (a callback queued behind another click's read the
    selection before that click was applied, or was dropped for the newer click). The server then
-   only writes the line under the box (app/pages/ablation.py ``choose``). On the Attention and Heads
-   pages a click selects that head in the page's URL, as a link would (their renders draw it): read
+   only writes the line under the box (app/pages/ablation.py ``choose``). On the Attention, Heads and
+   QK pages a click selects that head in the page's URL, as a link would (their renders draw it): read
    from plotly's click, a second click while the first head was being drawn was read as the first. */
 (function () {
 const GRID = "hs-abl-grid", PENDING = "hs-abl-pending", HEADS = "hs-abl-heads";
-const ATTENTION_URL = "attn-hs-url", HEADS_URL = "heads-hs-url";  // app/components.py url_id(page prefix)
+const ATTENTION_URL = "attn-hs-url", HEADS_URL = "heads-hs-url", QK_URL = "qk-hs-url";  // app/components.py url_id(page prefix)
 const CHOSEN_TRACE = "chosen";  // the uid of the boxed markers' trace (app/figures.py head_selection)
 const MOVE = 4;  // pixels: a press that moves further is a drag (a zoom), not a click
 
@@ -88,6 +88,7 @@ const GRIDS = {  // graph id → what a click on a cell does
   "hs-grid": (layer, head) => selectHead(ATTENTION_URL, "hs-grid", layer, head),
   "hs-heads-grid": (layer, head) => selectHead(HEADS_URL, "hs-heads-grid", layer, head, perQueryHead),
   "hs-heads-score-grid": (layer, head) => selectHead(HEADS_URL, "hs-heads-score-grid", layer, head),
+  "hs-qk-rank-map": (layer, head) => selectHead(QK_URL, "hs-qk-rank-map", layer, head),
 };
 
 let pressed = null;

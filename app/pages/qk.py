@@ -113,23 +113,18 @@ def show(n_clicks, layer, head, sentences, method, colour, feature, find, search
 
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
-    Input(ids.QK_RANK_MAP, "clickData"),
     Input(ids.QK_FIND, "value"),
     State(url_id(PREFIX), "search"),
     prevent_initial_call=True,
 )
-def pick_head_or_find(click, find, search):
+def find_tokens(find, search):
+    """The token to find, into the URL. A click on the rank map selects its head in the browser
+    (assets/grid_clicks.js), from the mouse press rather than plotly's click (#16)."""
     state = parse(search)
-    if dash.ctx.triggered_id == ids.QK_FIND:
-        new = (find or "").strip()[:40] or None
-        if new == state.qk.find or state.layer is None:
-            return no_update
-        state.qk.find = new
-        return state.to_search()
-    if not click or not click.get("points"):
+    new = (find or "").strip()[:40] or None
+    if new == state.qk.find or state.layer is None:
         return no_update
-    point = click["points"][0]
-    state.layer, state.head, state.query = int(point["y"]), int(point["x"]), None
+    state.qk.find = new
     return state.to_search()
 
 
