@@ -174,19 +174,33 @@ def interactions(page, n_tokens: int, count: int) -> None:
             "t => window.painted && document.querySelector('#hs-strip-tokens .hs-strip-title').textContent.includes(t)",
             arg=f"Attention from token {pos} ", timeout=60_000)
         hover.append(page.evaluate("window.painted - window.t0"))
-    clicks = []
+    clicks, serving, sizes = [], [], []
+
+    def on_render(request) -> None:  # a head click's render request: its server time and response size
+        if "_dash-update-component" in request.url and "hs-heatmap.figure" in (request.post_data or ""):
+            t = request.timing
+            serving.append(t["responseStart"] - t["requestStart"])
+            sizes.append(request.sizes()["responseBodySize"] / 1e6)
+
+    page.on("requestfinished", on_render)
     for i in range(max(5, count // 4)):
         layer, head = (i * 7) % 30, (i * 5 + 1) % 9
         page.locator("#hs-grid").scroll_into_view_if_needed()
         grid = page.locator("#hs-grid .nsewdrag").first.bounding_box()
         x, y = grid["x"] + grid["width"] * (head + 0.5) / 9, grid["y"] + grid["height"] * (layer + 0.5) / 30
         clicks.append(timed("hs-heatmap", lambda x=x, y=y: page.mouse.click(x, y), f"layer {layer}, head {head}"))
+    page.wait_for_timeout(500)
+    page.remove_listener("requestfinished", on_render)
     print()
     print(f"{'interaction':>24} | {'tokens':>6} | {'n':>3} | {'median ms':>9} | {'p95 ms':>7} | {'max ms':>7} | target")
     print("-" * 84)
     for what, values, target in (("hover token → strip", hover, 100), ("click head → heatmap", clicks, 300)):
         print(f"{what:>24} | {n_tokens:>6} | {len(values):>3} | {_percentile(values, 0.5):>9.1f} | "
               f"{_percentile(values, 0.95):>7.1f} | {max(values):>7.1f} | ≤ {target}", flush=True)
+    if serving:
+        print(f"click head → heatmap, where the time goes (medians of {len(serving)}): the render's server time "
+              f"{_percentile(serving, 0.5):.0f} ms, its response {_percentile(sizes, 0.5):.2f} MB; the rest is the "
+              "request's trip and the browser parsing the response and drawing the figures", flush=True)
 
 
 if __name__ == "__main__":
