@@ -110,11 +110,7 @@ def head_grid(
         )
     )
     if selected is not None:
-        layer, head = selected
-        fig.add_shape(
-            type="rect", x0=head - 0.5, x1=head + 0.5, y0=layer - 0.5, y1=layer + 0.5,
-            line={"color": "#e4572e", "width": 3},
-        )
+        fig.add_shape(head_outline(*selected))
     fig.update_xaxes(title="head", dtick=1, showgrid=False)
     fig.update_yaxes(title="layer (w: sliding window)" if windows and any(windows) else "layer",
                      dtick=1 if n_layers <= 32 else None, autorange="reversed", showgrid=False)
@@ -123,14 +119,17 @@ def head_grid(
     return fig
 
 
+def head_outline(layer: int, head: int) -> dict:
+    """The outline :func:`head_grid` draws around the selected head (a layout shape)."""
+    return {"type": "rect", "x0": head - 0.5, "x1": head + 0.5, "y0": layer - 0.5, "y1": layer + 0.5,
+            "line": {"color": "#e4572e", "width": 3}}
+
+
 def attention_heatmap(pattern: np.ndarray, tokens: Sequence[str], layer: int, head: int) -> go.Figure:
     """One head's attention: rows are queries, columns keys; future keys (masked) are blank."""
-    pattern = np.asarray(pattern, dtype=float)
-    n = pattern.shape[0]
+    z = attention_heatmap_z(pattern)
+    n = z.shape[0]
     labels = token_labels(tokens)
-    # float32 with NaN above the diagonal (blank): plotly sends it as one base64 block, which is many
-    # times faster to build, send and parse than nested lists (2.9 MB, ~2 s at 480 tokens)
-    z = np.where(np.tril(np.ones((n, n), dtype=bool)), pattern, np.nan).astype(np.float32)
     fig = go.Figure(
         go.Heatmap(
             z=z,
@@ -150,9 +149,22 @@ def attention_heatmap(pattern: np.ndarray, tokens: Sequence[str], layer: int, he
                      tickfont=tick_font)
     fig.update_yaxes(title="query", showticklabels=show_ticks, autorange="reversed", type="category", dtick=1,
                      tickfont=tick_font)
-    fig = _layout(fig, f"Attention of layer {layer}, head {head}", height=max(420, min(1100, 14 * n + 220)))
+    fig = _layout(fig, attention_heatmap_title(layer, head), height=max(420, min(1100, 14 * n + 220)))
     fig.update_layout(meta={"layer": layer, "head": head, "n": n})  # read by assets/attention.js
     return fig
+
+
+def attention_heatmap_z(pattern: np.ndarray) -> np.ndarray:
+    """:func:`attention_heatmap`'s colour values: ``A`` as float32 with NaN (blank) above the diagonal.
+    Float32 goes to the browser as one base64 block, many times faster to build, send and parse than
+    nested lists (2.9 MB, ~2 s at 480 tokens)."""
+    pattern = np.asarray(pattern, dtype=float)
+    n = pattern.shape[0]
+    return np.where(np.tril(np.ones((n, n), dtype=bool)), pattern, np.nan).astype(np.float32)
+
+
+def attention_heatmap_title(layer: int, head: int) -> str:
+    return f"Attention of layer {layer}, head {head}"
 
 
 def pooled_attention_map(pooled: np.ndarray, block: int, n: int, layer: int, head: int) -> go.Figure:

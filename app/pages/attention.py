@@ -9,14 +9,26 @@ from __future__ import annotations
 
 import dash
 import numpy as np
-from dash import ClientsideFunction, Input, Output, State, callback, clientside_callback, dcc, html, no_update
+from _plotly_utils.utils import to_typed_array_spec
+from dash import (
+    ClientsideFunction,
+    Input,
+    Output,
+    Patch,
+    State,
+    callback,
+    clientside_callback,
+    dcc,
+    html,
+    no_update,
+)
 from dash.exceptions import PreventUpdate
 
 from analysis.errors import InputError
 from analysis.head_summary import HEAD_METRICS
 from analysis.models import load_model
 from analysis.statistics_run import capture_for_page
-from app import ids
+from app import figures, ids
 from app.components import (
     GRAPH_CONFIG,
     empty_figure,
@@ -50,6 +62,7 @@ PROGRESS = f"{PREFIX}-hs-progress"
 STATUS = f"{PREFIX}-hs-status"
 SINKS_RUN = f"{PREFIX}-hs-sinks-run"  # the run the sink map and token strip show: a head click does not redraw them
 STRIP_DATA = f"{PREFIX}-hs-strip-data"  # the token-strip figure the HTML strip is drawn from
+DRAWN = f"{PREFIX}-hs-drawn"  # "run|metric" of the grid and heatmap the browser shows: a head click patches them
 HIDDEN = {"display": "none"}
 
 
@@ -61,6 +74,7 @@ def layout(**query) -> html.Div:
             dcc.Store(id=query_store_id(PREFIX)),
             dcc.Store(id=SINKS_RUN),
             dcc.Store(id=STRIP_DATA),
+            dcc.Store(id=DRAWN),
             input_bar(PREFIX, model=query.get("model")),
             html.Div(
                 [
@@ -190,13 +204,15 @@ def _with(search: str | None, **changes) -> str:
     Output(ids.METRIC, "value"),
     Output(query_store_id(PREFIX), "data"),
     Output(SINKS_RUN, "data"),
+    Output(DRAWN, "data"),
     Input(url_id(PREFIX), "search"),
     State(SINKS_RUN, "data"),
+    State(DRAWN, "data"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=12, error_index=6)
-def render(search, sinks_run=None):
+@guarded(outputs=13, error_index=6)
+def render(search, sinks_run=None, drawn=None):
     state = parse(search)
     problems = list(state.problems)
     context = get_context()
@@ -204,12 +220,12 @@ def render(search, sinks_run=None):
         load_model(state.model)  # a model named on its own: check it loads, so a bad link says so
     if state.run is None:
         return (EMPTY, EMPTY, EMPTY, {}, None, "", message(problems), no_update, state.model or no_update,
-                state.metric, None, None)
+                state.metric, None, None, None)
     run = context.run(state.run)
     if run is None:
         problems.append(f"No stored run has the id {state.run!r}. Run the text again to recompute it.")
         return (EMPTY, EMPTY, EMPTY, {}, None, "", message(problems), no_update, no_update, state.metric,
-                None, None)
+                None, None, None)
     n_layers, n_heads = run.n_layers, run.n_heads
     if state.metric not in run.metrics:
         problems.append(f"{HEAD_METRICS[state.metric].label} needs full attention patterns, which a "
@@ -224,8 +240,12 @@ def render(search, sinks_run=None):
         layer, head = 0, 0
     query = state.query if state.query is not None and state.query < run.n_tokens else run.n_tokens - 1
     params = {"metric": state.metric, "layer": layer, "head": head, "query": query, "region": state.region}
-    grid, _ = VIEWS[names.HEAD_GRID].build(run, params)
-    heat, _ = VIEWS[names.ATTENTION].build(run, {**params, "_table": False})
+    shown = f"{run.key}|{state.metric}"
+    if run.has_patterns and drawn == shown:
+        grid, heat = _head_changed(run, layer, head)
+    else:
+        grid, _ = VIEWS[names.HEAD_GRID].build(run, params)
+        heat, _ = VIEWS[names.ATTENTION].build(run, {**params, "_table": False})
     # Drawn once per run (the run's own data; a head click does not redraw them): the sink map (by
     # draw_sinks, once this has named the run) and, with patterns, the HTML token strip, which the
     # browser then recolours from each new heatmap (assets/attention.js). A long run's strip is the
@@ -246,7 +266,21 @@ def render(search, sinks_run=None):
     info = run_info(run, layer, head, prompt_policy(run.model_name))
     model = dropdown_model(run.model_name, problems)
     return (grid, heat, strip, strip_style, strip_data, info, message(problems), run.text or no_update, model,
-            state.metric, query, run.key if fresh else no_update)
+            state.metric, query, run.key if fresh else no_update, shown)
+
+
+def _head_changed(run, layer: int, head: int) -> tuple[Patch, Patch]:
+    """Another head of the run and metric the browser already shows: the grid's outline moves and the
+    heatmap gets the head's weights and title, as patches to the drawn figures (the same values
+    :func:`app.figures.head_grid` and :func:`app.figures.attention_heatmap` give, without building
+    and sending both figures again: #16's click → heatmap)."""
+    grid, heat = Patch(), Patch()
+    grid["layout"]["shapes"] = [figures.head_outline(layer, head)]
+    z = figures.attention_heatmap_z(run.attention_overview(layer, head))
+    heat["data"][0]["z"] = to_typed_array_spec(z)  # float32 as one base64 block, as in a whole figure
+    heat["layout"]["title"]["text"] = figures.attention_heatmap_title(layer, head)
+    heat["layout"]["meta"] = {"layer": layer, "head": head, "n": int(z.shape[0])}
+    return grid, heat
 
 
 @callback(

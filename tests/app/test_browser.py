@@ -237,6 +237,22 @@ def hover_token(page, position: int) -> None:
     page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
 
 
+def drawn_head(page) -> dict:
+    """What the Attention page draws for its head, read from plotly's own data: the heatmap's
+    weights (rounded to 1e-6), its blanks, title and metadata, and the head the grid outlines."""
+    return page.evaluate("""() => {
+        const heat = document.querySelector('#hs-heatmap .js-plotly-plot');
+        const grid = document.querySelector('#hs-grid .js-plotly-plot');
+        const z = heat._fullData[0].z, shape = (grid._fullLayout.shapes || [])[0];
+        const weights = [], blanks = [];
+        z.forEach((row, i) => row.forEach((w, j) => {
+            if (w === null || Number.isNaN(w)) { blanks.push([i, j]); } else { weights.push(Math.round(w * 1e6)); } }));
+        return {rows: z.length, weights: weights, blanks: blanks.length, title: heat._fullLayout.title.text,
+                meta: heat._fullLayout.meta, outline: shape ? [shape.y0 + 0.5, shape.x0 + 0.5] : null,
+                grid: grid._fullData[0].z.flat().map(v => v === null ? null : Math.round(v * 1e6))};
+    }""")
+
+
 def heatmap_title(page) -> str:
     return page.locator("#hs-heatmap .gtitle").text_content()
 
@@ -252,6 +268,14 @@ def test_prompt_grid_heatmap_strip_and_svg_export(server, page, tmp_path):
     click_cell(page, "hs-grid", col=5, row=3, n_cols=9, n_rows=30)
     wait_title(page, "hs-heatmap", "layer 3, head 5")
     assert "layer=3" in page.url and "head=5" in page.url
+    # a head click changes the drawn grid and heatmap in place: what it shows is what the same link
+    # draws from scratch (every weight, blanks above the diagonal, the outline, the metadata)
+    clicked = drawn_head(page)
+    assert clicked["outline"] == [3, 5] and clicked["meta"] == {"layer": 3, "head": 5, "n": clicked["rows"]}
+    page.goto(page.url)
+    wait_title(page, "hs-heatmap", "layer 3, head 5")
+    page.wait_for_selector("#hs-grid .heatmaplayer .hm")
+    assert drawn_head(page) == clicked
 
     # Hovering a token in the strip shows that token's attention row (once the strip shows this head).
     wait_strip(page, "layer 3, head 5")

@@ -17,7 +17,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.app.test_browser import CHROMIUM_ARGS, free_port, select_option, start_server
+from tests.app.test_browser import (
+    CHROMIUM_ARGS,
+    click_cell,
+    free_port,
+    select_option,
+    start_server,
+    wait_title,
+)
 
 # 600 s, not the suite's 300: the module's first test also pays for starting redis, two workers and
 # the web server (each allowed 180 s to load the model), and every test waits on sweeps run by workers
@@ -236,6 +243,8 @@ def test_attention_run_happens_on_a_worker_and_the_web_process_loads_no_model(cl
     page.click("#attn-hs-run")
     page.wait_for_function("(document.querySelector('#hs-run-info')?.innerText || '').includes('tokens')")
     page.wait_for_selector("#hs-grid .heatmaplayer .hm")
+    click_cell(page, "hs-grid", col=5, row=3, n_cols=9, n_rows=30)  # a head click: its render patches the figures
+    wait_title(page, "hs-heatmap", "Attention of layer 3, head 5")
     assert page.locator("#hs-error").inner_text().strip() == ""
     assert "refused to load model" not in cluster["web_log"].read_text()
     jobs = [job for w in cluster["workers"] for job, what, _ in STARTED.findall(w.log()) if what == "started"]
