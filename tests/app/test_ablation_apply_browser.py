@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.app.test_browser import PROMPT, browser, click_cell, page, server, wait_title  # noqa: F401
+from tests.app.test_browser import PROMPT, browser, click_cell, page, wait_title  # noqa: F401
 
 STATUS = "(document.querySelector('#hs-abl-apply-status')?.innerText || '')"
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.app.test_browser import PROMPT, browser, page, select_option, server, wait_title  # noqa: F401
+from tests.app.test_browser import PROMPT, browser, page, select_option, wait_title  # noqa: F401
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 

@@ -122,16 +122,6 @@ def test_a_server_whose_port_was_taken_meanwhile_starts_on_another_and_the_url_r
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("server-home")
-    env = {**os.environ, "HEADSCOPE_HOME": str(home)}
-    proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, home / "server.log")
-    yield url, proc, home
-    proc.terminate()
-    proc.wait(timeout=20)
-
-
-@pytest.fixture(scope="module")
 def browser():
     from playwright.sync_api import sync_playwright
 

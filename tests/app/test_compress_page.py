@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import sys
 import zipfile
 
 import numpy as np
@@ -21,17 +19,6 @@ NEEDLE, LENGTH, DEPTH = "locker-code", 192, 50
 FRACTIONS, SEEDS, SINK, RECENT = (0.25, 0.5), 2, 4, 32
 RANKINGS = ("retrieval", "random")
 PARETO, TABLE = "#hs-kv-pareto", "#hs-kv-table"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("compress-home")
-    env = {**os.environ, "HEADSCOPE_HOME": str(home)}
-    env.pop("HEADSCOPE_REDIS_URL", None)
-    proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, home / "server.log")
-    yield url, proc, home
-    proc.terminate()
-    proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

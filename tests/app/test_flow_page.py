@@ -5,8 +5,6 @@ numbered colour scale, and the sink option is explained beside it."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -74,16 +72,6 @@ def test_a_click_on_a_strip_cell_names_its_token_and_empty_cells_name_none():
 
 # ---------------------------------------------------------------------------------------------
 # In real Chromium (server and browser fixtures as in tests/app/test_browser.py)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("server-home")
-    env = {**os.environ, "HEADSCOPE_HOME": str(home)}
-    proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, home / "server.log")
-    yield url, proc, home
-    proc.terminate()
-    proc.wait(timeout=20)
 
 
 def strip(method: str) -> str:

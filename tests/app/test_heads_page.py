@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.app.test_browser import browser, error_text, page, select_option, server, start_server, wait_title  # noqa: F401
+from tests.app.test_browser import browser, error_text, page, select_option, wait_title  # noqa: F401
 
 NEEDLE = "The secret passkey is 7731. | What is the secret passkey? | 7731"
 

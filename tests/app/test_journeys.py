@@ -2,13 +2,12 @@
 on the embedded model (issue #16: "a journey test per page"). Each step asserts what the user sees:
 text, a figure drawn with data, no error banner and no console error from the app.
 
-The server (one, shared by the five journeys), browser and helpers are tests/app/test_browser.py's."""
+The server is the session's shared one (tests/app/conftest.py); browser and helpers are
+tests/app/test_browser.py's."""
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 import zipfile
 
@@ -34,16 +33,6 @@ NEEDLE = "The secret passkey is 7731. | What is the secret passkey? | 7731"
 
 # Console messages that are not failures of the step that prints them: the browser's own.
 BENIGN_CONSOLE = ("favicon.ico",)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("journey-home")
-    env = {**os.environ, "HEADSCOPE_HOME": str(home)}
-    proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, home / "server.log")
-    yield url, proc, home
-    proc.terminate()
-    proc.wait(timeout=20)
 
 
 @pytest.fixture

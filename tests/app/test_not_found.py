@@ -9,7 +9,7 @@ import urllib.parse
 
 import pytest
 
-from tests.app.test_browser import browser, page, server, start_server  # noqa: F401
+from tests.app.test_browser import browser, page  # noqa: F401
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
-import sys
 import urllib.error
 import urllib.request
 import zipfile
@@ -25,17 +23,6 @@ CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
 ANSWERS = (" Mary", " John")
 SITE = "v"  # 30 layers × 3 key-value heads: the quickest head site on the embedded model
 MAP = "#hs-pat-map"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("patching-home")
-    env = {**os.environ, "HEADSCOPE_HOME": str(home)}
-    env.pop("HEADSCOPE_REDIS_URL", None)
-    proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, home / "server.log")
-    yield url, proc, home
-    proc.terminate()
-    proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from tests.app.test_browser import browser, page, server, wait_for_run, wait_title  # noqa: F401
+from tests.app.test_browser import browser, page, wait_for_run, wait_title  # noqa: F401
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
