@@ -157,16 +157,6 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
       return "hs-token-strip";
     },
 
-    /* The page's URL ``search`` with head (layer, head) selected (keys as app/url_state.py names
-       them; the query token goes back to the default, as a new head's row starts at the last token).
-       A click on the grid calls it (assets/grid_clicks.js). */
-    headSearch: function (search, layer, head) {
-      const params = new URLSearchParams(search || "");
-      params.set("layer", String(layer));
-      params.set("head", String(head));
-      params.delete("query");
-      return "?" + params.toString();
-    },
 
     /* A new heatmap (a head click): the strip shows its row ``query`` (the page's selected token). */
     followHead: function (heat, query) {

@@ -63,20 +63,23 @@ function toggle(layer, head) {
   set(GRID, {figure: Object.assign({}, figure, {data: data, layout: Object.assign({}, figure.layout, {title: title})})});
 }
 
-/* Select (layer, head) on the page whose URL store is ``urlId``, where the page's render reads it, once
-   graph ``gridId`` shows a map (no run or sweep yet: nothing to select). */
-function selectHead(urlId, gridId, layer, head, extra) {
-  const url = props(urlId), grid = props(gridId);
-  const figure = grid && grid.figure;
-  if (!url || !figure || !Array.isArray(figure.data) || !figure.data.length) { return; }
-  if (extra && !extra(new URLSearchParams(url.search || ""))) { return; }
-  let search = window.dash_clientside.headscope.headSearch(url.search, layer, head);
-  if (urlId === HEADS_URL) {  // a new head starts at its trial list (app/pages/heads.py ``select``)
-    const params = new URLSearchParams(search);
-    params.delete("trial");
-    search = "?" + params.toString();
-  }
-  if (search !== url.search) { window.dash_clientside.set_props(urlId, {search: search}); }
+/* Select (layer, head) on the page whose URL store is ``urlId`` (keys as app/url_state.py names them),
+   where the page's render reads it, once graph ``gridId`` shows a map (no run or sweep yet: nothing to
+   select) and ``only`` (if given) accepts the URL's parameters. ``drop``: the keys a new head resets,
+   as the page's server did (the Attention and QK query token, the Heads page's trial). */
+function selectHead(urlId, gridId, drop, only) {
+  return function (layer, head) {
+    const url = props(urlId), grid = props(gridId);
+    const figure = grid && grid.figure;
+    if (!url || !figure || !Array.isArray(figure.data) || !figure.data.length) { return; }
+    const params = new URLSearchParams(url.search || "");
+    if (only && !only(params)) { return; }
+    params.set("layer", String(layer));
+    params.set("head", String(head));
+    drop.forEach(key => params.delete(key));
+    const search = "?" + params.toString();
+    if (search !== url.search) { window.dash_clientside.set_props(urlId, {search: search}); }
+  };
 }
 
 /* The Heads page's retrieval map has a cell per query head only under the query-head aggregation
@@ -85,10 +88,10 @@ const perQueryHead = params => (params.get("agg") || "query") === "query";
 
 const GRIDS = {  // graph id → what a click on a cell does
   "hs-abl-grid": toggle,
-  "hs-grid": (layer, head) => selectHead(ATTENTION_URL, "hs-grid", layer, head),
-  "hs-heads-grid": (layer, head) => selectHead(HEADS_URL, "hs-heads-grid", layer, head, perQueryHead),
-  "hs-heads-score-grid": (layer, head) => selectHead(HEADS_URL, "hs-heads-score-grid", layer, head),
-  "hs-qk-rank-map": (layer, head) => selectHead(QK_URL, "hs-qk-rank-map", layer, head),
+  "hs-grid": selectHead(ATTENTION_URL, "hs-grid", ["query"]),
+  "hs-heads-grid": selectHead(HEADS_URL, "hs-heads-grid", ["trial"], perQueryHead),
+  "hs-heads-score-grid": selectHead(HEADS_URL, "hs-heads-score-grid", ["trial"]),
+  "hs-qk-rank-map": selectHead(QK_URL, "hs-qk-rank-map", ["query"]),
 };
 
 let pressed = null;
