@@ -103,17 +103,41 @@ class JSONJobDisk(diskcache.Disk):
         raise RefusedPickle(f"job-cache entry of mode {mode} was not loaded")
 
 
-def cancellable_job(run: str, cancel: str, progress: str, status: str) -> dict[str, Any]:
-    """The keyword arguments of a cancellable background callback: progress bar ``progress`` with its
-    caption ``status``, the ``run`` button disabled and the ``cancel`` button enabled while it runs."""
-    from dash import Input, Output
+def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: str, status: str, **kwargs):
+    """Dash's ``callback`` for a cancellable background job, as a decorator: progress bar ``progress``
+    with its caption ``status``, the ``run`` button (if any) disabled while the job runs, and the
+    ``cancel`` button enabled by the job's own progress reports.
 
-    return {
-        "background": True,
-        "progress": [Output(progress, "value"), Output(progress, "max"), Output(status, "children")],
-        "running": [(Output(run, "disabled"), True, False), (Output(cancel, "disabled"), False, True)],
-        "cancel": [Input(cancel, "n_clicks")],
-    }
+    Dash stops a job only through the handle that the job's first answer brings back to the page, after
+    the server forked the job (seconds on a loaded machine). A Cancel enabled the moment Run is pressed
+    (Dash's ``running``) could be clicked before that: the page said "Cancelled" while the job ran on,
+    Run stayed disabled until it ended, and its result then replaced the page's. Progress reaches the
+    page only by polling with that handle, so a Cancel that progress enables can always stop the job.
+
+    The decorated function takes ``set_progress`` first, with (value, max, text) as before; it reports
+    (0, 100, "") as soon as the job starts, so Cancel does not wait for its first real report."""
+    import functools
+
+    from dash import Input, Output, callback
+
+    def register(fn):
+        @functools.wraps(fn)
+        def job(set_progress, *args):
+            def report(value):
+                set_progress((*value, False))  # Cancel enabled: the page polls this job by its handle
+
+            report((0, 100, ""))
+            return fn(report, *args)
+
+        running = [(Output(cancel, "disabled"), True, True)]
+        if run is not None:
+            running.insert(0, (Output(run, "disabled"), True, False))
+        return callback(*dependencies, background=True,
+                        progress=[Output(progress, "value"), Output(progress, "max"), Output(status, "children"),
+                                  Output(cancel, "disabled")],
+                        running=running, cancel=[Input(cancel, "n_clicks")], **kwargs)(job)
+
+    return register
 
 
 def on_workers(interval_ms: int = 250) -> dict[str, Any]:

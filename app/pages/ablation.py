@@ -43,7 +43,7 @@ from app.components import (
 )
 from app.context import get_context
 from app.errors import guarded, message
-from app.jobs import cancellable_job, count_progress, in_job, on_workers
+from app.jobs import cancellable_callback, count_progress, in_job, on_workers
 from app.url_state import PageState, parse
 from app.views import VIEWS, names
 from app.views.ablation import (
@@ -470,7 +470,7 @@ def _step_reporter(set_progress, started: float):
     return report
 
 
-@callback(
+@cancellable_callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Output(ids.ABL_EFFECTS, "figure", allow_duplicate=True),
     Output(ids.ABL_SUMMARY, "children", allow_duplicate=True),
@@ -484,7 +484,7 @@ def _step_reporter(set_progress, started: float):
     State(ids.ABL_SOURCE, "value"),
     State(ids.ABL_REFERENCE, "value"),
     State(url_id(PREFIX), "search"),
-    **cancellable_job(ids.ABL_APPLY, ids.ABL_APPLY_CANCEL, ids.ABL_APPLY_PROGRESS, ids.ABL_APPLY_STATUS),
+    run=ids.ABL_APPLY, cancel=ids.ABL_APPLY_CANCEL, progress=ids.ABL_APPLY_PROGRESS, status=ids.ABL_APPLY_STATUS,
     prevent_initial_call=True,
 )
 def apply(set_progress, n_clicks, from_link, pending, method, source, reference, search):
@@ -614,7 +614,7 @@ def _ks(text: str) -> list[int]:
         raise ValueError(f"k values must be whole numbers separated by commas, got {text!r}.") from None
 
 
-@callback(
+@cancellable_callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Output(ids.ABL_CURVE_STATUS, "children"),
     Input(ids.ABL_CURVE_RUN, "n_clicks"),
@@ -623,7 +623,7 @@ def _ks(text: str) -> list[int]:
     State(ids.ABL_CURVE_CONTROL, "value"),
     State(ids.ABL_CURVE_METRIC, "value"),
     State(url_id(PREFIX), "search"),
-    **cancellable_job(ids.ABL_CURVE_RUN, ids.ABL_CURVE_CANCEL, ids.ABL_CURVE_PROGRESS, ids.ABL_CURVE_STATUS),
+    run=ids.ABL_CURVE_RUN, cancel=ids.ABL_CURVE_CANCEL, progress=ids.ABL_CURVE_PROGRESS, status=ids.ABL_CURVE_STATUS,
     prevent_initial_call=True,
 )
 def run_curve(set_progress, n_clicks, ks_text, n_seeds, control_top, metric, search):
@@ -665,13 +665,13 @@ def run_curve(set_progress, n_clicks, ks_text, n_seeds, control_top, metric, sea
                                f"{curve.outside_top}; {meta['metric_label']})")
 
 
-@callback(
+@cancellable_callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Output(ids.ABL_SWEEP_STATUS, "children"),
     Input(ids.ABL_SWEEP_RUN, "n_clicks"),
     State(ids.ABL_SWEEP_METRIC, "value"),
     State(url_id(PREFIX), "search"),
-    **cancellable_job(ids.ABL_SWEEP_RUN, ids.ABL_SWEEP_CANCEL, ids.ABL_SWEEP_PROGRESS, ids.ABL_SWEEP_STATUS),
+    run=ids.ABL_SWEEP_RUN, cancel=ids.ABL_SWEEP_CANCEL, progress=ids.ABL_SWEEP_PROGRESS, status=ids.ABL_SWEEP_STATUS,
     prevent_initial_call=True,
 )
 def run_head_sweep(set_progress, n_clicks, metric, search):

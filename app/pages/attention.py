@@ -49,7 +49,7 @@ from app.components import (
 )
 from app.context import dropdown_model, get_context, offered_model
 from app.errors import guarded, message
-from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
+from app.jobs import cancellable_callback, in_job, on_workers, progress_reporter
 from app.url_state import AttentionState, PageState, parse
 from app.views import VIEWS, names
 
@@ -154,7 +154,7 @@ register_export(PREFIX)
 show_in_shell(PREFIX)
 
 
-@callback(
+@cancellable_callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     job_error(PREFIX),
     Output(STATUS, "children", allow_duplicate=True),
@@ -164,7 +164,7 @@ show_in_shell(PREFIX)
     State(url_id(PREFIX), "search"),
     interval=400,
     prevent_initial_call=True,
-    **cancellable_job(run_id(PREFIX), CANCEL, PROGRESS, STATUS),
+    run=run_id(PREFIX), cancel=CANCEL, progress=PROGRESS, status=STATUS,
 )
 @guarded(outputs=3, error_index=1)
 def run_text(set_progress, n_clicks, text, model_spec, search):

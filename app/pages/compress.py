@@ -48,7 +48,7 @@ from app.components import (
 from app.context import dropdown_model, get_context, offered_model
 from app.errors import guarded, message
 from app.form_values import number_list, whole_number
-from app.jobs import cancellable_job, in_job, on_workers, progress_reporter, trial_progress
+from app.jobs import cancellable_callback, in_job, on_workers, progress_reporter, trial_progress
 from app.url_state import parse
 from app.views import VIEWS, names
 from app.views.compress import (
@@ -319,7 +319,7 @@ def _sweep(model, sweep_id, needle_ids, lengths, depths, haystack, set_progress)
                  progress=trial_progress(set_progress, len(lengths_) * len(depths_) * len(chosen)))
 
 
-@callback(
+@cancellable_callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     job_error(PREFIX),
     Output(ids.KV_STATUS, "children"),
@@ -336,7 +336,7 @@ def _sweep(model, sweep_id, needle_ids, lengths, depths, haystack, set_progress)
     State(ids.KV_SINK, "value"),
     State(ids.KV_RECENT, "value"),
     State(url_id(PREFIX), "search"),
-    **cancellable_job(ids.KV_RUN, ids.KV_CANCEL, ids.KV_PROGRESS, ids.KV_STATUS),
+    run=ids.KV_RUN, cancel=ids.KV_CANCEL, progress=ids.KV_PROGRESS, status=ids.KV_STATUS,
     prevent_initial_call=True,
 )
 def run_compress(set_progress, n_clicks, sweep_id, needle_ids, lengths, depths, haystack, model_spec, rankings,

@@ -26,7 +26,7 @@ from app.components import (
 )
 from app.context import dropdown_model, get_context
 from app.errors import guarded, message
-from app.jobs import cancellable_job, in_job, on_workers, progress_reporter
+from app.jobs import cancellable_callback, in_job, on_workers, progress_reporter
 from app.url_state import FlowState, PageState, parse
 from app.views import VIEWS, names
 from app.views.flow import (
@@ -282,12 +282,12 @@ def faithfulness_on_input(n_clicks, search):
     return panels, ""
 
 
-@callback(
+@cancellable_callback(
     Output(ids.FAITH_SET, "figure"),
     Output(ids.FAITH_SET_STATUS, "children"),
     Input(ids.FAITH_SET_BUTTON, "n_clicks"),
     State(url_id(PREFIX), "search"),
-    **cancellable_job(ids.FAITH_SET_BUTTON, ids.FAITH_SET_CANCEL, ids.FAITH_SET_PROGRESS, ids.FAITH_SET_STATUS),
+    run=ids.FAITH_SET_BUTTON, cancel=ids.FAITH_SET_CANCEL, progress=ids.FAITH_SET_PROGRESS, status=ids.FAITH_SET_STATUS,
     prevent_initial_call=True,
 )
 def faithfulness_on_set(set_progress, n_clicks, search):

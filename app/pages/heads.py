@@ -43,7 +43,7 @@ from app.components import (
 from app.context import get_context
 from app.errors import guarded, message
 from app.form_values import number_list, whole_number
-from app.jobs import cancellable_job, in_job, on_workers, progress_reporter, trial_progress
+from app.jobs import cancellable_callback, in_job, on_workers, progress_reporter, trial_progress
 from app.url_state import parse
 from app.views import VIEWS, names
 from app.views.heads import AGGREGATES, head_scores_of, head_trials, sweep_of, sweep_params
@@ -305,7 +305,7 @@ def form_from_sweep(search, filled, own_haystack):
             settings.depth_rule, ["on"] if settings.stop_at_newline else [], note, state.sweep)
 
 
-@callback(
+@cancellable_callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     Output(ids.HEADS_STATUS, "children"),
     job_error(PREFIX),
@@ -321,7 +321,7 @@ def form_from_sweep(search, filled, own_haystack):
     State(ids.HEADS_DEPTH_RULE, "value"),
     State(ids.HEADS_STOP_NEWLINE, "value"),
     State(url_id(PREFIX), "search"),
-    **cancellable_job(ids.HEADS_RUN, ids.HEADS_CANCEL, ids.HEADS_PROGRESS, ids.HEADS_STATUS),
+    run=ids.HEADS_RUN, cancel=ids.HEADS_CANCEL, progress=ids.HEADS_PROGRESS, status=ids.HEADS_STATUS,
     prevent_initial_call=True,
 )
 def run_sweep(set_progress, n_clicks, needle_ids, custom_needles, lengths, depths, haystack, custom_haystack,

@@ -44,7 +44,7 @@ from app.components import (
 )
 from app.context import get_context, offered_model
 from app.errors import guarded, message
-from app.jobs import cancellable_job, count_progress, in_job, on_workers
+from app.jobs import cancellable_callback, count_progress, in_job, on_workers
 from app.url_state import parse
 from app.views import VIEWS, names
 from app.views.patching import patching_params, stored_patching, unit_names
@@ -330,7 +330,7 @@ def _job_progress(set_progress, n: int, unit: str):
     return report
 
 
-@callback(
+@cancellable_callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     job_error(PREFIX),
     Output(ids.PAT_STATUS, "children"),
@@ -344,7 +344,7 @@ def _job_progress(set_progress, n: int, unit: str):
     State(ids.PAT_DIRECTION, "value"),
     State(ids.PAT_METRIC, "value"),
     State(url_id(PREFIX), "search"),
-    **cancellable_job(ids.PAT_RUN, ids.PAT_CANCEL, ids.PAT_PROGRESS, ids.PAT_STATUS),
+    run=ids.PAT_RUN, cancel=ids.PAT_CANCEL, progress=ids.PAT_PROGRESS, status=ids.PAT_STATUS,
     prevent_initial_call=True,
 )
 def run_patching(set_progress, n_clicks, clean, corrupted, answer_clean, answer_corrupted, model_spec, site,
@@ -403,17 +403,13 @@ def _clicked_cell(click) -> tuple[int, int]:
     return int(y), int(x)
 
 
-@callback(
+@cancellable_callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     job_error(PREFIX),
     Output(ids.PAT_POS_STATUS, "children"),
     Input(ids.PAT_MAP, "clickData"),
     State(url_id(PREFIX), "search"),
-    background=True,
-    progress=[Output(ids.PAT_POS_PROGRESS, "value"), Output(ids.PAT_POS_PROGRESS, "max"),
-              Output(ids.PAT_POS_STATUS, "children")],
-    running=[(Output(ids.PAT_POS_CANCEL, "disabled"), False, True)],
-    cancel=[Input(ids.PAT_POS_CANCEL, "n_clicks")],
+    run=None, cancel=ids.PAT_POS_CANCEL, progress=ids.PAT_POS_PROGRESS, status=ids.PAT_POS_STATUS,
     prevent_initial_call=True,
 )
 def run_positions(set_progress, click, search):
@@ -441,7 +437,7 @@ def run_positions(set_progress, click, search):
             f"head {layer}.{head}: {pair.n_tokens} positions patched in {time.monotonic() - started:.1f} s")
 
 
-@callback(
+@cancellable_callback(
     Output(ids.PAT_PATH_RESULT, "children"),
     job_error(PREFIX),
     Input(ids.PAT_PATH_RUN, "n_clicks"),
@@ -456,7 +452,7 @@ def run_positions(set_progress, click, search):
     State(ids.PAT_PATH_TO, "value"),
     State(ids.PAT_PATH_SITE, "value"),
     State(ids.PAT_PATH_FREEZE, "value"),
-    **cancellable_job(ids.PAT_PATH_RUN, ids.PAT_PATH_CANCEL, ids.PAT_PATH_PROGRESS, ids.PAT_PATH_STATUS),
+    run=ids.PAT_PATH_RUN, cancel=ids.PAT_PATH_CANCEL, progress=ids.PAT_PATH_PROGRESS, status=ids.PAT_PATH_STATUS,
     prevent_initial_call=True,
 )
 @guarded(outputs=2, error_index=1)

@@ -172,6 +172,61 @@ def test_patching_journey(server, page, real_model, reference):
     assert proc.poll() is None
 
 
+@pytest.mark.browser
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_cancel_is_offered_only_once_the_page_can_stop_the_job(server, page):
+    """Dash stops a background job only through the handle that Run's first answer brings back, after
+    the server forked the job (seconds on a loaded machine). A Cancel enabled the moment Run was pressed
+    could be clicked before that: the page said "Cancelled" while the job ran on, Run stayed disabled
+    until the job ended (over 240 s in CI, 2026-12-02) and then its result replaced the page's maps.
+    Here Run's first answer is held back, as a slow server holds it: Cancel stays disabled until the
+    page has the handle, and once clicked it stops the job: Run comes back at once, the link stays."""
+    url, _proc, _home = server
+    held = []
+
+    def hold_runs_first_answer(route):
+        request = route.request
+        try:
+            changed = json.loads(request.post_data or "{}").get("changedPropIds")
+        except ValueError:
+            changed = None
+        if changed == ["hs-pat-run.n_clicks"] and "job=" not in request.url:
+            held.append((route, route.fetch(timeout=120_000)))  # the server has forked the job
+        else:
+            route.continue_()
+
+    page.goto(url + "patching")
+    assert page.input_value("#hs-pat-clean", timeout=240_000) == CLEAN
+    shared = "The weather was mild and the streets were quiet that morning. " * 12  # a job of minutes
+    page.fill("#hs-pat-clean", shared + CLEAN)
+    page.fill("#hs-pat-corrupted", shared + CORRUPTED)
+    page.check("#hs-pat-site input[value='resid']")
+    page.wait_for_function("(document.querySelector('#hs-pat-differ')?.innerText || '').includes('differ at')")
+    link = page.url
+    page.route("**/_dash-update-component*", hold_runs_first_answer)
+    page.click("#hs-pat-run")
+    for _ in range(1200):
+        if held:
+            break
+        page.wait_for_timeout(100)
+    assert held, "Run's request never reached the server"
+    assert page.is_disabled("#hs-pat-run")
+    assert page.is_disabled("#hs-pat-cancel"), "Cancel is offered before the page can stop the job"
+    route, response = held[0]
+    route.fulfill(response=response)
+    page.unroute("**/_dash-update-component*", hold_runs_first_answer)
+    page.wait_for_function("!document.querySelector('#hs-pat-cancel').disabled", timeout=120_000)
+    page.click("#hs-pat-cancel")
+    page.wait_for_function("(document.querySelector('#hs-pat-status')?.innerText || '').startsWith('Cancelled')",
+                           timeout=60_000)
+    # Run comes back when the server says the job's process is gone (it would take minutes to finish)
+    page.wait_for_function("!document.querySelector('#hs-pat-run').disabled", timeout=60_000)
+    assert page.is_disabled("#hs-pat-cancel")
+    page.wait_for_timeout(3_000)
+    assert page.url == link and banner(page).strip() == ""
+
+
 @pytest.mark.integration
 def test_a_forged_site_direction_or_metric_is_refused(server):
     """A Run request naming a choice the page did not offer is refused before the callback runs."""
