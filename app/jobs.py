@@ -115,10 +115,11 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
     page only by polling with that handle, so a Cancel that progress enables can always stop the job.
 
     The decorated function takes ``set_progress`` first, with (value, max, text) as before; it reports
-    (0, 100, "") as soon as the job starts, so Cancel does not wait for its first real report."""
+    (0, 100, "") as soon as the job starts, so Cancel does not wait for its first real report. When the
+    job ends or is cancelled the bar is empty again."""
     import functools
 
-    from dash import Input, Output, callback
+    from dash import Input, Output, callback, clientside_callback
 
     def register(fn):
         @functools.wraps(fn)
@@ -129,6 +130,12 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
             report((0, 100, ""))
             return fn(report, *args)
 
+        # the job ended or was cancelled (Cancel went off): the bar is empty again, as on a fresh page,
+        # not where the last poll left it. Not Dash's progress_default, which would also blank the
+        # caption after a "Cancelled" the page had already written there.
+        clientside_callback("(off) => off ? 0 : window.dash_clientside.no_update",
+                            Output(progress, "value", allow_duplicate=True), Input(cancel, "disabled"),
+                            prevent_initial_call=True)
         running = [(Output(cancel, "disabled"), True, True)]
         if run is not None:
             running.insert(0, (Output(run, "disabled"), True, False))

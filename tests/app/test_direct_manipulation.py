@@ -158,6 +158,10 @@ def test_run_is_disabled_with_progress_while_a_long_text_runs(server, page):
     assert any("Running the model" in s for s in seen["status"]), seen["status"]
     assert "statistics mode" in page.locator("#hs-run-info").inner_text()
     page.wait_for_function("!document.querySelector('#attn-hs-run').disabled", timeout=10_000)
+    # done: the bar is empty again, as on a fresh page (it stayed where the last poll left it, often
+    # half full), and Cancel is off
+    assert page.get_attribute("#attn-hs-progress", "value") == "0"
+    assert page.is_disabled("#attn-hs-cancel")
 
 
 def test_long_text_sink_map_and_exact_zoom_are_on_a_log_scale_with_ticks(server, page):
