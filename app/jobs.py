@@ -113,6 +113,8 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
     (Dash's ``running``) could be clicked before that: the page said "Cancelled" while the job ran on,
     Run stayed disabled until it ended, and its result then replaced the page's. Progress reaches the
     page only by polling with that handle, so a Cancel that progress enables can always stop the job.
+    (On Celery workers the handle is the queued task's id and comes back at once: Cancel is enabled
+    when Run is pressed, so a job still waiting in the queue can be cancelled.)
 
     The decorated function takes ``set_progress`` first, with (value, max, text) as before; it reports
     (0, 100, "") as soon as the job starts, so Cancel does not wait for its first real report. When the
@@ -123,12 +125,12 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
 
     def register(fn):
         @functools.wraps(fn)
-        def job(set_progress, *args):
+        def job(set_progress, *args, **kwargs):
             def report(value):
                 set_progress((*value, False))  # Cancel enabled: the page polls this job by its handle
 
             report((0, 100, ""))
-            return fn(report, *args)
+            return fn(report, *args, **kwargs)
 
         # the job ended or was cancelled (Cancel went off): the bar is empty again, as on a fresh page,
         # not where the last poll left it. Not Dash's progress_default, which would also blank the
@@ -136,7 +138,10 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
         clientside_callback("(off) => off ? 0 : window.dash_clientside.no_update",
                             Output(progress, "value", allow_duplicate=True), Input(cancel, "disabled"),
                             prevent_initial_call=True)
-        running = [(Output(cancel, "disabled"), True, True)]
+        # On Celery workers the handle (a task id) comes back as soon as the task is queued, and a
+        # queued task can be revoked before any worker takes it: there Cancel is on from the start,
+        # or a job waiting behind other users' jobs could not be cancelled until it began.
+        running = [(Output(cancel, "disabled"), not redis_url(), True)]
         if run is not None:
             running.insert(0, (Output(run, "disabled"), True, False))
         return callback(*dependencies, background=True,
