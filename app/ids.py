@@ -147,6 +147,7 @@ PAT_PROGRESS = "hs-pat-progress"
 PAT_STATUS = "hs-pat-status"
 PAT_DIFFER = "hs-pat-differ"  # where the two prompts differ (token positions), or why they cannot be patched
 PAT_MAP = "hs-pat-map"
+PAT_CLICK = "hs-pat-click"  # a head clicked on the map (assets/grid_clicks.js)
 PAT_ATTRIBUTION = "hs-pat-attribution"
 PAT_AGREEMENT = "hs-pat-agreement"
 PAT_AGREEMENT_NUMBERS = "hs-pat-agreement-numbers"

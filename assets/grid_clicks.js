@@ -1,4 +1,4 @@
-/* headscope: clicks on a layer × head grid (the Attention, Heads, QK and Ablation pages), applied in the
+/* headscope: clicks on a layer × head grid (the Attention, Heads, QK, Ablation and Patching pages), applied in the
    browser, in order.
 
    A click is read from the mouse event itself (where the button went down and came up), not from
@@ -11,10 +11,12 @@
    selection before that click was applied, or was dropped for the newer click). The server then
    only writes the line under the box (app/pages/ablation.py ``choose``). On the Attention, Heads and
    QK pages a click selects that head in the page's URL, as a link would (their renders draw it): read
-   from plotly's click, a second click while the first head was being drawn was read as the first. */
+   from plotly's click, a second click while the first head was being drawn was read as the first. On
+   the Patching page's map a click asks for that head's per-position patching. */
 (function () {
 const GRID = "hs-abl-grid", PENDING = "hs-abl-pending", HEADS = "hs-abl-heads";
 const ATTENTION_URL = "attn-hs-url", HEADS_URL = "heads-hs-url", QK_URL = "qk-hs-url";  // app/components.py url_id(page prefix)
+const PATCHING_MAP = "hs-pat-map", PATCHING_CLICK = "hs-pat-click";  // app/ids.py
 const CHOSEN_TRACE = "chosen";  // the uid of the boxed markers' trace (app/figures.py head_selection)
 const MOVE = 4;  // pixels: a press that moves further is a drag (a zoom), not a click
 
@@ -82,6 +84,18 @@ function selectHead(urlId, gridId, drop, only) {
   };
 }
 
+/* The Patching page's map: a click on a head asks for that head's patching position by position (a
+   background job, app/pages/patching.py run_positions) through the page's store; the count makes the
+   same head clicked again a new request. */
+let patchingClicks = 0;
+function patchPositions(layer, head) {
+  const map = props(PATCHING_MAP);
+  const figure = map && map.figure;
+  if (!figure || !Array.isArray(figure.data) || !figure.data.length) { return; }  // no run yet
+  patchingClicks += 1;
+  window.dash_clientside.set_props(PATCHING_CLICK, {data: {layer: layer, head: head, click: patchingClicks}});
+}
+
 /* The Heads page's retrieval map has a cell per query head only under the query-head aggregation
    (under a key-value group view its cells are groups, not heads). */
 const perQueryHead = params => (params.get("agg") || "query") === "query";
@@ -92,6 +106,7 @@ const GRIDS = {  // graph id → what a click on a cell does
   "hs-heads-grid": selectHead(HEADS_URL, "hs-heads-grid", ["trial"], perQueryHead),
   "hs-heads-score-grid": selectHead(HEADS_URL, "hs-heads-score-grid", ["trial"]),
   "hs-qk-rank-map": selectHead(QK_URL, "hs-qk-rank-map", ["query"]),
+  [PATCHING_MAP]: patchPositions,
 };
 
 let pressed = null;

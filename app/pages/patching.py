@@ -6,7 +6,6 @@ the URL names the stored results, so a link reopens the same view without comput
 from __future__ import annotations
 
 import logging
-import re
 import time
 
 import dash
@@ -61,7 +60,6 @@ ANSWERS = (" Mary", " John")
 EMPTY = empty_figure("Run the patching to see every head's effect.")
 NO_POSITIONS = empty_figure("Click a head on the map to patch it position by position.")
 TOP_N = 5
-_INDEX = re.compile(r"^\d{1,4}$")
 
 
 def _choices(values, describe) -> list[dict]:
@@ -135,6 +133,7 @@ def layout(**_query) -> html.Div:
             html.Div(
                 [
                     html.Div([dcc.Graph(id=ids.PAT_MAP, figure=EMPTY, config=GRAPH_CONFIG),
+                              dcc.Store(id=ids.PAT_CLICK),
                               html.P("Exact activation patching. Click a head to patch it position by position.",
                                      className="hs-hint"),
                               export_bar(PREFIX, names.PATCHING_MAP)], className="hs-panel"),
@@ -394,20 +393,20 @@ def positions_cancelled(n_clicks):
 
 
 def _clicked_cell(click) -> tuple[int, int]:
-    """(row, column) of a click on the map: layer and head labels as the figure writes them."""
-    points = click.get("points") if isinstance(click, dict) else None
-    point = points[0] if isinstance(points, list) and points and isinstance(points[0], dict) else {}
-    x, y = str(point.get("x", "")), str(point.get("y", ""))
-    if not (_INDEX.match(x) and _INDEX.match(y)):
-        raise PreventUpdate  # not a head's cell
-    return int(y), int(x)
+    """(layer, head) of a click on the map, as assets/grid_clicks.js reads it from the mouse press
+    (not plotly's clickData, which reports the cell its last hover found: a second click soon after
+    the first could start the first head's job again). Anything else is no click."""
+    layer, head = (click.get("layer"), click.get("head")) if isinstance(click, dict) else (None, None)
+    if type(layer) is not int or type(head) is not int or layer < 0 or head < 0:
+        raise PreventUpdate
+    return layer, head
 
 
 @cancellable_callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
     job_error(PREFIX),
     Output(ids.PAT_POS_STATUS, "children"),
-    Input(ids.PAT_MAP, "clickData"),
+    Input(ids.PAT_CLICK, "data"),
     State(url_id(PREFIX), "search"),
     run=None, cancel=ids.PAT_POS_CANCEL, progress=ids.PAT_POS_PROGRESS, status=ids.PAT_POS_STATUS,
     prevent_initial_call=True,

@@ -127,6 +127,19 @@ def test_patching_journey(server, page, real_model, reference):
     by_position = activation_patching(real_model, CLEAN, CORRUPTED, list(ANSWERS), site=SITE, head=(layer, head))
     np.testing.assert_allclose(np.array(bars["customdata"], dtype=float), by_position.values, atol=1e-4)
 
+    # two quick clicks: the page ends on the second head's positions (the click is read from the mouse
+    # press, assets/grid_clicks.js, not from plotly's clickData, which reports the cell its last hover
+    # found and could start the first head's job again, #16)
+    (l1, h1), (l2, h2) = ((2, 0), (25, 2)) if (layer, head) != (25, 2) else ((3, 0), (24, 1))
+    click_category(page, MAP, str(h1), str(l1))
+    click_category(page, MAP, str(h2), str(l2))
+    page.wait_for_function(f"location.search.includes('layer={l2}&head={h2}') && location.search.includes('ppos=')",
+                           timeout=240_000)
+    page.wait_for_function("t => (document.querySelector('#hs-pat-positions .gtitle')?.textContent || '').includes(t)",
+                           arg=f"head {l2}.{h2}")
+    page.wait_for_timeout(1000)  # and it stays there
+    assert f"layer={l2}&head={h2}" in page.url and banner(page).strip() == ""
+
     # Cancel stops a run: the page keeps the finished maps and their link
     link = page.url
     # a longer pair (the same ~150 shared tokens before each prompt) and the residual stream (31 layers ×
