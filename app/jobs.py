@@ -125,12 +125,12 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
 
     def register(fn):
         @functools.wraps(fn)
-        def job(set_progress, *args, **kwargs):
+        def job(set_progress, *args, **named):
             def report(value):
                 set_progress((*value, False))  # Cancel enabled: the page polls this job by its handle
 
             report((0, 100, ""))
-            return fn(report, *args, **kwargs)
+            return fn(report, *args, **named)
 
         # the job ended or was cancelled (Cancel went off): the bar is empty again, as on a fresh page,
         # not where the last poll left it. Not Dash's progress_default, which would also blank the
