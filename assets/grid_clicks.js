@@ -1,5 +1,5 @@
-/* headscope: clicks on a layer × head grid (the Attention, Heads, QK, Ablation and Patching pages), applied in the
-   browser, in order.
+/* headscope: clicks on a layer × head grid (the Attention, Heads, QK, Ablation, Patching and Compare pages),
+   applied in the browser, in order.
 
    A click is read from the mouse event itself (where the button went down and came up), not from
    plotly's click event: plotly reports the point its last hover found, and its hover runs at most
@@ -10,12 +10,13 @@
    server round trip, no Dash callback in between (a callback queued behind another click's read the
    selection before that click was applied, or was dropped for the newer click). The server then
    only writes the line under the box (app/pages/ablation.py ``choose``). On the Attention, Heads and
-   QK pages a click selects that head in the page's URL, as a link would (their renders draw it): read
-   from plotly's click, a second click while the first head was being drawn was read as the first. On
+   QK pages, and on any of the Compare page's three grids, a click selects that head in the page's
+   URL, as a link would (their renders draw it): read from plotly's click, a second click while the
+   first head was being drawn was read as the first. On
    the Patching page's map a click asks for that head's per-position patching. */
 (function () {
 const GRID = "hs-abl-grid", PENDING = "hs-abl-pending", HEADS = "hs-abl-heads";
-const ATTENTION_URL = "attn-hs-url", HEADS_URL = "heads-hs-url", QK_URL = "qk-hs-url";  // app/components.py url_id(page prefix)
+const ATTENTION_URL = "attn-hs-url", HEADS_URL = "heads-hs-url", QK_URL = "qk-hs-url", COMPARE_URL = "cmp-hs-url";  // app/components.py url_id(page prefix)
 const PATCHING_MAP = "hs-pat-map", PATCHING_CLICK = "hs-pat-click";  // app/ids.py
 const CHOSEN_TRACE = "chosen";  // the uid of the boxed markers' trace (app/figures.py head_selection)
 const MOVE = 4;  // pixels: a press that moves further is a drag (a zoom), not a click
@@ -26,14 +27,18 @@ function props(id) {
   return component && component.props ? component.props : null;
 }
 
-/* The (layer, head) under client point (x, y) of graph div ``gd``: its axes' ranges over the plot
-   area (the drag layer), cells centred on whole numbers (a reversed layer axis included). */
-function cellAt(gd, x, y) {
-  const layout = gd && gd._fullLayout, drag = gd && gd.querySelector(".nsewdrag");
-  if (!layout || !layout.xaxis || !layout.yaxis || !drag) { return null; }
+/* The (layer, head) under client point (x, y) of graph div ``gd`` on its subplot ``subplot`` (plotly's
+   name for a pair of axes: "xy", "x2y2", …; the Compare page draws three grids side by side): that
+   subplot's axis ranges over its plot area (its drag box), cells centred on whole numbers (a reversed
+   layer axis included). */
+function cellAt(gd, subplot, x, y) {
+  const layout = gd && gd._fullLayout, names = /^x(\d*)y(\d*)$/.exec(subplot || "");
+  const drag = names && gd.querySelector(".draglayer ." + subplot + " .nsewdrag");
+  const xaxis = names && layout && layout["xaxis" + names[1]], yaxis = names && layout && layout["yaxis" + names[2]];
+  if (!xaxis || !yaxis || !drag) { return null; }
   const box = drag.getBoundingClientRect();
   if (!box.width || !box.height) { return null; }
-  const [x0, x1] = layout.xaxis.range, [y0, y1] = layout.yaxis.range;
+  const [x0, x1] = xaxis.range, [y0, y1] = yaxis.range;
   const head = Math.round(x0 + (x - box.left) / box.width * (x1 - x0));
   const layer = Math.round(y1 + (y - box.top) / box.height * (y0 - y1));
   return Number.isInteger(head) && Number.isInteger(layer) && head >= 0 && layer >= 0 ? [layer, head] : null;
@@ -107,20 +112,22 @@ const GRIDS = {  // graph id → what a click on a cell does
   "hs-heads-score-grid": selectHead(HEADS_URL, "hs-heads-score-grid", ["trial"]),
   "hs-qk-rank-map": selectHead(QK_URL, "hs-qk-rank-map", ["query"]),
   [PATCHING_MAP]: patchPositions,
+  "hs-cmp-grids": selectHead(COMPARE_URL, "hs-cmp-grids", []),  // any of its three grids (first, second, change)
 };
 
 let pressed = null;
 document.addEventListener("mousedown", function (e) {
   const drag = e.button === 0 && e.target.closest ? e.target.closest(".nsewdrag") : null;
   const id = drag ? Object.keys(GRIDS).find(g => drag.closest("#" + g)) : undefined;
-  pressed = id ? {id: id, x: e.clientX, y: e.clientY} : null;
+  const subplot = drag && drag.parentNode ? drag.parentNode.getAttribute("class") : null;  // <g class="x2y2">
+  pressed = id ? {id: id, subplot: subplot, x: e.clientX, y: e.clientY} : null;
 }, true);
 document.addEventListener("mouseup", function (e) {
   const p = pressed;
   pressed = null;
   if (!p || e.button !== 0 || Math.hypot(e.clientX - p.x, e.clientY - p.y) > MOVE) { return; }
   const graph = document.getElementById(p.id);
-  const cell = cellAt(graph && graph.querySelector(".js-plotly-plot"), p.x, p.y);
+  const cell = cellAt(graph && graph.querySelector(".js-plotly-plot"), p.subplot, p.x, p.y);
   if (cell) { GRIDS[p.id](cell[0], cell[1]); }
 }, true);
 })();

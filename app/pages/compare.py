@@ -2,7 +2,8 @@
 prompts of equal length on one model, or one text on two models with the same tokenizer: a per-head
 score of both with its change (second − first), the heads that changed most, and a clicked head's
 change in attention. Nothing is computed but the comparison: both runs are read from the store, and
-the URL names them, so a link reopens the same view.
+the URL names them, so a link reopens the same view. A click on any of the three grids writes its head
+into the URL in the browser (``assets/grid_clicks.js``, as on the other pages' grids).
 
 The drawing is the views :data:`~app.views.names.RUN_COMPARISON` and
 :data:`~app.views.names.ATTENTION_DIFFERENCE`, which ``headscope compare`` exports too.
@@ -204,22 +205,3 @@ def choose(first, second, metric, search):
         state.metric = metric
     new = state.to_search()
     return no_update if new == (search or "") else new
-
-
-@callback(
-    Output(url_id(PREFIX), "search", allow_duplicate=True),
-    Input(ids.CMP_GRIDS, "clickData"),
-    State(url_id(PREFIX), "search"),
-    prevent_initial_call=True,
-)
-def pick_head(click, search):
-    """A head clicked on any of the three grids: its change in attention below."""
-    points = click.get("points") if isinstance(click, dict) else None
-    if not isinstance(points, list) or not points or not isinstance(points[0], dict):
-        raise PreventUpdate
-    layer, head = points[0].get("y"), points[0].get("x")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 100_000 for v in (layer, head)):
-        raise PreventUpdate
-    state = parse(search)
-    state.layer, state.head = layer, head
-    return state.to_search()

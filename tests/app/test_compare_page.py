@@ -87,12 +87,18 @@ def test_compare_two_runs_in_the_page(server, page):
     assert top[0] == f"{layer}.{head}" and float(top[-1]) == pytest.approx(change[layer, head], abs=1e-4)
     assert f"second={second.key[:16]}" in page.url and "metric=previous_token" in page.url
 
-    # a clicked head: its change in attention, second − first, below
+    # a clicked head: its change in attention, second − first, below. Two heads clicked in quick
+    # succession on two of the grids (first, then change): the page ends on the second one clicked
     page.locator(GRIDS).scroll_into_view_if_needed()
-    px, py = page.evaluate("""([s, x, y]) => { const el = document.querySelector(s + ' .js-plotly-plot');
-        const xa = el._fullLayout.xaxis3, ya = el._fullLayout.yaxis3, box = el.getBoundingClientRect();
-        return [box.left + xa._offset + xa.d2p(x), box.top + ya._offset + ya.d2p(y)]; }""", [GRIDS, int(head), int(layer)])
-    page.mouse.click(px, py)
+    where = """([s, axis, x, y]) => { const el = document.querySelector(s + ' .js-plotly-plot');
+        const xa = el._fullLayout['xaxis' + axis], ya = el._fullLayout['yaxis' + axis], box = el.getBoundingClientRect();
+        return [box.left + xa._offset + xa.d2p(x), box.top + ya._offset + ya.d2p(y)]; }"""
+    other = (int(layer) + 1) % change.shape[0], (int(head) + 1) % change.shape[1]
+    page.mouse.click(*page.evaluate(where, [GRIDS, "", other[1], other[0]]))
+    page.mouse.click(*page.evaluate(where, [GRIDS, "3", int(head), int(layer)]))
+    page.wait_for_function(f"(document.querySelector('{GRIDS} .js-plotly-plot')?.layout?.shapes || []).length === 3"
+                           f" && document.querySelector('{GRIDS} .js-plotly-plot').layout.shapes"
+                           f".every(s => s.x0 === {int(head)} - 0.5 && s.y0 === {int(layer)} - 0.5)", timeout=60_000)
     page.wait_for_function("document.querySelector('#hs-cmp-diff .js-plotly-plot')?.data?.[0]?.type === 'heatmap'",
                            timeout=60_000)
     diff = np.array(page.evaluate("Array.from(document.querySelector('#hs-cmp-diff .js-plotly-plot')._fullData[0].z,"
