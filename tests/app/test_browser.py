@@ -394,6 +394,9 @@ def test_flow_page_shows_three_attributions_and_exports_flow_data(server, page, 
 def test_faithfulness_on_input_and_a_cancelled_background_evaluation(server, page):
     url, proc, _ = server
     page.goto(url + "flow")
+    # before any run: the button says what to do first, in the banner (#16: its errors reach the page)
+    page.click("#hs-faith-input-button")
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('Run a text first')")
     page.fill("#flow-hs-text", "The keys to the cabinet")
     page.click("#flow-hs-run")
     page.wait_for_function("(document.querySelector('#hs-flow-info')?.innerText || '').includes('target: token')")
@@ -550,6 +553,13 @@ def test_ablation_page_effects_kept_sets_curve_and_bad_inputs(server, page, tmp_
     page.wait_for_selector("#hs-abl-topk")
     page.click("#hs-abl-topk")  # ranking by retrieval with no sweep: a message, nothing breaks
     page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('No retrieval scores')")
+    # a sweep id that names no stored sweep (typed, or pasted from another machine): said in the banner,
+    # and the URL keeps no such sweep (#16: the rank-by callback's errors reach the banner)
+    page.fill("#hs-abl-sweep", "feedface00")
+    page.press("#hs-abl-sweep", "Enter")
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '')"
+                           ".includes(\"No stored sweep has the id 'feedface00'\")")
+    assert "sweep=" not in page.url
     page.fill("#abl-hs-text", PROMPT)
     page.click("#abl-hs-run")
     page.wait_for_function("location.search.includes('run=')")
