@@ -246,6 +246,26 @@ def _watched_manager(base):
     return WatchedDiskcacheManager
 
 
+def _wait_ended(processes: list, timeout_s: float) -> list:
+    """Wait until every one of ``processes`` (psutil) has ended or ``timeout_s`` passed; return those
+    still running. A zombie has ended: a grandchild's exit status is collected by whoever reaps
+    orphans, which in a container's init can take seconds (``psutil.wait_procs`` waited for that)."""
+    import psutil
+
+    def running(p) -> bool:
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in processes if running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if running(p)]
+    return alive
+
+
 def end_jobs_with_server(grace_s: float = 5.0) -> None:
     """On SIGTERM, end this process's background jobs, then the process (call once, in the main thread).
 
@@ -255,22 +275,43 @@ def end_jobs_with_server(grace_s: float = 5.0) -> None:
     descendant to stop, kills what is left after ``grace_s``, and then ends the server with SIGTERM's own
     default action, so it still reads as "terminated by SIGTERM". A forked job inherits the handler and
     ends its own children the same way. (SIGINT from a terminal reaches the whole process group already.)
+
+    The export browser's wrapper process (choreographer's, between kaleido and Chromium) is not sent
+    SIGTERM: its own handler waits 5 s on a lock its interrupted main thread holds, so every stop took
+    over 5 s. Its Chromium, a headless renderer with nothing to save, is killed at once (on SIGTERM it
+    took 1-3 s to end), and the wrapper then ends by itself.
     """
     import signal
 
     import psutil
+
+    def is_browser_wrapper(process) -> bool:
+        try:
+            return any("chromium_wrapper" in part for part in process.cmdline())
+        except psutil.Error:
+            return False
 
     def on_term(signum, _frame):
         try:
             children = psutil.Process().children(recursive=True)
         except psutil.Error:
             children = []
-        for child in children:
+        browsers = set()
+        for wrapper in filter(is_browser_wrapper, children):
             try:
-                child.terminate()
+                browsers.update(p.pid for p in wrapper.children(recursive=True))
             except psutil.Error:
                 pass
-        _, alive = psutil.wait_procs(children, timeout=grace_s)
+            browsers.add(wrapper.pid)
+        for child in children:
+            try:
+                if child.pid not in browsers:
+                    child.terminate()
+                elif not is_browser_wrapper(child):
+                    child.kill()
+            except psutil.Error:
+                pass
+        alive = _wait_ended(children, grace_s)
         for child in alive:
             try:
                 child.kill()

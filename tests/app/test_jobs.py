@@ -59,6 +59,46 @@ def test_a_terminated_server_ends_its_running_jobs_and_reports_sigterm():
             pass
 
 
+def test_a_terminated_server_with_its_export_browser_running_ends_within_seconds():
+    """The server keeps a headless Chromium for image exports (kaleido, started at warm-up). On SIGTERM
+    its wrapper process (choreographer's) spent 5 s in its own SIGTERM handler, waiting on a lock its
+    interrupted main thread held, and the server then waited out its whole grace period for it: every
+    `docker stop`, systemd stop and test teardown took over 5 s (7 s measured on a quiet machine).
+    The browser itself must still be gone afterwards."""
+    import psutil
+
+    server = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import time
+        from app.export import figure_bytes
+        from app.jobs import end_jobs_with_server
+        import plotly.graph_objects as go
+
+        end_jobs_with_server()
+        figure_bytes(go.Figure(), "svg")  # starts the export browser, as the server's warm-up does
+        print("ready", flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        browser = [p for p in psutil.Process(server.pid).children(recursive=True) if "chrom" in p.name()]
+        assert browser, "no export browser was started"
+        started = time.monotonic()
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == -signal.SIGTERM
+        took = time.monotonic() - started
+        assert took < 5.0, f"the server took {took:.1f} s to end"
+        deadline = time.time() + 10
+        while any(_alive(p.pid) for p in browser) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not [p.pid for p in browser if _alive(p.pid)], "the export browser outlived its server"
+    finally:
+        for p in [server, *locals().get("browser", [])]:
+            try:
+                p.kill()
+            except Exception:
+                pass
+
+
 def test_a_process_that_imports_the_app_first_runs_sqlite_without_its_global_memory_mutex():
     """`headscope serve` imports :mod:`app` before sqlite3, so SQLite's memory statistics (one global
     mutex taken by every allocation, which a forked job could inherit locked) are off: SQLite then
