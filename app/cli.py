@@ -289,9 +289,8 @@ def cmd_serve(args) -> int:
         with _argument("--model"):
             warm_up(model)
         print(f"headscope: model ready in {time.time() - t:.1f} s", file=sys.stderr)
-        from analysis.joint_embedding import start_umap_warmup
-
-        start_umap_warmup()  # compiles UMAP's numba code in the background (~15 s), before anyone asks
+        # UMAP's numba code is compiled when the QK page first asks for UMAP (app/pages/qk.py), not
+        # here: a job forked while it compiles waits for it, the first Run on the Attention page too
     app = create_app(context)
     from app.jobs import end_jobs_with_server
 

@@ -188,7 +188,7 @@ def test_long_text_sink_map_and_exact_zoom_are_on_a_log_scale_with_ticks(server,
 def test_a_job_whose_process_is_killed_says_so_and_run_comes_back(server, page):
     url, proc, _ = server
     run_prompt(page, url, long_text(1400) + " killed")
-    deadline = time.time() + 180  # the first fork after start waits for UMAP's warm-up
+    deadline = time.time() + 180  # generous: forking the server on a loaded machine
     while not (children := job_children(proc)) and time.time() < deadline:
         time.sleep(0.1)
     assert children, "no job process started"
@@ -205,6 +205,9 @@ def test_a_job_whose_process_is_killed_says_so_and_run_comes_back(server, page):
 @pytest.mark.parametrize("method,label", [("umap", "UMAP"), ("tsne", "t-SNE")])
 def test_umap_and_tsne_from_the_served_app_finish_and_the_dropdown_says_which(server, page, method, label):
     url, proc, home = server
+    log = home / "server.log"
+    if method == "umap":  # compiled when first asked for, not at the start, where every first Run waited for it
+        assert "compiling UMAP" not in log.read_text()
     page.goto(url + f"qk?layer=3&head=1&sentences=8&method={method}")
     page.wait_for_function("(document.querySelector('#hs-qk-status')?.innerText || '') === 'ready'", timeout=300_000)
     wait_title(page, "hs-qk-scatter", f"({label},")
@@ -216,7 +219,9 @@ def test_umap_and_tsne_from_the_served_app_finish_and_the_dropdown_says_which(se
     assert first["y"] >= title["y"] + title["height"]  # the legend no longer covers the title
     assert label in page.locator("#hs-qk-method").inner_text()
     assert error_text(page) == ""
-    assert "fork() called from a process already using GNU OpenMP" not in (home / "server.log").read_text()
+    assert "fork() called from a process already using GNU OpenMP" not in log.read_text()
+    if method == "umap":
+        assert log.read_text().count("compiling UMAP") == 1
     assert proc.poll() is None
 
 
@@ -225,7 +230,7 @@ def test_cancel_stops_a_running_text_without_an_error(server, page):
     page.goto(url)
     page.fill("#attn-hs-text", long_text(1400) + " cancelled")
     page.click("#attn-hs-run")
-    # Cancel comes with the job's first progress (the first fork after start waits for UMAP's warm-up)
+    # Cancel comes with the job's first progress (generous: forking the server on a loaded machine)
     page.wait_for_function("!document.querySelector('#attn-hs-cancel').disabled", timeout=180_000)
     assert page.locator("#attn-hs-run").is_disabled()
     assert job_children(proc)
