@@ -349,27 +349,42 @@ def warm_up_umap(progress: Progress = None) -> float:
         return _warm_seconds
 
 
-def start_umap_warmup() -> threading.Thread:
-    """Start :func:`warm_up_umap` in a daemon thread (idempotent); for the app's start-up.
+def start_umap_warmup() -> bool:
+    """Start :func:`warm_up_umap` in a daemon thread; True if this call started it (once per process).
 
-    A process forked while the thread compiles would inherit numba's compiler lock held by a thread
-    that does not exist in the child, and hang at its first compile; so an at-fork hook makes a
-    fork wait (at most two minutes) for the warm-up to finish. Forked children then inherit the
-    compiled code: their first UMAP costs no compilation.
+    For a server that forks jobs (the app starts it when its QK page first asks for UMAP). A process
+    forked while the thread compiles would inherit numba's compiler lock held by a thread that does
+    not exist in the child, and hang at its first compile; so an at-fork hook, registered when this
+    module is imported (before the server forks anything), makes a fork wait (at most two minutes)
+    for the warm-up to finish, and the thread never starts while a fork is under way (Python runs the
+    hooks registered when a fork began: a hook registered by the first start could miss a fork that was
+    already waiting in another hook). Forked children then inherit the compiled code: their first UMAP
+    costs no compilation.
     """
     global _warm_thread
-    with _warm_lock:
-        if _warm_thread is None:
-            _warm_thread = threading.Thread(target=_warm_quietly, name="umap-warmup", daemon=True)
-            os.register_at_fork(before=_finish_warmup_before_fork)
-            _warm_thread.start()
-        return _warm_thread
+    with _fork_lock, _warm_lock:
+        if _warm_thread is not None:
+            return False
+        _warm_thread = threading.Thread(target=_warm_quietly, name="umap-warmup", daemon=True)
+        _warm_thread.start()
+        return True
 
 
-def _finish_warmup_before_fork() -> None:
+_fork_lock = threading.Lock()  # held by a fork from its first hook to its end, and by a warm-up's start
+
+
+def _before_fork() -> None:
+    _fork_lock.acquire()
     thread = _warm_thread
     if thread is not None and thread.is_alive() and thread is not threading.current_thread():
         thread.join(timeout=120)
+
+
+def _after_fork() -> None:
+    _fork_lock.release()  # in the parent, and in the child (whose only thread is the one that forked)
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
 
 
 def _warm_quietly() -> None:

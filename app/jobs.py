@@ -272,7 +272,7 @@ def end_jobs_with_server(grace_s: float = 5.0) -> None:
     Dash's ``DiskcacheManager`` starts every job as a forked, non-daemon process. A SIGTERM (systemd,
     ``docker stop``, a test's teardown) ended only the server and left its jobs computing, orphaned and
     holding the model's memory, as was a kaleido Chromium an export had started. The handler asks every
-    descendant to stop, kills what is left after ``grace_s``, and then ends the server with SIGTERM's own
+    descendant to stop (but the export browser, below), kills what is left after ``grace_s``, and then ends the server with SIGTERM's own
     default action, so it still reads as "terminated by SIGTERM". A forked job inherits the handler and
     ends its own children the same way. (SIGINT from a terminal reaches the whole process group already.)
 
@@ -287,9 +287,10 @@ def end_jobs_with_server(grace_s: float = 5.0) -> None:
 
     def is_browser_wrapper(process) -> bool:
         try:
-            return any("chromium_wrapper" in part for part in process.cmdline())
+            command = process.cmdline()
         except psutil.Error:
             return False
+        return len(command) > 1 and os.path.basename(command[1]) == "_unix_pipe_chromium_wrapper.py"
 
     def on_term(signum, _frame):
         try:

@@ -41,7 +41,10 @@ function cellAt(gd, subplot, x, y) {
   const [x0, x1] = xaxis.range, [y0, y1] = yaxis.range;
   const head = Math.round(x0 + (x - box.left) / box.width * (x1 - x0));
   const layer = Math.round(y1 + (y - box.top) / box.height * (y0 - y1));
-  return Number.isInteger(head) && Number.isInteger(layer) && head >= 0 && layer >= 0 ? [layer, head] : null;
+  // a cell on the map: the edge pixel of a [-0.5, n - 0.5] range rounds to n, a head that is not there
+  const within = (v, a, b) => v >= Math.max(0, Math.ceil(Math.min(a, b))) && v <= Math.floor(Math.max(a, b));
+  return Number.isInteger(head) && Number.isInteger(layer) && within(head, x0, x1) && within(layer, y0, y1)
+    ? [layer, head] : null;
 }
 
 function sortedHeads(set) {

@@ -293,8 +293,8 @@ def _head_changed(run, layer: int, head: int) -> tuple[Patch, Patch]:
 @guarded(outputs=2, error_index=1)
 def draw_sinks(run_key):
     """The sink map of the run the page shows, drawn once per run and after the grid and heatmap: it
-    reads every head's pattern (about 2 s and 0.9 MB at 500 tokens on a loaded 2-core machine), and
-    the grid need not wait for it."""
+    reads every head's pattern (about 0.3 s at 500 tokens on a quiet 2-core machine, seconds under load;
+    the figure is then 0.2 MB), and the grid need not wait for it."""
     run = get_context().run(run_key) if run_key else None
     if run is None:
         return EMPTY, no_update

@@ -46,18 +46,13 @@ def _warm_umap(method) -> None:
     later inherit the compiled code. Not at the server's start: a job forked while it compiles waits
     for it (:func:`analysis.joint_embedding.start_umap_warmup`), so every new server's first Run on
     the Attention page waited too (6.0 and 4.9 s against 1.6 s without it)."""
-    global _umap_warming
-    if method != "umap" or _umap_warming or redis_url() or not flask.has_request_context():
+    if method != "umap" or redis_url() or not flask.has_request_context():
         return
-    _umap_warming = True
     from analysis.joint_embedding import start_umap_warmup
 
-    print("headscope: compiling UMAP's code in the background (once per server, about 10 s)", file=sys.stderr,
-          flush=True)  # the server's own lines (app/cli.py serve), not a warning
-    start_umap_warmup()
-
-
-_umap_warming = False
+    if start_umap_warmup():
+        print("headscope: compiling UMAP's code in the background (once per server, 10-20 s)", file=sys.stderr,
+              flush=True)  # the server's own lines (app/cli.py serve), not a warning
 
 
 def layout(**query) -> html.Div:

@@ -185,3 +185,45 @@ def test_joint_embedding_puts_queries_near_the_key_they_attend_to(real_model, pr
     wins = round(agree.fraction * agree.n_queries)
     assert agree.fraction > 0.7
     assert binomtest(wins, agree.n_queries, 0.5, alternative="greater").pvalue < 1e-6
+
+
+UMAP_STARTS_DURING_A_FORK = """
+import os, sys, threading, time
+from analysis import joint_embedding as je
+
+def slow_warm_up(progress=None):  # stands in for numba's compile (10-20 s, holding its compiler lock)
+    time.sleep(1.0)
+    je._warm_seconds = 1.0
+    return 1.0
+
+je.warm_up_umap = slow_warm_up
+started = []
+
+def another_hook():  # registered later, so run earlier: a fork already under way when the warm-up starts
+    if not started:
+        t = threading.Thread(target=lambda: started.append(je.start_umap_warmup()))
+        t.start()
+        t.join()
+
+os.register_at_fork(before=another_hook)
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if je.umap_is_warm() else 3)
+_, status = os.waitpid(pid, 0)
+print(started, os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_fork_under_way_when_the_umap_warm_up_starts_waits_for_it():
+    """The server starts UMAP's warm-up when its QK page first asks for UMAP, while other users' jobs
+    may be forking. Python runs the at-fork hooks registered when a fork began: a hook registered by
+    the warm-up's own start missed a fork already waiting in another hook (the fork gate), and the
+    child was forked mid-compile, with numba's compiler lock held for ever (review of 2ad4ee9)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-c", UMAP_STARTS_DURING_A_FORK], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[True]", "0"], out.stdout  # started during the fork; the child was warm
