@@ -378,6 +378,7 @@ def _log_position_heatmap(values: np.ndarray, labels: list[str], title: str, val
             customdata=np.where(np.isfinite(values), values, np.nan).astype(np.float32), colorscale=ATTENTION_SCALE,
             colorbar={**bar, "title": {"text": f"{value_label} (log)", "side": "right"}},
             hovertemplate="layer %{y}<br>token %{x}<br>" + value_label + " %{customdata:.4g}<extra></extra>",
+            hoverongaps=False,  # the last position (no later query) has no value: no "NaN" label
         )
     )
     step = 1 if n <= 80 else next(s for m in (1, 10, 100, 1000, 10_000, 100_000) for s in (2 * m, 5 * m, 10 * m)

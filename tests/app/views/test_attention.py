@@ -42,7 +42,7 @@ def test_a_long_sink_map_reaches_the_browser_as_binary_arrays_with_each_cells_to
     trace = fig.data[0]
     assert list(trace.x) == figures.token_labels(tokens)  # the hover's "token %{x}": "7 w7"
     np.testing.assert_allclose(np.asarray(trace.customdata, float), values, rtol=1e-6, equal_nan=True)
-    assert "%{customdata" in trace.hovertemplate and "%{x}" in trace.hovertemplate
+    assert "%{customdata" in trace.hovertemplate and "%{x}" in trace.hovertemplate and trace.hoverongaps is False
     np.testing.assert_allclose(np.asarray(trace.z, float), np.log10(np.maximum(values, np.nanquantile(values, 0.01))),
                                rtol=1e-5, equal_nan=True)
     assert list(fig.layout.xaxis.ticktext) == [str(p) for p in range(0, 515, 50)]
