@@ -388,7 +388,9 @@ def _log_position_heatmap(values: np.ndarray, labels: list[str], title: str, val
                      ticktext=[labels[i] if n <= 80 else str(i) for i in shown], tickangle=-60 if n <= 80 else 0,
                      title="input token" if n <= 80 else "input token position", showticklabels=True, showgrid=False)
     fig.update_yaxes(title="layer", autorange="reversed")
-    return _layout(fig, title, height=max(380, 14 * n_rows + 160))
+    fig = _layout(fig, title, height=max(380, 14 * n_rows + 190))
+    fig.update_layout(margin={"t": 80}, title={"y": 0.98, "yanchor": "top"})  # a two-line title, the modebar above
+    return fig
 
 
 def score_histogram(scores: np.ndarray, label: str, threshold: float | None = None) -> go.Figure:

@@ -139,13 +139,14 @@ def sink_map_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure,
     mid = ", ".join([f"{p} {run.tokens[p]} ({int(counts[p])} heads)" for p in positions if p > 0][:6])
     checked = sink_checked_positions(run.n_tokens)
     if checked == 0:
-        title = (f"Attention received per key, mean over heads — too short to call sinks: a sink needs at least "
-                 f"{SINK_MIN_LATER} later tokens, this text has {run.n_tokens} tokens")
+        detail = (f"too short to call sinks: a sink needs at least {SINK_MIN_LATER} later tokens, this text has "
+                  f"{run.n_tokens} tokens")
     else:
-        title = (f"Attention received per key, mean over heads — positions 0–{checked - 1} checked "
-                 f"({SINK_MIN_LATER}+ later tokens): position 0 is a sink for {int(counts[0])} heads; "
-                 f"mid-sequence sinks: {mid or 'none'}")
-    fig = figures.layer_position_heatmap(per_layer, run.tokens, figures.safe_text(title), "received attention",
+        detail = (f"positions 0–{checked - 1} checked ({SINK_MIN_LATER}+ later tokens): position 0 is a sink for "
+                  f"{int(counts[0])} heads; mid-sequence sinks: {mid or 'none'}")
+    # two lines, the details small: on one line they ran past the figure and under its modebar
+    title = f"Attention received per key, mean over heads<br><sup>{figures.safe_text(detail)}</sup>"
+    fig = figures.layer_position_heatmap(per_layer, run.tokens, title, "received attention",
                                          log=True, windows=run.layer_windows,
                                          window_note=window_note(run.layer_windows, WINDOWED_SINKS))
     rows: Rows = [{"layer": la, "pos": j, "token": run.tokens[j], "mean_received": float(per_layer[la, j])}

@@ -172,6 +172,16 @@ def test_long_text_sink_map_and_exact_zoom_are_on_a_log_scale_with_ticks(server,
     sinks = figure(page, "hs-sinks")
     assert "(log)" in sinks["data"][0]["colorbar"]["title"]["text"]
     assert len(sinks["xticks"]) >= 4  # positions numbered along the axis
+    # the title and its details fit beside the modebar, inside the figure (on one line they ran under it)
+    graph = page.locator("#hs-sinks .js-plotly-plot").bounding_box()
+    modebar = page.locator("#hs-sinks .modebar").bounding_box()
+    for line in page.locator("#hs-sinks .gtitle").all() + page.locator("#hs-sinks .gtitle tspan").all():
+        box = line.bounding_box()
+        if box is None:
+            continue
+        assert box["x"] + box["width"] <= graph["x"] + graph["width"]
+        if modebar is not None:
+            assert box["y"] + box["height"] <= modebar["y"] or box["x"] + box["width"] <= modebar["x"], (box, modebar)
     wait_title(page, "hs-heatmap", "mean attention per")
     title = page.locator("#hs-heatmap .gtitle").bounding_box()
     modebar = page.locator("#hs-heatmap .modebar").bounding_box() if page.locator("#hs-heatmap .modebar").count() \
