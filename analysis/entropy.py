@@ -13,6 +13,7 @@ both normalise with :func:`mean_normalised_entropy`; the windows come from
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,14 +28,34 @@ def row_entropy(patterns: np.ndarray, chunk: int = 64, causal: bool = False) -> 
     patterns = np.asarray(patterns)
     n_q, n_k = patterns.shape[-2:]
     out = np.empty(patterns.shape[:-1], dtype=np.float64)
+    # float16 (a stored run's patterns): p·log p of each of the 65,536 float16 values, looked up by
+    # the weight's bits; the same float64 products as below, only their sum's order may differ in
+    # the last bit. Three times faster: no float64 copy and no log per weight (0.12 s against 0.40 s
+    # on a 515-token SmolLM2 run).
+    table = _p_log_p_float16() if patterns.dtype == np.float16 else None
     # Chunk over queries: a float64 copy of a whole [30, 9, N, N] array would be large.
     for start in range(0, n_q, chunk):
         stop = min(start + chunk, n_q)
+        if table is not None:
+            bits = patterns[..., start:stop, : min(n_k, stop) if causal else n_k].view(np.uint16)
+            out[..., start:stop] = -table[bits].sum(-1)
+            continue
         a = np.array(patterns[..., start:stop, : min(n_k, stop) if causal else n_k], dtype=np.float64)
         logs = np.zeros_like(a)
         np.log(a, out=logs, where=a > 0)  # 0 · log 0 = 0 (scipy.special.entr measured 2× slower here)
         out[..., start:stop] = -np.einsum("...k,...k->...", a, logs)
     return out
+
+
+@functools.cache
+def _p_log_p_float16() -> np.ndarray:
+    """``[65536]`` float64: ``p · log p`` for the float16 whose bits are the index (0 where ``p ≤ 0``, as
+    :func:`row_entropy` counts ``0 · log 0``; nan stays nan)."""
+    p = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float64)
+    logs = np.zeros_like(p)
+    with np.errstate(all="ignore"):
+        np.log(p, out=logs, where=p > 0)
+        return p * logs
 
 
 def visible_keys(n: int, windows: Sequence[int | None] | None, n_layers: int) -> np.ndarray:

@@ -50,3 +50,10 @@ def test_row_entropy_matches_the_definition_row_by_row_across_chunks():
     np.testing.assert_allclose(row_entropy(a), expected, rtol=1e-12, atol=1e-14)
     b = rng.dirichlet(np.ones(70), size=(3, 130))
     np.testing.assert_allclose(row_entropy(b), [[entropy(row) for row in head] for head in b], rtol=1e-12)
+    # float16, as a stored run keeps its patterns (read through a table of p·log p per float16 value)
+    h = a.astype(np.float16)
+    expected = np.array([[entropy(row.astype(np.float64)) for row in head] for head in h])
+    np.testing.assert_allclose(row_entropy(h, causal=True), expected, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(row_entropy(h[:, 3:90, 5:140]), [[entropy(row.astype(np.float64)) for row in head]
+                                                               for head in h[:, 3:90, 5:140]], rtol=1e-12, atol=1e-14)
+    assert np.isnan(row_entropy(np.array([[np.nan, 0.5]], dtype=np.float16))[0])  # as the float64 path gives
