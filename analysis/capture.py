@@ -241,7 +241,7 @@ def _forward(model: LoadedModel, ids: list[int], layers: list[int], dtype: np.dt
 
     def keep_pattern(layer: int):
         def hook(tensor: torch.Tensor, hook: Any = None) -> None:
-            patterns[layer] = tensor[0].detach().to(kept_dtype).numpy()
+            patterns[layer] = tensor[0].detach().to(kept_dtype).cpu().numpy()  # rounded where it was computed
             if progress:
                 progress((layer + 1) / (model.n_layers + 1))
 
@@ -250,7 +250,7 @@ def _forward(model: LoadedModel, ids: list[int], layers: list[int], dtype: np.dt
     def keep(target: dict[int, np.ndarray], layer: int):
         def hook(tensor: torch.Tensor, hook: Any = None) -> None:
             # [batch, pos, head, d_head] → [head, pos, d_head]
-            target[layer] = tensor[0].detach().permute(1, 0, 2).contiguous().numpy().astype(np.float32)
+            target[layer] = tensor[0].detach().permute(1, 0, 2).contiguous().cpu().numpy().astype(np.float32)
 
         return hook
 

@@ -70,7 +70,8 @@ def _mark_windowed_layers(fig: go.Figure, windows: Sequence[int | None] | None, 
         fig.add_annotation(text="<br>".join(safe_text(line) for line in lines), xref="paper", yref="paper",
                            x=0, y=1, xanchor="left", yanchor="bottom", yshift=6, showarrow=False, align="left",
                            font={"size": 11, "color": "#555"})
-        fig.update_layout(margin={"t": 56 + 15 * len(lines)})
+        top = fig.layout.margin.t if fig.layout.margin.t is not None else 50  # a two-line title keeps its room
+        fig.update_layout(margin={"t": top + 6 + 15 * len(lines)})
 
 
 def head_grid(
@@ -389,7 +390,8 @@ def _log_position_heatmap(values: np.ndarray, labels: list[str], title: str, val
                      title="input token" if n <= 80 else "input token position", showticklabels=True, showgrid=False)
     fig.update_yaxes(title="layer", autorange="reversed")
     fig = _layout(fig, title, height=max(380, 14 * n_rows + 190))
-    fig.update_layout(margin={"t": 80}, title={"y": 0.98, "yanchor": "top"})  # a two-line title, the modebar above
+    # a two-line title, 8 px from the top at any height (the modebar sits above the plot, right)
+    fig.update_layout(margin={"t": 80}, title={"y": 1, "yref": "container", "yanchor": "top", "pad": {"t": 8}})
     return fig
 
 

@@ -167,6 +167,9 @@ def test_streaming_grid_and_sink_map_say_which_layers_the_model_windows(embedded
     fig, _ = views.sink_map_view(run, {})
     assert list(fig.layout.yaxis.ticktext) == ["0 w", "1", "2 w"]
     assert "w: windowed by the model (W=6)" in _notes(fig) and "queries that see it" in _notes(fig)
+    # the note sits under the two-line title, not over it: the top margin holds both
+    lines = next(a.text for a in fig.layout.annotations if "windowed" in a.text).count("<br>") + 1
+    assert fig.layout.margin.t == 80 + 6 + 15 * lines and fig.layout.title.yref == "container"
 
 
 def test_figures_of_a_model_without_windows_carry_no_window_note(run):
