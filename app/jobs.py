@@ -266,15 +266,25 @@ def _wait_ended(processes: list, timeout_s: float) -> list:
     return alive
 
 
+def _has_ancestor(process, pids: set[int]) -> bool:
+    """Whether one of ``pids`` is ``process``'s parent, grandparent, … (psutil)."""
+    import psutil
+
+    try:
+        return any(parent.pid in pids for parent in process.parents())
+    except psutil.Error:
+        return False
+
+
 def end_jobs_with_server(grace_s: float = 5.0) -> None:
     """On SIGTERM, end this process's background jobs, then the process (call once, in the main thread).
 
     Dash's ``DiskcacheManager`` starts every job as a forked, non-daemon process. A SIGTERM (systemd,
     ``docker stop``, a test's teardown) ended only the server and left its jobs computing, orphaned and
     holding the model's memory, as was a kaleido Chromium an export had started. The handler asks every
-    descendant to stop (but the export browser, below), kills what is left after ``grace_s``, and then ends the server with SIGTERM's own
-    default action, so it still reads as "terminated by SIGTERM". A forked job inherits the handler and
-    ends its own children the same way. (SIGINT from a terminal reaches the whole process group already.)
+    descendant to stop (the export browser aside, below), kills what is left after ``grace_s``, and then
+    ends the server with SIGTERM's own default action, so it still reads as "terminated by SIGTERM". A
+    forked job inherits the handler and ends its own children the same way. (SIGINT from a terminal reaches the whole process group already.)
 
     The export browser's wrapper process (choreographer's, between kaleido and Chromium) is not sent
     SIGTERM: its own handler waits 5 s on a lock its interrupted main thread holds, so every stop took
@@ -297,19 +307,14 @@ def end_jobs_with_server(grace_s: float = 5.0) -> None:
             children = psutil.Process().children(recursive=True)
         except psutil.Error:
             children = []
-        browsers = set()
-        for wrapper in filter(is_browser_wrapper, children):
-            try:
-                browsers.update(p.pid for p in wrapper.children(recursive=True))
-            except psutil.Error:
-                pass
-            browsers.add(wrapper.pid)
+        wrappers = {c.pid for c in children if is_browser_wrapper(c)}
+        browsers = {c.pid for c in children if c.pid not in wrappers and _has_ancestor(c, wrappers)}
         for child in children:
             try:
-                if child.pid not in browsers:
-                    child.terminate()
-                elif not is_browser_wrapper(child):
+                if child.pid in browsers:
                     child.kill()
+                elif child.pid not in wrappers:
+                    child.terminate()
             except psutil.Error:
                 pass
         alive = _wait_ended(children, grace_s)
