@@ -389,9 +389,11 @@ def _log_position_heatmap(values: np.ndarray, labels: list[str], title: str, val
                      ticktext=[labels[i] if n <= 80 else str(i) for i in shown], tickangle=-60 if n <= 80 else 0,
                      title="input token" if n <= 80 else "input token position", showticklabels=True, showgrid=False)
     fig.update_yaxes(title="layer", autorange="reversed")
-    fig = _layout(fig, title, height=max(380, 14 * n_rows + 190))
-    # a two-line title, 8 px from the top at any height (the modebar sits above the plot, right)
-    fig.update_layout(margin={"t": 80}, title={"y": 1, "yref": "container", "yanchor": "top", "pad": {"t": 8}})
+    height = max(380, 14 * n_rows + 190)
+    fig = _layout(fig, title, height=height)
+    # a two-line title whose top is 16 px below the figure's at any height (plotly's title pad did not
+    # move it: its first line was cut off); the modebar sits above the plot, right
+    fig.update_layout(margin={"t": 80}, title={"y": 1 - 16 / height, "yref": "container", "yanchor": "top"})
     return fig
 
 

@@ -179,7 +179,7 @@ def test_long_text_sink_map_and_exact_zoom_are_on_a_log_scale_with_ticks(server,
         box = line.bounding_box()
         if box is None:
             continue
-        assert box["x"] + box["width"] <= graph["x"] + graph["width"]
+        assert box["x"] + box["width"] <= graph["x"] + graph["width"] and box["y"] >= graph["y"], (box, graph)
         if modebar is not None:
             assert box["y"] + box["height"] <= modebar["y"] or box["x"] + box["width"] <= modebar["x"], (box, modebar)
     wait_title(page, "hs-heatmap", "mean attention per")
