@@ -655,23 +655,84 @@ def _pair_weights(q: Tensor, k: Tensor, lse: Tensor, mask: LayerMask, offset: in
     return torch.where(valid, torch.exp(s - lse), torch.zeros((), device=q.device))
 
 
+CELL_TILE = 64
+"""Side of the (query row, key) tiles :func:`cell_weights` computes as one matrix product."""
+
+
 def cell_weights(q: Tensor, k: Tensor, lse: Tensor, scale: float, rows: Tensor, keys: Tensor,
-                 chunk: int = 1 << 14, softcap: float | None = None, window: int = 0) -> Tensor:
+                 chunk: int = 1 << 14, softcap: float | None = None, window: int = 0,
+                 tile: int = CELL_TILE, dense_at: int | None = None) -> Tensor:
     """``A[r, c] = exp(s_rc − lse_r)`` for listed cells (query row ``r``, key position ``c``),
     ``[b, h, P]``, with ``s_rc = scale · q_r · k_c`` soft-capped by ``softcap``; 0 where a sliding
-    ``window`` hides the key (``c ≤ p_r − window``). ``chunk`` cells at a time, so memory is
-    O(chunk · h · d) whatever P is. Cells a causal query cannot see must not be listed."""
+    ``window`` hides the key (``c ≤ p_r − window``). Cells a causal query cannot see must not be listed.
+
+    The scores come from :func:`_cell_scores`: ``tile × tile`` blocks of the (row, key) plane that
+    hold at least ``dense_at`` cells are one small matrix product each, the other cells dot products
+    ``chunk`` at a time; memory stays O(chunk · h · d) whatever P is, and no ``n × n`` array is built."""
     b, h, n_q, _ = q.shape
-    group = h // k.shape[1]
     offset = k.shape[-2] - n_q
-    out = torch.empty(b, h, rows.numel(), dtype=torch.float32, device=q.device)
     rows, keys = rows.to(q.device), keys.to(q.device)
-    for a in range(0, rows.numel(), chunk):
-        r, c = rows[a : a + chunk], keys[a : a + chunk]
-        qr = q[:, :, r].float()  # [b, h, p, d]
-        kc = k[:, :, c].float().repeat_interleave(group, dim=1)
-        w = torch.exp(_scores(qr, kc, scale, softcap) - lse[:, :, r])
+    out = _cell_scores(q, k, rows, keys, chunk, tile, dense_at)
+    for a in range(0, rows.numel(), chunk):  # in place, a chunk at a time: no [b, h, P] temporaries
+        r, c, s = rows[a : a + chunk], keys[a : a + chunk], out[:, :, a : a + chunk] * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        w = torch.exp(s - lse[:, :, r])
         if window:
             w = torch.where(c > r + offset - window, w, torch.zeros((), device=q.device))
         out[:, :, a : a + chunk] = w
     return out
+
+
+def _cell_scores(q: Tensor, k: Tensor, rows: Tensor, keys: Tensor, chunk: int, tile: int,
+                 dense_at: int | None) -> Tensor:
+    """Unscaled ``q_r · k_c`` (float32) of the listed cells, ``[b, h, P]``; a query head reads its KV
+    group's keys (``h // (h / h_kv)``), never a repeated copy of them.
+
+    A text that repeats itself (the passkey haystack, code) lists its equal-token cells in dense
+    clusters. The (row, key) plane is cut into ``tile × tile`` tiles; for each row of tiles, the tiles
+    holding ``dense_at`` cells or more (default ``tile² / 32``) are one product
+    ``(g·tile × d) @ (d × m·tile)`` over their ``m`` key blocks, far cheaper than gathering two
+    ``d``-vectors per cell; lone cells are gathered and dotted ``chunk`` at a time."""
+    b, h, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[-2]
+    g = h // h_kv
+    P = rows.numel()
+    out = torch.empty(b, h_kv, g, P, dtype=torch.float32, device=q.device)
+    if P == 0:
+        return out.reshape(b, h, 0)
+    qg = q.reshape(b, h_kv, g, n_q, d)
+    dense_at = max(1, tile * tile // 32) if dense_at is None else dense_at
+    n_rt, n_ct = -(-n_q // tile), -(-n_k // tile)
+    tile_of = (rows // tile) * n_ct + keys // tile
+    tiles, which, counts = torch.unique(tile_of, return_inverse=True, return_counts=True)
+    dense = counts >= dense_at
+    rank = torch.full_like(tiles, -1)
+    rank[dense] = torch.arange(int(dense.sum()), device=q.device)
+    cell_rank = rank[which]  # the ordinal of the cell's dense tile, -1 for a lone cell
+    lone = (cell_rank < 0).nonzero().squeeze(1)
+    for a in range(0, lone.numel(), chunk):
+        i = lone[a : a + chunk]
+        qr = qg[:, :, :, rows[i]].float()  # [b, h_kv, g, p, d]
+        kc = k[:, :, keys[i]].float().unsqueeze(2)  # [b, h_kv, 1, p, d]
+        out[..., i] = (qr * kc).sum(-1)
+    dense_tiles = tiles[dense]
+    if not dense_tiles.numel():
+        return out.reshape(b, h, P)
+    # tiles are whole blocks of the padded q and k: a view and a block gather, not a per-cell gather
+    q_blocks = torch.nn.functional.pad(qg, (0, 0, 0, n_rt * tile - n_q)).reshape(b, h_kv, g, n_rt, tile, d)
+    k_blocks = torch.nn.functional.pad(k, (0, 0, 0, n_ct * tile - n_k)).reshape(b, h_kv, n_ct, tile, d)
+    tile_row, tile_col = dense_tiles // n_ct, dense_tiles % n_ct
+    row_tiles, row_counts = torch.unique_consecutive(tile_row, return_counts=True)
+    first = torch.cumsum(row_counts, 0) - row_counts  # ordinal of each row of tiles' first dense tile
+    order = torch.argsort(cell_rank, stable=True)
+    ranked = cell_rank[order]
+    bounds = torch.searchsorted(ranked, torch.cat([first, first[-1:] + row_counts[-1:]])).tolist()
+    for j, tr in enumerate(row_tiles.tolist()):
+        f, m = int(first[j]), int(row_counts[j])
+        kt = k_blocks[:, :, tile_col[f : f + m]].float().reshape(b, h_kv, 1, m * tile, d)
+        block = q_blocks[:, :, :, tr].float() @ kt.transpose(-1, -2)  # [b, h_kv, g, tile, m·tile]
+        i = order[bounds[j] : bounds[j + 1]]
+        col = (cell_rank[i] - f) * tile + keys[i] % tile
+        out[..., i] = block[:, :, :, rows[i] % tile, col]
+    return out.reshape(b, h, P)
