@@ -21,6 +21,7 @@ from tests.app.test_browser import (  # noqa: E402, F401
     hover_token,
     page,
     run_prompt,
+    settle,
     start_server,
     wait_for_run,
     wait_strip,
@@ -305,7 +306,7 @@ def test_a_head_clicked_while_the_last_one_is_drawn_is_the_one_shown(server, pag
             wait_title(page, "hs-heatmap", f"layer {second[1]}, head {second[0]}", timeout=10_000)
         except Exception:
             pass
-        page.wait_for_timeout(1000)
+        settle(page)
         if outlined() != f"{second[1]}.{second[0]}" or f"layer={second[1]}&head={second[0]}" not in page.evaluate("location.search"):
             missed.append(gap)
     assert missed == [], f"the second click was lost when it came {missed} ms after the first"

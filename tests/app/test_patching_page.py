@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from analysis.patching import activation_patching, prompt_pair
-from tests.app.test_browser import browser, page, select_option, start_server  # noqa: F401
+from tests.app.test_browser import browser, page, select_option, settle, start_server  # noqa: F401
 
 CLEAN = "When Mary and John went to the store, John gave a drink to"
 CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
@@ -137,7 +137,7 @@ def test_patching_journey(server, page, real_model, reference):
                            timeout=240_000)
     page.wait_for_function("t => (document.querySelector('#hs-pat-positions .gtitle')?.textContent || '').includes(t)",
                            arg=f"head {l2}.{h2}")
-    page.wait_for_timeout(1000)  # and it stays there
+    settle(page)  # and it stays there
     assert f"layer={l2}&head={h2}" in page.url and banner(page).strip() == ""
 
     # Cancel stops a run: the page keeps the finished maps and their link
