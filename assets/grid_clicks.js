@@ -100,6 +100,8 @@ function patchPositions(layer, head) {
   const map = props(PATCHING_MAP);
   const figure = map && map.figure;
   if (!figure || !Array.isArray(figure.data) || !figure.data.length) { return; }  // no run yet
+  // the residual stream's map is layer × position already: no head to patch by position (app/views/patching.py)
+  if (figure.layout && figure.layout.meta && figure.layout.meta.cells === "positions") { return; }
   patchingClicks += 1;
   window.dash_clientside.set_props(PATCHING_CLICK, {data: {layer: layer, head: head, click: patchingClicks}});
 }

@@ -93,6 +93,7 @@ def patching_map_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Row
         y = [str(la) for la in range(n_layers)] + [f"after {n_layers - 1}"]
         fig = figures.patching_map(values, figures.token_labels(tokens), y, "position", "layer (entering)", label,
                                    title, result.baseline)
+        fig.update_layout(meta={"cells": "positions"})  # a click here has no head to patch (assets/grid_clicks.js)
     elif result.head is not None:
         fig = figures.patching_positions(values, tokens, label, title + f", head {result.head[0]}.{result.head[1]}",
                                          result.baseline, result.pair.differ)

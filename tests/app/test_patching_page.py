@@ -310,3 +310,33 @@ def test_path_patching_on_the_page_is_the_analysis_value(server, page, real_mode
     assert "0.1, 3.4 → v of 9.1, 12.2 (key-value heads)" in shown and f"patched {expected.raw:.4f}" in shown
     assert page.inner_text("#hs-error") == ""
     assert proc.poll() is None
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+def test_a_click_on_the_residual_stream_map_starts_no_job_and_keeps_the_status(server, page):
+    """The residual stream's map is already per position (layer × position): a click on it has nothing
+    to patch by position. It used to start a job anyway, which blanked the positions' status line
+    and flashed Cancel before the job gave up (#16); now the click is no click."""
+    url, proc, _home = server
+    page.goto(url + "patching")
+    assert page.input_value("#hs-pat-clean", timeout=240_000) == CLEAN
+    page.fill("#hs-pat-clean", "John gave a drink to")  # 6 positions × 31 layers: a few seconds' job
+    page.fill("#hs-pat-corrupted", "Mary gave a drink to")
+    page.check("#hs-pat-site input[value='resid']")
+    page.click("#hs-pat-run")
+    page.wait_for_function("new URLSearchParams(location.search).has('patching')", timeout=240_000)
+    page.wait_for_selector(MAP + " .heatmaplayer .hm")
+    settle(page)
+    assert page.get_attribute("#hs-pat-progress", "value") == "0"
+    clicks = []
+    page.on("request", lambda r: clicks.append(r.url) if "hs-pat-click" in (r.post_data or "") else None)
+    page.evaluate("document.querySelector('#hs-pat-pos-status').textContent = 'what the page said before'")
+    position = plot_data(page, MAP)[0]["x"][2]
+    click_category(page, MAP, position, "3")
+    page.wait_for_timeout(500)
+    settle(page)
+    assert clicks == [], "a click on the residual stream's map sent a request"
+    assert page.inner_text("#hs-pat-pos-status") == "what the page said before"
+    assert page.is_disabled("#hs-pat-cancel") and banner(page).strip() == ""
+    assert "ppos=" not in page.url and proc.poll() is None
