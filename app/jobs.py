@@ -20,8 +20,15 @@ or result. Both pass :data:`analysis.fork_gate.GATE` (:class:`GatedCache`), whic
 for. Each job has its own result key (:class:`app.workers.OneKeyPerJob`), so two sessions running the
 same thing at once each get their own result.
 
-Forked children must run torch single-threaded: PyTorch's CPU thread pool does not survive a fork
-(a child that uses more than one intra-op thread hangs). :func:`in_job` does that first.
+Torch threads in forked children: GNU OpenMP's thread pool does not survive a fork, so a child of a
+process that ran torch on several threads hangs as soon as it uses more than one. ``headscope serve``
+therefore keeps its own process to one torch thread from the start (:func:`keep_server_to_one_thread`;
+it computes nothing heavy itself), and :func:`in_job` gives each job the threads the server would
+have had (on 2 cores a 400-token forward pass takes 1.0 s instead of 1.8 s). Several jobs at once
+then share the cores: with OpenMP's default spin-waiting, three 2-thread jobs on 2 cores took 36 s
+against 7 s on one thread each, so the server sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads
+(7.4 s against 7.4 s). Anywhere else (a Celery worker's pool, a test forking its own process) a job
+runs on one thread, as before.
 """
 
 from __future__ import annotations
@@ -363,14 +370,39 @@ def job_cache(folder) -> diskcache.Cache:
 
 
 def in_job() -> None:
-    """Call first in a background job: makes torch safe to use in a forked process."""
+    """Call first in a background job: makes torch safe to use in a forked process (module docstring)."""
     import torch
 
-    if os.getpid() != _SERVER_PID:
-        torch.set_num_threads(1)
+    if os.getpid() != _SERVER_PID:  # more than one thread only in a child of the one-thread server itself
+        torch.set_num_threads(_job_threads if os.getppid() == _SERVER_PID else 1)
 
 
 _SERVER_PID = os.getpid()
+_job_threads = 1
+
+
+def passive_openmp() -> bool:
+    """Ask OpenMP to sleep, not spin, while its threads wait (``OMP_WAIT_POLICY=PASSIVE``, unless the
+    environment says otherwise); GNU OpenMP reads it once, when torch loads it. True when it is in
+    effect: torch was not loaded yet and the policy is passive."""
+    import sys
+
+    policy = os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return "torch" not in sys.modules and policy.upper() == "PASSIVE"
+
+
+def keep_server_to_one_thread(passive_wait: bool) -> None:
+    """Call in the server process before its first torch operation: it runs torch on one thread from
+    then on, and its forked jobs may use as many as it would have (module docstring). ``passive_wait``:
+    OpenMP was loaded with ``OMP_WAIT_POLICY=PASSIVE``; without it jobs keep to one thread, as
+    several spin-waiting jobs on the same cores slow each other down several times over."""
+    global _job_threads
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    if passive_wait and os.getpid() == _SERVER_PID:
+        _job_threads = max(1, threads)
 
 
 def progress_reporter(set_progress: Callable[..., Any], label: str) -> Callable[[float], None]:

@@ -8,6 +8,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # A stand-in for `headscope serve`: the same job-process launch Dash's DiskcacheManager uses
 # (`multiprocess.Process`, not a daemon), a job that would compute for ten minutes, and the
@@ -206,3 +211,49 @@ def test_two_jobs_with_the_same_arguments_each_deliver_their_own_result(tmp_path
                     results[key] = result
         time.sleep(0.1)
     assert sorted(map(str, results.values())) == [str({"value": 42})] * 2, results
+
+
+# What `headscope serve` does before it loads a model (app/cli.py cmd_serve), then a job forked from it
+FORKED_JOB_THREADS = textwrap.dedent("""
+    import os, sys
+    from app.jobs import in_job, keep_server_to_one_thread, passive_openmp
+
+    passive = passive_openmp()
+    import torch
+
+    cores = torch.get_num_threads()
+    keep_server_to_one_thread(passive)
+    x = torch.randn(4_000_000)
+    expected = torch.exp(x)  # the server's own work: one thread
+    assert torch.get_num_threads() == 1
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        in_job()
+        got = torch.exp(x)  # a parallel region in the child: hangs if the pool was inherited
+        os.write(w, f"{torch.get_num_threads()} {torch.equal(got, expected)}".encode())
+        os._exit(0)
+    os.close(w)
+    print(passive, cores, os.read(r, 100).decode(), os.environ["OMP_WAIT_POLICY"], flush=True)
+    os.waitpid(pid, 0)
+""")
+
+
+@pytest.mark.parametrize("policy", [None, "ACTIVE"])
+def test_a_job_forked_from_the_server_uses_its_cores_only_where_openmp_sleeps_while_waiting(policy):
+    """The server keeps itself to one torch thread, so its forked jobs can use every core without
+    inheriting a dead OpenMP pool (a child of a multi-threaded parent hangs); with OpenMP set to
+    spin-wait (``ACTIVE``), several such jobs on the same cores slow each other several times over,
+    so a job keeps to one thread there."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
+    out = subprocess.run([sys.executable, "-c", FORKED_JOB_THREADS], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    passive, cores, threads, same, seen_policy = out.stdout.split()
+    assert same == "True" and int(cores) >= 1
+    if policy is None:
+        assert (passive, seen_policy) == ("True", "PASSIVE") and int(threads) == int(cores)
+    else:
+        assert (passive, seen_policy) == ("False", "ACTIVE") and int(threads) == 1
