@@ -4,9 +4,9 @@ Starts `headscope serve` on a free loopback port with a fresh store, warms it wi
 each size types a fresh text (never cached) and measures click → grid drawn → heatmap drawn.
 The baseline, measured in the same run on the same texts, is `capture` alone in this process (the
 forward pass the page cannot avoid); the ratio shows what the page adds on top. Also measured: the
-same capture on one torch thread (how the page's job runs it, in a process forked from the server:
-torch's thread pool does not survive a fork), and where click → grid goes: the job (click → the
-render request), the render's server time, and drawing its response.
+same capture on one torch thread (how the page's job ran it until 2026-12-03; jobs now use the
+server's cores, app/jobs.py), and where click → grid goes: the job (click → the render request), the
+render's server time, and drawing its response.
 
 Then, on the warm largest run: hover a token → strip repainted (client-side, no server round trip;
 timed from the event to the first frame painted after the strip changed), and click a head in the
@@ -112,7 +112,7 @@ def main() -> None:
                     t = time.perf_counter()
                     capture(model, text + " ")  # a different text: never served from a store
                     bare = time.perf_counter() - t
-                    # as the page's job runs it: in a process forked from the server, torch on one thread
+                    # as the page's job ran it until 2026-12-03: torch on one thread
                     threads = torch.get_num_threads()
                     torch.set_num_threads(1)
                     t = time.perf_counter()
@@ -127,7 +127,7 @@ def main() -> None:
                 print(f"{size:>6} | {med[0]:>21.2f} | {totals[0]:>5.2f} | {totals[-1]:>5.2f} | {med[1]:>15.2f} | "
                       f"{med[0] / med[1]:>5.2f} || {med[2]:>10.2f} | {med[0] / med[2]:>5.2f} || "
                       f"{med[3]:>5.2f} | {med[4]:>8.2f} | {med[5]:>6.2f}", flush=True)
-            print("job: click → the render request sent (the background job: fork, capture on one thread, store "
+            print("job: click → the render request sent (the background job: fork, capture on the server's cores, store "
                   "write, progress polls); render: its server time (store read and check, grid scores, figures); "
                   "draw: its response → grid drawn. Medians per column.", flush=True)
             interactions(page, size, args.interactions)
