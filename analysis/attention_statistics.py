@@ -667,11 +667,12 @@ def cell_weights(q: Tensor, k: Tensor, lse: Tensor, scale: float, rows: Tensor, 
     ``window`` hides the key (``c ≤ p_r − window``). Cells a causal query cannot see must not be listed.
 
     The scores come from :func:`_cell_scores`: ``tile × tile`` blocks of the (row, key) plane that
-    hold at least ``dense_at`` cells are one small matrix product each, the other cells dot products
-    ``chunk`` at a time; memory stays O(chunk · h · d) whatever P is, and no ``n × n`` array is built."""
+    hold at least ``dense_at`` cells are matrix products, the other cells dot products ``chunk`` at a
+    time; beside the ``[b, h, P]`` result, memory stays O(chunk · h · max(d, tile)) whatever P and n
+    are, and no ``n × n`` array is built."""
     b, h, n_q, _ = q.shape
     offset = k.shape[-2] - n_q
-    rows, keys = rows.to(q.device), keys.to(q.device)
+    rows, keys = rows.to(q.device, torch.int64), keys.to(q.device, torch.int64)
     out = _cell_scores(q, k, rows, keys, chunk, tile, dense_at)
     for a in range(0, rows.numel(), chunk):  # in place, a chunk at a time: no [b, h, P] temporaries
         r, c, s = rows[a : a + chunk], keys[a : a + chunk], out[:, :, a : a + chunk] * scale
@@ -691,9 +692,10 @@ def _cell_scores(q: Tensor, k: Tensor, rows: Tensor, keys: Tensor, chunk: int, t
 
     A text that repeats itself (the passkey haystack, code) lists its equal-token cells in dense
     clusters. The (row, key) plane is cut into ``tile × tile`` tiles; for each row of tiles, the tiles
-    holding ``dense_at`` cells or more (default ``tile² / 32``) are one product
-    ``(g·tile × d) @ (d × m·tile)`` over their ``m`` key blocks, far cheaper than gathering two
-    ``d``-vectors per cell; lone cells are gathered and dotted ``chunk`` at a time."""
+    holding ``dense_at`` cells or more (default ``tile² / 32``) are products
+    ``(g·tile × d) @ (d × m·tile)`` over up to ``m = chunk / tile`` of their key blocks at a time, far
+    cheaper than gathering two ``d``-vectors per cell; lone cells are gathered and dotted ``chunk``
+    at a time."""
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[-2]
     g = h // h_kv
@@ -703,7 +705,7 @@ def _cell_scores(q: Tensor, k: Tensor, rows: Tensor, keys: Tensor, chunk: int, t
         return out.reshape(b, h, 0)
     qg = q.reshape(b, h_kv, g, n_q, d)
     dense_at = max(1, tile * tile // 32) if dense_at is None else dense_at
-    n_rt, n_ct = -(-n_q // tile), -(-n_k // tile)
+    n_ct = -(-n_k // tile)
     tile_of = (rows // tile) * n_ct + keys // tile
     tiles, which, counts = torch.unique(tile_of, return_inverse=True, return_counts=True)
     dense = counts >= dense_at
@@ -719,19 +721,22 @@ def _cell_scores(q: Tensor, k: Tensor, rows: Tensor, keys: Tensor, chunk: int, t
     dense_tiles = tiles[dense]
     if not dense_tiles.numel():
         return out.reshape(b, h, P)
-    # tiles are whole blocks of the padded q and k: a view and a block gather, not a per-cell gather
-    q_blocks = torch.nn.functional.pad(qg, (0, 0, 0, n_rt * tile - n_q)).reshape(b, h_kv, g, n_rt, tile, d)
-    k_blocks = torch.nn.functional.pad(k, (0, 0, 0, n_ct * tile - n_k)).reshape(b, h_kv, n_ct, tile, d)
     tile_row, tile_col = dense_tiles // n_ct, dense_tiles % n_ct
     row_tiles, row_counts = torch.unique_consecutive(tile_row, return_counts=True)
-    first = torch.cumsum(row_counts, 0) - row_counts  # ordinal of each row of tiles' first dense tile
+    starts = (torch.cumsum(row_counts, 0) - row_counts).tolist()  # ordinal of each row's first dense tile
     order = torch.argsort(cell_rank, stable=True)
     ranked = cell_rank[order]
-    bounds = torch.searchsorted(ranked, torch.cat([first, first[-1:] + row_counts[-1:]])).tolist()
-    for j, tr in enumerate(row_tiles.tolist()):
-        f, m = int(first[j]), int(row_counts[j])
-        kt = k_blocks[:, :, tile_col[f : f + m]].float().reshape(b, h_kv, 1, m * tile, d)
-        block = q_blocks[:, :, :, tr].float() @ kt.transpose(-1, -2)  # [b, h_kv, g, tile, m·tile]
+    span = torch.arange(tile, device=q.device)
+    per = max(1, chunk // tile)  # key blocks in one product: the block is [b, h, tile, ≤ chunk]
+    groups = [(tr, f + a, min(per, m - a)) for tr, f, m in zip(row_tiles.tolist(), starts, row_counts.tolist(),
+                                                                strict=True) for a in range(0, m, per)]
+    firsts = torch.tensor([f for _, f, _ in groups] + [int(dense_tiles.numel())], device=q.device)
+    bounds = torch.searchsorted(ranked, firsts).tolist()
+    for j, (tr, f, m) in enumerate(groups):
+        q_rows = qg[:, :, :, tr * tile : (tr + 1) * tile].float()  # [b, h_kv, g, ≤ tile, d]
+        keys_at = ((tile_col[f : f + m] * tile)[:, None] + span).clamp(max=n_k - 1).reshape(-1)
+        kt = k[:, :, keys_at].float().unsqueeze(2)  # [b, h_kv, 1, m·tile, d]: past the end, repeats of the last key
+        block = q_rows @ kt.transpose(-1, -2)  # [b, h_kv, g, ≤ tile, m·tile]
         i = order[bounds[j] : bounds[j + 1]]
         col = (cell_rank[i] - f) * tile + keys[i] % tile
         out[..., i] = block[:, :, :, rows[i] % tile, col]

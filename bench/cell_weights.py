@@ -6,14 +6,15 @@ of their detection cells (``t_j = t_i``, ``j < i``, and those cells one key righ
 haystack of the needle-in-a-haystack page (the paper's "The grass is green..." filler) lists about
 121,000 cells at 1,200 tokens and 1.4 million at 4,096. Until 2026-12-03 every cell gathered its
 query and key vectors and took a dot product (memory-bound, a repeated copy of the keys per query
-head); now the 64 × 64 tiles of the (query, key) plane that hold at least 128 listed cells are one
-matrix product per row of tiles, and only lone cells take the old path.
+head); now the 64 × 64 tiles of the (query, key) plane that hold at least 128 listed cells are
+matrix products per row of tiles, and only lone cells take dot products.
 
-Part 1: the two paths on random q/k of SmolLM2's shape (9 query heads, 3 KV heads, d = 64) over the
-passkey prompt's real cells, one torch thread as the page's job runs; the old path is the same
-function with no tile dense (``dense_at`` above any count). Part 2: the whole statistics-mode run of
-the 1,200-token passkey text on the embedded model, old path and new, and the largest difference of
-the two runs' duplicate-token and induction scores.
+Part 1: the code before (``cell_weights_before`` below, as it was in analysis/attention_statistics.py
+at 7c77195) and now, on random q/k of SmolLM2's shape (9 query heads, 3 KV heads, d = 64) over the
+passkey prompt's real cells, one torch thread; also now with no tile dense (``dense_at`` above any
+count: the lone-cell path alone, which no longer repeats the keys per query head). Part 2: the whole
+statistics-mode run of the 1,200-token passkey text on the embedded model with the code before and
+now, and the largest difference of the two runs' duplicate-token and induction scores.
 
     .venv/bin/python bench/cell_weights.py [--sizes 1200,4096] [--repeats 3]
 """
@@ -28,6 +29,29 @@ from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def cell_weights_before(q, k, lse, scale, rows, keys, chunk=1 << 14, softcap=None, window=0):
+    """analysis.attention_statistics.cell_weights at 7c77195 (the baseline): every cell gathers its
+    query and its key, repeated for each query head of the key's group, and takes a dot product."""
+    import torch
+
+    b, h, n_q, _ = q.shape
+    group = h // k.shape[1]
+    offset = k.shape[-2] - n_q
+    out = torch.empty(b, h, rows.numel(), dtype=torch.float32, device=q.device)
+    rows, keys = rows.to(q.device), keys.to(q.device)
+    for a in range(0, rows.numel(), chunk):
+        r, c = rows[a : a + chunk], keys[a : a + chunk]
+        qr = q[:, :, r].float()
+        kc = k[:, :, c].float().repeat_interleave(group, dim=1)
+        s = (qr * kc).sum(-1) * scale
+        s = s if softcap is None else softcap * torch.tanh(s / softcap)
+        w = torch.exp(s - lse[:, :, r])
+        if window:
+            w = torch.where(c > r + offset - window, w, torch.zeros((), device=q.device))
+        out[:, :, a : a + chunk] = w
+    return out
 
 
 def main() -> None:
@@ -49,7 +73,8 @@ def main() -> None:
     text = named_haystack("passkey")
     ids_all = model.encode(text * 4)
     never = 1 << 62
-    print(f"{'tokens':>6} | {'cells':>9} | {'in dense tiles':>14} | {'dots s':>7} | {'tiles s':>7} | {'ratio':>5} | max |diff|")
+    print(f"{'tokens':>6} | {'cells':>9} | {'in dense tiles':>14} | {'before s':>8} | {'lone only s':>11} | "
+          f"{'now s':>6} | {'ratio':>5} | max |diff| (relative)")
     for n in (int(s) for s in args.sizes.split(",")):
         ids = ids_all[:n]
         dup_rows, dup_keys = detection_cells(ids)  # and the induction cells, one key right, as a run lists them
@@ -62,32 +87,34 @@ def main() -> None:
         tile_of = (rows // tile) * (-(-n // tile)) + keys // tile
         _, which, counts = torch.unique(tile_of, return_inverse=True, return_counts=True)
         dense_share = float((counts[which] >= tile * tile // 32).float().mean())
-        old, new = [], []
+        times = {"before": [], "lone": [], "now": []}
         for _ in range(args.repeats):
-            t = time.perf_counter()
-            a = mod.cell_weights(q, k, lse, 0.125, rows, keys, dense_at=never)
-            old.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            b = mod.cell_weights(q, k, lse, 0.125, rows, keys)
-            new.append(time.perf_counter() - t)
+            for name, fn in (("before", cell_weights_before), ("lone", partial(mod.cell_weights, dense_at=never)),
+                             ("now", mod.cell_weights)):
+                t = time.perf_counter()
+                got = fn(q, k, lse, 0.125, rows, keys)
+                times[name].append(time.perf_counter() - t)
+                if name == "before":
+                    a = got
+            b = got
         diff = float(((a - b).abs() / a.abs().clamp(min=1e-30)).max())
-        x, y = statistics.median(old), statistics.median(new)
-        print(f"{n:>6} | {rows.numel():>9,} | {dense_share:>13.1%} | {x:>7.2f} | {y:>7.3f} | {x / y:>4.0f}× | {diff:.1e} (relative)")
+        x, lone, y = (statistics.median(times[name]) for name in ("before", "lone", "now"))
+        print(f"{n:>6} | {rows.numel():>9,} | {dense_share:>13.1%} | {x:>8.2f} | {lone:>11.2f} | {y:>6.3f} | "
+              f"{x / y:>4.0f}× | {diff:.1e}")
 
     ids = ids_all[:1200]
     original = mod.cell_weights
     runs, times = {}, {}
-    for name, fn in (("dots", partial(original, dense_at=never)), ("tiles", original)):
+    for name, fn in (("before", cell_weights_before), ("now", original)):
         mod.cell_weights = fn
         t = time.perf_counter()
         runs[name] = capture_statistics(model, ids)
         times[name] = time.perf_counter() - t
     mod.cell_weights = original
-    worst = max(float(abs(statistics_score(runs["dots"], s) - statistics_score(runs["tiles"], s)).max())
+    worst = max(float(abs(statistics_score(runs["before"], s) - statistics_score(runs["now"], s)).max())
                 for s in ("duplicate_token", "induction"))
-    print(f"statistics-mode run of 1,200 passkey tokens, embedded model, one thread: dots {times['dots']:.1f} s, "
-          f"tiles {times['tiles']:.1f} s ({times['dots'] / times['tiles']:.1f}×); "
-          f"largest score difference {worst:.1e}")
+    print(f"statistics-mode run of 1,200 passkey tokens, embedded model, one thread: before {times['before']:.1f} s, "
+          f"now {times['now']:.1f} s ({times['before'] / times['now']:.1f}×); largest score difference {worst:.1e}")
 
 
 if __name__ == "__main__":
