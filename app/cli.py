@@ -267,9 +267,9 @@ def cmd_serve(args) -> int:
         raise UsageError("argument --token: an access token has no spaces or control characters "
                          "(it travels in links).")
     _port_free(host, args.port)
-    from app.jobs import keep_server_to_one_thread, passive_openmp
+    from app.jobs import prepare_server_threads
 
-    passive_wait = passive_openmp()  # before torch loads: jobs fork from this process and share its cores
+    prepare_server_threads()  # before torch loads: jobs fork from this process and share its cores
     from app.access import new_token, protect
     from app.context import AppContext
     from app.server import create_app, warm_up
@@ -287,7 +287,6 @@ def cmd_serve(args) -> int:
         print(f"headscope: jobs run on Celery workers through {_redacted(redis_url())}; "
               "start them with `headscope worker`", file=sys.stderr)
     else:
-        keep_server_to_one_thread(passive_wait)
         print(f"headscope: loading {model} …", file=sys.stderr)
         t = time.time()
         with _argument("--model"):

@@ -22,13 +22,14 @@ same thing at once each get their own result.
 
 Torch threads in forked children: GNU OpenMP's thread pool does not survive a fork, so a child of a
 process that ran torch on several threads hangs as soon as it uses more than one. ``headscope serve``
-therefore keeps its own process to one torch thread from the start (:func:`keep_server_to_one_thread`;
-it computes nothing heavy itself), and :func:`in_job` gives each job the threads the server would
-have had (on 2 cores a 400-token forward pass takes 1.0 s instead of 1.8 s). Several jobs at once
-then share the cores: with OpenMP's default spin-waiting, three 2-thread jobs on 2 cores took 36 s
-against 7 s on one thread each, so the server sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads
-(7.4 s against 7.4 s). Anywhere else (a Celery worker's pool, a test forking its own process) a job
-runs on one thread, as before.
+therefore runs OpenMP on one thread in every thread of its own process from the start
+(:func:`prepare_server_threads`; it computes nothing heavy itself), and :func:`in_job` gives each job
+the threads the server would have had (on 2 cores a 400-token forward pass takes 1.0-1.2 s instead of
+1.8 s). Several jobs at once then share the cores: with OpenMP's default spin-waiting, three 2-thread
+jobs on 2 cores took 36 s, so the server sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads: 7.4 s,
+against 6.8 s for three one-thread jobs as before (about 10% more when jobs crowd the cores, 40%
+less for one job alone). Anywhere else (a Celery worker's pool, a test forking its own process, a
+job's own children) a job runs on one thread, as before.
 """
 
 from __future__ import annotations
@@ -381,27 +382,24 @@ _SERVER_PID = os.getpid()
 _job_threads = 1
 
 
-def passive_openmp() -> bool:
-    """Ask OpenMP to sleep, not spin, while its threads wait (``OMP_WAIT_POLICY=PASSIVE``, unless the
-    environment says otherwise); GNU OpenMP reads it once, when torch loads it. True when it is in
-    effect: torch was not loaded yet and the policy is passive."""
+def prepare_server_threads() -> None:
+    """Call in ``headscope serve`` before torch loads (module docstring): every thread of the server
+    process runs OpenMP on one thread (``OMP_NUM_THREADS=1``, read when torch loads OpenMP, so a
+    library that restores a thread's count later restores one), OpenMP threads sleep while they wait
+    (``OMP_WAIT_POLICY=PASSIVE`` unless set otherwise), and the server's forked jobs get the threads
+    a process would have had: ``OMP_NUM_THREADS`` as the environment gave it, else the CPUs this
+    process may run on. Too late (torch already loaded) or with a spin-waiting policy, jobs keep to
+    one thread."""
+    global _job_threads
     import sys
 
+    if "torch" in sys.modules:
+        return
     policy = os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return "torch" not in sys.modules and policy.upper() == "PASSIVE"
-
-
-def keep_server_to_one_thread(passive_wait: bool) -> None:
-    """Call in the server process before its first torch operation: it runs torch on one thread from
-    then on, and its forked jobs may use as many as it would have (module docstring). ``passive_wait``:
-    OpenMP was loaded with ``OMP_WAIT_POLICY=PASSIVE``; without it jobs keep to one thread, as
-    several spin-waiting jobs on the same cores slow each other down several times over."""
-    global _job_threads
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    if passive_wait and os.getpid() == _SERVER_PID:
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    threads = int(given) if given.isdigit() and int(given) > 0 else len(os.sched_getaffinity(0))
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if policy.upper() == "PASSIVE" and os.getpid() == _SERVER_PID:
         _job_threads = max(1, threads)
 
 

@@ -175,13 +175,14 @@ def click_cell(page, graph, col, row, n_cols, n_rows):
     page.mouse.click(box["x"] + box["width"] * (col + 0.5) / n_cols, box["y"] + box["height"] * (row + 0.5) / n_rows)
 
 
-def quick_second_clicks_lost(page, graph: str, gaps=(0, 0, 60, 300), n_cols=9, n_rows=30) -> list[int]:
+def quick_second_clicks_lost(page, graph: str, gaps=(0, 30, 60, 300), n_cols=9, n_rows=30) -> list[int]:
     """Click head 1 of layer 2 on the grid ``graph``, then ``gap`` ms later head 7 of layer 25 (or the
     other way round), for each gap; return the gaps after which the page's URL did not end on the
     second head. (Plotly reports a click at the cell its last hover found, and hovers at most every
     50 ms and again after each redraw: a quick second click was read as the first, #16.) Every grid
     reads clicks through the same script (assets/grid_clicks.js); the Attention grid's test sweeps
-    nine gaps from 0 to 800 ms (test_direct_manipulation.py), the other grids these four."""
+    nine gaps from 0 to 800 ms (test_direct_manipulation.py), the other grids these four (two
+    inside plotly's 50 ms hover throttle)."""
     page.locator(f"#{graph}").scroll_into_view_if_needed()
     box = page.locator(f"#{graph} .nsewdrag").first.bounding_box()
     missed = []

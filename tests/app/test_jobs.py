@@ -215,45 +215,47 @@ def test_two_jobs_with_the_same_arguments_each_deliver_their_own_result(tmp_path
 
 # What `headscope serve` does before it loads a model (app/cli.py cmd_serve), then a job forked from it
 FORKED_JOB_THREADS = textwrap.dedent("""
-    import os, sys
-    from app.jobs import in_job, keep_server_to_one_thread, passive_openmp
+    import os, signal, sys, threading
+    from app.jobs import in_job, prepare_server_threads
 
-    passive = passive_openmp()
+    prepare_server_threads()
     import torch
 
-    cores = torch.get_num_threads()
-    keep_server_to_one_thread(passive)
     x = torch.randn(4_000_000)
-    expected = torch.exp(x)  # the server's own work: one thread
-    assert torch.get_num_threads() == 1
+    expected = torch.exp(x)  # the server's own work, in its main thread and in a request thread: one thread
+    seen = [torch.get_num_threads()]
+    t = threading.Thread(target=lambda: seen.append((torch.exp(x).sum(), torch.get_num_threads())[1]))
+    t.start(); t.join()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
+        signal.alarm(60)  # a child that inherited a dead OpenMP pool hangs: end it, the pipe says nothing
         in_job()
-        got = torch.exp(x)  # a parallel region in the child: hangs if the pool was inherited
+        got = torch.exp(x)
         os.write(w, f"{torch.get_num_threads()} {torch.equal(got, expected)}".encode())
         os._exit(0)
     os.close(w)
-    print(passive, cores, os.read(r, 100).decode(), os.environ["OMP_WAIT_POLICY"], flush=True)
+    print(seen, os.read(r, 100).decode() or "no-answer -", os.environ["OMP_WAIT_POLICY"],
+          len(os.sched_getaffinity(0)), flush=True)
     os.waitpid(pid, 0)
 """)
 
 
-@pytest.mark.parametrize("policy", [None, "ACTIVE"])
-def test_a_job_forked_from_the_server_uses_its_cores_only_where_openmp_sleeps_while_waiting(policy):
-    """The server keeps itself to one torch thread, so its forked jobs can use every core without
-    inheriting a dead OpenMP pool (a child of a multi-threaded parent hangs); with OpenMP set to
-    spin-wait (``ACTIVE``), several such jobs on the same cores slow each other several times over,
-    so a job keeps to one thread there."""
+@pytest.mark.parametrize("policy, given, want", [(None, None, "cores"), ("ACTIVE", None, 1), (None, "3", 3)])
+def test_a_job_forked_from_the_server_uses_its_cores_only_where_openmp_sleeps_while_waiting(policy, given, want):
+    """Every thread of the server runs torch on one thread, so its forked jobs can use every core (or
+    the OMP_NUM_THREADS the environment gave) without inheriting a dead OpenMP pool: a child of a
+    multi-threaded parent hangs. With OpenMP set to spin-wait (``ACTIVE``), several such jobs on the
+    same cores slow each other several times over, so a job keeps to one thread there."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     if policy:
         env["OMP_WAIT_POLICY"] = policy
+    if given:
+        env["OMP_NUM_THREADS"] = given
     out = subprocess.run([sys.executable, "-c", FORKED_JOB_THREADS], capture_output=True, text=True, timeout=120,
                          env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
-    passive, cores, threads, same, seen_policy = out.stdout.split()
-    assert same == "True" and int(cores) >= 1
-    if policy is None:
-        assert (passive, seen_policy) == ("True", "PASSIVE") and int(threads) == int(cores)
-    else:
-        assert (passive, seen_policy) == ("False", "ACTIVE") and int(threads) == 1
+    server, job = out.stdout.split("] ", 1)
+    threads, same, seen_policy, cores = job.split()
+    assert server == "[1, 1" and same == "True" and seen_policy == (policy or "PASSIVE")
+    assert int(threads) == (int(cores) if want == "cores" else want)

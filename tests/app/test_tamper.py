@@ -203,7 +203,8 @@ def test_tampered_run_files_never_reach_a_live_server_and_are_recomputed(tmp_pat
         assert key.startswith(run_id_of(page.url))
         assert "No stored run" not in page.locator("#hs-error").inner_text()
         assert len(list(home.glob(f"records/*/{key}-*/patterns.npy"))) == 1
-        # recomputed in the server's process (one thread): equal to the stored float16 within rounding
+        # recomputed in a job forked from the server (one thread: OMP_NUM_THREADS=1 above): equal to the stored
+        # float16 within rounding
         np.testing.assert_allclose(heatmap(render_attention(url, search)), true_map, atol=2e-3, equal_nan=True)
         assert proc.poll() is None
     finally:
