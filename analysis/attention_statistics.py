@@ -655,25 +655,19 @@ def _pair_weights(q: Tensor, k: Tensor, lse: Tensor, mask: LayerMask, offset: in
     return torch.where(valid, torch.exp(s - lse), torch.zeros((), device=q.device))
 
 
-CELL_TILE = 64
-"""Side of the (query row, key) tiles :func:`cell_weights` computes as one matrix product."""
-
-
 def cell_weights(q: Tensor, k: Tensor, lse: Tensor, scale: float, rows: Tensor, keys: Tensor,
-                 chunk: int = 1 << 14, softcap: float | None = None, window: int = 0,
-                 tile: int = CELL_TILE, dense_at: int | None = None) -> Tensor:
+                 chunk: int = 1 << 14, softcap: float | None = None, window: int = 0) -> Tensor:
     """``A[r, c] = exp(s_rc − lse_r)`` for listed cells (query row ``r``, key position ``c``),
     ``[b, h, P]``, with ``s_rc = scale · q_r · k_c`` soft-capped by ``softcap``; 0 where a sliding
     ``window`` hides the key (``c ≤ p_r − window``). Cells a causal query cannot see must not be listed.
 
-    The scores come from :func:`_cell_scores`: ``tile × tile`` blocks of the (row, key) plane that
-    hold at least ``dense_at`` cells are matrix products, the other cells dot products ``chunk`` at a
-    time; beside the ``[b, h, P]`` result, memory stays O(chunk · h · max(d, tile)) whatever P and n
-    are, and no ``n × n`` array is built."""
+    The scores come from :func:`_cell_scores` (torch's sampled dense product at the cells); then
+    ``chunk`` cells at a time: beside the ``[b, h, P]`` result, memory is O(P) whatever n is, and no
+    ``n × n`` array is built."""
     b, h, n_q, _ = q.shape
     offset = k.shape[-2] - n_q
     rows, keys = rows.to(q.device, torch.int64), keys.to(q.device, torch.int64)
-    out = _cell_scores(q, k, rows, keys, chunk, tile, dense_at)
+    out = _cell_scores(q, k, rows, keys)
     for a in range(0, rows.numel(), chunk):  # in place, a chunk at a time: no [b, h, P] temporaries
         r, c, s = rows[a : a + chunk], keys[a : a + chunk], out[:, :, a : a + chunk] * scale
         if softcap is not None:
@@ -685,59 +679,26 @@ def cell_weights(q: Tensor, k: Tensor, lse: Tensor, scale: float, rows: Tensor, 
     return out
 
 
-def _cell_scores(q: Tensor, k: Tensor, rows: Tensor, keys: Tensor, chunk: int, tile: int,
-                 dense_at: int | None) -> Tensor:
-    """Unscaled ``q_r · k_c`` (float32) of the listed cells, ``[b, h, P]``; a query head reads its KV
-    group's keys (``h // (h / h_kv)``), never a repeated copy of them.
+def _cell_scores(q: Tensor, k: Tensor, rows: Tensor, keys: Tensor) -> Tensor:
+    """Unscaled ``q_r · k_c`` (float32) of the listed cells, ``[b, h, P]``: torch's sampled dense
+    product (``torch.sparse.sampled_addmm``, SDDMM) of each head's queries and its KV group's keys at
+    the cells, as one CSR mask; memory O(P) per head, no gathered copies of q or k."""
+    import warnings
 
-    A text that repeats itself (the passkey haystack, code) lists its equal-token cells in dense
-    clusters. The (row, key) plane is cut into ``tile × tile`` tiles; for each row of tiles, the tiles
-    holding ``dense_at`` cells or more (default ``tile² / 32``) are products
-    ``(g·tile × d) @ (d × m·tile)`` over up to ``m = chunk / tile`` of their key blocks at a time, far
-    cheaper than gathering two ``d``-vectors per cell; lone cells are gathered and dotted ``chunk``
-    at a time."""
-    b, h, n_q, d = q.shape
+    b, h, n_q, _ = q.shape
     h_kv, n_k = k.shape[1], k.shape[-2]
-    g = h // h_kv
     P = rows.numel()
-    out = torch.empty(b, h_kv, g, P, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, h, P, dtype=torch.float32, device=q.device)
     if P == 0:
-        return out.reshape(b, h, 0)
-    qg = q.reshape(b, h_kv, g, n_q, d)
-    dense_at = max(1, tile * tile // 32) if dense_at is None else dense_at
-    n_ct = -(-n_k // tile)
-    tile_of = (rows // tile) * n_ct + keys // tile
-    tiles, which, counts = torch.unique(tile_of, return_inverse=True, return_counts=True)
-    dense = counts >= dense_at
-    rank = torch.full_like(tiles, -1)
-    rank[dense] = torch.arange(int(dense.sum()), device=q.device)
-    cell_rank = rank[which]  # the ordinal of the cell's dense tile, -1 for a lone cell
-    lone = (cell_rank < 0).nonzero().squeeze(1)
-    for a in range(0, lone.numel(), chunk):
-        i = lone[a : a + chunk]
-        qr = qg[:, :, :, rows[i]].float()  # [b, h_kv, g, p, d]
-        kc = k[:, :, keys[i]].float().unsqueeze(2)  # [b, h_kv, 1, p, d]
-        out[..., i] = (qr * kc).sum(-1)
-    dense_tiles = tiles[dense]
-    if not dense_tiles.numel():
-        return out.reshape(b, h, P)
-    tile_row, tile_col = dense_tiles // n_ct, dense_tiles % n_ct
-    row_tiles, row_counts = torch.unique_consecutive(tile_row, return_counts=True)
-    starts = (torch.cumsum(row_counts, 0) - row_counts).tolist()  # ordinal of each row's first dense tile
-    order = torch.argsort(cell_rank, stable=True)
-    ranked = cell_rank[order]
-    span = torch.arange(tile, device=q.device)
-    per = max(1, chunk // tile)  # key blocks in one product: the block is [b, h, tile, ≤ chunk]
-    groups = [(tr, f + a, min(per, m - a)) for tr, f, m in zip(row_tiles.tolist(), starts, row_counts.tolist(),
-                                                                strict=True) for a in range(0, m, per)]
-    firsts = torch.tensor([f for _, f, _ in groups] + [int(dense_tiles.numel())], device=q.device)
-    bounds = torch.searchsorted(ranked, firsts).tolist()
-    for j, (tr, f, m) in enumerate(groups):
-        q_rows = qg[:, :, :, tr * tile : (tr + 1) * tile].float()  # [b, h_kv, g, ≤ tile, d]
-        keys_at = ((tile_col[f : f + m] * tile)[:, None] + span).clamp(max=n_k - 1).reshape(-1)
-        kt = k[:, :, keys_at].float().unsqueeze(2)  # [b, h_kv, 1, m·tile, d]: past the end, repeats of the last key
-        block = q_rows @ kt.transpose(-1, -2)  # [b, h_kv, g, ≤ tile, m·tile]
-        i = order[bounds[j] : bounds[j + 1]]
-        col = (cell_rank[i] - f) * tile + keys[i] % tile
-        out[..., i] = block[:, :, :, rows[i] % tile, col]
-    return out.reshape(b, h, P)
+        return out
+    order = torch.argsort(rows * n_k + keys)  # CSR: by row, then key
+    crow = torch.zeros(n_q + 1, dtype=torch.int64, device=q.device)
+    crow[1:] = torch.cumsum(torch.bincount(rows, minlength=n_q), 0)
+    with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta state"
+        warnings.simplefilter("ignore", UserWarning)
+        mask = torch.sparse_csr_tensor(crow, keys[order], torch.zeros(P, device=q.device), size=(n_q, n_k))
+        for i in range(b):
+            for j in range(h):
+                kt = k[i, j // (h // h_kv)].float().T.contiguous()
+                out[i, j, order] = torch.sparse.sampled_addmm(mask, q[i, j].float(), kt, beta=0.0).values()
+    return out

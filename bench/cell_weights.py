@@ -1,20 +1,19 @@
-"""Listed attention cells (statistics mode's duplicate-token and induction scores): tiles against dots.
+"""Listed attention cells (statistics mode's duplicate-token and induction scores): SDDMM against dots.
 
 Statistics mode never builds a pattern; the duplicate-token and induction scores read the weights
 of their detection cells (``t_j = t_i``, ``j < i``, and those cells one key right) from the lse
 (:func:`analysis.attention_statistics.cell_weights`). A repetitive text has many: the passkey
 haystack of the needle-in-a-haystack page (the paper's "The grass is green..." filler) lists about
 121,000 cells at 1,200 tokens and 1.4 million at 4,096. Until 2026-12-03 every cell gathered its
-query and key vectors and took a dot product (memory-bound, a repeated copy of the keys per query
-head); now the 64 × 64 tiles of the (query, key) plane that hold at least 128 listed cells are
-matrix products per row of tiles, and only lone cells take dot products.
+query and key vectors (the keys repeated for each query head of their group) and took a dot
+product; now torch's sampled dense product (``torch.sparse.sampled_addmm``) computes each head's
+scores at the cells.
 
 Part 1: the code before (``cell_weights_before`` below, as it was in analysis/attention_statistics.py
 at 7c77195) and now, on random q/k of SmolLM2's shape (9 query heads, 3 KV heads, d = 64) over the
-passkey prompt's real cells, one torch thread; also now with no tile dense (``dense_at`` above any
-count: the lone-cell path alone, which no longer repeats the keys per query head). Part 2: the whole
-statistics-mode run of the 1,200-token passkey text on the embedded model with the code before and
-now, and the largest difference of the two runs' duplicate-token and induction scores.
+passkey prompt's real cells, one torch thread. Part 2: the whole statistics-mode run of the
+1,200-token passkey text on the embedded model with the code before and now, and the largest
+difference of the two runs' duplicate-token and induction scores.
 
     .venv/bin/python bench/cell_weights.py [--sizes 1200,4096] [--repeats 3]
 """
@@ -25,7 +24,6 @@ import argparse
 import statistics
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,9 +70,7 @@ def main() -> None:
     model = load_model("smollm2-135m")
     text = named_haystack("passkey")
     ids_all = model.encode(text * 4)
-    never = 1 << 62
-    print(f"{'tokens':>6} | {'cells':>9} | {'in dense tiles':>14} | {'before s':>8} | {'lone only s':>11} | "
-          f"{'now s':>6} | {'ratio':>5} | max |diff| (relative)")
+    print(f"{'tokens':>6} | {'cells':>9} | {'before s':>8} | {'now s':>6} | {'ratio':>5} | max |diff| (relative)")
     for n in (int(s) for s in args.sizes.split(",")):
         ids = ids_all[:n]
         dup_rows, dup_keys = detection_cells(ids)  # and the induction cells, one key right, as a run lists them
@@ -83,14 +79,9 @@ def main() -> None:
         g = torch.Generator().manual_seed(n)
         q, k = torch.randn(1, 9, n, 64, generator=g), torch.randn(1, 3, n, 64, generator=g)
         lse = torch.full((1, 9, n), 8.0)
-        tile = mod.CELL_TILE
-        tile_of = (rows // tile) * (-(-n // tile)) + keys // tile
-        _, which, counts = torch.unique(tile_of, return_inverse=True, return_counts=True)
-        dense_share = float((counts[which] >= tile * tile // 32).float().mean())
-        times = {"before": [], "lone": [], "now": []}
+        times = {"before": [], "now": []}
         for _ in range(args.repeats):
-            for name, fn in (("before", cell_weights_before), ("lone", partial(mod.cell_weights, dense_at=never)),
-                             ("now", mod.cell_weights)):
+            for name, fn in (("before", cell_weights_before), ("now", mod.cell_weights)):
                 t = time.perf_counter()
                 got = fn(q, k, lse, 0.125, rows, keys)
                 times[name].append(time.perf_counter() - t)
@@ -98,9 +89,8 @@ def main() -> None:
                     a = got
             b = got
         diff = float(((a - b).abs() / a.abs().clamp(min=1e-30)).max())
-        x, lone, y = (statistics.median(times[name]) for name in ("before", "lone", "now"))
-        print(f"{n:>6} | {rows.numel():>9,} | {dense_share:>13.1%} | {x:>8.2f} | {lone:>11.2f} | {y:>6.3f} | "
-              f"{x / y:>4.0f}× | {diff:.1e}")
+        x, y = (statistics.median(times[name]) for name in ("before", "now"))
+        print(f"{n:>6} | {rows.numel():>9,} | {x:>8.2f} | {y:>6.3f} | {x / y:>4.0f}× | {diff:.1e}")
 
     ids = ids_all[:1200]
     original = mod.cell_weights
