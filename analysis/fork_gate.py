@@ -28,7 +28,8 @@ from collections.abc import Iterator
 
 
 class ForkGate:
-    """Many threads inside SQLite at once, or one fork; a fork waiting goes before new entries."""
+    """Many threads inside (SQLite calls; a model load for :data:`MODEL_LOADS`) at once, or one fork;
+    a fork waiting goes before new entries."""
 
     def __init__(self) -> None:
         self._reset()
@@ -77,6 +78,17 @@ class ForkGate:
             self._forking = None
             self._cond.notify_all()
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Close the gate for the body (a fork): wait for the threads inside, keep new ones out."""
+        pid = os.getpid()
+        self.close_for_fork()
+        try:
+            yield
+        finally:
+            if os.getpid() == pid:  # a child forked in the body has a fresh gate already
+                self.open_after_fork()
+
     def reset_in_child(self) -> None:
         """After a fork only the forking thread exists: fresh locks (another thread may have held the
         gate's own lock at the fork), nobody else inside, the forking thread as deep as it was."""
@@ -95,3 +107,17 @@ class ForkGate:
 GATE = ForkGate()
 os.register_at_fork(before=GATE.close_for_fork, after_in_parent=GATE.open_after_fork,
                     after_in_child=GATE.reset_in_child)
+
+MODEL_LOADS = ForkGate()
+"""Model loads (:func:`analysis.models.load_model`) pass this gate; a job's fork holds it
+(:meth:`ForkGate.held`), so no job is forked while another thread loads a model.
+
+A load imports the family's modelling code lazily and holds Python's lock on each module while it
+runs; a child forked meanwhile inherits that lock with its owner gone and waits for ever at its own
+first use of the module (seen in CI: a page's render loaded Qwen 3 in a server thread while a Run
+click forked the job, which never started). The fork waits for the loads in flight instead (seconds)
+and the job then shares the loaded model. A gate of its own, so that a waiting fork holds up new
+loads only, not every SQLite call. It is held around the fork by its caller, not from an at-fork
+hook: other libraries gate their own work at fork too (``filelock`` closes its admission in a hook),
+and a hook of ours waiting for a load that needs theirs would wait for ever."""
+os.register_at_fork(after_in_child=MODEL_LOADS.reset_in_child)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from analysis.errors import parse_json
+from analysis.fork_gate import MODEL_LOADS
 from analysis.paths import model_cache
 
 log = logging.getLogger(__name__)
@@ -518,7 +519,8 @@ def refuse_loading(reason: str | None) -> None:
 
 
 def load_model(spec: str = DEFAULT_MODEL, device: str | None = None) -> LoadedModel:
-    """Load a model by spec (memoised per process: a model is never loaded twice at once).
+    """Load a model by spec (memoised per process: a model is never loaded twice at once). A process
+    forked meanwhile (a background job) waits for the load to end (:data:`analysis.fork_gate.MODEL_LOADS`).
 
     ``device`` defaults to ``$HEADSCOPE_DEVICE`` or ``cpu`` (``headscope worker --device`` sets it).
 
@@ -539,7 +541,7 @@ def load_model(spec: str = DEFAULT_MODEL, device: str | None = None) -> LoadedMo
             _models.move_to_end(key)
             return _models[key]
         spec_lock = _spec_locks.setdefault(key, threading.Lock())
-    with spec_lock:
+    with spec_lock, MODEL_LOADS.using():  # no job forks in the middle (its child would hang)
         if key in _models:
             return _models[key]
         from transformers import AutoModelForCausalLM, AutoTokenizer

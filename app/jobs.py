@@ -14,6 +14,10 @@ model: every callback that loads a model or reads analysis results is a backgrou
 Forked children must run numba on its fork-safe ``workqueue`` threading layer (set here, before
 numba is imported), and a job whose process dies says so on its page (:func:`_watched_manager`).
 
+A job is never forked while another server thread loads a model (a page's render does, for a model
+named in its link): the child would inherit the lock on a module the load was importing and wait for
+ever. The fork waits for the load (:data:`analysis.fork_gate.MODEL_LOADS`) and the job shares the model.
+
 A job is never forked while a server thread is inside SQLite (the job cache here, the store's
 index): the job would inherit SQLite's locks with their owner gone, and could never write its progress
 or result. Both pass :data:`analysis.fork_gate.GATE` (:class:`GatedCache`), which every fork waits
@@ -47,7 +51,7 @@ from typing import Any
 import diskcache
 from diskcache.core import MODE_BINARY, MODE_RAW, MODE_TEXT
 
-from analysis.fork_gate import GATE
+from analysis.fork_gate import GATE, MODEL_LOADS
 from app.workers import OneKeyPerJob, job_manager, redis_url
 
 log = logging.getLogger(__name__)
@@ -224,7 +228,8 @@ def _watched_manager(base):
             from multiprocess import Process
 
             process = Process(target=job_fn, args=(key, self._make_progress_key(key), args, context))
-            process.start()
+            with MODEL_LOADS.held():  # never fork while another thread loads a model (its child would hang)
+                process.start()
             self._cancelled.discard(process.pid)  # a pid can be reused by a later job
             self._processes[process.pid] = process
             return process.pid

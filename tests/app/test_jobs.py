@@ -259,3 +259,60 @@ def test_a_job_forked_from_the_server_uses_its_cores_only_where_openmp_sleeps_wh
     threads, same, seen_policy, cores = job.split()
     assert server == "[1, 1" and same == "True" and seen_policy == (policy or "PASSIVE")
     assert int(threads) == (int(cores) if want == "cores" else want)
+
+
+# A server thread loads a model (a page's render, for a model named in its link) while a Run click
+# forks the job through the server's job manager; the job loads the model and runs it.
+JOB_FORKED_DURING_A_LOAD = textwrap.dedent("""
+    import faulthandler, sys, threading, time
+    from dash import DiskcacheManager
+    from dash._utils import AttributeDict
+    from analysis import models
+    from app.jobs import _watched_manager, job_cache
+
+    folder, delay_s, cache = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+    manager = _watched_manager(DiskcacheManager)(job_cache(cache), expire=3600)
+
+    def run(n):
+        faulthandler.dump_traceback_later(90, exit=True)  # a hung job says where, and ends
+        import torch
+        shared = (folder, "cpu") in models._models
+        model = models.load_model(folder)
+        with model.lock, torch.inference_mode():
+            logits = model.bridge(torch.tensor([[1, 2, 3]]))
+        return {"shared": shared, "logits": list(logits.shape)}
+
+    render = threading.Thread(target=models.load_model, args=(folder,))
+    render.start()
+    while not any(lock.locked() for lock in list(models._spec_locks.values())):
+        time.sleep(0.001)
+    time.sleep(delay_s)  # inside the load: Hugging Face imports the family's modelling code
+    key = manager.build_cache_key(run, [1], [], None)
+    job = manager.call_job_fn(key, manager.make_job_fn(run, False), [1],
+                              AttributeDict(args={}, ignore_register_page=True))
+    result, deadline = manager.UNDEFINED, time.time() + 150
+    while result is manager.UNDEFINED and time.time() < deadline:
+        result = manager.get_result(key, job)
+        time.sleep(0.1)
+    render.join()
+    print(result, flush=True)
+""")
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.5])
+def test_a_job_forked_while_the_server_loads_a_model_runs_it(embedded_tokenizer, tmp_path, delay_s):
+    """CI: the Qwen 3 browser test waited 240 s for a Run whose job never started. The page's render
+    was loading the model in a server thread when the click forked the job, and the child waited for
+    ever on the lock of a module the load was importing. The fork now waits for loads in flight: the
+    job finds the model loaded (it never loads it again) and runs it."""
+    from tests.tiny_families import tiny_family_model
+
+    folder = tmp_path / "tiny-qwen3"
+    tiny_family_model("qwen3", len(embedded_tokenizer)).save_pretrained(folder, safe_serialization=True)
+    embedded_tokenizer.save_pretrained(folder)
+    # a fresh interpreter: none of Qwen 3's modelling code imported yet, as in a server that just started
+    done = subprocess.run([sys.executable, "-c", JOB_FORKED_DURING_A_LOAD, str(folder), str(delay_s),
+                           str(tmp_path / "jobs")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = {"shared": True, "logits": [1, 3, len(embedded_tokenizer)]}
+    assert done.stdout.strip().splitlines()[-1] == str(want), done.stdout[-2000:] + done.stderr[-3000:]
