@@ -22,9 +22,13 @@ gate too (the server closes each request thread's connections when its request e
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
+
+log = logging.getLogger(__name__)
 
 
 class ForkGate:
@@ -121,3 +125,37 @@ loads only, not every SQLite call. It is held around the fork by its caller, not
 hook: other libraries gate their own work at fork too (``filelock`` closes its admission in a hook),
 and a hook of ours waiting for a load that needs theirs would wait for ever."""
 os.register_at_fork(after_in_child=MODEL_LOADS.reset_in_child)
+
+
+def wait_for_imports(timeout_s: float = 120.0, poll_s: float = 0.005) -> list[str]:
+    """Wait until no other thread is inside an ``import`` (call just before a fork); return the
+    modules still being imported if ``timeout_s`` passed first.
+
+    Python holds a lock on each module while its code runs, and a fork copies a lock another thread
+    holds into a child where its owner never returns: the child's own first import of that module
+    waits for ever. The server imports lazily in its request threads (a model family's modelling
+    code, a plotting or export library on first use) while another request forks a job, so the fork
+    waits for those imports to end (milliseconds; seconds for a large library). The locks are read
+    from ``importlib._bootstrap._module_locks``, CPython's own table (3.11-3.13); where it is missing
+    or shaped otherwise this returns at once. A thread that starts an import between this check and
+    the fork is not seen; loads of models, whose imports take seconds, are held off by
+    :data:`MODEL_LOADS` instead."""
+    from importlib import _bootstrap
+
+    me = threading.get_ident()
+    deadline = time.monotonic() + timeout_s
+
+    def importing() -> list[str]:
+        busy = []
+        for name, ref in list(getattr(_bootstrap, "_module_locks", {}).items()):
+            lock = ref() if callable(ref) else None
+            owner, count = getattr(lock, "owner", None), getattr(lock, "count", 0)
+            if owner is not None and owner != me and count:
+                busy.append(name)
+        return busy
+
+    while (busy := importing()) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    if busy:
+        log.warning("forking while other threads import %s (waited %.0f s)", ", ".join(busy), timeout_s)
+    return busy

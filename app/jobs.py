@@ -16,7 +16,8 @@ numba is imported), and a job whose process dies says so on its page (:func:`_wa
 
 A job is never forked while another server thread loads a model (a page's render does, for a model
 named in its link): the child would inherit the lock on a module the load was importing and wait for
-ever. The fork waits for the load (:data:`analysis.fork_gate.MODEL_LOADS`) and the job shares the model.
+ever. The fork waits for the load (:data:`analysis.fork_gate.MODEL_LOADS`) and the job shares the model;
+it likewise waits for any other thread's import to end (:func:`analysis.fork_gate.wait_for_imports`).
 
 A job is never forked while a server thread is inside SQLite (the job cache here, the store's
 index): the job would inherit SQLite's locks with their owner gone, and could never write its progress
@@ -51,7 +52,7 @@ from typing import Any
 import diskcache
 from diskcache.core import MODE_BINARY, MODE_RAW, MODE_TEXT
 
-from analysis.fork_gate import GATE, MODEL_LOADS
+from analysis.fork_gate import GATE, MODEL_LOADS, wait_for_imports
 from app.workers import OneKeyPerJob, job_manager, redis_url
 
 log = logging.getLogger(__name__)
@@ -228,7 +229,8 @@ def _watched_manager(base):
             from multiprocess import Process
 
             process = Process(target=job_fn, args=(key, self._make_progress_key(key), args, context))
-            with MODEL_LOADS.held():  # never fork while another thread loads a model (its child would hang)
+            with MODEL_LOADS.held():  # never fork while another thread loads a model or imports a module
+                wait_for_imports()  # (the child would wait for ever on a lock the import holds)
                 process.start()
             self._cancelled.discard(process.pid)  # a pid can be reused by a later job
             self._processes[process.pid] = process

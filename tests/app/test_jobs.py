@@ -316,3 +316,43 @@ def test_a_job_forked_while_the_server_loads_a_model_runs_it(embedded_tokenizer,
     assert done.returncode == 0, done.stderr[-3000:]
     want = {"shared": True, "logits": [1, 3, len(embedded_tokenizer)]}
     assert done.stdout.strip().splitlines()[-1] == str(want), done.stdout[-2000:] + done.stderr[-3000:]
+
+
+# A server thread imports a module on first use (a library a page needs) while a Run click forks a
+# job that imports the same module.
+JOB_FORKED_DURING_AN_IMPORT = textwrap.dedent("""
+    import faulthandler, sys, threading, time
+    from dash import DiskcacheManager
+    from dash._utils import AttributeDict
+    from app.jobs import _watched_manager, job_cache
+
+    sys.path.insert(0, sys.argv[1])
+    manager = _watched_manager(DiskcacheManager)(job_cache(sys.argv[2]), expire=3600)
+
+    def run(n):
+        faulthandler.dump_traceback_later(60, exit=True)  # a hung job says where, and ends
+        import slow_to_import
+        return {"value": slow_to_import.VALUE}
+
+    threading.Thread(target=lambda: __import__("slow_to_import")).start()
+    while "slow_to_import" not in sys.modules:  # its code is running now (it sleeps 2 s)
+        time.sleep(0.001)
+    key = manager.build_cache_key(run, [1], [], None)
+    job = manager.call_job_fn(key, manager.make_job_fn(run, False), [1],
+                              AttributeDict(args={}, ignore_register_page=True))
+    result, deadline = manager.UNDEFINED, time.time() + 120
+    while result is manager.UNDEFINED and time.time() < deadline:
+        result = manager.get_result(key, job)
+        time.sleep(0.1)
+    print(result, flush=True)
+""")
+
+
+def test_a_job_forked_while_the_server_imports_a_module_runs(tmp_path):
+    """A fork while another server thread runs a module's import left the job waiting for ever on
+    that module's lock when it imported the module too. The fork now waits for the import to end."""
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(2)\nVALUE = 7\n")
+    done = subprocess.run([sys.executable, "-c", JOB_FORKED_DURING_AN_IMPORT, str(tmp_path), str(tmp_path / "jobs")],
+                          capture_output=True, text=True, timeout=200, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == str({"value": 7}), done.stdout[-2000:] + done.stderr[-3000:]
