@@ -1,4 +1,5 @@
-"""No fork while another thread is inside SQLite: the gate every SQLite use in a forking process passes.
+"""No fork while another thread holds what the child would need: SQLite (:data:`GATE`), a model load
+(:data:`MODEL_LOADS`), a module's import (:func:`wait_for_imports`).
 
 The app's background jobs are processes forked from the multi-threaded server (Dash's
 ``DiskcacheManager``), and both sides use SQLite on the same files (the job cache, the store's index).
@@ -46,7 +47,7 @@ class ForkGate:
 
     @contextlib.contextmanager
     def using(self) -> Iterator[None]:
-        """Run the body (SQLite calls) with no fork of this process in between."""
+        """Run the body (SQLite calls; a model load) with no fork of this process in between."""
         me = threading.get_ident()
         with self._cond:
             if not self._depth.get(me):
@@ -119,8 +120,8 @@ MODEL_LOADS = ForkGate()
 A load imports the family's modelling code lazily and holds Python's lock on each module while it
 runs; a child forked meanwhile inherits that lock with its owner gone and waits for ever at its own
 first use of the module (seen in CI: a page's render loaded Qwen 3 in a server thread while a Run
-click forked the job, which never started). The fork waits for the loads in flight instead (seconds)
-and the job then shares the loaded model. A gate of its own, so that a waiting fork holds up new
+click forked the job, which never started). The fork waits for the loads in flight instead (seconds
+for a small model, minutes for a first load that converts a GGUF) and the job then shares the model. A gate of its own, so that a waiting fork holds up new
 loads only, not every SQLite call. It is held around the fork by its caller, not from an at-fork
 hook: other libraries gate their own work at fork too (``filelock`` closes its admission in a hook),
 and a hook of ours waiting for a load that needs theirs would wait for ever."""
@@ -137,9 +138,10 @@ def wait_for_imports(timeout_s: float = 120.0, poll_s: float = 0.005) -> list[st
     code, a plotting or export library on first use) while another request forks a job, so the fork
     waits for those imports to end (milliseconds; seconds for a large library). The locks are read
     from ``importlib._bootstrap._module_locks``, CPython's own table (3.11-3.13); where it is missing
-    or shaped otherwise this returns at once. A thread that starts an import between this check and
-    the fork is not seen; loads of models, whose imports take seconds, are held off by
-    :data:`MODEL_LOADS` instead."""
+    or shaped otherwise this returns at once. Not seen: an import another thread starts after this
+    check, while the fork still waits in at-fork hooks (:data:`GATE`'s, filelock's, the UMAP warm-up's;
+    usually milliseconds). Loads of models, whose imports take seconds, are held off by
+    :data:`MODEL_LOADS` for the whole fork."""
     from importlib import _bootstrap
 
     me = threading.get_ident()
@@ -147,7 +149,11 @@ def wait_for_imports(timeout_s: float = 120.0, poll_s: float = 0.005) -> list[st
 
     def importing() -> list[str]:
         busy = []
-        for name, ref in list(getattr(_bootstrap, "_module_locks", {}).items()):
+        try:
+            table = list(getattr(_bootstrap, "_module_locks", {}).items())
+        except RuntimeError:  # changed size while copied: look again
+            return ["?"]
+        for name, ref in table:
             lock = ref() if callable(ref) else None
             owner, count = getattr(lock, "owner", None), getattr(lock, "count", 0)
             if owner is not None and owner != me and count:

@@ -519,8 +519,9 @@ def refuse_loading(reason: str | None) -> None:
 
 
 def load_model(spec: str = DEFAULT_MODEL, device: str | None = None) -> LoadedModel:
-    """Load a model by spec (memoised per process: a model is never loaded twice at once). A process
-    forked meanwhile (a background job) waits for the load to end (:data:`analysis.fork_gate.MODEL_LOADS`).
+    """Load a model by spec (memoised per process: a model is never loaded twice at once). A job's
+    fork waits for the load to end (:data:`analysis.fork_gate.MODEL_LOADS`), which can be minutes
+    for a first load that converts a GGUF.
 
     ``device`` defaults to ``$HEADSCOPE_DEVICE`` or ``cpu`` (``headscope worker --device`` sets it).
 
@@ -541,29 +542,35 @@ def load_model(spec: str = DEFAULT_MODEL, device: str | None = None) -> LoadedMo
             _models.move_to_end(key)
             return _models[key]
         spec_lock = _spec_locks.setdefault(key, threading.Lock())
-    with spec_lock, MODEL_LOADS.using():  # no job forks in the middle (its child would hang)
+    with spec_lock:
         if key in _models:
             return _models[key]
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        with MODEL_LOADS.using():  # no job forks in the middle (its child would hang)
+            return _load(spec, device, key)
 
-        source, digest, bridge_name = _resolve(spec)
-        _check_no_remote_code(spec, source)
-        try:
-            tok = AutoTokenizer.from_pretrained(str(source), trust_remote_code=False)
-            hf = AutoModelForCausalLM.from_pretrained(
-                str(source),
-                dtype=torch.float32,
-                attn_implementation="eager",
-                use_safetensors=True,
-                trust_remote_code=False,
-            )
-        except Exception as e:  # OSError, ValueError, KeyError, safetensors' SafetensorError for corrupt files
-            raise _unknown(spec, f"its files could not be read ({type(e).__name__}: {e})") from None
-        model = wrap_model(hf, tok, name=spec, digest=digest, device=device, bridge_name=bridge_name)
-        with _models_lock:
-            _models[key] = model
-            _evict_over_budget(keep=key)
-        return model
+
+def _load(spec: str, device: str, key: tuple[str, str]) -> LoadedModel:
+    """The load itself (:func:`load_model`, under its locks)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, digest, bridge_name = _resolve(spec)
+    _check_no_remote_code(spec, source)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(source), trust_remote_code=False)
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(source),
+            dtype=torch.float32,
+            attn_implementation="eager",
+            use_safetensors=True,
+            trust_remote_code=False,
+        )
+    except Exception as e:  # OSError, ValueError, KeyError, safetensors' SafetensorError for corrupt files
+        raise _unknown(spec, f"its files could not be read ({type(e).__name__}: {e})") from None
+    model = wrap_model(hf, tok, name=spec, digest=digest, device=device, bridge_name=bridge_name)
+    with _models_lock:
+        _models[key] = model
+        _evict_over_budget(keep=key)
+    return model
 
 
 def model_bytes(model: LoadedModel) -> int:

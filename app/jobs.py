@@ -229,8 +229,12 @@ def _watched_manager(base):
             from multiprocess import Process
 
             process = Process(target=job_fn, args=(key, self._make_progress_key(key), args, context))
-            with MODEL_LOADS.held():  # never fork while another thread loads a model or imports a module
-                wait_for_imports()  # (the child would wait for ever on a lock the import holds)
+            # never fork while another thread loads a model or imports a module: the child would wait
+            # for ever on a lock the import holds (analysis.fork_gate). Imports first, so that loads are
+            # held off only for the last check.
+            wait_for_imports()
+            with MODEL_LOADS.held():
+                wait_for_imports()
                 process.start()
             self._cancelled.discard(process.pid)  # a pid can be reused by a later job
             self._processes[process.pid] = process

@@ -268,6 +268,7 @@ JOB_FORKED_DURING_A_LOAD = textwrap.dedent("""
     from dash import DiskcacheManager
     from dash._utils import AttributeDict
     from analysis import models
+    from analysis.fork_gate import MODEL_LOADS
     from app.jobs import _watched_manager, job_cache
 
     folder, delay_s, cache = sys.argv[1], float(sys.argv[2]), sys.argv[3]
@@ -284,7 +285,7 @@ JOB_FORKED_DURING_A_LOAD = textwrap.dedent("""
 
     render = threading.Thread(target=models.load_model, args=(folder,))
     render.start()
-    while not any(lock.locked() for lock in list(models._spec_locks.values())):
+    while not MODEL_LOADS.inside():
         time.sleep(0.001)
     time.sleep(delay_s)  # inside the load: Hugging Face imports the family's modelling code
     key = manager.build_cache_key(run, [1], [], None)
