@@ -58,6 +58,15 @@ def _layout(fig: go.Figure, title: str, height: int | None = None) -> go.Figure:
     return fig
 
 
+def _wrapped_title(fig: go.Figure, title: str, height: int, width: int = 70) -> go.Figure:
+    """``title`` wrapped at ``width`` characters, on as many lines as it needs, its top 12 px below the
+    figure's (a long title on one line ran past the figure's right edge and was cut off)."""
+    lines = textwrap.wrap(title, width) or [""]
+    fig.update_layout(title={"text": "<br>".join(safe_text(line) for line in lines), "y": 1 - 12 / height,
+                             "yref": "container", "yanchor": "top"}, margin={"t": 32 + 19 * len(lines)})
+    return fig
+
+
 def _mark_windowed_layers(fig: go.Figure, windows: Sequence[int | None] | None, note: str) -> None:
     """Mark the layers a model windows ``w`` on the layer axis and, with ``note``, say under the plot
     what ``w`` means for the numbers shown ("w: windowed by the model (W=512): <note>")."""
@@ -642,7 +651,8 @@ def patching_map(values: np.ndarray, x_labels: Sequence[str], y_labels: Sequence
     fig.update_xaxes(title=x_title, type="category", showgrid=False,
                      tickangle=-60 if len(x_labels) > 16 else 0, showticklabels=len(x_labels) <= 80)
     fig.update_yaxes(title=y_title, type="category", autorange="reversed", showgrid=False)
-    return _layout(fig, safe_text(title), height=max(360, 18 * values.shape[0] + 140))
+    height = max(360, 18 * values.shape[0] + 140)
+    return _wrapped_title(_layout(fig, safe_text(title), height=height), title, height)
 
 
 def patching_positions(values: np.ndarray, tokens: Sequence[str], value_label: str, title: str,
@@ -660,7 +670,7 @@ def patching_positions(values: np.ndarray, tokens: Sequence[str], value_label: s
     fig.update_xaxes(title="position (shaded: the prompts differ)", type="category", tickangle=-60,
                      showticklabels=len(labels) <= 80)
     fig.update_yaxes(title=value_label)
-    return _layout(fig, safe_text(title), height=340)
+    return _wrapped_title(_layout(fig, safe_text(title), height=340), title, 340)
 
 
 def exact_vs_attribution(exact: np.ndarray, approx: np.ndarray, unit_labels: Sequence[str], title: str,

@@ -85,7 +85,8 @@ def patching_map_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Row
     if values is None:
         raise InputError(f"This patching result has no {show} values: compute them first.")
     label = f"{show} (0 corrupted, 1 clean)"
-    title = f"{'Exact' if show == 'exact' else 'Attribution'} patching, {_describe(result)}" + (
+    of_head = "" if result.head is None else f"head {result.head[0]}.{result.head[1]}, "
+    title = f"{'Exact' if show == 'exact' else 'Attribution'} patching, {of_head}{_describe(result)}" + (
         "" if result.complete else " — cancelled, partial")
     tokens = position_labels(result)
     if result.site == "resid":
@@ -95,8 +96,7 @@ def patching_map_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Row
                                    title, result.baseline)
         fig.update_layout(meta={"cells": "positions"})  # a click here has no head to patch (assets/grid_clicks.js)
     elif result.head is not None:
-        fig = figures.patching_positions(values, tokens, label, title + f", head {result.head[0]}.{result.head[1]}",
-                                         result.baseline, result.pair.differ)
+        fig = figures.patching_positions(values, tokens, label, title, result.baseline, result.pair.differ)
     else:
         x_title = "key-value head" if result.site in ("k", "v") else "head"
         fig = figures.patching_map(values, [str(h) for h in range(values.shape[1])],
