@@ -261,18 +261,35 @@ def test_a_job_forked_from_the_server_uses_its_cores_only_where_openmp_sleeps_wh
     assert int(threads) == (int(cores) if want == "cores" else want)
 
 
-# A server thread loads a model (a page's render, for a model named in its link) while a Run click
-# forks the job through the server's job manager; the job loads the model and runs it.
-JOB_FORKED_DURING_A_LOAD = textwrap.dedent("""
-    import faulthandler, sys, threading, time
+# Start fn as a job through the server's own job manager (forked, as `headscope serve` does) and wait
+# for its result; prepended to the scripts below.
+RUN_IN_A_JOB = textwrap.dedent("""
+    import time
     from dash import DiskcacheManager
     from dash._utils import AttributeDict
-    from analysis import models
-    from analysis.fork_gate import MODEL_LOADS
     from app.jobs import _watched_manager, job_cache
 
+    def run_in_a_job(fn, cache, timeout_s):
+        manager = _watched_manager(DiskcacheManager)(job_cache(cache), expire=3600)
+        key = manager.build_cache_key(fn, [1], [], None)
+        job = manager.call_job_fn(key, manager.make_job_fn(fn, False), [1],
+                                  AttributeDict(args={}, ignore_register_page=True))
+        result, deadline = manager.UNDEFINED, time.time() + timeout_s
+        while result is manager.UNDEFINED and time.time() < deadline:
+            result = manager.get_result(key, job)
+            time.sleep(0.1)
+        return result
+""")
+
+
+# A server thread loads a model (a page's render, for a model named in its link) while a Run click
+# forks the job through the server's job manager; the job loads the model and runs it.
+JOB_FORKED_DURING_A_LOAD = RUN_IN_A_JOB + textwrap.dedent("""
+    import faulthandler, sys, threading
+    from analysis import models
+    from analysis.fork_gate import MODEL_LOADS
+
     folder, delay_s, cache = sys.argv[1], float(sys.argv[2]), sys.argv[3]
-    manager = _watched_manager(DiskcacheManager)(job_cache(cache), expire=3600)
 
     def run(n):
         faulthandler.dump_traceback_later(90, exit=True)  # a hung job says where, and ends
@@ -288,13 +305,7 @@ JOB_FORKED_DURING_A_LOAD = textwrap.dedent("""
     while not MODEL_LOADS.inside():
         time.sleep(0.001)
     time.sleep(delay_s)  # inside the load: Hugging Face imports the family's modelling code
-    key = manager.build_cache_key(run, [1], [], None)
-    job = manager.call_job_fn(key, manager.make_job_fn(run, False), [1],
-                              AttributeDict(args={}, ignore_register_page=True))
-    result, deadline = manager.UNDEFINED, time.time() + 150
-    while result is manager.UNDEFINED and time.time() < deadline:
-        result = manager.get_result(key, job)
-        time.sleep(0.1)
+    result = run_in_a_job(run, cache, 150)
     render.join()
     print(result, flush=True)
 """)
@@ -321,14 +332,10 @@ def test_a_job_forked_while_the_server_loads_a_model_runs_it(embedded_tokenizer,
 
 # A server thread imports a module on first use (a library a page needs) while a Run click forks a
 # job that imports the same module.
-JOB_FORKED_DURING_AN_IMPORT = textwrap.dedent("""
-    import faulthandler, sys, threading, time
-    from dash import DiskcacheManager
-    from dash._utils import AttributeDict
-    from app.jobs import _watched_manager, job_cache
+JOB_FORKED_DURING_AN_IMPORT = RUN_IN_A_JOB + textwrap.dedent("""
+    import faulthandler, sys, threading
 
     sys.path.insert(0, sys.argv[1])
-    manager = _watched_manager(DiskcacheManager)(job_cache(sys.argv[2]), expire=3600)
 
     def run(n):
         faulthandler.dump_traceback_later(60, exit=True)  # a hung job says where, and ends
@@ -338,14 +345,7 @@ JOB_FORKED_DURING_AN_IMPORT = textwrap.dedent("""
     threading.Thread(target=lambda: __import__("slow_to_import")).start()
     while "slow_to_import" not in sys.modules:  # its code is running now (it sleeps 2 s)
         time.sleep(0.001)
-    key = manager.build_cache_key(run, [1], [], None)
-    job = manager.call_job_fn(key, manager.make_job_fn(run, False), [1],
-                              AttributeDict(args={}, ignore_register_page=True))
-    result, deadline = manager.UNDEFINED, time.time() + 120
-    while result is manager.UNDEFINED and time.time() < deadline:
-        result = manager.get_result(key, job)
-        time.sleep(0.1)
-    print(result, flush=True)
+    print(run_in_a_job(run, sys.argv[2], 120), flush=True)
 """)
 
 
