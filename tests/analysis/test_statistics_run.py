@@ -77,7 +77,9 @@ def test_sink_map_evidence_pooled_loss_and_exact_region(real_model, both):
     B = stats.block_size
     assert B == 4 and stats.pooled.shape == (30, 9, N // B, N // B)
     brute = run.patterns.reshape(30, 9, N // B, B, N // B, B).mean((3, 5))
-    np.testing.assert_allclose(stats.pooled, brute, atol=1e-7)
+    # two paths to the same probabilities (the fused statistics pass, the eager pattern): their float32
+    # sums differ by CPU, up to 3.6e-7 on an AMX machine; the same bound as the exact region's below
+    np.testing.assert_allclose(stats.pooled, brute, atol=1e-6)
     np.testing.assert_allclose(stats.token_loss, run.token_loss, atol=1e-4, equal_nan=True)
     assert (stats.top_ids == run.top_ids).mean() > 0.999
     region = exact_region(real_model, stats, 7, 3, (200, 260), (0, 250))
