@@ -403,11 +403,12 @@ class Store:
                     raise TypeError(f"array {name!r} has dtype object; only numeric arrays are stored")
                 path = tmp / f"{name}.npy"
                 with open(path, "wb") as f:
-                    np.save(f, arr, allow_pickle=False)
+                    writer = _HashingWriter(f)
+                    np.lib.format.write_array(writer, arr, allow_pickle=False)
                     f.flush()
                     os.fsync(f.fileno())
                 info[name] = {
-                    "sha256": _sha256_path(path),
+                    "sha256": writer.sha256.hexdigest(),
                     "shape": list(arr.shape),
                     "dtype": str(arr.dtype),
                     "nbytes": int(arr.nbytes),
@@ -593,9 +594,16 @@ def _last_change(folder: Path) -> float:
     return max(times)
 
 
-def _sha256_path(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
+class _HashingWriter:
+    """A file that hashes what is written to it, so a record's checksum is taken from the very bytes
+    handed to the file while they are in memory, not by reading the file back (0.2-0.4 s for a
+    512-token run's 130 MB of patterns on a 2-core machine, #16's click → grid). ``numpy``'s
+    ``write_array`` writes a non-file object in blocks of at most 16 MiB (C order)."""
+
+    def __init__(self, f) -> None:
+        self.f = f
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self.f.write(data)

@@ -477,3 +477,21 @@ def test_the_fork_gate_lets_threads_in_together_and_a_fork_waits_for_them():
     with gate.using(), gate.using():  # re-entrant, and a fork from inside waits for nobody
         gate.close_for_fork()
         gate.open_after_fork()
+
+
+@pytest.mark.parametrize("arr", [
+    np.arange(12, dtype=np.float16).reshape(3, 4),
+    np.asfortranarray(np.arange(12.0).reshape(3, 4)),  # stored C-ordered
+    np.arange(40, dtype=np.int64)[::3],  # a strided view
+    np.float32(2.5) * np.ones(()),  # 0-d
+    np.empty((0, 5), dtype=np.float32),
+    np.random.default_rng(0).random((3, 1 << 20), dtype=np.float64),  # 24 MiB: written in several blocks
+], ids=["float16", "fortran", "strided", "0-d", "empty", "24MiB"])
+def test_each_recorded_checksum_is_the_sha256_of_the_file_on_disk(store, arr):
+    """put hashes the bytes as it writes them (one pass, no reading back): the checksum it records must
+    still be that of the file a later read checks, and the array read must equal the one put."""
+    record = store.put("k", "run", {}, {"a": arr})
+    path = record.folder / "a.npy"
+    assert record.array_info["a"]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert np.load(path, allow_pickle=False).flags.c_contiguous
+    np.testing.assert_array_equal(store.get("k").array("a"), arr)
