@@ -1,5 +1,6 @@
 import contextlib
 import hashlib
+import io
 import os
 import subprocess
 import sys
@@ -486,12 +487,27 @@ def test_the_fork_gate_lets_threads_in_together_and_a_fork_waits_for_them():
     np.float32(2.5) * np.ones(()),  # 0-d
     np.empty((0, 5), dtype=np.float32),
     np.random.default_rng(0).random((3, 1 << 20), dtype=np.float64),  # 24 MiB: written in several blocks
-], ids=["float16", "fortran", "strided", "0-d", "empty", "24MiB"])
+    np.array([True, False, True]),
+    np.zeros(3, dtype=[("a", "<i4"), ("b", "<f2")]),
+], ids=["float16", "fortran", "strided", "0-d", "empty", "24MiB", "bool", "structured"])
 def test_each_recorded_checksum_is_the_sha256_of_the_file_on_disk(store, arr):
-    """put hashes the bytes as it writes them (one pass, no reading back): the checksum it records must
-    still be that of the file a later read checks, and the array read must equal the one put."""
+    """put writes the file itself and hashes the bytes as it writes them (one pass, no reading back):
+    the file must be what ``numpy.save`` writes, its recorded checksum that of the file a later read
+    checks, and the array read must equal the one put."""
     record = store.put("k", "run", {}, {"a": arr})
     path = record.folder / "a.npy"
+    expected = io.BytesIO()
+    np.save(expected, np.ascontiguousarray(arr), allow_pickle=False)
+    assert path.read_bytes() == expected.getvalue()
     assert record.array_info["a"]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
-    assert np.load(path, allow_pickle=False).flags.c_contiguous
     np.testing.assert_array_equal(store.get("k").array("a"), arr)
+
+
+def test_an_array_whose_header_is_over_64_kib_is_refused_and_leaves_nothing(store):
+    """A reader takes at most 64 KiB of .npy header (``_read_verified``), so such an array (thousands of
+    named fields) is refused when it is put, with a clear error, not stored and then dropped as corrupt."""
+    arr = np.zeros(2, dtype=[(f"field_{i:04d}_{'x' * 20}", "u1") for i in range(2500)])
+    with pytest.raises(ValueError, match="header is over 64 KiB"):
+        store.put("k", "run", {}, {"a": arr})
+    assert store.get("k") is None and store.list() == []
+    assert not any((store.root / "records").rglob("*.npy"))
