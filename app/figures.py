@@ -59,11 +59,12 @@ def _layout(fig: go.Figure, title: str, height: int | None = None) -> go.Figure:
 
 
 def _wrapped_title(fig: go.Figure, title: str, height: int, width: int = 70) -> go.Figure:
-    """``title`` wrapped at ``width`` characters, on as many lines as it needs, its top 12 px below the
-    figure's (a long title on one line ran past the figure's right edge and was cut off)."""
+    """``title`` wrapped at ``width`` characters, on as many lines as it needs, its anchor 20 px below the
+    figure's top (a long title on one line ran past the figure's right edge and was cut off; anchored
+    12 px down, the first of two lines rose 2 px above the figure)."""
     lines = textwrap.wrap(title, width) or [""]
-    fig.update_layout(title={"text": "<br>".join(safe_text(line) for line in lines), "y": 1 - 12 / height,
-                             "yref": "container", "yanchor": "top"}, margin={"t": 32 + 19 * len(lines)})
+    fig.update_layout(title={"text": "<br>".join(safe_text(line) for line in lines), "y": 1 - 20 / height,
+                             "yref": "container", "yanchor": "top"}, margin={"t": 40 + 19 * len(lines)})
     return fig
 
 
@@ -402,7 +403,7 @@ def _log_position_heatmap(values: np.ndarray, labels: list[str], title: str, val
     fig = _layout(fig, title, height=height)
     # a two-line title whose top is 16 px below the figure's at any height (plotly's title pad did not
     # move it: its first line was cut off); the modebar sits above the plot, right
-    fig.update_layout(margin={"t": 80}, title={"y": 1 - 16 / height, "yref": "container", "yanchor": "top"})
+    fig.update_layout(margin={"t": 80}, title={"y": 1 - 20 / height, "yref": "container", "yanchor": "top"})
     return fig
 
 

@@ -240,6 +240,21 @@ def hover_token(page, position: int) -> None:
     page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
 
 
+def cut_off_titles(page) -> list[str]:
+    """Every drawn figure's title and colour-bar title that runs past its figure's edges (by more than
+    a pixel), at the browser's default 1280-px window: a cut-off title hides what a figure shows."""
+    return page.evaluate("""() => { const out = [];
+        document.querySelectorAll('.js-plotly-plot').forEach(el => {
+            const svg = el.querySelector('.main-svg'); if (!svg) return;
+            const fig = svg.getBoundingClientRect(); if (!fig.width) return;
+            el.querySelectorAll('.gtitle, .cbtitle').forEach(t => {
+                const r = t.getBoundingClientRect(); if (!r.width) return;
+                const over = Math.max(r.right - fig.right, fig.left - r.left, fig.top - r.top, r.bottom - fig.bottom);
+                if (over > 1) out.push(`${el.closest("[id]")?.id}: ${t.textContent.slice(0, 80)} (${over.toFixed(0)} px; right ${(r.right - fig.right).toFixed(0)}, left ${(fig.left - r.left).toFixed(0)}, top ${(fig.top - r.top).toFixed(0)}, bottom ${(r.bottom - fig.bottom).toFixed(0)})`);
+            }); });
+        return out; }""")
+
+
 def drawn_head(page) -> dict:
     """What the Attention page draws for its head, read from plotly's own data: the heatmap's
     weights (rounded to 1e-6), its blanks, title and metadata, and the head the grid outlines."""

@@ -15,7 +15,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from tests.app.test_browser import browser, page, select_option, start_server  # noqa: F401
+from tests.app.test_browser import browser, cut_off_titles, page, select_option, start_server  # noqa: F401
 
 TEXTS = ("The capital of France is Paris.", "The capital of Italy is Rome.", "A longer text of another length here.")
 GRIDS = "#hs-cmp-grids"
@@ -106,6 +106,7 @@ def test_compare_two_runs_in_the_page(server, page):
     expected = np.asarray(second.patterns[layer, head], np.float64) - np.asarray(first.patterns[layer, head], np.float64)
     lower = np.tril(np.ones_like(expected, dtype=bool))
     np.testing.assert_allclose(diff[lower], expected[lower], atol=1e-5)
+    assert cut_off_titles(page) == []  # both grids', the change's and the difference's titles fit
     assert f"layer={layer}" in page.url and f"head={head}" in page.url
 
     # the export: the comparison's rows with a manifest naming both runs

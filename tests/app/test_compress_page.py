@@ -13,7 +13,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from tests.app.test_browser import browser, page, select_option, start_server  # noqa: F401
+from tests.app.test_browser import browser, cut_off_titles, page, select_option, start_server  # noqa: F401
 
 NEEDLE, LENGTH, DEPTH = "locker-code", 192, 50
 FRACTIONS, SEEDS, SINK, RECENT = (0.25, 0.5), 2, 4, 32
@@ -124,6 +124,7 @@ def test_compress_journey(server, page, real_model, reference):
     info = page.inner_text("#hs-kv-info")
     where = "none" if best is None else f"KV {best.memory.fraction:.3f}"
     assert f"Smallest KV within 5 NIAH points of full, Retrieval score (group max): {where}" in info
+    assert cut_off_titles(page) == []  # the Pareto figure's and the policy map's titles fit
 
     # the map shows the retrieval policy the CLI would export (the smallest within the tolerance, else the
     # largest); the other retrieval policy, chosen from the menu, downloads as DuoAttention's pattern folder:

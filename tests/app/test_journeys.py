@@ -17,6 +17,7 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from tests.app.test_browser import (  # noqa: F401
     browser,
     click_cell,
+    cut_off_titles,
     hover_token,
     page,
     select_option,
@@ -52,6 +53,8 @@ def clean(page, errors: list[str], step: str) -> None:  # noqa: F811
     assert "Something went wrong" not in body and "Traceback" not in body, step
     app_errors = [e for e in errors if not any(b in e for b in BENIGN_CONSOLE)]
     assert app_errors == [], f"{step}: {app_errors}"
+    assert cut_off_titles(page) == [], f"{step}: titles cut off"
+
 
 
 def figure_points(page, graph: str) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from analysis.patching import activation_patching, prompt_pair
-from tests.app.test_browser import browser, page, select_option, settle, start_server  # noqa: F401
+from tests.app.test_browser import browser, cut_off_titles, page, select_option, settle, start_server  # noqa: F401
 
 CLEAN = "When Mary and John went to the store, John gave a drink to"
 CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
@@ -37,13 +37,6 @@ def banner(page) -> str:
 
 def plot_data(page, selector: str) -> list:
     return page.evaluate("s => document.querySelector(s + ' .js-plotly-plot').data", selector)
-
-
-def title_overflow(page, selector: str) -> float:
-    """Pixels by which the figure's title runs past the right edge of its figure (0: it fits)."""
-    return page.evaluate("""s => { const fig = document.querySelector(s + ' .main-svg').getBoundingClientRect();
-        const title = document.querySelector(s + ' .gtitle').getBoundingClientRect();
-        return Math.max(0, title.right - fig.right); }""", selector)
 
 
 def click_category(page, selector: str, x: str, y: str) -> None:
@@ -114,7 +107,8 @@ def test_patching_journey(server, page, real_model, reference):
     np.testing.assert_allclose(z, reference.values, atol=1e-4)
     assert trace["zmin"] == pytest.approx(-trace["zmax"])
     assert "0 corrupted, 1 clean" in page.locator(MAP + " .colorbar .cbtitle").text_content()
-    assert title_overflow(page, MAP) == 0  # the title says the metric, answers and clean/corrupted values in full
+    # the title says the metric, answers and clean/corrupted values in full; the colour bar's title fits too
+    assert cut_off_titles(page) == []
     (layer, head), top_value = reference.top_units(1)[0]
     assert np.unravel_index(np.nanargmax(np.abs(z)), z.shape) == (layer, head)
     assert page.inner_text("#hs-pat-top").startswith(f"Largest effects (denoise v): kv {layer}.{head} ({top_value:.2f})")
@@ -131,7 +125,7 @@ def test_patching_journey(server, page, real_model, reference):
     page.wait_for_function("new URLSearchParams(location.search).has('ppos')", timeout=240_000)
     page.wait_for_selector("#hs-pat-positions .barlayer .point", state="attached")
     assert f"head {layer}.{head}" in page.locator("#hs-pat-positions .gtitle").text_content()
-    assert title_overflow(page, "#hs-pat-positions") == 0
+    assert cut_off_titles(page) == []
     bars = plot_data(page, "#hs-pat-positions")[0]
     by_position = activation_patching(real_model, CLEAN, CORRUPTED, list(ANSWERS), site=SITE, head=(layer, head))
     np.testing.assert_allclose(np.array(bars["customdata"], dtype=float), by_position.values, atol=1e-4)
