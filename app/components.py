@@ -9,7 +9,19 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from dash import ALL, Input, Output, State, callback, clientside_callback, ctx, dcc, html, no_update
+from dash import (
+    ALL,
+    ClientsideFunction,
+    Input,
+    Output,
+    State,
+    callback,
+    clientside_callback,
+    ctx,
+    dcc,
+    html,
+    no_update,
+)
 from dash.exceptions import PreventUpdate
 
 from analysis.capture import capture
@@ -59,6 +71,25 @@ def page_location(prefix: str) -> dcc.Location:
 
 def text_id(prefix: str) -> str:
     return f"{prefix}-{ids.TEXT}"
+
+
+def text_fill_id(prefix: str) -> str:
+    """The store a page's render writes its run's text to; :func:`fill_text_from_runs` puts it in the
+    text box without replacing what the user wrote (a render writing the box itself did)."""
+    return f"{prefix}-{ids.TEXT}-fill"
+
+
+def fill_text_from_runs(prefix: str) -> None:
+    """Fill the page's text box from its render's store, in the browser (assets/text_fill.js): the
+    same run drawn again leaves the box alone, and a new run's text waits for no one but is not
+    put in while the user is typing in the box."""
+    clientside_callback(
+        ClientsideFunction(namespace="headscope_text", function_name="fill"),
+        Output(text_id(prefix), "value"),
+        Input(text_fill_id(prefix), "data"),
+        State(text_id(prefix), "id"),
+        prevent_initial_call=True,
+    )
 
 
 def model_id(prefix: str) -> str:
@@ -162,6 +193,7 @@ def input_bar(prefix: str, placeholder: str = "Type or paste text to analyse…"
     return html.Div(
         [
             dcc.Textarea(id=text_id(prefix), placeholder=placeholder, className="hs-text", value=""),
+            dcc.Store(id=text_fill_id(prefix)),
             html.Div(
                 [
                     html.Label("Model", htmlFor=model_id(prefix)),

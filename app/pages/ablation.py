@@ -30,6 +30,7 @@ from app.components import (
     GRAPH_CONFIG,
     empty_figure,
     export_bar,
+    fill_text_from_runs,
     input_bar,
     job_error,
     model_id,
@@ -38,7 +39,7 @@ from app.components import (
     register_export,
     register_run,
     shell_stores,
-    text_id,
+    text_fill_id,
     url_id,
 )
 from app.context import get_context
@@ -189,6 +190,7 @@ def _after_run(old: PageState, model, run) -> PageState:
 
 register_run(PREFIX, _after_run)
 register_export(PREFIX)
+fill_text_from_runs(PREFIX)
 
 
 @callback(
@@ -199,7 +201,7 @@ register_export(PREFIX)
     Output(ids.ABL_HEAD_SWEEP, "figure"),
     Output(ids.ABL_INFO, "children"),
     Output(ids.ERROR, "children", allow_duplicate=True),
-    Output(text_id(PREFIX), "value"),
+    Output(text_fill_id(PREFIX), "data"),  # into the text box in the browser, never over an edit
     Output(model_id(PREFIX), "value"),
     Output(ids.ABL_HEADS, "value"),
     Output(ids.ABL_METHOD, "value"),

@@ -33,6 +33,7 @@ from app.components import (
     GRAPH_CONFIG,
     empty_figure,
     export_bar,
+    fill_text_from_runs,
     input_bar,
     job_error,
     model_id,
@@ -44,6 +45,7 @@ from app.components import (
     run_info,
     shell_stores,
     show_in_shell,
+    text_fill_id,
     text_id,
     url_id,
 )
@@ -149,6 +151,7 @@ def _after_run(old: PageState, model, run) -> PageState:
 
 
 register_export(PREFIX)
+fill_text_from_runs(PREFIX)
 
 
 show_in_shell(PREFIX)
@@ -200,7 +203,7 @@ def _with(search: str | None, **changes) -> str:
     Output(STRIP_DATA, "data"),
     Output(ids.RUN_INFO, "children"),
     Output(ids.ERROR, "children", allow_duplicate=True),
-    Output(text_id(PREFIX), "value"),
+    Output(text_fill_id(PREFIX), "data"),  # into the text box in the browser, never over an edit
     Output(model_id(PREFIX), "value"),
     Output(ids.METRIC, "value"),
     Output(query_store_id(PREFIX), "data"),

@@ -8,7 +8,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from tests.app.test_browser import browser, page, wait_for_run, wait_title  # noqa: F401
+from tests.app.test_browser import browser, click_cell, page, wait_for_run, wait_title  # noqa: F401
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
@@ -109,4 +109,44 @@ def test_a_heads_link_fills_the_form_from_the_sweeps_own_settings(server, page, 
         assert _query(other.url)["sweep"] == sweep
     finally:
         context.close()
+    assert proc.poll() is None
+
+
+def test_text_typed_while_a_link_loads_or_after_its_run_is_drawn_is_never_replaced(server, page):  # noqa: F811
+    """The page fills the text box from the run its link names. It replaced what the user had typed:
+    text typed while the link's run was still loading, and an edit made after the run was drawn, as
+    soon as a head click drew the same run again."""
+    url, proc, _ = server
+    page.goto(url)
+    page.fill("#attn-hs-text", TEXT)
+    page.click("#attn-hs-run", timeout=240_000)
+    wait_for_run(page, timeout=240_000)
+    link, tokens = page.url, page.locator("#hs-run-info").inner_text()
+
+    # an edit, then a head click: the same run is drawn for another head; the edit stays
+    page.fill("#attn-hs-text", "An edit not yet run.")
+    click_cell(page, "hs-grid", col=2, row=4, n_cols=9, n_rows=30)
+    wait_title(page, "hs-heatmap", "layer 4, head 2")
+    page.wait_for_load_state("networkidle")
+    assert page.input_value("#attn-hs-text") == "An edit not yet run."
+
+    # the link opened afresh over a slow network (every response 1.5 s late, as Chromium's DevTools
+    # throttle it), the user typing as soon as the box is there, before the run's render has answered
+    cdp = page.context.new_cdp_session(page)
+    cdp.send("Network.enable")
+    cdp.send("Network.emulateNetworkConditions", {"offline": False, "latency": 1500, "downloadThroughput": -1,
+                                                  "uploadThroughput": -1})
+    page.goto(link)
+    page.fill("#attn-hs-text", "My own words.", timeout=240_000)
+    assert "tokens" not in page.locator("#hs-run-info").inner_text()  # typed before the run was drawn
+    cdp.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "downloadThroughput": -1,
+                                                  "uploadThroughput": -1})
+    wait_title(page, "hs-heatmap", "Attention of layer 0, head 0", timeout=120_000)  # the link, from before the click
+    page.wait_for_load_state("networkidle")
+    assert page.input_value("#attn-hs-text") == "My own words."
+    assert page.locator("#hs-run-info").inner_text() == tokens  # the link's run is drawn all the same
+
+    # a link to a run, opened without typing: the box shows the run's text
+    page.goto(link)
+    page.wait_for_function("t => document.querySelector('#attn-hs-text')?.value === t", arg=TEXT, timeout=120_000)
     assert proc.poll() is None
