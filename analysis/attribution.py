@@ -227,7 +227,7 @@ class TokenRelevance:
         :data:`RELEVANCE_METHODS` that was computed.
     rollout_layers : float64 ``[layer, t + 1]``, the rollout to t after each layer; its last row
         is ``scores["rollout"]``.
-    unavailable : method → why it was not computed (flow past its token limit).
+    unavailable : method → why it was not computed (flow past its token limit, and with it corrected flow).
     """
 
     target: int
@@ -336,6 +336,8 @@ def token_relevance(
                 if plain in scores:
                     baseline = uniform_baseline(plain, n_layers, t, residual=residual, drop_sinks=graph["drop_sinks"])
                     scores[name] = position_corrected(scores[plain], baseline)
+                elif plain in unavailable:  # corrected flow needs flow: the same reason
+                    unavailable[name] = unavailable[plain]
     except ValueError as error:  # patterns that are not causal attention, a residual out of range
         raise InputError(f"Rollout and flow options: {error}.") from None
     return TokenRelevance(target=t, fusion=fusion, drop_sinks=sinks, residual=float(residual),

@@ -70,6 +70,7 @@ def test_flow_past_its_limit_has_no_corrected_flow_but_keeps_corrected_rollout()
     patterns = random_causal(2, 1, 6, seed=3)
     rel = token_relevance(patterns, 5, corrected=True, flow_limit=4)
     assert "flow" in rel.unavailable and "flow_debiased" not in rel.scores
+    assert rel.unavailable["flow_debiased"] == rel.unavailable["flow"]  # said why, not left out in silence
     assert "rollout_debiased" in rel.scores
 
 

@@ -41,3 +41,9 @@ def test_flow_limit_and_bad_targets_are_explained(run, monkeypatch):
     monkeypatch.setenv("HEADSCOPE_MAX_FLOW_TOKENS", "4")
     with pytest.raises(InputError, match="limited to 4 tokens"):
         views.token_relevance(run, "flow", 2, "max", False)
+    # the position-corrected flow strip says so too (it raised KeyError: the Flow page of any run past
+    # the limit showed "Something went wrong" and none of its strips)
+    with pytest.raises(InputError, match="limited to 4 tokens"):
+        views.relevance_view(run, {"target": 2, "method": "flow_debiased"})
+    _, rows = views.relevance_view(run, {"target": 2, "method": "rollout_debiased"})
+    assert len(rows) == 3
