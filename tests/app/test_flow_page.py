@@ -178,3 +178,26 @@ def test_the_sink_option_is_explained_beside_it(server, page):
     page.wait_for_function("location.search.includes('sink=1')")
     page.wait_for_function("(document.querySelector('#hs-flow-sink-share')?.innerText || '').includes('dropped')")
     assert proc.poll() is None
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+def test_a_run_past_the_flow_limit_draws_the_other_strips_and_says_why(server, page):
+    """Past HEADSCOPE_MAX_FLOW_TOKENS (128) flow is not computed: its two strips say why and the rest
+    draw. The page said "Something went wrong (KeyError)" and drew no strip at all (a 347-token run
+    brought from the Attention page)."""
+    url, proc, _home = server
+    page.goto(url + "flow")
+    page.fill("#flow-hs-text", " ".join([TEXT + " on the table."] * 14), timeout=240_000)
+    page.click("#flow-hs-run")
+    page.wait_for_function("(document.querySelector('#hs-flow-info')?.innerText || '').includes('target: token')"
+                           " || (document.querySelector('#hs-error')?.innerText || '').includes('went wrong')",
+                           timeout=240_000)
+    assert "Something went wrong" not in page.inner_text("#hs-error")
+    for method in ("attention", "rollout", "rollout_debiased"):
+        page.wait_for_selector(strip(method) + " .js-plotly-plot .gtitle")
+    banner = page.inner_text("#hs-error")
+    assert "Something went wrong" not in banner and "limited to 128 tokens" in banner, banner
+    for method in ("flow", "flow_debiased"):
+        assert "limited to 128 tokens" in page.locator(strip(method)).text_content(), method
+    assert proc.poll() is None
