@@ -157,8 +157,8 @@ def selection_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure
     if not scored:  # cells to click, but no colour bar for a score that does not exist yet
         fig.update_traces(showscale=False, colorscale=[[0, "#eeeeee"], [1, "#eeeeee"]],
                           hovertemplate="layer %{y}, head %{x}<extra></extra>", selector={"type": "heatmap"})
-        fig.update_layout(title_text=figures.safe_text(
-            f"{len(chosen)} heads chosen (boxed) — no score yet: rank by a score below, or bring a sweep"))
+        figures.wrap_title(fig, [f"{len(chosen)} heads chosen (boxed) — no score yet:",
+                                 "rank by a score below, or bring a sweep"], width=60)
     rows = [{"layer": la, "head": h, "score": float(table[la, h]), "chosen": (la, h) in set(chosen)}
             for la in range(table.shape[0]) for h in range(table.shape[1])]
     return fig, rows

@@ -19,7 +19,6 @@ from tests.app.test_browser import (  # noqa: F401
     click_cell,
     cut_off_titles,
     hover_token,
-    page,
     select_option,
     start_server,
     wait_for_run,
@@ -34,6 +33,17 @@ NEEDLE = "The secret passkey is 7731. | What is the secret passkey? | 7731"
 
 # Console messages that are not failures of the step that prints them: the browser's own.
 BENIGN_CONSOLE = ("favicon.ico",)
+
+
+@pytest.fixture
+def page(browser):  # noqa: F811
+    """A page at 1280 × 900, a laptop's window (the other browser tests use 1400 px): every journey
+    step checks that no figure's title is cut off at this width (:func:`clean`)."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, accept_downloads=True)
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    yield page
+    context.close()
 
 
 @pytest.fixture
