@@ -601,8 +601,9 @@ def _write_npy(f, arr: np.ndarray) -> str:
     header = io.BytesIO()
     try:
         np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(arr))
-    except ValueError as e:  # a header over 64 KiB (thousands of named fields): never read back
-        raise ValueError(f"this array's .npy header is over 64 KiB ({e}); it cannot be stored") from e
+    except ValueError as e:  # a header over 64 KiB (thousands of named fields), or field names outside
+        # latin-1: formats 2.0 and 3.0, which a reader here never takes
+        raise ValueError(f"this array's .npy header needs a format other than 1.0 ({e}); it cannot be stored") from e
     sha256 = hashlib.sha256(header.getvalue())
     f.write(header.getvalue())
     data = memoryview(arr.reshape(-1).view(np.uint8))

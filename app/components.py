@@ -80,9 +80,9 @@ def text_fill_id(prefix: str) -> str:
 
 
 def fill_text_from_runs(prefix: str) -> None:
-    """Fill the page's text box from its render's store, in the browser (assets/text_fill.js): the
-    same run drawn again leaves the box alone, and a new run's text waits for no one but is not
-    put in while the user is typing in the box."""
+    """Fill the page's text box from its render's store, in the browser (assets/text_fill.js): an
+    empty box gets the run's text; text the user wrote there (neither empty nor what was last put
+    there) is never replaced, whether they are still typing or have moved on."""
     clientside_callback(
         ClientsideFunction(namespace="headscope_text", function_name="fill"),
         Output(text_id(prefix), "value"),

@@ -566,19 +566,20 @@ def decode_rows_heatmap(rows: np.ndarray, span: tuple[int, int], argmax: np.ndar
     return fig
 
 
-def head_selection(scores: np.ndarray, label: str, chosen: Sequence[tuple[int, int]]) -> go.Figure:
+def head_selection(scores: np.ndarray, label: str, chosen: Sequence[tuple[int, int]],
+                   title: Sequence[str] | None = None) -> go.Figure:
     """The ranking score per head with the heads chosen for ablation marked (click toggles them).
 
     The markers' trace is there even when no head is chosen (``uid="chosen"``): the page toggles a
     clicked head in the browser by rewriting its points and the count in the title
-    (``assets/grid_clicks.js``)."""
+    (``assets/grid_clicks.js``). ``title``: paragraphs to say instead, starting with the count."""
     fig = head_grid(scores, label)
     fig.add_trace(go.Scatter(
         x=[h for _, h in chosen], y=[la for la, _ in chosen], mode="markers", showlegend=False, uid="chosen",
         marker={"symbol": "square-open", "size": 13, "color": "#e4572e", "line": {"width": 3}},
         hovertemplate="layer %{y}, head %{x}: chosen<extra></extra>",
     ))
-    return wrap_title(fig, f"{len(chosen)} heads chosen (boxed) — colour: {label}", width=60)
+    return wrap_title(fig, title or f"{len(chosen)} heads chosen (boxed) — colour: {label}", width=60)
 
 
 def loss_change(tokens: Sequence[str], clean: np.ndarray, ablated: np.ndarray, title: str) -> go.Figure:

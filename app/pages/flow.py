@@ -188,7 +188,8 @@ def render(search, fusion_shown=None, sink_shown=None):
         try:
             fig, _ = VIEWS[names.RELEVANCE].build(run, {**params, "method": method})
         except ValueError as e:  # e.g. flow over its token limit: the other methods still show
-            problems.append(str(e))
+            if str(e) not in problems:  # flow and corrected flow give the same reason: said once
+                problems.append(str(e))
             fig = empty_figure(str(e))
         strips.append(fig)
     layers, _ = VIEWS[names.ROLLOUT_LAYERS].build(run, params)

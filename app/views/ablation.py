@@ -153,12 +153,11 @@ def selection_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure
     except InputError:
         table, label, scored = np.zeros((model.n_layers, model.n_heads)), "(no score)", False
     chosen = parse_heads(model, params["heads"]) if params.get("heads") else []
-    fig = figures.head_selection(table, label, chosen)
+    no_score = [f"{len(chosen)} heads chosen (boxed) — no score yet:", "rank by a score below, or bring a sweep"]
+    fig = figures.head_selection(table, label, chosen, title=None if scored else no_score)
     if not scored:  # cells to click, but no colour bar for a score that does not exist yet
         fig.update_traces(showscale=False, colorscale=[[0, "#eeeeee"], [1, "#eeeeee"]],
                           hovertemplate="layer %{y}, head %{x}<extra></extra>", selector={"type": "heatmap"})
-        figures.wrap_title(fig, [f"{len(chosen)} heads chosen (boxed) — no score yet:",
-                                 "rank by a score below, or bring a sweep"], width=60)
     rows = [{"layer": la, "head": h, "score": float(table[la, h]), "chosen": (la, h) in set(chosen)}
             for la in range(table.shape[0]) for h in range(table.shape[1])]
     return fig, rows

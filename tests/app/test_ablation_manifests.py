@@ -39,8 +39,11 @@ def _same(a, b, path="") -> None:
 
 
 def _number(s: str) -> float | None:
+    """A number written as text (as float() reads it, without surrounding space), else None."""
+    if s != s.strip() or not any(c.isdigit() for c in s):
+        return None
     try:
-        return float(s) if any(c.isdigit() for c in s) else None
+        return float(s)
     except ValueError:
         return None
 

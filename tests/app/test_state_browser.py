@@ -149,4 +149,11 @@ def test_text_typed_while_a_link_loads_or_after_its_run_is_drawn_is_never_replac
     # a link to a run, opened without typing: the box shows the run's text
     page.goto(link)
     page.wait_for_function("t => document.querySelector('#attn-hs-text')?.value === t", arg=TEXT, timeout=120_000)
+
+    # a head click, then Back: the page is rebuilt (the box emptied), and the run's text comes back
+    click_cell(page, "hs-grid", col=2, row=4, n_cols=9, n_rows=30)
+    wait_title(page, "hs-heatmap", "layer 4, head 2")
+    page.go_back()
+    wait_title(page, "hs-heatmap", "Attention of layer 0, head 0", timeout=120_000)
+    page.wait_for_function("t => document.querySelector('#attn-hs-text')?.value === t", arg=TEXT, timeout=30_000)
     assert proc.poll() is None
