@@ -408,7 +408,7 @@ def _log_position_heatmap(values: np.ndarray, labels: list[str], title: str, val
     fig = _layout(fig, title, height=height)
     # a two-line title whose top is 16 px below the figure's at any height (plotly's title pad did not
     # move it: its first line was cut off); the modebar sits above the plot, right
-    fig.update_layout(margin={"t": 80}, title={"y": 1 - 20 / height, "yref": "container", "yanchor": "top"})
+    fig.update_layout(margin={"t": 80}, title={"y": 1 - 16 / height, "yref": "container", "yanchor": "top"})
     return fig
 
 

@@ -133,7 +133,12 @@ def browser():
 
 @pytest.fixture
 def page(browser):
-    context = browser.new_context(viewport={"width": 1400, "height": 1100}, accept_downloads=True)
+    yield from open_page(browser, 1400, 1100)
+
+
+def open_page(browser, width: int, height: int):
+    """A page of its own browser context at ``width`` × ``height`` px, closed after the test."""
+    context = browser.new_context(viewport={"width": width, "height": height}, accept_downloads=True)
     page = context.new_page()
     page.set_default_timeout(60_000)
     yield page
@@ -242,7 +247,7 @@ def hover_token(page, position: int) -> None:
 
 def cut_off_titles(page) -> list[str]:
     """Every drawn figure's title and colour-bar title that runs past its figure's edges (by more than
-    a pixel), at the browser's default 1280-px window: a cut-off title hides what a figure shows."""
+    a pixel) at the page's window width: a cut-off title hides what a figure shows."""
     return page.evaluate("""() => { const out = [];
         document.querySelectorAll('.js-plotly-plot').forEach(el => {
             const svg = el.querySelector('.main-svg'); if (!svg) return;

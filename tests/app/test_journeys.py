@@ -19,6 +19,7 @@ from tests.app.test_browser import (  # noqa: F401
     click_cell,
     cut_off_titles,
     hover_token,
+    open_page,
     select_option,
     start_server,
     wait_for_run,
@@ -39,11 +40,7 @@ BENIGN_CONSOLE = ("favicon.ico",)
 def page(browser):  # noqa: F811
     """A page at 1280 × 900, a laptop's window (the other browser tests use 1400 px): every journey
     step checks that no figure's title is cut off at this width (:func:`clean`)."""
-    context = browser.new_context(viewport={"width": 1280, "height": 900}, accept_downloads=True)
-    page = context.new_page()
-    page.set_default_timeout(60_000)
-    yield page
-    context.close()
+    yield from open_page(browser, 1280, 900)
 
 
 @pytest.fixture
@@ -64,7 +61,6 @@ def clean(page, errors: list[str], step: str) -> None:  # noqa: F811
     app_errors = [e for e in errors if not any(b in e for b in BENIGN_CONSOLE)]
     assert app_errors == [], f"{step}: {app_errors}"
     assert cut_off_titles(page) == [], f"{step}: titles cut off"
-
 
 
 def figure_points(page, graph: str) -> int:
