@@ -8,6 +8,9 @@ HOST    ?= 127.0.0.1
 PORT    ?= 8050
 MODEL   ?= smollm2-135m
 PYTEST_ARGS ?=
+# two pytest workers, one test file each at a time (tests/conftest.py gives each its share of the
+# cores); TEST_WORKERS=0 runs the suite in one process
+TEST_WORKERS ?= 2
 
 .PHONY: setup serve test lint bench gemma3
 
@@ -41,7 +44,7 @@ lint: setup
 	$(VENV)/bin/ruff check app analysis kernels tests bench
 
 test: setup lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) bench/capture.py
