@@ -42,17 +42,22 @@ def _watch_effects_requests(page) -> list[dict]:
     return seen
 
 
+def run_on_ablation_page(page, url: str) -> None:
+    """Open the Ablation page, run the shared prompt, and wait for its map with no head chosen."""
+    page.goto(url + "ablation")
+    page.fill("#abl-hs-text", PROMPT)
+    page.click("#abl-hs-run")
+    page.wait_for_function("location.search.includes('run=')")
+    wait_title(page, "hs-abl-grid", "0 heads chosen")
+
+
 def _text(page, selector: str) -> str:
     return page.evaluate("(s) => document.querySelector(s)?.innerText || ''", selector)
 
 
 def test_clicked_heads_wait_for_apply_which_computes_once_and_can_be_cancelled(server, page):  # noqa: F811
     url, proc, _ = server
-    page.goto(url + "ablation")
-    page.fill("#abl-hs-text", PROMPT)
-    page.click("#abl-hs-run")
-    page.wait_for_function("location.search.includes('run=')")
-    wait_title(page, "hs-abl-grid", "0 heads chosen")
+    run_on_ablation_page(page, url)
     # before any score (ranking by retrieval, no sweep): no "(no score)" colour bar, a short message instead
     assert page.locator("#hs-abl-grid .colorbar").count() == 0
     assert "(no score)" not in page.locator("#hs-abl-grid").inner_text()
@@ -204,11 +209,7 @@ def test_heads_clicked_at_once_are_all_chosen_in_order(server, page):  # noqa: F
     a toggle queued in Dash behind another read the selection before that one was applied. Either
     way the page showed one head, or none, of two: #16.)"""
     url, _, _ = server
-    page.goto(url + "ablation")
-    page.fill("#abl-hs-text", PROMPT)
-    page.click("#abl-hs-run")
-    page.wait_for_function("location.search.includes('run=')")
-    wait_title(page, "hs-abl-grid", "0 heads chosen")
+    run_on_ablation_page(page, url)
     click_cell(page, "hs-abl-grid", col=8, row=29, n_cols=9, n_rows=30)  # the page settled: one click
     wait_title(page, "hs-abl-grid", "1 heads chosen")
     page.click("#hs-abl-clear")
@@ -256,11 +257,7 @@ def test_top_k_chosen_while_the_map_is_recoloured_stays_chosen(server, page):  #
     waits for a choice under way. Here the score's URL answer is held 1 s, top k's 2 s and the
     redraw's 3 s: on the code before, the redraw started at 1 s with the old selection and won."""
     url, _, _ = server
-    page.goto(url + "ablation")
-    page.fill("#abl-hs-text", PROMPT)
-    page.click("#abl-hs-run")
-    page.wait_for_function("location.search.includes('run=')")
-    wait_title(page, "hs-abl-grid", "0 heads chosen")
+    run_on_ablation_page(page, url)
     page.fill("#hs-abl-heads", "3.1, 7.2")
     page.press("#hs-abl-heads", "Enter")
     wait_title(page, "hs-abl-grid", "2 heads chosen")

@@ -8,18 +8,15 @@ import re
 
 import pytest
 
-from tests.app.test_browser import PROMPT, browser, page, select_option, wait_title  # noqa: F401
+from tests.app.test_ablation_apply_browser import run_on_ablation_page
+from tests.app.test_browser import browser, page, select_option, wait_title  # noqa: F401
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
 
 def test_curve_control_top_n_is_used_shown_and_checked(server, page):  # noqa: F811
     url, proc, _ = server
-    page.goto(url + "ablation")
-    page.fill("#abl-hs-text", PROMPT)
-    page.click("#abl-hs-run")
-    page.wait_for_function("location.search.includes('run=')")
-    wait_title(page, "hs-abl-grid", "0 heads chosen")
+    run_on_ablation_page(page, url)
     select_option(page, "hs-abl-by", "Attention on first token")
     page.fill("#hs-abl-k", "2")
     page.click("#hs-abl-topk")
@@ -54,11 +51,7 @@ def test_curve_and_head_sweep_progress_count_items_and_estimate_the_time_left(se
     """Issue #16: the curve's and the single-head sweep's progress said a bare percentage; they say
     "curve point i of n" (n = k values × (1 + seeds)) and "head i of n" with the time left."""
     url, proc, _ = server
-    page.goto(url + "ablation")
-    page.fill("#abl-hs-text", PROMPT)
-    page.click("#abl-hs-run")
-    page.wait_for_function("location.search.includes('run=')")
-    wait_title(page, "hs-abl-grid", "0 heads chosen")
+    run_on_ablation_page(page, url)
     select_option(page, "hs-abl-by", "Attention on first token")
     page.wait_for_function("location.search.includes('by=first_token')")
     page.fill("#hs-abl-curve-ks", "0,1,2,3")
