@@ -117,7 +117,6 @@ ABL_PENDING = "hs-abl-pending"  # the heads chosen on the map, not yet applied
 ABL_CHOSEN = "hs-abl-chosen"
 ABL_SHOWN = "hs-abl-shown"  # what the effects shown were computed for
 ABL_MAP = "hs-abl-map"  # what the map was drawn for
-ABL_CHOICES = "hs-abl-choices"  # counts choose()'s answers: the render waits for one under way
 ABL_APPLY_CANCEL = "hs-abl-apply-cancel"
 ABL_APPLY_PROGRESS = "hs-abl-apply-progress"
 ABL_APPLY_STATUS = "hs-abl-apply-status"

@@ -77,7 +77,6 @@ def layout(**query) -> html.Div:
             dcc.Store(id=ids.ABL_PENDING, data=None),  # heads chosen on the map or typed, not yet applied
             dcc.Store(id=ids.ABL_SHOWN, data=None),  # what the effects on the page were computed for
             dcc.Store(id=ids.ABL_MAP, data=None),  # the run and score the map was drawn for
-            dcc.Store(id=ids.ABL_CHOICES, data=0),  # choose()'s answers so far (render's Input: see render)
             dcc.Store(id=ids.ABL_FROM_LINK, data=None),  # a link's applied set, handed to the Apply job
             input_bar(PREFIX, "Text to ablate heads on (loss, next-token prediction, continuation)…", model=query.get("model")),
             html.Div(
@@ -214,7 +213,6 @@ fill_text_from_runs(PREFIX)
     Output(ids.ABL_PENDING, "data"),
     Output(ids.ABL_FROM_LINK, "data"),
     Input(url_id(PREFIX), "search"),
-    Input(ids.ABL_CHOICES, "data"),
     State(ids.ABL_PENDING, "data"),
     State(ids.ABL_SHOWN, "data"),
     State(ids.ABL_MAP, "data"),
@@ -222,7 +220,7 @@ fill_text_from_runs(PREFIX)
     prevent_initial_call="initial_duplicate",
 )
 @guarded(outputs=18, error_index=6)
-def render(search, _choices, pending, shown, drawn):
+def render(search, pending, shown, drawn):
     """Draw the page from its URL; never computes effects. A link opened afresh with an applied set
     (its ``heads``) is drawn at once, and hands the set to the Apply job (:func:`apply`: progress,
     Cancel), which computes and draws its effects, as Apply does for heads chosen on the page.
@@ -230,14 +228,7 @@ def render(search, _choices, pending, shown, drawn):
     Why not compute here, or wait for Apply: a link is a result someone shared, so it reproduces
     itself as every headscope link does; but its effects take from seconds to most of a minute, and
     computed here they held back the whole page (map, curve, sweep) with no sign of life and no way
-    to stop them.
-
-    ``_choices`` (an Input, so Dash holds this callback while :func:`choose` is under way): the
-    selection is a State, read when the render starts. A render started by the URL (another score to
-    rank by) while top k was being chosen drew the old selection and, answering last, put it back. A
-    change of the count alone draws nothing."""
-    if dash.ctx.triggered_prop_ids and set(dash.ctx.triggered_prop_ids) == {ids.ABL_CHOICES + ".data"}:
-        raise PreventUpdate
+    to stop them."""
     state = parse(search)
     pending = _pending(pending)
     problems = list(state.problems)
@@ -375,7 +366,6 @@ def _summary(run, params) -> html.Div:
     Output(ids.ABL_GRID, "figure", allow_duplicate=True),
     Output(ids.ABL_CHOSEN, "children", allow_duplicate=True),
     job_error(PREFIX),  # with Redis this is a job: not the banner (components.job_error)
-    Output(ids.ABL_CHOICES, "data"),
     Input(ids.ABL_PENDING, "data"),
     Input(ids.ABL_HEADS, "value"),
     Input(ids.ABL_TOPK, "n_clicks"),
@@ -386,12 +376,11 @@ def _summary(run, params) -> html.Div:
     State(ids.ABL_K, "value"),
     State(ids.ABL_SEED, "value"),
     State(url_id(PREFIX), "search"),
-    State(ids.ABL_CHOICES, "data"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call=True,
 )
-@guarded(outputs=6, error_index=4)
-def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, search, choices):
+@guarded(outputs=5)
+def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, search):
     """Change the pending selection (the heads box, top k, random k, clear; map clicks change it in
     the browser): redrawn on the map, listed and written in the box; nothing is computed until Apply."""
     state = parse(search)
@@ -424,12 +413,11 @@ def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, se
     heads = format_heads(sorted(chosen))
     applied = format_heads(sorted(set(parse_heads(model, state.heads)))) if state.heads else None
     if trigger == ids.ABL_PENDING:  # a click: the browser wrote the box and repainted the map already
-        return no_update, no_update, no_update, _chosen_text(heads, applied), "", no_update
-    counted = (choices if type(choices) is int and 0 <= choices < 2**31 else 0) + 1
+        return no_update, no_update, no_update, _chosen_text(heads, applied), ""
     grid = no_update
     if run is not None or (state.by == "retrieval" and state.sweep):
         grid, _ = VIEWS[names.ABLATION_SELECTION].build(run, {**ablation_params(state), "heads": heads or None})
-    return heads, heads, grid, _chosen_text(heads, applied), "", counted
+    return heads, heads, grid, _chosen_text(heads, applied), ""
 
 
 @callback(
