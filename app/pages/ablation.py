@@ -258,20 +258,19 @@ def render(search, pending, shown, drawn):
         except ValueError as e:
             problems.append(str(e))
     listed = _chosen_text(chosen if pending is not None else applied, applied)
-    if run is None:
-        grid = EMPTY
-        if state.by == "retrieval" and state.sweep:  # a sweep's scores need no text
-            try:
-                grid, _ = VIEWS[names.ABLATION_SELECTION].build(None, {**params, "heads": chosen})
-            except ValueError as e:
-                problems.append(str(e))
-        return (grid, EMPTY, "", curve, head_sweep, "", message(problems), no_update, no_update, *controls,
-                None, listed, None, (applied or "") if pending is None else no_update, no_update)
     map_key = [state.model, state.run, state.by, state.sweep, state.hsweep]
-    if pending is not None and drawn == map_key:  # the map and the box are choose()'s while heads are chosen
+    if pending is not None:  # the map, the box and the line are choose()'s once heads are chosen
         grid = listed = controls[0] = no_update
+        map_drawn = no_update if _map_key(drawn) == map_key else {"key": map_key, "draw": True}
     else:
-        grid, _ = VIEWS[names.ABLATION_SELECTION].build(run, {**params, "heads": chosen})
+        grid, map_drawn = None, {"key": map_key, "draw": False}
+    if run is None:
+        if grid is None:
+            grid = _selection_map(None, {**params, "heads": chosen}, problems)
+        return (grid, EMPTY, "", curve, head_sweep, "", message(problems), no_update, no_update, *controls,
+                None, listed, map_drawn, (applied or "") if pending is None else no_update, no_update)
+    if grid is None:
+        grid = _selection_map(run, {**params, "heads": chosen}, problems)
     effects, summary, now_shown, from_link = EMPTY, "", None, no_update
     if state.heads:
         key = _applied_key(state)
@@ -288,7 +287,25 @@ def render(search, pending, shown, drawn):
                      html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
                      html.Span(f"method: {state.ablate}", className="hs-chip")])
     return (grid, effects, summary, curve, head_sweep, info, message(problems), run.text or "", run.model_name,
-            *controls, now_shown, listed, map_key, (applied or "") if pending is None else no_update, from_link)
+            *controls, now_shown, listed, map_drawn, (applied or "") if pending is None else no_update, from_link)
+
+
+def _selection_map(run, params: dict, problems: list[str]):
+    """The layer × head map coloured by the ranking score with the chosen heads boxed: of this text's
+    run, or without one of a retrieval sweep's scores (they need no text); the empty map otherwise."""
+    if run is None and not (params["by"] == "retrieval" and params.get("sweep")):
+        return EMPTY
+    try:
+        grid, _ = VIEWS[names.ABLATION_SELECTION].build(run, params)
+    except ValueError as e:
+        problems.append(str(e))
+        return EMPTY
+    return grid
+
+
+def _map_key(drawn) -> list | None:
+    """The run and score the map was last drawn for, from the page's store (anything else: None)."""
+    return drawn.get("key") if isinstance(drawn, dict) else None
 
 
 _PENDING = re.compile(r"\d{1,4}\.\d{1,4}(,\d{1,4}\.\d{1,4})*")
@@ -371,6 +388,7 @@ def _summary(run, params) -> html.Div:
     Input(ids.ABL_TOPK, "n_clicks"),
     Input(ids.ABL_RANDOM, "n_clicks"),
     Input(ids.ABL_CLEAR, "n_clicks"),
+    Input(ids.ABL_MAP, "data"),
     State(ids.ABL_BY, "value"),
     State(ids.ABL_SWEEP, "value"),
     State(ids.ABL_K, "value"),
@@ -380,9 +398,15 @@ def _summary(run, params) -> html.Div:
     prevent_initial_call=True,
 )
 @guarded(outputs=5)
-def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, search):
+def choose(pending, heads_text, _top, _random, _clear, drawn, by, sweep_id, k, seed, search):
     """Change the pending selection (the heads box, top k, random k, clear; map clicks change it in
-    the browser): redrawn on the map, listed and written in the box; nothing is computed until Apply."""
+    the browser): redrawn on the map, listed and written in the box; nothing is computed until Apply.
+    Once heads are chosen the map is drawn only here: :func:`render` asks for it (``drawn``) when the
+    page is redrawn for another run or score.
+
+    Why here, not in :func:`render`: a redraw that read the selection as it started, while top k was
+    being chosen, drew the old selection and, answering last, put it back. Taking the map store as an
+    Input also makes Dash hold a choice clicked while a redraw is under way until it has answered."""
     state = parse(search)
     trigger = dash.ctx.triggered_id
     context = get_context()
@@ -391,10 +415,15 @@ def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, se
     current = state.heads if pending is None else pending
     chosen = set(parse_heads(model, current)) if current else set()
     run = context.run(state.run) if state.run else None
-    if ids.ABL_PENDING + ".data" in dash.ctx.triggered_prop_ids:  # a click (with the box it wrote), or render
+    triggered = dash.ctx.triggered_prop_ids
+    clicked = ids.ABL_PENDING + ".data" in triggered  # a click (with the box it wrote), or render's first draw
+    redraw = ids.ABL_MAP + ".data" in triggered and isinstance(drawn, dict) and drawn.get("draw") is True
+    if clicked or redraw:  # redraw: render asks for the map of another run or score
         if pending is None:
             raise PreventUpdate
-        trigger = ids.ABL_PENDING
+        trigger = ids.ABL_MAP if redraw else ids.ABL_PENDING
+    elif ids.ABL_MAP + ".data" in triggered:
+        raise PreventUpdate  # render drew the map itself (no heads chosen yet)
     elif trigger == ids.ABL_HEADS:
         text = heads_text if isinstance(heads_text, str) else ""
         typed = set(parse_heads(model, text)) if text.strip() else set()
@@ -414,10 +443,11 @@ def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, se
     applied = format_heads(sorted(set(parse_heads(model, state.heads)))) if state.heads else None
     if trigger == ids.ABL_PENDING:  # a click: the browser wrote the box and repainted the map already
         return no_update, no_update, no_update, _chosen_text(heads, applied), ""
-    grid = no_update
-    if run is not None or (state.by == "retrieval" and state.sweep):
-        grid, _ = VIEWS[names.ABLATION_SELECTION].build(run, {**ablation_params(state), "heads": heads or None})
-    return heads, heads, grid, _chosen_text(heads, applied), ""
+    problems: list[str] = []
+    grid = _selection_map(run, {**ablation_params(state), "heads": heads or None}, problems)
+    if trigger == ids.ABL_MAP:  # the box holds the selection already
+        return no_update, no_update, grid, _chosen_text(heads, applied), message(problems)
+    return heads, heads, grid, _chosen_text(heads, applied), message(problems)
 
 
 @callback(

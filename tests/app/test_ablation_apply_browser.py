@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.app.test_browser import PROMPT, browser, click_cell, page, wait_title  # noqa: F401
+from tests.app.test_browser import PROMPT, browser, click_cell, page, select_option, settle, wait_title  # noqa: F401
 
 STATUS = "(document.querySelector('#hs-abl-apply-status')?.innerText || '')"
 
@@ -234,3 +234,47 @@ def test_heads_clicked_at_once_are_all_chosen_in_order(server, page):  # noqa: F
     assert len(_boxed(page)) == 5 and "5 heads chosen" in page.locator("#hs-abl-grid .gtitle").text_content()
     assert page.locator("#hs-error").inner_text() == ""
 
+
+
+# Answers of the page's callbacks held back in the browser (after the server answered), by a piece of
+# their request: the page's own order of events, with the network's timing chosen by the test.
+HOLD_ANSWERS = """(holds) => {
+    const fetch = window.fetch;
+    window.fetch = async (url, options) => {
+        const answer = await fetch(url, options);
+        const body = typeof options?.body === 'string' ? options.body : '';
+        const hold = holds.find(([piece]) => body.includes(piece));
+        if (hold) await new Promise(done => setTimeout(done, hold[1]));
+        return answer;
+    };
+}"""
+
+
+def test_top_k_chosen_while_the_map_is_recoloured_stays_chosen(server, page):  # noqa: F811
+    """Pick another score to rank by, then top k at once: the map is recoloured (the score is written
+    to the URL, which redraws the page) while top k is chosen. The redraw read the selection as it
+    was when it started and, answering after top k, put the old selection back: the map said "2 heads
+    chosen" for good, and Apply would have ablated those (a loaded CI run, 2026-12-03). Here the
+    score's URL answer is held 1 s, top k's 2 s and the redraw's 3 s: the redraw starts at 1 s, while
+    top k is under way, and answers last."""
+    url, _, _ = server
+    run_on_ablation_page(page, url)
+    page.fill("#hs-abl-heads", "3.1, 7.2")
+    page.press("#hs-abl-heads", "Enter")
+    wait_title(page, "hs-abl-grid", "2 heads chosen")
+    settle(page)
+    page.evaluate(HOLD_ANSWERS, [['"changedPropIds":["hs-abl-by.value"]', 1000],
+                                 ['"changedPropIds":["hs-abl-topk.n_clicks"]', 2000],
+                                 ["hs-abl-effects.figure", 3000]])
+    select_option(page, "hs-abl-by", "Attention on first token")
+    page.fill("#hs-abl-k", "3")
+    page.click("#hs-abl-topk")
+    page.wait_for_function("location.search.includes('by=first_token')")
+    wait_title(page, "hs-abl-grid", "3 heads chosen")
+    time.sleep(4.5)  # past every held answer
+    settle(page)
+    title = page.locator("#hs-abl-grid .gtitle").text_content()
+    assert "3 heads chosen" in title and "first token" in title.lower()
+    assert len(page.input_value("#hs-abl-heads").split(",")) == 3
+    assert "3 heads chosen" in _text(page, "#hs-abl-chosen")
+    assert page.locator("#hs-error").inner_text() == ""
