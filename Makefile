@@ -8,10 +8,9 @@ HOST    ?= 127.0.0.1
 PORT    ?= 8050
 MODEL   ?= smollm2-135m
 PYTEST_ARGS ?=
-# one process by default: with two workers (TEST_WORKERS=2: one test file each at a time, tests/conftest.py
-# gives each its share of the cores) the suite takes 14 instead of 20 minutes, but a browser test still
-# failed on a quiet fresh clone with them (2026-12-03), so CI keeps one process until that is fixed
-TEST_WORKERS ?= 0
+# two pytest workers, one test file each at a time (tests/conftest.py gives each its share of the cores):
+# the suite in 14 instead of 20 minutes on 2 cores; TEST_WORKERS=0 runs one process
+TEST_WORKERS ?= 2
 
 .PHONY: setup serve test lint bench gemma3
 

@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _share_cores_between_workers() -> None:
-    """Under ``pytest -n N`` (``make test TEST_WORKERS=2``): each worker, and every server, CLI and
+    """Under ``pytest -n N`` (``make test`` runs two workers): each worker, and every server, CLI and
     job process it starts, runs OpenMP on its share of the cores, sleeping while it waits.
 
     Left to themselves two workers on 2 cores run 4 OpenMP threads that spin while they wait for each
