@@ -21,6 +21,7 @@ from dash import (
     dcc,
     html,
     no_update,
+    strip_relative_path,
 )
 from dash.exceptions import PreventUpdate
 
@@ -67,6 +68,14 @@ def page_location(prefix: str) -> dcc.Location:
     still go through the router.
     """
     return dcc.Location(id=url_id(prefix), refresh=False)
+
+
+def leaving(pathname, page_path: str) -> bool:
+    """Whether the page's own Location (:func:`page_location`) shows another page's path: a nav link
+    is taking the user away. Every Location hears the link, so the page being left sees its URL
+    change and its callbacks run once more while the router fetches the next page; what they answer
+    arrives after that page has replaced them (a whole value is then dropped, a patch is an error)."""
+    return isinstance(pathname, str) and strip_relative_path(pathname) != strip_relative_path(page_path)
 
 
 def text_id(prefix: str) -> str:

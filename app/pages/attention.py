@@ -36,6 +36,7 @@ from app.components import (
     fill_text_from_runs,
     input_bar,
     job_error,
+    leaving,
     model_id,
     page_location,
     prompt_policy,
@@ -55,7 +56,8 @@ from app.jobs import cancellable_callback, in_job, on_workers, progress_reporter
 from app.url_state import AttentionState, PageState, parse
 from app.views import VIEWS, names
 
-dash.register_page(__name__, path="/", name="Attention", title="headscope — attention", order=0)
+PAGE_PATH = "/"
+dash.register_page(__name__, path=PAGE_PATH, name="Attention", title="headscope — attention", order=0)
 
 PREFIX = "attn"
 EMPTY = empty_figure()
@@ -64,7 +66,7 @@ PROGRESS = f"{PREFIX}-hs-progress"
 STATUS = f"{PREFIX}-hs-status"
 SINKS_RUN = f"{PREFIX}-hs-sinks-run"  # the run the sink map and token strip show: a head click does not redraw them
 STRIP_DATA = f"{PREFIX}-hs-strip-data"  # the token-strip figure the HTML strip is drawn from
-DRAWN = f"{PREFIX}-hs-drawn"  # "run|metric" of the grid and heatmap the browser shows: a head click patches them
+DRAWN = f"{PREFIX}-hs-drawn"  # "run|metric|layer|head" of the grid and heatmap the browser shows: a head click patches them
 HIDDEN = {"display": "none"}
 
 
@@ -210,13 +212,20 @@ def _with(search: str | None, **changes) -> str:
     Output(SINKS_RUN, "data"),
     Output(DRAWN, "data"),
     Input(url_id(PREFIX), "search"),
+    State(url_id(PREFIX), "pathname"),
     State(SINKS_RUN, "data"),
     State(DRAWN, "data"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
 @guarded(outputs=13, error_index=6)
-def render(search, sinks_run=None, drawn=None):
+def render(search, pathname=None, sinks_run=None, drawn=None):
+    """Draw the page from its URL. The grid and heatmap of the run and metric already drawn are only
+    patched for another head (:func:`_head_changed`), and left alone for the same head; nothing is
+    drawn for a page being left (:func:`app.components.leaving`): a patch answered after the next
+    page replaced this one was "Cannot patch undefined" in the console."""
+    if leaving(pathname, PAGE_PATH):
+        raise PreventUpdate
     state = parse(search)
     problems = list(state.problems)
     context = get_context()
@@ -244,8 +253,10 @@ def render(search, sinks_run=None, drawn=None):
         layer, head = 0, 0
     query = state.query if state.query is not None and state.query < run.n_tokens else run.n_tokens - 1
     params = {"metric": state.metric, "layer": layer, "head": head, "query": query, "region": state.region}
-    shown = f"{run.key}|{state.metric}"
-    if run.has_patterns and drawn == shown:
+    shown = f"{run.key}|{state.metric}|{layer}|{head}"
+    if run.has_patterns and drawn == shown:  # e.g. only the query position changed: drawn already
+        grid = heat = no_update
+    elif run.has_patterns and isinstance(drawn, str) and drawn.rsplit("|", 2)[0] == shown.rsplit("|", 2)[0]:
         grid, heat = _head_changed(run, layer, head)
     else:
         grid, _ = VIEWS[names.HEAD_GRID].build(run, params)

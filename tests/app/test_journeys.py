@@ -398,3 +398,38 @@ def test_ablation_journey(server, page, errors):  # noqa: F811
     assert "random heads" in legend, legend
     clean(page, errors, "curve")
     assert proc.poll() is None
+
+
+# The page's callback answers held back in the browser by a piece of their request (after the server
+# answered): the page's own order of events, with the network's timing chosen by the test.
+HOLD_ANSWERS = """(holds) => {
+    const fetch = window.fetch;
+    window.fetch = async (url, options) => {
+        const answer = await fetch(url, options);
+        const body = typeof options?.body === 'string' ? options.body : '';
+        const hold = holds.find(([piece]) => body.includes(piece));
+        if (hold) await new Promise(done => setTimeout(done, hold[1]));
+        return answer;
+    };
+}"""
+
+
+def test_leaving_attention_while_it_redraws_leaves_no_console_error(server, page, errors):  # noqa: F811
+    """A nav link changes the URL of the page being left too, and its render runs once more as it goes
+    when the link drops something of its URL (here the query position, which other pages do not share).
+    Answered with patches to figures the next page has already removed, it printed "Cannot patch
+    undefined" (a loaded CI run, 2026-12-03). Here that last answer is held 2 s, so it arrives after
+    the Flow page is drawn."""
+    url, proc, _ = server
+    run_attention(page, url)
+    page.goto(url.rstrip("/") + page.evaluate("location.pathname + location.search") + "&query=3")
+    page.wait_for_selector("#hs-grid .heatmaplayer .hm", timeout=120_000)
+    page.wait_for_function("() => document.title !== 'Updating...'")
+    clean(page, errors, "landed with a query position")
+    page.evaluate(HOLD_ANSWERS, [["hs-heatmap.figure", 2000]])
+    page.locator(".hs-nav").get_by_role("link", name="Flow", exact=True).click()
+    page.wait_for_function("p => location.pathname === p", arg="/flow")
+    page.wait_for_selector(strip("flow") + " .gtitle", timeout=120_000)
+    time.sleep(3)  # past the held answer
+    clean(page, errors, "left for Flow")
+    assert proc.poll() is None
