@@ -75,7 +75,13 @@ def leaving(pathname, page_path: str) -> bool:
     is taking the user away. Every Location hears the link, so the page being left sees its URL
     change and its callbacks run once more while the router fetches the next page; what they answer
     arrives after that page has replaced them (a whole value is then dropped, a patch is an error)."""
-    return isinstance(pathname, str) and strip_relative_path(pathname) != strip_relative_path(page_path)
+    if not isinstance(pathname, str):
+        return False
+    try:
+        here = strip_relative_path(pathname)  # without the app's path prefix, if it is served under one
+    except Exception:  # noqa: BLE001 - no app yet, or a path outside its prefix: compared as it is
+        here = pathname
+    return (here or "").strip("/") != page_path.strip("/")
 
 
 def text_id(prefix: str) -> str:

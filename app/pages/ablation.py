@@ -76,7 +76,8 @@ def layout(**query) -> html.Div:
             dcc.Store(id=ids.ABL_KEPT, storage_type="local", data=[]),
             dcc.Store(id=ids.ABL_PENDING, data=None),  # heads chosen on the map or typed, not yet applied
             dcc.Store(id=ids.ABL_SHOWN, data=None),  # what the effects on the page were computed for
-            dcc.Store(id=ids.ABL_MAP, data=None),  # the run and score the map was drawn for
+            dcc.Store(id=ids.ABL_MAP, data=None),  # the run and score the map should show (render asks)
+            dcc.Store(id=ids.ABL_DRAWN, data=None),  # the run and score the map shows
             dcc.Store(id=ids.ABL_FROM_LINK, data=None),  # a link's applied set, handed to the Apply job
             input_bar(PREFIX, "Text to ablate heads on (loss, next-token prediction, continuation)…", model=query.get("model")),
             html.Div(
@@ -210,17 +211,17 @@ fill_text_from_runs(PREFIX)
     Output(ids.ABL_SHOWN, "data"),
     Output(ids.ABL_CHOSEN, "children"),
     Output(ids.ABL_MAP, "data"),
+    Output(ids.ABL_DRAWN, "data"),
     Output(ids.ABL_PENDING, "data"),
     Output(ids.ABL_FROM_LINK, "data"),
     Input(url_id(PREFIX), "search"),
     State(ids.ABL_PENDING, "data"),
     State(ids.ABL_SHOWN, "data"),
-    State(ids.ABL_MAP, "data"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=18, error_index=6)
-def render(search, pending, shown, drawn):
+@guarded(outputs=19, error_index=6)
+def render(search, pending, shown):
     """Draw the page from its URL; never computes effects. A link opened afresh with an applied set
     (its ``heads``) is drawn at once, and hands the set to the Apply job (:func:`apply`: progress,
     Cancel), which computes and draws its effects, as Apply does for heads chosen on the page.
@@ -258,19 +259,14 @@ def render(search, pending, shown, drawn):
         except ValueError as e:
             problems.append(str(e))
     listed = _chosen_text(chosen if pending is not None else applied, applied)
-    map_key = [state.model, state.run, state.by, state.sweep, state.hsweep]
-    if pending is not None:  # the map, the box and the line are choose()'s once heads are chosen
-        grid = listed = controls[0] = no_update
-        map_drawn = no_update if _map_key(drawn) == map_key else {"key": map_key, "draw": True}
-    else:
-        grid, map_drawn = None, {"key": map_key, "draw": False}
+    wanted = {"key": _map_key(state)}  # draw_map draws it if the map shows another run or score
+    if pending is not None:  # the map, the box and the line are choose()'s and draw_map's once heads are chosen
+        grid = listed = controls[0] = drawn = no_update
+    else:  # the page's first draw
+        grid, drawn = _selection_map(run, {**params, "heads": chosen}, problems), _map_key(state)
     if run is None:
-        if grid is None:
-            grid = _selection_map(None, {**params, "heads": chosen}, problems)
         return (grid, EMPTY, "", curve, head_sweep, "", message(problems), no_update, no_update, *controls,
-                None, listed, map_drawn, (applied or "") if pending is None else no_update, no_update)
-    if grid is None:
-        grid = _selection_map(run, {**params, "heads": chosen}, problems)
+                None, listed, wanted, drawn, (applied or "") if pending is None else no_update, no_update)
     effects, summary, now_shown, from_link = EMPTY, "", None, no_update
     if state.heads:
         key = _applied_key(state)
@@ -287,7 +283,7 @@ def render(search, pending, shown, drawn):
                      html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
                      html.Span(f"method: {state.ablate}", className="hs-chip")])
     return (grid, effects, summary, curve, head_sweep, info, message(problems), run.text or "", run.model_name,
-            *controls, now_shown, listed, map_drawn, (applied or "") if pending is None else no_update, from_link)
+            *controls, now_shown, listed, wanted, drawn, (applied or "") if pending is None else no_update, from_link)
 
 
 def _selection_map(run, params: dict, problems: list[str]):
@@ -303,9 +299,9 @@ def _selection_map(run, params: dict, problems: list[str]):
     return grid
 
 
-def _map_key(drawn) -> list | None:
-    """The run and score the map was last drawn for, from the page's store (anything else: None)."""
-    return drawn.get("key") if isinstance(drawn, dict) else None
+def _map_key(state: PageState) -> list:
+    """What the map's colours depend on: the run and the score it ranks by."""
+    return [state.model, state.run, state.by, state.sweep, state.hsweep]
 
 
 _PENDING = re.compile(r"\d{1,4}\.\d{1,4}(,\d{1,4}\.\d{1,4})*")
@@ -382,13 +378,13 @@ def _summary(run, params) -> html.Div:
     Output(ids.ABL_HEADS, "value", allow_duplicate=True),
     Output(ids.ABL_GRID, "figure", allow_duplicate=True),
     Output(ids.ABL_CHOSEN, "children", allow_duplicate=True),
+    Output(ids.ABL_DRAWN, "data", allow_duplicate=True),
     job_error(PREFIX),  # with Redis this is a job: not the banner (components.job_error)
     Input(ids.ABL_PENDING, "data"),
     Input(ids.ABL_HEADS, "value"),
     Input(ids.ABL_TOPK, "n_clicks"),
     Input(ids.ABL_RANDOM, "n_clicks"),
     Input(ids.ABL_CLEAR, "n_clicks"),
-    Input(ids.ABL_MAP, "data"),
     State(ids.ABL_BY, "value"),
     State(ids.ABL_SWEEP, "value"),
     State(ids.ABL_K, "value"),
@@ -397,57 +393,86 @@ def _summary(run, params) -> html.Div:
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call=True,
 )
-@guarded(outputs=5)
-def choose(pending, heads_text, _top, _random, _clear, drawn, by, sweep_id, k, seed, search):
+@guarded(outputs=6)
+def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, search):
     """Change the pending selection (the heads box, top k, random k, clear; map clicks change it in
     the browser): redrawn on the map, listed and written in the box; nothing is computed until Apply.
-    Once heads are chosen the map is drawn only here: :func:`render` asks for it (``drawn``) when the
-    page is redrawn for another run or score.
 
-    Why here, not in :func:`render`: a redraw that read the selection as it started, while top k was
-    being chosen, drew the old selection and, answering last, put it back. Taking the map store as an
-    Input also makes Dash hold a choice clicked while a redraw is under way until it has answered."""
+    Dash holds this while :func:`render` is under way (its Inputs are render's outputs), then sends
+    one request for everything that happened meanwhile: a button clicked then is read first, before
+    the selection the render wrote (a top k clicked as the page loaded was read as that write, and
+    dropped without a word)."""
     state = parse(search)
-    trigger = dash.ctx.triggered_id
+    triggered = dash.ctx.triggered_prop_ids
     context = get_context()
     model = load_model(state.model or context.default_model)
     pending = _pending(pending)
     current = state.heads if pending is None else pending
     chosen = set(parse_heads(model, current)) if current else set()
     run = context.run(state.run) if state.run else None
-    triggered = dash.ctx.triggered_prop_ids
-    clicked = ids.ABL_PENDING + ".data" in triggered  # a click (with the box it wrote), or render's first draw
-    redraw = ids.ABL_MAP + ".data" in triggered and isinstance(drawn, dict) and drawn.get("draw") is True
-    if clicked or redraw:  # redraw: render asks for the map of another run or score
-        if pending is None:
-            raise PreventUpdate
-        trigger = ids.ABL_MAP if redraw else ids.ABL_PENDING
-    elif ids.ABL_MAP + ".data" in triggered:
-        raise PreventUpdate  # render drew the map itself (no heads chosen yet)
-    elif trigger == ids.ABL_HEADS:
-        text = heads_text if isinstance(heads_text, str) else ""
-        typed = set(parse_heads(model, text)) if text.strip() else set()
-        if typed == chosen:
-            raise PreventUpdate  # the box only echoed the selection
-        chosen = typed
-    elif trigger == ids.ABL_TOPK:
+    buttons = [b for b in (ids.ABL_CLEAR, ids.ABL_RANDOM, ids.ABL_TOPK) if b + ".n_clicks" in triggered]
+    typed = _typed(model, heads_text) if not buttons and ids.ABL_HEADS + ".value" in triggered else chosen
+    if buttons:
+        action = buttons[0]
+    elif typed != chosen:
+        action = ids.ABL_HEADS
+    elif ids.ABL_PENDING + ".data" in triggered and pending is not None:
+        action = ids.ABL_PENDING  # a click (with the box it wrote), or render's first draw
+    else:
+        raise PreventUpdate  # the box only echoed the selection
+    if action == ids.ABL_CLEAR:
+        chosen = set()
+    elif action == ids.ABL_RANDOM:
+        chosen = set(random_heads(model.n_layers, model.n_heads, int(k or 0), int(seed or 0)))
+    elif action == ids.ABL_TOPK:
         chosen = set(top_heads(run, {**ablation_params(state), "by": by, "sweep": (sweep_id or "").strip() or None},
                                int(k or 0)))
-    elif trigger == ids.ABL_RANDOM:
-        chosen = set(random_heads(model.n_layers, model.n_heads, int(k or 0), int(seed or 0)))
-    elif trigger == ids.ABL_CLEAR:
-        chosen = set()
-    else:
-        raise PreventUpdate
+    elif action == ids.ABL_HEADS:
+        chosen = typed
     heads = format_heads(sorted(chosen))
     applied = format_heads(sorted(set(parse_heads(model, state.heads)))) if state.heads else None
-    if trigger == ids.ABL_PENDING:  # a click: the browser wrote the box and repainted the map already
-        return no_update, no_update, no_update, _chosen_text(heads, applied), ""
+    if action == ids.ABL_PENDING:  # the browser wrote the box and repainted the map already
+        return no_update, no_update, no_update, _chosen_text(heads, applied), no_update, ""
     problems: list[str] = []
     grid = _selection_map(run, {**ablation_params(state), "heads": heads or None}, problems)
-    if trigger == ids.ABL_MAP:  # the box holds the selection already
-        return no_update, no_update, grid, _chosen_text(heads, applied), message(problems)
-    return heads, heads, grid, _chosen_text(heads, applied), message(problems)
+    return heads, heads, grid, _chosen_text(heads, applied), _map_key(state), message(problems)
+
+
+def _typed(model, heads_text) -> set:
+    """The heads written in the heads box."""
+    text = heads_text if isinstance(heads_text, str) else ""
+    return set(parse_heads(model, text)) if text.strip() else set()
+
+
+@callback(
+    Output(ids.ABL_GRID, "figure", allow_duplicate=True),
+    Output(ids.ABL_DRAWN, "data", allow_duplicate=True),
+    job_error(PREFIX),
+    Input(ids.ABL_MAP, "data"),
+    Input(ids.ABL_PENDING, "data"),
+    State(ids.ABL_DRAWN, "data"),
+    State(url_id(PREFIX), "search"),
+    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
+    prevent_initial_call=True,
+)
+@guarded(outputs=3)
+def draw_map(wanted, pending, drawn, search):
+    """Once heads are chosen: the map of the run and score the page's URL names, with the selection
+    as it is now, when the map shows another run or score (:func:`render` asks after each redraw).
+
+    Why not in :func:`render` or :func:`choose`: each read the selection as it started, and Dash drops
+    the answer of a callback asked again while it runs. A render that read it while top k was under
+    way put the old selection back; a redraw in :func:`choose` was dropped for a map click, or threw
+    away the top k under way. This reads the selection when it runs, and is asked again by every
+    change of it (map clicks too: then, the map showing its run and score already, it draws nothing)."""
+    pending = _pending(pending)
+    if pending is None or not isinstance(wanted, dict) or wanted.get("key") == drawn:
+        raise PreventUpdate
+    state = parse(search)
+    run = get_context().run(state.run) if state.run else None
+    problems: list[str] = []
+    grid = _selection_map(run, {**ablation_params(state), "heads": pending or None}, problems)
+    return grid, _map_key(state), message(problems)
 
 
 @callback(

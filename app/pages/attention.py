@@ -66,7 +66,7 @@ PROGRESS = f"{PREFIX}-hs-progress"
 STATUS = f"{PREFIX}-hs-status"
 SINKS_RUN = f"{PREFIX}-hs-sinks-run"  # the run the sink map and token strip show: a head click does not redraw them
 STRIP_DATA = f"{PREFIX}-hs-strip-data"  # the token-strip figure the HTML strip is drawn from
-DRAWN = f"{PREFIX}-hs-drawn"  # "run|metric|layer|head" of the grid and heatmap the browser shows: a head click patches them
+DRAWN = f"{PREFIX}-hs-drawn"  # "run|metric|layer|head|query" the grid, heatmap and strip show: a head click patches them
 HIDDEN = {"display": "none"}
 
 
@@ -221,7 +221,8 @@ def _with(search: str | None, **changes) -> str:
 @guarded(outputs=13, error_index=6)
 def render(search, pathname=None, sinks_run=None, drawn=None):
     """Draw the page from its URL. The grid and heatmap of the run and metric already drawn are only
-    patched for another head (:func:`_head_changed`), and left alone for the same head; nothing is
+    patched for another head or query token (:func:`_head_changed`), and left alone when nothing they
+    show changed; nothing is
     drawn for a page being left (:func:`app.components.leaving`): a patch answered after the next
     page replaced this one was "Cannot patch undefined" in the console."""
     if leaving(pathname, PAGE_PATH):
@@ -253,10 +254,11 @@ def render(search, pathname=None, sinks_run=None, drawn=None):
         layer, head = 0, 0
     query = state.query if state.query is not None and state.query < run.n_tokens else run.n_tokens - 1
     params = {"metric": state.metric, "layer": layer, "head": head, "query": query, "region": state.region}
-    shown = f"{run.key}|{state.metric}|{layer}|{head}"
-    if run.has_patterns and drawn == shown:  # e.g. only the query position changed: drawn already
+    shown = f"{run.key}|{state.metric}|{layer}|{head}|{query}"
+    if run.has_patterns and drawn == shown:  # drawn already (a link or Back to the same view)
         grid = heat = no_update
-    elif run.has_patterns and isinstance(drawn, str) and drawn.rsplit("|", 2)[0] == shown.rsplit("|", 2)[0]:
+    elif run.has_patterns and isinstance(drawn, str) and drawn.rsplit("|", 3)[0] == shown.rsplit("|", 3)[0]:
+        # another head or query token (the strip follows the new heatmap at the query: assets/attention.js)
         grid, heat = _head_changed(run, layer, head)
     else:
         grid, _ = VIEWS[names.HEAD_GRID].build(run, params)

@@ -250,31 +250,79 @@ HOLD_ANSWERS = """(holds) => {
 }"""
 
 
-def test_top_k_chosen_while_the_map_is_recoloured_stays_chosen(server, page):  # noqa: F811
-    """Pick another score to rank by, then top k at once: the map is recoloured (the score is written
-    to the URL, which redraws the page) while top k is chosen. The redraw read the selection as it
-    was when it started and, answering after top k, put the old selection back: the map said "2 heads
-    chosen" for good, and Apply would have ablated those (a loaded CI run, 2026-12-03). Here the
-    score's URL answer is held 1 s, top k's 2 s and the redraw's 3 s: the redraw starts at 1 s, while
-    top k is under way, and answers last."""
-    url, _, _ = server
+def _two_heads_chosen(page, url: str) -> None:
     run_on_ablation_page(page, url)
     page.fill("#hs-abl-heads", "3.1, 7.2")
     page.press("#hs-abl-heads", "Enter")
     wait_title(page, "hs-abl-grid", "2 heads chosen")
     settle(page)
-    page.evaluate(HOLD_ANSWERS, [['"changedPropIds":["hs-abl-by.value"]', 1000],
-                                 ['"changedPropIds":["hs-abl-topk.n_clicks"]', 2000],
-                                 ["hs-abl-effects.figure", 3000]])
+
+
+def _map_says(page, count: str, score: str) -> None:
+    """After every held answer: the map, the heads box and the line under it agree on ``count`` heads,
+    and the map is coloured by ``score``."""
+    settle(page)
+    title = page.locator("#hs-abl-grid .gtitle").text_content()
+    assert count in title and score in title.lower(), title
+    n = int(count.split()[0])
+    assert len(_boxed(page)) == n
+    assert len([h for h in page.input_value("#hs-abl-heads").split(",") if h]) == n
+    assert count in _text(page, "#hs-abl-chosen")
+    assert page.locator("#hs-error").inner_text() == ""
+
+
+@pytest.mark.parametrize("holds", [
+    # the redraw starts at 1 s, while top k is under way, and answers last
+    [['"changedPropIds":["hs-abl-by.value"]', 1000], ['"changedPropIds":["hs-abl-topk.n_clicks"]', 2000],
+     ["hs-abl-effects.figure", 3000]],
+    # the redraw answers first, while top k is still under way
+    [['"changedPropIds":["hs-abl-by.value"]', 300], ['"changedPropIds":["hs-abl-topk.n_clicks"]', 3000]],
+], ids=["redraw-last", "redraw-first"])
+def test_top_k_chosen_while_the_map_is_recoloured_stays_chosen(server, page, holds):  # noqa: F811
+    """Pick another score to rank by, then top k at once: the map is recoloured (the score is written
+    to the URL, which redraws the page) while top k is chosen. The redraw read the selection as it
+    was when it started and, answering after top k, put the old selection back: the map said "2 heads
+    chosen" for good, and Apply would have ablated those (a loaded CI run, 2026-12-03). Answering
+    before top k, it asked for the map again, and Dash dropped the top k under way for that request.
+    The answers are held in the browser, in both orders."""
+    url, _, _ = server
+    _two_heads_chosen(page, url)
+    page.evaluate(HOLD_ANSWERS, holds)
     select_option(page, "hs-abl-by", "Attention on first token")
     page.fill("#hs-abl-k", "3")
     page.click("#hs-abl-topk")
     page.wait_for_function("location.search.includes('by=first_token')")
     wait_title(page, "hs-abl-grid", "3 heads chosen")
     time.sleep(4.5)  # past every held answer
-    settle(page)
-    title = page.locator("#hs-abl-grid .gtitle").text_content()
-    assert "3 heads chosen" in title and "first token" in title.lower()
-    assert len(page.input_value("#hs-abl-heads").split(",")) == 3
-    assert "3 heads chosen" in _text(page, "#hs-abl-chosen")
-    assert page.locator("#hs-error").inner_text() == ""
+    _map_says(page, "3 heads chosen", "first token")
+
+
+def test_a_head_clicked_while_the_map_is_recoloured_is_chosen_on_the_new_colours(server, page):  # noqa: F811
+    """Pick another score to rank by, and click a head while the map is being recoloured: the click is
+    kept and the map ends coloured by the new score. The recolouring was dropped for the click (Dash
+    drops the answer of a callback asked again while it runs), and the map kept the old score's
+    colours for good. The recolouring's answer is held 2 s here."""
+    url, _, _ = server
+    _two_heads_chosen(page, url)
+    page.evaluate(HOLD_ANSWERS, [['"changedPropIds":["hs-abl-map.data"]', 2000]])
+    select_option(page, "hs-abl-by", "Attention on first token")
+    page.wait_for_function("location.search.includes('by=first_token')")
+    page.wait_for_timeout(500)  # the recolouring is under way (held)
+    _click_at_once(page, "hs-abl-grid", [(0, 0)])  # head 0 of layer 0
+    wait_title(page, "hs-abl-grid", "3 heads chosen")
+    time.sleep(2.5)  # past the held answer
+    _map_says(page, "3 heads chosen", "first token")
+    assert [0, 0] in _boxed(page)
+
+
+def test_top_k_clicked_as_the_page_loads_is_not_lost(server, page):  # noqa: F811
+    """Top k clicked while the page's first draw is under way (no text run, no sweep: nothing to rank
+    by) says so. Dash holds the choice until that draw answers, then asks once for both; the choice
+    was read as the draw's write of the selection and dropped without a word (a quiet CI run with two
+    workers, 2026-12-03). The first draw's answer is held 2 s here."""
+    url, _, _ = server
+    page.add_init_script(f"({HOLD_ANSWERS})({json.dumps([['hs-abl-effects.figure', 2000]])})")
+    page.goto(url + "ablation")
+    page.click("#hs-abl-topk")
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('No retrieval scores')",
+                           timeout=60_000)

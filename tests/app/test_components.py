@@ -133,3 +133,14 @@ def test_a_link_naming_a_model_has_it_chosen_from_the_first_frame(tmp_path, monk
         assert chosen(layout(model="/models/tiny-qwen3"), prefix) == ["/models/tiny-qwen3"]
         assert chosen(layout(), prefix) == ["smollm2-135m"]
         assert chosen(layout(model="/etc/passwd"), prefix) == ["smollm2-135m"]
+
+
+def test_a_page_knows_it_is_being_left_from_its_own_location_path():
+    """Every page's Location hears a nav link, so the page being left sees another page's path there
+    while the router fetches that page (app.components.leaving); its own path, with or without a
+    trailing slash, and no path yet, are not leaving."""
+    from app.components import leaving
+
+    assert leaving("/flow", "/") and leaving("/ablation", "/flow") and leaving("/", "/flow")
+    assert not leaving("/", "/") and not leaving("/flow/", "/flow") and not leaving("/flow", "/flow")
+    assert not leaving(None, "/") and not leaving(["/flow"], "/")
