@@ -260,7 +260,7 @@ def render(search, pending, shown):
             problems.append(str(e))
     listed = _chosen_text(chosen if pending is not None else applied, applied)
     wanted = {"key": _map_key(state)}  # draw_map draws it if the map shows another run or score
-    if pending is not None:  # the map, the box and the line are choose()'s and draw_map's once heads are chosen
+    if pending is not None:  # after the first draw the map, the box and the line are choose()'s and draw_map's
         grid = listed = controls[0] = drawn = no_update
     else:  # the page's first draw
         grid, drawn = _selection_map(run, {**params, "heads": chosen}, problems), _map_key(state)
@@ -432,7 +432,8 @@ def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, se
     heads = format_heads(sorted(chosen))
     applied = format_heads(sorted(set(parse_heads(model, state.heads)))) if state.heads else None
     if action == ids.ABL_PENDING:  # the browser wrote the box and repainted the map already
-        return no_update, no_update, no_update, _chosen_text(heads, applied), no_update, ""
+        # the banner is left alone: after the first draw it says what that draw found (a bad link)
+        return no_update, no_update, no_update, _chosen_text(heads, applied), no_update, no_update
     problems: list[str] = []
     grid = _selection_map(run, {**ablation_params(state), "heads": heads or None}, problems)
     return heads, heads, grid, _chosen_text(heads, applied), _map_key(state), message(problems)
@@ -457,13 +458,13 @@ def _typed(model, heads_text) -> set:
 )
 @guarded(outputs=3)
 def draw_map(wanted, pending, drawn, search):
-    """Once heads are chosen: the map of the run and score the page's URL names, with the selection
+    """After the page's first draw: the map of the run and score the page's URL names, with the selection
     as it is now, when the map shows another run or score (:func:`render` asks after each redraw).
 
     Why not in :func:`render` or :func:`choose`: each read the selection as it started, and Dash drops
     the answer of a callback asked again while it runs. A render that read it while top k was under
     way put the old selection back; a redraw in :func:`choose` was dropped for a map click, or threw
-    away the top k under way. This reads the selection when it runs, and is asked again by every
+    away the top k under way. This reads the selection as it is asked, and is asked again by every
     change of it (map clicks too: then, the map showing its run and score already, it draws nothing)."""
     pending = _pending(pending)
     if pending is None or not isinstance(wanted, dict) or wanted.get("key") == drawn:
@@ -472,7 +473,7 @@ def draw_map(wanted, pending, drawn, search):
     run = get_context().run(state.run) if state.run else None
     problems: list[str] = []
     grid = _selection_map(run, {**ablation_params(state), "heads": pending or None}, problems)
-    return grid, _map_key(state), message(problems)
+    return grid, _map_key(state), message(problems) if problems else no_update  # the render's message stays
 
 
 @callback(

@@ -326,3 +326,18 @@ def test_top_k_clicked_as_the_page_loads_is_not_lost(server, page):  # noqa: F81
     page.click("#hs-abl-topk")
     page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('No retrieval scores')",
                            timeout=60_000)
+
+
+@pytest.mark.parametrize("query, expected", [("?run=0123456789abcdef", "No stored run"),
+                                             ("?heads=99.99", "out of range")])
+def test_a_bad_ablation_link_keeps_its_message(server, page, query, expected):  # noqa: F811
+    """A link the page cannot draw says why, and keeps saying it: the choice callback that follows the
+    first draw answered with an empty message, which cleared the banner at once."""
+    url, proc, _ = server
+    page.goto(url + "ablation" + query)
+    page.wait_for_function("e => (document.querySelector('#hs-error')?.innerText || '').includes(e)", arg=expected)
+    settle(page)
+    time.sleep(1)
+    settle(page)
+    assert expected in page.locator("#hs-error").inner_text()
+    assert proc.poll() is None
