@@ -225,9 +225,35 @@ def select_option(page, dropdown: str, value_label: str) -> None:
 
 
 def wait_title(page, graph: str, text: str, timeout: float = 60_000) -> None:
-    page.wait_for_function(
-        "([g, t]) => { const el = document.querySelector(`#${g} .gtitle`); return el && el.textContent.includes(t); }",
-        arg=[graph, text], timeout=timeout)
+    try:
+        page.wait_for_function(
+            "([g, t]) => { const el = document.querySelector(`#${g} .gtitle`); return el && el.textContent.includes(t); }",
+            arg=[graph, text], timeout=timeout)
+    except PlaywrightTimeoutError:
+        raise AssertionError(f"#{graph} was not titled {text!r} within {timeout / 1000:.0f} s: "
+                             f"{page_state(page, graph)}") from None
+
+
+# What the page shows and what Dash is still doing, for a failure's message: which callbacks are
+# requested, blocked, executing or watched (a background job) in the renderer's store.
+PAGE_STATE = """(graph) => {
+    const text = s => (document.querySelector(s)?.textContent || '').slice(0, 200);
+    const state = (window.dash_stores || [])[0]?.getState?.();
+    const pending = {};
+    for (const kind of ['requested', 'prioritized', 'blocked', 'executing', 'watched']) {
+        const cbs = (state && state.callbacks && state.callbacks[kind]) || [];
+        if (cbs.length) pending[kind] = cbs.map(cb => (cb.callback?.output || '').slice(0, 60));
+    }
+    return {title: text(`#${graph} .gtitle`), banner: text('#hs-error'), search: location.search,
+            document_title: document.title, pending};
+}"""
+
+
+def page_state(page, graph: str) -> dict | str:
+    try:
+        return page.evaluate(PAGE_STATE, graph)
+    except Exception as e:  # noqa: BLE001 - a page that cannot say: the failure's message says so
+        return f"(could not read the page: {e})"
 
 
 def wait_strip(page, text: str, timeout: float = 60_000) -> None:
