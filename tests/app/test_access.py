@@ -158,7 +158,7 @@ def test_an_oversized_upload_says_so_in_the_page(guarded_server, tmp_path):
     silently); a file within it becomes the own haystack."""
     from playwright.sync_api import sync_playwright
 
-    from tests.app.test_browser import CHROMIUM_ARGS
+    from tests.app.test_browser import CHROMIUM_ARGS, settle
 
     base, _, _, _ = guarded_server
     big, small = tmp_path / "big.txt", tmp_path / "small.txt"
@@ -171,6 +171,10 @@ def test_an_oversized_upload_says_so_in_the_page(guarded_server, tmp_path):
             page.set_default_timeout(60_000)
             page.goto(base + "?token=" + TOKEN)
             page.goto(base + "heads")
+            # the page drawn first, as a user sees it: the page's first draw clears the banner when it
+            # answers, and under load it answered after the size check had written it (a loaded run)
+            page.wait_for_selector("#hs-heads-run")
+            settle(page)
             page.set_input_files("#hs-heads-haystack-upload input[type=file]", str(big))
             page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('big.txt')")
             text = page.locator("#hs-error").inner_text()
