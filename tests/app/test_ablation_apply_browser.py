@@ -11,7 +11,16 @@ import time
 
 import pytest
 
-from tests.app.test_browser import PROMPT, browser, click_cell, page, select_option, settle, wait_title  # noqa: F401
+from tests.app.test_browser import (  # noqa: F401
+    HOLD_ANSWERS,
+    PROMPT,
+    browser,
+    click_cell,
+    page,
+    select_option,
+    settle,
+    wait_title,
+)
 
 STATUS = "(document.querySelector('#hs-abl-apply-status')?.innerText || '')"
 
@@ -234,20 +243,6 @@ def test_heads_clicked_at_once_are_all_chosen_in_order(server, page):  # noqa: F
     assert len(_boxed(page)) == 5 and "5 heads chosen" in page.locator("#hs-abl-grid .gtitle").text_content()
     assert page.locator("#hs-error").inner_text() == ""
 
-
-
-# Answers of the page's callbacks held back in the browser (after the server answered), by a piece of
-# their request: the page's own order of events, with the network's timing chosen by the test.
-HOLD_ANSWERS = """(holds) => {
-    const fetch = window.fetch;
-    window.fetch = async (url, options) => {
-        const answer = await fetch(url, options);
-        const body = typeof options?.body === 'string' ? options.body : '';
-        const hold = holds.find(([piece]) => body.includes(piece));
-        if (hold) await new Promise(done => setTimeout(done, hold[1]));
-        return answer;
-    };
-}"""
 
 
 def _two_heads_chosen(page, url: str) -> None:

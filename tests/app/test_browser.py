@@ -208,6 +208,21 @@ def quick_second_clicks_lost(page, graph: str, gaps=(0, 30, 60, 300), n_cols=9, 
     return missed
 
 
+# Answers of the page's callbacks held back in the browser (after the server answered), by a piece of
+# their request (``page.evaluate(HOLD_ANSWERS, [[piece, ms], ...])``, or an init script before the page
+# loads): the page's own order of events, with the network's timing chosen by the test.
+HOLD_ANSWERS = """(holds) => {
+    const fetch = window.fetch;
+    window.fetch = async (url, options) => {
+        const answer = await fetch(url, options);
+        const body = typeof options?.body === 'string' ? options.body : '';
+        const hold = holds.find(([piece]) => body.includes(piece));
+        if (hold) await new Promise(done => setTimeout(done, hold[1]));
+        return answer;
+    };
+}"""
+
+
 def settle(page, quiet_ms: int = 300) -> None:
     """Wait until no Dash callback is pending (Dash titles the page 'Updating...' while one is) and none
     starts within ``quiet_ms``: whatever the last action set off has answered, so a stale answer that

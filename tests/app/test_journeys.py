@@ -15,6 +15,7 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from tests.app.test_browser import (  # noqa: F401
+    HOLD_ANSWERS,
     browser,
     click_cell,
     cut_off_titles,
@@ -399,19 +400,6 @@ def test_ablation_journey(server, page, errors):  # noqa: F811
     clean(page, errors, "curve")
     assert proc.poll() is None
 
-
-# The page's callback answers held back in the browser by a piece of their request (after the server
-# answered): the page's own order of events, with the network's timing chosen by the test.
-HOLD_ANSWERS = """(holds) => {
-    const fetch = window.fetch;
-    window.fetch = async (url, options) => {
-        const answer = await fetch(url, options);
-        const body = typeof options?.body === 'string' ? options.body : '';
-        const hold = holds.find(([piece]) => body.includes(piece));
-        if (hold) await new Promise(done => setTimeout(done, hold[1]));
-        return answer;
-    };
-}"""
 
 
 def test_leaving_attention_while_it_redraws_leaves_no_console_error(server, page, errors):  # noqa: F811
