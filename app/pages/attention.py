@@ -222,9 +222,8 @@ def _with(search: str | None, **changes) -> str:
 def render(search, pathname=None, sinks_run=None, drawn=None):
     """Draw the page from its URL. The grid and heatmap of the run and metric already drawn are only
     patched for another head or query token (:func:`_head_changed`), and left alone when nothing they
-    show changed; nothing is
-    drawn for a page being left (:func:`app.components.leaving`): a patch answered after the next
-    page replaced this one was "Cannot patch undefined" in the console."""
+    show changed; nothing is drawn for a page being left (:func:`app.components.leaving`): a patch
+    answered after the next page replaced this one was "Cannot patch undefined" in the console."""
     if leaving(pathname, PAGE_PATH):
         raise PreventUpdate
     state = parse(search)
