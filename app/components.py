@@ -6,6 +6,7 @@ error banner and the download live in the app shell (``app.server``), so every p
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -59,15 +60,35 @@ def url_state_when_present(prefix: str) -> State:
     return State(url_id(prefix), "search", allow_optional=True)
 
 
-def page_location(prefix: str) -> dcc.Location:
-    """Each page has its own Location, so its callbacks only run while it is shown.
+def page_location(prefix: str) -> html.Div:
+    """Each page has its own Location, so its callbacks only run while it is shown, and beside it the
+    store its background jobs write their change of the URL to (:func:`url_patch`).
 
     ``refresh=False``: a page writing its state into the URL pushes history without telling Dash
     Pages' router, so the page is not rebuilt on every change (a rebuild while a background job
     runs lost the job's result, and reset what the user had typed). Links and the back button
     still go through the router.
     """
-    return dcc.Location(id=url_id(prefix), refresh=False)
+    return html.Div([dcc.Location(id=url_id(prefix), refresh=False), dcc.Store(id=url_patch_id(prefix))])
+
+
+def url_patch_id(prefix: str) -> str:
+    return f"{prefix}-hs-url-patch"
+
+
+def url_patch(before: Any, after: str, on: tuple[str, ...] = (), what: str = "This result") -> dict:
+    """What a background job answers into :func:`url_patch_id` instead of the page's URL: the URL it
+    read when it started (``before``) and the one it made of it (``after``). The browser
+    (assets/url_patch.js) then changes only the keys the job changed, in the URL as it is when the
+    job ends, so what the user chose while it ran (another score, a new text) stays. Jobs that
+    answered the whole URL they had read put back what it was when they started: a new text run
+    during an Apply went back to the old text, a score chosen meanwhile to the old score.
+
+    ``on``: the URL keys the result was computed on (``"run"``: on the page's text). If the page shows
+    another value of one of them by then, the result is not put in the URL and the banner says so,
+    naming it by ``what``."""
+    return {"before": before if isinstance(before, str) else "", "after": after, "on": list(on), "what": what,
+            "at": time.time()}  # a new value every time: the same change twice is written twice
 
 
 def leaving(pathname, page_path: str) -> bool:
@@ -162,6 +183,11 @@ def show_in_shell(prefix: str) -> None:
                         Input(job_error_id(prefix), "data"), prevent_initial_call=True)
     clientside_callback(copy, Output(ids.DOWNLOAD, "data", allow_duplicate=True),
                         Input(download_id(prefix), "data"), prevent_initial_call=True)
+    clientside_callback(ClientsideFunction(namespace="headscope_url", function_name="apply"),
+                        Output(url_id(prefix), "search", allow_duplicate=True),
+                        Output(ids.ERROR, "children", allow_duplicate=True),
+                        Input(url_patch_id(prefix), "data"), State(url_id(prefix), "search"),
+                        prevent_initial_call=True)
 
 
 PROMPT_POLICY_TITLE = ("How a text becomes the model's tokens: a BOS the model expects is prepended and shown "
@@ -234,7 +260,7 @@ def register_run(prefix: str, state_after: Any, long_runs: bool = False) -> None
     show_in_shell(prefix)
 
     @callback(
-        Output(url_id(prefix), "search", allow_duplicate=True),
+        Output(url_patch_id(prefix), "data", allow_duplicate=True),  # into the URL as it is then
         job_error(prefix),  # with Redis this is a job: not the banner (see there)
         Input(run_id(prefix), "n_clicks"),
         State(text_id(prefix), "value"),
@@ -254,7 +280,7 @@ def register_run(prefix: str, state_after: Any, long_runs: bool = False) -> None
         else:
             run = capture(model, text or "", store=context.store, max_tokens=context.max_tokens)
         context.remember(run)
-        return state_after(parse(search), model, run).to_search(), ""
+        return url_patch(search, state_after(parse(search), model, run).to_search()), ""
 
     run_text.__name__ = f"run_text_{prefix}"
 

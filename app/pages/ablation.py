@@ -41,6 +41,8 @@ from app.components import (
     shell_stores,
     text_fill_id,
     url_id,
+    url_patch,
+    url_patch_id,
 )
 from app.context import get_context
 from app.errors import guarded, message
@@ -529,7 +531,7 @@ def _step_reporter(set_progress, started: float):
 
 
 @cancellable_callback(
-    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(url_patch_id(PREFIX), "data", allow_duplicate=True),  # into the URL as it is then
     Output(ids.ABL_EFFECTS, "figure", allow_duplicate=True),
     Output(ids.ABL_SUMMARY, "children", allow_duplicate=True),
     Output(ids.ABL_SHOWN, "data", allow_duplicate=True),
@@ -591,7 +593,8 @@ def apply(set_progress, n_clicks, from_link, pending, method, source, reference,
         figure = empty_figure(f"No effects: {e}") if link else no_update
         return no_update, figure, no_update, no_update, no_update, str(e)
     seconds = time.monotonic() - started
-    return (state.to_search(), effects, summary, _shown(_applied_key(state), run, state, spec, fx),
+    return (url_patch(search, state.to_search(), what="Apply's effects"), effects, summary,
+            _shown(_applied_key(state), run, state, spec, fx),
             _chosen_text(state.heads, state.heads),
             f"{len(spec.heads)} heads, {spec.method} ablation: effects in {seconds:.1f} s")
 
@@ -673,7 +676,7 @@ def _ks(text: str) -> list[int]:
 
 
 @cancellable_callback(
-    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(url_patch_id(PREFIX), "data", allow_duplicate=True),  # into the URL as it is then
     Output(ids.ABL_CURVE_STATUS, "children"),
     Input(ids.ABL_CURVE_RUN, "n_clicks"),
     State(ids.ABL_CURVE_KS, "value"),
@@ -719,12 +722,12 @@ def run_curve(set_progress, n_clicks, ks_text, n_seeds, control_top, metric, sea
     state.curve = key[:16]
     top_k = curve.top[-1]
     rand = curve.random_mean[-1] if seeds else float("nan")
-    return state.to_search(), (f"k={curve.k_values[-1]}: top {top_k:.3f}, random {rand:.3f} (outside the top "
+    return url_patch(search, state.to_search(), on=("run",), what="The ablation curve"), (f"k={curve.k_values[-1]}: top {top_k:.3f}, random {rand:.3f} (outside the top "
                                f"{curve.outside_top}; {meta['metric_label']})")
 
 
 @cancellable_callback(
-    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(url_patch_id(PREFIX), "data", allow_duplicate=True),  # into the URL as it is then
     Output(ids.ABL_SWEEP_STATUS, "children"),
     Input(ids.ABL_SWEEP_RUN, "n_clicks"),
     State(ids.ABL_SWEEP_METRIC, "value"),
@@ -750,4 +753,5 @@ def run_head_sweep(set_progress, n_clicks, metric, search):
     except ValueError as e:
         return no_update, str(e)
     state.hsweep = key[:16]
-    return state.to_search(), f"{model.n_layers * model.n_heads} heads in {result.seconds:.1f} s"
+    return (url_patch(search, state.to_search(), on=("run",), what="The single-head sweep"),
+            f"{model.n_layers * model.n_heads} heads in {result.seconds:.1f} s")

@@ -49,6 +49,8 @@ from app.components import (
     text_fill_id,
     text_id,
     url_id,
+    url_patch,
+    url_patch_id,
 )
 from app.context import dropdown_model, get_context, offered_model
 from app.errors import guarded, message
@@ -160,7 +162,7 @@ show_in_shell(PREFIX)
 
 
 @cancellable_callback(
-    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(url_patch_id(PREFIX), "data", allow_duplicate=True),  # into the URL as it is then
     job_error(PREFIX),
     Output(STATUS, "children", allow_duplicate=True),
     Input(run_id(PREFIX), "n_clicks"),
@@ -187,7 +189,7 @@ def run_text(set_progress, n_clicks, text, model_spec, search):
                            progress=progress_reporter(set_progress, "Running the model"))
     context.remember(run)
     set_progress(("100", "100", "Drawing…"))
-    return _after_run(parse(search), model, run).to_search(), "", ""
+    return url_patch(search, _after_run(parse(search), model, run).to_search()), "", ""
 
 
 def _with(search: str | None, **changes) -> str:

@@ -44,6 +44,8 @@ from app.components import (
     shell_stores,
     show_in_shell,
     url_id,
+    url_patch,
+    url_patch_id,
 )
 from app.context import dropdown_model, get_context, offered_model
 from app.errors import guarded, message
@@ -320,7 +322,7 @@ def _sweep(model, sweep_id, needle_ids, lengths, depths, haystack, set_progress)
 
 
 @cancellable_callback(
-    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(url_patch_id(PREFIX), "data", allow_duplicate=True),  # into the URL as it is then
     job_error(PREFIX),
     Output(ids.KV_STATUS, "children"),
     Input(ids.KV_RUN, "n_clicks"),
@@ -377,7 +379,7 @@ def run_compress(set_progress, n_clicks, sweep_id, needle_ids, lengths, depths, 
     state.model, state.compress, state.pick = model.name, result.key[:16], None
     state.sweep = found.key[:16] or None
     n = len(result.curve.evaluations)
-    return state.to_search(), "", f"{n} policies and the uncompressed model evaluated in {time.monotonic() - started:.1f} s"
+    return url_patch(search, state.to_search()), "", f"{n} policies and the uncompressed model evaluated in {time.monotonic() - started:.1f} s"
 
 
 @callback(

@@ -39,6 +39,8 @@ from app.components import (
     upload_file,
     upload_file_id,
     url_id,
+    url_patch,
+    url_patch_id,
 )
 from app.context import get_context
 from app.errors import guarded, message
@@ -306,7 +308,7 @@ def form_from_sweep(search, filled, own_haystack):
 
 
 @cancellable_callback(
-    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(url_patch_id(PREFIX), "data", allow_duplicate=True),  # into the URL as it is then
     Output(ids.HEADS_STATUS, "children"),
     job_error(PREFIX),
     Input(ids.HEADS_RUN, "n_clicks"),
@@ -350,7 +352,7 @@ def run_sweep(set_progress, n_clicks, needle_ids, custom_needles, lengths, depth
     except ValueError as e:  # what the user asked cannot run: said where every page says it
         return no_update, "", message(str(e))
     note = f"{result.n_counted}/{result.n_trials} trials answered; {result.share_above(0.1):.1%} of heads score > 0.1"
-    return state.to_search(), note, ""
+    return url_patch(search, state.to_search()), note, ""
 
 
 @callback(

@@ -40,6 +40,8 @@ from app.components import (
     shell_stores,
     show_in_shell,
     url_id,
+    url_patch,
+    url_patch_id,
 )
 from app.context import get_context, offered_model
 from app.errors import guarded, message
@@ -330,7 +332,7 @@ def _job_progress(set_progress, n: int, unit: str):
 
 
 @cancellable_callback(
-    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(url_patch_id(PREFIX), "data", allow_duplicate=True),  # into the URL as it is then
     job_error(PREFIX),
     Output(ids.PAT_STATUS, "children"),
     Input(ids.PAT_RUN, "n_clicks"),
@@ -367,7 +369,7 @@ def run_patching(set_progress, n_clicks, clean, corrupted, answer_clean, answer_
     state = parse(search)
     state.model, state.patching, state.ppos, state.layer, state.head = model.name, result.key[:16], None, None, None
     # "n of n", as the progress said while it ran: a job quicker than the progress poll shows only this
-    return state.to_search(), "", f"{unit}s {n} of {n} patched in {time.monotonic() - started:.1f} s"
+    return url_patch(search, state.to_search()), "", f"{unit}s {n} of {n} patched in {time.monotonic() - started:.1f} s"
 
 
 @callback(
@@ -403,7 +405,7 @@ def _clicked_cell(click) -> tuple[int, int]:
 
 
 @cancellable_callback(
-    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(url_patch_id(PREFIX), "data", allow_duplicate=True),  # into the URL as it is then
     job_error(PREFIX),
     Output(ids.PAT_POS_STATUS, "children"),
     Input(ids.PAT_CLICK, "data"),
@@ -432,7 +434,7 @@ def run_positions(set_progress, click, search):
     except ValueError as e:
         return no_update, message(str(e)), "Not run: see the message above."
     state.layer, state.head, state.ppos = layer, head, positions.key[:16]
-    return (state.to_search(), "",
+    return (url_patch(search, state.to_search(), on=("patching",), what="The positions of that head"), "",
             f"head {layer}.{head}: {pair.n_tokens} positions patched in {time.monotonic() - started:.1f} s")
 
 

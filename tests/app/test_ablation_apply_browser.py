@@ -336,3 +336,80 @@ def test_a_bad_ablation_link_keeps_its_message(server, page, query, expected):  
     settle(page)
     assert expected in page.locator("#hs-error").inner_text()
     assert proc.poll() is None
+
+
+def test_a_score_chosen_while_apply_computes_stays_chosen_and_the_link_gets_the_applied_set(server, page):  # noqa: F811
+    """Choose another score to rank by while Apply computes: when the effects arrive the map stays
+    coloured by that score and the link names it and the applied set. Apply read the URL when it
+    started and wrote all of it back when it ended, so the score went back to the old one."""
+    url, proc, _ = server
+    _two_heads_chosen(page, url)
+    page.click("#hs-abl-apply")
+    page.wait_for_function(f"{STATUS}.includes(' steps done')", timeout=120_000)  # the job is computing
+    select_option(page, "hs-abl-by", "Attention on first token")
+    page.wait_for_function("location.search.includes('by=first_token')")
+    wait_title(page, "hs-abl-effects", "zero ablation of 2 heads: mean loss", timeout=240_000)
+    settle(page)
+    query = page.evaluate("Object.fromEntries(new URLSearchParams(location.search))")
+    assert query.get("by") == "first_token" and query.get("heads") == "3.1,7.2", query
+    assert "first token" in page.locator("#hs-abl-grid .gtitle").text_content().lower()
+    assert proc.poll() is None
+
+
+def test_a_new_text_run_while_apply_computes_is_kept_and_its_effects_wait_for_apply(server, page):  # noqa: F811
+    """Run another text while Apply computes the effects on the first: the page stays on the new text.
+    Apply wrote back the URL it read at its start, so the page went back to the old text (its run id)
+    and showed that text's effects under the new text in the box. Now the applied set carries over to
+    the new text, as it does whenever a text is run, and its effects there wait for Apply."""
+    url, proc, _ = server
+    _two_heads_chosen(page, url)
+    first_run = page.evaluate("new URLSearchParams(location.search).get('run')")
+    page.click("#hs-abl-apply")
+    page.wait_for_function(f"{STATUS}.includes(' steps done')", timeout=120_000)
+    page.fill("#abl-hs-text", "The quick brown fox jumps over the lazy dog near the river bank.")
+    page.click("#abl-hs-run")
+    page.wait_for_function("r => !location.search.includes('run=' + r)", arg=first_run)
+    second_run = page.evaluate("new URLSearchParams(location.search).get('run')")
+    page.wait_for_selector("#hs-abl-apply:not([disabled])", timeout=240_000)  # Apply's job has ended
+    settle(page)
+    time.sleep(1)
+    settle(page)
+    query = page.evaluate("Object.fromEntries(new URLSearchParams(location.search))")
+    assert query.get("run") == second_run and query.get("heads") == "3.1,7.2", query
+    assert page.input_value("#abl-hs-text").startswith("The quick brown fox")
+    effects = page.locator("#hs-abl-effects").inner_text()
+    assert "Apply computes the effects" in effects, effects
+    assert proc.poll() is None
+
+
+def test_a_job_writes_only_what_it_changed_into_the_link(server, page):  # noqa: F811
+    """The browser's merge of a job's result into the URL (assets/url_patch.js), case by case: what the
+    job changed is set or removed, what the user changed meanwhile stays, and a result computed on
+    what the page no longer shows (``on``) is not put in (it says so instead)."""
+    url, _, _ = server
+    page.goto(url + "ablation")
+    page.wait_for_function("window.dash_clientside && window.dash_clientside.headscope_url")
+    merge = "([patch, search]) => { const r = window.dash_clientside.headscope_url.merge(patch, search);" \
+            " return r === window.dash_clientside.no_update ? 'no_update' : r; }"
+    cases = [
+        # the job set heads; the user chose another score meanwhile: both
+        ({"before": "?run=a", "after": "?run=a&heads=3.1%2C7.2", "on": []}, "?run=a&by=first_token",
+         ["?run=a&by=first_token&heads=3.1%2C7.2"]),
+        # the job removed a key (a new text drops the curve); another key the user set stays
+        ({"before": "?run=a&curve=c", "after": "?run=b", "on": []}, "?run=a&curve=c&by=first_token",
+         ["?run=b&by=first_token"]),
+        # computed on run a, the page now shows run b: not put in
+        ({"before": "?run=a", "after": "?run=a&curve=c", "on": ["run"]}, "?run=b", ["no_update"]),
+        # nothing changed: nothing to write
+        ({"before": "?run=a", "after": "?run=a", "on": []}, "?run=a", ["no_update"]),
+        # a forged answer: nothing written
+        ({"after": 3}, "?run=a", ["no_update"]), (None, "?run=a", ["no_update"]),
+    ]
+    for patch, search, expected in cases:
+        assert page.evaluate(merge, [patch, search]) in expected, (patch, search)
+    stale = {"before": "?run=a", "after": "?run=a&curve=c", "on": ["run"], "what": "The ablation curve"}
+    search, banner = page.evaluate("([p, s]) => window.dash_clientside.headscope_url.apply(p, s)", [stale, "?run=b"])
+    assert banner.startswith("The ablation curve was computed for what the page showed when it started")
+    assert page.evaluate("([p, s]) => window.dash_clientside.headscope_url.apply(p, s)[1] === "
+                         "window.dash_clientside.no_update", [cases[0][0], cases[0][1]])
+
