@@ -540,6 +540,7 @@ def _step_reporter(set_progress, started: float):
     Input(ids.ABL_APPLY, "n_clicks"),
     Input(ids.ABL_FROM_LINK, "data"),
     State(ids.ABL_PENDING, "data"),
+    State(ids.ABL_HEADS, "value"),
     State(ids.ABL_METHOD, "value"),
     State(ids.ABL_SOURCE, "value"),
     State(ids.ABL_REFERENCE, "value"),
@@ -547,11 +548,15 @@ def _step_reporter(set_progress, started: float):
     run=ids.ABL_APPLY, cancel=ids.ABL_APPLY_CANCEL, progress=ids.ABL_APPLY_PROGRESS, status=ids.ABL_APPLY_STATUS,
     prevent_initial_call=True,
 )
-def apply(set_progress, n_clicks, from_link, pending, method, source, reference, search):
+def apply(set_progress, n_clicks, from_link, pending, heads_text, method, source, reference, search):
     """Apply: the effects of the chosen heads, once for the whole set, as a cancellable job; the
     applied set goes into the URL (a link reproduces it). A link opened afresh starts it too
     (:func:`render`): then the set, method, means and source are the link's own, as its URL names
-    them, not the boxes' (a resample source or mean reference is not computed again)."""
+    them, not the boxes' (a resample source or mean reference is not computed again).
+
+    The heads are the heads box's: every choice (a click, top k, a list typed) is written there, and
+    the box is read as Apply is pressed, where the selection (:func:`choose`) was not yet updated for
+    a list typed without Enter: Apply computed the heads chosen before, and said they were applied."""
     in_job()
     link = dash.ctx.triggered_id == ids.ABL_FROM_LINK
     if not (from_link if link else n_clicks):
@@ -565,7 +570,10 @@ def apply(set_progress, n_clicks, from_link, pending, method, source, reference,
         if run is None:
             raise ValueError("Run a text first: the heads are ablated on it.")
         pending = None if link else _pending(pending)
-        heads = state.heads if pending is None else pending
+        if pending is not None and isinstance(heads_text, str):  # the page is drawn: its box
+            heads = heads_text
+        else:
+            heads = state.heads if pending is None else pending
         if not heads:
             raise ValueError("No heads chosen: click heads in the map, type them, or pick the top k; then Apply.")
         state.heads = format_heads(sorted(set(parse_heads(model, heads))))

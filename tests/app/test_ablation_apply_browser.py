@@ -413,3 +413,18 @@ def test_a_job_writes_only_what_it_changed_into_the_link(server, page):  # noqa:
     assert page.evaluate("([p, s]) => window.dash_clientside.headscope_url.apply(p, s)[1] === "
                          "window.dash_clientside.no_update", [cases[0][0], cases[0][1]])
 
+
+def test_heads_typed_and_applied_at_once_are_the_heads_applied(server, page):  # noqa: F811
+    """Type a list of heads and press Apply without Enter (the box is read when it loses the focus, as
+    Apply is pressed): Apply computes the typed heads. It read the selection as it was before the box
+    was read, computed the two heads chosen before, and the line said they were applied."""
+    url, proc, _ = server
+    _two_heads_chosen(page, url)
+    page.fill("#hs-abl-heads", "3.1, 7.2, 9.0")
+    page.click("#hs-abl-apply")
+    wait_title(page, "hs-abl-effects", "zero ablation of 3 heads: mean loss", timeout=240_000)
+    settle(page)
+    assert decoded_heads(page) == "3.1,7.2,9.0"
+    assert "3 heads chosen" in page.locator("#hs-abl-grid .gtitle").text_content()
+    assert "3 heads applied" in _text(page, "#hs-abl-chosen")
+    assert proc.poll() is None
