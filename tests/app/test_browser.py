@@ -154,8 +154,15 @@ def run_prompt(page, url, text):
 
 
 def wait_for_run(page, timeout: float | None = None):
-    page.wait_for_function("(document.querySelector('#hs-run-info')?.innerText || '').includes('tokens')",
-                           timeout=timeout)
+    """Wait until the Attention page shows its run (the run's chips and the grid); on timeout, fail
+    with what the page showed (a 450-token run did not show within 240 s once, in a loaded run)."""
+    try:
+        page.wait_for_function("(document.querySelector('#hs-run-info')?.innerText || '').includes('tokens')",
+                               timeout=timeout)
+    except PlaywrightTimeoutError:
+        status = page.evaluate("(document.querySelector('#attn-hs-status, #hs-status')?.innerText || '').slice(0, 200)")
+        raise AssertionError(f"the run was not shown within {(timeout or 60_000) / 1000:.0f} s: "
+                             f"{page_state(page, 'hs-grid')}, status {status!r}") from None
     page.wait_for_selector("#hs-grid .heatmaplayer .hm")
 
 
