@@ -262,8 +262,9 @@ def render(search, pending, shown):
             problems.append(str(e))
     listed = _chosen_text(chosen if pending is not None else applied, applied)
     wanted = {"key": _map_key(state)}  # draw_map draws it if the map shows another run or score
-    if pending is not None:  # after the first draw the map, the box and the line are choose()'s and draw_map's
-        grid = listed = controls[0] = drawn = no_update
+    if pending is not None:  # after the first draw the map, the box and the line are choose()'s and draw_map's,
+        # and the Method is the user's: what the next Apply uses (the URL's is the last one applied)
+        grid = listed = controls[0] = controls[1] = drawn = no_update
     else:  # the page's first draw
         grid, drawn = _selection_map(run, {**params, "heads": chosen}, problems), _map_key(state)
     if run is None:

@@ -428,3 +428,21 @@ def test_heads_typed_and_applied_at_once_are_the_heads_applied(server, page):  #
     assert "3 heads chosen" in page.locator("#hs-abl-grid .gtitle").text_content()
     assert "3 heads applied" in _text(page, "#hs-abl-chosen")
     assert proc.poll() is None
+
+
+def test_a_method_chosen_before_another_score_is_the_method_applied(server, page):  # noqa: F811
+    """Tick a method, then choose another score to rank by, then Apply: the method ticked is applied.
+    The score goes into the URL, which redraws the page, and the redraw ticked the URL's method (the
+    last one applied, zero by default) again: Apply then ablated with a method the user had changed."""
+    url, proc, _ = server
+    _two_heads_chosen(page, url)
+    page.check("#hs-abl-method input[value='uniform']")
+    select_option(page, "hs-abl-by", "Attention on first token")
+    page.wait_for_function("location.search.includes('by=first_token')")
+    wait_title(page, "hs-abl-grid", "first token")
+    settle(page)
+    assert page.is_checked("#hs-abl-method input[value='uniform']")
+    page.click("#hs-abl-apply")
+    wait_title(page, "hs-abl-effects", "uniform ablation of 2 heads", timeout=240_000)
+    assert "ablate=uniform" in page.evaluate("location.search")
+    assert proc.poll() is None
