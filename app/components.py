@@ -76,18 +76,27 @@ def url_patch_id(prefix: str) -> str:
     return f"{prefix}-hs-url-patch"
 
 
-def url_patch(before: Any, after: str, on: tuple[str, ...] = (), what: str = "This result") -> dict:
+def url_patch(before: Any, after: str, on: tuple[str, ...] = (), what: str = "This result",
+              keep: tuple[str, ...] | None = None, reset: tuple[str, ...] = ()) -> dict:
     """What a background job answers into :func:`url_patch_id` instead of the page's URL: the URL it
     read when it started (``before``) and the one it made of it (``after``). The browser
-    (assets/url_patch.js) then changes only the keys the job changed, in the URL as it is when the
-    job ends, so what the user chose while it ran (another score, a new text) stays. Jobs that
-    answered the whole URL they had read put back what it was when they started: a new text run
-    during an Apply went back to the old text, a score chosen meanwhile to the old score.
+    (assets/url_patch.js) puts the job's change into the URL as it is when the job ends, so what the
+    user chose while it ran (another score, a method, a new text) stays. Jobs that answered the whole
+    URL they had read put back what it was when they started: a new text run during an Apply went back
+    to the old text, a score chosen meanwhile to the old score.
 
-    ``on``: the URL keys the result was computed on (``"run"``: on the page's text). If the page shows
-    another value of one of them by then, the result is not put in the URL and the banner says so,
-    naming it by ``what``."""
-    return {"before": before if isinstance(before, str) else "", "after": after, "on": list(on), "what": what,
+    - By default the keys that differ between ``before`` and ``after`` are set or removed; ``before``
+      is compared as :func:`app.url_state.parse` reads it (a default value written out, or an id in
+      capitals, is no change). ``reset``: keys set to ``after``'s value (or removed) whatever
+      ``before`` held: what the result makes meaningless (a policy picked on the old curve).
+    - ``keep``: ``after`` is a new page state (a new text), taken whole except the settings in
+      ``keep``, which stay as the user changed them meanwhile (a score, a head); what belonged to the
+      old text (a query position, a flow target) goes, even if chosen meanwhile.
+    - ``on``: the URL keys the result was computed on (``"run"``). If the page shows another value of
+      one of them by then, nothing is put in and the banner says so, naming the result by ``what``."""
+    started = before if isinstance(before, str) else ""
+    return {"started": started, "before": parse(started).to_search(), "after": after, "on": list(on),
+            "keep": None if keep is None else list(keep), "reset": list(reset), "what": what,
             "at": time.time()}  # a new value every time: the same change twice is written twice
 
 
@@ -173,8 +182,9 @@ _SHOWN: set[str] = set()
 
 
 def show_in_shell(prefix: str) -> None:
-    """Copy the page's errors into the app's banner and its downloads into the app's download, in the
-    browser. Registered once per page, however many of its callbacks ask (Run, export, jobs)."""
+    """Copy the page's errors into the app's banner and its downloads into the app's download, and put
+    its jobs' URL changes (:func:`url_patch`) into its URL, in the browser. Registered once per page,
+    however many of its callbacks ask (Run, export, jobs)."""
     if prefix in _SHOWN:
         return
     _SHOWN.add(prefix)
@@ -249,10 +259,12 @@ def input_bar(prefix: str, placeholder: str = "Type or paste text to analyse…"
     )
 
 
-def register_run(prefix: str, state_after: Any, long_runs: bool = False) -> None:
+def register_run(prefix: str, state_after: Any, keeps: tuple[str, ...], long_runs: bool = False) -> None:
     """Wire a page's Run button: capture (or load) the run, then write it into the URL.
 
-    ``state_after(old_state, model, run) -> PageState`` says what the page shows next. With
+    ``state_after(old_state, model, run) -> PageState`` says what the page shows next; ``keeps``
+    names the URL keys of the settings it carries over, which keep what the user chose while the
+    text ran (:func:`url_patch`). With
     ``long_runs`` a text longer than the patterns limit runs in statistics mode
     (:func:`analysis.statistics_run.capture_for_page`); without, it is refused with the limit.
     """
@@ -280,7 +292,7 @@ def register_run(prefix: str, state_after: Any, long_runs: bool = False) -> None
         else:
             run = capture(model, text or "", store=context.store, max_tokens=context.max_tokens)
         context.remember(run)
-        return url_patch(search, state_after(parse(search), model, run).to_search()), ""
+        return url_patch(search, state_after(parse(search), model, run).to_search(), keep=keeps), ""
 
     run_text.__name__ = f"run_text_{prefix}"
 

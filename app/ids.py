@@ -116,6 +116,7 @@ ABL_INFO = "hs-abl-info"
 ABL_PENDING = "hs-abl-pending"  # the heads chosen on the map, not yet applied
 ABL_CHOSEN = "hs-abl-chosen"
 ABL_SHOWN = "hs-abl-shown"  # what the effects shown were computed for
+ABL_EFFECTS_WAIT = "hs-abl-effects-wait"  # the effects figure of a text whose effects wait for Apply
 ABL_MAP = "hs-abl-map"  # the run and score the map should show (asked by the render)
 ABL_DRAWN = "hs-abl-drawn"  # the run and score the map shows
 ABL_APPLY_CANCEL = "hs-abl-apply-cancel"

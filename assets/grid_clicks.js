@@ -8,9 +8,9 @@
    where Dash keeps it (the page's store, read synchronously) and writes it back at once with
    ``dash_clientside.set_props``, with the heads box and the boxed markers and count on the map: no
    server round trip, no Dash callback in between (a callback queued behind another click's read the
-   selection before that click was applied, or was dropped for the newer click). The server then
-   writes the line under the box (app/pages/ablation.py ``choose``), and redraws the map only if
-   its run or score changed meanwhile (``draw_map``). On the Attention, Heads and
+   selection before that click was applied, or was dropped for the newer click). The line under the
+   box follows in the browser (assets/ablation.js), and the server redraws the map only if its run
+   or score changed meanwhile (app/pages/ablation.py ``draw_map``). On the Attention, Heads and
    QK pages, and on any of the Compare page's three grids, a click selects that head in the page's
    URL, as a link would (their renders draw it): read from plotly's click, a second click while the
    first head was being drawn was read as the first. On

@@ -1,31 +1,51 @@
 /* headscope: a background job's change of the page's URL, put into the URL as it is when the job
-   ends (app.components.url_patch). The job sends the URL it read when it started ("before") and the
-   one it made ("after"); only the keys that differ between them are set or removed here, so what
-   the user changed while the job ran (a score, a new text) stays. A result computed on a key ("on",
-   e.g. the run) that the page no longer shows is not put in: the banner says so. Served locally by
-   Dash. */
+   ends (app.components.url_patch: what each field means). The job sends the URL it read when it
+   started ("started"; "before": as the server reads it) and the one it made ("after"):
+   - by default only the keys that differ between "before" and "after", and those in "reset", are set
+     or removed, so what the user changed while the job ran (a score, a method) stays;
+   - with "keep" (a new text), "after" is taken whole but for the settings in "keep" the user changed
+     meanwhile;
+   - a result computed on a key ("on", e.g. the run) that the page no longer shows is not put in:
+     the banner says so.
+   Served locally by Dash. */
 (function () {
 const params = (s) => new URLSearchParams(typeof s === "string" ? s : "");
-const valid = (patch) => patch !== null && typeof patch === "object" && typeof patch.after === "string";
+const list = (value) => (Array.isArray(value) ? value.filter((key) => typeof key === "string") : []);
+const valid = (patch) => patch !== null && typeof patch === "object" && typeof patch.after === "string" &&
+  typeof patch.before === "string";
+const started = (patch) => params(typeof patch.started === "string" ? patch.started : patch.before);
 const stale = (patch, search) => {
-  const before = params(patch.before), now = params(search);
-  return (Array.isArray(patch.on) ? patch.on : []).some((key) => before.get(key) !== now.get(key));
+  const then = started(patch), now = params(search);
+  return list(patch.on).some((key) => then.get(key) !== now.get(key));
 };
+const same = (a, b) => [...a.entries()].sort().join("&") === [...b.entries()].sort().join("&");
+function put(into, key, value) {
+  if (value === null) { into.delete(key); } else { into.set(key, value); }
+}
+
 window.dash_clientside = Object.assign({}, window.dash_clientside, {
   headscope_url: {
     merge: function (patch, search) {
       const skip = window.dash_clientside.no_update;
       if (!valid(patch) || stale(patch, search)) { return skip; }
       const before = params(patch.before), after = params(patch.after), now = params(search);
-      let changed = false;
-      for (const key of new Set([...before.keys(), ...after.keys()])) {
-        const value = after.get(key);
-        if (value === before.get(key) || value === now.get(key)) { continue; }
-        changed = true;
-        if (value === null) { now.delete(key); } else { now.set(key, value); }
+      let out;
+      if (patch.keep !== undefined && patch.keep !== null) {
+        const then = started(patch);
+        out = params(patch.after);
+        for (const key of list(patch.keep)) {
+          if (now.get(key) !== then.get(key)) { put(out, key, now.get(key)); }  // changed meanwhile
+        }
+      } else {
+        out = params(search);
+        const reset = new Set(list(patch.reset));
+        for (const key of new Set([...before.keys(), ...after.keys(), ...reset])) {
+          if (reset.has(key) || after.get(key) !== before.get(key)) { put(out, key, after.get(key)); }
+        }
       }
-      const out = now.toString();
-      return changed ? (out ? "?" + out : "") : skip;
+      if (same(out, now)) { return skip; }
+      const text = out.toString();
+      return text ? "?" + text : "";
     },
     apply: function (patch, search) {
       const skip = window.dash_clientside.no_update;

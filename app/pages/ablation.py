@@ -7,7 +7,18 @@ import re
 import time
 
 import dash
-from dash import Input, Output, State, callback, dash_table, dcc, html, no_update
+from dash import (
+    ClientsideFunction,
+    Input,
+    Output,
+    State,
+    callback,
+    clientside_callback,
+    dash_table,
+    dcc,
+    html,
+    no_update,
+)
 from dash.exceptions import PreventUpdate
 
 from analysis.ablation import format_heads, head_means, parse_heads
@@ -67,6 +78,7 @@ dash.register_page(__name__, path="/ablation", name="Ablation", title="headscope
 PREFIX = "abl"
 EMPTY = empty_figure("Run a text, then choose heads to ablate.")
 KEEP = {"persistence": True, "persistence_type": "session"}
+WAITING = empty_figure("Apply computes the effects of the chosen heads on this text.")
 
 
 def layout(**query) -> html.Div:
@@ -78,6 +90,7 @@ def layout(**query) -> html.Div:
             dcc.Store(id=ids.ABL_KEPT, storage_type="local", data=[]),
             dcc.Store(id=ids.ABL_PENDING, data=None),  # heads chosen on the map or typed, not yet applied
             dcc.Store(id=ids.ABL_SHOWN, data=None),  # what the effects on the page were computed for
+            dcc.Store(id=ids.ABL_EFFECTS_WAIT, data=WAITING),
             dcc.Store(id=ids.ABL_MAP, data=None),  # the run and score the map should show (render asks)
             dcc.Store(id=ids.ABL_DRAWN, data=None),  # the run and score the map shows
             dcc.Store(id=ids.ABL_FROM_LINK, data=None),  # a link's applied set, handed to the Apply job
@@ -191,9 +204,20 @@ def _after_run(old: PageState, model, run) -> PageState:
                      sweep=old.sweep, ref=old.ref, source=old.source, k=old.k, seed=old.seed)
 
 
-register_run(PREFIX, _after_run)
+KEPT_ON_RUN = ("heads", "ablate", "by", "sweep", "ref", "source", "k", "seed")  # _after_run's, as URL keys
+register_run(PREFIX, _after_run, KEPT_ON_RUN)
 register_export(PREFIX)
 fill_text_from_runs(PREFIX)
+# the line under the heads box, in the browser from the selection and the effects shown (assets/ablation.js)
+clientside_callback(ClientsideFunction(namespace="headscope_ablation", function_name="line"),
+                    Output(ids.ABL_CHOSEN, "children"), Input(ids.ABL_PENDING, "data"), Input(ids.ABL_SHOWN, "data"))
+# effects that Apply computed on a text the page no longer shows (a new text run meanwhile) do not stay
+clientside_callback(ClientsideFunction(namespace="headscope_ablation", function_name="on_this_text"),
+                    Output(ids.ABL_EFFECTS, "figure", allow_duplicate=True),
+                    Output(ids.ABL_SUMMARY, "children", allow_duplicate=True),
+                    Output(ids.ABL_SHOWN, "data", allow_duplicate=True),
+                    Input(ids.ABL_SHOWN, "data"), State(url_id(PREFIX), "search"), State(ids.ABL_EFFECTS_WAIT, "data"),
+                    prevent_initial_call=True)
 
 
 @callback(
@@ -211,7 +235,6 @@ fill_text_from_runs(PREFIX)
     Output(ids.ABL_BY, "value"),
     Output(ids.ABL_SWEEP, "value"),
     Output(ids.ABL_SHOWN, "data"),
-    Output(ids.ABL_CHOSEN, "children"),
     Output(ids.ABL_MAP, "data"),
     Output(ids.ABL_DRAWN, "data"),
     Output(ids.ABL_PENDING, "data"),
@@ -222,7 +245,7 @@ fill_text_from_runs(PREFIX)
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=19, error_index=6)
+@guarded(outputs=18, error_index=6)
 def render(search, pending, shown):
     """Draw the page from its URL; never computes effects. A link opened afresh with an applied set
     (its ``heads``) is drawn at once, and hands the set to the Apply job (:func:`apply`: progress,
@@ -260,16 +283,16 @@ def render(search, pending, shown):
             applied = format_heads(sorted(set(parse_heads(load_model(params["model"]), state.heads))))
         except ValueError as e:
             problems.append(str(e))
-    listed = _chosen_text(chosen if pending is not None else applied, applied)
     wanted = {"key": _map_key(state)}  # draw_map draws it if the map shows another run or score
-    if pending is not None:  # after the first draw the map, the box and the line are choose()'s and draw_map's,
-        # and the Method is the user's: what the next Apply uses (the URL's is the last one applied)
-        grid = listed = controls[0] = controls[1] = drawn = no_update
+    if pending is not None:  # after the first draw the map and the box are choose()'s and draw_map's (the
+        # line under the box is the browser's), and the Method is the user's: what the next Apply uses
+        # (the URL's is the last one applied)
+        grid = controls[0] = controls[1] = drawn = no_update
     else:  # the page's first draw
         grid, drawn = _selection_map(run, {**params, "heads": chosen}, problems), _map_key(state)
     if run is None:
         return (grid, EMPTY, "", curve, head_sweep, "", message(problems), no_update, no_update, *controls,
-                None, listed, wanted, drawn, (applied or "") if pending is None else no_update, no_update)
+                None, wanted, drawn, (applied or "") if pending is None else no_update, no_update)
     effects, summary, now_shown, from_link = EMPTY, "", None, no_update
     if state.heads:
         key = _applied_key(state)
@@ -281,12 +304,12 @@ def render(search, pending, shown):
                                        "(progress by Apply; Cancel stops it).")
                 from_link = key
         else:  # a new text (or Back) on this page: nothing heavy runs until Apply
-            effects = empty_figure("Apply computes the effects of the chosen heads on this text.")
+            effects = WAITING
     info = html.Div([html.Span(f"run {run.short_id}", className="hs-chip"),
                      html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
                      html.Span(f"method: {state.ablate}", className="hs-chip")])
     return (grid, effects, summary, curve, head_sweep, info, message(problems), run.text or "", run.model_name,
-            *controls, now_shown, listed, wanted, drawn, (applied or "") if pending is None else no_update, from_link)
+            *controls, now_shown, wanted, drawn, (applied or "") if pending is None else no_update, from_link)
 
 
 def _selection_map(run, params: dict, problems: list[str]):
@@ -340,16 +363,6 @@ def _names(heads: str | None, most: int = 12) -> str:
     return ", ".join(names) + (f" and {len(pairs) - most} more" if len(pairs) > most else "")
 
 
-def _chosen_text(chosen: str | None, applied: str | None) -> str:
-    """The line under the heads box: what is chosen, and whether Apply has computed it."""
-    if not chosen:
-        return "No heads chosen: click heads in the map (or type them), then Apply."
-    n = len(chosen.split(","))
-    if chosen == applied:
-        return f"{n} heads applied: {_names(chosen)}"
-    return f"{n} heads chosen: {_names(chosen)} — Apply to compute their effects"
-
-
 def _summary(run, params) -> html.Div:
     """Next-token top-5 before/after and the greedy continuations side by side."""
     spec, fx = effects_of(run, params)
@@ -380,7 +393,6 @@ def _summary(run, params) -> html.Div:
     Output(ids.ABL_PENDING, "data", allow_duplicate=True),
     Output(ids.ABL_HEADS, "value", allow_duplicate=True),
     Output(ids.ABL_GRID, "figure", allow_duplicate=True),
-    Output(ids.ABL_CHOSEN, "children", allow_duplicate=True),
     Output(ids.ABL_DRAWN, "data", allow_duplicate=True),
     job_error(PREFIX),  # with Redis this is a job: not the banner (components.job_error)
     Input(ids.ABL_PENDING, "data"),
@@ -396,10 +408,12 @@ def _summary(run, params) -> html.Div:
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call=True,
 )
-@guarded(outputs=6)
+@guarded(outputs=5)
 def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, search):
     """Change the pending selection (the heads box, top k, random k, clear; map clicks change it in
-    the browser): redrawn on the map, listed and written in the box; nothing is computed until Apply.
+    the browser): redrawn on the map and written in the box (the line under it follows in the browser,
+    assets/ablation.js); nothing is computed until Apply. The banner is left alone when nothing
+    changes: after the first draw it says what that draw found (a bad link).
 
     Dash holds this while :func:`render` is under way (its Inputs are render's outputs), then sends
     one request for everything that happened meanwhile: a button clicked then is read first, before
@@ -419,10 +433,8 @@ def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, se
         action = buttons[0]
     elif typed != chosen:
         action = ids.ABL_HEADS
-    elif ids.ABL_PENDING + ".data" in triggered and pending is not None:
-        action = ids.ABL_PENDING  # a click (with the box it wrote), or render's first draw
-    else:
-        raise PreventUpdate  # the box only echoed the selection
+    else:  # a click (the browser wrote the box, the map and the line), render's first draw, or the box's echo
+        raise PreventUpdate
     if action == ids.ABL_CLEAR:
         chosen = set()
     elif action == ids.ABL_RANDOM:
@@ -433,13 +445,9 @@ def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, se
     elif action == ids.ABL_HEADS:
         chosen = typed
     heads = format_heads(sorted(chosen))
-    applied = format_heads(sorted(set(parse_heads(model, state.heads)))) if state.heads else None
-    if action == ids.ABL_PENDING:  # the browser wrote the box and repainted the map already
-        # the banner is left alone: after the first draw it says what that draw found (a bad link)
-        return no_update, no_update, no_update, _chosen_text(heads, applied), no_update, no_update
     problems: list[str] = []
     grid = _selection_map(run, {**ablation_params(state), "heads": heads or None}, problems)
-    return heads, heads, grid, _chosen_text(heads, applied), _map_key(state), message(problems)
+    return heads, heads, grid, _map_key(state), message(problems)
 
 
 def _typed(model, heads_text) -> set:
@@ -480,7 +488,7 @@ def draw_map(wanted, pending, drawn, search):
 
 
 @callback(
-    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(url_patch_id(PREFIX), "data", allow_duplicate=True),  # a job on workers: into the URL as it is then
     job_error(PREFIX),
     Input(ids.ABL_BY, "value"),
     Input(ids.ABL_SWEEP, "value"),
@@ -505,7 +513,7 @@ def rank_by(by, sweep_id, search):
 
             sweep_of({"sweep": new})  # a clear message now if there is no such sweep
         state.sweep = new
-    return state.to_search(), ""
+    return url_patch(search, state.to_search()), ""
 
 
 EFFECT_STEPS = ("the clean pass", "the ablated pass", "the clean continuation", "the ablated continuation")
@@ -536,7 +544,6 @@ def _step_reporter(set_progress, started: float):
     Output(ids.ABL_EFFECTS, "figure", allow_duplicate=True),
     Output(ids.ABL_SUMMARY, "children", allow_duplicate=True),
     Output(ids.ABL_SHOWN, "data", allow_duplicate=True),
-    Output(ids.ABL_CHOSEN, "children", allow_duplicate=True),
     Output(ids.ABL_APPLY_STATUS, "children"),
     Input(ids.ABL_APPLY, "n_clicks"),
     Input(ids.ABL_FROM_LINK, "data"),
@@ -600,11 +607,10 @@ def apply(set_progress, n_clicks, from_link, pending, heads_text, method, source
         summary = _summary(run, params)
     except ValueError as e:  # a link's set that cannot be computed: its figure no longer says "computing"
         figure = empty_figure(f"No effects: {e}") if link else no_update
-        return no_update, figure, no_update, no_update, no_update, str(e)
+        return no_update, figure, no_update, no_update, str(e)
     seconds = time.monotonic() - started
-    return (url_patch(search, state.to_search(), what="Apply's effects"), effects, summary,
+    return (url_patch(search, state.to_search(), on=("run",), what="Apply's result"), effects, summary,
             _shown(_applied_key(state), run, state, spec, fx),
-            _chosen_text(state.heads, state.heads),
             f"{len(spec.heads)} heads, {spec.method} ablation: effects in {seconds:.1f} s")
 
 

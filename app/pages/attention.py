@@ -147,6 +147,9 @@ def _busy(graph: dcc.Graph) -> dcc.Loading:
                        overlay_style={"visibility": "visible", "opacity": 0.5})
 
 
+KEPT_ON_RUN = ("layer", "head", "metric")  # what _after_run carries over, as URL keys
+
+
 def _after_run(old: PageState, model, run) -> PageState:
     layer = old.layer if old.layer is not None and old.layer < model.n_layers else 0
     head = old.head if old.head is not None and old.head < model.n_heads else 0
@@ -189,7 +192,7 @@ def run_text(set_progress, n_clicks, text, model_spec, search):
                            progress=progress_reporter(set_progress, "Running the model"))
     context.remember(run)
     set_progress(("100", "100", "Drawing…"))
-    return url_patch(search, _after_run(parse(search), model, run).to_search()), "", ""
+    return url_patch(search, _after_run(parse(search), model, run).to_search(), keep=KEPT_ON_RUN), "", ""
 
 
 def _with(search: str | None, **changes) -> str:

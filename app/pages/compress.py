@@ -379,7 +379,7 @@ def run_compress(set_progress, n_clicks, sweep_id, needle_ids, lengths, depths, 
     state.model, state.compress, state.pick = model.name, result.key[:16], None
     state.sweep = found.key[:16] or None
     n = len(result.curve.evaluations)
-    return url_patch(search, state.to_search()), "", f"{n} policies and the uncompressed model evaluated in {time.monotonic() - started:.1f} s"
+    return url_patch(search, state.to_search(), reset=("pick",)), "", f"{n} policies and the uncompressed model evaluated in {time.monotonic() - started:.1f} s"
 
 
 @callback(

@@ -142,7 +142,8 @@ def _after_run(old: PageState, model, run) -> PageState:
     return PageState(model=model.name, run=run.key[:16], flow=FlowState(fusion=old.flow.fusion, drop_sink=old.flow.drop_sink))
 
 
-register_run(PREFIX, _after_run)
+KEPT_ON_RUN = ("fusion", "sink")  # the settings _after_run carries over, as URL keys
+register_run(PREFIX, _after_run, KEPT_ON_RUN)
 register_export(PREFIX)
 fill_text_from_runs(PREFIX)
 

@@ -352,7 +352,7 @@ def run_sweep(set_progress, n_clicks, needle_ids, custom_needles, lengths, depth
     except ValueError as e:  # what the user asked cannot run: said where every page says it
         return no_update, "", message(str(e))
     note = f"{result.n_counted}/{result.n_trials} trials answered; {result.share_above(0.1):.1%} of heads score > 0.1"
-    return url_patch(search, state.to_search()), note, ""
+    return url_patch(search, state.to_search(), reset=("trial",)), note, ""
 
 
 @callback(

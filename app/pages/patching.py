@@ -369,7 +369,7 @@ def run_patching(set_progress, n_clicks, clean, corrupted, answer_clean, answer_
     state = parse(search)
     state.model, state.patching, state.ppos, state.layer, state.head = model.name, result.key[:16], None, None, None
     # "n of n", as the progress said while it ran: a job quicker than the progress poll shows only this
-    return url_patch(search, state.to_search()), "", f"{unit}s {n} of {n} patched in {time.monotonic() - started:.1f} s"
+    return url_patch(search, state.to_search(), reset=("ppos", "layer", "head")), "", f"{unit}s {n} of {n} patched in {time.monotonic() - started:.1f} s"
 
 
 @callback(
@@ -434,7 +434,7 @@ def run_positions(set_progress, click, search):
     except ValueError as e:
         return no_update, message(str(e)), "Not run: see the message above."
     state.layer, state.head, state.ppos = layer, head, positions.key[:16]
-    return (url_patch(search, state.to_search(), on=("patching",), what="The positions of that head"), "",
+    return (url_patch(search, state.to_search(), on=("patching",), what="The per-position result of that head"), "",
             f"head {layer}.{head}: {pair.n_tokens} positions patched in {time.monotonic() - started:.1f} s")
 
 

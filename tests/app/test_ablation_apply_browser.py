@@ -356,13 +356,16 @@ def test_a_score_chosen_while_apply_computes_stays_chosen_and_the_link_gets_the_
     assert proc.poll() is None
 
 
-def test_a_new_text_run_while_apply_computes_is_kept_and_its_effects_wait_for_apply(server, page):  # noqa: F811
-    """Run another text while Apply computes the effects on the first: the page stays on the new text.
-    Apply wrote back the URL it read at its start, so the page went back to the old text (its run id)
-    and showed that text's effects under the new text in the box. Now the applied set carries over to
-    the new text, as it does whenever a text is run, and its effects there wait for Apply."""
+def test_a_new_text_run_while_apply_computes_is_kept_and_the_old_texts_effects_do_not_show(server, page):  # noqa: F811
+    """Run another text while Apply computes the effects on the first: the page stays on the new text,
+    and the first text's effects do not appear under it. Apply wrote back the URL it read at its start,
+    so the page went back to the old text (its run id) under the new text in the box. Asked to apply
+    a set already applied, it changed no key of the URL, and its effects of the old text were drawn
+    under the new one, with "applied" under the heads box."""
     url, proc, _ = server
     _two_heads_chosen(page, url)
+    page.click("#hs-abl-apply")  # a first set applied: a second Apply of it changes nothing in the URL
+    wait_title(page, "hs-abl-effects", "zero ablation of 2 heads: mean loss", timeout=240_000)
     first_run = page.evaluate("new URLSearchParams(location.search).get('run')")
     page.click("#hs-abl-apply")
     page.wait_for_function(f"{STATUS}.includes(' steps done')", timeout=120_000)
@@ -375,39 +378,54 @@ def test_a_new_text_run_while_apply_computes_is_kept_and_its_effects_wait_for_ap
     time.sleep(1)
     settle(page)
     query = page.evaluate("Object.fromEntries(new URLSearchParams(location.search))")
-    assert query.get("run") == second_run and query.get("heads") == "3.1,7.2", query
+    assert query.get("run") == second_run and query.get("heads") == "3.1,7.2", query  # carried over by the Run
     assert page.input_value("#abl-hs-text").startswith("The quick brown fox")
     effects = page.locator("#hs-abl-effects").inner_text()
     assert "Apply computes the effects" in effects, effects
+    assert "2 heads chosen: L3H1, L7H2 — Apply" in _text(page, "#hs-abl-chosen")
+    assert page.locator("#hs-abl-summary").inner_text() == ""
     assert proc.poll() is None
 
 
 def test_a_job_writes_only_what_it_changed_into_the_link(server, page):  # noqa: F811
     """The browser's merge of a job's result into the URL (assets/url_patch.js), case by case: what the
-    job changed is set or removed, what the user changed meanwhile stays, and a result computed on
-    what the page no longer shows (``on``) is not put in (it says so instead)."""
+    job changed is set or removed, what the user changed meanwhile stays, a new text drops what
+    belonged to the old one, and a result computed on what the page no longer shows (``on``) is not
+    put in (the banner says so instead)."""
     url, _, _ = server
     page.goto(url + "ablation")
     page.wait_for_function("window.dash_clientside && window.dash_clientside.headscope_url")
     merge = "([patch, search]) => { const r = window.dash_clientside.headscope_url.merge(patch, search);" \
             " return r === window.dash_clientside.no_update ? 'no_update' : r; }"
+
+    def patch(before, after, started=None, **more):
+        return {"started": before if started is None else started, "before": before, "after": after, **more}
+
     cases = [
         # the job set heads; the user chose another score meanwhile: both
-        ({"before": "?run=a", "after": "?run=a&heads=3.1%2C7.2", "on": []}, "?run=a&by=first_token",
-         ["?run=a&by=first_token&heads=3.1%2C7.2"]),
-        # the job removed a key (a new text drops the curve); another key the user set stays
-        ({"before": "?run=a&curve=c", "after": "?run=b", "on": []}, "?run=a&curve=c&by=first_token",
-         ["?run=b&by=first_token"]),
+        (patch("?run=a", "?run=a&heads=3.1%2C7.2"), "?run=a&by=first_token", "?run=a&by=first_token&heads=3.1%2C7.2"),
+        # the job removed a key; another key the user set stays
+        (patch("?run=a&curve=c", "?run=a"), "?run=a&curve=c&by=first_token", "?run=a&by=first_token"),
+        # a link that writes out a default (by=retrieval) or an id in capitals: read as the server reads
+        # it ("before"), so the score chosen meanwhile is no change of the job's
+        (patch("?sweep=abc", "?sweep=abc&run=r", started="?sweep=ABC&by=retrieval"), "?sweep=ABC&by=first_token",
+         "?sweep=ABC&by=first_token&run=r"),
+        # reset: a policy picked on the old curve goes with it, though picked while the job ran
+        (patch("?compress=a", "?compress=b", reset=["pick"]), "?compress=a&pick=retrieval%3A0.5", "?compress=b"),
+        # a new text (keep): the settings kept as the user changed them meanwhile, the old text's query not
+        (patch("?run=a&layer=2&head=1", "?run=b&layer=2&head=1", keep=["layer", "head", "metric"]),
+         "?run=a&layer=5&head=1&query=7", "?run=b&layer=5&head=1"),
         # computed on run a, the page now shows run b: not put in
-        ({"before": "?run=a", "after": "?run=a&curve=c", "on": ["run"]}, "?run=b", ["no_update"]),
+        (patch("?run=a", "?run=a&curve=c", on=["run"]), "?run=b", "no_update"),
         # nothing changed: nothing to write
-        ({"before": "?run=a", "after": "?run=a", "on": []}, "?run=a", ["no_update"]),
+        (patch("?run=a", "?run=a"), "?run=a", "no_update"),
         # a forged answer: nothing written
-        ({"after": 3}, "?run=a", ["no_update"]), (None, "?run=a", ["no_update"]),
+        ({"after": 3}, "?run=a", "no_update"), (None, "?run=a", "no_update"),
+        ({"before": "?run=a", "after": "?run=b", "keep": "run"}, "?run=a", "?run=b"),
     ]
-    for patch, search, expected in cases:
-        assert page.evaluate(merge, [patch, search]) in expected, (patch, search)
-    stale = {"before": "?run=a", "after": "?run=a&curve=c", "on": ["run"], "what": "The ablation curve"}
+    for given, search, expected in cases:
+        assert page.evaluate(merge, [given, search]) == expected, (given, search)
+    stale = patch("?run=a", "?run=a&curve=c", on=["run"], what="The ablation curve")
     search, banner = page.evaluate("([p, s]) => window.dash_clientside.headscope_url.apply(p, s)", [stale, "?run=b"])
     assert banner.startswith("The ablation curve was computed for what the page showed when it started")
     assert page.evaluate("([p, s]) => window.dash_clientside.headscope_url.apply(p, s)[1] === "
@@ -445,4 +463,29 @@ def test_a_method_chosen_before_another_score_is_the_method_applied(server, page
     page.click("#hs-abl-apply")
     wait_title(page, "hs-abl-effects", "uniform ablation of 2 heads", timeout=240_000)
     assert "ablate=uniform" in page.evaluate("location.search")
+    assert proc.poll() is None
+
+
+def test_the_line_says_applied_only_while_the_effects_shown_are_of_the_chosen_heads(server, page):  # noqa: F811
+    """The line under the heads box says "applied" only while the effects on the page are those of the
+    heads chosen, on this text. After a new text (the applied set carries over; its effects there wait
+    for Apply) it still said "2 heads applied", and Back showed another applied set's line."""
+    url, proc, _ = server
+    _two_heads_chosen(page, url)
+    assert "2 heads chosen: L3H1, L7H2 — Apply" in _text(page, "#hs-abl-chosen")
+    page.click("#hs-abl-apply")
+    wait_title(page, "hs-abl-effects", "zero ablation of 2 heads: mean loss", timeout=240_000)
+    page.wait_for_function("(document.querySelector('#hs-abl-chosen')?.innerText || '').includes('2 heads applied')")
+    first_run = page.evaluate("new URLSearchParams(location.search).get('run')")
+    page.fill("#abl-hs-text", "The quick brown fox jumps over the lazy dog near the river bank.")
+    page.click("#abl-hs-run")
+    page.wait_for_function("r => !location.search.includes('run=' + r)", arg=first_run)
+    settle(page)
+    assert "Apply computes the effects" in page.locator("#hs-abl-effects").inner_text()
+    assert "2 heads chosen: L3H1, L7H2 — Apply" in _text(page, "#hs-abl-chosen")
+    page.go_back()  # the first text, whose effects of these heads were computed: on the page again once applied
+    page.wait_for_function("r => location.search.includes('run=' + r)", arg=first_run)
+    settle(page)
+    assert "applied" not in _text(page, "#hs-abl-chosen") or \
+        "zero ablation of 2 heads" in page.locator("#hs-abl-effects").inner_text()
     assert proc.poll() is None

@@ -144,3 +144,38 @@ def test_a_page_knows_it_is_being_left_from_its_own_location_path():
     assert leaving("/flow", "/") and leaving("/ablation", "/flow") and leaving("/", "/flow")
     assert not leaving("/", "/") and not leaving("/flow/", "/flow") and not leaving("/flow", "/flow")
     assert not leaving(None, "/") and not leaving(["/flow"], "/")
+
+
+def test_the_settings_a_new_text_keeps_are_those_each_pages_after_run_carries_over(tmp_path):
+    """A Run's URL change keeps the user's meanwhile changes to the settings in its ``keeps`` (the page's
+    ``KEPT_ON_RUN``) and drops everything else of the old text: the list must be exactly what the page's
+    ``_after_run`` carries over, or a new text would keep an old text's query (or lose a setting)."""
+    from types import SimpleNamespace
+
+    from analysis.store import Store
+    from app.context import AppContext
+    from app.server import create_app
+
+    create_app(AppContext(store=Store(tmp_path / "store")))  # the pages register with an app
+    from app.pages import ablation, attention, flow
+    from app.url_state import parse
+
+    model = SimpleNamespace(name="smollm2-135m", n_layers=30, n_heads=9)
+    run = SimpleNamespace(key="0123456789abcdef" * 2)
+    old = {  # every key each page has, at a value that is not its default
+        ablation: "?heads=3.1&ablate=uniform&by=first_token&sweep=abcdef12&ref=abcdef12&source=abcdef12&k=4&seed=2"
+                  "&curve=abcdef12&hsweep=abcdef12&query=3&layer=2&head=1",
+        attention: "?layer=2&head=1&metric=first_token&query=3&region=0-10",
+        flow: "?fusion=max&sink=1&target=4&layer=2&head=1",
+    }
+    kept = {ablation: ablation.KEPT_ON_RUN, attention: attention.KEPT_ON_RUN, flow: flow.KEPT_ON_RUN}
+    for page, search in old.items():
+        after = page._after_run(parse(search), model, run).to_search()
+        carried = set(parse_qs_keys(after)) - {"model", "run"}
+        assert carried == set(kept[page]), (page.__name__, carried)
+
+
+def parse_qs_keys(search: str) -> list[str]:
+    from urllib.parse import parse_qs
+
+    return list(parse_qs(search.lstrip("?")))

@@ -1,0 +1,40 @@
+/* headscope: the Ablation page's line under the heads box, from the selection (the page's pending
+   store) and the effects on the page (its shown store, written by Apply and cleared by a render that
+   shows none): "applied" only while the effects shown are those of the heads chosen, on this text.
+   Written by the server's callbacks instead, it said "applied" after a new text or Back, where the
+   effects shown were not of those heads or no effects were shown. And Apply's effects of a text the
+   page no longer shows do not stay on it. Served locally by Dash. */
+(function () {
+const MOST = 12;  // heads named on the line; the rest are counted
+
+function names(heads) {
+  const pairs = heads.split(",").map((h) => h.split(".")).filter((p) => p.length === 2);
+  const named = pairs.slice(0, MOST).map(([layer, head]) => `L${layer}H${head}`).join(", ");
+  return named + (pairs.length > MOST ? ` and ${pairs.length - MOST} more` : "");
+}
+
+const asSet = (heads) => [...new Set(heads.split(",").filter(Boolean))].sort().join(",");
+
+window.dash_clientside = Object.assign({}, window.dash_clientside, {
+  headscope_ablation: {
+    line: function (pending, shown) {
+      const chosen = typeof pending === "string" ? pending : "";
+      if (!chosen) { return "No heads chosen: click heads in the map (or type them), then Apply."; }
+      const n = chosen.split(",").filter(Boolean).length;
+      const row = shown !== null && typeof shown === "object" ? shown.row : null;
+      const applied = row !== null && typeof row === "object" && typeof row.heads === "string" ? row.heads : null;
+      if (applied !== null && asSet(applied) === asSet(chosen)) { return `${n} heads applied: ${names(chosen)}`; }
+      return `${n} heads chosen: ${names(chosen)} — Apply to compute their effects`;
+    },
+    // Apply's effects are drawn when its job ends; if a text was run meanwhile, the page shows that
+    // text, and effects of the other one (the key's run) are replaced by the figure that waits for Apply
+    on_this_text: function (shown, search, waiting) {
+      const skip = window.dash_clientside.no_update;
+      if (shown === null || typeof shown !== "object" || !Array.isArray(shown.key)) { return [skip, skip, skip]; }
+      const run = new URLSearchParams(typeof search === "string" ? search : "").get("run");
+      if (String(shown.key[1]).toLowerCase() === String(run).toLowerCase()) { return [skip, skip, skip]; }
+      return [waiting, "", null];
+    },
+  },
+});
+})();
