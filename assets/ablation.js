@@ -30,9 +30,10 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
     // text, and effects of the other one (the key's run) are replaced by the figure that waits for Apply
     on_this_text: function (shown, search, waiting) {
       const skip = window.dash_clientside.no_update;
-      if (shown === null || typeof shown !== "object" || !Array.isArray(shown.key)) { return [skip, skip, skip]; }
-      const run = new URLSearchParams(typeof search === "string" ? search : "").get("run");
-      if (String(shown.key[1]).toLowerCase() === String(run).toLowerCase()) { return [skip, skip, skip]; }
+      if (shown === null || typeof shown !== "object" || !Array.isArray(shown.key) ||
+          typeof shown.key[1] !== "string") { return [skip, skip, skip]; }
+      const run = new URLSearchParams(typeof search === "string" ? search : "").get("run") || "";
+      if (shown.key[1].toLowerCase() === run.toLowerCase()) { return [skip, skip, skip]; }
       return [waiting, "", null];
     },
   },

@@ -11,14 +11,17 @@
 (function () {
 const params = (s) => new URLSearchParams(typeof s === "string" ? s : "");
 const list = (value) => (Array.isArray(value) ? value.filter((key) => typeof key === "string") : []);
+const listOrNone = (value) => value === undefined || value === null || Array.isArray(value);
+// what the server sends (app.components.url_patch); anything else (a forged answer) writes nothing
 const valid = (patch) => patch !== null && typeof patch === "object" && typeof patch.after === "string" &&
-  typeof patch.before === "string";
+  typeof patch.before === "string" && listOrNone(patch.on) && listOrNone(patch.reset) && listOrNone(patch.keep);
 const started = (patch) => params(typeof patch.started === "string" ? patch.started : patch.before);
+const id = (value) => (value === null ? null : value.toLowerCase());  // run and result ids: any case
 const stale = (patch, search) => {
   const then = started(patch), now = params(search);
-  return list(patch.on).some((key) => then.get(key) !== now.get(key));
+  return list(patch.on).some((key) => id(then.get(key)) !== id(now.get(key)));
 };
-const same = (a, b) => [...a.entries()].sort().join("&") === [...b.entries()].sort().join("&");
+const same = (a, b) => JSON.stringify([...a.entries()].sort()) === JSON.stringify([...b.entries()].sort());
 function put(into, key, value) {
   if (value === null) { into.delete(key); } else { into.set(key, value); }
 }

@@ -303,7 +303,7 @@ def render(search, pending, shown):
                 effects = empty_figure(f"Computing the effects of this link's {len(applied.split(','))} heads "
                                        "(progress by Apply; Cancel stops it).")
                 from_link = key
-        else:  # a new text (or Back) on this page: nothing heavy runs until Apply
+        else:  # a new text on this page (Back or Forward rebuild the page: a link): nothing heavy runs until Apply
             effects = WAITING
     info = html.Div([html.Span(f"run {run.short_id}", className="hs-chip"),
                      html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
@@ -609,7 +609,9 @@ def apply(set_progress, n_clicks, from_link, pending, heads_text, method, source
         figure = empty_figure(f"No effects: {e}") if link else no_update
         return no_update, figure, no_update, no_update, str(e)
     seconds = time.monotonic() - started
-    return (url_patch(search, state.to_search(), on=("run",), what="Apply's result"), effects, summary,
+    # the set and how it was ablated are written whole: a link never names a method its effects did not use
+    return (url_patch(search, state.to_search(), on=("run",), what="Apply's result",
+                      reset=("heads", "ablate", "ref", "source")), effects, summary,
             _shown(_applied_key(state), run, state, spec, fx),
             f"{len(spec.heads)} heads, {spec.method} ablation: effects in {seconds:.1f} s")
 

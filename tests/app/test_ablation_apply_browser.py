@@ -421,7 +421,13 @@ def test_a_job_writes_only_what_it_changed_into_the_link(server, page):  # noqa:
         (patch("?run=a", "?run=a"), "?run=a", "no_update"),
         # a forged answer: nothing written
         ({"after": 3}, "?run=a", "no_update"), (None, "?run=a", "no_update"),
-        ({"before": "?run=a", "after": "?run=b", "keep": "run"}, "?run=a", "?run=b"),
+        ({"before": "?run=a", "after": "?run=b", "keep": "run"}, "?run=a", "no_update"),
+        ({"before": "?run=a", "after": "?run=a&curve=c", "on": "run"}, "?run=b", "no_update"),
+        # ids in another case are the same id
+        (patch("?run=ab", "?run=ab&curve=c", started="?run=AB", on=["run"]), "?run=ab", "?run=ab&curve=c"),
+        # Apply's set and method are written whole (reset), whatever the URL says meanwhile
+        (patch("?run=a&heads=1.1", "?run=a&heads=2.2", reset=["heads", "ablate", "ref", "source"]),
+         "?run=a&heads=1.1&ablate=mean&ref=f", "?run=a&heads=2.2"),
     ]
     for given, search, expected in cases:
         assert page.evaluate(merge, [given, search]) == expected, (given, search)
@@ -483,9 +489,8 @@ def test_the_line_says_applied_only_while_the_effects_shown_are_of_the_chosen_he
     settle(page)
     assert "Apply computes the effects" in page.locator("#hs-abl-effects").inner_text()
     assert "2 heads chosen: L3H1, L7H2 — Apply" in _text(page, "#hs-abl-chosen")
-    page.go_back()  # the first text, whose effects of these heads were computed: on the page again once applied
+    page.go_back()  # the first text's link, with its applied set: drawn afresh, its effects computed again
     page.wait_for_function("r => location.search.includes('run=' + r)", arg=first_run)
-    settle(page)
-    assert "applied" not in _text(page, "#hs-abl-chosen") or \
-        "zero ablation of 2 heads" in page.locator("#hs-abl-effects").inner_text()
+    wait_title(page, "hs-abl-effects", "zero ablation of 2 heads: mean loss", timeout=240_000)
+    page.wait_for_function("(document.querySelector('#hs-abl-chosen')?.innerText || '').includes('2 heads applied')")
     assert proc.poll() is None
