@@ -14,7 +14,9 @@ both normalise with :func:`mean_normalised_entropy`; the windows come from
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -26,6 +28,8 @@ def row_entropy(patterns: np.ndarray, chunk: int = 64, causal: bool = False) -> 
     only the keys up to its last row: about half the work on a square causal pattern (the keys past
     a row's own position hold zeros, which add nothing)."""
     patterns = np.asarray(patterns)
+    if patterns.ndim == 4 and patterns.shape[0] > 1:
+        return _by_layer(patterns, chunk, causal)
     n_q, n_k = patterns.shape[-2:]
     out = np.empty(patterns.shape[:-1], dtype=np.float64)
     # float16 (a stored run's patterns): p·log p of each of the 65,536 float16 values, looked up by
@@ -44,6 +48,29 @@ def row_entropy(patterns: np.ndarray, chunk: int = 64, causal: bool = False) -> 
         logs = np.zeros_like(a)
         np.log(a, out=logs, where=a > 0)  # 0 · log 0 = 0 (scipy.special.entr measured 2× slower here)
         out[..., start:stop] = -np.einsum("...k,...k->...", a, logs)
+    return out
+
+
+def _by_layer(patterns: np.ndarray, chunk: int, causal: bool) -> np.ndarray:
+    """:func:`row_entropy` of ``[layer, ...]`` one layer at a time (a layer's chunks stay in the CPU's
+    cache), the layers shared among the process's compute threads as the CPU attention kernel shares
+    its chunks (``torch.get_num_threads()``; one without torch). Each row is summed exactly as in one
+    call, so the result is the same bit for bit. 0.12 s → 0.10 s on one thread and 0.05 s on two for
+    a 483-token SmolLM2 run's float16 patterns (2-core Xeon): the page's grid, drawn while a run is
+    stored (#16)."""
+    out = np.empty(patterns.shape[:-1], dtype=np.float64)
+
+    def layer(i: int) -> None:
+        out[i] = row_entropy(patterns[i], chunk, causal)
+
+    torch = sys.modules.get("torch")
+    workers = min(torch.get_num_threads() if torch is not None else 1, patterns.shape[0])
+    if workers > 1:  # numpy's gathers and sums release the GIL
+        with ThreadPoolExecutor(workers, thread_name_prefix="headscope-entropy") as pool:
+            list(pool.map(layer, range(patterns.shape[0])))
+    else:
+        for i in range(patterns.shape[0]):
+            layer(i)
     return out
 
 

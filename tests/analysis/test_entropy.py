@@ -57,3 +57,32 @@ def test_row_entropy_matches_the_definition_row_by_row_across_chunks():
     np.testing.assert_allclose(row_entropy(h[:, 3:90, 5:140]), [[entropy(row.astype(np.float64)) for row in head]
                                                                for head in h[:, 3:90, 5:140]], rtol=1e-12, atol=1e-14)
     assert np.isnan(row_entropy(np.array([[np.nan, 0.5]], dtype=np.float16))[0])  # as the float64 path gives
+
+
+def test_a_whole_runs_rows_on_one_or_two_threads_are_each_layers_own_bit_for_bit():
+    """``[layer, head, n, n]`` patterns are taken a layer at a time, the layers shared among torch's
+    threads: the result is each layer's own call, bit for bit, on one thread and on two, and the
+    definition row by row (float16 and float32)."""
+    import math
+
+    import torch
+
+    from analysis.entropy import row_entropy
+
+    rng = np.random.default_rng(1)
+    n = 40
+    logits = np.where(np.tril(np.ones((n, n), dtype=bool)), rng.standard_normal((5, 3, n, n)) * 3, -np.inf)
+    a = np.exp(logits - logits.max(-1, keepdims=True))
+    a = (a / a.sum(-1, keepdims=True)).astype(np.float32)
+    threads = torch.get_num_threads()
+    try:
+        for patterns in (a, a.astype(np.float16)):
+            alone = np.stack([row_entropy(layer, causal=True) for layer in patterns])
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                assert np.array_equal(row_entropy(patterns, causal=True), alone)
+            expected = [[[-math.fsum(float(p) * math.log(float(p)) for p in row if p > 0) for row in head]
+                         for head in layer] for layer in patterns]
+            np.testing.assert_allclose(alone, expected, rtol=1e-12, atol=1e-14)
+    finally:
+        torch.set_num_threads(threads)
