@@ -168,6 +168,7 @@ def capture(
     pattern_dtype: str = "float16",
     max_tokens: int = MAX_TOKENS_PATTERNS,
     progress: Callable[[float], None] | None = None,
+    before_store: Callable[[Run], None] | None = None,
 ) -> Run:
     """Run ``model`` on ``text_or_ids`` and capture patterns, loss, top-5 and optional q/k.
 
@@ -179,6 +180,9 @@ def capture(
     store : when given, a stored run with the same key is loaded instead of recomputed, and a new
         run is stored.
     pattern_dtype : ``float16`` (half the memory and disk) or ``float32`` (bit-exact to eager).
+    before_store : called with a newly computed run before it is written to ``store`` (a run found
+        in the store is not passed): the Attention page draws its grid from it while the patterns,
+        127 MB at 512 tokens, are written (#16's click → grid). What it raises stops the capture.
     """
     if pattern_dtype not in ("float16", "float32"):
         raise InputError("pattern_dtype must be float16 or float32")
@@ -215,10 +219,12 @@ def capture(
         q=q,
         k=k,
     )
+    if progress:
+        progress(1.0)  # computed (what is left is storing it): before before_store, which may report last
+    if before_store is not None:
+        before_store(run)
     if store is not None:
         save_run(store, run)
-    if progress:
-        progress(1.0)
     return run
 
 

@@ -369,11 +369,13 @@ def load_stats_run(store: Store, key: str) -> StatsRun | None:
 
 
 def capture_for_page(model: LoadedModel, text: str, store: Store | None, max_tokens: int,
-                     progress: Callable[[float], None] | None = None) -> Any:
+                     progress: Callable[[float], None] | None = None,
+                     before_store: Callable[[Any], None] | None = None) -> Any:
     """What the Attention page runs: full patterns (:func:`analysis.capture.capture`) up to
     ``max_tokens`` tokens on CPU, a statistics run above that (up to ``HEADSCOPE_MAX_STATS_TOKENS``
     and the model's context), and a statistics run at any length on CUDA, where it is the default.
-    ``progress(fraction)`` is called as layers finish."""
+    ``progress(fraction)`` is called as layers finish; ``before_store(run)`` with a newly computed
+    pattern run before it is stored (:func:`analysis.capture.capture`; a statistics run is not passed)."""
     from analysis.capture import capture, tokenize_input
     from analysis.limits import limit
 
@@ -383,7 +385,7 @@ def capture_for_page(model: LoadedModel, text: str, store: Store | None, max_tok
                                  f"{model.n_ctx:,}) are limited to")
     if statistics_supported(model) and (len(ids) > max_tokens or str(model.device).startswith("cuda")):
         return capture_statistics(model, text, store=store, max_tokens=long_limit, progress=progress)
-    return capture(model, text, store=store, max_tokens=max_tokens, progress=progress)
+    return capture(model, text, store=store, max_tokens=max_tokens, progress=progress, before_store=before_store)
 
 
 # --- scores from statistics -----------------------------------------------------------------------

@@ -116,7 +116,8 @@ class JSONJobDisk(diskcache.Disk):
         raise RefusedPickle(f"job-cache entry of mode {mode} was not loaded")
 
 
-def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: str, status: str, **kwargs):
+def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: str, status: str,
+                         preview: str | None = None, **kwargs):
     """Dash's ``callback`` for a cancellable background job, as a decorator: progress bar ``progress``
     with its caption ``status``, the ``run`` button (if any) disabled while the job runs, and the
     ``cancel`` button enabled by the job's own progress reports.
@@ -131,7 +132,12 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
 
     The decorated function takes ``set_progress`` first, with (value, max, text) as before; it reports
     (0, 100, "") as soon as the job starts, so Cancel does not wait for its first real report. When the
-    job ends or is cancelled the bar is empty again."""
+    job ends or is cancelled the bar is empty again.
+
+    ``preview``: a store the job can fill before it ends, with ``set_progress(value, data)``: the page
+    draws from it what the job has already computed (the Attention grid while the run is stored). It
+    must be the job's last report: a later one would replace it before the page's next poll. Every
+    other report writes ``None`` there."""
     import functools
 
     from dash import Input, Output, callback, clientside_callback
@@ -139,8 +145,9 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
     def register(fn):
         @functools.wraps(fn)
         def job(set_progress, *args, **named):
-            def report(value):
-                set_progress((*value, False))  # Cancel enabled: the page polls this job by its handle
+            def report(value, early=None):
+                # Cancel enabled: the page polls this job by its handle
+                set_progress((*value, False, early) if preview else (*value, False))
 
             report((0, 100, ""))
             return fn(report, *args, **named)
@@ -157,9 +164,11 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
         running = [(Output(cancel, "disabled"), not redis_url(), True)]
         if run is not None:
             running.insert(0, (Output(run, "disabled"), True, False))
-        return callback(*dependencies, background=True,
-                        progress=[Output(progress, "value"), Output(progress, "max"), Output(status, "children"),
-                                  Output(cancel, "disabled")],
+        reports = [Output(progress, "value"), Output(progress, "max"), Output(status, "children"),
+                   Output(cancel, "disabled")]
+        if preview:
+            reports.append(Output(preview, "data"))
+        return callback(*dependencies, background=True, progress=reports,
                         running=running, cancel=[Input(cancel, "n_clicks")], **kwargs)(job)
 
     return register

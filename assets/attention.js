@@ -58,6 +58,14 @@ function lookup(colorscale) {
 }
 
 let strip = null;  // what the drawn strip shows: {el, spans, tokens, n, colours, query}
+// while Run's previewed grid is shown: its mark and the grid and drawn-view it replaced
+let replaced = null;
+
+/* A banner that says something (Dash children: a string, a component or a list of them). */
+function says(children) {
+  if (children === null || children === undefined || children === "") { return false; }
+  return !(Array.isArray(children) && children.every(c => !says(c)));
+}
 
 function weightText(w) { return w === null ? "not visible to this query" : w.toFixed(4); }
 
@@ -160,6 +168,33 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
       return "hs-token-strip";
     },
 
+
+    /* Run's grid, sent by its job before the run is stored (app/pages/attention.py _grid_preview):
+       drawn at once, with its mark as the view drawn, so the page's next render draws whole figures.
+       What it replaced is kept, to be put back if the job ends without its run. */
+    previewGrid: function (preview, grid, drawn) {
+      const skip = window.dash_clientside.no_update;
+      if (!preview || typeof preview !== "object" || !preview.grid || typeof preview.grid !== "object"
+          || typeof preview.drawn !== "string" || !preview.drawn.startsWith("preview|")
+          || drawn === preview.drawn) {
+        return [skip, skip];
+      }
+      replaced = {mark: preview.drawn, grid: grid, drawn: drawn === undefined ? null : drawn};
+      return [preview.grid, preview.drawn];
+    },
+
+    /* The job ended without its run: an error or a dead job in the banner, or Cancel. The previewed
+       grid goes and the one it replaced comes back, unless something was drawn since (the render
+       of a run that did arrive: its whole figures replace the mark). */
+    withdrawPreview: function (banner, cancels, drawn) {
+      const skip = window.dash_clientside.no_update;
+      const triggered = (window.dash_clientside.callback_context.triggered || [])[0];
+      if (!triggered || !replaced || drawn !== replaced.mark) { return [skip, skip]; }
+      if (triggered.prop_id.endsWith(".children") && !says(banner)) { return [skip, skip]; }
+      const back = replaced;
+      replaced = null;
+      return [back.grid, back.drawn];
+    },
 
     /* A new heatmap (a head click): the strip shows its row ``query`` (the page's selected token). */
     followHead: function (heat, query) {

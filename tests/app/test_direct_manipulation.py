@@ -311,3 +311,69 @@ def test_a_head_clicked_while_the_last_one_is_drawn_is_the_one_shown(server, pag
             missed.append(gap)
     assert missed == [], f"the second click was lost when it came {missed} ms after the first"
     assert error_text(page) == ""
+
+
+GRID_Z = "() => JSON.stringify(document.querySelector('#hs-grid .js-plotly-plot').data[0].z)"
+
+
+def test_runs_grid_comes_before_its_run_is_stored_and_goes_if_the_run_is_not(tmp_path, browser):
+    """#16's click → grid: Run's job sends the grid as soon as its forward pass ends, while the run is
+    written to the store. With the page's render held back 8 s in the browser, the new run's grid is
+    drawn (the heatmap and run line not yet); it is the grid a reload draws from the stored run. Then
+    the store is made unwritable under the server (a file where each record folder would go, which
+    stops root too): the next Run's grid is drawn, the job fails, the banner says so, and the grid goes
+    back to the run the URL still names, whose heads can still be clicked."""
+    from tests.app.test_browser import HOLD_ANSWERS
+
+    home = tmp_path / "home"
+    env = {**os.environ, "HEADSCOPE_HOME": str(home), "HEADSCOPE_MAX_TOKENS": str(PATTERNS_LIMIT)}
+    proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, tmp_path / "server.log")
+    context = browser.new_context(viewport={"width": 1400, "height": 1100})
+    page = context.new_page()
+    try:
+        page.goto(url)
+        page.wait_for_selector("#attn-hs-run:not([disabled])", timeout=240_000)
+        page.evaluate(HOLD_ANSWERS, [["hs-heatmap.figure", 8_000]])  # the render's answer
+        page.fill("#attn-hs-text", PROMPT)
+        page.click("#attn-hs-run")
+        page.wait_for_selector("#hs-grid .heatmaplayer .hm", timeout=120_000)
+        assert page.locator("#hs-heatmap .heatmaplayer .hm").count() == 0  # the render is still held
+        assert "tokens" not in page.locator("#hs-run-info").inner_text()
+        early = page.evaluate(GRID_Z)
+        wait_for_run(page)
+        settle(page)
+        first_url = page.url
+        assert page.evaluate(GRID_Z) == early
+        page.goto(first_url)  # a fresh page draws the grid from the stored run
+        wait_for_run(page)
+        assert page.evaluate(GRID_Z) == early
+        assert error_text(page) == ""
+
+        records = home / "records"
+        records.rename(home / "records-aside")
+        records.mkdir()
+        for i in range(256):
+            (records / f"{i:02x}").write_text("not a folder")
+        page.evaluate("""() => { window.grids = [];
+            const el = document.querySelector('#hs-grid .js-plotly-plot');
+            el.on('plotly_afterplot', () => window.grids.push(JSON.stringify(el.data[0].z))); }""")
+        page.fill("#attn-hs-text", "The river ran under the old stone bridge, and the lamps of the market came on.")
+        page.click("#attn-hs-run")
+        page.wait_for_function("() => document.querySelector('#hs-error').innerText.trim() !== ''", timeout=120_000)
+        page.wait_for_function("z => JSON.stringify(document.querySelector('#hs-grid .js-plotly-plot').data[0].z) === z",
+                               arg=early, timeout=10_000)
+        settle(page)
+        drawn = page.evaluate("window.grids")
+        assert any(z != early for z in drawn), "the second run's grid was never drawn"
+        assert drawn[-1] == early and page.evaluate(GRID_Z) == early
+        assert page.url == first_url  # the URL still names the first run
+        assert "went wrong" in error_text(page) or "store" in error_text(page).lower()
+        box = page.locator("#hs-grid .nsewdrag").first.bounding_box()
+        page.mouse.click(box["x"] + box["width"] * 4.5 / 9, box["y"] + box["height"] * 7.5 / 30)
+        wait_title(page, "hs-heatmap", "layer 7, head 4")
+        assert "layer=7&head=4" in page.evaluate("location.search")
+        assert proc.poll() is None
+    finally:
+        context.close()
+        proc.terminate()
+        proc.wait(timeout=20)
