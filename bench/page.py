@@ -85,8 +85,8 @@ def main() -> None:
             page.on("requestfinished", on_finished)
             print(f"{'tokens':>6} | {'click→grid s (median)':>21} | {'min':>5} | {'max':>5} | "
                   f"{'capture alone s':>15} | {'ratio':>5} || {'1 thread s':>10} | {'ratio':>5} || "
-                  f"{'job s':>5} | {'render s':>8} | {'draw s':>6}")
-            print("-" * 124)
+                  f"{'click→page s':>12} | {'ratio':>5} || {'job s':>5} | {'render s':>8} | {'draw s':>6}")
+            print("-" * 147)
             seed = 0
             for size in [16, *map(int, args.sizes.split(","))]:
                 rows = []
@@ -99,14 +99,17 @@ def main() -> None:
                         text = text_of(words, seed)
                     page.goto(url)
                     page.fill("#attn-hs-text", text)
+                    page.wait_for_selector("#attn-hs-run:not([disabled])")
                     renders.clear()
+                    # every frame, until both are seen: the grid drawn, and the whole run (its
+                    # heatmap and run line); in page time, with the click's moment taken the same way
+                    page.evaluate(WATCH)
                     clicked = time.time()
-                    t = time.perf_counter()
                     page.click("#attn-hs-run")
-                    page.wait_for_function(
-                        "(document.querySelector('#hs-run-info')?.innerText || '').includes('tokens')", timeout=180_000)
-                    page.wait_for_selector("#hs-grid .heatmaplayer .hm")
-                    total, drawn = time.perf_counter() - t, time.time()
+                    page.wait_for_function("window.seen && window.seen.page", timeout=180_000)
+                    seen = page.evaluate("window.seen")
+                    total, whole = (seen["grid"] - seen["t0"]) / 1000, (seen["page"] - seen["t0"]) / 1000
+                    drawn = clicked + whole
                     page.wait_for_timeout(500)  # the render request's timing arrives with its end
                     sent, serving, ended = renders[-1] if renders else (float("nan"),) * 3
                     t = time.perf_counter()
@@ -119,22 +122,43 @@ def main() -> None:
                     capture(model, text + "  ")
                     single = time.perf_counter() - t
                     torch.set_num_threads(threads)
-                    rows.append((total, bare, single, sent - clicked, serving, drawn - ended))
+                    rows.append((total, bare, single, sent - clicked, serving, drawn - ended, whole))
                 if size == 16:
                     continue  # warm-up
                 med = [sorted(col)[len(col) // 2] for col in zip(*rows, strict=True)]
                 totals = sorted(r[0] for r in rows)
                 print(f"{size:>6} | {med[0]:>21.2f} | {totals[0]:>5.2f} | {totals[-1]:>5.2f} | {med[1]:>15.2f} | "
                       f"{med[0] / med[1]:>5.2f} || {med[2]:>10.2f} | {med[0] / med[2]:>5.2f} || "
+                      f"{med[6]:>12.2f} | {med[6] / med[1]:>5.2f} || "
                       f"{med[3]:>5.2f} | {med[4]:>8.2f} | {med[5]:>6.2f}", flush=True)
-            print("job: click → the render request sent (the background job: fork, capture on the server's cores, store "
-                  "write, progress polls); render: its server time (store read and check, grid scores, figures); "
-                  "draw: its response → grid drawn. Medians per column.", flush=True)
+            print("click→grid: the run's grid drawn (the job sends it before it stores the run); click→page: its "
+                  "heatmap and run line too. job: click → the render request sent (the background job: fork, capture "
+                  "on the server's cores, store write, progress polls); render: its server time (store read and "
+                  "check, heatmap, strip); draw: its response → page drawn. Medians per column.", flush=True)
             interactions(page, size, args.interactions)
             browser.close()
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+# Installed just before Run is clicked: the moment of the click, then the first frame with the grid
+# drawn, and the first with the heatmap and run line too (the page was fresh: nothing was drawn before).
+WATCH = """() => {
+    window.seen = {t0: null, grid: null, page: null};
+    document.querySelector('#attn-hs-run').addEventListener('click', () => { window.seen.t0 = performance.now(); },
+                                                               {once: true, capture: true});
+    const look = () => {
+        const now = performance.now();
+        if (window.seen.t0 !== null) {
+            if (window.seen.grid === null && document.querySelector('#hs-grid .heatmaplayer .hm')) { window.seen.grid = now; }
+            if (window.seen.page === null && document.querySelector('#hs-heatmap .heatmaplayer .hm')
+                && (document.querySelector('#hs-run-info')?.innerText || '').includes('tokens')) { window.seen.page = now; }
+        }
+        if (window.seen.page === null || window.seen.grid === null) { requestAnimationFrame(look); }
+    };
+    requestAnimationFrame(look);
+}"""
 
 
 def _percentile(values: list[float], q: float) -> float:
