@@ -249,6 +249,11 @@ def _watched_manager(base):
             self._processes[process.pid] = process
             return process.pid
 
+        def get_progress(self, key):
+            # read and removed in one step: Dash reads, then deletes, and a report the job wrote between
+            # the two was lost (Run's grid preview is its last report: the page never saw it)
+            return self.handle.pop(self._make_progress_key(key))
+
         def terminate_job(self, job):
             if job is not None:
                 self._cancelled.add(int(job))

@@ -32,6 +32,7 @@ SIGTERM to the process running it, which stops at once, and the pool forks a fre
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -156,6 +157,14 @@ def job_manager():
                         "msg": f"The job failed on its worker ({task.result!r}). Run it again; results "
                                "finished before the failure are reused.", "tb": ""}}
             return result
+
+        def get_progress(self, key):
+            # read and removed in one step (MULTI/EXEC), as in app.jobs: Dash's get, then delete, lost a
+            # report the job wrote between the two
+            progress_key = self._make_progress_key(key)
+            with self.handle.backend.client.pipeline() as pipe:
+                data, _ = pipe.get(progress_key).delete(progress_key).execute()
+            return json.loads(data) if data else None
 
         def terminate_job(self, job):
             with self._delivered_lock:
