@@ -58,8 +58,9 @@ function lookup(colorscale) {
 }
 
 let strip = null;  // what the drawn strip shows: {el, spans, tokens, n, colours, query}
-// while Run's previewed grid is shown: its mark and the grid and drawn-view it replaced
+// while Run's previewed grid is shown: its mark and the grid it replaced
 let replaced = null;
+let cancelledAt = null;  // Run's click count when Cancel was last clicked
 
 /* A banner that says something (Dash children: a string, a component or a list of them). */
 function says(children) {
@@ -170,30 +171,41 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
 
 
     /* Run's grid, sent by its job before the run is stored (app/pages/attention.py _grid_preview):
-       drawn at once, with its mark as the view drawn, so the page's next render draws whole figures.
-       What it replaced is kept, to be put back if the job ends without its run. */
-    previewGrid: function (preview, grid, drawn) {
+       drawn at once while the job still runs (Run disabled, not cancelled), with its mark as the view
+       drawn, so the render that follows sends only the heatmap. A preview that comes with the job's
+       end is not drawn: the render of the stored run, or the banner's message, follows. What it
+       replaced is kept, to be put back if the job ends without its run. */
+    previewGrid: function (preview, grid, drawn, running, runs) {
       const skip = window.dash_clientside.no_update;
       if (!preview || typeof preview !== "object" || !preview.grid || typeof preview.grid !== "object"
           || typeof preview.drawn !== "string" || !preview.drawn.startsWith("preview|")
-          || drawn === preview.drawn) {
+          || drawn === preview.drawn || running !== true || cancelledAt === runs) {
         return [skip, skip];
       }
-      replaced = {mark: preview.drawn, grid: grid, drawn: drawn === undefined ? null : drawn};
+      replaced = {mark: preview.drawn, grid: grid};
       return [preview.grid, preview.drawn];
     },
 
-    /* The job ended without its run: an error or a dead job in the banner, or Cancel. The previewed
-       grid goes and the one it replaced comes back, unless something was drawn since (the render
-       of a run that did arrive: its whole figures replace the mark). */
-    withdrawPreview: function (banner, cancels, drawn) {
+    /* The job ended without its run: an error or a dead job in the banner, or Cancel. If the grid is
+       still the preview (its layout.meta.preview) and the URL does not name its run, the grid it
+       replaced comes back, and the next render draws whole figures. */
+    withdrawPreview: function (banner, cancels, grid, search, runs) {
       const skip = window.dash_clientside.no_update;
       const triggered = (window.dash_clientside.callback_context.triggered || [])[0];
-      if (!triggered || !replaced || drawn !== replaced.mark) { return [skip, skip]; }
-      if (triggered.prop_id.endsWith(".children") && !says(banner)) { return [skip, skip]; }
+      if (!triggered) { return [skip, skip]; }
+      if (triggered.prop_id.endsWith(".n_clicks")) {
+        cancelledAt = runs;  // a preview of this Run still on its way is not drawn
+      } else if (!says(banner)) {
+        return [skip, skip];
+      }
+      const mark = grid && grid.layout && grid.layout.meta && grid.layout.meta.preview;
+      if (!replaced || typeof mark !== "string" || mark !== replaced.mark) { return [skip, skip]; }
+      const key = mark.split("|")[1] || "";
+      const named = new URLSearchParams(typeof search === "string" ? search : "").get("run");
+      if (named && key.toLowerCase().startsWith(named.toLowerCase())) { return [skip, skip]; }  // it arrived
       const back = replaced;
       replaced = null;
-      return [back.grid, back.drawn];
+      return [back.grid, null];
     },
 
     /* A new heatmap (a head click): the strip shows its row ``query`` (the page's selected token). */

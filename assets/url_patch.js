@@ -4,7 +4,7 @@
    - by default only the keys that differ between "before" and "after", and those in "reset", are set
      or removed, so what the user changed while the job ran (a score, a method) stays;
    - with "keep" (a new text), "after" is taken whole but for the settings in "keep" the user changed
-     meanwhile;
+     meanwhile, and written even if the URL already says it (the run is drawn);
    - a result computed on a key ("on", e.g. the run) that the page no longer shows is not put in:
      the banner says so.
    Served locally by Dash. */
@@ -46,7 +46,10 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
           if (reset.has(key) || after.get(key) !== before.get(key)) { put(out, key, after.get(key)); }
         }
       }
-      if (same(out, now)) { return skip; }
+      // a Run's URL is written even when it names what the URL already does: the run it computed is
+      // drawn (a link to a run missing from the store says "run the text again": that Run gives the
+      // same id, and the page stayed empty)
+      if (same(out, now) && !Array.isArray(patch.keep)) { return skip; }
       const text = out.toString();
       return text ? "?" + text : "";
     },

@@ -1,12 +1,14 @@
 """Time from clicking Run to a visible grid, in real Chromium, for a warm server on the embedded model.
 
 Starts `headscope serve` on a free loopback port with a fresh store, warms it with one run, then for
-each size types a fresh text (never cached) and measures click → grid drawn → heatmap drawn.
-The baseline, measured in the same run on the same texts, is `capture` alone in this process (the
-forward pass the page cannot avoid); the ratio shows what the page adds on top. Also measured: the
-same capture on one torch thread (how the page's job ran it until 2026-12-03; jobs now use the
-server's cores, app/jobs.py), and where click → grid goes: the job (click → the render request), the
-render's server time, and drawing its response.
+each size types a fresh text (never cached) and measures, in the page from the click event, click →
+grid drawn (Run's job sends the grid before it stores the run) and click → page (the heatmap and run
+line too, drawn by the render that follows the URL). The baseline, measured in the same run on the
+same texts, is `capture` alone in this process (the forward pass the page cannot avoid); the ratios
+show what the page adds on top. Also measured: the same capture on one torch thread (how the page's
+job ran it until 2026-12-03; jobs now use the server's cores, app/jobs.py), and where click → page
+goes: the job (click → the render request: fork, capture, store write, polls), the render's server
+time, and drawing its response.
 
 Then, on the warm largest run: hover a token → strip repainted (client-side, no server round trip;
 timed from the event to the first frame painted after the strip changed), and click a head in the

@@ -72,7 +72,9 @@ PROGRESS = f"{PREFIX}-hs-progress"
 STATUS = f"{PREFIX}-hs-status"
 SINKS_RUN = f"{PREFIX}-hs-sinks-run"  # the run the sink map and token strip show: a head click does not redraw them
 STRIP_DATA = f"{PREFIX}-hs-strip-data"  # the token-strip figure the HTML strip is drawn from
-DRAWN = f"{PREFIX}-hs-drawn"  # "run|metric|layer|head|query" the grid, heatmap and strip show: a head click patches them
+# "run|metric|layer|head|query" the grid, heatmap and strip show (a head click patches them), or while
+# the grid is Run's preview "preview|run|metric|layer|head" (_preview_mark); null: draw whole figures next
+DRAWN = f"{PREFIX}-hs-drawn"
 PREVIEW = f"{PREFIX}-hs-grid-preview"  # Run's grid, sent by its job while the run is being stored (_grid_preview)
 HIDDEN = {"display": "none"}
 
@@ -202,10 +204,13 @@ def run_text(set_progress, n_clicks, text, model_spec, search):
     previewed = []
 
     def early(run) -> None:
-        grid = _grid_preview(run, _after_run(before, model, run))
-        if grid is not None:
+        try:
+            grid = _grid_preview(run, _after_run(before, model, run))
             set_progress(("100", "100", "Storing the run…"), grid)  # the job's last report (cancellable_callback)
-            previewed.append(grid)
+        except Exception:  # noqa: BLE001 - a preview is an extra: never a reason to lose the run
+            log.exception("the grid preview of run %s was not sent", run.key[:16])
+            return
+        previewed.append(grid)
 
     run = capture_for_page(model, text or "", context.store, context.max_tokens,
                            progress=progress_reporter(set_progress, "Running the model"), before_store=early)
@@ -216,24 +221,24 @@ def run_text(set_progress, n_clicks, text, model_spec, search):
 
 
 def _preview_mark(key: str, metric: str, layer: int, head: int) -> str:
-    """What :data:`DRAWN` holds while the grid shown is Run's preview: never a view :func:`render`
-    draws (those are "run|metric|layer|head|query"), so whatever render draws next is drawn whole."""
+    """What :data:`DRAWN`, and the grid's ``layout.meta.preview``, hold while the grid shown is Run's
+    preview. Never a view :func:`render` draws (those are "run|metric|layer|head|query"): the render of
+    exactly this run and view sends only the heatmap; any other draws whole figures."""
     return f"preview|{key}|{metric}|{layer}|{head}"
 
 
-def _grid_preview(run, state: PageState) -> dict | None:
+def _grid_preview(run, state: PageState) -> dict:
     """The grid :func:`render` will draw for ``run`` in ``state`` (the state Run puts in the URL),
     built by the job from the run in its memory, before the run is stored: at 512 tokens on 2 cores
     writing the run took 0.3-0.5 s, and the page's render read and verified it again (0.15-0.4 s)
     before it drew the grid (#16's click → grid). The heatmap, strip and sink map follow from the URL.
-    ``None`` when it cannot be built (the render will say why): the run is stored all the same."""
+    The figure carries its mark in ``layout.meta.preview``: the browser takes it back if the job then
+    ends without its run (assets/attention.js ``withdrawPreview``)."""
     metric, layer, head = state.metric, state.layer or 0, state.head or 0
-    try:
-        grid, _ = VIEWS[names.HEAD_GRID].build(run, {"metric": metric, "layer": layer, "head": head})
-    except Exception:  # noqa: BLE001 - a preview is an extra: never a reason to lose the run
-        log.exception("the grid preview of run %s was not built", run.key[:16])
-        return None
-    return {"grid": grid, "drawn": _preview_mark(run.key, metric, layer, head)}
+    mark = _preview_mark(run.key, metric, layer, head)
+    grid, _ = VIEWS[names.HEAD_GRID].build(run, {"metric": metric, "layer": layer, "head": head})
+    grid.update_layout(meta={"preview": mark})
+    return {"grid": grid, "drawn": mark}
 
 
 def _with(search: str | None, **changes) -> str:
@@ -303,10 +308,10 @@ def render(search, pathname=None, sinks_run=None, drawn=None):
     if run.has_patterns and drawn == shown:  # drawn already (a link or Back to the same view)
         grid = heat = no_update
     elif run.has_patterns and drawn == _preview_mark(run.key, state.metric, layer, head):
-        # the grid is Run's preview of this run and view (_grid_preview); only the outline is sent
-        # again, in case a late answer for the run before moved it
+        # the grid is Run's preview of this run and view (_grid_preview), now stored: it is the grid,
+        # no longer a preview the browser would take back
         grid = Patch()
-        grid["layout"]["shapes"] = [figures.head_outline(layer, head)]
+        grid["layout"]["meta"] = None
         heat, _ = VIEWS[names.ATTENTION].build(run, {**params, "_table": False})
     elif run.has_patterns and isinstance(drawn, str) and drawn.rsplit("|", 3)[0] == shown.rsplit("|", 3)[0]:
         # another head or query token (the strip follows the new heatmap at the query: assets/attention.js)
@@ -393,9 +398,9 @@ clientside_callback(
     State(ids.STRIP_TOKENS, "id"),
 )
 
-# Run's grid from its job (_grid_preview) is drawn as it arrives; if the job then ends without its run
-# (an error or a dead job in the banner, or Cancel), the grid it replaced comes back, unless something
-# has been drawn since (assets/attention.js).
+# Run's grid from its job (_grid_preview) is drawn as it arrives while the job still runs; if the job
+# then ends without its run (an error or a dead job in the banner, or Cancel), the grid it replaced
+# comes back (assets/attention.js).
 clientside_callback(
     ClientsideFunction(namespace="headscope", function_name="previewGrid"),
     Output(ids.GRID, "figure", allow_duplicate=True),
@@ -403,6 +408,8 @@ clientside_callback(
     Input(PREVIEW, "data"),
     State(ids.GRID, "figure"),
     State(DRAWN, "data"),
+    State(run_id(PREFIX), "disabled"),
+    State(run_id(PREFIX), "n_clicks"),
     prevent_initial_call=True,
 )
 clientside_callback(
@@ -411,7 +418,9 @@ clientside_callback(
     Output(DRAWN, "data", allow_duplicate=True),
     Input(ids.ERROR, "children"),
     Input(CANCEL, "n_clicks"),
-    State(DRAWN, "data"),
+    State(ids.GRID, "figure"),
+    State(url_id(PREFIX), "search"),
+    State(run_id(PREFIX), "n_clicks"),
     prevent_initial_call=True,
 )
 

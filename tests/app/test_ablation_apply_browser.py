@@ -419,6 +419,8 @@ def test_a_job_writes_only_what_it_changed_into_the_link(server, page):  # noqa:
         (patch("?run=a", "?run=a&curve=c", on=["run"]), "?run=b", "no_update"),
         # nothing changed: nothing to write
         (patch("?run=a", "?run=a"), "?run=a", "no_update"),
+        # but a Run (keep) is written though the URL already names its run: the page draws the run
+        (patch("?run=a&layer=2", "?run=a&layer=2", keep=["layer"]), "?run=a&layer=2", "?run=a&layer=2"),
         # a forged answer: nothing written
         ({"after": 3}, "?run=a", "no_update"), (None, "?run=a", "no_update"),
         ({"before": "?run=a", "after": "?run=b", "keep": "run"}, "?run=a", "no_update"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -314,66 +315,105 @@ def test_a_head_clicked_while_the_last_one_is_drawn_is_the_one_shown(server, pag
 
 
 GRID_Z = "() => JSON.stringify(document.querySelector('#hs-grid .js-plotly-plot').data[0].z)"
+PREVIEW_SHOWN = """() => { const el = document.querySelector('#hs-grid .js-plotly-plot');
+    const mark = el && el.layout && el.layout.meta && el.layout.meta.preview;
+    return typeof mark === 'string' && !!document.querySelector('#hs-grid .heatmaplayer .hm') ? mark : null; }"""
 
 
 def test_runs_grid_comes_before_its_run_is_stored_and_goes_if_the_run_is_not(tmp_path, browser):
     """#16's click → grid: Run's job sends the grid as soon as its forward pass ends, while the run is
-    written to the store. With the page's render held back 8 s in the browser, the new run's grid is
-    drawn (the heatmap and run line not yet); it is the grid a reload draws from the stored run. Then
-    the store is made unwritable under the server (a file where each record folder would go, which
-    stops root too): the next Run's grid is drawn, the job fails, the banner says so, and the grid goes
-    back to the run the URL still names, whose heads can still be clicked."""
-    from tests.app.test_browser import HOLD_ANSWERS
+    written to the store. The test holds the store's index locked (as another writer would), so each
+    job waits there with its grid sent:
+    - the grid is drawn while the heatmap and run line are not; once the lock goes, the page shows the
+      run, and its grid is the one a fresh page draws from the stored run;
+    - Cancel while the next Run is storing: its grid goes, the stored run's comes back;
+    - the job of the Run after that is killed while storing: the banner says so, and the grid goes back
+      too. Both leave the URL on the stored run, whose heads can still be clicked.
+    Then the server starts again on an empty store: the link says its run is not stored and to run the
+    text again, and that Run (the same run id as the link's) draws the whole run."""
+    import sqlite3
 
     home = tmp_path / "home"
     env = {**os.environ, "HEADSCOPE_HOME": str(home), "HEADSCOPE_MAX_TOKENS": str(PATTERNS_LIMIT)}
     proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, tmp_path / "server.log")
     context = browser.new_context(viewport={"width": 1400, "height": 1100})
     page = context.new_page()
+    index = sqlite3.connect(home / "index.sqlite", isolation_level=None, timeout=60)
     try:
         page.goto(url)
         page.wait_for_selector("#attn-hs-run:not([disabled])", timeout=240_000)
-        page.evaluate(HOLD_ANSWERS, [["hs-heatmap.figure", 8_000]])  # the render's answer
+        index.execute("BEGIN EXCLUSIVE")  # a job's store write now waits (up to 30 s) for this lock
         page.fill("#attn-hs-text", PROMPT)
         page.click("#attn-hs-run")
-        page.wait_for_selector("#hs-grid .heatmaplayer .hm", timeout=120_000)
-        assert page.locator("#hs-heatmap .heatmaplayer .hm").count() == 0  # the render is still held
+        page.wait_for_function(PREVIEW_SHOWN, timeout=120_000)
+        assert page.locator("#hs-heatmap .heatmaplayer .hm").count() == 0
         assert "tokens" not in page.locator("#hs-run-info").inner_text()
+        assert page.locator("#attn-hs-run").is_disabled()  # the job is still storing the run
         early = page.evaluate(GRID_Z)
+        index.execute("ROLLBACK")
         wait_for_run(page)
         settle(page)
         first_url = page.url
         assert page.evaluate(GRID_Z) == early
+        assert page.evaluate(PREVIEW_SHOWN) is None  # stored: no longer a preview to take back
         page.goto(first_url)  # a fresh page draws the grid from the stored run
         wait_for_run(page)
         assert page.evaluate(GRID_Z) == early
         assert error_text(page) == ""
 
-        records = home / "records"
-        records.rename(home / "records-aside")
-        records.mkdir()
-        for i in range(256):
-            (records / f"{i:02x}").write_text("not a folder")
-        page.evaluate("""() => { window.grids = [];
-            const el = document.querySelector('#hs-grid .js-plotly-plot');
-            el.on('plotly_afterplot', () => window.grids.push(JSON.stringify(el.data[0].z))); }""")
+        back = "z => JSON.stringify(document.querySelector('#hs-grid .js-plotly-plot').data[0].z) === z"
+        index.execute("BEGIN EXCLUSIVE")
         page.fill("#attn-hs-text", "The river ran under the old stone bridge, and the lamps of the market came on.")
         page.click("#attn-hs-run")
-        page.wait_for_function("() => document.querySelector('#hs-error').innerText.trim() !== ''", timeout=120_000)
-        page.wait_for_function("z => JSON.stringify(document.querySelector('#hs-grid .js-plotly-plot').data[0].z) === z",
-                               arg=early, timeout=10_000)
+        page.wait_for_function(PREVIEW_SHOWN, timeout=120_000)
+        assert page.evaluate(GRID_Z) != early
+        page.click("#attn-hs-cancel")
+        page.wait_for_function(back, arg=early, timeout=10_000)
         settle(page)
-        drawn = page.evaluate("window.grids")
-        assert any(z != early for z in drawn), "the second run's grid was never drawn"
-        assert drawn[-1] == early and page.evaluate(GRID_Z) == early
-        assert page.url == first_url  # the URL still names the first run
-        assert "went wrong" in error_text(page) or "store" in error_text(page).lower()
+        assert page.evaluate(PREVIEW_SHOWN) is None and page.evaluate(GRID_Z) == early
+        assert page.url == first_url and error_text(page) == ""
+
+        page.fill("#attn-hs-text", "Winter letters from the harbor spoke of silver engines and yellow paper.")
+        page.click("#attn-hs-run")
+        page.wait_for_function(PREVIEW_SHOWN, timeout=120_000)
+        assert page.evaluate(GRID_Z) != early
+        for child in job_children(proc):
+            os.kill(child.pid, signal.SIGKILL)
+        page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('The job stopped')",
+                               timeout=60_000)
+        page.wait_for_function(back, arg=early, timeout=10_000)
+        settle(page)
+        assert page.evaluate(PREVIEW_SHOWN) is None and page.evaluate(GRID_Z) == early
+        assert page.url == first_url
+        index.execute("ROLLBACK")
+
         box = page.locator("#hs-grid .nsewdrag").first.bounding_box()
         page.mouse.click(box["x"] + box["width"] * 4.5 / 9, box["y"] + box["height"] * 7.5 / 30)
         wait_title(page, "hs-heatmap", "layer 7, head 4")
-        assert "layer=7&head=4" in page.evaluate("location.search")
+        search = page.evaluate("location.search")
+        assert "layer=7&head=4" in search
         assert proc.poll() is None
+
+        proc.terminate()
+        proc.wait(timeout=20)
+        index.close()
+        shutil.rmtree(home)
+        proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, tmp_path / "server2.log")
+        index = sqlite3.connect(":memory:")
+        page.goto(url + search)
+        page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('Run the text again')",
+                               timeout=120_000)
+        page.fill("#attn-hs-text", PROMPT)
+        page.click("#attn-hs-run")
+        wait_for_run(page)
+        wait_title(page, "hs-heatmap", "layer 7, head 4")
+        assert page.evaluate("location.search") == search
+        assert page.evaluate(GRID_Z) == early and page.evaluate(PREVIEW_SHOWN) is None
+        assert error_text(page) == ""
     finally:
+        if index.in_transaction:
+            index.execute("ROLLBACK")
+        index.close()
         context.close()
         proc.terminate()
         proc.wait(timeout=20)
