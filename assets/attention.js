@@ -171,16 +171,18 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
 
 
     /* Run's grid, sent by its job before the run is stored (app/pages/attention.py _grid_preview):
-       drawn at once while the job still runs (Run disabled, not cancelled), with its mark as the view
-       drawn, so the render that follows sends only the heatmap. A preview that comes with the job's
-       end is not drawn: the render of the stored run, or the banner's message, follows. What it
-       replaced is kept, to be put back if the job ends without its run. */
-    previewGrid: function (preview, grid, drawn, running, runs) {
+       drawn at once, with its mark as the view drawn, so the render that follows sends only the
+       heatmap. Not drawn if Cancel was clicked during this Run, nor if it comes with the job's end
+       and the banner already says something (a dead job's message comes before the job's last
+       report in the same answer). What it replaced is kept, to be put back if the job ends without
+       its run (withdrawPreview). */
+    previewGrid: function (preview, grid, drawn, running, runs, banner) {
       const skip = window.dash_clientside.no_update;
       if (!preview || typeof preview !== "object" || !preview.grid || typeof preview.grid !== "object"
           || typeof preview.drawn !== "string" || !preview.drawn.startsWith("preview|")
-          || drawn === preview.drawn || running !== true || cancelledAt === runs) {
-        return [skip, skip];
+          || drawn === preview.drawn || cancelledAt === runs || (running !== true && says(banner))
+          || (typeof drawn === "string" && drawn.startsWith(preview.drawn.split("|")[1] + "|"))) {
+        return [skip, skip];  // (the last: the render of the stored run came first and drew it whole)
       }
       replaced = {mark: preview.drawn, grid: grid};
       return [preview.grid, preview.drawn];

@@ -398,9 +398,8 @@ clientside_callback(
     State(ids.STRIP_TOKENS, "id"),
 )
 
-# Run's grid from its job (_grid_preview) is drawn as it arrives while the job still runs; if the job
-# then ends without its run (an error or a dead job in the banner, or Cancel), the grid it replaced
-# comes back (assets/attention.js).
+# Run's grid from its job (_grid_preview) is drawn as it arrives; if the job then ends without its run
+# (an error or a dead job in the banner, or Cancel), the grid it replaced comes back (assets/attention.js).
 clientside_callback(
     ClientsideFunction(namespace="headscope", function_name="previewGrid"),
     Output(ids.GRID, "figure", allow_duplicate=True),
@@ -410,6 +409,7 @@ clientside_callback(
     State(DRAWN, "data"),
     State(run_id(PREFIX), "disabled"),
     State(run_id(PREFIX), "n_clicks"),
+    State(ids.ERROR, "children"),
     prevent_initial_call=True,
 )
 clientside_callback(

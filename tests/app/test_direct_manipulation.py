@@ -328,7 +328,8 @@ def test_runs_grid_comes_before_its_run_is_stored_and_goes_if_the_run_is_not(tmp
       run, and its grid is the one a fresh page draws from the stored run;
     - Cancel while the next Run is storing: its grid goes, the stored run's comes back;
     - the job of the Run after that is killed while storing: the banner says so, and the grid goes back
-      too. Both leave the URL on the stored run, whose heads can still be clicked.
+      too; and a Run whose store write fails at once. Each leaves the URL on the stored run, whose heads
+      can still be clicked.
     Then the server starts again on an empty store: the link says its run is not stored and to run the
     text again, and that Run (the same run id as the link's) draws the whole run."""
     import sqlite3
@@ -393,6 +394,22 @@ def test_runs_grid_comes_before_its_run_is_stored_and_goes_if_the_run_is_not(tmp
         search = page.evaluate("location.search")
         assert "layer=7&head=4" in search
         assert proc.poll() is None
+
+        # a store that refuses the run at once (a file where its folder would go): the grid comes with
+        # the job's end and its error, in one answer or two; either way the page ends on the stored run
+        records = home / "records"
+        records.rename(home / "records-aside")
+        records.mkdir()
+        for i in range(256):
+            (records / f"{i:02x}").write_text("not a folder")
+        grid_now = page.evaluate(GRID_Z)
+        page.fill("#attn-hs-text", "Quiet music from the garden reached the window of the orange lamp.")
+        page.click("#attn-hs-run")
+        page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('NotADirectoryError')",
+                               timeout=120_000)
+        page.wait_for_function(back, arg=grid_now, timeout=10_000)
+        settle(page)
+        assert page.evaluate(PREVIEW_SHOWN) is None and page.evaluate("location.search") == search
 
         proc.terminate()
         proc.wait(timeout=20)
