@@ -361,3 +361,52 @@ def test_a_worker_offers_every_model_it_was_given(tmp_path):
     context = worker_context(Store(tmp_path / "store"), ["smollm2-135m", "/models/second"])
     assert context.default_model == "smollm2-135m"
     assert "/models/second" in context.allowed_models()
+
+
+def test_a_progress_report_written_while_a_poll_reads_the_last_one_is_not_lost_on_redis(redis_url, monkeypatch):
+    """As tests/app/test_jobs.py checks for the disk cache: on Redis a poll reads and removes the job's
+    progress in one step (MULTI/EXEC), so a report the job writes right after is the next poll's."""
+    import json
+
+    import app.workers as workers
+    from tests.app.test_jobs import _WritesAfterFirstRead
+
+    monkeypatch.setenv("HEADSCOPE_REDIS_URL", redis_url)
+    monkeypatch.setattr(workers, "_celery", None)
+    manager = workers.job_manager()
+    backend = manager.handle.backend
+    key = manager._make_progress_key("redis-job")
+    backend.set(key, json.dumps([50, 100, "half"]))
+    client = backend.client
+
+    class Pipeline:  # the client's pipeline, whose execute() is the poll's read
+        def __init__(self, outer):
+            self.outer, self.real = outer, client.pipeline()
+
+        def __enter__(self):
+            self.real.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.real.__exit__(*exc)
+
+        def get(self, *args):
+            self.real.get(*args)
+            return self
+
+        def delete(self, *args):
+            self.real.delete(*args)
+            return self
+
+        def execute(self):
+            return self.outer._after(self.real.execute())
+
+    watched = _WritesAfterFirstRead(client, lambda: client.set(key, json.dumps([100, 100, "preview"])))
+    watched.pipeline = lambda: Pipeline(watched)
+    monkeypatch.setattr(backend, "client", watched)  # Dash's own get, then delete, also goes through it
+    try:
+        assert manager.get_progress("redis-job") == [50, 100, "half"]
+        assert manager.get_progress("redis-job") == [100, 100, "preview"]
+        assert manager.get_progress("redis-job") is None
+    finally:
+        monkeypatch.setattr(workers, "_celery", None)
