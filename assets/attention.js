@@ -60,7 +60,11 @@ function lookup(colorscale) {
 let strip = null;  // what the drawn strip shows: {el, spans, tokens, n, colours, query}
 // while Run's previewed grid is shown: its mark and the grid it replaced
 let replaced = null;
-let cancelledAt = null;  // Run's click count when Cancel was last clicked
+// Run's button and click count when Cancel was last clicked (a page opened again has a new button,
+// whose count starts again from 0)
+let cancelledAt = null;
+const cancelled = (runs) => cancelledAt !== null && cancelledAt.runs === runs
+  && cancelledAt.button === document.getElementById("attn-hs-run");
 
 /* A banner that says something (Dash children: a string, a component or a list of them). */
 function says(children) {
@@ -180,7 +184,7 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
       const skip = window.dash_clientside.no_update;
       if (!preview || typeof preview !== "object" || !preview.grid || typeof preview.grid !== "object"
           || typeof preview.drawn !== "string" || !preview.drawn.startsWith("preview|")
-          || drawn === preview.drawn || cancelledAt === runs || (running !== true && says(banner))
+          || drawn === preview.drawn || cancelled(runs) || (running !== true && says(banner))
           || (typeof drawn === "string" && drawn.startsWith(preview.drawn.split("|")[1] + "|"))) {
         return [skip, skip];  // (the last: the render of the stored run came first and drew it whole)
       }
@@ -196,7 +200,7 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
       const triggered = (window.dash_clientside.callback_context.triggered || [])[0];
       if (!triggered) { return [skip, skip]; }
       if (triggered.prop_id.endsWith(".n_clicks")) {
-        cancelledAt = runs;  // a preview of this Run still on its way is not drawn
+        cancelledAt = {button: document.getElementById("attn-hs-run"), runs: runs};  // its preview is not drawn
       } else if (!says(banner)) {
         return [skip, skip];
       }

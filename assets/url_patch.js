@@ -46,10 +46,10 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
           if (reset.has(key) || after.get(key) !== before.get(key)) { put(out, key, after.get(key)); }
         }
       }
-      // a Run's URL is written even when it names what the URL already does: the run it computed is
+      // a Run's URL is written even when it names what the URL already does, so the run it computed is
       // drawn (a link to a run missing from the store says "run the text again": that Run gives the
-      // same id, and the page stayed empty)
-      if (same(out, now) && !Array.isArray(patch.keep)) { return skip; }
+      // same id, and the page stayed empty); written as it stands, so no history entry is added
+      if (same(out, now)) { return Array.isArray(patch.keep) ? search : skip; }
       const text = out.toString();
       return text ? "?" + text : "";
     },

@@ -419,8 +419,11 @@ def test_a_job_writes_only_what_it_changed_into_the_link(server, page):  # noqa:
         (patch("?run=a", "?run=a&curve=c", on=["run"]), "?run=b", "no_update"),
         # nothing changed: nothing to write
         (patch("?run=a", "?run=a"), "?run=a", "no_update"),
-        # but a Run (keep) is written though the URL already names its run: the page draws the run
+        # but a Run (keep) is written though the URL already names its run, so the page draws the run;
+        # as the URL stands (not re-encoded: no history entry for the same page)
         (patch("?run=a&layer=2", "?run=a&layer=2", keep=["layer"]), "?run=a&layer=2", "?run=a&layer=2"),
+        (patch("?model=org/m&run=a", "?model=org%2Fm&run=a", keep=["layer"]), "?model=org/m&run=a",
+         "?model=org/m&run=a"),
         # a forged answer: nothing written
         ({"after": 3}, "?run=a", "no_update"), (None, "?run=a", "no_update"),
         ({"before": "?run=a", "after": "?run=b", "keep": "run"}, "?run=a", "no_update"),
