@@ -66,6 +66,13 @@ let cancelledAt = null;
 const cancelled = (runs) => cancelledAt !== null && cancelledAt.runs === runs
   && cancelledAt.button === document.getElementById("attn-hs-run");
 
+/* The mark "preview|run|metric|layer|head" a grid figure carries while it is Run's preview, or null. */
+function markOf(figure) {
+  const mark = figure && typeof figure === "object" && figure.layout && figure.layout.meta
+    && figure.layout.meta.preview;
+  return typeof mark === "string" && mark.startsWith("preview|") ? mark : null;
+}
+
 /* A banner that says something (Dash children: a string, a component or a list of them). */
 function says(children) {
   if (children === null || children === undefined || children === "") { return false; }
@@ -182,14 +189,13 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
        its run (withdrawPreview). */
     previewGrid: function (preview, grid, drawn, running, runs, banner) {
       const skip = window.dash_clientside.no_update;
-      if (!preview || typeof preview !== "object" || !preview.grid || typeof preview.grid !== "object"
-          || typeof preview.drawn !== "string" || !preview.drawn.startsWith("preview|")
-          || drawn === preview.drawn || cancelled(runs) || (running !== true && says(banner))
-          || (typeof drawn === "string" && drawn.startsWith(preview.drawn.split("|")[1] + "|"))) {
+      const mark = markOf(preview);
+      if (mark === null || drawn === mark || cancelled(runs) || (running !== true && says(banner))
+          || (typeof drawn === "string" && drawn.startsWith(mark.split("|")[1] + "|"))) {
         return [skip, skip];  // (the last: the render of the stored run came first and drew it whole)
       }
-      replaced = {mark: preview.drawn, grid: grid};
-      return [preview.grid, preview.drawn];
+      replaced = {mark: mark, grid: grid};
+      return [preview, mark];
     },
 
     /* The job ended without its run: an error or a dead job in the banner, or Cancel. If the grid is
@@ -204,8 +210,8 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
       } else if (!says(banner)) {
         return [skip, skip];
       }
-      const mark = grid && grid.layout && grid.layout.meta && grid.layout.meta.preview;
-      if (!replaced || typeof mark !== "string" || mark !== replaced.mark) { return [skip, skip]; }
+      const mark = markOf(grid);
+      if (!replaced || mark === null || mark !== replaced.mark) { return [skip, skip]; }
       const key = mark.split("|")[1] || "";
       const named = new URLSearchParams(typeof search === "string" ? search : "").get("run");
       if (named && key.toLowerCase().startsWith(named.toLowerCase())) { return [skip, skip]; }  // it arrived

@@ -75,7 +75,7 @@ STRIP_DATA = f"{PREFIX}-hs-strip-data"  # the token-strip figure the HTML strip 
 # "run|metric|layer|head|query" the grid, heatmap and strip show (a head click patches them), or while
 # the grid is Run's preview "preview|run|metric|layer|head" (_preview_mark); null: draw whole figures next
 DRAWN = f"{PREFIX}-hs-drawn"
-PREVIEW = f"{PREFIX}-hs-grid-preview"  # Run's grid, sent by its job while the run is being stored (_grid_preview)
+PREVIEW = f"{PREFIX}-hs-grid-preview"  # Run's grid figure, sent by its job while the run is being stored (_grid_preview)
 HIDDEN = {"display": "none"}
 
 
@@ -227,7 +227,7 @@ def _preview_mark(key: str, metric: str, layer: int, head: int) -> str:
     return f"preview|{key}|{metric}|{layer}|{head}"
 
 
-def _grid_preview(run, state: PageState) -> dict:
+def _grid_preview(run, state: PageState):
     """The grid :func:`render` will draw for ``run`` in ``state`` (the state Run puts in the URL),
     built by the job from the run in its memory, before the run is stored: at 512 tokens on 2 cores
     writing the run took 0.3-0.5 s, and the page's render read and verified it again (0.15-0.4 s)
@@ -237,8 +237,7 @@ def _grid_preview(run, state: PageState) -> dict:
     metric, layer, head = state.metric, state.layer or 0, state.head or 0
     mark = _preview_mark(run.key, metric, layer, head)
     grid, _ = VIEWS[names.HEAD_GRID].build(run, {"metric": metric, "layer": layer, "head": head})
-    grid.update_layout(meta={"preview": mark})
-    return {"grid": grid, "drawn": mark}
+    return grid.update_layout(meta={"preview": mark})
 
 
 def _with(search: str | None, **changes) -> str:
