@@ -220,6 +220,18 @@ def run_text(set_progress, n_clicks, text, model_spec, search):
     return url_patch(search, _after_run(before, model, run).to_search(), keep=KEPT_ON_RUN), "", ""
 
 
+@callback(
+    Output(STATUS, "children", allow_duplicate=True),
+    Input(CANCEL, "n_clicks"),
+    prevent_initial_call=True,
+)
+def cancelled(n_clicks):
+    """Cancel: the caption says so, not the job's last progress as if it ran on."""
+    if not n_clicks:
+        raise PreventUpdate
+    return "Cancelled: nothing was stored; the page shows the last finished run."
+
+
 def _preview_mark(key: str, metric: str, layer: int, head: int) -> str:
     """What :data:`DRAWN`, and the grid's ``layout.meta.preview``, hold while the grid shown is Run's
     preview. Never a view :func:`render` draws (those are "run|metric|layer|head|query"): the render of

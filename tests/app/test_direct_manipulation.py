@@ -252,6 +252,8 @@ def test_cancel_stops_a_running_text_without_an_error(server, page):
     assert error_text(page) == ""
     assert job_children(proc) == []
     assert "tokens" not in page.locator("#hs-run-info").inner_text()
+    # the caption says so, not the last progress ("Running the model: 19%") as if it ran on
+    assert page.locator("#attn-hs-status").inner_text().startswith("Cancelled")
 
 
 
