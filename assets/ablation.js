@@ -3,7 +3,8 @@
    shows none): "applied" only while the effects shown are those of the heads chosen, on this text.
    Written by the server's callbacks instead, it said "applied" after a new text or Back, where the
    effects shown were not of those heads or no effects were shown. And Apply's effects of a text the
-   page no longer shows do not stay on it. Served locally by Dash. */
+   page no longer shows do not stay on it, and a render that answers after them does not replace them.
+   Served locally by Dash. */
 (function () {
 const MOST = 12;  // heads named on the line; the rest are counted
 
@@ -35,6 +36,20 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
       const run = new URLSearchParams(typeof search === "string" ? search : "").get("run") || "";
       if (shown.key[1].toLowerCase() === run.toLowerCase()) { return [skip, skip, skip]; }
       return [waiting, "", null];
+    },
+    // the render's effects figure (app/pages/ablation.py _asked), decided here when its answer arrives:
+    // not over effects of the same applied set already on the page (an Apply job may have drawn them
+    // while the render ran: decided on the server, from the page as it was when the render started,
+    // "Apply computes the effects" went over them for good), nor over what a render drew for that set
+    // before (a link's "computing", a Cancel's message); and not for a URL the page has left
+    effects: function (asked, search, shown, drawnFor) {
+      const skip = window.dash_clientside.no_update;
+      if (asked === null || typeof asked !== "object" || asked.search !== search) { return [skip, skip, skip, skip]; }
+      const key = JSON.stringify(asked.key === undefined ? null : asked.key);
+      const showing = shown !== null && typeof shown === "object" && Array.isArray(shown.key);
+      if (showing && JSON.stringify(shown.key) === key) { return [skip, skip, skip, key]; }
+      if (drawnFor === key) { return [skip, skip, skip, skip]; }
+      return [asked.figure, "", null, key];
     },
   },
 });

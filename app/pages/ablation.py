@@ -91,6 +91,8 @@ def layout(**query) -> html.Div:
             dcc.Store(id=ids.ABL_PENDING, data=None),  # heads chosen on the map or typed, not yet applied
             dcc.Store(id=ids.ABL_SHOWN, data=None),  # what the effects on the page were computed for
             dcc.Store(id=ids.ABL_EFFECTS_WAIT, data=WAITING),
+            dcc.Store(id=ids.ABL_EFFECTS_ASKED, data=None),  # the render's effects, drawn by the browser
+            dcc.Store(id=ids.ABL_EFFECTS_FOR, data=None),  # the applied set a render last drew them for
             dcc.Store(id=ids.ABL_MAP, data=None),  # the run and score the map should show (render asks)
             dcc.Store(id=ids.ABL_DRAWN, data=None),  # the run and score the map shows
             dcc.Store(id=ids.ABL_FROM_LINK, data=None),  # a link's applied set, handed to the Apply job
@@ -218,12 +220,21 @@ clientside_callback(ClientsideFunction(namespace="headscope_ablation", function_
                     Output(ids.ABL_SHOWN, "data", allow_duplicate=True),
                     Input(ids.ABL_SHOWN, "data"), State(url_id(PREFIX), "search"), State(ids.ABL_EFFECTS_WAIT, "data"),
                     prevent_initial_call=True)
+# what the render asks of the effects panel, drawn in the browser against what the panel shows when the
+# answer arrives: effects an Apply job drew while the render ran stay (assets/ablation.js)
+clientside_callback(ClientsideFunction(namespace="headscope_ablation", function_name="effects"),
+                    Output(ids.ABL_EFFECTS, "figure"),
+                    Output(ids.ABL_SUMMARY, "children"),
+                    Output(ids.ABL_SHOWN, "data"),
+                    Output(ids.ABL_EFFECTS_FOR, "data"),
+                    Input(ids.ABL_EFFECTS_ASKED, "data"), State(url_id(PREFIX), "search"),
+                    State(ids.ABL_SHOWN, "data"), State(ids.ABL_EFFECTS_FOR, "data"),
+                    prevent_initial_call=True)
 
 
 @callback(
     Output(ids.ABL_GRID, "figure"),
-    Output(ids.ABL_EFFECTS, "figure"),
-    Output(ids.ABL_SUMMARY, "children"),
+    Output(ids.ABL_EFFECTS_ASKED, "data"),  # the effects panel: drawn by :func:`effects` in the browser
     Output(ids.ABL_CURVE, "figure"),
     Output(ids.ABL_HEAD_SWEEP, "figure"),
     Output(ids.ABL_INFO, "children"),
@@ -234,7 +245,6 @@ clientside_callback(ClientsideFunction(namespace="headscope_ablation", function_
     Output(ids.ABL_METHOD, "value"),
     Output(ids.ABL_BY, "value"),
     Output(ids.ABL_SWEEP, "value"),
-    Output(ids.ABL_SHOWN, "data"),
     Output(ids.ABL_MAP, "data"),
     Output(ids.ABL_DRAWN, "data"),
     Output(ids.ABL_PENDING, "data"),
@@ -245,7 +255,7 @@ clientside_callback(ClientsideFunction(namespace="headscope_ablation", function_
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=18, error_index=6)
+@guarded(outputs=16, error_index=5)
 def render(search, pending, shown):
     """Draw the page from its URL; never computes effects. A link opened afresh with an applied set
     (its ``heads``) is drawn at once, and hands the set to the Apply job (:func:`apply`: progress,
@@ -290,26 +300,35 @@ def render(search, pending, shown):
         grid = controls[0] = controls[1] = drawn = no_update
     else:  # the page's first draw
         grid, drawn = _selection_map(run, {**params, "heads": chosen}, problems), _map_key(state)
+    key = _applied_key(state) if state.heads else None
     if run is None:
-        return (grid, EMPTY, "", curve, head_sweep, "", message(problems), no_update, no_update, *controls,
-                None, wanted, drawn, (applied or "") if pending is None else no_update, no_update)
-    effects, summary, now_shown, from_link = EMPTY, "", None, no_update
+        return (grid, _asked(search, key, EMPTY), curve, head_sweep, "", message(problems), no_update, no_update,
+                *controls, wanted, drawn, (applied or "") if pending is None else no_update, no_update)
+    effects, from_link = EMPTY, no_update
     if state.heads:
-        key = _applied_key(state)
-        if isinstance(shown, dict) and shown.get("key") == key:
-            effects = summary = now_shown = no_update  # already on the page (the Apply job drew them)
-        elif shown is None and pending is None:  # a link opened afresh: its applied set runs as the Apply job
+        if shown is None and pending is None:  # a link opened afresh: its applied set runs as the Apply job
             if applied:
                 effects = empty_figure(f"Computing the effects of this link's {len(applied.split(','))} heads "
                                        "(progress by Apply; Cancel stops it).")
                 from_link = key
-        else:  # a new text on this page (Back or Forward rebuild the page: a link): nothing heavy runs until Apply
+        else:  # a new text on this page (Back or Forward rebuild the page: a link): nothing heavy runs until
+            # Apply; effects of this set already on the page stay (the browser checks, assets/ablation.js)
             effects = WAITING
     info = html.Div([html.Span(f"run {run.short_id}", className="hs-chip"),
                      html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
                      html.Span(f"method: {state.ablate}", className="hs-chip")])
-    return (grid, effects, summary, curve, head_sweep, info, message(problems), run.text or "", run.model_name,
-            *controls, now_shown, wanted, drawn, (applied or "") if pending is None else no_update, from_link)
+    return (grid, _asked(search, key, effects), curve, head_sweep, info, message(problems), run.text or "",
+            run.model_name, *controls, wanted, drawn, (applied or "") if pending is None else no_update, from_link)
+
+
+def _asked(search: str, key: list | None, figure) -> dict:
+    """What the render asks the effects panel to show: ``figure`` (and no summary), unless the panel
+    shows effects of ``key`` (the applied set, or None) already, or a render drew it for ``key`` before
+    (a link's "computing" or a Cancel's message stays). Decided in the browser when the answer arrives
+    (assets/ablation.js ``effects``), not from the page as it was when the render started: an Apply
+    job that ended meanwhile drew its effects, and an answer decided here put "Apply computes the
+    effects" over them for good. ``search``: the URL the render drew; an answer for another is dropped."""
+    return {"search": search, "key": key, "figure": figure}
 
 
 def _selection_map(run, params: dict, problems: list[str]):

@@ -499,3 +499,48 @@ def test_the_line_says_applied_only_while_the_effects_shown_are_of_the_chosen_he
     wait_title(page, "hs-abl-effects", "zero ablation of 2 heads: mean loss", timeout=240_000)
     page.wait_for_function("(document.querySelector('#hs-abl-chosen')?.innerText || '').includes('2 heads applied')")
     assert proc.poll() is None
+
+
+# Holds the answer of the page's render (the one callback the URL triggers that draws the run line)
+# until the effects figure's title says ``until``, then ``extra_ms`` more: the render reaches the page
+# after the Apply job's result, as it does when a job ends while a render runs on a loaded server.
+HOLD_RENDER_UNTIL = """([until, extra_ms]) => {
+    const fetch = window.fetch;
+    let held = 0;
+    window.fetch = async (url, options) => {
+        const answer = await fetch(url, options);
+        const body = typeof options?.body === 'string' ? options.body : '';
+        if (body.includes('hs-abl-info.children') && body.includes('"changedPropIds":["abl-hs-url.search"]')) {
+            held += 1;
+            const title = () => document.querySelector('#hs-abl-effects .gtitle')?.textContent || '';
+            while (!title().includes(until)) await new Promise(done => setTimeout(done, 50));
+            await new Promise(done => setTimeout(done, extra_ms));
+            window.heldRenders = held;
+        }
+        return answer;
+    };
+}"""
+
+
+def test_a_render_that_answers_after_apply_keeps_the_effects_apply_drew(server, page):  # noqa: F811
+    """Choose another score while a link's effects compute, with the redraw that follows (the score is
+    written to the URL) answering after the effects are drawn: they stay, with their summary and the
+    "applied" line. The redraw read what the page showed when it started (no effects yet), and
+    answering last put "Apply computes the effects" over them for good: the job wrote no new URL, so
+    nothing drew them again."""
+    url, proc, _ = server
+    run_on_ablation_page(page, url)
+    page.goto(url + "ablation" + page.evaluate("location.search") + "&heads=3.1,7.2")
+    page.wait_for_function(f"{STATUS}.includes(' steps done')", timeout=120_000)  # the link's job computes
+    page.evaluate(HOLD_RENDER_UNTIL, ["ablation of 2 heads", 1500])
+    select_option(page, "hs-abl-by", "Attention on first token")
+    page.wait_for_function("location.search.includes('by=first_token')")
+    wait_title(page, "hs-abl-effects", "zero ablation of 2 heads: mean loss", timeout=240_000)
+    page.wait_for_function("window.heldRenders >= 1", timeout=30_000)  # the held render has answered
+    settle(page)
+    effects = page.locator("#hs-abl-effects").inner_text()
+    assert "zero ablation of 2 heads: mean loss" in effects and "Apply computes" not in effects, effects
+    assert "Continuation, ablated" in page.locator("#hs-abl-summary").inner_text()
+    assert "2 heads applied: L3H1, L7H2" in _text(page, "#hs-abl-chosen")
+    assert "first token" in page.locator("#hs-abl-grid .gtitle").text_content().lower()
+    assert proc.poll() is None
