@@ -153,6 +153,21 @@ class StoreUnavailable(OSError):
     full, read-only): nothing is moved or rebuilt; the message says what to check."""
 
 
+class StoreWriteError(OSError):
+    """A record could not be written (a full disk, a folder that cannot be written, an index locked for
+    too long): nothing of it was stored. The message says what to check, without the store's path: it
+    reaches web pages (``app.errors.USER_ERRORS``) and the CLI's one-line errors."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"The result could not be stored ({reason}): nothing was stored. Check the disk's "
+                         "free space and that headscope's store folder (HEADSCOPE_HOME) can be written.")
+
+
+def _why(e: BaseException) -> str:
+    """An OS or SQLite error's reason without the path it names."""
+    return (e.strerror if isinstance(e, OSError) and e.strerror else str(e).split(":", 1)[0]) or type(e).__name__
+
+
 def _is_corruption(e: sqlite3.DatabaseError) -> bool:
     """Only a damaged file is rebuilt: SQLite's CORRUPT/NOTADB codes, or our integrity check (no code).
     Locks, a full disk or a read-only folder are not corruption and never move a sound index aside."""
@@ -387,6 +402,15 @@ class Store:
             share: bool = True) -> Record:
         """Store a record atomically, replacing any earlier record with the same key (and share it,
         when the store is shared)."""
+        try:
+            return self._put(key, kind, meta, arrays, share)
+        except (OSError, sqlite3.OperationalError) as e:
+            if isinstance(e, StoreWriteError):
+                raise
+            raise StoreWriteError(_why(e)) from e
+
+    def _put(self, key: str, kind: str, meta: dict[str, Any], arrays: dict[str, np.ndarray],
+             share: bool) -> Record:
         folder = self.root / "records" / key[:2] / f"{key}-{uuid.uuid4().hex[:8]}"
         # the writer's pid and host in the name: leftovers of a dead writer are collected at once
         tmp = folder.with_name(f"{TMP_PREFIX}{os.getpid()}-{_HOST}-{folder.name}")
@@ -424,17 +448,20 @@ class Store:
             raise
         old_folder = None
         rel = str(folder.relative_to(self.root))
-        with self._db() as db:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                row = db.execute("SELECT folder FROM records WHERE key=?", (key,)).fetchone()
-                old_folder = row[0] if row else None
-                self._insert(db, key, kind, rel, meta_json, created, info)
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                shutil.rmtree(folder, ignore_errors=True)
-                raise
+        try:  # an index locked past the busy timeout, or a full disk: the folder written goes again
+            with self._db() as db:
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    row = db.execute("SELECT folder FROM records WHERE key=?", (key,)).fetchone()
+                    old_folder = row[0] if row else None
+                    self._insert(db, key, kind, rel, meta_json, created, info)
+                    db.execute("COMMIT")
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
         if old_folder and old_folder != rel:
             shutil.rmtree(self.root / old_folder, ignore_errors=True)
         if share and self.shared is not None:

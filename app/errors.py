@@ -11,12 +11,14 @@ from dash.exceptions import PreventUpdate
 
 from analysis.errors import InputError
 from analysis.models import ModelError
+from analysis.store import StoreWriteError
 
 log = logging.getLogger("headscope.app")
 
 # Analyses validate their inputs at the boundary and raise ValueError with a message meant for
-# users (InputError and ModelError are ValueErrors too).
-USER_ERRORS: tuple[type[Exception], ...] = (InputError, ModelError, ValueError)
+# users (InputError and ModelError are ValueErrors too); a result the store could not write says so
+# and what to check (its message names no server path).
+USER_ERRORS: tuple[type[Exception], ...] = (InputError, ModelError, ValueError, StoreWriteError)
 
 
 def message(problems: Sequence[str] | str) -> list | str:

@@ -511,3 +511,40 @@ def test_an_array_whose_header_is_over_64_kib_is_refused_and_leaves_nothing(stor
         store.put("k", "run", {}, {"a": arr})
     assert store.get("k") is None and store.list() == []
     assert not any((store.root / "records").rglob("*.npy"))
+
+
+def test_a_record_that_cannot_be_written_says_so_without_the_stores_path(tmp_path, monkeypatch):
+    """A write the disk refuses (here a file where a record's folder would go; a full disk, a locked
+    index) raises one error that says nothing was stored and what to check, without the store's path
+    (it reaches web pages); nothing half-written stays. It was the bare NotADirectoryError or SQLite's
+    OperationalError, which a page could only show as "Something went wrong"."""
+    import sqlite3
+
+    from analysis.store import StoreWriteError
+
+    root = tmp_path / "store"
+    s = Store(root)
+    s.put("aa-kept", "test", {}, {"a": np.arange(3.0)})
+    for i in range(256):
+        with contextlib.suppress(FileExistsError, IsADirectoryError):
+            (root / "records" / f"{i:02x}").write_text("not a folder")
+    with pytest.raises(StoreWriteError) as refused:
+        s.put("bb-new", "test", {}, {"a": np.arange(3.0)})
+    text = str(refused.value)
+    assert "Not a directory" in text and "nothing was stored" in text and str(tmp_path) not in text, text
+    assert isinstance(refused.value, OSError)
+    assert s.get("bb-new") is None and (s.get("aa-kept").array("a") == np.arange(3.0)).all()
+
+    other = tmp_path / "locked"
+    monkeypatch.setattr(Store, "BUSY_TIMEOUT_S", 0.2)
+    s2 = Store(other)
+    holder = sqlite3.connect(other / "index.sqlite", isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(StoreWriteError, match="locked") as locked:
+            s2.put("cc-new", "test", {}, {"a": np.arange(3.0)})
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert str(tmp_path) not in str(locked.value)
+    assert not [p for p in (other / "records").rglob("*") if p.is_file()]  # the folder written went again

@@ -780,3 +780,20 @@ def test_compress_prints_the_policy_table_and_writes_a_pattern_folder(tmp_path, 
         assert (a["ranking"], a["kv_bytes"], a["agreement"], a["niah_accuracy"]) == \
             (b["ranking"], b["kv_bytes"], b["agreement"], b["niah_accuracy"])
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-4)
+
+
+def test_a_run_the_store_cannot_write_is_one_line_exit_2(tmp_path):
+    """A store that refuses the run (a file where its folder goes; a full disk reads the same) ends
+    `headscope run` with one line that says nothing was stored and what to check, exit status 2; it
+    was a NotADirectoryError traceback."""
+    home = tmp_path / "home"
+    assert headscope("runs", "list", home=home).returncode == 0  # the store exists
+    records = home / "records"
+    records.mkdir(exist_ok=True)
+    for i in range(256):
+        if not (records / f"{i:02x}").exists():
+            (records / f"{i:02x}").write_text("not a folder")
+    r = headscope("run", "The capital of France is Paris.", "--out", str(tmp_path / "out"), home=home)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "could not be stored (Not a directory): nothing was stored" in lines[0], r.stderr

@@ -407,8 +407,9 @@ def test_runs_grid_comes_before_its_run_is_stored_and_goes_if_the_run_is_not(tmp
         grid_now = page.evaluate(GRID_Z)
         page.fill("#attn-hs-text", "Quiet music from the garden reached the window of the orange lamp.")
         page.click("#attn-hs-run")
-        page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('NotADirectoryError')",
-                               timeout=120_000)
+        page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes("
+                               "'The result could not be stored (Not a directory): nothing was stored')", timeout=120_000)
+        assert str(home) not in page.locator("#hs-error").inner_text()
         page.wait_for_function(back, arg=grid_now, timeout=10_000)
         settle(page)
         assert page.evaluate(PREVIEW_SHOWN) is None and page.evaluate("location.search") == search
