@@ -75,9 +75,9 @@ class SharedRecords:
                   "arrays": {n: {"sha256": i["sha256"], "shape": i["shape"], "dtype": i["dtype"]}
                              for n, i in info.items()}}
         fields: dict[str, bytes] = {"header": json.dumps(header).encode()}
-        for name in info:
-            fields[f"array:{name}"] = (folder / f"{name}.npy").read_bytes()
-        try:
+        try:  # read inside: another writer of the same key may have replaced (removed) this folder
+            for name in info:
+                fields[f"array:{name}"] = (folder / f"{name}.npy").read_bytes()
             pipe = self.client.pipeline(transaction=True)
             pipe.delete(RECORD + key)
             pipe.hset(RECORD + key, mapping=fields)

@@ -163,9 +163,14 @@ class StoreWriteError(OSError):
                          "free space and that headscope's store folder (HEADSCOPE_HOME) can be written.")
 
 
-def _why(e: BaseException) -> str:
-    """An OS or SQLite error's reason without the path it names."""
-    return (e.strerror if isinstance(e, OSError) and e.strerror else str(e).split(":", 1)[0]) or type(e).__name__
+# SQLite's answers to a write it refuses for a reason outside headscope (a lock held too long, a full
+# disk, a read-only or unreadable file); any other OperationalError (no such table, bad SQL) is a bug
+REFUSED_WRITES = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_FULL", "SQLITE_READONLY", "SQLITE_IOERR",
+                  "SQLITE_CANTOPEN", "SQLITE_PERM")
+
+
+def _refused_write(e: sqlite3.OperationalError) -> bool:
+    return (getattr(e, "sqlite_errorname", None) or "").startswith(REFUSED_WRITES)
 
 
 def _is_corruption(e: sqlite3.DatabaseError) -> bool:
@@ -401,16 +406,32 @@ class Store:
     def put(self, key: str, kind: str, meta: dict[str, Any], arrays: dict[str, np.ndarray],
             share: bool = True) -> Record:
         """Store a record atomically, replacing any earlier record with the same key (and share it,
-        when the store is shared)."""
-        try:
-            return self._put(key, kind, meta, arrays, share)
-        except (OSError, sqlite3.OperationalError) as e:
-            if isinstance(e, StoreWriteError):
-                raise
-            raise StoreWriteError(_why(e)) from e
+        when the store is shared). A write the disk or the index refuses raises
+        :class:`StoreWriteError`, with nothing of the record left behind."""
+        folder, meta_json, created, info = self._commit(key, kind, meta, arrays)
+        # committed: nothing after this is a failed write
+        if share and self.shared is not None:
+            self.shared.publish(key, kind, meta_json, created, folder, info)
+        return Record(key, kind, meta, created, folder, info, store=self)
 
-    def _put(self, key: str, kind: str, meta: dict[str, Any], arrays: dict[str, np.ndarray],
-             share: bool) -> Record:
+    def _commit(self, key: str, kind: str, meta: dict[str, Any], arrays: dict[str, np.ndarray]):
+        """Write the record's files, then its index row; what a full disk, a folder that cannot be
+        written or an index locked too long refuse is a :class:`StoreWriteError` (logged with its
+        path); any other error (a bug, a schema from another version) is raised as it is."""
+        try:
+            return self._write(key, kind, meta, arrays)
+        except StoreWriteError:
+            raise
+        except OSError as e:
+            log.warning("could not store record %s: %s", key[:12], e)
+            raise StoreWriteError(e.strerror or type(e).__name__) from e
+        except sqlite3.OperationalError as e:
+            if not _refused_write(e):
+                raise
+            log.warning("could not index record %s in %s: %s", key[:12], self.root, e)
+            raise StoreWriteError(f"the store's index: {e}") from e
+
+    def _write(self, key: str, kind: str, meta: dict[str, Any], arrays: dict[str, np.ndarray]):
         folder = self.root / "records" / key[:2] / f"{key}-{uuid.uuid4().hex[:8]}"
         # the writer's pid and host in the name: leftovers of a dead writer are collected at once
         tmp = folder.with_name(f"{TMP_PREFIX}{os.getpid()}-{_HOST}-{folder.name}")
@@ -457,16 +478,15 @@ class Store:
                     self._insert(db, key, kind, rel, meta_json, created, info)
                     db.execute("COMMIT")
                 except BaseException:
-                    db.execute("ROLLBACK")
+                    with contextlib.suppress(sqlite3.Error):  # SQLite may have rolled back already
+                        db.execute("ROLLBACK")
                     raise
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         if old_folder and old_folder != rel:
             shutil.rmtree(self.root / old_folder, ignore_errors=True)
-        if share and self.shared is not None:
-            self.shared.publish(key, kind, meta_json, created, folder, info)
-        return Record(key, kind, meta, created, folder, info, store=self)
+        return folder, meta_json, created, info
 
     # -- reading -------------------------------------------------------------------------------
 

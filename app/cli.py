@@ -188,8 +188,8 @@ def _argument(name: str) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        if isinstance(e, UsageError) or not _is_user_error(e):
-            raise
+        if isinstance(e, UsageError) or not _is_user_error(e) or isinstance(e, OSError):
+            raise  # a store that cannot be opened or written is no argument's fault (StoreWriteError, ...)
         raise UsageError(f"argument {name}: {e}") from None
 
 

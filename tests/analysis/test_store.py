@@ -548,3 +548,23 @@ def test_a_record_that_cannot_be_written_says_so_without_the_stores_path(tmp_pat
         holder.close()
     assert str(tmp_path) not in str(locked.value)
     assert not [p for p in (other / "records").rglob("*") if p.is_file()]  # the folder written went again
+
+
+def test_an_index_error_that_is_a_bug_is_not_reported_as_a_refused_write(tmp_path, monkeypatch):
+    """Only what the disk or a lock refuses is a StoreWriteError ("check free space"); an SQL error of
+    our own (a missing table, bad SQL) stays itself, so it is logged as the bug it is, and the record's
+    folder still goes."""
+    import sqlite3
+
+    from analysis.store import StoreWriteError
+
+    s = Store(tmp_path / "store")
+
+    def broken(self, db, *args):
+        db.execute("INSERT INTO no_such_table VALUES (1)")
+
+    monkeypatch.setattr(Store, "_insert", broken)
+    with pytest.raises(sqlite3.OperationalError, match="no such table") as raised:
+        s.put("dd-new", "test", {}, {"a": np.arange(3.0)})
+    assert not isinstance(raised.value, StoreWriteError)
+    assert not [p for p in (tmp_path / "store" / "records").rglob("*") if p.is_file()]

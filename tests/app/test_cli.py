@@ -797,3 +797,4 @@ def test_a_run_the_store_cannot_write_is_one_line_exit_2(tmp_path):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "could not be stored (Not a directory): nothing was stored" in lines[0], r.stderr
+    assert "argument" not in lines[0] and str(home) not in lines[0], r.stderr  # no argument was wrong
