@@ -40,15 +40,15 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
     // the render's effects figure (app/pages/ablation.py _asked), decided here when its answer arrives:
     // not over effects of the same applied set already on the page (an Apply job may have drawn them
     // while the render ran: decided on the server, from the page as it was when the render started,
-    // "Apply computes the effects" went over them for good), nor over what a render drew for that set
-    // before (a link's "computing", a Cancel's message); and not for a URL the page has left
-    effects: function (asked, search, shown, drawnFor) {
+    // "Apply computes the effects" went over them for good), nor, while the Apply job runs, over what
+    // a render drew for the same text and set (a link's "computing"); and not for a URL the page has left
+    effects: function (asked, search, shown, drawnFor, applying) {
       const skip = window.dash_clientside.no_update;
       if (asked === null || typeof asked !== "object" || asked.search !== search) { return [skip, skip, skip, skip]; }
       const key = JSON.stringify(asked.key === undefined ? null : asked.key);
       const showing = shown !== null && typeof shown === "object" && Array.isArray(shown.key);
       if (showing && JSON.stringify(shown.key) === key) { return [skip, skip, skip, key]; }
-      if (drawnFor === key) { return [skip, skip, skip, skip]; }
+      if (applying === true && drawnFor === key) { return [skip, skip, skip, skip]; }
       return [asked.figure, "", null, key];
     },
   },

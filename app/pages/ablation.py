@@ -56,7 +56,7 @@ from app.components import (
     url_patch_id,
 )
 from app.context import get_context
-from app.errors import guarded, message
+from app.errors import USER_ERRORS, guarded, message
 from app.jobs import cancellable_callback, count_progress, in_job, on_workers
 from app.url_state import PageState, parse
 from app.views import VIEWS, names
@@ -228,7 +228,7 @@ clientside_callback(ClientsideFunction(namespace="headscope_ablation", function_
                     Output(ids.ABL_SHOWN, "data"),
                     Output(ids.ABL_EFFECTS_FOR, "data"),
                     Input(ids.ABL_EFFECTS_ASKED, "data"), State(url_id(PREFIX), "search"),
-                    State(ids.ABL_SHOWN, "data"), State(ids.ABL_EFFECTS_FOR, "data"),
+                    State(ids.ABL_SHOWN, "data"), State(ids.ABL_EFFECTS_FOR, "data"), State(ids.ABL_APPLY, "disabled"),
                     prevent_initial_call=True)
 
 
@@ -300,7 +300,7 @@ def render(search, pending, shown):
         grid = controls[0] = controls[1] = drawn = no_update
     else:  # the page's first draw
         grid, drawn = _selection_map(run, {**params, "heads": chosen}, problems), _map_key(state)
-    key = _applied_key(state) if state.heads else None
+    key = _applied_key(state)  # of this text even with no set applied (a Cancel's message goes with its text)
     if run is None:
         return (grid, _asked(search, key, EMPTY), curve, head_sweep, "", message(problems), no_update, no_update,
                 *controls, wanted, drawn, (applied or "") if pending is None else no_update, no_update)
@@ -321,10 +321,10 @@ def render(search, pending, shown):
             run.model_name, *controls, wanted, drawn, (applied or "") if pending is None else no_update, from_link)
 
 
-def _asked(search: str, key: list | None, figure) -> dict:
+def _asked(search: str, key: list, figure) -> dict:
     """What the render asks the effects panel to show: ``figure`` (and no summary), unless the panel
-    shows effects of ``key`` (the applied set, or None) already, or a render drew it for ``key`` before
-    (a link's "computing" or a Cancel's message stays). Decided in the browser when the answer arrives
+    shows effects of ``key`` (the text and applied set) already, or, while the Apply job runs, a render
+    drew it for ``key`` before (a link's "computing" stays). Decided in the browser when the answer arrives
     (assets/ablation.js ``effects``), not from the page as it was when the render started: an Apply
     job that ended meanwhile drew its effects, and an answer decided here put "Apply computes the
     effects" over them for good. ``search``: the URL the render drew; an answer for another is dropped."""
@@ -624,7 +624,7 @@ def apply(set_progress, n_clicks, from_link, pending, heads_text, method, source
         spec, fx = effects_of(run, params, progress=report)
         effects, _ = VIEWS[names.ABLATION_EFFECTS].build(run, params)  # memoised: drawn, not computed again
         summary = _summary(run, params)
-    except ValueError as e:  # a link's set that cannot be computed: its figure no longer says "computing"
+    except USER_ERRORS as e:  # a link's set that cannot be computed or stored: its figure no longer says "computing"
         figure = empty_figure(f"No effects: {e}") if link else no_update
         return no_update, figure, no_update, no_update, str(e)
     seconds = time.monotonic() - started

@@ -506,16 +506,17 @@ def test_the_line_says_applied_only_while_the_effects_shown_are_of_the_chosen_he
 # after the Apply job's result, as it does when a job ends while a render runs on a loaded server.
 HOLD_RENDER_UNTIL = """([until, extra_ms]) => {
     const fetch = window.fetch;
-    let held = 0;
+    const title = () => document.querySelector('#hs-abl-effects .gtitle')?.textContent || '';
+    window.heldRenders = 0;
     window.fetch = async (url, options) => {
-        const answer = await fetch(url, options);
         const body = typeof options?.body === 'string' ? options.body : '';
-        if (body.includes('hs-abl-info.children') && body.includes('"changedPropIds":["abl-hs-url.search"]')) {
-            held += 1;
-            const title = () => document.querySelector('#hs-abl-effects .gtitle')?.textContent || '';
+        const render = body.includes('hs-abl-info.children') && body.includes('"changedPropIds":["abl-hs-url.search"]');
+        if (render && title().includes(until)) window.sentAfter = true;  // asked after the effects came
+        const answer = await fetch(url, options);
+        if (render) {
             while (!title().includes(until)) await new Promise(done => setTimeout(done, 50));
             await new Promise(done => setTimeout(done, extra_ms));
-            window.heldRenders = held;
+            window.heldRenders += 1;
         }
         return answer;
     };
@@ -537,6 +538,7 @@ def test_a_render_that_answers_after_apply_keeps_the_effects_apply_drew(server, 
     page.wait_for_function("location.search.includes('by=first_token')")
     wait_title(page, "hs-abl-effects", "zero ablation of 2 heads: mean loss", timeout=240_000)
     page.wait_for_function("window.heldRenders >= 1", timeout=30_000)  # the held render has answered
+    assert page.evaluate("window.sentAfter") is None  # it was asked while the job ran, as the race needs
     settle(page)
     effects = page.locator("#hs-abl-effects").inner_text()
     assert "zero ablation of 2 heads: mean loss" in effects and "Apply computes" not in effects, effects
