@@ -77,7 +77,7 @@ def url_patch_id(prefix: str) -> str:
 
 
 def url_patch(before: Any, after: str, on: tuple[str, ...] = (), what: str = "This result",
-              keep: tuple[str, ...] | None = None, reset: tuple[str, ...] = ()) -> dict:
+              keep: tuple[str, ...] | None = None, reset: tuple[str, ...] = (), status: str | None = None) -> dict:
     """What a background job answers into :func:`url_patch_id` instead of the page's URL: the URL it
     read when it started (``before``) and the one it made of it (``after``). The browser
     (assets/url_patch.js) puts the job's change into the URL as it is when the job ends, so what the
@@ -93,11 +93,16 @@ def url_patch(before: Any, after: str, on: tuple[str, ...] = (), what: str = "Th
       ``keep``, which stay as the user changed them meanwhile (a score, a head); what belonged to the
       old text (a query position, a flow target) goes, even if chosen meanwhile.
     - ``on``: the URL keys the result was computed on (``"run"``). If the page shows another value of
-      one of them by then, nothing is put in and the banner says so, naming the result by ``what``."""
+      one of them by then, nothing is put in and the banner says so, naming the result by ``what``;
+      ``status``, the job's status line (its ``…-status`` id), says it was not shown instead of the
+      result's numbers, which the job answered with before it could know."""
     started = before if isinstance(before, str) else ""
-    return {"started": started, "before": parse(started).to_search(), "after": after, "on": list(on),
-            "keep": None if keep is None else list(keep), "reset": list(reset), "what": what,
-            "at": time.time()}  # a new value every time: the same change twice is written twice
+    patch = {"started": started, "before": parse(started).to_search(), "after": after, "on": list(on),
+             "keep": None if keep is None else list(keep), "reset": list(reset), "what": what,
+             "at": time.time()}  # a new value every time: the same change twice is written twice
+    if status is not None:
+        patch["status"] = status
+    return patch
 
 
 def leaving(pathname, page_path: str) -> bool:

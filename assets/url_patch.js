@@ -6,7 +6,8 @@
    - with "keep" (a new text), "after" is taken whole but for the settings in "keep" the user changed
      meanwhile, and written even if the URL already says it (the run is drawn);
    - a result computed on a key ("on", e.g. the run) that the page no longer shows is not put in:
-     the banner says so.
+     the banner says so, and so does the job's status line ("status"), which the job's answer filled
+     with the result's numbers.
    Served locally by Dash. */
 (function () {
 const params = (s) => new URLSearchParams(typeof s === "string" ? s : "");
@@ -16,6 +17,7 @@ const listOrNone = (value) => value === undefined || value === null || Array.isA
 const valid = (patch) => patch !== null && typeof patch === "object" && typeof patch.after === "string" &&
   typeof patch.before === "string" && listOrNone(patch.on) && listOrNone(patch.reset) && listOrNone(patch.keep);
 const started = (patch) => params(typeof patch.started === "string" ? patch.started : patch.before);
+const STATUS = /^hs-[a-z-]+-status$/;  // a job's status line: the only element a patch may write to
 const id = (value) => (value === null ? null : value.toLowerCase());  // run and result ids: any case
 const stale = (patch, search) => {
   const then = started(patch), now = params(search);
@@ -57,6 +59,10 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
       const skip = window.dash_clientside.no_update;
       if (valid(patch) && stale(patch, search)) {
         const what = typeof patch.what === "string" && patch.what ? patch.what : "This result";
+        const set = window.dash_clientside.set_props;
+        if (set && typeof patch.status === "string" && STATUS.test(patch.status) && document.getElementById(patch.status)) {
+          set(patch.status, {children: "Not shown: computed for the text the page showed when it started."});
+        }
         return [skip, what + " was computed for what the page showed when it started, not for what it " +
                       "shows now, so it is not shown: run it again here."];
       }

@@ -629,7 +629,7 @@ def apply(set_progress, n_clicks, from_link, pending, heads_text, method, source
         return no_update, figure, no_update, no_update, str(e)
     seconds = time.monotonic() - started
     # the set and how it was ablated are written whole: a link never names a method its effects did not use
-    return (url_patch(search, state.to_search(), on=("run",), what="Apply's result",
+    return (url_patch(search, state.to_search(), on=("run",), what="Apply's result", status=ids.ABL_APPLY_STATUS,
                       reset=("heads", "ablate", "ref", "source")), effects, summary,
             _shown(_applied_key(state), run, state, spec, fx),
             f"{len(spec.heads)} heads, {spec.method} ablation: effects in {seconds:.1f} s")
@@ -758,8 +758,9 @@ def run_curve(set_progress, n_clicks, ks_text, n_seeds, control_top, metric, sea
     state.curve = key[:16]
     top_k = curve.top[-1]
     rand = curve.random_mean[-1] if seeds else float("nan")
-    return url_patch(search, state.to_search(), on=("run",), what="The ablation curve"), (f"k={curve.k_values[-1]}: top {top_k:.3f}, random {rand:.3f} (outside the top "
-                               f"{curve.outside_top}; {meta['metric_label']})")
+    return (url_patch(search, state.to_search(), on=("run",), what="The ablation curve", status=ids.ABL_CURVE_STATUS),
+            f"k={curve.k_values[-1]}: top {top_k:.3f}, random {rand:.3f} (outside the top {curve.outside_top}; "
+            f"{meta['metric_label']})")
 
 
 @cancellable_callback(
@@ -789,5 +790,5 @@ def run_head_sweep(set_progress, n_clicks, metric, search):
     except ValueError as e:
         return no_update, str(e)
     state.hsweep = key[:16]
-    return (url_patch(search, state.to_search(), on=("run",), what="The single-head sweep"),
+    return (url_patch(search, state.to_search(), on=("run",), what="The single-head sweep", status=ids.ABL_SWEEP_STATUS),
             f"{model.n_layers * model.n_heads} heads in {result.seconds:.1f} s")

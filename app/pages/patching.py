@@ -434,7 +434,8 @@ def run_positions(set_progress, click, search):
     except ValueError as e:
         return no_update, message(str(e)), "Not run: see the message above."
     state.layer, state.head, state.ppos = layer, head, positions.key[:16]
-    return (url_patch(search, state.to_search(), on=("patching",), what="The per-position result of that head"), "",
+    return (url_patch(search, state.to_search(), on=("patching",), what="The per-position result of that head",
+                      status=ids.PAT_POS_STATUS), "",
             f"head {layer}.{head}: {pair.n_tokens} positions patched in {time.monotonic() - started:.1f} s")
 
 

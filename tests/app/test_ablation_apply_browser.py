@@ -439,6 +439,13 @@ def test_a_job_writes_only_what_it_changed_into_the_link(server, page):  # noqa:
     stale = patch("?run=a", "?run=a&curve=c", on=["run"], what="The ablation curve")
     search, banner = page.evaluate("([p, s]) => window.dash_clientside.headscope_url.apply(p, s)", [stale, "?run=b"])
     assert banner.startswith("The ablation curve was computed for what the page showed when it started")
+    # its status line says so; a forged patch writes into nothing but a job's status line
+    apply = "([p, s]) => { window.dash_clientside.headscope_url.apply(p, s); }"
+    for target in ("hs-error", "abl-hs-text", "hs-abl-sweep-status\" onclick=\"x"):
+        page.evaluate(apply, [{**stale, "status": target}, "?run=b"])
+    assert "Not shown" not in page.inner_text("#hs-error") and page.input_value("#abl-hs-text") == ""
+    page.evaluate(apply, [{**stale, "status": "hs-abl-curve-status"}, "?run=b"])
+    page.wait_for_function("(document.querySelector('#hs-abl-curve-status')?.innerText || '').startsWith('Not shown')")
     assert page.evaluate("([p, s]) => window.dash_clientside.headscope_url.apply(p, s)[1] === "
                          "window.dash_clientside.no_update", [cases[0][0], cases[0][1]])
 
@@ -545,4 +552,30 @@ def test_a_render_that_answers_after_apply_keeps_the_effects_apply_drew(server, 
     assert "Continuation, ablated" in page.locator("#hs-abl-summary").inner_text()
     assert "2 heads applied: L3H1, L7H2" in _text(page, "#hs-abl-chosen")
     assert "first token" in page.locator("#hs-abl-grid .gtitle").text_content().lower()
+    assert proc.poll() is None
+
+
+def test_a_curve_finished_on_a_text_the_page_left_says_so_in_its_status_line(server, page):  # noqa: F811
+    """Run another text while the ablation curve computes on the first: when the curve ends it is not
+    shown (the banner says why), and its status line says so too. The line gave the curve's numbers
+    ("k=3: top …") as if they were the page's, under a curve panel that showed none."""
+    url, proc, _ = server
+    run_on_ablation_page(page, url)
+    select_option(page, "hs-abl-by", "Attention on first token")  # a score to rank by (no sweep here)
+    page.wait_for_function("location.search.includes('by=first_token')")
+    page.fill("#hs-abl-curve-ks", "0,1,2,3")
+    page.fill("#hs-abl-curve-seeds", "3")
+    page.click("#hs-abl-curve-run")
+    page.wait_for_function("(document.querySelector('#hs-abl-curve-status')?.innerText || '').includes('curve point')",
+                           timeout=120_000)
+    first_run = page.evaluate("new URLSearchParams(location.search).get('run')")
+    page.fill("#abl-hs-text", "The quick brown fox jumps over the lazy dog near the river bank.")
+    page.click("#abl-hs-run")
+    page.wait_for_function("r => !location.search.includes('run=' + r)", arg=first_run)
+    page.wait_for_selector("#hs-abl-curve-run:not([disabled])", timeout=240_000)  # the curve's job has ended
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('The ablation curve was computed')")
+    settle(page)
+    status = page.inner_text("#hs-abl-curve-status")
+    assert "not shown" in status.lower() and "k=3" not in status, status
+    assert "curve=" not in page.evaluate("location.search")
     assert proc.poll() is None
