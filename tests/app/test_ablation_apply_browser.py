@@ -563,8 +563,8 @@ def test_a_curve_finished_on_a_text_the_page_left_says_so_in_its_status_line(ser
     run_on_ablation_page(page, url)
     select_option(page, "hs-abl-by", "Attention on first token")  # a score to rank by (no sweep here)
     page.wait_for_function("location.search.includes('by=first_token')")
-    page.fill("#hs-abl-curve-ks", "0,1,2,3")
-    page.fill("#hs-abl-curve-seeds", "3")
+    page.fill("#hs-abl-curve-ks", "0,1,2,3,4,5,6,7,8,9")
+    page.fill("#hs-abl-curve-seeds", "6")  # 70 points: longer than a Run of a short text, however fast the machine
     page.click("#hs-abl-curve-run")
     page.wait_for_function("(document.querySelector('#hs-abl-curve-status')?.innerText || '').includes('curve point')",
                            timeout=120_000)
@@ -572,10 +572,11 @@ def test_a_curve_finished_on_a_text_the_page_left_says_so_in_its_status_line(ser
     page.fill("#abl-hs-text", "The quick brown fox jumps over the lazy dog near the river bank.")
     page.click("#abl-hs-run")
     page.wait_for_function("r => !location.search.includes('run=' + r)", arg=first_run)
+    assert page.evaluate("document.querySelector('#hs-abl-curve-run').disabled")  # it still computes
     page.wait_for_selector("#hs-abl-curve-run:not([disabled])", timeout=240_000)  # the curve's job has ended
     page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('The ablation curve was computed')")
     settle(page)
     status = page.inner_text("#hs-abl-curve-status")
-    assert "not shown" in status.lower() and "k=3" not in status, status
+    assert "not shown" in status.lower() and "k=9" not in status, status
     assert "curve=" not in page.evaluate("location.search")
     assert proc.poll() is None
