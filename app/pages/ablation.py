@@ -92,7 +92,7 @@ def layout(**query) -> html.Div:
             dcc.Store(id=ids.ABL_SHOWN, data=None),  # what the effects on the page were computed for
             dcc.Store(id=ids.ABL_EFFECTS_WAIT, data=WAITING),
             dcc.Store(id=ids.ABL_EFFECTS_ASKED, data=None),  # the render's effects, drawn by the browser
-            dcc.Store(id=ids.ABL_EFFECTS_FOR, data=None),  # the applied set a render last drew them for
+            dcc.Store(id=ids.ABL_EFFECTS_FOR, data=None),  # the text and applied set a render last drew them for
             dcc.Store(id=ids.ABL_MAP, data=None),  # the run and score the map should show (render asks)
             dcc.Store(id=ids.ABL_DRAWN, data=None),  # the run and score the map shows
             dcc.Store(id=ids.ABL_FROM_LINK, data=None),  # a link's applied set, handed to the Apply job
