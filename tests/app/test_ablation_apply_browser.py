@@ -560,7 +560,13 @@ def test_a_curve_finished_on_a_text_the_page_left_says_so_in_its_status_line(ser
     shown (the banner says why), and its status line says so too. The line gave the curve's numbers
     ("k=3: top …") as if they were the page's, under a curve panel that showed none."""
     url, proc, _ = server
-    run_on_ablation_page(page, url)
+    # a text of its own: the server and its store are shared, and another test times this score's curve
+    # on PROMPT, whose points this one would have stored (tests/app/conftest.py)
+    page.goto(url + "ablation")
+    page.fill("#abl-hs-text", "Lamps in the harbor market stayed lit while the winter bridge froze over.")
+    page.click("#abl-hs-run")
+    page.wait_for_function("location.search.includes('run=')")
+    wait_title(page, "hs-abl-grid", "0 heads chosen")
     select_option(page, "hs-abl-by", "Attention on first token")  # a score to rank by (no sweep here)
     page.wait_for_function("location.search.includes('by=first_token')")
     page.fill("#hs-abl-curve-ks", "0,1,2,3,4,5,6,7,8,9")
