@@ -251,12 +251,11 @@ clientside_callback(ClientsideFunction(namespace="headscope_ablation", function_
     Output(ids.ABL_FROM_LINK, "data"),
     Input(url_id(PREFIX), "search"),
     State(ids.ABL_PENDING, "data"),
-    State(ids.ABL_SHOWN, "data"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
 @guarded(outputs=16, error_index=5)
-def render(search, pending, shown):
+def render(search, pending):
     """Draw the page from its URL; never computes effects. A link opened afresh with an applied set
     (its ``heads``) is drawn at once, and hands the set to the Apply job (:func:`apply`: progress,
     Cancel), which computes and draws its effects, as Apply does for heads chosen on the page.
@@ -306,7 +305,7 @@ def render(search, pending, shown):
                 *controls, wanted, drawn, (applied or "") if pending is None else no_update, no_update)
     effects, from_link = EMPTY, no_update
     if state.heads:
-        if shown is None and pending is None:  # a link opened afresh: its applied set runs as the Apply job
+        if pending is None:  # the first draw of a link with an applied set: the set runs as the Apply job
             if applied:
                 effects = empty_figure(f"Computing the effects of this link's {len(applied.split(','))} heads "
                                        "(progress by Apply; Cancel stops it).")
