@@ -26,6 +26,7 @@ from app import ids, workers
 from app.access import redact_tokens_in_logs
 from app.context import AppContext, set_context
 from app.jobs import background_manager
+from app.seen_runs import remember_runs_shown, seen_runs_store
 
 log = logging.getLogger("headscope.app")
 
@@ -61,6 +62,7 @@ def create_app(context: AppContext) -> Dash:
                 [
                     html.Div(id=ids.ERROR, role="alert", className="hs-error"),
                     dcc.Download(id=ids.DOWNLOAD),
+                    seen_runs_store(),
                     dash.page_container,
                 ],
                 className="hs-main",
@@ -68,6 +70,7 @@ def create_app(context: AppContext) -> Dash:
         ]
     )
     carry_shared_state_in_nav(app)
+    remember_runs_shown(app)  # what the Compare page may offer: the runs this browser was shown
     answer_404_for_unknown_paths(app)
     redact_tokens_in_logs()
     cap_request_size(app.server)

@@ -2,7 +2,8 @@
 prompts of equal length on one model, or one text on two models with the same tokenizer: a per-head
 score of both with its change (second − first), the heads that changed most, and a clicked head's
 change in attention. Nothing is computed but the comparison: both runs are read from the store, and
-the URL names them, so a link reopens the same view. A click on any of the three grids writes its head
+the URL names them, so a link reopens the same view. The run lists offer only the runs this browser
+was shown (:mod:`app.seen_runs`) and an id pasted into the page, never the store's list. A click on any of the three grids writes its head
 into the URL in the browser (``assets/grid_clicks.js``, as on the other pages' grids).
 
 The drawing is the views :data:`~app.views.names.RUN_COMPARISON` and
@@ -32,6 +33,7 @@ from app.components import (
 from app.context import get_context
 from app.errors import guarded, message
 from app.jobs import on_workers
+from app.seen_runs import run_id, run_ids, shown_run, shown_runs
 from app.url_state import parse
 from app.views import VIEWS, names
 from app.views.comparison import comparison_params, stored_run
@@ -41,7 +43,8 @@ dash.register_page(__name__, path="/compare", name="Compare", title="headscope �
 PREFIX = "cmp"
 NO_RUNS = empty_figure("Choose two stored runs of equal length (Run a text on the Attention page to store one).")
 NO_HEAD = empty_figure("Click a head on the grids to see its change in attention.")
-MAX_LISTED = 200  # newest stored runs offered in each list
+CHOOSE = ("Choose two runs of equal length. The lists hold the runs this browser was shown (a text run on "
+          "any page, a run's link opened); paste another run's id below to add it.")
 TOP_N = 10
 
 register_export(PREFIX, run_of=lambda state: None)
@@ -66,6 +69,15 @@ def layout(**_query) -> html.Div:
                 ],
                 className="hs-options",
             ),
+            html.Div(
+                [
+                    html.Label("Another run's id", htmlFor=ids.CMP_PASTE),
+                    dcc.Input(id=ids.CMP_PASTE, type="text", debounce=True, maxLength=64, spellCheck=False,
+                              placeholder="paste a run id (8 to 64 hex digits) and press Enter"),
+                    html.Span(id=ids.CMP_PASTE_NOTE, className="hs-hint"),
+                ],
+                className="hs-options",
+            ),
             html.P(id=ids.CMP_STATUS, className="hs-hint"),
             html.Div([dcc.Graph(id=ids.CMP_GRIDS, figure=NO_RUNS, config=GRAPH_CONFIG),
                       html.P("Click a head to see its change in attention.", className="hs-hint"),
@@ -77,27 +89,26 @@ def layout(**_query) -> html.Div:
     )
 
 
-def _label(record) -> str:
-    meta = record.meta
-    text = " ".join(str(meta.get("text") or "").split())
-    text = text[:48] + "…" if len(text) > 48 else text
-    mode = ", statistics" if record.kind == "stats_run" else ""
-    return f"{record.key[:8]} · {meta.get('model_name', '?')} · {meta.get('n_tokens', '?')} tokens{mode} · {text}"
-
-
-def run_options(first_length: int | None = None) -> list[dict]:
-    """The newest stored runs (both kinds), as options; with ``first_length``, runs of another length
-    are listed but disabled (a comparison needs equal lengths)."""
-    store = get_context().store
-    records = sorted(store.list("run", limit=MAX_LISTED) + store.list("stats_run", limit=MAX_LISTED),
-                     key=lambda r: r.created, reverse=True)[:MAX_LISTED]
+def run_options(keys: list[str], first_length: int | None = None) -> list[dict]:
+    """The runs among ``keys`` (ids the browser sent, :func:`app.seen_runs.run_ids`) as options; with
+    ``first_length``, runs of another length are listed but disabled (a comparison needs equal lengths)."""
     options = []
-    for r in records:
-        option = {"label": _label(r), "value": r.key[:16]}
-        if first_length is not None and r.meta.get("n_tokens") != first_length:
+    for run in shown_runs(get_context().store, keys):
+        option = {"label": run.label, "value": run.key}
+        if first_length is not None and run.n_tokens != first_length:
             option["disabled"] = True
         options.append(option)
     return options
+
+
+def _paste_note(pasted, found) -> str:
+    if pasted is None or (isinstance(pasted, str) and not pasted.strip()):
+        return ""
+    if run_id(pasted) is None:
+        return "A run id is 8 to 64 hex digits (`headscope runs list` prints them); that is not one."
+    if found is None:
+        return (f"No stored run has the id {run_id(pasted)!r}: check it, or run its text again.")
+    return f"Run {found.key[:8]} is in both lists now: choose it there."
 
 
 def _top_table(result, top_n: int = TOP_N) -> html.Table | str:
@@ -114,8 +125,29 @@ def _top_table(result, top_n: int = TOP_N) -> html.Table | str:
 
 @callback(
     Output(ids.CMP_FIRST, "options"),
-    Output(ids.CMP_FIRST, "value"),
     Output(ids.CMP_SECOND, "options"),
+    Output(ids.CMP_PASTE_NOTE, "children"),
+    Input(url_id(PREFIX), "search"),
+    Input(ids.SEEN_RUNS, "data"),
+    Input(ids.CMP_PASTE, "value"),
+    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker, beside the store it reads
+)
+@guarded(outputs=3)
+def offer_runs(search, seen, pasted):
+    """Fill both lists with the runs this browser was shown (``seen``, kept in the browser by
+    :mod:`app.seen_runs`), those the URL names (its link was opened: in the list at once, before the
+    browser's store has it) and an id pasted into the page; each id is checked (hex) and resolved in
+    the store here. Nothing else is listed: the store's list is the command line's."""
+    state = parse(search)
+    named = [k for k in (state.first or state.run, state.second) if k]
+    found = shown_run(get_context().store, pasted)
+    keys = run_ids([*([found.key] if found else []), *named, *(seen if isinstance(seen, list) else [])])
+    first = shown_run(get_context().store, named[0]) if state.first or state.run else None
+    return (run_options(keys), run_options(keys, first.n_tokens if first else None), _paste_note(pasted, found))
+
+
+@callback(
+    Output(ids.CMP_FIRST, "value"),
     Output(ids.CMP_SECOND, "value"),
     Output(ids.CMP_METRIC, "value"),
     Output(ids.CMP_STATUS, "children"),
@@ -130,11 +162,11 @@ def _top_table(result, top_n: int = TOP_N) -> html.Table | str:
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker, beside the store it reads
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=10)
+@guarded(outputs=8)
 def render(search, shown_first=None, shown_second=None, shown_metric=None):
     """Draw the page from its URL: both runs read from the store, their comparison, the clicked head.
 
-    The lists are filled from the URL only while empty (the page arriving, or a link or the back
+    The lists' values are set from the URL only while empty (the page arriving, or a link or the back
     button, which rebuild it): afterwards the user's choices lead and :func:`choose` writes them into
     the URL. Setting them on every drawing raced with a second choice made while the first was being
     drawn (the older drawing put the older value back)."""
@@ -153,12 +185,11 @@ def render(search, shown_first=None, shown_second=None, shown_metric=None):
             second = stored_run(state.second, "second")
         except InputError as e:
             problems.append(str(e))
-    lists = (run_options(), first.key[:16] if first and shown_first is None else no_update,
-             run_options(first.n_tokens if first else None),
+    lists = (first.key[:16] if first and shown_first is None else no_update,
              second.key[:16] if second and shown_second is None else no_update,
              metric if shown_metric is None else no_update)
     if first is None or second is None:
-        status = "Choose the second run." if first is not None else "Choose two stored runs of equal length."
+        status = "Choose the second run." if first is not None else CHOOSE
         return (*lists, status, NO_RUNS, "", NO_HEAD, message(problems))
     try:
         result = compare_runs(first, second, metric)
@@ -193,7 +224,7 @@ def render(search, shown_first=None, shown_second=None, shown_metric=None):
 )
 def choose(first, second, metric, search):
     """A chosen run or score goes into the URL (the page draws from there). The run lists are filled
-    by :func:`render`, so their values are checked here: run ids (hex) only, resolved when drawn.
+    by :func:`offer_runs`, so their values are checked here: run ids (hex) only, resolved when drawn.
     The clicked head stays: the same head in another pair of runs is what one compares."""
     state = parse(search)
     for name, value in (("first", first), ("second", second)):

@@ -15,7 +15,15 @@ import zipfile
 import numpy as np
 import pytest
 
-from tests.app.test_browser import browser, cut_off_titles, page, select_option, start_server  # noqa: F401
+from tests.app.test_browser import (  # noqa: F401
+    browser,
+    cut_off_titles,
+    page,
+    select_option,
+    settle,
+    start_server,
+    wait_for_run,
+)
 
 TEXTS = ("The capital of France is Paris.", "The capital of Italy is Rome.", "A longer text of another length here.")
 GRIDS = "#hs-cmp-grids"
@@ -55,6 +63,11 @@ def previous_token_by_hand(run) -> np.ndarray:
 def test_compare_two_runs_in_the_page(server, page):
     url, proc, (first, second, longer) = server
     assert first.n_tokens == second.n_tokens != longer.n_tokens
+    # the lists offer the runs this browser was shown: here three links opened, one after another
+    for run in (longer, second):
+        page.goto(url + f"compare?first={run.key[:16]}")
+        page.wait_for_function("(document.querySelector('#hs-cmp-status')?.innerText || '').includes('Choose the second')",
+                               timeout=120_000)
     # from a nav link the first run is the page's run; the second list offers only runs of its length
     page.goto(url + f"compare?run={first.key[:16]}")
     page.wait_for_function("(document.querySelector('#hs-cmp-status')?.innerText || '').includes('Choose the second')",
@@ -130,4 +143,146 @@ def test_compare_two_runs_in_the_page(server, page):
     page.goto(url + "compare?first=feedfacefeedface&second=00000000")
     page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('No stored run')",
                            timeout=60_000)
+    assert proc.poll() is None
+
+
+# --- what the page offers: the runs this browser was shown, never the store's list (SECURITY.md) ---
+
+def _dash(url: str, path: str, body: object | None = None) -> tuple[int, bytes]:
+    """One raw HTTP request to the server, as any client can send it (no browser, no page)."""
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _outputs(output: str) -> list[dict] | dict:
+    parts = output.strip(".").split("...") if output.startswith("..") else [output]
+    out = [{"id": cid, "property": prop} for cid, _, prop in (p.rpartition(".") for p in parts)]
+    return out if output.startswith("..") else out[0]
+
+
+def _forged(dep: dict, values: dict) -> dict:
+    """A callback request as the renderer sends it, each input and state ``values[property]`` (None if absent)."""
+    def item(spec):
+        return {"id": spec["id"], "property": spec["property"], "value": values.get(spec["property"])}
+
+    return {"output": dep["output"], "outputs": _outputs(dep["output"]), "inputs": [item(s) for s in dep["inputs"]],
+            "state": [item(s) for s in dep["state"]], "changedPropIds": [f"{s['id']}.{s['property']}"
+                                                                        for s in dep["inputs"][:1]]}
+
+
+def offered(page, dropdown: str) -> list[str]:
+    """The labels a run list offers, read as a user reads them: open it, read, close it."""
+    settle(page)
+    page.click(dropdown)
+    page.wait_for_timeout(200)
+    labels = page.get_by_role("option").all_inner_texts()
+    page.keyboard.press("Escape")
+    return labels
+
+
+def wait_status(page, text: str, timeout: float = 120_000) -> None:
+    page.wait_for_function("t => (document.querySelector('#hs-cmp-status')?.innerText || '').includes(t)", arg=text,
+                           timeout=timeout)
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+def test_the_lists_offer_only_the_runs_this_browser_was_shown(server, browser):  # noqa: F811
+    """One browser opens a run by a link on the Attention page and another on the Compare page: its
+    lists offer both, and not the third stored run. A second browser (its own context: its own
+    storage) is offered none of them, and sees no id or text of theirs anywhere in the page, until it
+    pastes an id, which is checked and resolved before it is offered."""
+    url, proc, (first, second, longer) = server
+    one = browser.new_context(viewport={"width": 1400, "height": 1000})
+    other = browser.new_context(viewport={"width": 1400, "height": 1000})
+    try:
+        a = one.new_page()
+        a.set_default_timeout(60_000)
+        a.goto(url + f"?run={second.key[:16]}")  # a link to a run on the Attention page
+        wait_for_run(a, timeout=240_000)
+        a.goto(url + f"compare?first={first.key[:16]}")
+        wait_status(a, "Choose the second")
+        labels = offered(a, "#hs-cmp-second")
+        assert [run.key[:8] in " ".join(labels) for run in (first, second, longer)] == [True, True, False], labels
+        a.goto(url + "compare")  # the runs stay offered in this browser: a later visit, a new tab
+        wait_status(a, "Choose two")
+        assert sum(run.key[:8] in " ".join(offered(a, "#hs-cmp-first")) for run in (first, second)) == 2
+
+        b = other.new_page()
+        b.set_default_timeout(60_000)
+        b.goto(url + "compare")
+        wait_status(b, "Choose two")
+        assert offered(b, "#hs-cmp-first") == [] and offered(b, "#hs-cmp-second") == []
+        shown = b.content() + json.dumps(b.evaluate("Object.assign({}, localStorage, sessionStorage)"))
+        for run in (first, second, longer):
+            assert run.key[:8] not in shown and run.text[:16] not in shown
+
+        # an id typed or pasted: checked (hex), resolved through the store, then offered
+        for typed, says in (("../etc/passwd", "8 to 64 hex digits"), ("%", "8 to 64 hex digits"),
+                            (longer.key[:7], "8 to 64 hex digits"), ("feedfacefeedface", "No stored run")):
+            b.fill("#hs-cmp-paste", typed)
+            b.press("#hs-cmp-paste", "Enter")
+            b.wait_for_function("t => (document.querySelector('#hs-cmp-paste-note')?.innerText || '').includes(t)",
+                                arg=says)
+        assert offered(b, "#hs-cmp-first") == []
+        b.fill("#hs-cmp-paste", "  " + longer.key[:12].upper() + " ")
+        b.press("#hs-cmp-paste", "Enter")
+        b.wait_for_function("t => (document.querySelector('#hs-cmp-paste-note')?.innerText || '').includes(t)",
+                            arg=longer.key[:8])
+        labels = offered(b, "#hs-cmp-first")
+        assert len(labels) == 1 and longer.key[:8] in labels[0], labels
+        assert first.key[:8] not in b.content() and second.key[:8] not in b.content()
+    finally:
+        one.close()
+        other.close()
+    assert proc.poll() is None
+
+
+@pytest.mark.integration
+def test_no_forged_request_lists_the_stored_runs(server):
+    """Every server-side callback of the Compare page, posted straight to the server with no page and
+    hostile values (empty lists, LIKE wildcards, one-digit and 7-digit prefixes, 5,000 guessed ids, a
+    huge string, wrong types): no answer holds the id or the text of a run the request did not name by
+    at least 8 hex digits. The same request naming a run does get its label (the forgery is well formed)."""
+    import random
+
+    url, proc, runs = server
+    status, body = _dash(url, "_dash-dependencies")
+    assert status == 200
+    deps = [d for d in json.loads(body) if "hs-cmp" in d["output"] and not d.get("clientside_function")]
+    assert deps, "no server-side callback of the Compare page"
+    rng = random.Random(0)
+    hexes = "0123456789abcdef"
+    guesses = ["".join(rng.choice(hexes) for _ in range(8)) for _ in range(5000)]
+    short = [run.key[:7] for run in runs]
+    lists = [None, [], ["%"], ["_" * 8], ["%" * 10], list(hexes), short, [c * 8 for c in hexes], guesses,
+             "A" * 100_000, {"first": runs[0].key}, [[runs[0].key[:16]]], [10**20, None, True], [" " + short[0]]]
+    searches = ["", "?first=%25&second=_", "?run=" + short[0], f"?first={short[0]}&second={short[1]}",
+                "?first=" + "0" * 8]
+    values = ([{"data": v} for v in lists] + [{"search": s} for s in searches]
+              + [{"value": v} for v in ("%", "_" * 8, short[0], "*", "0" * 8, ["0" * 8], {"a": 1})])
+    leaks, tried = [], 0
+    for dep in deps:
+        for v in values:
+            status, payload = _dash(url, "_dash-update-component", _forged(dep, v))
+            tried += 1
+            assert status in (200, 204, 400), (dep["output"], status, payload[:300])
+            for run in runs:
+                if run.key[:8].encode() in payload or run.text[:16].encode() in payload:
+                    leaks.append(f"{dep['output'][:60]} with {json.dumps(v)[:80]}: run {run.key[:8]}")
+    assert leaks == [], leaks
+    assert tried >= 2 * len(values)
+    # the same requests, naming a run by its link's id, are answered with its label: they were well formed
+    named = [dep for dep in deps if any(s["property"] == "data" for s in dep["inputs"] + dep["state"])]
+    assert named, "no callback reads the browser's list of runs"
+    _, payload = _dash(url, "_dash-update-component", _forged(named[0], {"data": [runs[2].key[:16]]}))
+    assert runs[2].key[:8].encode() in payload and runs[0].key[:8].encode() not in payload
     assert proc.poll() is None
