@@ -165,6 +165,16 @@ def text_arg(text: str) -> str:
     return text
 
 
+def allowed_hosts(text: str) -> tuple[str, ...]:
+    """``--allowed-hosts``: host names or IP addresses, comma-separated (:func:`app.access.host_names`)."""
+    from app.access import host_names
+
+    try:
+        return host_names(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?|mps)$")
 
 
@@ -266,11 +276,17 @@ def cmd_serve(args) -> int:
     if given is not None and (given != given.strip() or any(c.isspace() or not c.isprintable() for c in given)):
         raise UsageError("argument --token: an access token has no spaces or control characters "
                          "(it travels in links).")
+    names = args.allowed_hosts
+    if names is None and os.environ.get("HEADSCOPE_ALLOWED_HOSTS", "").strip():
+        try:
+            names = allowed_hosts(os.environ["HEADSCOPE_ALLOWED_HOSTS"])
+        except argparse.ArgumentTypeError as e:
+            raise UsageError(f"HEADSCOPE_ALLOWED_HOSTS: {e}") from None
     _port_free(host, args.port)
     from app.jobs import prepare_server_threads
 
     prepare_server_threads()  # before torch loads: jobs fork from this process and share its cores
-    from app.access import new_token, protect
+    from app.access import HostRule, guard_hosts, new_token, protect
     from app.context import AppContext
     from app.server import create_app, warm_up
     from app.workers import redis_url
@@ -305,6 +321,11 @@ def cmd_serve(args) -> int:
         shown_token = "<your token>" if given else token
         print(f"headscope: access token required; open http://{shown}:{args.port}/?token={shown_token}",
               file=sys.stderr)
+    rule = HostRule.for_server(host, names or ())
+    guard_hosts(app.server, rule)  # before the token's check: a request for another name is refused first
+    if rule.any_host:
+        print("headscope: answering to any host name (bound beyond the loopback, the token guards it); "
+              "--allowed-hosts limits the names", file=sys.stderr)
     print(f"headscope: serving on http://{host}:{args.port}  (store: {context.store.root})", file=sys.stderr)
     app.run(host=host, port=args.port, debug=False, threaded=True)
     return 0
@@ -1375,6 +1396,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=count(1, 65535), default=8050)
     p.add_argument("--token", help="access token of at least 16 characters (default: a random one when --host is "
                                    "not a loopback address; also HEADSCOPE_TOKEN)")
+    p.add_argument("--allowed-hosts", type=allowed_hosts, metavar="NAMES",
+                   help="host names the server also answers to, comma-separated, e.g. a reverse proxy's "
+                        "lab.example.org (default: loopback addresses and localhost when --host is a loopback "
+                        "address, any name otherwise; also HEADSCOPE_ALLOWED_HOSTS)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("worker", help="run the app's jobs as a Celery worker (needs HEADSCOPE_REDIS_URL)")
