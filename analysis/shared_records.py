@@ -108,7 +108,8 @@ class SharedRecords:
                     return None
                 arrays[name] = np.load(io.BytesIO(data), allow_pickle=False)
             return str(header["kind"]), dict(header["meta"]), arrays
-        except (ValueError, KeyError, TypeError, AttributeError) as e:  # malformed header or .npy, or a pickle
+        except (ValueError, KeyError, TypeError, AttributeError, EOFError, RecursionError) as e:
+            # a malformed header or .npy (an empty one: EOFError), or a pickle
             log.warning("shared record %s is malformed (%s): not used", key[:12], e)
             return None
 

@@ -13,7 +13,15 @@ Guarantees
 - The bytes served are the bytes verified: an array is read into memory and the sha256 of exactly
   what was read is checked before it is used (no memory map, so a file changed, truncated or
   deleted afterwards cannot change a served array or kill the process with SIGBUS). A record that
-  fails is logged, dropped and counts as missing (so callers recompute), never served.
+  is proven damaged (a checksum that fails; a file missing, truncated, of the wrong size or not a
+  regular file; a header that is not ``.npy``; an index row that cannot be parsed) is logged,
+  dropped and counts as missing (so callers recompute), never served.
+- A read that fails for a reason that passes (too many open files, an I/O error, a busy resource)
+  proves nothing about the record: it raises :class:`StoreReadError` ("could not read the stored
+  run right now") and the record stays.
+- Every folder an index row names is checked to lie inside ``records/`` (no absolute path, no
+  ``..``, no symbolic link leading out) before it is read or removed: a tampered row drops itself,
+  never anything outside the store.
 - A corrupt index (``file is not a database``, truncated, emptied) is logged in one line, moved
   aside and rebuilt from the manifests in the record folders.
 - Crash leftovers (temporary folders of a killed writer, folders no index row points to) are
@@ -28,6 +36,7 @@ Guarantees
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import io
@@ -44,7 +53,7 @@ import uuid
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -120,7 +129,8 @@ class Record:
         """One array, from bytes that passed their sha256. Nothing is memory-mapped any more (the
         name stays for callers): ``mmap=True`` gives the record's read-only array; ``mmap=False``
         hands it over writable, without a copy (asked again, it is read and verified again).
-        Raises ``CorruptRecord`` if the file is missing or fails its checksum.
+        Raises ``CorruptRecord`` if the file is missing or fails its checksum, :class:`StoreReadError`
+        if it could not be read right now (nothing is dropped for that).
 
         Another process may replace the record (same key, new folder) after this one was read and
         remove the old folder: a missing file is then read from the record now under the key."""
@@ -129,7 +139,11 @@ class Record:
             info = self.array_info[name]
             path = self.folder / f"{name}.npy"
             try:
-                arr = _read_verified(path, info["sha256"])
+                arr = _read_verified(path, info["sha256"], info.get("nbytes"))
+            except OSError as e:
+                log.warning("could not read %s of stored %s %s right now: %s; kept", name, self.kind,
+                            self.key[:12], e)
+                raise StoreReadError(self.kind, e) from e
             except CorruptRecord:
                 if path.exists() or self.store is None:
                     raise
@@ -153,6 +167,20 @@ class StoreUnavailable(OSError):
     full, read-only): nothing is moved or rebuilt; the message says what to check."""
 
 
+class StoreReadError(OSError):
+    """A stored record could not be read for a reason that passes (too many open files, an I/O error,
+    a busy resource): it proves no damage, so the record stays. The message says what happened and
+    what to do, without the store's path: it reaches web pages (``app.errors.USER_ERRORS``) and the
+    CLI's one-line errors."""
+
+    def __init__(self, kind: str, error: OSError | str):
+        reason = (error.strerror or str(error)) if isinstance(error, OSError) else str(error)
+        what = "run" if kind in ("run", "stats_run") else "result"
+        super().__init__(f"Could not read the stored {what} right now: {reason}. Nothing was removed; try again "
+                         "in a moment (if this persists, check the disk and the open-file limit, `ulimit -n`).")
+        self.errno = error.errno if isinstance(error, OSError) else None
+
+
 class StoreWriteError(OSError):
     """A record could not be written (a full disk, a folder that cannot be written, an index locked for
     too long): nothing of it was stored. The message says what to check, without the store's path: it
@@ -163,8 +191,9 @@ class StoreWriteError(OSError):
                          "free space and that headscope's store folder (HEADSCOPE_HOME) can be written.")
 
 
-# SQLite's answers to a write it refuses for a reason outside headscope (a lock held too long, a full
-# disk, a read-only or unreadable file); any other OperationalError (no such table, bad SQL) is a bug
+# SQLite's answers to a write (or a read) it refuses for a reason outside headscope (a lock held too
+# long, a full disk, a read-only or unreadable file, no file descriptor left); any other
+# OperationalError (no such table, bad SQL) is a bug
 REFUSED_WRITES = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_FULL", "SQLITE_READONLY", "SQLITE_IOERR",
                   "SQLITE_CANTOPEN", "SQLITE_PERM")
 
@@ -181,20 +210,40 @@ def _is_corruption(e: sqlite3.DatabaseError) -> bool:
 
 
 class CorruptRecord(RuntimeError):
-    """A stored array failed its checksum or could not be read."""
+    """A stored record is proven damaged: an array failed its checksum, is missing, truncated, of the
+    wrong size or not a regular file, or its index row cannot be parsed or names a folder outside
+    the store. (A read that merely failed is an ``OSError``: :class:`StoreReadError`.)"""
 
 
-def _read_verified(path: Path, sha256: str) -> np.ndarray:
+#: ``errno``s that prove a file is not what the store wrote: gone, a folder on its path replaced by
+#: a file, a symbolic link (opened with ``O_NOFOLLOW``), a socket in its place. Any other error of a
+#: read (EMFILE, EIO, EAGAIN, EACCES, ENOMEM...) proves nothing about the record.
+_DAMAGE = {errno.ENOENT: "is missing", errno.ENOTDIR: "is missing", errno.ELOOP: "is a symbolic link",
+           errno.ENXIO: "is not a regular file"}
+#: A ``.npy`` header (format 1.0) is at most 65,545 bytes: a file larger than its array plus that is damaged.
+_MAX_HEADER = 65_545
+
+
+def _read_verified(path: Path, sha256: str, nbytes: Any = None) -> np.ndarray:
     """The array in ``path``, parsed from the very bytes whose sha256 was checked (one read, no
-    memory map: later changes to the file cannot reach the returned array)."""
+    memory map: later changes to the file cannot reach the returned array).
+
+    Raises ``CorruptRecord`` for proven damage; any other ``OSError`` of the read is raised as it is
+    (it proves nothing: the caller reports it and keeps the record). ``nbytes``, the array's size
+    as stored, bounds the file's: a file larger than it can hold is refused unread."""
     h = hashlib.sha256()
     try:
-        # non-blocking open: a pipe put in a file's place would otherwise wait for a writer forever
-        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # a device or pipe is never even opened
+            raise CorruptRecord(f"{path.name} is not a regular file")
+        # non-blocking open: a pipe put in a file's place meanwhile would otherwise wait for a writer forever
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NOCTTY", 0)
+        with open(os.open(path, flags), "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptRecord(f"{path.name} is not a regular file")
             size = st.st_size
+            if isinstance(nbytes, int) and not isinstance(nbytes, bool) and size > nbytes + _MAX_HEADER:
+                raise CorruptRecord(f"{path.name} is larger ({size} bytes) than its array ({nbytes} bytes)")
             buf = np.empty(size, dtype=np.uint8)  # not zero-filled, unlike a bytearray
             view = memoryview(buf)
             got = 0
@@ -204,10 +253,10 @@ def _read_verified(path: Path, sha256: str) -> np.ndarray:
                     break
                 h.update(view[got:got + n])
                 got += n
-    except FileNotFoundError as e:
-        raise CorruptRecord(f"{path.name} is missing") from e
     except OSError as e:
-        raise CorruptRecord(f"{path.name} could not be read: {e}") from e
+        if e.errno in _DAMAGE:
+            raise CorruptRecord(f"{path.name} {_DAMAGE[e.errno]}") from e
+        raise
     if got != size:
         raise CorruptRecord(f"{path.name} shrank while it was read")
     if h.hexdigest() != sha256:
@@ -228,6 +277,78 @@ def _read_verified(path: Path, sha256: str) -> np.ndarray:
     arr = arr.reshape(shape, order="F" if fortran else "C")
     arr.flags.writeable = False
     return arr
+
+
+def _read_regular(path: Path) -> bytes:
+    """The bytes of the regular file ``path`` (a manifest), never following a link nor waiting on
+    a pipe. ``CorruptRecord`` when it is missing or not a regular file; any other ``OSError`` is
+    raised as it is (it proves nothing about the record)."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise CorruptRecord(f"{path.name} is not a regular file")
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NOCTTY", 0)
+        with open(os.open(path, flags), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise CorruptRecord(f"{path.name} is not a regular file")
+            return f.read()
+    except OSError as e:
+        if e.errno in _DAMAGE:
+            raise CorruptRecord(f"{path.name} {_DAMAGE[e.errno]}") from e
+        raise
+
+
+def parse_json_bytes(text: Any) -> Any:
+    """JSON from the store (an index field, a manifest); ``CorruptRecord`` for anything that is not
+    JSON (bit rot, a field of the wrong type, nesting too deep for the parser)."""
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise CorruptRecord(f"not JSON: {type(e).__name__}") from None
+
+
+def _plain_array_name(name: Any) -> bool:
+    """The names the store gives array files: letters, digits, ``_`` and ``-`` (so a name is never a path)."""
+    return isinstance(name, str) and bool(name) and name.replace("_", "").replace("-", "").isalnum() \
+        and name.isascii()
+
+
+def _checked_manifest(manifest: Any) -> dict[str, Any]:
+    """A manifest as :meth:`Store._write` writes it; ``CorruptRecord`` for any other shape (a rebuild
+    indexes only what it can serve)."""
+    ok = isinstance(manifest, dict) and {"key", "kind", "meta", "created", "arrays"} <= manifest.keys() \
+        and isinstance(manifest["key"], str) and isinstance(manifest["kind"], str) \
+        and isinstance(manifest["meta"], dict) and isinstance(manifest["arrays"], dict) \
+        and isinstance(manifest["created"], int | float) and not isinstance(manifest["created"], bool)
+    ok = ok and all(
+        _plain_array_name(n) and isinstance(i, dict) and isinstance(i.get("sha256"), str)
+        and isinstance(i.get("shape"), list) and isinstance(i.get("dtype"), str)
+        and isinstance(i.get("nbytes"), int) and not isinstance(i.get("nbytes"), bool)
+        for n, i in manifest["arrays"].items())
+    if not ok:
+        raise CorruptRecord("not a record manifest")
+    return manifest
+
+
+@contextlib.contextmanager
+def _transaction(db: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction: committed when the block ends, rolled back if it raises."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):  # SQLite may have rolled back already
+            db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
+@dataclass(frozen=True)
+class UnreadableRow:
+    """An index row :meth:`Store.list` left out: its key, its kind, and why (one line)."""
+
+    key: str
+    kind: str
+    reason: str
 
 
 def _fresh_state_in_child() -> None:
@@ -254,6 +375,7 @@ class Store:
         self.root = Path(root) if root is not None else home()
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / "records").mkdir(exist_ok=True)
+        self._records = (self.root / "records").resolve()  # every record folder lies in here
         self._local = threading.local()
         _stores.add(self)
         with self._exclusive():
@@ -290,7 +412,13 @@ class Store:
                                        "it locked, or the disk is full or read-only; nothing was changed") from e
             self._rebuild_index(f"{path.name} is corrupt ({e})", move_aside=True)
             return
-        if empty and any(m is not None for _, m in self._manifests()):
+        try:
+            found = empty and any(m is not None for _, m in self._manifests())
+        except OSError as e:
+            raise StoreUnavailable(f"cannot open the store's index {path} ({path.name} {state}): a record folder "
+                                   f"could not be read right now ({e.strerror or e}); nothing was changed, try "
+                                   "again") from e
+        if found:
             self._rebuild_index(f"{path.name} {state}", move_aside=False)
 
     def _backfill_manifests(self, db: sqlite3.Connection) -> None:
@@ -299,13 +427,16 @@ class Store:
         rows = db.execute("SELECT key, kind, folder, meta, created FROM records").fetchall()
         written = 0
         for key, kind, folder, meta, created in rows:
-            target = self.root / folder / MANIFEST
+            arrays = db.execute("SELECT name, sha256, shape, dtype, nbytes FROM arrays WHERE key=?", (key,)).fetchall()
+            try:  # a row that cannot be parsed or names a folder outside the store gets no manifest
+                record = self._record(key, kind, folder, meta, created, arrays)
+            except (CorruptRecord, OSError) as e:
+                log.warning("stored record %s: %s; no manifest written", str(key)[:12], e)
+                continue
+            target = record.folder / MANIFEST
             if target.exists() or not target.parent.is_dir():
                 continue
-            arrays = db.execute("SELECT name, sha256, shape, dtype, nbytes FROM arrays WHERE key=?", (key,)).fetchall()
-            manifest = {"key": key, "kind": kind, "meta": json.loads(meta), "created": created,
-                        "arrays": {n: {"sha256": h, "shape": json.loads(sh), "dtype": d, "nbytes": nb}
-                                   for n, h, sh, d, nb in arrays}}
+            manifest = {"key": key, "kind": kind, "meta": record.meta, "created": created, "arrays": record.array_info}
             tmp = target.with_name(f".{MANIFEST}.{os.getpid()}")
             tmp.write_text(json.dumps(manifest))
             os.replace(tmp, target)
@@ -321,16 +452,32 @@ class Store:
                 conn.close()
             self._local.conn = None
 
-    def _manifests(self) -> Iterator[tuple[Path, dict[str, Any] | None]]:
-        """(folder, its manifest or None when unreadable) for every committed record folder."""
-        for folder in sorted((self.root / "records").glob("*/*")):
-            if folder.name.startswith(TMP_PREFIX) or not folder.is_dir():
+    def _entries(self) -> Iterator[Path]:
+        """Every entry two levels under ``records/`` (``records/ab/<name>``), and every entry one level
+        under it that is not a plain folder (a stray file, or a symbolic link: listed itself, never
+        followed out of the store). A folder that cannot be listed raises its ``OSError``: a listing
+        that silently left entries out (as ``glob`` does) would make a rebuild lose records."""
+        for shard in sorted((self.root / "records").iterdir()):
+            if shard.is_symlink() or not shard.is_dir():
+                yield shard
                 continue
             try:
-                manifest = json.loads((folder / MANIFEST).read_text())
-                if not isinstance(manifest, dict) or not {"key", "kind", "meta", "created", "arrays"} <= manifest.keys():
-                    manifest = None
-            except (OSError, ValueError):
+                yield from sorted(shard.iterdir())
+            except FileNotFoundError:  # removed by another process meanwhile
+                continue
+
+    def _manifests(self) -> Iterator[tuple[Path, dict[str, Any] | None]]:
+        """(folder, its manifest, or None when the manifest is damaged: missing, not a regular file,
+        not JSON, not the shape a writer gives it) for every committed record folder. A folder or a
+        manifest that cannot be read right now raises its ``OSError``: a rebuild must not leave out
+        a sound record (its folder would then be collected as a leftover)."""
+        for folder in self._entries():
+            if folder.parent.parent != self.root / "records" or folder.name.startswith(TMP_PREFIX) \
+                    or folder.is_symlink() or not folder.is_dir():
+                continue
+            try:
+                manifest = _checked_manifest(parse_json_bytes(_read_regular(folder / MANIFEST)))
+            except CorruptRecord:
                 manifest = None
             yield folder, manifest
 
@@ -340,20 +487,24 @@ class Store:
         wins over the manifest's)."""
         self.close()
         index = self.root / "index.sqlite"
+        newest: dict[str, tuple[Path, dict[str, Any]]] = {}
+        unreadable = 0
+        try:  # every manifest is read before anything is moved: a read that fails changes nothing
+            for folder, manifest in self._manifests():
+                if manifest is None:
+                    unreadable += 1
+                    continue
+                if manifest["key"] not in newest or manifest["created"] > newest[manifest["key"]][1]["created"]:
+                    newest[manifest["key"]] = (folder, manifest)
+        except OSError as e:
+            raise StoreUnavailable(f"cannot rebuild the store's index {index} ({reason}): a record folder could "
+                                   f"not be read right now ({e.strerror or e}); nothing was changed, try again") from e
         aside = None
         if move_aside:
             aside = index.with_name(f"index.sqlite.corrupt-{int(time.time())}")
             for suffix in ("", "-wal", "-shm"):
                 with contextlib.suppress(FileNotFoundError):
                     os.replace(index.with_name(index.name + suffix), aside.with_name(aside.name + suffix))
-        newest: dict[str, tuple[Path, dict[str, Any]]] = {}
-        unreadable = 0
-        for folder, manifest in self._manifests():
-            if manifest is None:
-                unreadable += 1
-                continue
-            if manifest["key"] not in newest or manifest["created"] > newest[manifest["key"]][1]["created"]:
-                newest[manifest["key"]] = (folder, manifest)
         with self._db() as db:
             db.executescript(SCHEMA)
             db.execute("BEGIN IMMEDIATE")
@@ -485,58 +636,160 @@ class Store:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         if old_folder and old_folder != rel:
-            shutil.rmtree(self.root / old_folder, ignore_errors=True)
+            self._remove_folder(old_folder)
         return folder, meta_json, created, info
 
     # -- reading -------------------------------------------------------------------------------
 
     def get(self, key: str, verify: bool = True, _retry: int = 0) -> Record | None:
-        """The record under ``key``, or ``None`` if absent or corrupt (a corrupt one is logged and
-        removed). With ``verify`` (default) every array is read into memory and checked here, so
-        the record's arrays never touch the disk again. A shared store copies a record it lacks
-        from Redis first."""
-        with self._db() as db:
+        """The record under ``key``, or ``None`` if absent or proven damaged (a damaged one is logged
+        and dropped, then looked up in the shared store like an absent one). With ``verify``
+        (default) every array is read into memory and checked here, so the record's arrays never
+        touch the disk again. A shared store copies a record it lacks from Redis first.
+
+        Raises
+        ------
+        StoreReadError
+            A read failed for a reason that proves no damage (too many open files, an I/O error):
+            the record stays, and the caller reports it.
+        """
+        with self._reading(""), self._db() as db:
             row = db.execute("SELECT kind, folder, meta, created FROM records WHERE key=?", (key,)).fetchone()
-            if row is None:
-                fetched = self.shared.fetch(key) if self.shared is not None else None
-                if fetched is None:
-                    return None
-                kind, meta, arrays = fetched
-                return self.put(key, kind, meta, arrays, share=False)
-            arrays = db.execute("SELECT name, sha256, shape, dtype, nbytes FROM arrays WHERE key=?", (key,)).fetchall()
+            arrays = [] if row is None else db.execute(
+                "SELECT name, sha256, shape, dtype, nbytes FROM arrays WHERE key=?", (key,)).fetchall()
+        if row is None:
+            return self._fetch_shared(key)
         kind, folder, meta, created = row
-        info = {
-            n: {"sha256": s, "shape": json.loads(shape), "dtype": d, "nbytes": nb} for n, s, shape, d, nb in arrays
-        }
-        record = Record(key, kind, json.loads(meta), created, self.root / folder, info, store=self)
-        if verify:
-            try:
-                for name, i in info.items():
-                    record._loaded[name] = _read_verified(record.folder / f"{name}.npy", i["sha256"])
-            except CorruptRecord as e:
-                if _retry < 2 and self._folder_of(key) not in (None, folder):
-                    return self.get(key, verify, _retry=_retry + 1)  # replaced meanwhile: read the new one
-                log.warning("stored %s %s: %s; dropped, it will be computed again", kind, key[:12], e)
-                self.remove(key)
-                return None
+        try:
+            record = self._record(key, kind, folder, meta, created, arrays)
+            if verify:
+                for name, i in record.array_info.items():
+                    record._loaded[name] = _read_verified(record.folder / f"{name}.npy", i["sha256"], i["nbytes"])
+        except CorruptRecord as e:
+            if _retry < 2 and self._folder_of(key) not in (None, folder):
+                return self.get(key, verify, _retry=_retry + 1)  # replaced meanwhile: read the new one
+            log.warning("stored %s %s: %s; dropped, it will be computed again", kind, key[:12], e)
+            self._drop(key, folder)
+            return self._fetch_shared(key)
+        except OSError as e:
+            log.warning("could not read stored %s %s right now: %s; kept", kind, key[:12], e)
+            raise StoreReadError(kind if isinstance(kind, str) else "", e) from e
         return record
+
+    @contextlib.contextmanager
+    def _reading(self, kind: str) -> Iterator[None]:
+        """An index read that SQLite refuses for a reason that passes (a lock held too long, an I/O
+        error, no file descriptor left to open it) is a :class:`StoreReadError`, like a file's."""
+        try:
+            yield
+        except sqlite3.OperationalError as e:
+            if not _refused_write(e):
+                raise
+            log.warning("could not read the index of %s right now: %s", self.root, e)
+            raise StoreReadError(kind, f"the store's index: {e}") from e
+
+    def _fetch_shared(self, key: str) -> Record | None:
+        """The shared copy of ``key`` (Redis), written into this store; None without one."""
+        fetched = self.shared.fetch(key) if self.shared is not None else None
+        if fetched is None:
+            return None
+        kind, meta, arrays = fetched
+        return self.put(key, kind, meta, arrays, share=False)
+
+    def _record(self, key: str, kind: Any, folder: Any, meta: Any, created: Any, arrays: list[tuple]) -> Record:
+        """A :class:`Record` from its index rows (``arrays``: name, sha256, shape, dtype, nbytes).
+
+        Raises ``CorruptRecord`` for rows the store never writes (bit rot or tampering that SQLite's
+        quick check does not see): metadata that is not a JSON object, fields of the wrong type, an
+        array name that is not a plain name, a folder outside ``records/`` (:meth:`_folder`)."""
+        try:
+            meta = parse_json_bytes(meta)
+            info = {n: {"sha256": h, "shape": parse_json_bytes(sh), "dtype": d, "nbytes": nb}
+                    for n, h, sh, d, nb in arrays}
+        except CorruptRecord as e:
+            raise CorruptRecord(f"its index row cannot be read ({e})") from None
+        if not isinstance(meta, dict):
+            raise CorruptRecord(f"its metadata in the index is not a JSON object ({type(meta).__name__})")
+        if not isinstance(kind, str) or isinstance(created, bool) or not isinstance(created, int | float):
+            raise CorruptRecord("its index row has fields of the wrong type")
+        for name, i in info.items():
+            if not _plain_array_name(name) or not isinstance(i["sha256"], str) or not isinstance(i["shape"], list):
+                raise CorruptRecord(f"its index row names an array {str(name)[:40]!r} the store never writes")
+        return Record(key, kind, meta, float(created), self._folder(folder), info, store=self)
+
+    def _folder(self, rel: Any) -> Path:
+        """The record folder an index row names (``records/ab/<key>-<n>``), checked to lie inside
+        ``records/``: no absolute path, no ``..``, no symbolic link on the way (a folder, or its
+        shard, linked elsewhere). ``CorruptRecord`` otherwise: the store never writes such a row,
+        and nothing outside the store is ever read or removed because a row named it."""
+        path = PurePosixPath(rel) if isinstance(rel, str) and "\x00" not in rel else None
+        if path is None or path.is_absolute() or len(path.parts) != 3 or path.parts[0] != "records" \
+                or any(part in (".", "..") for part in path.parts):
+            raise CorruptRecord(f"its index row names a folder outside the store's records ({str(rel)[:80]!r})")
+        folder = self.root / path
+        try:
+            inside = folder.resolve().parent.parent == self._records and not folder.is_symlink() \
+                and not folder.parent.is_symlink()
+        except RuntimeError:  # a loop of symbolic links
+            inside = False
+        if not inside:
+            raise CorruptRecord("its index row names a folder that leads outside the store's records "
+                                "(a symbolic link)")
+        return folder
+
+    def _remove_folder(self, rel: Any) -> None:
+        """Remove the record folder an index row named, if it lies inside the store (:meth:`_folder`)."""
+        try:
+            folder = self._folder(rel)
+        except (CorruptRecord, OSError) as e:
+            log.warning("left %r alone: %s", str(rel)[:200], e)
+            return
+        shutil.rmtree(folder, ignore_errors=True)
+
+    def _drop(self, key: str, folder: Any) -> None:
+        """Drop a damaged record from this store: its index rows, if they still name ``folder`` (a
+        writer may have replaced it meanwhile), and that folder if it lies inside the store. The
+        shared copy (Redis) is not this disk's damage and stays."""
+        with self._db() as db, _transaction(db):
+            dropped = db.execute("DELETE FROM records WHERE key=? AND folder=?", (key, folder)).rowcount
+            if dropped:
+                db.execute("DELETE FROM arrays WHERE key=?", (key,))
+        if dropped:
+            self._remove_folder(folder)
 
     def _folder_of(self, key: str) -> str | None:
         with self._db() as db:
             row = db.execute("SELECT folder FROM records WHERE key=?", (key,)).fetchone()
         return row[0] if row else None
 
-    def list(self, kind: str | None = None, limit: int = 1000) -> list[Record]:
-        """Records newest first (metadata only; arrays are verified when read)."""
+    def list(self, kind: str | None = None, limit: int = 1000,
+             skipped: list[UnreadableRow] | None = None) -> list[Record]:
+        """Records newest first (metadata only; arrays are verified when read).
+
+        A row that cannot be listed (:meth:`_record`: metadata that is not a JSON object, fields of
+        the wrong type, a folder outside the store) is logged and left out, and appended to
+        ``skipped`` when given; the others are listed. Listing changes nothing: such a row is
+        dropped when it is read by key (:meth:`get`)."""
         q = "SELECT key, kind, folder, meta, created FROM records"
         args: tuple = ()
         if kind:
             q += " WHERE kind=?"
             args = (kind,)
         q += " ORDER BY created DESC LIMIT ?"
-        with self._db() as db:
+        with self._reading(""), self._db() as db:
             rows = db.execute(q, (*args, limit)).fetchall()
-        return [Record(k, kd, json.loads(m), c, self.root / f, {}) for k, kd, f, m, c in rows]
+        records = []
+        for k, kd, f, m, c in rows:
+            try:
+                record = self._record(k, kd, f, m, c, [])
+            except (CorruptRecord, OSError) as e:
+                log.warning("left stored record %s out of a listing: %s", str(k)[:16], e)
+                if skipped is not None:
+                    skipped.append(UnreadableRow(str(k), str(kd), str(e)))
+                continue
+            record.store = None  # metadata only, as listed
+            records.append(record)
+        return records
 
     def find(self, prefix: str) -> list[str]:
         """Keys starting with ``prefix`` (for short ids typed by users); none for anything but 1 to 64
@@ -552,14 +805,14 @@ class Store:
         return keys
 
     def remove(self, key: str) -> bool:
-        with self._db() as db:
-            db.execute("BEGIN IMMEDIATE")
+        """Remove the record under ``key`` (its index rows, its folder if that lies inside the store,
+        and its shared copy); False when there was none."""
+        with self._db() as db, _transaction(db):
             row = db.execute("SELECT folder FROM records WHERE key=?", (key,)).fetchone()
             db.execute("DELETE FROM records WHERE key=?", (key,))
             db.execute("DELETE FROM arrays WHERE key=?", (key,))
-            db.execute("COMMIT")
         if row:
-            shutil.rmtree(self.root / row[0], ignore_errors=True)
+            self._remove_folder(row[0])
         if self.shared is not None:
             self.shared.remove(key)
         return row is not None
@@ -577,7 +830,12 @@ class Store:
             live = {r[0] for r in db.execute("SELECT folder FROM records")}
         removed = 0
         now = time.time()
-        for folder in (self.root / "records").glob("*/*"):
+        try:
+            entries = list(self._entries())  # never follows a link out of records/
+        except OSError as e:  # collected next time; a store opens all the same
+            log.warning("could not list %s to collect leftovers: %s", self.root / "records", e)
+            return 0
+        for folder in entries:
             try:
                 if folder.is_symlink() or not folder.is_dir():
                     # no writer makes anything but folders here: a stray file or link is a leftover

@@ -1551,7 +1551,8 @@ def _is_user_error(e: BaseException) -> bool:
 
     kinds = [ManifestError]
     for module, name in (("analysis.capture", "InputError"), ("analysis.models", "ModelError"),
-                         ("analysis.store", "StoreUnavailable"), ("analysis.store", "StoreWriteError")):
+                         ("analysis.store", "StoreUnavailable"), ("analysis.store", "StoreWriteError"),
+                         ("analysis.store", "StoreReadError")):
         if module in sys.modules:
             kinds.append(getattr(sys.modules[module], name))
     return isinstance(e, tuple(kinds))

@@ -11,14 +11,15 @@ from dash.exceptions import PreventUpdate
 
 from analysis.errors import InputError
 from analysis.models import ModelError
-from analysis.store import StoreWriteError
+from analysis.store import StoreReadError, StoreWriteError
 
 log = logging.getLogger("headscope.app")
 
 # Analyses validate their inputs at the boundary and raise ValueError with a message meant for
-# users (InputError and ModelError are ValueErrors too); a result the store could not write says so
-# and what to check (its message names no server path).
-USER_ERRORS: tuple[type[Exception], ...] = (InputError, ModelError, ValueError, StoreWriteError)
+# users (InputError and ModelError are ValueErrors too); a result the store could not write, or a
+# stored one it could not read right now (too many open files, an I/O error: the record stays), says
+# so and what to check (its message names no server path).
+USER_ERRORS: tuple[type[Exception], ...] = (InputError, ModelError, ValueError, StoreWriteError, StoreReadError)
 
 
 def message(problems: Sequence[str] | str) -> list | str:
