@@ -19,6 +19,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+#: The record kinds that are runs: :class:`analysis.capture.Run` and :class:`analysis.statistics_run.StatsRun`.
+RUN_KINDS = ("run", "stats_run")
+
 
 @runtime_checkable
 class AttentionRun(Protocol):
@@ -121,3 +124,64 @@ class RunRecord:
             "settings": self.settings,
             "n_tokens": self.n_tokens,
         }
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    """A stored run as ``headscope runs list`` shows it, from its metadata alone (no array is read)."""
+
+    key: str
+    kind: str
+    created: float
+    model_name: str
+    n_tokens: int
+    text: str | None
+
+    @property
+    def statistics(self) -> bool:
+        """True for a run kept as statistics (a long input), not full patterns."""
+        return self.kind == "stats_run"
+
+
+def _listed(record: Any) -> StoredRun:
+    """``record`` (metadata only) as a :class:`StoredRun`; ``ValueError`` naming the field a run's
+    metadata lacks or holds with the wrong type (a row that rotted inside: SQLite's quick check
+    passes it)."""
+    meta = record.meta
+    name, n_tokens, text = meta.get("model_name"), meta.get("n_tokens"), meta.get("text")
+    if not isinstance(name, str) or not name:
+        raise ValueError("its metadata has no model name")
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
+        raise ValueError("its metadata has no token count")
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"its metadata's text is {type(text).__name__}, not text")
+    if not 0 <= record.created < 2**33:  # a time a clock can show (nan and inf fail too)
+        raise ValueError(f"its creation time {record.created!r} is not a time")
+    return StoredRun(record.key, record.kind, record.created, name, n_tokens, text)
+
+
+def stored_runs(store: Any, limit: int = 1000) -> tuple[list[StoredRun], list[str]]:
+    """The stored runs of both kinds, newest first (at most ``limit``), and one line for each run
+    that could not be listed: its id and what is wrong with its row. A bad row is reported and left
+    out; it never hides the others.
+
+    Parameters
+    ----------
+    store : :class:`analysis.store.Store`
+    limit : the most runs listed.
+
+    Returns
+    -------
+    (runs, skipped) : the listed runs, and one line (``<id>: <why>``) per skipped row.
+    """
+    records, unreadable = [], []
+    for kind in RUN_KINDS:
+        records += store.list(kind, limit=limit, skipped=unreadable)
+    skipped = [f"{row.key[:16]}: {row.reason}" for row in unreadable]
+    runs = []
+    for record in sorted(records, key=lambda r: r.created, reverse=True)[:limit]:
+        try:
+            runs.append(_listed(record))
+        except ValueError as e:
+            skipped.append(f"{record.key[:16]}: {e}")
+    return runs, skipped

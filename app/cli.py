@@ -442,13 +442,18 @@ def cmd_runs(args) -> int:
         raise UsageError("argument ids: give the ids of the runs to remove (`headscope runs list` shows them)")
     store = _store(args)
     if args.action == "list":
-        records = store.list("run")
-        if not records:
+        from analysis.runs import stored_runs
+
+        runs, skipped = stored_runs(store)
+        for line in skipped:  # a row that rotted inside the index: reported, never hiding the others
+            print(f"headscope runs list: skipped {_printable(line)} (`headscope runs rm` removes it)", file=sys.stderr)
+        if not runs and not skipped:
             print("no runs stored in", store.root)
-        for r in records:
+        for r in runs:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.created))
-            text = (r.meta.get("text") or "").replace("\n", " ")[:50]
-            print(f"{r.key[:16]}  {when}  {r.meta['model_name']:<16} {r.meta['n_tokens']:>6} tok  {text}")
+            mode = "statistics  " if r.statistics else ""
+            print(f"{r.key[:16]}  {when}  {_printable(r.model_name)[:40]:<16} {r.n_tokens:>6} tok  "
+                  f"{mode}{_printable(r.text or '')[:50]}")
         return 0
     missing = 0
     for run_id in args.ids:
@@ -460,6 +465,12 @@ def cmd_runs(args) -> int:
         store.remove(keys[0])
         print(f"removed {keys[0][:16]}")
     return EXIT_USER_ERROR if missing else 0
+
+
+def _printable(text: str) -> str:
+    """``text`` on one line, with control characters (a stored text's newlines, a terminal's escape
+    sequences) shown as spaces."""
+    return "".join(c if c.isprintable() else " " for c in text)
 
 
 def cmd_figure(args) -> int:
