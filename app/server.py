@@ -72,6 +72,7 @@ def create_app(context: AppContext) -> Dash:
     carry_shared_state_in_nav(app)
     remember_runs_shown(app)  # what the Compare page may offer: the runs this browser was shown
     answer_404_for_unknown_paths(app)
+    answer_404_for_unknown_components(app)
     redact_tokens_in_logs()
     cap_request_size(app.server)
     from app.offers import check_callback_requests
@@ -154,6 +155,28 @@ def answer_404_for_unknown_paths(app: Dash) -> None:
             if not page or page["module"].rsplit(".", 1)[-1] == "not_found_404":
                 response.status_code = 404
         return response
+
+
+def answer_404_for_unknown_components(app: Dash) -> None:
+    """``/_dash-component-suites/<package>/<path>`` serves the scripts of the packages Dash registered; a
+    package or path it did not register (a typo, a probe, a ``..%2f`` that climbs out of a package), or a
+    registered one whose file is missing, is answered 404 with one line, not a 500 and a logged traceback.
+    Dash checks the path against what it registered before it reads anything
+    (``dash._validate.validate_js_path``); this only turns its refusal into the status it means."""
+    from dash.exceptions import DependencyException
+
+    for rule in app.server.url_map.iter_rules():
+        if "/_dash-component-suites/" not in rule.rule:
+            continue
+        serve = app.server.view_functions[rule.endpoint]
+
+        def serve_or_404(*args, _serve=serve, **kwargs):
+            try:
+                return _serve(*args, **kwargs)
+            except (DependencyException, OSError):  # OSError: a registered file that is not there
+                return Response("headscope: no such component script.\n", status=404, mimetype="text/plain")
+
+        app.server.view_functions[rule.endpoint] = serve_or_404
 
 
 def max_request_bytes() -> int:
