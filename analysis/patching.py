@@ -70,10 +70,11 @@ import numpy as np
 import torch
 from transformer_lens.utilities import get_act_name
 
-from analysis.ablation import MAX_TOKENS, Cancel, Hook, Progress, _tensor
+from analysis.ablation import Cancel, Hook, Progress, _tensor
 from analysis.capture import tokenize_input
 from analysis.errors import InputError, check_head_index
 from analysis.greedy_decoding import cancel_requested
+from analysis.limits import hint, limit
 from analysis.models import LoadedModel
 from analysis.patching_choices import (
     DIRECTIONS,
@@ -138,6 +139,20 @@ def _answer_id(model: LoadedModel, answer: str | int, which: str) -> int:
     return ids[0]
 
 
+PATCH_TOKENS = "HEADSCOPE_MAX_PATCH_TOKENS"
+"""The limit on each prompt's tokens (:mod:`analysis.limits`): read when a pair is checked."""
+
+
+def _prompt_ids(model: LoadedModel, prompt: str | Sequence[int], which: str) -> list[int]:
+    """One prompt's ids (:func:`~analysis.capture.tokenize_input`: not empty, within the model's
+    context), at most :data:`PATCH_TOKENS` of them."""
+    ids = tokenize_input(model, prompt, model.n_ctx)
+    if len(ids) > limit(PATCH_TOKENS):
+        raise InputError(f"The {which} prompt has {len(ids):,} tokens, more than patching takes "
+                         f"{hint(PATCH_TOKENS)}. Shorten the prompts.")
+    return ids
+
+
 def prompt_pair(
     model: LoadedModel,
     clean: str | Sequence[int],
@@ -152,12 +167,13 @@ def prompt_pair(
     Raises
     ------
     InputError
-        Unequal token lengths (the message gives both lengths and the first position where the tokens
-        differ), identical prompts, an empty or multi-token answer, more than two answers, or two
+        An empty prompt, one over the model's context or over ``HEADSCOPE_MAX_PATCH_TOKENS`` (read now;
+        the message names it), unequal token lengths (the message gives both lengths and the first
+        position where the tokens differ), identical prompts, an empty or multi-token answer, more than two answers, or two
         equal answers.
     """
-    clean_ids = tokenize_input(model, clean, MAX_TOKENS, limited="patching is limited to")
-    corrupted_ids = tokenize_input(model, corrupted, MAX_TOKENS, limited="patching is limited to")
+    clean_ids = _prompt_ids(model, clean, "clean")
+    corrupted_ids = _prompt_ids(model, corrupted, "corrupted")
     clean_tokens, corrupted_tokens = model.token_strings(clean_ids), model.token_strings(corrupted_ids)
     first = next((i for i, (a, b) in enumerate(zip(clean_ids, corrupted_ids, strict=False)) if a != b),
                  min(len(clean_ids), len(corrupted_ids)))

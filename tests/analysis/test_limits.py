@@ -43,3 +43,17 @@ def test_uploads_over_the_limit_or_not_text_say_why(monkeypatch):
             upload_text(url(data), "f.bin", "text")
     with pytest.raises(InputError, match="could not be read"):
         upload_text("not a data url", "f", "text")
+
+
+@pytest.mark.parametrize("raw", ["١٦", "１６", "1_000", "1e3", "16.5", "0x10", "+16", "9" * 19, "9" * 5000, "", " "])
+def test_a_limit_written_other_than_in_ascii_digits_is_the_default(monkeypatch, raw):
+    """Python's int() reads Arabic-Indic and fullwidth digits, underscores and a sign: a limit does not,
+    so what the operator wrote is what bounds the request, or the default does."""
+    monkeypatch.setenv("HEADSCOPE_MAX_PATCH_TOKENS", raw)
+    assert limit("HEADSCOPE_MAX_PATCH_TOKENS") == DEFAULTS["HEADSCOPE_MAX_PATCH_TOKENS"] == 2048
+
+
+def test_a_limit_in_ascii_digits_is_read_with_its_spaces_trimmed(monkeypatch):
+    monkeypatch.setenv("HEADSCOPE_MAX_PATCH_TOKENS", " 16\n")
+    assert limit("HEADSCOPE_MAX_PATCH_TOKENS") == 16
+    assert hint("HEADSCOPE_MAX_PATCH_TOKENS") == "(the limit is 16; set HEADSCOPE_MAX_PATCH_TOKENS to change it)"

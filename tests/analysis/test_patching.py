@@ -469,3 +469,56 @@ def test_a_key_value_head_out_of_range_is_named_as_one(tiny_model):
         activation_patching(tiny_model, CLEAN, CORRUPTED, ANSWERS, site="q", head=(0, 9))
     with pytest.raises(InputError, match="key-value heads 0..1"):
         path_patching(tiny_model, CLEAN, CORRUPTED, ANSWERS, [(0, 0)], [(1, 2)], site="v")
+
+
+# The patching limit (#38 item 7): one limit, HEADSCOPE_MAX_PATCH_TOKENS, read when a pair is checked,
+# and named by the message that refuses a pair over it.
+LIMIT = "HEADSCOPE_MAX_PATCH_TOKENS"
+
+
+def long_pair(model, n_tokens: int) -> tuple[str, str]:
+    """The IOI pair, padded with " and" (one token each) to exactly ``n_tokens`` tokens per prompt."""
+    pad = n_tokens - len(model.input_ids(CLEAN))
+    clean = CLEAN.replace(" store,", " store" + " and" * pad + ",")
+    corrupted = CORRUPTED.replace(" store,", " store" + " and" * pad + ",")
+    assert len(model.input_ids(clean)) == len(model.input_ids(corrupted)) == n_tokens
+    return clean, corrupted
+
+
+@pytest.fixture(scope="module")
+def long_model(make_tiny_model):
+    """A tiny model whose context (4,096) holds a 2,101-token pair."""
+    return make_tiny_model(max_positions=4096, name="tiny-llama-long")
+
+
+def test_a_lowered_patching_limit_refuses_a_61_token_pair_and_names_its_variable(long_model, monkeypatch):
+    clean, corrupted = long_pair(long_model, 61)
+    monkeypatch.setenv(LIMIT, "16")
+    for check in (lambda: prompt_pair(long_model, clean, corrupted, ANSWERS),
+                  lambda: activation_patching(long_model, clean, corrupted, ANSWERS, site="z"),
+                  lambda: path_patching(long_model, clean, corrupted, ANSWERS, [(0, 0)], [(1, 1)])):
+        with pytest.raises(InputError) as refused:
+            check()
+        message = str(refused.value)
+        assert "61 tokens" in message and "the limit is 16" in message and f"set {LIMIT}" in message, message
+        assert "HEADSCOPE_MAX_TOKENS" not in message
+    monkeypatch.setenv(LIMIT, "61")  # at the limit: admitted
+    assert prompt_pair(long_model, clean, corrupted, ANSWERS).n_tokens == 61
+
+
+def test_a_raised_patching_limit_admits_a_2101_token_pair(long_model, monkeypatch):
+    clean, corrupted = long_pair(long_model, 2101)
+    monkeypatch.delenv(LIMIT, raising=False)
+    with pytest.raises(InputError, match=rf"2,101 tokens.*the limit is 2,048; set {LIMIT} to change it"):
+        prompt_pair(long_model, clean, corrupted, ANSWERS)  # the default
+    monkeypatch.setenv(LIMIT, "5000")
+    pair = prompt_pair(long_model, clean, corrupted, ANSWERS)
+    assert pair.n_tokens == 2101 and pair.differ == (2101 - 5,)
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "0", "1e3", "", "16.5", "0x10", "١٦"])
+def test_a_malformed_patching_limit_is_the_default(long_model, monkeypatch, value):
+    """A value that is not a positive whole number in ASCII digits is ignored: the default holds."""
+    clean, corrupted = long_pair(long_model, 61)
+    monkeypatch.setenv(LIMIT, value)
+    assert prompt_pair(long_model, clean, corrupted, ANSWERS).n_tokens == 61
