@@ -104,6 +104,63 @@ def rank_heads(scores: np.ndarray) -> list[Head]:
     return [(int(i // n_heads), int(i % n_heads)) for i in order]
 
 
+MAX_SEED = 2**32 - 1
+
+
+def random_control(scores: np.ndarray, k: int, seed: int, outside_top: int = CONTROL_TOP_N) -> list[Head]:
+    """k random heads from outside the top N by ``scores``: the random control of a top-k curve, and
+    what the Ablation page's "Random k" draws (both call this, so the same seed, k and N give the
+    same heads).
+
+    N = max(``outside_top``, k); the top N are :func:`rank_heads`' first N (heads without a finite
+    score are never in the top, so they can be drawn). The draw is the first k of a permutation of
+    the remaining heads, in (layer, head) order, by ``numpy.random.default_rng(seed)``: for one seed
+    and one N the sets are nested across k, as the curve's are.
+
+    Parameters
+    ----------
+    scores : ``[layer, head]`` the score heads are ranked by.
+    k : how many heads, 1 ≤ k ≤ the heads outside the top N.
+    seed : 0 ≤ seed ≤ :data:`MAX_SEED`.
+    outside_top : N above (≥ 0; :data:`~analysis.ablation_choices.CONTROL_TOP_N` by default).
+
+    Returns
+    -------
+    The k heads ``(layer, head)``, in the order drawn.
+
+    Raises
+    ------
+    InputError
+        k, N or the seed out of range, or fewer than k heads outside the top N.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    n_heads = scores.size
+    k, outside_top, seed = _whole(k, "k"), _whole(outside_top, "The random control's top-N"), _whole(seed, "The seed")
+    if not 1 <= k <= n_heads:
+        raise InputError(f"k must be between 1 and {n_heads} (the heads of the model), got {k}.")
+    if outside_top < 0:
+        raise InputError(f"The random control's top-N must be at least 0, got {outside_top}.")
+    if not 0 <= seed <= MAX_SEED:
+        raise InputError(f"The seed must be between 0 and {MAX_SEED:,}, got {seed}.")
+    n_out = max(outside_top, k)
+    top = set(rank_heads(scores)[:n_out])
+    pool = [(layer, h) for layer in range(scores.shape[0]) for h in range(scores.shape[1]) if (layer, h) not in top]
+    if k > len(pool):
+        ranked = len(rank_heads(scores))  # the heads that can be in a top
+        most = max((j for j in range(k) if j <= n_heads - min(max(outside_top, j), ranked)), default=0)
+        raise InputError(
+            f"The random control draws {k} heads from outside the top {n_out} by the score, but only "
+            f"{len(pool)} remain: use k up to {most}, or a smaller top-N for the control."
+        )
+    return [pool[i] for i in np.random.default_rng(seed).permutation(len(pool))[:k]]
+
+
+def _whole(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise InputError(f"{what} must be a whole number, got {value!r}.")
+    return int(value)
+
+
 def topk_curve(
     model: LoadedModel,
     scores: np.ndarray,
@@ -125,9 +182,9 @@ def topk_curve(
 
     - top: ``metric_fn(model, hooks(order[:k]))`` for each k, ``order`` = heads by descending score
       (nan scores are never in the top).
-    - random: for each seed a permutation of the heads *outside* the top N = max(``outside_top``,
-      max(k_values)); k random heads are its first k, so the random sets are nested across k for one
-      seed. Outside only the top k, the control would ablate heads ranked just below k, high-scoring
+    - random: for each seed, :func:`random_control` with N = max(``outside_top``, max(k_values)): the
+      first k of a permutation of the heads *outside* the top N, so the random sets are nested across
+      k for one seed (the page's "Random k" draws the same way). Outside only the top k, the control would ablate heads ranked just below k, high-scoring
       heads that can break the model on their own (early layers under uniform ablation do), and
       would no longer be a control; the paper's control draws from outside its top heads.
 
@@ -160,27 +217,14 @@ def topk_curve(
     n_out = max(k_max, int(outside_top) if outside_top is not None else k_max)
     if n_out < 0:
         raise InputError(f"The random control's top-N must be at least 0, got {outside_top}.")
-    top_set = set(order[:n_out])
-    pool = [
-        (layer, h)
-        for layer in range(model.n_layers)
-        for h in range(model.n_heads)
-        if (layer, h) not in top_set
-    ]
     seeds = [int(s) for s in random_seeds]
-    if seeds and k_max > len(pool):
-        raise InputError(
-            f"The random control draws {k_max} heads from outside the top {n_out} by the score, but only "
-            f"{len(pool)} remain: use k up to {len(pool)}, or a smaller top-N for the control."
-        )
     template = _spec_template(method)
     template.with_heads(order[:k_max]).validate(model)
     top = np.full(len(ks), np.nan)
     rand = np.full((len(seeds), len(ks)), np.nan)
     jobs: list[tuple[int | None, int, list[Head]]] = [(None, j, order[:k]) for j, k in enumerate(ks)]
-    for s_i, seed in enumerate(seeds):
-        perm = np.random.default_rng(seed).permutation(len(pool))
-        jobs += [(s_i, j, [pool[i] for i in perm[:k]]) for j, k in enumerate(ks)]
+    for s_i, seed in enumerate(seeds):  # the control's sets, all drawn (and checked) before any work
+        jobs += [(s_i, j, random_control(scores, k, seed, n_out) if k else []) for j, k in enumerate(ks)]
     cache: MutableMapping[tuple[Head, ...], float] = known if known is not None else {}
     complete = True
     for done, (s_i, j, heads) in enumerate(jobs):

@@ -32,7 +32,7 @@ from analysis.ablation_choices import (
     METHODS,
     SWEEP_METRICS,
 )
-from analysis.ablation_curve import ablation_curve
+from analysis.ablation_curve import ablation_curve, random_control
 from analysis.capture import capture
 from analysis.head_sweep import ablation_head_sweep
 from analysis.models import load_model
@@ -68,7 +68,6 @@ from app.views.ablation import (
     ablation_spec,
     builtin_reference,
     effects_of,
-    random_heads,
     rank_scores,
     top_heads,
 )
@@ -78,6 +77,7 @@ dash.register_page(__name__, path="/ablation", name="Ablation", title="headscope
 PREFIX = "abl"
 EMPTY = empty_figure("Run a text, then choose heads to ablate.")
 KEEP = {"persistence": True, "persistence_type": "session"}
+RANDOM_RULE = "hs-abl-random-rule"  # the line beside "Random k"
 WAITING = empty_figure("Apply computes the effects of the chosen heads on this text.")
 
 
@@ -142,6 +142,7 @@ def layout(**query) -> html.Div:
                             html.Button("Random k", id=ids.ABL_RANDOM, n_clicks=0, className="hs-button"),
                             html.Button("Clear", id=ids.ABL_CLEAR, n_clicks=0, className="hs-button"),
                         ], className="hs-options"),
+                        html.P(random_rule(CONTROL_TOP_N), id=RANDOM_RULE, className="hs-hint"),
                     ], className="hs-panel hs-field"),
                 ],
                 className="hs-panels hs-even",
@@ -422,12 +423,13 @@ def _summary(run, params) -> html.Div:
     State(ids.ABL_SWEEP, "value"),
     State(ids.ABL_K, "value"),
     State(ids.ABL_SEED, "value"),
+    State(ids.ABL_CURVE_CONTROL, "value"),
     State(url_id(PREFIX), "search"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call=True,
 )
 @guarded(outputs=5)
-def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, search):
+def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, control_top, search):
     """Change the pending selection (the heads box, top k, random k, clear; map clicks change it in
     the browser): redrawn on the map and written in the box (the line under it follows in the browser,
     assets/ablation.js); nothing is computed until Apply. The banner is left alone when nothing
@@ -455,8 +457,9 @@ def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, se
         raise PreventUpdate
     if action == ids.ABL_CLEAR:
         chosen = set()
-    elif action == ids.ABL_RANDOM:
-        chosen = set(random_heads(model.n_layers, model.n_heads, int(k or 0), int(seed or 0)))
+    elif action == ids.ABL_RANDOM:  # the curve's random control: outside the top N by the score
+        scores, _ = rank_scores(run, {**ablation_params(state), "by": by, "sweep": (sweep_id or "").strip() or None})
+        chosen = set(random_control(scores, int(k or 0), int(seed or 0), _whole(control_top)))
     elif action == ids.ABL_TOPK:
         chosen = set(top_heads(run, {**ablation_params(state), "by": by, "sweep": (sweep_id or "").strip() or None},
                                int(k or 0)))
@@ -466,6 +469,23 @@ def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, se
     problems: list[str] = []
     grid = _selection_map(run, {**ablation_params(state), "heads": heads or None}, problems)
     return heads, heads, grid, _map_key(state), message(problems)
+
+
+def random_rule(outside_top: int) -> str:
+    """The line beside "Random k": the rule it draws by (:func:`analysis.ablation_curve.random_control`)."""
+    return (f"Random k draws k heads (with the seed) from outside the top {outside_top:,} by the score above, "
+            f"as the curve's random control does (N = “random heads from outside the top” below, or k if larger).")
+
+
+@callback(Output(RANDOM_RULE, "children"), Input(ids.ABL_CURVE_CONTROL, "value"))
+def random_rule_line(control_top):
+    """The line beside "Random k" follows the curve's top N as it is typed (and as the browser
+    restores it)."""
+    try:
+        n = _whole(control_top)
+    except ValueError as e:
+        return str(e)
+    return random_rule(n) if n >= 0 else f"The random control's top N must be at least 0, got {n}."
 
 
 def _typed(model, heads_text) -> set:

@@ -136,13 +136,6 @@ def top_heads(run: AttentionRun | None, params: dict[str, Any], k: int) -> list[
     return order[:k]
 
 
-def random_heads(n_layers: int, n_heads: int, k: int, seed: int) -> list[tuple[int, int]]:
-    if not 1 <= k <= n_layers * n_heads:
-        raise InputError(f"k must be between 1 and {n_layers * n_heads}, got {k}.")
-    pick = np.random.default_rng(seed).choice(n_layers * n_heads, size=k, replace=False)
-    return sorted((int(i // n_heads), int(i % n_heads)) for i in pick)
-
-
 @register(names.ABLATION_SELECTION, "Heads chosen for ablation", ("heads", "by", "sweep", "hsweep"),
           lambda state, query, _: ablation_params(state))
 def selection_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure, Rows]:

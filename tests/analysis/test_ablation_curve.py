@@ -95,3 +95,63 @@ def test_the_curve_action_stores_its_control_and_reuses_measured_head_sets(tiny_
     assert calls and not top_sets & set(calls)  # only new random sets ran
     with pytest.raises(InputError, match="outside the top 7"):
         ablation_curve(tiny_model, scores, [2], spec, store, on=run, by_label="s", seeds=[0], outside_top=7)
+
+
+# The Ablation page's "Random k" button and the curve's control draw by one rule (#38 item 19):
+# :func:`analysis.ablation_curve.random_control`.
+
+
+def test_random_control_never_holds_a_head_of_the_top_n_over_many_seeds():
+    from analysis.ablation_curve import random_control
+
+    rng = np.random.default_rng(7)
+    scores = rng.normal(size=(30, 9))
+    scores[3, :] = np.nan  # never in the top
+    order = [(int(i // 9), int(i % 9)) for i in np.argsort(-np.nan_to_num(scores, nan=-np.inf), axis=None)]
+    top20 = set(order[:20])
+    seen = set()
+    for seed in range(500):
+        for k in (1, 5, 20, 40):
+            heads = random_control(scores, k, seed)  # N = CONTROL_TOP_N = 20, or k when k is larger
+            assert len(heads) == len(set(heads)) == k
+            assert not set(heads) & set(order[:max(20, k)]), (seed, k)
+            seen |= set(heads)
+            assert heads == random_control(scores, k, seed)  # seeded: the same draw again
+    assert seen == {(la, h) for la in range(30) for h in range(9)} - top20  # every other head can be drawn
+    assert not any(set(random_control(scores, 5, s, outside_top=50)) & set(order[:50]) for s in range(200))
+
+
+def test_the_curves_random_sets_are_random_control_draws(tiny_model):
+    """The curve's seed-s set at k is exactly what "Random k" draws with seed s, k and the curve's N."""
+    from analysis.ablation_curve import random_control
+
+    class Asked(dict):
+        """Metric values by head set, recording the sets the curve asks for, in its order."""
+
+        def __init__(self):
+            super().__init__()
+            self.order = []
+
+        def __contains__(self, heads):
+            self.order.append(set(heads))
+            return super().__contains__(heads)
+
+    scores = np.arange(tiny_model.n_layers * tiny_model.n_heads, dtype=float).reshape(tiny_model.n_layers, -1)
+    asked = Asked()
+    curve = topk_curve(tiny_model, scores, [1, 2], lambda model, hooks: 0.0, "zero", random_seeds=(0, 1, 2),
+                       outside_top=3, known=asked)
+    assert curve.outside_top == 3
+    assert asked.order[2:] == [set(random_control(scores, k, seed, outside_top=3))
+                               for seed in (0, 1, 2) for k in (1, 2)]  # after the top sets, seed by seed
+
+
+@pytest.mark.parametrize("k,outside,seed,message", [
+    (0, 20, 0, "k must be between 1"), (-3, 20, 0, "k must be between 1"), (271, 20, 0, "k must be between 1"),
+    (251, 20, 0, "only 19 remain: use k up to 135,"), (5, -1, 0, "at least 0"), (5, 266, 0, "only 4 remain: use k up to 4,"), (1.5, 20, 0, "whole number"), (5, 20, -1, "seed must be"),
+    (5, 20, 2**64, "seed must be"),
+])
+def test_random_control_refuses_what_it_cannot_draw(k, outside, seed, message):
+    from analysis.ablation_curve import random_control
+
+    with pytest.raises(InputError, match=message):
+        random_control(np.zeros((30, 9)), k, seed, outside_top=outside)
