@@ -718,15 +718,20 @@ def comparison_grids(first: np.ndarray, second: np.ndarray, metric_label: str, f
     both = np.concatenate([first[np.isfinite(first)], second[np.isfinite(second)]])
     lo, hi = (float(both.min()), float(both.max())) if both.size else (0.0, 1.0)
     span = _symmetric_span(diff)
-    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.11,
+    # the shared colour bar stands in the gap after the second grid, clear of its last column and of
+    # the third grid's layer labels: the gap holds the bar, its ticks, its title and those labels
+    spacing = 0.12
+    fig = make_subplots(rows=1, cols=3, horizontal_spacing=spacing,
                         subplot_titles=["first", "second", "second − first"])
+    second_end = (2 * (1 - 2 * spacing) / 3) + spacing
     hover = "layer %{y}, head %{x}<br>" + metric_label + ": %{z:.4f}<extra>%{fullData.name}</extra>"
     for col, (z, name) in enumerate(((first, "first"), (second, "second")), start=1):
         fig.add_trace(go.Heatmap(z=np.where(np.isfinite(z), z, None).tolist(), x=list(range(n_heads)),
                                  y=list(range(n_layers)), colorscale=COLORSCALE, zmin=lo, zmax=hi, name=name,
                                  showscale=col == 2, hovertemplate=hover, xgap=1, ygap=1,
                                  colorbar={"title": {"text": metric_label, "side": "right"}, "thickness": 10,
-                                           "x": 0.615, "len": 0.9}), 1, col)
+                                           "x": second_end + 0.006, "xanchor": "left", "xpad": 0, "len": 0.9}),
+                      1, col)
     fig.add_trace(go.Heatmap(z=np.where(np.isfinite(diff), diff, None).tolist(), x=list(range(n_heads)),
                              y=list(range(n_layers)), colorscale=PATCHING_SCALE, reversescale=True, zmin=-span,
                              zmax=span, name="change", xgap=1, ygap=1,
@@ -744,7 +749,10 @@ def comparison_grids(first: np.ndarray, second: np.ndarray, metric_label: str, f
                        xref="paper", yref="paper", x=0, y=-0.09, xanchor="left", yanchor="top", showarrow=False,
                        align="left", font={"size": 11})
     fig = _layout(fig, safe_text(title), height=max(420, 18 * n_layers + 170))
-    fig.update_layout(margin={"b": 110})
+    # Margins fixed, with room on the right for the change's colour bar: on a redraw in place
+    # (Plotly.react, as the page draws) plotly places colour bars before it widens the margins for
+    # them, so a bar between two grids lands left of its place, over the second grid's last column.
+    fig.update_layout(margin={"b": 110, "r": 110, "autoexpand": False})
     return fig
 
 

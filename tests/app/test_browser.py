@@ -295,17 +295,11 @@ def hover_token(page, position: int) -> None:
 
 def cut_off_titles(page) -> list[str]:
     """Every drawn figure's title and colour-bar title that runs past its figure's edges (by more than
-    a pixel) at the page's window width: a cut-off title hides what a figure shows."""
-    return page.evaluate("""() => { const out = [];
-        document.querySelectorAll('.js-plotly-plot').forEach(el => {
-            const svg = el.querySelector('.main-svg'); if (!svg) return;
-            const fig = svg.getBoundingClientRect(); if (!fig.width) return;
-            el.querySelectorAll('.gtitle, .cbtitle').forEach(t => {
-                const r = t.getBoundingClientRect(); if (!r.width) return;
-                const over = Math.max(r.right - fig.right, fig.left - r.left, fig.top - r.top, r.bottom - fig.bottom);
-                if (over > 1) out.push(`${el.closest("[id]")?.id}: ${t.textContent.slice(0, 80)} (${over.toFixed(0)} px; right ${(r.right - fig.right).toFixed(0)}, left ${(fig.left - r.left).toFixed(0)}, top ${(fig.top - r.top).toFixed(0)}, bottom ${(r.bottom - fig.bottom).toFixed(0)})`);
-            }); });
-        return out; }""")
+    a pixel) at the page's window width, and every colour bar drawn over a plot area, an axis's labels
+    or another colour bar: each hides what a figure shows (tests/app/figure_layout.py)."""
+    from tests.app.figure_layout import hidden_parts
+
+    return hidden_parts(page)
 
 
 def drawn_head(page) -> dict:

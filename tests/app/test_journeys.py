@@ -61,7 +61,7 @@ def clean(page, errors: list[str], step: str) -> None:  # noqa: F811
     assert "Something went wrong" not in body and "Traceback" not in body, step
     app_errors = [e for e in errors if not any(b in e for b in BENIGN_CONSOLE)]
     assert app_errors == [], f"{step}: {app_errors}"
-    assert cut_off_titles(page) == [], f"{step}: titles cut off"
+    assert cut_off_titles(page) == [], f"{step}: figure parts hidden (a title cut off, a colour bar over data)"
 
 
 def figure_points(page, graph: str) -> int:
@@ -420,4 +420,38 @@ def test_leaving_attention_while_it_redraws_leaves_no_console_error(server, page
     page.wait_for_selector(strip("flow") + " .gtitle", timeout=120_000)
     time.sleep(3)  # past the held answer
     clean(page, errors, "left for Flow")
+    assert proc.poll() is None
+
+
+OTHER_TEXT = "When Mary and John went to the store, Mary gave a drink to John."  # 16 tokens, as TEXT
+
+
+def test_compare_journey(server, page, errors):  # noqa: F811
+    """Two texts run on the Attention page, then compared: the Compare page's lists offer both, its
+    grids draw, and at a laptop's 1280 × 720 and at 1440 × 900 no colour bar covers a grid's column."""
+    url, proc, _ = server
+    run_attention(page, url, OTHER_TEXT)
+    other = page.evaluate("new URLSearchParams(location.search).get('run')")
+    run_attention(page, url)
+    page.locator(".hs-nav").get_by_role("link", name="Compare", exact=True).click()
+    page.wait_for_function("p => location.pathname === p", arg="/compare")
+    page.wait_for_function("(document.querySelector('#hs-cmp-status')?.innerText || '').includes('Choose the second')",
+                           timeout=120_000)
+    clean(page, errors, "arrive")
+
+    select_option(page, "hs-cmp-second", other[:8])
+    page.wait_for_function("(document.querySelector('#hs-cmp-status')?.innerText || '').includes('differ at')",
+                           timeout=120_000)
+    page.wait_for_selector("#hs-cmp-grids .colorbar")
+    assert figure_points(page, "hs-cmp-grids") == 30 * 9
+    clean(page, errors, "compare")
+    for width, height in ((1280, 720), (1440, 900)):
+        page.set_viewport_size({"width": width, "height": height})
+        page.reload()
+        page.wait_for_function("(document.querySelector('#hs-cmp-status')?.innerText || '').includes('differ at')",
+                               timeout=120_000)
+        page.wait_for_selector("#hs-cmp-grids .colorbar")
+        page.wait_for_load_state("networkidle")
+        assert figure_points(page, "hs-cmp-grids") == 30 * 9
+        clean(page, errors, f"compare at {width} × {height}")
     assert proc.poll() is None
