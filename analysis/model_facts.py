@@ -79,6 +79,15 @@ class ModelFacts:
         chat = "chat template: yes" if self.has_chat_template else "chat template: no (plain prompt)"
         return f"{bos} · {chat}"
 
+    def run_policy(self, from_text: bool) -> str:
+        """How a run's input became its tokens, in one line for the run's chip: a text is read as
+        written, after the BOS the model expects, and never wrapped in the chat template (only
+        needle-in-a-haystack prompts are, :attr:`prompt_policy`); token ids are used as given."""
+        if not from_text:
+            return "token ids as given (no BOS added, no chat template applied)"
+        bos = "BOS prepended (shown as token 0)" if self.adds_bos else "no BOS"
+        return f"{bos} · text as written, no chat template applied"
+
     @property
     def qk_label(self) -> str:
         """Which query and key vectors the QK page shows, in words."""

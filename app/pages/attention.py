@@ -7,6 +7,7 @@ Hovering only recolours the token strip in the browser (assets/attention.js).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import dash
@@ -28,7 +29,7 @@ from dash.exceptions import PreventUpdate
 
 from analysis.errors import InputError
 from analysis.head_summary import HEAD_METRICS
-from analysis.models import load_model
+from analysis.models import ModelError, load_model
 from analysis.statistics_run import capture_for_page
 from app import figures, ids
 from app.components import (
@@ -41,7 +42,6 @@ from app.components import (
     leaving,
     model_id,
     page_location,
-    prompt_policy,
     query_store_id,
     register_export,
     run_id,
@@ -172,6 +172,20 @@ fill_text_from_runs(PREFIX)
 show_in_shell(PREFIX)
 
 
+NOT_RUN = "Not run: see the message above."
+
+
+def _not_run_on_error(fn):
+    """The status line of a Run that ends with a message (``guarded`` leaves the line alone) says it
+    did not run, instead of the job's last progress report ("Running the model…") for good."""
+    @functools.wraps(fn)
+    def inner(*args, **kwargs):
+        url, error, status = fn(*args, **kwargs)
+        return url, error, NOT_RUN if status is no_update else status
+
+    return inner
+
+
 @cancellable_callback(
     Output(url_patch_id(PREFIX), "data", allow_duplicate=True),  # into the URL as it is then
     job_error(PREFIX),
@@ -185,6 +199,7 @@ show_in_shell(PREFIX)
     prevent_initial_call=True,
     run=run_id(PREFIX), cancel=CANCEL, progress=PROGRESS, status=STATUS, preview=PREVIEW,
 )
+@_not_run_on_error
 @guarded(outputs=3, error_index=1)
 def run_text(set_progress, n_clicks, text, model_spec, search):
     """Run (a background job): capture the text, patterns up to the limit and statistics mode
@@ -347,10 +362,20 @@ def render(search, pathname=None, sinks_run=None, drawn=None):
             strip, _ = VIEWS[names.TOKEN_STRIP].build(run, params)
         except InputError as e:  # a bad region in the link: say so, keep the rest of the page
             problems.append(str(e))
-    info = run_info(run, layer, head, prompt_policy(run.model_name))
+    info = run_info(run, layer, head, _run_policy(run))
     model = dropdown_model(run.model_name, problems)
     return (grid, heat, strip, strip_style, strip_data, info, message(problems), run.text or no_update, model,
             state.metric, query, run.key if fresh else no_update, shown)
+
+
+def _run_policy(run) -> str:
+    """How the run's input became its tokens (:meth:`analysis.model_facts.ModelFacts.run_policy`), for
+    its chip; "" for a model this server does not offer (nothing is claimed about it)."""
+    try:
+        facts = load_model(offered_model(run.model_name)).facts
+    except ModelError:
+        return ""
+    return facts.run_policy(run.text is not None)
 
 
 def _head_changed(run, layer: int, head: int) -> tuple[Patch, Patch]:

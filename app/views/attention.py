@@ -139,8 +139,8 @@ def sink_map_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure,
     mid = ", ".join([f"{p} {run.tokens[p]} ({int(counts[p])} heads)" for p in positions if p > 0][:6])
     checked = sink_checked_positions(run.n_tokens)
     if checked == 0:
-        detail = (f"too short to call sinks: a sink needs at least {SINK_MIN_LATER} later tokens, this text has "
-                  f"{run.n_tokens} tokens")
+        detail = (f"too short to call sinks: a position is checked only with {SINK_MIN_LATER} or more tokens after "
+                  f"it, so a text needs at least {SINK_MIN_LATER + 1} tokens; this one has {run.n_tokens}")
     else:
         detail = (f"positions 0–{checked - 1} checked ({SINK_MIN_LATER}+ later tokens): position 0 is a sink for "
                   f"{int(counts[0])} heads; mid-sequence sinks: {mid or 'none'}")

@@ -145,3 +145,13 @@ def test_the_bos_and_template_policy_in_one_line(embedded_tokenizer, base_tokeni
         "BOS prepended (shown as token 0) · chat template: no (plain prompt)")
     assert _wrap("mistral", embedded_tokenizer).facts.prompt_policy == (
         "no BOS (text read as written) · chat template: yes")
+
+
+def test_a_runs_policy_says_its_text_was_not_wrapped_in_a_chat_template(embedded_tokenizer, base_tokenizer):
+    """The Attention page's chip: a text run is read as written whether or not the model has a chat
+    template (only needle-in-a-haystack prompts are wrapped in it); ids are used as given."""
+    assert _wrap("gemma3", base_tokenizer).facts.run_policy(True) == (
+        "BOS prepended (shown as token 0) · text as written, no chat template applied")
+    smol = _wrap("mistral", embedded_tokenizer).facts
+    assert smol.has_chat_template and smol.run_policy(True) == "no BOS · text as written, no chat template applied"
+    assert smol.run_policy(False) == "token ids as given (no BOS added, no chat template applied)"

@@ -94,8 +94,8 @@ def test_attention_page_runs_a_non_llama_family(server, page, folders, embedded_
     page.wait_for_selector("#hs-heatmap .heatmaplayer .hm")  # one head's pattern draws too
     assert page.inner_text("#hs-error").strip() == ""
     assert "model=" + urllib.parse.quote(folder, safe="") in page.evaluate("location.search")
-    # the run says how its text became tokens (this tokenizer adds no BOS and has a chat template)
-    assert "no BOS (text read as written) · chat template: yes" in page.inner_text("#hs-run-info")
+    # the run says how its text became tokens (this tokenizer adds no BOS; its chat template is not applied)
+    assert "no BOS · text as written, no chat template applied" in page.inner_text("#hs-run-info")
 
     ids = embedded_tokenizer.encode(TEXT, add_special_tokens=False)  # this tokenizer adds no BOS
     want, windows = hf_entropy(folder, ids)

@@ -63,7 +63,14 @@ def test_sink_title_says_when_a_text_is_too_short_to_call_sinks(real_model):
     fig, _ = views.sink_map_view(short, {})
     title = fig.layout.title.text
     assert "too short to call sinks" in title and "is a sink for 0 heads" not in title
-    assert f"{short.n_tokens} tokens" in title and f"at least {SINK_MIN_LATER} later tokens" in title
+    assert f"this one has {short.n_tokens}" in title and f"a text needs at least {SINK_MIN_LATER + 1} tokens" in title
+    # at the boundary: 16 tokens leave position 0 with 15 later tokens (too short), 17 with 16 (checked)
+    words = "One two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen"
+    for text, n, said in ((words, 16, "too short to call sinks"), (words + " seventeen", 17, "positions 0–0 checked")):
+        run = capture(real_model, text)
+        assert run.n_tokens == n
+        title = views.sink_map_view(run, {})[0].layout.title.text
+        assert said in title and f"at least {SINK_MIN_LATER} later tokens" not in title, title
 
     text = ("When Mary and John went to the store, John gave a drink to Mary. The cat sat on the mat, "
             "and the dog slept by the door until the evening came.")
