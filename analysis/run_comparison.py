@@ -12,11 +12,33 @@ same text under two tokenizers gives positions that do not correspond. The per-h
 :data:`analysis.head_summary.HEAD_METRICS` both runs can compute (full patterns or statistics mode,
 :class:`analysis.runs.AttentionRun`); a head's attention difference is ``A₂[l, h] − A₁[l, h]``, of the
 patterns, or of the block means when both runs kept pooled maps of the same block size.
+
+**Resolution.** A run keeps its patterns as float16 (or float32) and a long run its statistics as
+float32, so each stored weight ``Â`` stands for any weight within half a spacing of it:
+``|A − Â| ≤ u(Â) = spacing(Â) / 2`` (``2^-11 Â`` for a float16 weight, ``2^-25`` for one stored as 0;
+future keys and keys outside a model's window are exactly 0). :func:`score_resolution` bounds how far
+a score can move over those intervals, and a change second − first within the sum of both runs'
+bounds is indistinguishable from rounding (:attr:`RunComparison.within_rounding`). The bound, per score:
+
+- scores that are means of weights, or of row maxima or column means (first-token, previous-token,
+  max attention, mid-sequence sink, streaming): the score is monotone and subadditive in the weights,
+  so ``|f(A) − f(Â)| ≤ f(u)``, the same score of the half-spacings (reached when every weight sits at
+  the top of its interval);
+- TransformerLens' detector scores ``R = Σ A·D / Σ A`` (duplicate-token, induction):
+  ``|ΔR| ≤ Σu · (f(u) + R) / (Σ Â − Σu)``;
+- normalised entropy: ``|ΔH_i| ≤ Σ_j max_{|x − Â_ij| ≤ u_ij} |φ(x) − φ(Â_ij)|`` with ``φ(x) = −x log x``
+  (the largest change of each term over its interval: at an end, or at 1/e where φ peaks), averaged
+  like the score (:func:`analysis.entropy.mean_normalised_entropy`);
+- a statistics run: its scores are means of float32 row statistics, ``2^-24 |score|``.
+
+This is a bound on storage rounding only, not on the model's own float32 arithmetic.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,16 +53,23 @@ SAME_RUN = "one run with itself"
 
 @dataclass(frozen=True)
 class HeadChange:
-    """One head's score in both runs and its change (second − first)."""
+    """One head's score in both runs, its change (second − first) and how far rounding alone can
+    move that change (:attr:`RunComparison.resolution`)."""
 
     layer: int
     head: int
     first: float
     second: float
+    resolution: float = 0.0
 
     @property
     def change(self) -> float:
         return self.second - self.first
+
+    @property
+    def within_rounding(self) -> bool:
+        """Whether the change is no larger than rounding alone can make it (its sign too)."""
+        return abs(self.change) <= self.resolution
 
 
 @dataclass(frozen=True)
@@ -54,18 +83,42 @@ class RunComparison:
     second_scores: np.ndarray
     differ: tuple[int, ...]  # positions whose token ids differ
     kind: str  # TWO_PROMPTS, TWO_MODELS, ONE_TEXT or SAME_RUN
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def difference(self) -> np.ndarray:
         """``[layer, head]`` second − first (nan where either score is nan)."""
         return self.second_scores - self.first_scores
 
+    @property
+    def resolution(self) -> np.ndarray:
+        """``[layer, head]`` how far the change can be from the change of the unrounded attention: the
+        sum of both runs' :func:`score_resolution` (each run's score may be off by its own)."""
+        if "resolution" not in self._memo:
+            self._memo["resolution"] = (score_resolution(self.first, self.metric)
+                                        + score_resolution(self.second, self.metric))
+        return self._memo["resolution"]
+
+    @property
+    def within_rounding(self) -> np.ndarray:
+        """``[layer, head]`` True where ``|change| ≤ resolution``: its size, and even its sign, may be
+        rounding alone (False where a score is nan)."""
+        with np.errstate(invalid="ignore"):
+            return np.abs(self.difference) <= self.resolution
+
+    @property
+    def stored(self) -> str:
+        """What the scores were computed from, as stored: "float16 patterns", "float32 statistics", …
+        (both runs', joined with "and" when they differ)."""
+        kinds = dict.fromkeys(stored_precision(run) for run in (self.first, self.second))
+        return " and ".join(kinds)
+
     def largest_changes(self, k: int = 10) -> list[HeadChange]:
         """The ``k`` heads whose score changed most (by absolute change; heads with a nan score last)."""
         diff = self.difference
         order = np.argsort(-np.nan_to_num(np.abs(diff), nan=-1.0), axis=None, kind="stable")[:k]
-        return [HeadChange(int(i // diff.shape[1]), int(i % diff.shape[1]),
-                           float(self.first_scores.flat[i]), float(self.second_scores.flat[i])) for i in order]
+        return [HeadChange(int(i // diff.shape[1]), int(i % diff.shape[1]), float(self.first_scores.flat[i]),
+                           float(self.second_scores.flat[i]), float(self.resolution.flat[i])) for i in order]
 
 
 def _comparable(first: AttentionRun, second: AttentionRun) -> tuple[tuple[int, ...], str]:
@@ -114,3 +167,122 @@ def attention_difference(first: AttentionRun, second: AttentionRun, layer: int, 
                          "same mode.")
     return (np.asarray(second.attention_overview(layer, head), dtype=np.float32)
             - np.asarray(first.attention_overview(layer, head), dtype=np.float32))
+
+
+FLOAT32_ROUNDING = 2.0**-24  # half a float32 spacing, relative: the rounding of a statistics run's values
+_SUBLINEAR = ("first_token", "previous_token", "max_attention", "mid_sink", "streaming")
+_RATIO = ("duplicate_token", "induction")
+
+
+def stored_precision(run: AttentionRun) -> str:
+    """The dtype of what ``run``'s scores are computed from, in words ("float16 patterns")."""
+    if run.has_patterns:
+        return f"{np.asarray(run.patterns).dtype} patterns"
+    return "float32 statistics"
+
+
+def _visible(n: int, window: int | None) -> np.ndarray:
+    """``[n, n]`` True where query i sees key j: ``j ≤ i`` and, on a windowed layer, ``i − j < W``."""
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    return (j <= i) & ((i - j < window) if window else True)
+
+
+def _entropy_term_change(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """``max_{|x − a| ≤ u, x ≥ 0} |φ(x) − φ(a)|`` with ``φ(x) = −x log x``, per weight (float64): φ is
+    concave with its peak at 1/e, so the largest change is at an end of the interval or at 1/e."""
+    a = np.asarray(weights, dtype=np.float64)
+    u = np.asarray(u, dtype=np.float64)
+
+    def phi(x):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(x > 0, -x * np.log(np.where(x > 0, x, 1.0)), 0.0)
+
+    lo, hi = np.clip(a - u, 0, None), a + u
+    peak = np.clip(1 / np.e, lo, hi)
+    base = phi(a)
+    return np.maximum(np.maximum(np.abs(phi(lo) - base), np.abs(phi(hi) - base)), np.abs(phi(peak) - base))
+
+
+@functools.cache
+def _float16_tables() -> tuple[np.ndarray, np.ndarray]:
+    """For each of the 65,536 float16 values, by its bits: its half-spacing ``u`` (float32; 2^-25 for
+    0) and its entropy term's largest change over its interval (float64), read by table lookup."""
+    values = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    with np.errstate(all="ignore"):  # inf and nan bit patterns give nan: no weight is stored so
+        u = np.spacing(np.abs(values)).astype(np.float64) / 2
+        return u.astype(np.float32), _entropy_term_change(values.astype(np.float64), u)
+
+
+def _half_spacings(weights: np.ndarray) -> np.ndarray:
+    """``u = spacing(|Â|) / 2`` of each stored weight, in the dtype it was stored in. A key a query
+    cannot see holds exactly 0 and gets the u of a stored 0 too: a bound only widens by it."""
+    if weights.dtype == np.float16:
+        return _float16_tables()[0][np.ascontiguousarray(weights).view(np.uint16)]
+    return np.spacing(np.abs(weights)).astype(np.float64) / 2
+
+
+def _entropy_row_change(weights: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """``[head, n]`` bound on each row's entropy change: the sum of its visible weights' term changes.
+    Keys a query cannot see hold exactly 0 and are not rounded: their terms (those of a stored 0) are
+    taken back out of the row's sum."""
+    if weights.dtype == np.float16:
+        table = _float16_tables()[1]
+        rows, zero = table[np.ascontiguousarray(weights).view(np.uint16)].sum(-1), table[0]
+    else:
+        rows = _entropy_term_change(weights, _half_spacings(weights)).sum(-1)
+        zero = float(_entropy_term_change(np.zeros(1), _half_spacings(np.zeros(1, weights.dtype)))[0])
+    return np.clip(rows - (weights.shape[-1] - visible.sum(-1)) * zero, 0, None)
+
+
+def score_resolution(run: AttentionRun, metric: str) -> np.ndarray:
+    """``[layer, head]`` bound on how far ``run``'s score ``metric`` can be from the same score of the
+    attention before it was rounded to the stored dtype (the module docstring gives the bound per score).
+
+    Parameters
+    ----------
+    run : a stored run (float16 or float32 patterns, or float32 statistics).
+    metric : a name in :data:`analysis.head_summary.HEAD_METRICS` the run can compute.
+
+    Returns
+    -------
+    ``[layer, head]`` float64 ≥ 0; nan where the score is nan.
+    """
+    from analysis.entropy import mean_normalised_entropy
+    from analysis.head_summary import HEAD_METRICS
+
+    if metric not in HEAD_METRICS:
+        raise InputError(f"Unknown metric {metric!r}; choose one of: {', '.join(HEAD_METRICS)}.")
+    score = np.asarray(run.head_scores(metric), dtype=np.float64)
+    if not run.has_patterns:
+        return FLOAT32_ROUNDING * np.abs(score)
+    patterns, compute = run.patterns, HEAD_METRICS[metric].compute
+    n_layers, n_heads, n, _ = patterns.shape
+    windows: Sequence[int | None] = run.layer_windows or [None] * n_layers
+    out = np.empty((n_layers, n_heads), dtype=np.float64)
+    for layer in range(n_layers):  # one layer's half-spacings at a time: [head, n, n]
+        weights = np.asarray(patterns[layer])
+        one = [windows[layer]] if run.layer_windows else None
+        if metric == "entropy":
+            rows = _entropy_row_change(weights, _visible(n, windows[layer]))  # [head, n]
+            out[layer] = mean_normalised_entropy(rows[None], one)[0]
+            continue
+        u = _half_spacings(weights)
+        if metric in _SUBLINEAR:
+            out[layer] = compute(u[None], run.token_ids, one)[0]
+        elif metric in _RATIO:
+            total_u = u.sum((-1, -2), dtype=np.float64)
+            total = np.asarray(weights, dtype=np.float64).sum((-1, -2))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                out[layer] = total_u * (compute(u[None], run.token_ids, one)[0] + score[layer]) / (total - total_u)
+        else:  # a score added to HEAD_METRICS without a bound here: tests/analysis fails on it
+            raise NotImplementedError(f"no rounding bound for the score {metric!r}")
+    return np.where(np.isfinite(score), out, np.nan)
+
+
+def shown_decimals(resolution: np.ndarray | float, most: int = 4) -> np.ndarray:
+    """Decimals to print a number whose resolution is ``resolution``: the last printed digit is no finer
+    than the resolution (``floor(−log10 r)``), between 1 and ``most``."""
+    r = np.asarray(resolution, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        digits = np.floor(-np.log10(np.where(r > 0, r, np.inf)))
+    return np.clip(np.where(np.isfinite(digits), digits, most), 1, most).astype(int)

@@ -706,15 +706,33 @@ def _symmetric_span(values: np.ndarray) -> float:
     return float(finite.max()) if finite.size and finite.max() > 0 else 1.0
 
 
+def _fixed(values: np.ndarray, decimals: np.ndarray, sign: bool = False) -> list[list[str]]:
+    """Each value printed to its own number of decimals ("" where nan)."""
+    return [[("" if not np.isfinite(v) else f"{v:+.{d}f}" if sign else f"{v:.{d}f}") for v, d in zip(row, drow, strict=True)]
+            for row, drow in zip(values, decimals, strict=True)]
+
+
 def comparison_grids(first: np.ndarray, second: np.ndarray, metric_label: str, first_name: str,
-                     second_name: str, title: str, selected: tuple[int, int] | None = None) -> go.Figure:
+                     second_name: str, title: str, selected: tuple[int, int] | None = None,
+                     resolution: np.ndarray | None = None, stored: str = "the stored attention") -> go.Figure:
     """Two runs' per-head score side by side (one colour range for both) and their difference
-    (second − first, red up and blue down, white at 0); nan cells blank; the selected head outlined."""
+    (second − first, red up and blue down, white at 0); nan cells blank; the selected head outlined.
+
+    ``resolution``: ``[layer, head]`` how far each change can be from rounding alone, of ``stored``
+    (:attr:`analysis.run_comparison.RunComparison.resolution`). Each head's numbers are printed to
+    the decimals it carries (:func:`analysis.run_comparison.shown_decimals`), and a head whose change
+    is within it is dotted on the change grid: its change, even its sign, may be rounding alone."""
     from plotly.subplots import make_subplots
+
+    from analysis.run_comparison import shown_decimals
 
     first, second = np.asarray(first, dtype=float), np.asarray(second, dtype=float)
     diff = second - first
     n_layers, n_heads = first.shape
+    resolution = np.zeros_like(diff) if resolution is None else np.asarray(resolution, dtype=float)
+    decimals = shown_decimals(resolution)
+    with np.errstate(invalid="ignore"):
+        within = np.abs(diff) <= resolution
     both = np.concatenate([first[np.isfinite(first)], second[np.isfinite(second)]])
     lo, hi = (float(both.min()), float(both.max())) if both.size else (0.0, 1.0)
     span = _symmetric_span(diff)
@@ -724,28 +742,42 @@ def comparison_grids(first: np.ndarray, second: np.ndarray, metric_label: str, f
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=spacing,
                         subplot_titles=["first", "second", "second − first"])
     second_end = (2 * (1 - 2 * spacing) / 3) + spacing
-    hover = "layer %{y}, head %{x}<br>" + metric_label + ": %{z:.4f}<extra>%{fullData.name}</extra>"
+    hover = "layer %{y}, head %{x}<br>" + safe_text(metric_label) + ": %{text}<extra>%{fullData.name}</extra>"
     for col, (z, name) in enumerate(((first, "first"), (second, "second")), start=1):
         fig.add_trace(go.Heatmap(z=np.where(np.isfinite(z), z, None).tolist(), x=list(range(n_heads)),
                                  y=list(range(n_layers)), colorscale=COLORSCALE, zmin=lo, zmax=hi, name=name,
                                  showscale=col == 2, hovertemplate=hover, xgap=1, ygap=1,
+                                 text=_fixed(z, decimals),
                                  colorbar={"title": {"text": metric_label, "side": "right"}, "thickness": 10,
                                            "x": second_end + 0.006, "xanchor": "left", "xpad": 0, "len": 0.9}),
                       1, col)
+    rounding = [[("" if not np.isfinite(c) else "within the rounding: may be rounding alone" if w
+                  else "larger than the rounding") + (f" (±{r:.1e})" if np.isfinite(r) else "")
+                 for c, w, r in zip(crow, wrow, rrow, strict=True)]
+                for crow, wrow, rrow in zip(diff, within, resolution, strict=True)]
     fig.add_trace(go.Heatmap(z=np.where(np.isfinite(diff), diff, None).tolist(), x=list(range(n_heads)),
                              y=list(range(n_layers)), colorscale=PATCHING_SCALE, reversescale=True, zmin=-span,
-                             zmax=span, name="change", xgap=1, ygap=1,
-                             hovertemplate="layer %{y}, head %{x}<br>change: %{z:+.4f}<extra></extra>",
+                             zmax=span, name="change", xgap=1, ygap=1, text=_fixed(diff, decimals, sign=True),
+                             customdata=rounding,
+                             hovertemplate="layer %{y}, head %{x}<br>change: %{text}<br>%{customdata}<extra></extra>",
                              colorbar={"title": {"text": "change", "side": "right"}, "thickness": 10}), 1, 3)
+    layers, heads = np.nonzero(within)
+    if layers.size:
+        fig.add_trace(go.Scatter(x=heads.tolist(), y=layers.tolist(), mode="markers", name="within rounding",
+                                 marker={"symbol": "circle", "size": 4, "color": "#444"}, hoverinfo="skip",
+                                 showlegend=False), 1, 3)
     for col in (1, 2, 3):
-        fig.update_xaxes(title="head", dtick=1, showgrid=False, row=1, col=col)
+        fig.update_xaxes(title="head", dtick=1, showgrid=False, row=1, col=col, range=[-0.5, n_heads - 0.5],
+                         zeroline=False)
         fig.update_yaxes(autorange="reversed", showgrid=False, dtick=1 if n_layers <= 32 else None, row=1, col=col,
-                         title="layer" if col == 1 else None)
+                         title="layer" if col == 1 else None, zeroline=False)
         if selected is not None:
             layer, head = selected
             fig.add_shape(type="rect", x0=head - 0.5, x1=head + 0.5, y0=layer - 0.5, y1=layer + 0.5,
                           line={"color": "#e4572e", "width": 3}, row=1, col=col)
-    fig.add_annotation(text=f"first: {safe_text(first_name)}<br>second: {safe_text(second_name)}",
+    note = (f"<br>·: a change within the rounding of {safe_text(stored)} ({int(within.sum())} of "
+            f"{int(np.isfinite(diff).sum())} heads); its size and sign may be rounding alone" if resolution.any() else "")
+    fig.add_annotation(text=f"first: {safe_text(first_name)}<br>second: {safe_text(second_name)}{note}",
                        xref="paper", yref="paper", x=0, y=-0.09, xanchor="left", yanchor="top", showarrow=False,
                        align="left", font={"size": 11})
     fig = _layout(fig, safe_text(title), height=max(420, 18 * n_layers + 170))

@@ -19,7 +19,7 @@ from dash.exceptions import PreventUpdate
 
 from analysis.errors import InputError
 from analysis.head_summary import HEAD_METRICS
-from analysis.run_comparison import compare_runs
+from analysis.run_comparison import compare_runs, shown_decimals
 from app import ids
 from app.components import (
     GRAPH_CONFIG,
@@ -112,43 +112,73 @@ def _paste_note(pasted, found) -> str:
 
 
 def _top_table(result, top_n: int = TOP_N) -> html.Table | str:
+    """The heads that changed most, each number to the decimals its rounding leaves meaningful
+    (:func:`analysis.run_comparison.shown_decimals`), with the rounding beside the change; a change
+    within it is printed as such, without a sign."""
     changes = result.largest_changes(top_n)
     if not changes:
         return ""
     label = HEAD_METRICS[result.metric].label
-    head = html.Tr([html.Th(c) for c in ("head", "first", "second", "change")])
-    rows = [html.Tr([html.Td(f"{c.layer}.{c.head}"), html.Td(f"{c.first:.4f}"), html.Td(f"{c.second:.4f}"),
-                     html.Td(f"{c.change:+.4f}")]) for c in changes]
+    head = html.Tr([html.Th(c) for c in ("head", "first", "second", "change", "rounding (±)")])
+    rows = []
+    for c in changes:
+        d = int(shown_decimals(c.resolution))
+        change = "≈ 0 (within rounding)" if c.within_rounding else f"{c.change:+.{d}f}"
+        rows.append(html.Tr([html.Td(f"{c.layer}.{c.head}"), html.Td(f"{c.first:.{d}f}"), html.Td(f"{c.second:.{d}f}"),
+                             html.Td(change), html.Td(f"{c.resolution:.1e}")]))
     return html.Div([html.H3(f"Largest changes in {label.lower()} (second − first)", className="hs-section"),
-                     html.Table([html.Thead(head), html.Tbody(rows)], className="hs-table")])
+                     html.Table([html.Thead(head), html.Tbody(rows)], className="hs-table"),
+                     html.P(f"Numbers are printed to the decimals the {result.stored} carry: rounding alone can "
+                            "move a change by up to its ± (both runs' rounding).", className="hs-hint")])
+
+
+def _change_summary(result) -> str:
+    """Mean |change| to the decimals the mean rounding leaves, and how many heads changed by no more
+    than rounding alone can (:attr:`analysis.run_comparison.RunComparison.within_rounding`)."""
+    finite = np.isfinite(result.difference)
+    d = int(shown_decimals(np.mean(result.resolution[finite])))
+    within = int(result.within_rounding[finite].sum())
+    return (f" Mean |change| {np.mean(np.abs(result.difference[finite])):.{d}f}; {within} of {int(finite.sum())} "
+            f"heads changed by no more than the rounding of the {result.stored} (dotted on the change grid).")
 
 
 @callback(
     Output(ids.CMP_FIRST, "options"),
+    Output(ids.CMP_FIRST, "value"),
     Output(ids.CMP_SECOND, "options"),
+    Output(ids.CMP_SECOND, "value"),
     Output(ids.CMP_PASTE_NOTE, "children"),
     Input(url_id(PREFIX), "search"),
     Input(ids.SEEN_RUNS, "data"),
     Input(ids.CMP_PASTE, "value"),
+    State(ids.CMP_FIRST, "value"),
+    State(ids.CMP_SECOND, "value"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker, beside the store it reads
 )
-@guarded(outputs=3)
-def offer_runs(search, seen, pasted):
+@guarded(outputs=5)
+def offer_runs(search, seen, pasted, shown_first=None, shown_second=None):
     """Fill both lists with the runs this browser was shown (``seen``, kept in the browser by
     :mod:`app.seen_runs`), those the URL names (its link was opened: in the list at once, before the
     browser's store has it) and an id pasted into the page; each id is checked (hex) and resolved in
-    the store here. Nothing else is listed: the store's list is the command line's."""
+    the store here. Nothing else is listed: the store's list is the command line's.
+
+    The lists' values are set from the URL only while empty (the page arriving, or a link or the back
+    button, which rebuild it): afterwards the user's choices lead and :func:`choose` writes them into
+    the URL (setting them on every answer raced with a second choice made meanwhile). A value goes
+    out with its list's options, in one answer: a list shown a value that is not among its options
+    empties it."""
     state = parse(search)
-    named = [k for k in (state.first or state.run, state.second) if k]
-    found = shown_run(get_context().store, pasted)
-    keys = run_ids([*([found.key] if found else []), *named, *(seen if isinstance(seen, list) else [])])
-    first = shown_run(get_context().store, named[0]) if state.first or state.run else None
-    return (run_options(keys), run_options(keys, first.n_tokens if first else None), _paste_note(pasted, found))
+    store = get_context().store
+    first, second = shown_run(store, state.first or state.run), shown_run(store, state.second)
+    found = shown_run(store, pasted)
+    named = [r.key for r in (found, first, second) if r is not None]
+    keys = run_ids([*named, *(seen if isinstance(seen, list) else [])])
+    return (run_options(keys), first.key if first and shown_first is None else no_update,
+            run_options(keys, first.n_tokens if first else None),
+            second.key if second and shown_second is None else no_update, _paste_note(pasted, found))
 
 
 @callback(
-    Output(ids.CMP_FIRST, "value"),
-    Output(ids.CMP_SECOND, "value"),
     Output(ids.CMP_METRIC, "value"),
     Output(ids.CMP_STATUS, "children"),
     Output(ids.CMP_GRIDS, "figure"),
@@ -156,20 +186,14 @@ def offer_runs(search, seen, pasted):
     Output(ids.CMP_DIFF, "figure"),
     Output(ids.ERROR, "children", allow_duplicate=True),
     Input(url_id(PREFIX), "search"),
-    State(ids.CMP_FIRST, "value"),
-    State(ids.CMP_SECOND, "value"),
     State(ids.CMP_METRIC, "value"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker, beside the store it reads
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=8)
-def render(search, shown_first=None, shown_second=None, shown_metric=None):
+@guarded(outputs=6)
+def render(search, shown_metric=None):
     """Draw the page from its URL: both runs read from the store, their comparison, the clicked head.
-
-    The lists' values are set from the URL only while empty (the page arriving, or a link or the back
-    button, which rebuild it): afterwards the user's choices lead and :func:`choose` writes them into
-    the URL. Setting them on every drawing raced with a second choice made while the first was being
-    drawn (the older drawing put the older value back)."""
+    The score's list is set from the URL only while empty, as :func:`offer_runs` sets the run lists."""
     state = parse(search)
     problems = list(state.problems)
     first_key = state.first or state.run
@@ -185,9 +209,7 @@ def render(search, shown_first=None, shown_second=None, shown_metric=None):
             second = stored_run(state.second, "second")
         except InputError as e:
             problems.append(str(e))
-    lists = (first.key[:16] if first and shown_first is None else no_update,
-             second.key[:16] if second and shown_second is None else no_update,
-             metric if shown_metric is None else no_update)
+    lists = (metric if shown_metric is None else no_update,)
     if first is None or second is None:
         status = "Choose the second run." if first is not None else CHOOSE
         return (*lists, status, NO_RUNS, "", NO_HEAD, message(problems))
@@ -209,8 +231,7 @@ def render(search, shown_first=None, shown_second=None, shown_metric=None):
     more = f" and {len(result.differ) - 12} more" if len(result.differ) > 12 else ""
     status = (f"{result.kind.capitalize()}, {first.n_tokens} tokens"
               + (f"; the tokens differ at {where}{more}." if result.differ else "; the same tokens.")
-              + (f" Mean |change| {np.nanmean(np.abs(result.difference)):.4f}."
-                 if np.isfinite(result.difference).any() else ""))
+              + (_change_summary(result) if np.isfinite(result.difference).any() else ""))
     return (*lists, status, grids, _top_table(result), diff, message(problems))
 
 

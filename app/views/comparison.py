@@ -64,7 +64,7 @@ def run_comparison_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, R
 
         selected = check_head(first, params["layer"], params["head"])
     fig = figures.comparison_grids(result.first_scores, result.second_scores, label, _name(first), _name(second),
-                                   f"{label}: {result.kind}{differ}", selected)
+                                   f"{label}: {result.kind}{differ}", selected, result.resolution, result.stored)
     rows: Rows = [{"layer": la, "head": h, "metric": metric, "first": float(result.first_scores[la, h]),
                    "second": float(result.second_scores[la, h]), "change": float(result.difference[la, h])}
                   for la in range(first.n_layers) for h in range(first.n_heads)]

@@ -92,12 +92,12 @@ def test_compare_two_runs_in_the_page(server, page):
                            ".startsWith('Previous-token')", timeout=60_000)
     data = plot_data(page, GRIDS)
     by_hand = [previous_token_by_hand(first), previous_token_by_hand(second)]
-    for trace, expected in zip(data, [*by_hand, by_hand[1] - by_hand[0]], strict=True):
+    for trace, expected in zip(data[:3], [*by_hand, by_hand[1] - by_hand[0]], strict=True):
         np.testing.assert_allclose(np.array(trace["z"], dtype=float), expected, atol=1e-5)
     change = by_hand[1] - by_hand[0]
     layer, head = np.unravel_index(np.argmax(np.abs(change)), change.shape)
     top = page.locator("#hs-cmp-top tbody tr").first.inner_text().split()
-    assert top[0] == f"{layer}.{head}" and float(top[-1]) == pytest.approx(change[layer, head], abs=1e-4)
+    assert top[0] == f"{layer}.{head}" and float(top[3]) == pytest.approx(change[layer, head], abs=1e-3)
     assert f"second={second.key[:16]}" in page.url and "metric=previous_token" in page.url
 
     # a clicked head: its change in attention, second − first, below. Two heads clicked in quick
@@ -285,4 +285,38 @@ def test_no_forged_request_lists_the_stored_runs(server):
     assert named, "no callback reads the browser's list of runs"
     _, payload = _dash(url, "_dash-update-component", _forged(named[0], {"data": [runs[2].key[:16]]}))
     assert runs[2].key[:8].encode() in payload and runs[0].key[:8].encode() not in payload
+    assert proc.poll() is None
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+def test_changes_print_to_the_precision_of_the_stored_patterns(server, page):  # noqa: F811
+    """The runs keep float16 patterns: every number is printed to the decimals their rounding leaves
+    meaningful (no 4 decimals where the 4th is rounding), and the heads whose change rounding alone can
+    make are counted in the status line, dotted on the change grid and printed without a sign, all as
+    :mod:`analysis.run_comparison` computes them."""
+    from analysis.run_comparison import compare_runs, shown_decimals
+
+    url, proc, (first, second, _) = server
+    result = compare_runs(first, second, "entropy")
+    within = result.within_rounding
+    assert 0 < within.sum() < within.size  # these two texts: some heads' change is rounding alone
+    page.goto(url + f"compare?first={first.key[:16]}&second={second.key[:16]}&metric=entropy")
+    wait_status(page, "differ at")
+    status = page.inner_text("#hs-cmp-status")
+    assert f"{int(within.sum())} of 270 heads changed by no more than the rounding of the float16 patterns" in status
+    dots = page.evaluate("document.querySelector('#hs-cmp-grids .js-plotly-plot').data"
+                         ".filter(t => t.type === 'scatter').flatMap(t => t.x.map((x, i) => [t.y[i], x]))")
+    assert sorted(map(tuple, dots)) == sorted(zip(*map(lambda a: a.tolist(), np.nonzero(within)), strict=True))
+    for row in page.locator("#hs-cmp-top tbody tr").all():
+        cells = row.locator("td").all_inner_texts()
+        layer, head = map(int, cells[0].split("."))
+        decimals = int(shown_decimals(result.resolution[layer, head]))
+        assert decimals < 4 and all(len(c.split(".")[1]) == decimals for c in cells[1:4]), cells
+    # one run with itself: every change is 0, within the rounding, and printed without a sign
+    page.goto(url + f"compare?first={first.key[:16]}&second={first.key[:16]}&metric=entropy")
+    wait_status(page, "the same tokens")
+    changes = page.locator("#hs-cmp-top tbody td:nth-child(4)").all_inner_texts()
+    assert len(changes) == 10 and set(changes) == {"≈ 0 (within rounding)"}, changes
+    assert "270 of 270 heads changed by no more than the rounding" in page.inner_text("#hs-cmp-status")
     assert proc.poll() is None
