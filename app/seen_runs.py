@@ -20,12 +20,12 @@ from typing import Any
 
 from dash import Dash, Input, Output, State, dcc
 
+from analysis.runs import RUN_KINDS
 from app import ids
 
 RUN_KEYS = ("run", "first", "second")  # the URL keys that name a stored run (app/url_state.py)
 MAX_KEPT = 100  # ids the browser keeps; the oldest go first
 RUN_ID = re.compile(r"[0-9a-f]{8,64}")  # as app/url_state.py reads a link's ids
-RUN_KINDS = ("run", "stats_run")
 
 
 def seen_runs_store() -> dcc.Store:
