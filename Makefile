@@ -7,7 +7,9 @@ STAMP   := $(VENV)/.headscope-installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8050
 MODEL   ?= smollm2-135m
-PYTEST_ARGS ?=
+# -ra: why each test was skipped or failed; --durations=25: the slowest tests, as CI prints them (.ci/run),
+# so a test that grows slow is seen before it reaches its timeout
+PYTEST_ARGS ?= -ra --durations=25
 # two pytest workers, one test file each at a time (tests/conftest.py gives each its share of the cores):
 # the suite in 14 instead of 20 minutes on 2 cores; TEST_WORKERS=0 runs one process
 TEST_WORKERS ?= 2

@@ -426,6 +426,10 @@ def test_a_cancelled_curve_resumes_from_stored_values(tiny_model, ids, store):
 
 
 @pytest.mark.integration
+# Set-up and call share pytest-timeout's clock, and the set-up computes the shared sweep when this is the
+# first test of its worker to need it: measured on the loaded 2-core machine (six test runs at once),
+# set-up 87 s + call 208 s (nine masked decodes of 256-token prompts), against the default 300 s
+@pytest.mark.timeout(600)
 def test_masking_top_retrieval_heads_breaks_retrieval_more_than_random_heads(real_model, small_retrieval_sweep,
                                                                             one_thread):
     """Wu et al. 2024, §4, on SmolLM2-135M: uniform attention (the paper's masking) on the 5 heads

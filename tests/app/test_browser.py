@@ -180,11 +180,22 @@ def settled(page, timeout: float = 20_000) -> None:
     page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
 
 
+# The plot area's size, read in one step of the page (never through a handle the page can replace).
+AREA_SIZE = """(s) => { const e = document.querySelector(s); if (!e) return null;
+    const r = e.getBoundingClientRect(); return r.width > 0 && r.height > 0 ? [r.width, r.height] : null; }"""
+
+
 def click_cell(page, graph, col, row, n_cols, n_rows):
+    """Click cell (col, row) of the ``n_cols`` × ``n_rows`` heatmap ``graph``, as a user would.
+
+    Through a locator, which finds the plot area again at each try: dcc.Graph replaces its placeholder
+    once plotly has loaded, and plotly replaces the area on a redraw, so an element handle taken
+    before the click can be detached by then ("Element is not attached to the DOM"). Playwright scrolls
+    the area into view, waits until it is still and receives the click at that point."""
     settled(page)
-    page.locator(f"#{graph}").scroll_into_view_if_needed()
-    box = page.locator(f"#{graph} .nsewdrag").first.bounding_box()
-    page.mouse.click(box["x"] + box["width"] * (col + 0.5) / n_cols, box["y"] + box["height"] * (row + 0.5) / n_rows)
+    area = f"#{graph} .nsewdrag"
+    width, height = page.wait_for_function(AREA_SIZE, arg=area).json_value()
+    page.locator(area).first.click(position={"x": width * (col + 0.5) / n_cols, "y": height * (row + 0.5) / n_rows})
 
 
 def quick_second_clicks_lost(page, graph: str, gaps=(0, 30, 60, 300), n_cols=9, n_rows=30) -> list[int]:
