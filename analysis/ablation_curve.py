@@ -148,10 +148,9 @@ def random_control(scores: np.ndarray, k: int, seed: int, outside_top: int = CON
     if k > len(pool):
         ranked = len(rank_heads(scores))  # the heads that can be in a top
         most = max((j for j in range(k) if j <= n_heads - min(max(outside_top, j), ranked)), default=0)
-        raise InputError(
-            f"The random control draws {k} heads from outside the top {n_out} by the score, but only "
-            f"{len(pool)} remain: use k up to {most}, or a smaller top-N for the control."
-        )
+        advice = f"use k up to {most}, or a smaller top-N for the control" if most else "use a smaller top-N for the control"
+        raise InputError(f"The random control draws {k} heads from outside the top {n_out} by the score, but only "
+                         f"{len(pool)} remain: {advice}.")
     return [pool[i] for i in np.random.default_rng(seed).permutation(len(pool))[:k]]
 
 

@@ -713,6 +713,8 @@ def _whole(value) -> int:
     """The control's top N as typed (a whole number; its range is checked by the analysis)."""
     if value is None or value == "":
         return CONTROL_TOP_N
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value  # exact, however large (a float would round it)
     try:
         n = float(value)
     except (TypeError, ValueError):

@@ -147,7 +147,7 @@ def test_the_curves_random_sets_are_random_control_draws(tiny_model):
 
 @pytest.mark.parametrize("k,outside,seed,message", [
     (0, 20, 0, "k must be between 1"), (-3, 20, 0, "k must be between 1"), (271, 20, 0, "k must be between 1"),
-    (251, 20, 0, "only 19 remain: use k up to 135,"), (5, -1, 0, "at least 0"), (5, 266, 0, "only 4 remain: use k up to 4,"), (1.5, 20, 0, "whole number"), (5, 20, -1, "seed must be"),
+    (251, 20, 0, "only 19 remain: use k up to 135,"), (5, -1, 0, "at least 0"), (5, 266, 0, "only 4 remain: use k up to 4,"), (5, 10**30, 0, "only 0 remain: use a smaller top-N"), (1.5, 20, 0, "whole number"), (5, 20, -1, "seed must be"),
     (5, 20, 2**64, "seed must be"),
 ])
 def test_random_control_refuses_what_it_cannot_draw(k, outside, seed, message):
