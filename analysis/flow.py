@@ -336,9 +336,21 @@ def _check_sources(sources: Sequence[int] | None, n: int, normalize: bool = Fals
     return todo
 
 
-def _normalised(row: np.ndarray) -> np.ndarray:
+def relevance_shares(row: np.ndarray) -> np.ndarray:
+    """Each input's share of one output's relevance: ``row / Σ row`` (the row unchanged when its sum
+    is 0), float64.
+
+    Flow needs it to be read beside rollout: a row of rollout (or of head-fused attention) sums to 1,
+    being a row of a product of row-stochastic matrices, but max-flow values do not. Each input's flow
+    is a maximum flow computed alone, and inputs share edges, so their sum is no total of anything.
+    Divided by their sum, as the paper's released code does for its figures (``normalize=True``),
+    flow is in rollout's unit, the share of the output's relevance each input holds, and the two can
+    share one colour scale. For rollout and attention the division only absorbs rounding.
+    """
+    row = np.asarray(row, dtype=np.float64)
     total = row.sum()
     return row / total if total > 0 else row
+
 
 
 def attention_flow(
@@ -399,7 +411,7 @@ def attention_flow(
         out[j] = work.flow(caps, j, i) if j <= i else 0.0
         if progress is not None:
             progress((k + 1) / len(todo))
-    return _normalised(out) if normalize else out
+    return relevance_shares(out) if normalize else out
 
 
 def attention_flow_all(
@@ -447,7 +459,7 @@ def attention_flow_all(
         for j in range(i + 1):
             out[i, j] = work.flow(caps, j, i)
         if normalize:
-            out[i] = _normalised(out[i])
+            out[i] = relevance_shares(out[i])
         if progress is not None:
             progress(cost[i] / cost[-1])
     return out

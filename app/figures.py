@@ -281,12 +281,16 @@ def token_strip(
     title: str,
     per_row: int = 16,
     scale: tuple[float, str] | None = None,
+    value_label: str = "weight",
+    also: tuple[str, np.ndarray] | None = None,
 ) -> go.Figure:
     """Tokens laid out as text in a grid, coloured by ``weights`` (e.g. one attention row).
 
     Cells after the query (keys it cannot see) stay uncoloured. ``scale=(top, label)`` colours
-    0 .. ``top`` (e.g. a top shared by several strips, so their colours compare) and shows a colour
-    bar with numbers titled ``label``; without it the strip spans 0 .. its own maximum, no bar.
+    0 .. ``top`` (e.g. a top shared by several strips in one unit, so their colours compare) and
+    shows a colour bar with numbers titled ``label``; without it the strip spans 0 .. its own
+    maximum, no bar. The hover names the coloured value ``value_label``; ``also=(label, values)``
+    adds another value per token to it (e.g. the method's own value beside its share).
     """
     n = len(tokens)
     rows = max(1, -(-n // per_row))
@@ -301,7 +305,11 @@ def token_strip(
             z[r, c] = weights[i]
     if weights is None:
         z = np.where(pos >= 0, 0.0, np.nan)
-    custom = np.stack([pos, np.where(np.isfinite(z), z, -1.0)], axis=-1)
+    extra = np.full((rows, per_row), np.nan)
+    if also is not None:
+        for i in range(n):
+            extra[divmod(i, per_row)] = also[1][i]
+    custom = np.stack([pos, np.where(np.isfinite(z), z, -1.0), np.where(np.isfinite(extra), extra, -1.0)], axis=-1)
     fig = go.Figure(
         go.Heatmap(
             z=np.where(np.isfinite(z), z, None).tolist(),
@@ -319,7 +327,9 @@ def token_strip(
                                 "side": "right"},
                       "orientation": "h", "x": 1.0, "xanchor": "right", "y": -0.08, "yanchor": "top",
                       "len": 0.45, "thickness": 10, "nticks": 5, "tickformat": ".2~f"},
-            hovertemplate="position %{customdata[0]}: %{text}<br>weight %{customdata[1]:.4f}<extra></extra>",
+            hovertemplate=("position %{customdata[0]}: %{text}<br>" + safe_text(value_label) + " %{customdata[1]:.4f}"
+                           + (f"<br>{safe_text(also[0])} %{{customdata[2]:.4f}}" if also is not None else "")
+                           + "<extra></extra>"),
             xgap=2,
             ygap=2,
         )

@@ -104,9 +104,12 @@ def layout(**query) -> html.Div:
                 className="hs-options",
             ),
             dcc.Loading(html.Div(id=ids.FLOW_INFO, className="hs-run-info"), type="dot"),
-            html.P("Click a token, in a strip or in this list, to make it the target. Raw attention, rollout and "
-                   "flow share one colour scale, 0 to the largest value any of them shows (numbers on each colour "
-                   "bar), so their colours compare.", className="hs-hint"),
+            html.P("Click a token, in a strip or in this list, to make it the target. Each strip colours a token by "
+                   "its share of the method's relevance for the target: a row of raw attention or of rollout sums "
+                   "to 1, while flow's max-flow values do not (each input's flow is computed alone, and inputs share "
+                   "paths), so they are divided by their sum; hover a token for the method's own value. In that "
+                   "one unit, raw attention, rollout and flow share one colour scale, 0 to the largest share any "
+                   "of them shows (numbers on each colour bar), so their colours compare.", className="hs-hint"),
             html.Div(id=ids.FLOW_TOKENS, className="hs-flow-tokens"),
             html.Div([strip_panel(m) for m in PLAIN_METHODS]),
             html.P(CORRECTION_NOTE, id=ids.FLOW_CORRECTION_NOTE, className="hs-hint"),

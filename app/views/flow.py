@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 from analysis.attribution import CORRECTED_METHODS, PLAIN_METHODS, RELEVANCE_METHODS
 from analysis.capture import Run
 from analysis.errors import InputError
+from analysis.flow import relevance_shares
 from analysis.limits import limit
 from analysis.runs import AttentionRun
 from app import figures
@@ -65,30 +66,37 @@ def token_relevance(run: Run, method: str, target: int, fusion: str = "mean", dr
 
 
 def relevance_scale(run: Run, target: int, fusion: str, drop_sink: bool, method: str = "rollout") -> float:
-    """The top of the colour scale ``method``'s strip shares with its group: the largest value any of
-    them shows. Raw attention, rollout and flow share one scale; the two position-corrected strips
-    (ratios, normalised) share another."""
+    """The top of the colour scale ``method``'s strip shares with its group: the largest share
+    (:func:`analysis.flow.relevance_shares`) any of them shows. Raw attention, rollout and flow share
+    one scale; the two position-corrected strips (ratios, normalised) share another."""
     numbers = flow_numbers(run, target, fusion, drop_sink)
     group = CORRECTED_METHODS if method in CORRECTED_METHODS else PLAIN_METHODS
-    return max(1e-6, max(float(np.max(v)) for m, v in numbers.scores.items() if m in group))
+    return max(1e-6, max(float(np.max(relevance_shares(v))) for m, v in numbers.scores.items() if m in group))
 
 
 @register(names.RELEVANCE, "Token relevance", ("target", "method", "fusion", "drop_sink"),
           lambda state, query, method: {**_relevance(state), "method": method})
 def relevance_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
-    """One strip of the Flow page: a method's relevance of each token for the target, on the colour
-    scale its group shares (0 to the largest value of any of them, :func:`relevance_scale`), so colours compare."""
+    """One strip of the Flow page: each token coloured by its share of the method's relevance for the
+    target (:func:`analysis.flow.relevance_shares`: rollout and attention rows already sum to 1, flow's
+    max-flow values do not), on the colour scale its group shares (0 to the largest share of any of
+    them, :func:`relevance_scale`): one unit, so colours compare. The hover keeps the method's own
+    value beside the share, and the rows hold it (the share is its division by the rows' sum)."""
     target = check_target(run, params.get("target"))
     method = params.get("method", "rollout")
     fusion, drop_sink = params.get("fusion", "mean"), bool(params.get("drop_sink", False))
     values = token_relevance(run, method, target, fusion, drop_sink).astype(float)
-    shown = np.full(run.n_tokens, np.nan)
-    shown[: target + 1] = values
+    shares = relevance_shares(values)
+    shown, own = np.full(run.n_tokens, np.nan), np.full(run.n_tokens, np.nan)
+    shown[: target + 1], own[: target + 1] = shares, values
     title = f"{RELEVANCE_METHODS.get(method, method)} → token {target} ({run.tokens[target]})"
+    corrected = method in CORRECTED_METHODS
     fig = figures.token_strip(run.tokens, shown, target, figures.safe_text(title),
                               scale=(relevance_scale(run, target, fusion, drop_sink, method),
-                                     "corrected<br>(shared scale)" if method in CORRECTED_METHODS
-                                     else "relevance<br>(shared scale)"))
+                                     "corrected share of relevance (shared scale)" if corrected
+                                     else "share of relevance (shared scale)"),
+                              value_label="share of the target's relevance",
+                              also=None if corrected else (f"{method} value", own))  # corrected: already shares
     rows = [{"pos": j, "token": run.tokens[j], "relevance": float(values[j])} for j in range(target + 1)]
     return fig, rows
 

@@ -201,3 +201,61 @@ def test_a_run_past_the_flow_limit_draws_the_other_strips_and_says_why(server, p
     for method in ("flow", "flow_debiased"):
         assert "limited to 128 tokens" in page.locator(strip(method)).text_content(), method
     assert proc.poll() is None
+
+
+# --- what a strip's colour means: one unit for the strips that share a scale (#38 item 17) ---
+
+@pytest.fixture(scope="module")
+def tiny_flow_run(tiny_model):
+    return capture(tiny_model, "The keys to the old wooden cabinet are on the table.", pattern_dtype="float32")
+
+
+@pytest.mark.parametrize("drop_sink", [False, True], ids=["sink-kept", "sink-dropped"])
+def test_strips_sharing_a_scale_are_coloured_in_one_unit_the_share_of_the_targets_relevance(tiny_flow_run, drop_sink):
+    """Raw attention and rollout rows sum to 1, flow's max-flow values do not: coloured as they are on
+    one scale, a flow colour and a rollout colour meant different things. Every strip is coloured by
+    each token's share of the method's total for the target (each strip's colours sum to 1), the
+    colour bar says so, the hover keeps the method's own value beside the share, the export holds it."""
+    run = tiny_flow_run
+    target = run.n_tokens - 2
+    params = {"target": target, "fusion": "mean", "drop_sink": drop_sink}
+    flow = views.token_relevance(run, "flow", target, "mean", drop_sink)
+    assert abs(flow.sum() - 1) > 0.05  # the case at hand: flow's values are not a distribution
+    tops = {}
+    for method in RELEVANCE_METHODS:
+        fig, rows = views.relevance_view(run, {**params, "method": method})
+        z = np.array([v for row in fig.data[0].z for v in row if v is not None], dtype=float)
+        own = views.token_relevance(run, method, target, "mean", drop_sink)
+        assert z.sum() == pytest.approx(1, abs=1e-9), method
+        np.testing.assert_allclose(z[: target + 1], own / own.sum(), rtol=1e-12, err_msg=method)
+        assert "share of" in fig.data[0].colorbar.title.text, method
+        assert [r["relevance"] for r in rows] == pytest.approx(own.tolist()), method  # the export: the method's own
+        assert "share of" in fig.data[0].hovertemplate, method
+        tops[method] = fig.data[0].zmax
+    # one scale per group, its top the largest share any of the group's strips shows
+    assert len({tops[m] for m in PLAIN_METHODS}) == 1 and len({tops[m] for m in CORRECTED_METHODS}) == 1
+
+
+def test_the_page_says_what_the_colour_means(tmp_path):
+    from analysis.store import Store
+    from app.context import AppContext
+    from app.server import create_app
+
+    create_app(AppContext(store=Store(tmp_path / "store")))  # the pages register with an app
+    from app.pages import flow as page_module
+
+    hint = " ".join(_texts(page_module.layout()))
+    assert "share of" in hint and "max-flow values" in hint and "divided by their sum" in hint, hint
+
+
+def _texts(component) -> list[str]:
+    out = []
+    children = getattr(component, "children", None)
+    if isinstance(children, str):
+        out.append(children)
+    elif isinstance(children, list | tuple):
+        for child in children:
+            out += [child] if isinstance(child, str) else _texts(child)
+    elif children is not None:
+        out += _texts(children)
+    return out
