@@ -226,13 +226,22 @@ def qk_attribution_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, R
                         subplot_titles=("logit = feature term + cross + residual",
                                         f"attention before / after removing the '{feature}' query subspace"))
     colours = {feature: "#2a6fdb", "cross": "#aaa", "residual": "#f4a259"}
+    # barmode "relative" stacks the logit's three terms (one offset group: one bar per key, split in
+    # parts that sum to the logit); attention before and after are two offset groups, so they stand
+    # side by side from 0, each as tall as its value, on an axis of attention weights. Each panel is
+    # an alignment group of its own: the logit's bar is not narrowed to leave room for the other two.
     for name in (feature, "cross", "residual"):
-        fig.add_trace(go.Bar(x=labels, y=parts[name][row, : row + 1], name=name, marker_color=colours[name]), 1, 1)
+        fig.add_trace(go.Bar(x=labels, y=parts[name][row, : row + 1], name=name, marker_color=colours[name],
+                             offsetgroup="logit", alignmentgroup="logit"), 1, 1)
     fig.add_trace(go.Scatter(x=labels, y=parts["logits"][row, : row + 1], mode="markers", name="logit",
                              marker={"symbol": "line-ew-open", "size": 16, "color": "#111", "line": {"width": 2}}), 1, 1)
-    fig.add_trace(go.Bar(x=labels, y=iv.before[row, : row + 1], name="attention", marker_color="#555"), 2, 1)
-    fig.add_trace(go.Bar(x=labels, y=iv.after[row, : row + 1], name="after intervention", marker_color="#e4572e"), 2, 1)
+    fig.add_trace(go.Bar(x=labels, y=iv.before[row, : row + 1], name="attention before", marker_color="#555",
+                         offsetgroup="before", alignmentgroup="attention"), 2, 1)
+    fig.add_trace(go.Bar(x=labels, y=iv.after[row, : row + 1], name="attention after removing it",
+                         marker_color="#e4572e", offsetgroup="after", alignmentgroup="attention"), 2, 1)
     fig.update_layout(barmode="relative")
+    fig.update_yaxes(title="logit", row=1, col=1)
+    fig.update_yaxes(title="attention", row=2, col=1)
     fig.update_xaxes(tickangle=-60)
     title = (f"Layer {head.layer}, head {head.head}, query {q} ({head.tokens[q]}): rank-{dec.rank} '{feature}' "
              f"subspace")
@@ -269,9 +278,9 @@ def qk_layer_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
         emb = joint_embedding(head, "pca")
         m = head.n_tokens
         r, c = divmod(h, cols)
-        for kind, sl, colour in (("query", slice(0, m), "#2a6fdb"), ("key", slice(m, 2 * m), "#f4a259")):
+        for plural, sl, colour in (("queries", slice(0, m), "#2a6fdb"), ("keys", slice(m, 2 * m), "#f4a259")):
             fig.add_trace(go.Scattergl(x=emb.coords[sl, 0], y=emb.coords[sl, 1], mode="markers",
-                                       marker={"size": 3, "color": colour, "opacity": 0.6}, name=f"{kind}s",
+                                       marker={"size": 3, "color": colour, "opacity": 0.6}, name=plural,
                                        showlegend=h == 0, hoverinfo="skip"), r + 1, c + 1)
         rows.append({"layer": layer, "head": h, "explained_variance": sum(emb.explained_variance),
                      "points": head.n_points})
