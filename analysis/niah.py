@@ -28,15 +28,18 @@ repeated from its start.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from analysis.errors import InputError, parse_json
-from analysis.models import LoadedModel
 from analysis.paths import DATA_DIR
+
+if TYPE_CHECKING:  # torch is not imported to check a request's needles, lengths and S + W
+    from analysis.models import LoadedModel
 
 NIAH_DIR = DATA_DIR / "niah"
 NEEDLES_FILE = NIAH_DIR / "needles.json"
@@ -148,19 +151,36 @@ def load_needles(path: Path | str | None = None) -> list[Needle]:
     return _needles_from(raw, str(path))
 
 
+NEEDLE_FIELDS = ("needle", "question", "answer")
+"""The fields every needle has; ``id`` and ``kind`` are optional. All are text."""
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, as a message names it: "a number", "null", "true", "a list", "an object"."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, int | float):
+        return "a number"
+    return {list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+
+
 def _needles_from(raw: Any, where: str) -> list[Needle]:
+    """Needles from parsed JSON (a list of objects, or ``{"needles": [...]}``). Every field is text: a
+    number, ``null`` or a list is refused rather than read as its spelling ("None", "[1, 2]")."""
     items = raw["needles"] if isinstance(raw, dict) and "needles" in raw else raw
     if not isinstance(items, list):
         raise InputError(f"The needles in {where} must be a list of objects with 'needle', 'question' and 'answer'.")
     needles = []
     for i, item in enumerate(items):
-        try:
-            fields = {k: str(item[k]).strip() for k in ("needle", "question", "answer")}
-            needles.append(Needle(**fields, id=str(item.get("id", f"needle-{i}")), kind=str(item.get("kind", ""))))
-        except (KeyError, TypeError, AttributeError):
-            raise InputError(f"Needle {i} in {where} needs the fields 'needle', 'question' and 'answer'.") from None
+        if not isinstance(item, dict) or not all(k in item for k in NEEDLE_FIELDS):
+            raise InputError(f"Needle {i} in {where} needs the fields 'needle', 'question' and 'answer'.")
+        for key in (*NEEDLE_FIELDS, "id", "kind"):
+            if key in item and not isinstance(item[key], str):
+                raise InputError(f"Needle {i} in {where}: field {key!r} must be a string, got {_json_kind(item[key])}.")
+        fields = {k: item[k].strip() for k in NEEDLE_FIELDS}
         if not all(fields.values()):
             raise InputError(f"Needle {i} in {where} has an empty needle, question or answer.")
+        needles.append(Needle(**fields, id=item.get("id", f"needle-{i}"), kind=item.get("kind", "")))
     return needles
 
 
@@ -189,6 +209,39 @@ def parse_needles(text: str) -> list[Needle]:
     if not needles:
         raise InputError("No needles given: write one per line as 'needle | question | answer'.")
     return needles
+
+
+MAX_LENGTH = 1 << 20
+"""The longest context length, in tokens, a sweep may be asked for (also the largest S and W): past
+any offered model's context, so a bound on what can be typed, not a setting; the model's own context
+is checked where the prompt is built (:func:`build_prompt`)."""
+
+
+def check_lengths(lengths: Sequence[int]) -> list[int]:
+    """Context lengths a request names, each a whole number of tokens from 1 to :data:`MAX_LENGTH`."""
+    out = []
+    for n in lengths:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_LENGTH:
+            shown = str(n) if len(str(n)) <= 12 else str(n)[:12] + "…"
+            raise InputError(f"Context lengths must be whole numbers of tokens from 1 to {MAX_LENGTH:,}, got {shown}.")
+        out.append(n)
+    if not out:
+        raise InputError("Give at least one context length.")
+    return out
+
+
+def check_streaming_window(sink: int, window: int, lengths: Sequence[int]) -> None:
+    """Refuse a streaming score's sink size S and window W that leave no query row to score.
+
+    The streaming score (:mod:`analysis.streaming`) reads the query rows after the first S + W
+    positions, so a prompt of at most ``min(lengths)`` tokens has none when S + W reaches it: every
+    head's score would be blank. The Heads page and ``headscope scan`` both ask this.
+    """
+    shortest = min(lengths)
+    if sink + window >= shortest:
+        raise InputError(f"S + W = {sink + window:,} leaves no query rows to score in a {shortest:,}-token prompt "
+                         "(the streaming score reads the rows after the first S + W): lower S or W, or use "
+                         "longer context lengths.")
 
 
 HAYSTACK_NAMES = ("prose", "passkey")

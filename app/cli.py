@@ -557,10 +557,10 @@ def cmd_scan(args) -> int:
 
     formats = _check_formats(args.formats, FIGURE_FORMATS)
     lengths, depths = args.lengths, args.depths
-    if args.sink + args.window >= min(lengths):
-        # the streaming score reads query rows past the first S + W positions: none would be left
-        raise UsageError(f"argument --sink/--window: S + W = {args.sink + args.window} leaves no query rows to score "
-                         f"in a {min(lengths)}-token prompt; keep it below the shortest of --lengths")
+    from analysis.niah import check_streaming_window  # the Heads page's rule too; imports no torch
+
+    with _argument("--sink/--window/--lengths"):  # S + W against the shortest length
+        check_streaming_window(args.sink, args.window, lengths)
     needles = _needles(args)
     with _argument("--haystack"):
         hay = load_haystack(args.haystack)

@@ -21,8 +21,15 @@ def number_list(text: Any, what: str, cast: type = float, most: int = 12) -> lis
     return values
 
 
-def whole_number(value: Any, what: str, low: int) -> int:
-    """A number box's value as an int of at least ``low`` (2.0 is 2; 2.5, text and booleans are refused)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < low:
-        raise InputError(f"{what} must be a whole number of at least {low}, got {value!r}.")
+def whole_number(value: Any, what: str, low: int, high: int | None = None) -> int:
+    """A number box's value as an int from ``low`` to ``high`` (2.0 is 2; 2.5, text and booleans are
+    refused). Give the box the same ``min`` and ``max``: the browser then sends nothing (None) for a
+    number outside them, and the message says so rather than echoing what was typed."""
+    bounds = f"from {low:,} to {high:,}" if high is not None else f"of at least {low:,}"
+    if value is None:
+        raise InputError(f"{what} must be a whole number {bounds}: the box is empty or holds a number outside that.")
+    if (isinstance(value, bool) or not isinstance(value, int | float) or value != value or value in (float("inf"), float("-inf"))
+            or value != int(value) or value < low or (high is not None and value > high)):
+        shown = repr(value) if len(repr(value)) <= 20 else repr(value)[:20] + "…"
+        raise InputError(f"{what} must be a whole number {bounds}, got {shown}.")
     return int(value)

@@ -60,7 +60,8 @@ def sweep_of(params: dict[str, Any]) -> RetrievalSweep:
     keys = store.find(str(key)) if key else []
     sweep = load_sweep(store, keys[0]) if len(keys) == 1 else None
     if sweep is None:
-        raise InputError(f"No stored sweep has the id {key!r}: run the sweep again.")
+        shown = str(key) if len(str(key)) <= 24 else str(key)[:24] + "…"
+        raise InputError(f"No stored sweep has the id {shown!r}: run the sweep again.")
     return sweep
 
 

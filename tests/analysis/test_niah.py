@@ -244,3 +244,49 @@ def test_a_chat_template_prompt_has_no_answer_cue(tiny, prose):
     assert p.text.endswith(f"Question: {NEEDLE.question} Answer in one short sentence.")
     assert p.token_ids == tiny.chat_ids(p.text)
     assert tiny.tokenizer.decode(p.token_ids).endswith("<|im_start|>assistant\n")
+
+
+def test_json_needles_whose_fields_are_not_strings_are_refused_naming_the_field():
+    """A needle's fields are text: null, a number, a boolean, a list or an object is refused with the
+    field and what it was (``str()`` made them "None", "7731", "['a']" before)."""
+    import json
+
+    from analysis.niah import parse_needles
+
+    good = {"needle": "The vault code is 7731.", "question": "What is the vault code?", "answer": "7731"}
+    for field in ("needle", "question", "answer", "id", "kind"):
+        for value, kind in ((None, "null"), (7731, "a number"), (1.5, "a number"), (True, "true"),
+                            (False, "false"), (["7731"], "a list"), ({"a": 1}, "an object")):
+            text = json.dumps([{**good, field: value}])
+            with pytest.raises(InputError, match=f"field '{field}' must be a string, got {kind}"):
+                parse_needles(text)
+    for raw in ('{"needles": "x"}', '{"needles": [5]}', '[null]', '[[]]', '"needle"'):
+        with pytest.raises(InputError):
+            parse_needles(raw)
+    # the shipped needles and well-formed own ones still read
+    assert parse_needles(json.dumps({"needles": [{**good, "id": "v", "kind": "number"}]}))[0].id == "v"
+    assert len(load_needles()) >= 1
+
+
+def test_context_lengths_and_the_streaming_window_are_checked_before_anything_runs():
+    """Whole numbers from 1 to MAX_LENGTH; S + W below the shortest length (the streaming score reads
+    the rows after the first S + W). Neither needs torch."""
+    import subprocess
+    import sys
+
+    from analysis.niah import MAX_LENGTH, check_lengths, check_streaming_window
+
+    assert check_lengths([160, 2048]) == [160, 2048]
+    for bad in ([-5], [0], [True], [MAX_LENGTH + 1], [10**300], ["512"], [2.0], [160, -1]):
+        with pytest.raises(InputError, match="Context lengths must be whole numbers of tokens from 1 to") as refused:
+            check_lengths(bad)
+        assert len(str(refused.value)) < 120, refused.value
+    with pytest.raises(InputError, match="at least one context length"):
+        check_lengths([])
+    check_streaming_window(4, 64, [69, 100])
+    for sink, window, lengths in ((4, 64, [68]), (0, 160, [160, 512]), (100, 60, [160])):
+        with pytest.raises(InputError, match=f"S \\+ W = {sink + window} leaves no query rows to score in a "
+                                             f"{min(lengths)}-token prompt"):
+            check_streaming_window(sink, window, lengths)
+    code = "import sys, analysis.niah; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "checking a request imported torch"

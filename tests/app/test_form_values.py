@@ -24,3 +24,16 @@ def test_whole_numbers_refuse_fractions_text_booleans_and_values_below_the_floor
     for bad in (2.5, "3", True, None, 0, [1]):
         with pytest.raises(InputError, match="Seeds must be a whole number of at least 1"):
             whole_number(bad, "Seeds", 1)
+
+
+def test_whole_numbers_with_a_ceiling_say_the_range_and_never_echo_a_long_value():
+    """A box's ``max`` past which the browser sends nothing (None): the message gives the range. A forged
+    huge, infinite or not-a-number value is refused with at most 20 characters of it."""
+    assert whole_number(0, "S", 0, 100) == 0 and whole_number(100.0, "S", 0, 100) == 100
+    with pytest.raises(InputError, match=r"S must be a whole number from 0 to 1,000: the box is empty"):
+        whole_number(None, "S", 0, 1000)
+    hostile = (101, -1, 10**300, -(10**300), float("inf"), float("-inf"), float("nan"), 1e300, 2.5, True, "50", [1], {})
+    for bad in hostile:
+        with pytest.raises(InputError, match="S must be a whole number from 0 to 100") as refused:
+            whole_number(bad, "S", 0, 100)
+        assert len(str(refused.value)) < 100, refused.value
