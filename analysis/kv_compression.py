@@ -18,8 +18,10 @@ groups ranked highest are full. Rankings (:data:`RANKINGS`) turn a per-query-hea
 head]`` into a per-group priority with :func:`analysis.detectors.group_heads`, the aggregation the
 Heads page shows: retrieval and evidence score by their group maximum (a group must stay full if
 any of its query heads retrieves), streaming score by ``max(1 − streaming)`` (a group may stream only
-if all its heads do); ``random`` draws a priority per seed; ``all_full`` and ``all_streaming``
-(StreamingLLM) are the two ends.
+if all its heads do); ``random`` draws a priority per seed; ``all_full`` and ``all_streaming`` are the
+two ends. ``all_streaming`` keeps StreamingLLM's cache (its sinks and window) with the positions the
+model saw; StreamingLLM itself renumbers positions within its cache (Xiao et al. 2023, positions
+"within the cache rather than in the original text"), which this masking does not.
 
 KV memory kept (:func:`kv_memory`), exact for the model's layout, for a cache of n tokens:
 

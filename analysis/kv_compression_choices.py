@@ -13,7 +13,7 @@ RANKING_LABELS = {
     "evidence": "Evidence score (group max)",
     "random": "Random groups",
     "all_full": "All full (uncompressed)",
-    "all_streaming": "All streaming (StreamingLLM)",
+    "all_streaming": "All streaming (StreamingLLM's sinks + window; positions kept, not renumbered)",
 }
 """Rankings of KV groups (higher = kept full first): :data:`analysis.kv_compression.RANKINGS` says how each
 orders the groups."""

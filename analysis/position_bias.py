@@ -22,6 +22,9 @@ score_U = 0 and gets 0. Flow keeps its exactness: both flows are exact max-flows
 
 The baselines depend only on (layers, t, r, sinks), so they are computed once per process and
 shared by the Flow page, the faithfulness protocol and exports.
+
+This correction is headscope's own: Abnar & Zuidema define rollout and flow, not this division, and
+no paper cited here proposes it.
 """
 
 from __future__ import annotations

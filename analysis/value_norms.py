@@ -16,9 +16,13 @@ can mislead. The paper's layer-level measure is the norm of each token's whole c
 With grouped-query attention head h reads the value of key-value group ⌊h / (H / G)⌋ (the
 ``repeat_kv`` layout of Hugging Face Llama). :func:`value_weighted_patterns` returns N_l with each
 row divided by its sum, shaped like attention patterns with one head, so raw attention, rollout
-and flow (:mod:`analysis.rollout`, :mod:`analysis.flow`) run on it unchanged: "value-weighted
-attention" and "value-weighted rollout" (Kobayashi et al. apply the same substitution to
-rollout-style aggregation in their follow-up, EMNLP 2021, arXiv:2109.07152).
+and flow (:mod:`analysis.rollout`, :mod:`analysis.flow`) run on it unchanged.
+
+Where each part comes from: the norms N_l are Kobayashi et al. 2020 ("Attention is Not Only a
+Weight: Analyzing Transformers with Vector Norms", EMNLP 2020), who read them one layer at a time.
+"Value-weighted attention" is their measure at one layer, rows renormalised. "Value-weighted
+rollout" multiplies those rows across layers as attention rollout does (Abnar & Zuidema 2020,
+arXiv:2005.00928): that combination is headscope's own, defined in neither paper.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ CORRECTION_NOTE = (
     "These two strips divide each value by the same quantity computed on uniform causal attention (every "
     "token spreading its attention evenly over what it can see), then normalise to sum 1: what remains is "
     "how much more (or less) the model routes to a token than its position alone would. Their own shared "
-    "colour scale.")
+    "colour scale. This correction is headscope's own, not from Abnar & Zuidema.")
 
 
 def strip_panel(method: str) -> html.Div:
