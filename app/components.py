@@ -6,7 +6,9 @@ error banner and the download live in the app shell (``app.server``), so every p
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -203,6 +205,44 @@ def show_in_shell(prefix: str) -> None:
                         Output(ids.ERROR, "children", allow_duplicate=True),
                         Input(url_patch_id(prefix), "data"), State(url_id(prefix), "search"),
                         prevent_initial_call=True)
+
+
+def register_url_keys(prefix: str, name: str, keys: Sequence[str]) -> str:
+    """The id of a store that holds the values of ``keys`` in the page's URL and changes only when one
+    of them does (assets/url_keys.js); put ``dcc.Store(id=...)`` in the page's layout. A callback drawn
+    from it runs when its figures' keys change, not on every change of the URL (a head click does not
+    redraw what does not show the head)."""
+    store = f"{prefix}-hs-keys-{name}"
+    clientside_callback(
+        f"(search, current) => window.dash_clientside.headscope_keys.pick(search, current, {json.dumps(list(keys))})",
+        Output(store, "data"), Input(url_id(prefix), "search"), State(store, "data"))
+    return store
+
+
+STALE = "--hs-stale"
+"""The flag in a graph's style that marks its figure out of date while a job that replaces it runs
+(faded and captioned: assets/headscope.css). A style, not a class: a dcc.Graph re-renders for a new
+figure, id or style only."""
+
+
+def show_busy(button: str, status: str, progress: str | None = None, figures: Sequence[str] = ()) -> None:
+    """Show a long action as busy, the same way on every page (assets/busy.js): while ``button`` is
+    disabled because the action's job runs (the callback's ``running``), the ``status`` line says the
+    job is starting (:data:`app.jobs.STARTING`) until its first report, the ``progress`` bar runs
+    without a value, the error banner is cleared, and each of ``figures`` (graph ids) is marked
+    :data:`STALE`; when the button is enabled again the marks go. A cancellable job gets this from
+    :func:`app.jobs.cancellable_callback`; a page's background render calls it with its own button."""
+    from app.jobs import STARTING
+
+    outputs = [Output(ids.ERROR, "children", allow_duplicate=True), Output(status, "children", allow_duplicate=True)]
+    if progress is not None:
+        outputs.append(Output(progress, "value", allow_duplicate=True))
+    outputs += [Output(figure, "style", allow_duplicate=True) for figure in figures]
+    clientside_callback(
+        f"(busy, status, ...styles) => window.dash_clientside.headscope_busy.state(busy, status, styles, "
+        f"{json.dumps(STARTING)}, {'true' if progress is not None else 'false'})",
+        *outputs, Input(button, "disabled"), State(status, "children"),
+        *[State(figure, "style") for figure in figures], prevent_initial_call=True)
 
 
 PROMPT_POLICY_TITLE = ("How a text becomes the model's tokens: a BOS the model expects is prepended and shown "

@@ -65,6 +65,8 @@ log = logging.getLogger(__name__)
 os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
 _manager = None
+STARTING = "Starting…"
+"""A job's caption from its button's click to its first progress report (:func:`app.components.show_busy`)."""
 
 
 class RefusedPickle(OSError):
@@ -117,7 +119,7 @@ class JSONJobDisk(diskcache.Disk):
 
 
 def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: str, status: str,
-                         preview: str | None = None, **kwargs):
+                         preview: str | None = None, stale: tuple[str, ...] = (), **kwargs):
     """Dash's ``callback`` for a cancellable background job, as a decorator: progress bar ``progress``
     with its caption ``status``, the ``run`` button (if any) disabled while the job runs, and the
     ``cancel`` button enabled by the job's own progress reports.
@@ -131,8 +133,12 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
     when Run is pressed, so a job still waiting in the queue can be cancelled.)
 
     The decorated function takes ``set_progress`` first, with (value, max, text) as before; it reports
-    (0, 100, "") as soon as the job starts, so Cancel does not wait for its first real report. When the
+    (0, 100, :data:`STARTING`) as soon as the job starts, so Cancel does not wait for its first real report. When the
     job ends or is cancelled the bar is empty again.
+
+    From the moment the job starts (``run`` disabled) it is shown as busy, as every long action is
+    (:func:`app.components.show_busy`): the caption says it is starting, the banner is cleared, and the
+    figures in ``stale`` (graph ids: those its result will replace) are marked out of date until it ends.
 
     ``preview``: a store the job can fill before it ends, with ``set_progress(value, data)``: the page
     draws from it what the job has already computed (the Attention grid while the run is stored). It
@@ -149,7 +155,7 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
                 # Cancel enabled: the page polls this job by its handle
                 set_progress((*value, False, early) if preview else (*value, False))
 
-            report((0, 100, ""))
+            report((0, 100, STARTING))  # not "": the caption says the job runs until its first report
             return fn(report, *args, **named)
 
         # the job ended or was cancelled (Cancel went off): the bar is empty again, as on a fresh page,
@@ -164,6 +170,9 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
         running = [(Output(cancel, "disabled"), not redis_url(), True)]
         if run is not None:
             running.insert(0, (Output(run, "disabled"), True, False))
+            from app.components import show_busy  # not at the top: app.components imports this module
+
+            show_busy(run, status, progress, stale)
         reports = [Output(progress, "value"), Output(progress, "max"), Output(status, "children"),
                    Output(cancel, "disabled")]
         if preview:

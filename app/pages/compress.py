@@ -30,7 +30,7 @@ from analysis.kv_compression_choices import (
     RANKINGS,
 )
 from analysis.models import load_model
-from analysis.niah import load_needles, named_haystack
+from analysis.niah import MAX_LENGTH, check_lengths, load_needles, named_haystack
 from app import ids
 from app.components import (
     GRAPH_CONFIG,
@@ -122,10 +122,10 @@ def layout(**_query) -> html.Div:
                     dcc.Input(id=ids.KV_SEEDS, type="number", min=1, max=MAX_SEEDS, step=1, value=DEFAULT_SEEDS,
                               className="hs-number"),
                     html.Label("S (sinks)", htmlFor=ids.KV_SINK),
-                    dcc.Input(id=ids.KV_SINK, type="number", min=0, step=1, value=DEFAULT_SINK_SIZE,
+                    dcc.Input(id=ids.KV_SINK, type="number", min=0, max=MAX_LENGTH, step=1, value=DEFAULT_SINK_SIZE,
                               className="hs-number"),
                     html.Label("W (recent)", htmlFor=ids.KV_RECENT),
-                    dcc.Input(id=ids.KV_RECENT, type="number", min=1, step=1, value=DEFAULT_RECENT_SIZE,
+                    dcc.Input(id=ids.KV_RECENT, type="number", min=1, max=MAX_LENGTH, step=1, value=DEFAULT_RECENT_SIZE,
                               className="hs-number"),
                 ], className="hs-options"),
                 html.P("S and W default to DuoAttention's shipped patterns (sink_size 128, recent_size 256); "
@@ -315,7 +315,7 @@ def _sweep(model, sweep_id, needle_ids, lengths, depths, haystack, set_progress)
     chosen = [n for n in load_needles() if n.id in set(needle_ids or [])]
     if not chosen:
         raise InputError("Tick at least one needle, or give a stored sweep's id.")
-    lengths_ = number_list(lengths, "Context lengths", int)
+    lengths_ = check_lengths(number_list(lengths, "Context lengths", int))
     depths_ = number_list(depths, "Depths")
     return sweep(model, chosen, lengths_, depths_, named_haystack(haystack or "prose"), store=get_context().store,
                  progress=trial_progress(set_progress, len(lengths_) * len(depths_) * len(chosen)))
@@ -339,7 +339,7 @@ def _sweep(model, sweep_id, needle_ids, lengths, depths, haystack, set_progress)
     State(ids.KV_RECENT, "value"),
     State(url_id(PREFIX), "search"),
     run=ids.KV_RUN, cancel=ids.KV_CANCEL, progress=ids.KV_PROGRESS, status=ids.KV_STATUS,
-    prevent_initial_call=True,
+    stale=(ids.KV_PARETO, ids.KV_POLICY), prevent_initial_call=True,
 )
 def run_compress(set_progress, n_clicks, sweep_id, needle_ids, lengths, depths, haystack, model_spec, rankings,
                  fractions, seeds, sink, recent, search):
@@ -353,20 +353,22 @@ def run_compress(set_progress, n_clicks, sweep_id, needle_ids, lengths, depths, 
     started = time.monotonic()
     try:
         context = get_context()
-        model = load_model(offered_model(model_spec))
+        spec = offered_model(model_spec)
         chosen = [r for r in RANKINGS if r in (rankings or [])]
         if not chosen:
             raise InputError("Tick at least one ranking.")
         fractions_ = number_list(fractions, "Fractions of KV groups kept full", most=MAX_FRACTIONS)
         if any(not 0 <= f <= 1 for f in fractions_):
-            raise InputError(f"Fractions of KV groups kept full must be between 0 and 1, got {fractions!r}.")
-        n_seeds = whole_number(seeds, "Random seeds", 1)
-        sink_, recent_ = whole_number(sink, "S (sinks)", 0), whole_number(recent, "W (recent tokens)", 1)
+            raise InputError(f"Fractions of KV groups kept full must be between 0 and 1, got {str(fractions)[:40]!r}.")
+        n_seeds = whole_number(seeds, "Random seeds", 1, MAX_SEEDS)
+        sink_ = whole_number(sink, "S (sinks)", 0, MAX_LENGTH)
+        recent_ = whole_number(recent, "W (recent tokens)", 1, MAX_LENGTH)
         if not (sweep_id or "").strip():  # said before the sweep runs (compress_sweep checks the prompts too)
-            shortest = min(number_list(lengths, "Context lengths", int))
+            shortest = min(check_lengths(number_list(lengths, "Context lengths", int)))
             if sink_ + recent_ >= shortest:
                 raise InputError(f"S + W = {sink_ + recent_} keeps every key of a {shortest}-token prompt: nothing "
                                  "to compress. Lower S or W, or use longer context lengths.")
+        model = load_model(spec)  # once the form is known to be runnable
         found = _sweep(model, sweep_id, needle_ids, lengths, depths, haystack, set_progress)
         if not found.trials:
             return no_update, message("The sweep has no finished trial."), "Not run: see the message above."

@@ -4,10 +4,12 @@ trials show why it scored."""
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 
 import dash
-from dash import Input, Output, State, callback, dash_table, dcc, html, no_update
+from dash import Input, Output, Patch, State, callback, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
 from analysis.head_scores import LABELS
@@ -15,13 +17,16 @@ from analysis.models import load_model
 from analysis.niah import (
     DEFAULT_DEPTH_RULE,
     DEPTH_RULE_DESCRIPTIONS,
+    MAX_LENGTH,
+    check_lengths,
+    check_streaming_window,
     load_needles,
     named_haystack,
     parse_needles,
 )
 from analysis.retrieval import SweepSettings, sweep, sweep_settings
 from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
-from app import ids
+from app import figures, ids
 from app.components import (
     GRAPH_CONFIG,
     PROMPT_POLICY_TITLE,
@@ -33,6 +38,7 @@ from app.components import (
     query_store_id,
     register_export,
     register_upload,
+    register_url_keys,
     shell_stores,
     show_in_shell,
     upload_field,
@@ -43,21 +49,57 @@ from app.components import (
     url_patch_id,
 )
 from app.context import get_context
-from app.errors import guarded, message
+from app.errors import USER_ERRORS, guarded, message
 from app.form_values import number_list, whole_number
 from app.jobs import cancellable_callback, in_job, on_workers, progress_reporter, trial_progress
 from app.url_state import parse
 from app.views import VIEWS, names
-from app.views.heads import AGGREGATES, head_scores_of, head_trials, sweep_of, sweep_params
+from app.views.heads import (
+    AGGREGATES,
+    check_sweep_head,
+    head_scores_of,
+    head_trials,
+    retrieval_table,
+    sweep_of,
+    sweep_params,
+)
 
 dash.register_page(__name__, path="/heads", name="Heads", title="headscope — retrieval and streaming heads", order=2)
 
 PREFIX = "heads"
+log = logging.getLogger("headscope.app")
 EMPTY = empty_figure("Run a sweep to score every head.")
+NO_STEPS = empty_figure("Click a head in the map, then a trial.")
 TOP_K = 20
+FIGURES = (ids.HEADS_GRID, ids.HEADS_HIST, ids.HEADS_SCATTER, ids.HEADS_SCORE_GRID, ids.HEADS_MASS, ids.HEADS_NIAH,
+           ids.HEADS_STEPS)  # what a new sweep replaces
 KEEP = {"persistence": True, "persistence_type": "session"}  # settings survive the page's re-render
 NEEDLES_HINT = ("Your own needles, one per line: needle | question | answer — e.g. "
                 "The vault code is 7731. | What is the vault code? | 7731 (or paste needles.json).")
+
+
+# The page's figures in four groups, each drawn from the URL keys its figures show (a store per group,
+# changed only when those keys change: app.components.register_url_keys). A click on a head redraws its
+# trials and decode steps and moves the outline on both maps; a trial redraws its decode steps only.
+SELECTION = ("layer", "head")  # drawn as an outline patched onto the maps (draw_selection), not by redrawing them
+
+
+def _url_keys(*views: str, more: tuple[str, ...] = (), less: tuple[str, ...] = SELECTION) -> list[str]:
+    """The URL keys the ``views`` are drawn from (each view's own params, and the model), with ``more``
+    and without ``less``."""
+    return sorted({"model", *more, *(p for v in views for p in VIEWS[v].params)} - set(less))
+
+
+KEYS = {
+    "sweep": register_url_keys(PREFIX, "sweep", _url_keys(
+        names.RETRIEVAL_GRID, names.RETRIEVAL_HISTOGRAM, names.NIAH_GRID, more=("sink_size", "window"))),  # + info
+    "scores": register_url_keys(PREFIX, "scores", _url_keys(
+        names.RETRIEVAL_SCATTER, names.HEAD_SCORE_GRID, names.SCORE_MASS)),
+    "selection": register_url_keys(PREFIX, "selection", ["agg", "head", "layer", "sweep"]),  # outlines, trials
+    "steps": register_url_keys(PREFIX, "steps", _url_keys(names.TRIAL_STEPS, less=())),
+}
+GRID_DRAWN = f"{PREFIX}-hs-grid-drawn"  # the retrieval map's shape ([layers, heads]) once drawn, else None
+SCORES_DRAWN = f"{PREFIX}-hs-scores-drawn"  # the same for the score map
 
 
 def _needle_options():
@@ -87,9 +129,10 @@ def _sweep_settings() -> html.Div:
                     {"label": "passkey (synthetic filler)", "value": "passkey"},
                     {"label": "my own (paste or upload below)", "value": "custom"}]),
                 html.Label("Streaming score: sink size S, window W", htmlFor=ids.HEADS_SINK),
-                html.Div([dcc.Input(id=ids.HEADS_SINK, **KEEP, type="number", min=0, value=DEFAULT_SINK,
+                html.Div([dcc.Input(id=ids.HEADS_SINK, **KEEP, type="number", min=0, max=MAX_LENGTH, step=1, value=DEFAULT_SINK,
                                     className="hs-number"),
-                          dcc.Input(id=ids.HEADS_WINDOW, **KEEP, type="number", min=1, value=DEFAULT_WINDOW,
+                          dcc.Input(id=ids.HEADS_WINDOW, **KEEP, type="number", min=1, max=MAX_LENGTH, step=1,
+                                    value=DEFAULT_WINDOW,
                                     className="hs-number")]),
                 html.Label("Needle placed at", htmlFor=ids.HEADS_DEPTH_RULE),
                 dcc.RadioItems(id=ids.HEADS_DEPTH_RULE, **KEEP, value=DEFAULT_DEPTH_RULE, options=[
@@ -118,6 +161,7 @@ def layout(**_query) -> html.Div:
             shell_stores(PREFIX),
             dcc.Store(id=query_store_id(PREFIX)),
             dcc.Store(id=ids.HEADS_FORM_SWEEP),
+            *[dcc.Store(id=store) for store in (*KEYS.values(), GRID_DRAWN, SCORES_DRAWN)],
             html.P(id=ids.HEADS_FORM_NOTE, className="hs-hint", role="status"),
             _sweep_settings(),
             html.Div(
@@ -186,8 +230,7 @@ def layout(**_query) -> html.Div:
                     dash_table.DataTable(id=ids.HEADS_TRIALS, sort_action="native", page_size=12,
                                          style_cell={"fontFamily": "inherit", "fontSize": 13, "padding": "3px 8px",
                                                      "whiteSpace": "normal", "textAlign": "left"}),
-                    dcc.Graph(id=ids.HEADS_STEPS, figure=empty_figure("Click a head in the map, then a trial."),
-                              config=GRAPH_CONFIG),
+                    dcc.Graph(id=ids.HEADS_STEPS, figure=NO_STEPS, config=GRAPH_CONFIG),
                     export_bar(PREFIX, names.TRIAL_STEPS),
                 ],
                 className="hs-panel",
@@ -280,12 +323,13 @@ def _form_values(settings: SweepSettings) -> tuple[list[str], str, str, str, str
     Output(ids.HEADS_STOP_NEWLINE, "value"),
     Output(ids.HEADS_FORM_NOTE, "children"),
     Output(ids.HEADS_FORM_SWEEP, "data"),
-    Input(url_id(PREFIX), "search"),
+    Input(KEYS["sweep"], "data"),  # not every change of the URL: a head or trial click leaves the form
+    State(url_id(PREFIX), "search"),
     State(ids.HEADS_FORM_SWEEP, "data"),
     State(ids.HEADS_CUSTOM_HAYSTACK, "value"),
-    prevent_initial_call="initial_duplicate",
+    prevent_initial_call=True,
 )
-def form_from_sweep(search, filled, own_haystack):
+def form_from_sweep(_keys, search, filled, own_haystack):
     """A link with ``sweep=`` fills the form with that sweep's own settings
     (:func:`analysis.retrieval.sweep_settings`), not the defaults, so Run reruns that sweep."""
     state = parse(search)
@@ -324,7 +368,7 @@ def form_from_sweep(search, filled, own_haystack):
     State(ids.HEADS_STOP_NEWLINE, "value"),
     State(url_id(PREFIX), "search"),
     run=ids.HEADS_RUN, cancel=ids.HEADS_CANCEL, progress=ids.HEADS_PROGRESS, status=ids.HEADS_STATUS,
-    prevent_initial_call=True,
+    stale=FIGURES, prevent_initial_call=True,
 )
 def run_sweep(set_progress, n_clicks, needle_ids, custom_needles, lengths, depths, haystack, custom_haystack,
               sink, window, depth_rule, stop_newline, search):
@@ -332,17 +376,21 @@ def run_sweep(set_progress, n_clicks, needle_ids, custom_needles, lengths, depth
     if not n_clicks:
         raise PreventUpdate
     try:
+        # the form first, so a request that cannot run says so before the model loads
+        chosen = _needles(needle_ids, custom_needles)
+        lengths_ = check_lengths(number_list(lengths, "Context lengths", int))
+        depths_ = number_list(depths, "Depths")
+        sink_ = whole_number(sink, "The sink size S", 0, MAX_LENGTH)
+        window_ = whole_number(window, "The window W", 1, MAX_LENGTH)
+        check_streaming_window(sink_, window_, lengths_)
         context = get_context()
         model = load_model(context.default_model)
-        chosen = _needles(needle_ids, custom_needles)
-        lengths_ = number_list(lengths, "Context lengths", int)
-        depths_ = number_list(depths, "Depths")
-        sink_, window_ = whole_number(sink, "The sink size S", 0), whole_number(window, "The window W", 1)
         result = sweep(model, chosen, lengths_, depths_, _haystack(haystack, custom_haystack), store=context.store,
                        depth_rule=depth_rule or DEFAULT_DEPTH_RULE, stop_at_newline=bool(stop_newline),
                        progress=trial_progress(set_progress, len(lengths_) * len(depths_) * len(chosen)))
         if not result.trials:
             return no_update, "No trial finished.", ""
+        check_streaming_window(sink_, window_, [len(t.prompt_ids) for t in result.trials])  # as built: may be shorter
         state = parse(search)
         state.sweep, state.trial = result.key[:16], None
         state.sink_size = None if sink_ == DEFAULT_SINK else sink_
@@ -355,55 +403,45 @@ def run_sweep(set_progress, n_clicks, needle_ids, custom_needles, lengths, depth
     return url_patch(search, state.to_search(), reset=("trial",)), note, ""
 
 
+def _whole(state) -> dict:
+    """A sweep view's params for a map drawn whole: without the selected head, which is patched on."""
+    return {**sweep_params(state), "layer": None, "head": None}
+
+
 @callback(
     Output(ids.HEADS_GRID, "figure"),
     Output(ids.HEADS_TOPK, "data"),
     Output(ids.HEADS_HIST, "figure"),
-    Output(ids.HEADS_SCATTER, "figure"),
     Output(ids.HEADS_NIAH, "figure"),
-    Output(ids.HEADS_SCORE_GRID, "figure"),
-    Output(ids.HEADS_MASS, "figure"),
-    Output(ids.HEADS_TRIALS, "data"),
-    Output(ids.HEADS_STEPS, "figure"),
     Output(ids.HEADS_INFO, "children"),
     Output(ids.HEADS_AGG, "value"),
-    Output(ids.HEADS_SCORE, "value"),
-    Output(ids.HEADS_STAT, "value"),
+    Output(GRID_DRAWN, "data"),
     Output(ids.ERROR, "children", allow_duplicate=True),
-    Input(url_id(PREFIX), "search"),
+    Input(KEYS["sweep"], "data"),
+    State(url_id(PREFIX), "search"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
-    prevent_initial_call="initial_duplicate",
+    prevent_initial_call=True,
 )
-@guarded(outputs=14)
-def render(search):
+@guarded(outputs=8)
+def draw_sweep(_keys, search):
+    """The sweep's own figures (retrieval map, top 20, histogram, NIAH accuracy, its chips); the
+    banner says what is wrong with the link."""
     state = parse(search)
     problems = list(state.problems)
-    blank = (EMPTY, [], EMPTY, EMPTY, EMPTY, EMPTY, EMPTY, [], empty_figure("Click a head in the map, then a trial."),
-             "", state.agg, state.score, state.stat)
+    blank = (EMPTY, [], EMPTY, EMPTY, "", state.agg, None)
     if state.sweep is None:
         return (*blank, message(problems))
     try:
         sw = sweep_of({"sweep": state.sweep})
     except ValueError as e:
         return (*blank, message([*problems, str(e)]))
-    params = sweep_params(state)
+    params = _whole(state)
     grid, grid_rows = VIEWS[names.RETRIEVAL_GRID].build(None, params)
     top = sorted(grid_rows, key=lambda r: -r["retrieval"] if r["retrieval"] == r["retrieval"] else 1)[:TOP_K]
     for r in top:
         r["retrieval"] = round(r["retrieval"], 4)
     hist, _ = VIEWS[names.RETRIEVAL_HISTOGRAM].build(None, params)
     niah, _ = VIEWS[names.NIAH_GRID].build(None, params)
-    try:
-        scatter, _ = VIEWS[names.RETRIEVAL_SCATTER].build(None, params)
-        score_grid, _ = VIEWS[names.HEAD_SCORE_GRID].build(None, params)
-        mass, _ = VIEWS[names.SCORE_MASS].build(None, params)
-    except ValueError as e:  # e.g. a linked score this sweep does not have
-        problems.append(str(e))
-        scatter = score_grid = mass = EMPTY
-    trials, steps = [], empty_figure("Click a head in the map, then a trial.")
-    if state.layer is not None and state.head is not None:
-        trials = head_trials(sw, state.layer, state.head)
-        steps, _ = VIEWS[names.TRIAL_STEPS].build(None, params)
     info = html.Div([
         html.Span(f"sweep {sw.key[:12]}", className="hs-chip"),
         html.Span(f"{sw.n_counted}/{sw.n_trials} trials counted (ROUGE-1 recall > 0.5)", className="hs-chip"),
@@ -416,8 +454,116 @@ def render(search):
         dcc.Link("Ablate the top retrieval heads →", href=f"/ablation?sweep={sw.key[:16]}&by=retrieval",
                  id=ids.HEADS_ABLATE_LINK, className="hs-chip"),
     ])
-    return (grid, top, hist, scatter, niah, score_grid, mass, trials, steps, info, state.agg, state.score,
-            state.stat, message(problems))
+    shape = list(retrieval_table(sw, state.agg).shape)
+    return grid, top, hist, niah, info, state.agg, {"shape": shape, "sweep": sw.key}, message(problems)
+
+
+def _in_place(n_figures: int, n_outputs: int):
+    """A callback whose problem is shown in its figures' place (its first ``n_figures`` outputs; the
+    others are left as they are), not in the banner, which :func:`draw_sweep` owns."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args):
+            try:
+                return fn(*args)
+            except PreventUpdate:
+                raise
+            except USER_ERRORS as e:
+                text = str(e)
+            except Exception as e:  # a bug: logged with its traceback, a short message shown
+                log.exception("callback %s failed", fn.__name__)
+                text = f"Something went wrong ({type(e).__name__}). The server log has the details."
+            shown = empty_figure(text)
+            out = tuple(shown if i < n_figures else no_update for i in range(n_outputs))
+            return out if n_outputs > 1 else out[0]
+        return inner
+    return wrap
+
+
+@callback(
+    Output(ids.HEADS_SCATTER, "figure"),
+    Output(ids.HEADS_SCORE_GRID, "figure"),
+    Output(ids.HEADS_MASS, "figure"),
+    Output(ids.HEADS_SCORE, "value"),
+    Output(ids.HEADS_STAT, "value"),
+    Output(SCORES_DRAWN, "data"),
+    Input(KEYS["scores"], "data"),
+    State(url_id(PREFIX), "search"),
+    **on_workers(),
+    prevent_initial_call=True,
+)
+@_in_place(3, 6)
+def draw_scores(_keys, search):
+    """The other per-head scores over the sweep's prompts: the score map, retrieval against the score,
+    and its cumulative mass; a score this sweep does not have is said in their place."""
+    state = parse(search)
+    if state.sweep is None:
+        return EMPTY, EMPTY, EMPTY, state.score, state.stat, None
+    try:
+        sw = sweep_of({"sweep": state.sweep})
+    except ValueError:  # the banner says so (draw_sweep)
+        return EMPTY, EMPTY, EMPTY, state.score, state.stat, None
+    params = _whole(state)
+    scatter, _ = VIEWS[names.RETRIEVAL_SCATTER].build(None, params)
+    score_grid, _ = VIEWS[names.HEAD_SCORE_GRID].build(None, params)
+    mass, _ = VIEWS[names.SCORE_MASS].build(None, params)
+    return scatter, score_grid, mass, state.score, state.stat, {"shape": list(sw.scores.shape), "sweep": sw.key}
+
+
+def _outline(drawn, head: tuple[int, int] | None):
+    """The selected head's outline as a patch of a map drawn whole (``drawn``: its shape), or no change
+    when no map is drawn there (an outline on an empty figure would float over nothing)."""
+    shape = drawn.get("shape") if isinstance(drawn, dict) else None
+    if not (isinstance(shape, list) and len(shape) == 2):
+        return no_update
+    patch = Patch()
+    inside = head is not None and 0 <= head[0] < shape[0] and 0 <= head[1] < shape[1]
+    patch["layout"]["shapes"] = [figures.head_outline(*head)] if inside else []
+    return patch
+
+
+@callback(
+    Output(ids.HEADS_GRID, "figure", allow_duplicate=True),
+    Output(ids.HEADS_SCORE_GRID, "figure", allow_duplicate=True),
+    Output(ids.HEADS_TRIALS, "data"),
+    Input(KEYS["selection"], "data"),
+    Input(GRID_DRAWN, "data"),  # after a map is drawn whole (Dash waits for draw_sweep and draw_scores)
+    Input(SCORES_DRAWN, "data"),
+    State(url_id(PREFIX), "search"),
+    **on_workers(),
+    prevent_initial_call=True,
+)
+def draw_selection(_keys, grid_drawn, scores_drawn, search):
+    """The selected head: its outline on both maps (on the retrieval map only under the query-head
+    aggregation, whose cells are heads), and its trials when the head or sweep changed."""
+    state = parse(search)
+    head = (state.layer, state.head) if state.layer is not None and state.head is not None else None
+    trials = no_update
+    if f"{KEYS['selection']}.data" in dash.ctx.triggered_prop_ids:
+        trials = []
+        if state.sweep is not None and head is not None:
+            try:
+                sw = sweep_of({"sweep": state.sweep})
+                trials = head_trials(sw, *check_sweep_head(sw, *head))
+            except ValueError:  # no such sweep (the banner says so) or head (the decode steps say so)
+                trials = []
+    return _outline(grid_drawn, head if state.agg == "query" else None), _outline(scores_drawn, head), trials
+
+
+@callback(
+    Output(ids.HEADS_STEPS, "figure"),
+    Input(KEYS["steps"], "data"),
+    State(url_id(PREFIX), "search"),
+    **on_workers(),
+    prevent_initial_call=True,
+)
+@_in_place(1, 1)
+def draw_steps(_keys, search):
+    """The selected head's attention row at each decode step of the selected trial."""
+    state = parse(search)
+    if state.sweep is None or state.layer is None or state.head is None:
+        return NO_STEPS
+    return VIEWS[names.TRIAL_STEPS].build(None, sweep_params(state))[0]
 
 
 @callback(

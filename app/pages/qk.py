@@ -21,6 +21,7 @@ from app.components import (
     register_export,
     register_upload,
     shell_stores,
+    show_busy,
     upload_field,
     upload_file,
     upload_file_id,
@@ -295,6 +296,9 @@ def render(set_progress, search):
 
 
 NO_QUERY = empty_figure("Click a query to attribute its logits.")
+# while render's job runs (Show disabled): "Starting…", the banner cleared, the head's figures marked out of date
+show_busy(ids.QK_SHOW, ids.QK_STATUS, ids.QK_PROGRESS, (ids.QK_SCATTER, ids.QK_SPECTRUM, ids.QK_ATTRIBUTION,
+                                                          ids.QK_LAYER_VIEW))
 
 
 def _optional(view: str, params: dict):

@@ -158,3 +158,38 @@ def test_compress_journey(server, page, real_model, reference):
     assert other.input_value("#hs-kv-fractions") == "0.25,0.5" and other.input_value("#hs-kv-sink") == str(SINK)
     other.close()
     assert proc.poll() is None
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_compress_inputs_have_bounds_and_say_them(server, page):
+    """A negative context length, and an S of 300 digits (past the box's maximum, which the browser then
+    does not send): each refused before anything runs, with the bound, never echoing what was typed."""
+    url, proc, _ = server
+    page.goto(url + "compress")
+    page.wait_for_selector("#hs-kv-run", timeout=240_000)
+    fill_form(page)
+
+    def refused(before: str) -> str:
+        """Run, and the banner's new message (not ``before``, the last one)."""
+        page.wait_for_function("!document.querySelector('#hs-kv-run').disabled", timeout=120_000)
+        page.click("#hs-kv-run")
+        page.wait_for_function("b => { const t = (document.querySelector('#hs-error')?.innerText || '').trim(); "
+                               "return (t && t !== b) || new URLSearchParams(location.search).has('compress'); }",
+                               arg=before, timeout=240_000)
+        assert "compress=" not in page.url
+        return page.inner_text("#hs-error").strip()
+
+    page.fill("#hs-kv-lengths", "-5")
+    shown = refused("")
+    assert "Context lengths must be whole numbers of tokens from 1 to 1,048,576, got -5" in shown
+    assert "-5-token" not in shown and "−5-token" not in shown
+
+    page.fill("#hs-kv-lengths", str(LENGTH))
+    digits = "9" * 300
+    page.fill("#hs-kv-sink", digits)
+    shown = refused(shown)
+    assert "S (sinks) must be a whole number from 0 to 1,048,576" in shown
+    assert "999999999999" not in shown and len(shown) < 200, shown
+    assert proc.poll() is None

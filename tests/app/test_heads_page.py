@@ -129,3 +129,129 @@ def test_count_progress_names_its_items_and_estimates_the_time_left(tmp_path):
     report(1.0)
     assert [text for _, _, text in shown] == [
         "head 1 of 270 (0%)", "head 10 of 270 (3%), about 3 min left", "head 270 of 270 (100%)"]
+
+
+FIGURES = ("hs-heads-grid", "hs-heads-hist", "hs-heads-scatter", "hs-heads-niah", "hs-heads-score-grid",
+           "hs-heads-mass", "hs-heads-steps")
+# the figure objects Dash holds for the page's graphs, kept to be compared after a click
+KEEP_FIGURES = "ids => { window.__figures = Object.fromEntries(ids.map(id => [id, window.dash_component_api.getLayout(id).props.figure])); }"
+UNTOUCHED = "ids => ids.filter(id => window.dash_component_api.getLayout(id).props.figure === window.__figures[id])"
+
+
+def _asked(requests: list[str]) -> set[str]:
+    """The components whose properties the server was asked for (every callback request names its outputs)."""
+    import json
+
+    out = set()
+    for body in requests:
+        output = json.loads(body).get("output", "")
+        out |= {part.split(".")[0] for part in output.strip(".").split("...") if part}
+    return out
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+@pytest.mark.timeout(600)  # a one-trial sweep on a loaded 2-core machine
+def test_a_click_redraws_only_the_figures_that_show_what_it_changed(server, page):
+    from tests.app.test_browser import click_cell, settle
+
+    url, proc, _ = server
+    open_heads(page, url)
+    page.fill("#hs-heads-custom-needles", NEEDLE)
+    page.fill("#hs-heads-lengths", "160")
+    page.fill("#hs-heads-depths", "35")
+    select_option(page, "hs-heads-haystack", "passkey")
+    page.click("#hs-heads-run")
+    page.wait_for_function("location.search.includes('sweep=')", timeout=400_000)
+    page.wait_for_selector("#hs-heads-grid .heatmaplayer .hm")
+    wait_title(page, "hs-heads-score-grid", "Streaming score")
+    page.wait_for_selector("#hs-heads-topk td[data-dash-column='head']")
+    settle(page)
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.post_data) if "_dash-update-component" in r.url else None)
+
+    # a head on the map: its outline on both maps, its trials and decode steps; the rest stays as drawn
+    layer = int(page.locator("#hs-heads-topk td[data-dash-column='layer']").first.inner_text())
+    head = int(page.locator("#hs-heads-topk td[data-dash-column='head']").first.inner_text())
+    page.evaluate(KEEP_FIGURES, list(FIGURES))
+    click_cell(page, "hs-heads-grid", col=head, row=layer, n_cols=9, n_rows=30)
+    wait_title(page, "hs-heads-steps", f"Layer {layer}, head {head}, trial 0", timeout=240_000)
+    page.wait_for_selector("#hs-heads-trials td[data-dash-column='response']")
+    settle(page)
+    assert set(page.evaluate(UNTOUCHED, list(FIGURES))) == {"hs-heads-hist", "hs-heads-scatter", "hs-heads-niah",
+                                                            "hs-heads-mass"}
+    asked = _asked(requests)
+    assert asked & {"hs-heads-hist", "hs-heads-scatter", "hs-heads-niah", "hs-heads-mass", "hs-heads-topk"} == set(), asked
+    outlines = page.evaluate("""() => ['hs-heads-grid', 'hs-heads-score-grid'].map(id => {
+        const s = (document.querySelector('#' + id + ' .js-plotly-plot')._fullLayout.shapes || [])[0];
+        return s ? [s.y0 + 0.5, s.x0 + 0.5] : null; })""")
+    assert outlines == [[layer, head], [layer, head]]
+
+    # a trial: its decode steps only
+    requests.clear()
+    page.evaluate(KEEP_FIGURES, list(FIGURES))
+    page.locator("#hs-heads-trials td[data-dash-column='response']").first.click()
+    page.wait_for_function("new URLSearchParams(location.search).get('trial') === '0'")
+    settle(page)
+    assert set(page.evaluate(UNTOUCHED, list(FIGURES))) == set(FIGURES) - {"hs-heads-steps"}
+    asked = _asked(requests)
+    assert asked <= {"hs-heads-steps", "heads-hs-url"}, asked
+    assert proc.poll() is None
+
+
+def _sweep_refused(page, said: str = "") -> str:
+    """Wait until the page either refuses the sweep (a message saying ``said`` in the banner) or shows
+    one; the banner."""
+    page.wait_for_function("said => { const text = (document.querySelector('#hs-error')?.innerText || '').trim(); "
+                           "return (text !== '' && text.includes(said)) || location.search.includes('sweep='); }",
+                           arg=said, timeout=400_000)
+    assert "sweep=" not in page.evaluate("location.search"), "the sweep ran and was shown"
+    return error_text(page)
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_streaming_window_as_long_as_the_prompt_is_refused_as_the_cli_refuses_it(server, page):
+    """S + W at least the context length leaves the streaming score no query row: refused before the
+    sweep runs, with the message ``headscope scan`` gives (one rule, :func:`analysis.niah.check_streaming_window`)."""
+    url, proc, _ = server
+    open_heads(page, url)
+    page.fill("#hs-heads-custom-needles", NEEDLE)
+    page.fill("#hs-heads-lengths", "160")
+    page.fill("#hs-heads-depths", "50")
+    page.fill("#hs-heads-sink", "100")
+    page.fill("#hs-heads-window", "60")
+    select_option(page, "hs-heads-haystack", "passkey")
+    page.click("#hs-heads-run")
+    shown = _sweep_refused(page)
+    from analysis.errors import InputError
+    from analysis.niah import check_streaming_window
+
+    with pytest.raises(InputError) as cli:
+        check_streaming_window(100, 60, [160])
+    assert str(cli.value) in shown and "S + W = 160 leaves no query rows to score in a 160-token prompt" in shown
+    assert proc.poll() is None
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_own_needles_whose_fields_are_not_text_are_refused(server, page):
+    """JSON needles with a null, a number or a list where text belongs: refused with the field named
+    (it was read as "None", "7731" or "['a']" and swept)."""
+    url, proc, _ = server
+    open_heads(page, url)
+    page.fill("#hs-heads-lengths", "160")
+    page.fill("#hs-heads-depths", "50")
+    select_option(page, "hs-heads-haystack", "passkey")
+    for field, value, said in (("answer", "null", "got null"), ("answer", "7731", "got a number"),
+                               ("needle", '["The secret passkey is 7731."]', "got a list")):
+        needle = {"needle": '"The secret passkey is 7731."', "question": '"What is the secret passkey?"',
+                  "answer": '"7731"', field: value}
+        page.fill("#hs-heads-custom-needles", "[{" + ", ".join(f'"{k}": {v}' for k, v in needle.items()) + "}]")
+        page.wait_for_function("!document.querySelector('#hs-heads-run').disabled")
+        page.click("#hs-heads-run")
+        shown = _sweep_refused(page, f"field '{field}' must be a string, {said}")
+        assert f"field '{field}' must be a string, {said}" in shown, shown
+    assert proc.poll() is None
