@@ -29,6 +29,7 @@ from analysis.patching_choices import DIRECTIONS as PATCH_DIRECTIONS
 from analysis.patching_choices import METRICS as PATCH_METRICS
 from analysis.patching_choices import PATH_SITES
 from analysis.patching_choices import SITES as PATCH_SITES
+from app.export_formats import FIGURE_FORMATS
 
 EXIT_USER_ERROR = 2
 
@@ -37,11 +38,19 @@ class UsageError(ValueError):
     """A bad argument found by the command line itself; the message names the argument."""
 
 
+def one_line(message: str) -> str:
+    """``message`` as one printable line: its line breaks become spaces, and any other control character or
+    lone surrogate (from bytes that were not UTF-8) that an argument brought into it is shown escaped, as
+    ``repr`` writes it, so the user sees what was typed and the terminal receives no escape sequence."""
+    text = " ".join(message.split("\n")).strip()
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with an error as one line naming the argument (not a usage block) and status 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"{self.prog}: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        print(f"{self.prog}: {one_line(message)} (see `{self.prog} --help`)", file=sys.stderr)
         raise SystemExit(EXIT_USER_ERROR)
 
 
@@ -92,14 +101,33 @@ def number_list(kind: type, minimum: float, maximum: float | None = None, what: 
     return parse
 
 
+def _shown_path(path: str) -> str:
+    """A path as a message shows it: a very long one cut short."""
+    return path if len(path) <= 160 else path[:150] + "…"
+
+
+def _user_path(path: str) -> Path:
+    """``path`` with ``~`` or ``~user`` expanded; ArgumentTypeError for a user this machine does not have."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # ~someone, and no such user
+        raise argparse.ArgumentTypeError(f"cannot use {_shown_path(path)}: no user {path[1:].split('/')[0]!r} "
+                                         "here to expand ~ for") from None
+
+
 def read_text_file(path: str) -> str:
     """The contents of a UTF-8 text file, or ArgumentTypeError saying why it cannot be used."""
-    p = Path(path).expanduser()
-    if not p.exists():
+    p = _user_path(path)
+    try:
+        exists, is_dir, is_file = p.exists(), p.is_dir(), p.is_file()
+    except OSError as e:  # a name too long for the file system, a loop of links...
+        raise argparse.ArgumentTypeError(f"cannot read {_shown_path(path)}: {e.strerror or e}") from None
+    path = _shown_path(path)
+    if not exists:
         raise argparse.ArgumentTypeError(f"cannot read {path}: no such file")
-    if p.is_dir():
+    if is_dir:
         raise argparse.ArgumentTypeError(f"cannot read {path}: it is a folder, not a text file")
-    if not p.is_file():  # a pipe waits for a writer, /dev/zero never ends: only a file has an end
+    if not is_file:  # a pipe waits for a writer, /dev/zero never ends: only a file has an end
         raise argparse.ArgumentTypeError(f"cannot read {path}: it is not a regular file (a pipe or a device?)")
     try:
         raw = p.read_bytes()
@@ -123,9 +151,14 @@ def text_file(path: str) -> str:
 
 
 def haystack(value: str) -> str:
-    """A haystack name (``prose``, ``passkey``: checked by ``analysis.niah.load_haystack``) or a text file."""
-    if value.isidentifier() and not Path(value).is_file():
-        return value  # a name; an unknown one is refused by load_haystack with the list of names
+    """A haystack name (:data:`analysis.niah.HAYSTACK_NAMES`) or a UTF-8 text file."""
+    from analysis.niah import HAYSTACK_NAMES  # light: no model code
+
+    if value in HAYSTACK_NAMES:
+        return value
+    if value.isidentifier() and not os.path.isfile(value):
+        raise argparse.ArgumentTypeError(f"unknown haystack {value!r}: use {', '.join(HAYSTACK_NAMES)} or the path "
+                                         "of a UTF-8 text file")
     return text_file(value)
 
 
@@ -133,14 +166,17 @@ def folder(path: str) -> str:
     """A folder that exists or can be created (an output or store folder)."""
     if not path.strip():  # "" would silently mean the default folder (or the current one)
         raise argparse.ArgumentTypeError("the folder is empty: give a folder's path")
-    p = Path(path).expanduser()
-    if p.exists() and not p.is_dir():
-        raise argparse.ArgumentTypeError(f"{path} is a file, not a folder")
-    parent = p
-    while not parent.exists():
-        parent = parent.parent
+    p = _user_path(path)
+    try:
+        if p.exists() and not p.is_dir():
+            raise argparse.ArgumentTypeError(f"{_shown_path(path)} is a file, not a folder")
+        parent = p
+        while not parent.exists():
+            parent = parent.parent
+    except OSError as e:  # a name too long for the file system, a loop of links...
+        raise argparse.ArgumentTypeError(f"cannot use {_shown_path(path)} as a folder: {e.strerror or e}") from None
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"cannot write in {parent}")
+        raise argparse.ArgumentTypeError(f"cannot write in {_shown_path(str(parent))}")
     return path
 
 
@@ -165,6 +201,16 @@ def text_arg(text: str) -> str:
     return text
 
 
+def bind_host(text: str) -> str:
+    """``--host``: an IP address or a host name (:func:`app.access.host_name`)."""
+    from app.access import host_name
+
+    try:
+        return host_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def allowed_hosts(text: str) -> tuple[str, ...]:
     """``--allowed-hosts``: host names or IP addresses, comma-separated (:func:`app.access.host_names`)."""
     from app.access import host_names
@@ -184,7 +230,7 @@ def device(text: str) -> str:
     return text
 
 
-def _check_formats(value: str, allowed: tuple[str, ...], flag: str = "--formats") -> tuple[str, ...]:
+def _check_formats(value: str, allowed: tuple[str, ...] = FIGURE_FORMATS, flag: str = "--formats") -> tuple[str, ...]:
     formats = tuple(f.strip() for f in value.split(",") if f.strip())
     unknown = [f for f in formats if f not in allowed]
     if unknown:
@@ -255,6 +301,8 @@ def _port_free(host: str, port: int) -> None:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise UsageError(f"argument --host: cannot resolve {host!r} ({e.strerror})") from None
+    except UnicodeError as e:  # a name that IDNA cannot encode (a label over 63 characters, ...)
+        raise UsageError(f"argument --host: {host!r} is not a name that can be resolved ({e})") from None
     family, _, _, _, address = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -378,16 +426,16 @@ def cmd_run(args) -> int:
     if args.text is None and not args.file:
         raise UsageError("give a TEXT or --file F")
     text = read_text_file(args.file) if args.file else args.text
+    formats = _check_formats(args.formats)
 
     import numpy as np
 
     from analysis.limits import limit
     from analysis.models import load_model
     from analysis.statistics_run import STATS_METRICS, capture_for_page, capture_statistics
-    from app.export import FIGURE_FORMATS, write_files
+    from app.export import write_files
     from app.views import names
 
-    formats = _check_formats(args.formats, FIGURE_FORMATS)
     store = _store(args)
     with progress_bar("loading model") as bar, _argument("--model"):
         model = load_model(_model_spec(args))
@@ -544,26 +592,43 @@ def _needles(args) -> list:
     return needles
 
 
+def _haystack(args) -> str:
+    """The text of ``--haystack`` (default prose)."""
+    from analysis.niah import load_haystack
+
+    with _argument("--haystack"):
+        return load_haystack(args.haystack or "prose")
+
+
+def _depth_rule(args) -> str:
+    """``--depth-rule`` (default: :data:`analysis.niah.DEFAULT_DEPTH_RULE`), checked."""
+    from analysis.niah import DEFAULT_DEPTH_RULE, DEPTH_RULES
+
+    rule = args.depth_rule or DEFAULT_DEPTH_RULE
+    if rule not in DEPTH_RULES:
+        raise UsageError(f"argument --depth-rule: choose one of {', '.join(DEPTH_RULES)}, got {rule!r}")
+    return rule
+
+
 def cmd_scan(args) -> int:
     """Needle-in-a-haystack sweep → retrieval score tables and figures (re-running reuses trials)."""
-    import json
-
-    import numpy as np
-
-    from analysis.niah import load_haystack
-    from app.export import FIGURE_FORMATS, write_files
-    from app.views import names
-    from app.views.heads import head_scores_of
-
-    formats = _check_formats(args.formats, FIGURE_FORMATS)
+    formats = _check_formats(args.formats)
     lengths, depths = args.lengths, args.depths
     from analysis.niah import check_streaming_window  # the Heads page's rule too; imports no torch
 
     with _argument("--sink/--window/--lengths"):  # S + W against the shortest length
         check_streaming_window(args.sink, args.window, lengths)
-    needles = _needles(args)
-    with _argument("--haystack"):
-        hay = load_haystack(args.haystack)
+    needles, hay = _needles(args), _haystack(args)
+    _depth_rule(args)
+
+    import json
+
+    import numpy as np
+
+    from app.export import write_files
+    from app.views import names
+    from app.views.heads import head_scores_of
+
     store, spec, model = _open_store_and_model(args)
     result = _niah_sweep(model, args, store, needles, hay, lengths, depths)
     if not result.trials:
@@ -693,12 +758,9 @@ def _open_store_and_model(args):
 
 def _niah_sweep(model, args, store, needles, hay, lengths, depths):
     """The needle-in-a-haystack sweep of ``scan`` and ``ablate --sweep`` (stored trials are reused)."""
-    from analysis.niah import DEFAULT_DEPTH_RULE, DEPTH_RULES
     from analysis.retrieval import sweep
 
-    depth_rule = args.depth_rule or DEFAULT_DEPTH_RULE
-    if depth_rule not in DEPTH_RULES:
-        raise UsageError(f"argument --depth-rule: choose one of {', '.join(DEPTH_RULES)}, got {depth_rule!r}")
+    depth_rule = _depth_rule(args)
     with progress_bar(f"needle-in-a-haystack sweep ({len(needles)} needles × {len(lengths)} lengths × "
                       f"{len(depths)} depths)") as bar, _argument("--lengths/--depths/--needles"):
         return sweep(model, needles, lengths, depths, hay, store=store, depth_rule=depth_rule,
@@ -750,6 +812,11 @@ def cmd_ablate(args) -> int:
     reference = None
     if args.reference_file:
         reference = [t for t in read_text_file(args.reference_file).splitlines() if t.strip()]
+    formats = _check_formats(args.formats)
+    needles = hay = None
+    if args.sweep:
+        needles, hay = _needles(args), _haystack(args)
+        _depth_rule(args)
 
     import json
 
@@ -760,20 +827,13 @@ def cmd_ablate(args) -> int:
     from analysis.capture import capture
     from analysis.errors import InputError
     from analysis.head_summary import HEAD_METRICS
-    from analysis.niah import load_haystack
     from analysis.store import content_key
-    from app.export import FIGURE_FORMATS, write_files
+    from app.export import write_files
     from app.views import names
     from app.views.registry import metric_scores
 
-    formats = _check_formats(args.formats, FIGURE_FORMATS)
     if args.top_k and args.by != "retrieval" and args.by not in HEAD_METRICS:
         raise UsageError(f"argument --by: unknown score {args.by!r}; use retrieval or one of {', '.join(HEAD_METRICS)}")
-    needles = hay = None
-    if args.sweep:
-        needles = _needles(args)
-        with _argument("--haystack"):
-            hay = load_haystack(args.haystack or "prose")
     lengths, depths = args.lengths or [512], args.depths or [25.0, 75.0]
     store, spec_name, model = _open_store_and_model(args)
     n_heads = model.n_layers * model.n_heads
@@ -924,6 +984,9 @@ def cmd_compress(args) -> int:
     folder, and prints the table."""
     _check_compress_args(args)
     text = read_text_file(args.file) if args.file else args.text
+    formats = _check_formats(args.formats)
+    needles, hay = _needles(args), _haystack(args)
+    _depth_rule(args)
 
     import csv
     import json
@@ -933,16 +996,11 @@ def cmd_compress(args) -> int:
     from analysis.capture import tokenize_input
     from analysis.kv_compression import export_policy
     from analysis.kv_compression_sweep import compress_sweep
-    from analysis.niah import load_haystack
     from analysis.store import content_key
-    from app.export import FIGURE_FORMATS, write_files
+    from app.export import write_files
     from app.views import names
     from app.views.compress import pick_text
 
-    formats = _check_formats(args.formats, FIGURE_FORMATS)
-    needles = _needles(args)
-    with _argument("--haystack"):
-        hay = load_haystack(args.haystack or "prose")
     lengths, depths = args.lengths or [2048], args.depths or [25.0, 75.0]
     store, spec, model = _open_store_and_model(args)
     with _argument("--file" if args.file else "--text"):
@@ -1115,16 +1173,16 @@ def cmd_patch(args) -> int:
         raise UsageError("argument --head: the residual stream map is already per position; use --site z, q, k or v")
     if args.attribution_only and args.attribution:
         raise UsageError("argument --attribution-only: already includes --attribution")
+    formats = _check_formats(args.formats)
 
     import json
 
     import numpy as np
 
-    from app.export import FIGURE_FORMATS, write_files
+    from app.export import write_files
     from app.views import names
     from app.views.patching import unit_names
 
-    formats = _check_formats(args.formats, FIGURE_FORMATS)
     store, spec, model = _open_store_and_model(args)
     from analysis.patching import activation_patching, load_patching, patching_key, prompt_pair
     from analysis.patching_choices import METRIC_LABELS
@@ -1249,6 +1307,8 @@ def cmd_compare(args) -> int:
     """Two stored runs compared head by head (:func:`analysis.run_comparison.compare_runs`): prints the
     heads whose score changed most (second − first); writes both grids with the change, one head's
     change in attention (``--head``), their tables and ``summary.json``."""
+    formats = _check_formats(args.formats)
+
     import json
 
     import numpy as np
@@ -1257,10 +1317,9 @@ def cmd_compare(args) -> int:
     from analysis.head_summary import HEAD_METRICS
     from analysis.run_comparison import compare_runs
     from app.context import AppContext, set_context
-    from app.export import FIGURE_FORMATS, write_files
+    from app.export import write_files
     from app.views import names
 
-    formats = _check_formats(args.formats, FIGURE_FORMATS)
     metric = args.metric or "entropy"
     if metric not in HEAD_METRICS:
         raise UsageError(f"argument --metric: unknown metric {metric!r}; choose one of: {', '.join(HEAD_METRICS)}")
@@ -1403,7 +1462,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="start the web app")
     p.add_argument("--model", type=non_empty("the model spec"), help=MODEL_HELP)
-    p.add_argument("--host", default="127.0.0.1", type=non_empty("the host"))
+    p.add_argument("--host", default="127.0.0.1", type=bind_host,
+                   help="the address to listen on (default 127.0.0.1; 0.0.0.0 or :: for every address)")
     p.add_argument("--port", type=count(1, 65535), default=8050)
     p.add_argument("--token", help="access token of at least 16 characters (default: a random one when --host is "
                                    "not a loopback address; also HEADSCOPE_TOKEN)")
@@ -1554,14 +1614,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _is_user_error(e: BaseException) -> bool:
-    """An error the user can fix: ours, or analysis' InputError/ModelError (checked without importing
-    analysis: if one was raised, its module is loaded)."""
+    """An error the user can fix: ours, analysis' InputError (any subclass, whichever module raised it), a
+    manifest's, a model's or the store's."""
     if isinstance(e, (UsageError, argparse.ArgumentTypeError)):
         return True
+    from analysis.errors import InputError
     from app.manifest_schema import ManifestError
 
-    kinds = [ManifestError]
-    for module, name in (("analysis.capture", "InputError"), ("analysis.models", "ModelError"),
+    kinds = [InputError, ManifestError]
+    # the rest are checked only where their module is loaded (importing it to check would load torch);
+    # an error of that kind was raised by that module, so it is loaded
+    for module, name in (("analysis.models", "ModelError"),
                          ("analysis.store", "StoreUnavailable"), ("analysis.store", "StoreWriteError"),
                          ("analysis.store", "StoreReadError")):
         if module in sys.modules:
@@ -1592,8 +1655,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if not _is_user_error(e):
             raise
-        message = " ".join(str(e).split("\n")).strip()
-        print(f"headscope {args.command}: {message}", file=sys.stderr)
+        print(f"headscope {args.command}: {one_line(str(e))}", file=sys.stderr)
         return EXIT_USER_ERROR
 
 

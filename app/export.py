@@ -37,13 +37,10 @@ from analysis.errors import InputError
 from analysis.models import load_model
 from analysis.runs import AttentionRun
 from analysis.store import Store
+from app.export_formats import DATA_FORMATS, FIGURE_FORMATS, FORMATS, IMAGE_FORMATS  # noqa: F401 (also read from here)
 from app.manifest_schema import ManifestError, read_manifest_file
 from app.views import VIEWS, Rows
 
-IMAGE_FORMATS = ("png", "svg", "pdf")
-FIGURE_FORMATS = (*IMAGE_FORMATS, "html")
-DATA_FORMATS = ("csv", "json")
-FORMATS = FIGURE_FORMATS + DATA_FORMATS
 MANIFEST_VERSION = 1
 PLOTLYJS_NAME = "plotly.min.js"  # the shared copy of the plotting library beside exported HTML pages
 

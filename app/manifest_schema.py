@@ -108,9 +108,10 @@ def check_manifest(man: Any) -> dict[str, Any]:
 def read_manifest_file(path: Path | str) -> dict[str, Any]:
     """Read ``path`` as JSON and :func:`check_manifest` it; errors name the file and the field."""
     path = Path(path)
-    if path.exists() and not path.is_dir() and not path.is_file():  # a pipe never ends or waits for a writer
-        raise ManifestError(f"{path} is not a regular file (a pipe or a device?); pass the manifest.json from an export.")
     try:
+        if path.exists() and not path.is_dir() and not path.is_file():  # a pipe never ends or waits for a writer
+            raise ManifestError(f"{path} is not a regular file (a pipe or a device?); pass the manifest.json from "
+                                "an export.")
         raw = path.read_bytes()
     except IsADirectoryError:
         raise ManifestError(f"{path} is a folder; pass the manifest.json file inside an export.") from None
