@@ -742,7 +742,7 @@ def _ks(text: str) -> list[int]:
     State(ids.ABL_CURVE_METRIC, "value"),
     State(url_id(PREFIX), "search"),
     run=ids.ABL_CURVE_RUN, cancel=ids.ABL_CURVE_CANCEL, progress=ids.ABL_CURVE_PROGRESS, status=ids.ABL_CURVE_STATUS,
-    prevent_initial_call=True,
+    stale=(ids.ABL_CURVE,), prevent_initial_call=True,
 )
 def run_curve(set_progress, n_clicks, ks_text, n_seeds, control_top, metric, search):
     in_job()
