@@ -28,6 +28,10 @@ forks, after loading its models, one Celery worker per queue: ``--concurrency`` 
 
 Cancel: Dash's ``CeleryManager`` revokes the task with ``terminate=True``; the prefork pool sends
 SIGTERM to the process running it, which stops at once, and the pool forks a fresh one.
+
+Losing Redis: a job that cannot be queued, or whose progress or result cannot be read any more, ends on
+its page with :data:`QUEUE_UNREACHABLE` in the banner (:class:`NotStarted`, :func:`ended`). Inside Dash
+the error would end the page's wait with an empty answer (204) and no word.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ from functools import wraps
 log = logging.getLogger("headscope.jobs")
 
 MAX_RETRIES = 2  # a job whose pool process dies is run again at most this many times
+REDIS_TIMEOUT_S = 20  # seconds a poll waits for an answer from Redis before it says Redis is not reachable
+QUEUE_UNREACHABLE = ("The job queue (Redis) is not reachable, so this job cannot be started or followed. Check "
+                     "that Redis runs and that this server reaches it (HEADSCOPE_REDIS_URL), then run it again; "
+                     "results finished before are reused.")
 JOBS, PAGES = "jobs", "pages"  # the two queues
 _queues: dict[str, str] = {}  # Celery task name → queue, filled as Dash registers callbacks
 
@@ -103,6 +111,9 @@ def celery_app():
             result_backend_transport_options={"visibility_timeout": visibility_timeout_s()},
             result_expires=24 * 3600,
             broker_connection_retry_on_startup=True,
+            # a Redis that stops answering (paused, a dead host) ends a poll's wait with a message after
+            # this long, not Celery's two minutes; Redis on a loaded machine still answers in well under it
+            redis_socket_timeout=REDIS_TIMEOUT_S, redis_socket_connect_timeout=REDIS_TIMEOUT_S,
         )
         _celery = app
     return _celery
@@ -122,6 +133,62 @@ class OneKeyPerJob:
         return f"{super().build_cache_key(fn, args, cache_args_to_ignore, triggered)}-{secrets.token_hex(8)}"
 
 
+def ended(text: str) -> dict:
+    """What a poll of a job that ended without a result answers: Dash's background-callback error, which
+    the page shows in its banner (:func:`app.server.show_error`); ``text`` is one line."""
+    return {"background_callback_error": {"msg": text, "tb": ""}}
+
+
+class NotStarted:
+    """Jobs that could not be started (the system refused the fork, the queue is down), by result key.
+
+    Dash hands its error handler an exception raised while it starts a background job, then drops what the
+    handler shows (a background start answers only with the job's handles) and answers 204: the page
+    stops waiting and says nothing. A manager therefore answers such a start with a handle of its own
+    (:meth:`add`) and the job's first poll with why it did not start (:meth:`pop`)."""
+
+    PREFIX = "not-started-"
+    LIMIT = 10_000  # keys whose page never polled (closed meanwhile) are forgotten, oldest first
+
+    def __init__(self) -> None:
+        self._why: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, key: str, why: str) -> str:
+        """Remember why the job of result key ``key`` did not start; return the handle to answer with."""
+        with self._lock:
+            self._why[key] = why
+            while len(self._why) > self.LIMIT:
+                self._why.popitem(last=False)
+        return f"{self.PREFIX}{secrets.token_hex(8)}"
+
+    def pop(self, key: str) -> str | None:
+        with self._lock:
+            return self._why.pop(key, None)
+
+    @classmethod
+    def handle(cls, job) -> bool:
+        """Whether ``job`` is a handle :meth:`add` gave out (nothing runs under it)."""
+        return str(job).startswith(cls.PREFIX)
+
+
+def queue_down(error: BaseException) -> bool:
+    """Whether ``error`` says Redis is down or unreachable: a connection error of redis-py or kombu, or
+    one Celery raised another error from (its result consumer gives up with a ``RuntimeError``)."""
+    import kombu.exceptions
+    import redis.exceptions
+
+    down = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, kombu.exceptions.OperationalError,
+            OSError)
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, down):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def job_manager():
     """Dash's ``CeleryManager`` over :func:`celery_app`, with three additions (:class:`_Jobs`,
     :class:`OneKeyPerJob`)."""
@@ -129,20 +196,49 @@ def job_manager():
 
     class _Jobs(OneKeyPerJob, CeleryManager):
         """Dash's Celery manager, plus: a job whose task failed outside the callback (its pool process
-        was lost more than :data:`MAX_RETRIES` times) ends with a message instead of spinning, and a
+        was lost more than :data:`MAX_RETRIES` times) ends with a message instead of spinning; a
         job that has delivered its result is not terminated afterwards (Dash revokes every finished
-        job with ``terminate=True``; if the task is still closing, that would kill its process)."""
+        job with ``terminate=True``; if the task is still closing, that would kill its process); and
+        with Redis down, a job that cannot be queued or followed ends with :data:`QUEUE_UNREACHABLE`
+        (module docstring)."""
 
         def __init__(self, celery):
             super().__init__(celery, expire=24 * 3600)
             self._delivered: OrderedDict[str, None] = OrderedDict()
             self._delivered_lock = threading.Lock()
+            self._not_started = NotStarted()
 
         def make_job_fn(self, fn, progress, key=None):
             _queues[f"background_callback_{key}"] = JOBS if progress else PAGES
             return super().make_job_fn(_logged(fn), progress, key)
 
+        def call_job_fn(self, key, job_fn, args, context):
+            # Redis is asked first: with it down, Celery's result consumer retries for 20 s before it gives
+            # up, and the page would wait that long for the same message
+            try:
+                self.handle.backend.client.ping()
+                return super().call_job_fn(key, job_fn, args, context)
+            except Exception as e:
+                if not queue_down(e):
+                    raise
+                log.error("a job could not be queued: Redis is not reachable (%s)", str(e).strip()[:300])
+                return self._not_started.add(key, QUEUE_UNREACHABLE)
+
         def get_result(self, key, job):
+            why = self._not_started.pop(key)
+            if why is not None:
+                return ended(why)
+            try:
+                return self._result(key, job)
+            except Exception as e:  # Dash would answer 204 and the page would wait in silence
+                if queue_down(e):
+                    log.error("job %s: its result cannot be read: Redis is not reachable (%s)", job, e)
+                    return ended(QUEUE_UNREACHABLE)
+                log.exception("job %s: its result could not be read", job)
+                return ended(f"The job's result could not be read ({type(e).__name__}). Run it again; the "
+                             "server log has the details.")
+
+        def _result(self, key, job):
             result = self.handle.backend.get(key)
             if result is not None and job:
                 with self._delivered_lock:
@@ -153,24 +249,52 @@ def job_manager():
             if result is self.UNDEFINED and job:
                 task = self.get_task(job)
                 if task is not None and task.state == "FAILURE":
-                    return {"background_callback_error": {
-                        "msg": f"The job failed on its worker ({task.result!r}). Run it again; results "
-                               "finished before the failure are reused.", "tb": ""}}
+                    return ended(f"The job failed on its worker ({task.result!r}). Run it again; results "
+                                 "finished before the failure are reused.")
             return result
 
         def get_progress(self, key):
             # read and removed in one step (MULTI/EXEC), as in app.jobs: Dash's get, then delete, lost a
-            # report the job wrote between the two
+            # report the job wrote between the two. Redis down: no report (the result says why).
             progress_key = self._make_progress_key(key)
-            with self.handle.backend.client.pipeline() as pipe:
-                data, _ = pipe.get(progress_key).delete(progress_key).execute()
-            return json.loads(data) if data else None
+            try:
+                with self.handle.backend.client.pipeline() as pipe:
+                    data, _ = pipe.get(progress_key).delete(progress_key).execute()
+                return json.loads(data) if data else None
+            except Exception as e:  # a poll must answer; the result's read says why
+                log.warning("a job's progress could not be read: %s", e)
+                return None
+
+        def job_running(self, job):
+            if NotStarted.handle(job):
+                return False
+            try:
+                return super().job_running(job)
+            except Exception as e:  # the result's read has said why
+                log.warning("job %s: whether it runs could not be read: %s", job, e)
+                return False
+
+        def get_updated_props(self, key):
+            try:
+                return super().get_updated_props(key)
+            except Exception as e:  # as in get_progress
+                log.warning("a job's page updates could not be read: %s", e)
+                return {}
 
         def terminate_job(self, job):
+            if NotStarted.handle(job):
+                return None
             with self._delivered_lock:
                 if job in self._delivered:
                     return None
-            return super().terminate_job(job)
+            try:
+                return super().terminate_job(job)
+            except Exception as e:
+                if not queue_down(e):
+                    raise
+                # nothing reaches the workers now: the job's poll says the queue is down
+                log.error("job %s could not be stopped: Redis is not reachable (%s)", job, e)
+                return None
 
     return _Jobs(celery_app())
 

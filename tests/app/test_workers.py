@@ -410,3 +410,23 @@ def test_a_progress_report_written_while_a_poll_reads_the_last_one_is_not_lost_o
         assert manager.get_progress("redis-job") is None
     finally:
         monkeypatch.setattr(workers, "_celery", None)
+
+
+def test_a_job_result_that_is_not_json_ends_the_job_with_a_message(redis_url, monkeypatch):
+    """A result or progress key holding what is not JSON (bit rot, a tampered Redis) failed the poll inside
+    Dash, which answered 204: the page stopped waiting and said nothing. The job now ends with a message."""
+    import app.workers as workers
+
+    monkeypatch.setenv("HEADSCOPE_REDIS_URL", redis_url)
+    monkeypatch.setattr(workers, "_celery", None)
+    manager = workers.job_manager()
+    backend = manager.handle.backend
+    try:
+        for value in (b"\x80not json{", b'{"truncated": '):
+            backend.set("rotten-result", value)
+            out = manager.get_result("rotten-result", "rotten-job")
+            assert "could not be read" in out["background_callback_error"]["msg"], out
+        backend.set(manager._make_progress_key("rotten-result"), b"\xffgarbage")
+        assert manager.get_progress("rotten-result") is None
+    finally:
+        monkeypatch.setattr(workers, "_celery", None)
