@@ -12,7 +12,10 @@ model: every callback that loads a model or reads analysis results is a backgrou
 (:func:`on_workers`), so it runs on a worker too.
 
 Forked children must run numba on its fork-safe ``workqueue`` threading layer (set here, before
-numba is imported), and a job whose process dies says so on its page (:func:`_watched_manager`).
+numba is imported). Every job ends on its page with its result or a message in the banner: a job whose
+process dies, whose fork the system refuses, or whose result a full disk keeps out of the job cache says
+so (:func:`_watched_manager`). A job ends with the server that forked it, even one killed with SIGKILL
+(:func:`_end_with_server`), so it never computes on, orphaned, and stores what nobody asked for any more.
 
 A job is never forked while another server thread loads a model (a page's render does, for a model
 named in its link): the child would inherit the lock on a module the load was importing and wait for
@@ -40,11 +43,16 @@ job's own children) a job runs on one thread, as before.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import logging
 import os
+import secrets
+import signal
 import sqlite3
+import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,7 +61,7 @@ import diskcache
 from diskcache.core import MODE_BINARY, MODE_RAW, MODE_TEXT
 
 from analysis.fork_gate import GATE, MODEL_LOADS, wait_for_imports
-from app.workers import OneKeyPerJob, job_manager, redis_url
+from app.workers import NotStarted, OneKeyPerJob, ended, job_manager, redis_url
 
 log = logging.getLogger(__name__)
 
@@ -207,8 +215,32 @@ def background_manager():
     return _manager
 
 
+JOB_CACHE_FULL = ("The job's result could not be passed back: the job cache's disk is full. Free space on the "
+                  "disk that holds the server's data (HEADSCOPE_HOME), then run it again.")
+DISK_FULL_EXIT = errno.ENOSPC  # a job process's exit status when the job cache's disk refused its writes
+NO_LONGER_RUNNING = ("This job is no longer running: the server was restarted after it started. Run it again; "
+                     "results stored before are reused.")
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether ``error``, or an error it was raised from or while handling, says the disk is full:
+    ``ENOSPC`` or ``EDQUOT`` from a file write, SQLite's ``SQLITE_FULL`` from the cache's index."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(error, sqlite3.Error) and (getattr(error, "sqlite_errorcode", None) == 13  # SQLITE_FULL
+                                                 or "disk is full" in str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def job_stopped_message(exitcode: int | None) -> str:
     """What the page says when a background job's process ended without a result."""
+    if exitcode == DISK_FULL_EXIT:
+        return JOB_CACHE_FULL
     if exitcode is not None and exitcode < 0:
         import signal
 
@@ -227,65 +259,188 @@ def job_stopped_message(exitcode: int | None) -> str:
 
 
 def _watched_manager(base):
-    """``base`` (Dash's ``DiskcacheManager``) that notices a job whose process died.
+    """``base`` (Dash's ``DiskcacheManager``) under which every job ends on its page with its result or
+    a message, and no job outlives the server.
 
-    Dash polls a background job by asking for its result and whether its process still runs; a
-    process that died without a result (a signal, the out-of-memory killer, a crash in a library)
-    reads as "cancelled", and the page would wait in silence. Here the job's process object is kept
-    (the server forked it, so its exit code is known), and a dead job without a result answers
-    with Dash's background-callback error, which the page shows in its banner (and Run comes back).
-    A job the user cancelled is not reported.
+    Dash polls a background job by asking for its result, then whether its process still runs; a job
+    that is not running and has no result is answered with 204 and no body, and the page stops waiting
+    without a word. Here the manager keeps each job's process object (the server forked it, so its
+    exit code is known) and answers for it:
+
+    - a job that died without a result (a signal, the out-of-memory killer, a crash in a library, a
+      job cache on a full disk) answers with Dash's background-callback error, which the page shows in
+      its banner (and Run comes back). A job the user cancelled is not reported;
+    - a job counts as running until a poll has reported its end: a job that dies between a poll's
+      read of its result and Dash's question whether it runs is reported by the next poll;
+    - a job whose fork the system refused answers its first poll with why (:class:`NotStarted`);
+    - a handle this server never gave out (one signed before a restart: the signing secret is kept in
+      the job cache) answers :data:`NO_LONGER_RUNNING`, and no process is ever ended by one. Dash's
+      own manager killed whatever process had that pid now;
+    - an error reading the job cache ends the job with a message, not a 204.
+
+    A job's handle is its pid and a random suffix, so a pid the system gives again to a later job never
+    names that job for an earlier page.
     """
 
     class WatchedDiskcacheManager(OneKeyPerJob, base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self._processes: dict[int, Any] = {}
-            self._cancelled: set[int] = set()
+            self._processes: dict[str, Any] = {}
+            self._cancelled: dict[str, None] = {}  # insertion-ordered: the oldest are forgotten first
+            self._not_started = NotStarted()
 
         def call_job_fn(self, key, job_fn, args, context):
             from multiprocess import Process
 
-            process = Process(target=job_fn, args=(key, self._make_progress_key(key), args, context))
-            # never fork while another thread loads a model or imports a module: the child would wait
-            # for ever on a lock the import holds (analysis.fork_gate). Imports first, so that loads are
-            # held off only for the last check.
+            process = Process(target=_job_process(job_fn, os.getpid()),
+                              args=(key, self._make_progress_key(key), args, context))
+            # never fork while another thread loads a model or imports a module: the child would wait for
+            # ever on a lock the import holds (analysis.fork_gate). Imports first, so that loads are held
+            # off only for the last check.
             wait_for_imports()
-            with MODEL_LOADS.held():
-                wait_for_imports()
-                process.start()
-            self._cancelled.discard(process.pid)  # a pid can be reused by a later job
-            self._processes[process.pid] = process
-            return process.pid
+            try:
+                with MODEL_LOADS.held():
+                    wait_for_imports()
+                    process.start()
+            except OSError as e:  # EAGAIN (too many processes), ENOMEM
+                log.error("a job could not be started: fork failed (%s)", e)
+                return self._not_started.add(key, f"The server could not start the job: the system refused a "
+                                                  f"new process ({e.strerror or e}). Wait for other jobs to end, "
+                                                  "then run it again.")
+            job = f"{process.pid}-{secrets.token_hex(4)}"
+            self._processes[job] = process
+            return job
 
         def get_progress(self, key):
             # read and removed in one step: Dash reads, then deletes, and a report the job wrote between
             # the two was lost (Run's grid preview is its last report: the page never saw it)
-            return self.handle.pop(self._make_progress_key(key))
+            try:
+                return self.handle.pop(self._make_progress_key(key))
+            except Exception as e:  # a poll must answer; the result's read says why
+                log.warning("a job's progress could not be read from the job cache: %s", e)
+                return None
+
+        def get_updated_props(self, key):
+            try:
+                return super().get_updated_props(key)
+            except Exception as e:  # as in get_progress
+                log.warning("a job's page updates could not be read from the job cache: %s", e)
+                return {}
+
+        def job_running(self, job):
+            # until a poll has reported its end (get_result), whatever the process does meanwhile
+            return str(job) in self._processes
+
+        def terminate_unhealthy_job(self, job):
+            return False  # Dash's own asks the system about any pid: jobs end through terminate_job
 
         def terminate_job(self, job):
-            if job is not None:
-                self._cancelled.add(int(job))
-                self._processes.pop(int(job), None)
-            return super().terminate_job(job)
+            process = self._processes.pop(str(job), None) if job is not None else None
+            if process is None:  # not a job of this server's (or one that already ended)
+                return None
+            self._cancelled[str(job)] = None
+            while len(self._cancelled) > NotStarted.LIMIT:
+                del self._cancelled[next(iter(self._cancelled))]
+            if process.is_alive():  # reaped, its pid could be another process's by now
+                return super().terminate_job(process.pid)
+            return None
 
         def get_result(self, key, job):
+            why = self._not_started.pop(key)
+            if why is not None:
+                return ended(why)
+            try:
+                return self._result(key, job)
+            except Exception as e:  # Dash would answer 204 and the page would wait in silence
+                if disk_full(e):
+                    log.error("job %s: the job cache's disk is full (%s)", job, e)
+                    return ended(JOB_CACHE_FULL)
+                log.exception("job %s: its result could not be read from the job cache", job)
+                return ended(f"The job's result could not be read ({type(e).__name__}). Run it again; "
+                             "the server log has the details.")
+
+        def _result(self, key, job):
             result = super().get_result(key, job)
             if result is not self.UNDEFINED or job is None:
                 return result
-            pid = int(job)
-            process = self._processes.get(pid)
-            if pid in self._cancelled or process is None or process.is_alive():
+            job = str(job)
+            process = self._processes.get(job)
+            if process is None:
+                return result if job in self._cancelled else ended(NO_LONGER_RUNNING)
+            if process.is_alive():
                 return result
             result = super().get_result(key, job)  # it may have written its result just before it ended
             if result is not self.UNDEFINED:
                 return result
-            self._processes.pop(pid, None)
+            self._processes.pop(job, None)
             text = job_stopped_message(process.exitcode)
-            log.error("background job %s: %s", pid, text)
-            return {"background_callback_error": {"msg": text, "tb": ""}}
+            log.error("background job %s: %s", job, text)
+            return ended(text)
 
     return WatchedDiskcacheManager
+
+
+def _job_process(job_fn, server_pid: int) -> Callable[..., None]:
+    """``job_fn`` (Dash's job function) as the target of a job's forked process: it ends with the server
+    (:func:`_end_with_server`), and a job cache whose disk is full ends it with :data:`DISK_FULL_EXIT`,
+    which its page reads as :data:`JOB_CACHE_FULL` (a traceback and exit code 1 said nothing)."""
+
+    def run(*args) -> None:
+        _end_with_server(server_pid)
+        try:
+            job_fn(*args)
+        except Exception as e:
+            if not disk_full(e):
+                raise
+            log.error("a job could not store its result or progress: the job cache's disk is full (%s)", e)
+            sys.exit(DISK_FULL_EXIT)
+
+    return run
+
+
+def _end_with_server(server_pid: int) -> None:
+    """In a job process: end it, and the processes it started, as soon as ``server_pid`` (the server that
+    forked it) has ended, however it ended.
+
+    A SIGTERM reaches the jobs through the server (:func:`end_jobs_with_server`), but a server killed with
+    SIGKILL (or by the out-of-memory killer) ends no one: its jobs computed on, orphaned, holding the
+    model's memory, and stored results no page would ask for. A thread of the job waits on a pidfd of the
+    server (readable once it has ended; where there is none, it checks every half second that the server
+    is still its parent) and then kills the job's children and the job itself: SIGKILL, because a store
+    write is atomic and nothing of the job is worth saving. ``prctl(PR_SET_PDEATHSIG)`` cannot do this:
+    it fires when the *thread* that forked the job ends, and the server forks from request threads."""
+
+    def end() -> None:
+        import psutil
+
+        try:
+            children = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            children = []
+        for child in children:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch() -> None:
+        try:
+            server = os.pidfd_open(server_pid)
+        except (AttributeError, OSError):  # no pidfds here, or the server has already ended
+            server = None
+        if os.getppid() != server_pid:  # ended (and this job handed to another parent) before the pidfd
+            end()
+        if server is not None:
+            import select
+
+            select.select([server], [], [])
+        else:
+            while os.getppid() == server_pid:
+                time.sleep(0.5)
+        end()
+
+    threading.Thread(target=watch, name="headscope-end-with-server", daemon=True).start()
 
 
 def _wait_ended(processes: list, timeout_s: float) -> list:
