@@ -61,17 +61,20 @@ def queue(tmp_path_factory):
     folder = tmp_path_factory.mktemp("queue-down")
     redis = Redis(folder)
     url = redis.start()
-    worker = Worker("w1", folder, url)
-    worker.start()
-    env = {**os.environ, "HEADSCOPE_HOME": str(folder / "web-home"), "HEADSCOPE_REDIS_URL": url}
-    env.pop("HEADSCOPE_TOKEN", None)
-    web, web_url = start_server([sys.executable, "-m", "app.cli", "serve"], env, folder / "web.log")
-    worker.wait_ready()
-    yield {"url": web_url, "web": web, "web_log": folder / "web.log", "redis": redis, "worker": worker}
-    web.terminate()
-    web.wait(timeout=30)
-    worker.stop()
-    redis.kill()
+    worker, web = Worker("w1", folder, url), None
+    try:  # a start that fails leaves nothing running
+        worker.start()
+        env = {**os.environ, "HEADSCOPE_HOME": str(folder / "web-home"), "HEADSCOPE_REDIS_URL": url}
+        env.pop("HEADSCOPE_TOKEN", None)
+        web, web_url = start_server([sys.executable, "-m", "app.cli", "serve"], env, folder / "web.log")
+        worker.wait_ready()
+        yield {"url": web_url, "web": web, "web_log": folder / "web.log", "redis": redis, "worker": worker}
+    finally:
+        if web is not None:
+            web.terminate()
+            web.wait(timeout=30)
+        worker.stop()
+        redis.kill()
 
 
 @pytest.fixture(scope="module")
