@@ -241,10 +241,11 @@ def test_the_page_says_what_the_colour_means(tmp_path):
     from app.context import AppContext
     from app.server import create_app
 
-    create_app(AppContext(store=Store(tmp_path / "store")))  # the pages register with an app
-    from app.pages import flow as page_module
+    import dash
 
-    hint = " ".join(_texts(page_module.layout()))
+    create_app(AppContext(store=Store(tmp_path / "store")))  # the pages register with an app
+    flow_page = next(p for p in dash.page_registry.values() if p["path"] == "/flow")  # as the router has it
+    hint = " ".join(_texts(flow_page["layout"]()))
     assert "share of" in hint and "max-flow values" in hint and "divided by their sum" in hint, hint
 
 
