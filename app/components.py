@@ -229,9 +229,11 @@ def show_busy(button: str, status: str, progress: str | None = None, figures: Se
     """Show a long action as busy, the same way on every page (assets/busy.js): while ``button`` is
     disabled because the action's job runs (the callback's ``running``), the ``status`` line says the
     job is starting (:data:`app.jobs.STARTING`) until its first report, the ``progress`` bar runs
-    without a value, the error banner is cleared, and each of ``figures`` (graph ids) is marked
-    :data:`STALE`; when the button is enabled again the marks go. A cancellable job gets this from
-    :func:`app.jobs.cancellable_callback`; a page's background render calls it with its own button."""
+    without a value, and each of ``figures`` (graph ids) is marked :data:`STALE`; when the button is
+    enabled again the marks go. If a click of ``button`` started the job, the error banner is cleared
+    (its message is about an earlier try); a job that a link starts by itself leaves the link's
+    message. A cancellable job gets this from :func:`app.jobs.cancellable_callback`; a page's
+    background render calls it with its own button."""
     from app.jobs import STARTING
 
     outputs = [Output(ids.ERROR, "children", allow_duplicate=True), Output(status, "children", allow_duplicate=True)]
@@ -239,9 +241,9 @@ def show_busy(button: str, status: str, progress: str | None = None, figures: Se
         outputs.append(Output(progress, "value", allow_duplicate=True))
     outputs += [Output(figure, "style", allow_duplicate=True) for figure in figures]
     clientside_callback(
-        f"(busy, status, ...styles) => window.dash_clientside.headscope_busy.state(busy, status, styles, "
-        f"{json.dumps(STARTING)}, {'true' if progress is not None else 'false'})",
-        *outputs, Input(button, "disabled"), State(status, "children"),
+        f"(busy, status, clicked, ...styles) => window.dash_clientside.headscope_busy.state(busy, status, styles, "
+        f"clicked, {json.dumps(button)}, {json.dumps(STARTING)}, {'true' if progress is not None else 'false'})",
+        *outputs, Input(button, "disabled"), State(status, "children"), State(button, "n_clicks_timestamp"),
         *[State(figure, "style") for figure in figures], prevent_initial_call=True)
 
 

@@ -4,7 +4,9 @@
    shows it too, and a click that starts no job leaves nothing marked. While the job runs:
    - its status line says the job is starting until the job's first progress report replaces it,
      and its progress bar runs without a value (the browser's indeterminate bar);
-   - the error banner is cleared: a message about an earlier try no longer stands over this one;
+   - when the job was started by a click on the button (its click is newer than the last job's
+     start), the error banner is cleared: a message about an earlier try no longer stands over this
+     one. A job a link starts by itself leaves the banner, which speaks of that link;
    - each figure the job will replace is marked stale: faded, with a caption (assets/headscope.css).
      The mark is a flag in the graph's style (``--hs-stale``), not a class: a dcc.Graph redraws for
      a new figure, id or style only, so a class set on it would never reach the page.
@@ -23,16 +25,21 @@ function marked(style, on) {
   return out;
 }
 
+const started = {};  // button id → the click time (ms) of the last job started by a click of it
+
 window.dash_clientside = Object.assign({}, window.dash_clientside, {
   headscope_busy: {
     /* The outputs for the button's ``disabled`` = ``busy``: [banner, status line, progress value
-       (when ``withBar``), each figure's style]; ``status`` is the line as it stands, ``styles`` the
-       figures' styles, ``starting`` what the line says while the job starts. */
-    state: function (busy, status, styles, starting, withBar) {
+       (when ``withBar``), each figure's style]. ``status`` is the line as it stands, ``styles`` the
+       figures' styles, ``clicked`` the button's last click time (its n_clicks_timestamp, ms),
+       ``button`` its id, ``starting`` what the line says while the job starts. */
+    state: function (busy, status, styles, clicked, button, starting, withBar) {
       const skip = window.dash_clientside.no_update;
       const figures = (Array.isArray(styles) ? styles : []).map((style) => marked(style, busy === true));
       if (busy === true) {
-        return ["", starting, ...(withBar ? [null] : []), ...figures];
+        const byClick = typeof clicked === "number" && clicked > (started[button] || 0);
+        if (byClick) { started[button] = clicked; }
+        return [byClick ? "" : skip, starting, ...(withBar ? [null] : []), ...figures];
       }
       return [skip, status === starting ? "" : skip, ...(withBar ? [skip] : []), ...figures];
     },

@@ -514,8 +514,9 @@ def _outline(drawn, head: tuple[int, int] | None):
     """The selected head's outline as a patch of a map drawn whole (``drawn``: its shape), or no change
     when no map is drawn there (an outline on an empty figure would float over nothing)."""
     shape = drawn.get("shape") if isinstance(drawn, dict) else None
-    if not (isinstance(shape, list) and len(shape) == 2):
-        return no_update
+    if not (isinstance(shape, list) and len(shape) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)):
+        return no_update  # nothing drawn there, or not what draw_sweep and draw_scores write (a forged request)
     patch = Patch()
     inside = head is not None and 0 <= head[0] < shape[0] and 0 <= head[1] < shape[1]
     patch["layout"]["shapes"] = [figures.head_outline(*head)] if inside else []
