@@ -36,6 +36,7 @@ Guarantees
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import fcntl
 import hashlib
@@ -100,6 +101,12 @@ def content_key(*parts: Any) -> str:
     """sha256 of a canonical JSON encoding of ``parts``: the same request gives the same key."""
     blob = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=_json_default)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def as_json(obj: Any) -> Any:
+    """``obj`` as the store keeps metadata: plain JSON values (numpy numbers and arrays, tuples and sets
+    turned into numbers and lists)."""
+    return json.loads(json.dumps(obj, default=_json_default))
 
 
 def _json_default(obj: Any) -> Any:
@@ -261,8 +268,16 @@ def _read_verified(path: Path, sha256: str, nbytes: Any = None) -> np.ndarray:
         raise CorruptRecord(f"{path.name} shrank while it was read")
     if h.hexdigest() != sha256:
         raise CorruptRecord(f"{path.name} failed its checksum")
+    return parse_npy(buf, path.name)
+
+
+def parse_npy(buf: np.ndarray | bytes, name: str = "the array") -> np.ndarray:
+    """The read-only array in ``buf``, the bytes of a ``.npy`` file (format 1.0 or 2.0), without a
+    copy and never unpickling; ``CorruptRecord`` (naming ``name``) for anything else: another
+    format, an object dtype, fewer bytes than the header promises."""
+    buf = np.frombuffer(buf, dtype=np.uint8) if isinstance(buf, bytes | bytearray) else buf
     try:
-        header = io.BytesIO(view[:min(size, 1 << 16)])
+        header = io.BytesIO(memoryview(buf)[:min(len(buf), 1 << 16)])
         read_header = {(1, 0): np.lib.format.read_array_header_1_0,
                        (2, 0): np.lib.format.read_array_header_2_0}.get(np.lib.format.read_magic(header))
         if read_header is None:
@@ -272,11 +287,18 @@ def _read_verified(path: Path, sha256: str, nbytes: Any = None) -> np.ndarray:
             raise ValueError("object arrays are never loaded")
         count = int(np.prod(shape, dtype=np.int64))
         arr = np.frombuffer(buf, dtype=dtype, count=count, offset=header.tell())
-    except ValueError as e:
-        raise CorruptRecord(f"{path.name} is not a plain .npy array: {e}") from e
+    except (ValueError, EOFError, OverflowError) as e:
+        raise CorruptRecord(f"{name} is not a plain .npy array: {e}") from e
     arr = arr.reshape(shape, order="F" if fortran else "C")
     arr.flags.writeable = False
     return arr
+
+
+def npy_bytes(arr: np.ndarray) -> tuple[bytes, str]:
+    """``arr`` as the bytes of a ``.npy`` file, as the store writes it, and their sha256."""
+    buf = io.BytesIO()
+    sha256 = _write_npy(buf, np.ascontiguousarray(arr))
+    return buf.getvalue(), sha256
 
 
 def _read_regular(path: Path) -> bytes:
@@ -349,6 +371,34 @@ class UnreadableRow:
     key: str
     kind: str
     reason: str
+
+
+_reads: contextvars.ContextVar[list | None] = contextvars.ContextVar("headscope_store_reads", default=None)
+
+
+@contextlib.contextmanager
+def recording_reads() -> Iterator[list]:
+    """What was read from the store in this thread while inside, in order, each key once: every
+    :class:`Record` :meth:`Store.get` returns, and every object handed to :func:`note_read` (a run
+    a cache kept from an earlier read). What a figure was drawn from, so an export can carry it
+    (:func:`app.export.manifest`)."""
+    reads: list = []
+    token = _reads.set(reads)
+    try:
+        yield reads
+    finally:
+        _reads.reset(token)
+
+
+def note_read(item: Any) -> Any:
+    """Note ``item`` (a :class:`Record`, or an object with the ``key`` of the record it was read
+    from) as read, when :func:`recording_reads` records; return it."""
+    reads = _reads.get()
+    if item is not None and reads is not None and all(r.key != item.key for r in reads):
+        reads.append(item)
+    return item
+
+
 
 
 def _fresh_state_in_child() -> None:
@@ -563,7 +613,7 @@ class Store:
         # committed: nothing after this is a failed write
         if share and self.shared is not None:
             self.shared.publish(key, kind, meta_json, created, folder, info)
-        return Record(key, kind, meta, created, folder, info, store=self)
+        return note_read(Record(key, kind, meta, created, folder, info, store=self))  # an export carries it
 
     def _commit(self, key: str, kind: str, meta: dict[str, Any], arrays: dict[str, np.ndarray]):
         """Write the record's files, then its index row; what a full disk, a folder that cannot be
@@ -583,6 +633,8 @@ class Store:
             raise StoreWriteError(f"the store's index: {e}") from e
 
     def _write(self, key: str, kind: str, meta: dict[str, Any], arrays: dict[str, np.ndarray]):
+        if not (_plain_array_name(key) and len(key) <= 128):  # a key names folders: never a path
+            raise ValueError(f"a record key is up to 128 letters, digits, '_' and '-', got {str(key)[:40]!r}")
         folder = self.root / "records" / key[:2] / f"{key}-{uuid.uuid4().hex[:8]}"
         # the writer's pid and host in the name: leftovers of a dead writer are collected at once
         tmp = folder.with_name(f"{TMP_PREFIX}{os.getpid()}-{_HOST}-{folder.name}")
@@ -653,12 +705,14 @@ class Store:
             A read failed for a reason that proves no damage (too many open files, an I/O error):
             the record stays, and the caller reports it.
         """
+        if not isinstance(key, str):  # no record has such a key (an edited manifest may name one)
+            return None
         with self._reading(""), self._db() as db:
             row = db.execute("SELECT kind, folder, meta, created FROM records WHERE key=?", (key,)).fetchone()
             arrays = [] if row is None else db.execute(
                 "SELECT name, sha256, shape, dtype, nbytes FROM arrays WHERE key=?", (key,)).fetchall()
         if row is None:
-            return self._fetch_shared(key)
+            return note_read(self._fetch_shared(key))
         kind, folder, meta, created = row
         try:
             record = self._record(key, kind, folder, meta, created, arrays)
@@ -670,11 +724,11 @@ class Store:
                 return self.get(key, verify, _retry=_retry + 1)  # replaced meanwhile: read the new one
             log.warning("stored %s %s: %s; dropped, it will be computed again", kind, key[:12], e)
             self._drop(key, folder)
-            return self._fetch_shared(key)
+            return note_read(self._fetch_shared(key))
         except OSError as e:
             log.warning("could not read stored %s %s right now: %s; kept", kind, key[:12], e)
             raise StoreReadError(kind if isinstance(kind, str) else "", e) from e
-        return record
+        return note_read(record)
 
     @contextlib.contextmanager
     def _reading(self, kind: str) -> Iterator[None]:

@@ -528,30 +528,34 @@ def cmd_figure(args) -> int:
         manifest = read_manifest_file(args.manifest)
     except ManifestError as e:
         raise UsageError(f"argument manifest: {e}") from None
-    from app.export import FIGURE_FORMATS, regenerate, write_files
+    from app.export import FIGURE_FORMATS, rebuilding, write_files
     from app.views import VIEWS
 
     if manifest["view"] not in VIEWS:
         raise UsageError(f"argument manifest: field 'view' names an unknown view {manifest['view']!r}; "
                          f"known: {', '.join(VIEWS)}")
     formats = _check_formats(args.formats, FIGURE_FORMATS) if args.formats else FIGURE_FORMATS
-    with progress_bar("rebuilding") as bar:
-        store = _store(args)
-        from analysis.models import DEFAULT_MODEL
-        from app.context import AppContext, set_context
-
-        # views drawn from stored results (patching, comparison) read them from this store (--home)
-        set_context(AppContext(store=store, default_model=manifest["params"].get("model") or DEFAULT_MODEL))
-        try:
-            with _argument("manifest"):
-                run, _fig, _rows = regenerate(manifest, store=store)
-        except (KeyError, TypeError, IndexError) as e:
-            # an edited manifest whose params or settings the view cannot use
-            raise UsageError(f"argument manifest: the view {manifest['view']!r} cannot use this manifest's "
-                             f"params or settings ({type(e).__name__}: {e})") from None
-        bar(1.0)
     out = Path(args.out) if args.out else Path(args.manifest).resolve().parent / "regenerated"
-    for p in write_files(run, manifest["view"], manifest["params"], out, formats):
+    with contextlib.ExitStack() as stack:
+        with progress_bar("rebuilding") as bar:
+            store = _store(args)
+            try:  # the model: --model, else a spec on offer that the manifest names (never a path it names)
+                with _argument("manifest"):
+                    again = stack.enter_context(rebuilding(manifest, store=store, model=args.model))
+            except (UsageError, OSError):
+                raise  # the store or the disk (StoreReadError, ...) says what it is itself
+            except Exception as e:
+                if _is_user_error(e):
+                    raise
+                # an edited manifest whose params, settings or carried results the view cannot draw
+                raise UsageError(f"argument manifest: the view {manifest['view']!r} cannot be drawn from this "
+                                 f"manifest's params, settings or results ({type(e).__name__}: {str(e)[:200]})"
+                                 ) from None
+            bar(1.0)
+        # inside the rebuild (the results it read live until its end): the new manifest carries them on
+        paths = write_files(again.run, manifest["view"], again.params, out, formats,
+                            drawn=(again.figure, again.rows, again.reads))
+    for p in paths:
         print(p)
     return 0
 
@@ -1607,6 +1611,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("figure", help="rebuild a figure from an export's manifest.json")
     p.add_argument("manifest")
+    p.add_argument("--model", type=non_empty("the model spec"),
+                   help="the model to rebuild with, when the manifest's is not on offer here (a .gguf file or "
+                        "folder of its own: a manifest never names a path to load); its digest must match")
     p.add_argument("--out", type=folder)
     p.add_argument("--formats", default="")
     p.set_defaults(func=cmd_figure)

@@ -23,7 +23,7 @@ from analysis.capture import Run, load_run
 from analysis.limits import limit
 from analysis.models import DEFAULT_MODEL, EMBEDDED, ModelError, offered_embedded
 from analysis.statistics_run import StatsRun, load_stats_run
-from analysis.store import Store
+from analysis.store import Store, note_read
 
 
 @dataclass
@@ -54,7 +54,7 @@ class AppContext:
             for key in self._runs:
                 if key.startswith(run_id):
                     self._runs.move_to_end(key)
-                    return self._runs[key]
+                    return note_read(self._runs[key])  # a read of the store all the same (exports carry it)
         keys = self.store.find(run_id)
         if len(keys) != 1:
             return None

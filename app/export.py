@@ -11,19 +11,38 @@ inside the zip viewer or copies it out alone.
 
 The manifest names the model and its digest, the token ids, the capture settings, the view and its
 parameters, and the headscope version; ``headscope figure manifest.json`` rebuilds the same figure
-from it (recomputing the run, or loading it from the store).
+from it, on any machine, with an empty store:
+
+- the run a view is drawn from is recomputed from its token ids and settings (or found in the store);
+- the stored results a view read while it was drawn (:func:`analysis.store.recording_reads`) travel
+  with it: other runs by their token ids and settings (``runs``: recomputed, their keys checked),
+  everything else (a sweep, a curve, a patching result...) as its metadata and checksummed ``.npy``
+  arrays (``results``, up to :data:`MAX_CARRIED_BYTES`; a larger one is named in
+  ``results_left_out`` and must be in the store it is rebuilt with). What a view computes from
+  them it computes again, with the model.
+
+A rebuild reads the carried results from a temporary store of its own: what a manifest carries
+(anyone may have edited it) never enters the user's store. Only the command line names model
+paths: a manifest names its model by a spec on offer (or by its digest), never by a path that
+would be loaded (:func:`manifest_model`).
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import csv
+import dataclasses
+import hashlib
 import html
 import io
 import json
 import os
+import tempfile
 import threading
 import warnings
 import zipfile
+from collections.abc import Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -32,17 +51,20 @@ from urllib.parse import quote
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from analysis.capture import capture
+from analysis.capture import capture, save_run
 from analysis.errors import InputError
-from analysis.models import load_model
-from analysis.runs import AttentionRun
-from analysis.store import Store
+from analysis.models import ModelError, converted_gguf, embedded_gguf, load_model, offered_embedded
+from analysis.runs import RUN_KINDS, AttentionRun
+from analysis.store import CorruptRecord, Record, Store, as_json, npy_bytes, parse_npy, recording_reads
 from app.export_formats import DATA_FORMATS, FIGURE_FORMATS, FORMATS, IMAGE_FORMATS  # noqa: F401 (also read from here)
 from app.manifest_schema import ManifestError, read_manifest_file
 from app.views import VIEWS, Rows
 
 MANIFEST_VERSION = 1
 PLOTLYJS_NAME = "plotly.min.js"  # the shared copy of the plotting library beside exported HTML pages
+#: The most bytes of stored arrays a manifest carries (before base64); a larger result is named in
+#: ``results_left_out`` and read from the store a rebuild is given.
+MAX_CARRIED_BYTES = 64 << 20
 
 
 def headscope_version() -> str:
@@ -52,11 +74,12 @@ def headscope_version() -> str:
         return "0+unknown"
 
 
-def manifest(run: AttentionRun | None, view: str, params: dict[str, Any]) -> dict[str, Any]:
-    """What rebuilds a figure. Views drawn from a probe set rather than a run have no token ids."""
+def manifest(run: AttentionRun | None, view: str, params: dict[str, Any], reads: Sequence[Any] = ()
+             ) -> dict[str, Any]:
+    """What rebuilds a figure: the model, the run (token ids and settings; views drawn from stored
+    results or a probe set have none) and what the view read from the store (``reads``, from
+    :func:`built`), carried as :func:`carried` says."""
     if run is None:
-        from analysis.models import load_model
-
         model = load_model(params["model"])
         model_info, run_info = {"name": model.name, "digest": model.digest}, {}
     else:
@@ -71,7 +94,64 @@ def manifest(run: AttentionRun | None, view: str, params: dict[str, Any]) -> dic
         "token_ids": [],
         "settings": {},
         **run_info,
+        **carried(reads, model_info["digest"], run.key if run is not None else None),
     }
+
+
+def carried(reads: Sequence[Any], model_digest: str, run_key: str | None = None) -> dict[str, Any]:
+    """The stored records a figure was drawn from, as a manifest carries them.
+
+    ``runs``: each run of the manifest's model by its token ids, settings and text (a rebuild
+    recomputes it, and checks that its key comes out the same); ``results``: every other record
+    (a run of another model too) as its kind, metadata and arrays (``.npy`` bytes in base64 with
+    their sha256), up to :data:`MAX_CARRIED_BYTES` in all; ``results_left_out``: the keys of those
+    past it. The run the manifest names itself (``run_key``) is not repeated."""
+    runs: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    left_out: list[str] = []
+    total = 0
+    for record in reads:
+        if record.key == run_key:
+            continue
+        if not isinstance(record, Record):  # a run the app kept in memory from an earlier read
+            if record.model_digest == model_digest:
+                runs.append(as_json({"key": record.key, "kind": "run" if record.has_patterns else "stats_run",
+                                     "token_ids": record.token_ids, "settings": record.settings, "text": record.text}))
+                continue
+            from app.context import get_context
+
+            record = get_context().store.get(record.key)
+            if record is None:
+                continue
+        meta = record.meta
+        if record.kind in RUN_KINDS and meta.get("model_digest") == model_digest:
+            runs.append(as_json({"key": record.key, "kind": record.kind, "token_ids": meta["token_ids"],
+                                 "settings": meta["settings"], "text": meta.get("text")}))
+            continue
+        arrays = {}
+        for name in record.array_info:
+            data, sha256 = npy_bytes(record.array(name))
+            arrays[name] = {"sha256": sha256, "npy": base64.b64encode(data).decode("ascii")}
+            total += len(data)
+        if total > MAX_CARRIED_BYTES:
+            left_out.append(record.key)
+            continue
+        results.append({"key": record.key, "kind": record.kind, "meta": as_json(meta), "arrays": arrays})
+    out: dict[str, Any] = {}
+    if runs:
+        out["runs"] = runs
+    if results:
+        out["results"] = results
+    if left_out:
+        out["results_left_out"] = left_out
+    return out
+
+
+def built(run: AttentionRun | None, view: str, params: dict[str, Any]) -> tuple[go.Figure, Rows, list[Record]]:
+    """``VIEWS[view]`` drawn for ``run`` and ``params``, and the stored records it read meanwhile."""
+    with recording_reads() as reads:
+        fig, rows = VIEWS[view].build(run, params)
+    return fig, rows, reads
 
 
 def rows_to_csv(rows: Rows) -> str:
@@ -175,8 +255,8 @@ def bundle(run: AttentionRun | None, view: str, params: dict[str, Any], fmt: str
         raise InputError(f"Unknown view {view!r}.")
     if fmt not in FORMATS:
         raise InputError(f"Unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}.")
-    fig, rows = VIEWS[view].build(run, params)
-    man = manifest(run, view, {k: v for k, v in params.items() if not k.startswith("_")})
+    fig, rows, reads = built(run, view, params)
+    man = manifest(run, view, {k: v for k, v in params.items() if not k.startswith("_")}, reads)
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
         if fmt in FIGURE_FORMATS:
@@ -189,15 +269,17 @@ def bundle(run: AttentionRun | None, view: str, params: dict[str, Any], fmt: str
 
 
 def write_files(run: AttentionRun | None, view: str, params: dict[str, Any], out: Path, formats: tuple[str, ...],
-                *, plotlyjs_path: Path | None = None) -> list[Path]:
+                *, plotlyjs_path: Path | None = None,
+                drawn: tuple[go.Figure, Rows, Sequence[Any]] | None = None) -> list[Path]:
     """Write the figure in ``formats`` plus data and manifest into ``out``; return the paths.
 
     An html figure loads the plotting library from ``plotlyjs_path`` (default ``out/plotly.min.js``),
     written there once and referenced by a relative path. Several folders of one export (a scan's
     per-score subfolders) pass the same ``plotlyjs_path`` in their common folder to share one copy;
-    the returned paths include it when this call needed it.
+    the returned paths include it when this call needed it. ``drawn``: the figure, rows and reads of
+    :func:`built` when the view was drawn already (a rebuild: :class:`Rebuilt`).
     """
-    fig, rows = VIEWS[view].build(run, params)
+    fig, rows, reads = drawn if drawn is not None else built(run, view, params)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for fmt in formats:
@@ -213,7 +295,7 @@ def write_files(run: AttentionRun | None, view: str, params: dict[str, Any], out
             paths.append(p)
     (out / f"{view}.csv").write_text(rows_to_csv(rows))
     (out / f"{view}.json").write_text(json.dumps(rows))
-    (out / f"{view}.manifest.json").write_text(json.dumps(manifest(run, view, params), indent=2))
+    (out / f"{view}.manifest.json").write_text(json.dumps(manifest(run, view, params, reads), indent=2))
     paths += [out / f"{view}.csv", out / f"{view}.json", out / f"{view}.manifest.json"]
     return paths
 
@@ -227,31 +309,162 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise InputError(str(e)) from None
 
 
-def regenerate(man: dict[str, Any], store: Store | None = None) -> tuple[AttentionRun | None, go.Figure, Rows]:
-    """Rebuild a manifest's run (from the store when there) and its figure."""
-    model = load_model(man["model"]["name"])
-    if model.digest != man["model"].get("digest"):
+def manifest_model(man: dict[str, Any], given: str | None = None) -> str:
+    """The model spec a manifest is rebuilt with.
+
+    Only the command line names paths: ``given`` (``headscope figure --model``) is used as it is (a
+    rebuild then checks its digest against the manifest's, so any copy of the same weights will do).
+    Otherwise the manifest's ``model.name`` must be a model on offer here: the embedded ones and the
+    specs in ``HEADSCOPE_MODELS``. A path (a ``.gguf``, a folder) or any other name in a manifest is
+    never loaded; when its digest is an embedded model's, the message names that model.
+
+    Raises
+    ------
+    ManifestError
+        The model is not on offer, or ``params.model`` names another model than ``model.name``.
+    """
+    from analysis.models import DEFAULT_MODEL
+    from app.context import env_models
+
+    name, digest = man["model"]["name"], man["model"]["digest"]
+    in_params = man["params"].get("model")
+    if in_params not in (None, "", name):
+        raise ManifestError(f"field 'params.model' ({str(in_params)[:80]!r}) names another model than field "
+                            f"'model.name' ({name[:80]!r}); pass the manifest.json from an export.")
+    if given:
+        return given
+    allowed = list(dict.fromkeys([DEFAULT_MODEL, *offered_embedded(), *env_models()]))
+    if name in allowed:
+        return name
+    same = next((spec for spec in offered_embedded() if _embedded_digest(spec) == digest), None)
+    hint = f"; its digest is {same}'s: add `--model {same}`" if same else ""
+    raise ManifestError(
+        f"field 'model.name' names {name[:80]!r}, which is not a model on offer here ({', '.join(allowed)}), and "
+        "a manifest never makes headscope load a file or folder: name the model on the command line, "
+        f"`headscope figure MANIFEST --model SPEC` (its weights must have the manifest's digest){hint}.")
+
+
+def _embedded_digest(spec: str) -> str | None:
+    """The weights' digest of an embedded model (converted once, then read from its cache), or None."""
+    try:
+        return converted_gguf(embedded_gguf(spec))[1]
+    except (ModelError, OSError):
+        return None
+
+
+def regenerate(man: dict[str, Any], store: Store | None = None, model: str | None = None
+               ) -> tuple[AttentionRun | None, go.Figure, Rows]:
+    """Rebuild a manifest's run (from the store when there) and its figure (:func:`rebuilding`)."""
+    with rebuilding(man, store, model) as again:
+        return again.run, again.figure, again.rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Rebuilt:
+    """A manifest's figure drawn again: the run (None for views of stored results), the figure, its
+    rows, the params it was drawn with (``model``: the spec loaded), the store the view read and
+    what it read there (:func:`built`: a manifest written from it carries the same)."""
+
+    run: AttentionRun | None
+    figure: go.Figure
+    rows: Rows
+    params: dict[str, Any]
+    results: Store
+    reads: list[Any]
+
+
+@contextlib.contextmanager
+def rebuilding(man: dict[str, Any], store: Store | None = None, model: str | None = None) -> Iterator[Rebuilt]:
+    """Rebuild a checked manifest's figure (:class:`Rebuilt`). The view reads the manifest's carried
+    results from a temporary store of its own (``Rebuilt.results``, ``store`` itself when it carries
+    none) that lives until the block ends and is the app context's store inside it, so
+    :func:`write_files` there draws the same figure and carries the same results on.
+
+    Parameters
+    ----------
+    man : a manifest that passed :func:`app.manifest_schema.check_manifest`.
+    store : the user's store: the manifest's runs are looked up there and stored there once
+        computed (they are computed from token ids with a model checked against the manifest's digest).
+    model : the model spec given on the command line (:func:`manifest_model`).
+
+    Raises
+    ------
+    ManifestError, InputError
+        A model not on offer or with other weights, a view that needs a run without token ids, carried
+        runs or results that do not match their keys or checksums.
+    """
+    from app import context
+    from app.context import AppContext, set_context
+
+    view = VIEWS.get(man["view"])
+    if view is None:
+        raise ManifestError(f"field 'view' names an unknown view {man['view']!r}; known: {', '.join(VIEWS)}.")
+    if view.needs_run and not man["token_ids"]:
+        raise ManifestError(f"field 'token_ids' is empty, but the view {man['view']!r} is drawn from a run: its "
+                            "manifest names the run's token ids; pass the manifest.json from that view's export.")
+    spec = manifest_model(man, model)
+    loaded = load_model(spec)
+    if loaded.digest != man["model"]["digest"]:
         raise InputError(
-            f"The model {man['model']['name']!r} here has digest {model.digest[:12]}…, but the manifest "
-            f"was made with {str(man['model'].get('digest'))[:12]}…: the weights differ."
+            f"The model {spec!r} here has digest {loaded.digest[:12]}…, but the manifest "
+            f"was made with {str(man['model']['digest'])[:12]}…: the weights differ."
         )
-    if not man["token_ids"]:  # a view of a probe set, not of one run
-        fig, rows = VIEWS[man["view"]].build(None, man["params"])
-        return None, fig, rows
+    params = {**man["params"], **({"model": spec} if "model" in man["params"] else {})}
+    with contextlib.ExitStack() as stack:
+        results = store if store is not None else Store()
+        if man.get("runs") or man.get("results"):
+            results = Store(stack.enter_context(tempfile.TemporaryDirectory(prefix="headscope-figure-")), shared=False)
+            _seed(results, man, loaded, store)
+        previous = context._context
+        set_context(AppContext(store=results, default_model=spec))
+        stack.callback(setattr, context, "_context", previous)
+        run = _manifest_run(man, loaded, store) if man["token_ids"] else None
+        fig, rows, reads = built(run, man["view"], params)
+        yield Rebuilt(run, fig, rows, params, results, reads)
+
+
+def _manifest_run(man: dict[str, Any], model, store: Store | None) -> AttentionRun:
+    """The manifest's own run, recomputed from its token ids and settings (or found in ``store``)."""
     settings = man["settings"]
     if "block_size" in settings:  # a long run: statistics mode, same settings
         from analysis.statistics_run import capture_statistics
 
-        run = capture_statistics(model, man["token_ids"], sink=settings["sink"], window=settings["window"],
-                                 spans=settings.get("spans", ()), store=store)
-        fig, rows = VIEWS[man["view"]].build(run, man["params"])
-        return run, fig, rows
-    run = capture(
-        model,
-        man["token_ids"],
-        qk_layers=settings.get("qk_layers", ()),
-        pattern_dtype=settings.get("pattern_dtype", "float16"),
-        store=store,
-    )
-    fig, rows = VIEWS[man["view"]].build(run, man["params"])
-    return run, fig, rows
+        return capture_statistics(model, man["token_ids"], sink=settings["sink"], window=settings["window"],
+                                  spans=settings.get("spans", ()), store=store)
+    return capture(model, man["token_ids"], qk_layers=settings.get("qk_layers", ()),
+                   pattern_dtype=settings.get("pattern_dtype", "float16"), store=store)
+
+
+def _seed(results: Store, man: dict[str, Any], model, store: Store | None) -> None:
+    """Put a manifest's carried results into ``results`` (each array checked against its sha256)
+    and recompute its carried runs there (each key checked: a run is what its key says)."""
+    for i, item in enumerate(man.get("results", [])):
+        arrays = {}
+        for name, arr in item["arrays"].items():
+            try:
+                data = base64.b64decode(arr["npy"], validate=True)
+            except ValueError:
+                raise ManifestError(f"field 'results' item {i}: array {name!r} is not base64.") from None
+            if hashlib.sha256(data).hexdigest() != arr["sha256"]:
+                raise ManifestError(f"field 'results' item {i}: array {name!r} fails its sha256 (damaged or edited).")
+            try:
+                arrays[name] = parse_npy(data, name)
+            except CorruptRecord as e:
+                raise ManifestError(f"field 'results' item {i}: {e}.") from None
+        results.put(item["key"], item["kind"], item["meta"], arrays, share=False)
+    for i, item in enumerate(man.get("runs", [])):
+        settings, ids = item["settings"], item["token_ids"]
+        if item["kind"] == "stats_run":
+            from analysis.statistics_run import capture_statistics, save_stats_run
+
+            run = capture_statistics(model, ids, sink=settings.get("sink", 0), window=settings.get("window", 1),
+                                     spans=settings.get("spans", ()), store=store)
+            save = save_stats_run
+        else:
+            run = capture(model, ids, qk_layers=settings.get("qk_layers", ()),
+                          pattern_dtype=settings.get("pattern_dtype", "float16"), store=store)
+            save = save_run
+        if run.key != item["key"]:
+            raise ManifestError(f"field 'runs' item {i}: its token ids and settings make run {run.key[:12]}, not "
+                                f"{item['key'][:12]} (an edited manifest, or one made by another version).")
+        save(results, dataclasses.replace(run, text=item.get("text")))

@@ -8,6 +8,7 @@ The manifest itself is written by :func:`app.export.manifest`.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,11 @@ def check_manifest(man: Any) -> dict[str, Any]:
     ``settings`` (object). Optional and typed when present: ``manifest_version`` (whole number),
     ``tokens`` (list of strings, as long as ``token_ids``), ``run_key`` (string), and in ``settings``
     ``block_size``/``sink``/``window`` (whole numbers), ``qk_layers`` (list of whole numbers),
-    ``pattern_dtype`` (string), ``spans`` (list of [start, end] pairs).
+    ``pattern_dtype`` (string), ``spans`` (list of [start, end] pairs); the stored records a view
+    read (:func:`app.export.carried`): ``runs`` (objects with ``key``, ``kind`` ``run`` or
+    ``stats_run``, ``token_ids``, ``settings`` and ``text``), ``results`` (objects with ``key``,
+    ``kind``, ``meta`` and ``arrays``, each array an object with a ``sha256`` and its ``npy`` bytes
+    in base64) and ``results_left_out`` (a list of keys).
 
     Raises
     ------
@@ -102,7 +107,72 @@ def check_manifest(man: Any) -> dict[str, Any]:
             isinstance(s, list) and len(s) == 2 and all(_is_int(x) and x >= 0 for x in s) for s in spans)
         if not ok:
             raise ManifestError("field 'settings.spans' must be a list of [start, end] pairs of whole numbers.")
+    _check_carried(man)
     return man
+
+
+_KEY = re.compile(r"[0-9A-Za-z_-]{1,128}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _check_carried(man: dict[str, Any]) -> None:
+    """The stored records a manifest carries (``runs``, ``results``, ``results_left_out``): their
+    types here; their contents when a rebuild uses them (checksums, keys: :func:`app.export.rebuilding`)."""
+    runs = man.get("runs", [])
+    if not isinstance(runs, list):
+        raise ManifestError(f"field 'runs' must be a list, got {_kind(runs)}.")
+    for i, run in enumerate(runs):
+        where = f"runs[{i}]"
+        if not isinstance(run, dict):
+            raise ManifestError(f"field {where!r} must be an object, got {_kind(run)}.")
+        if not isinstance(run.get("key"), str) or not _KEY.fullmatch(run["key"]):
+            raise ManifestError(f"field '{where}.key' must be a run's id (letters and digits).")
+        if run.get("kind") not in ("run", "stats_run"):
+            raise ManifestError(f"field '{where}.kind' must be 'run' or 'stats_run', got {str(run.get('kind'))[:40]!r}.")
+        _int_list(run.get("token_ids"), f"{where}.token_ids")
+        if not run["token_ids"]:
+            raise ManifestError(f"field '{where}.token_ids' is empty: a run has at least one token.")
+        settings = run.get("settings")
+        if not isinstance(settings, dict):
+            raise ManifestError(f"field '{where}.settings' must be an object, got {_kind(settings)}.")
+        for name in _SETTINGS_INTS:
+            if name in settings and (not _is_int(settings[name]) or settings[name] < 0):
+                raise ManifestError(f"field '{where}.settings.{name}' must be a whole number ≥ 0.")
+        for name in _SETTINGS_LISTS:
+            if name in settings:
+                _int_list(settings[name], f"{where}.settings.{name}")
+        if "pattern_dtype" in settings and not isinstance(settings["pattern_dtype"], str):
+            raise ManifestError(f"field '{where}.settings.pattern_dtype' must be a string.")
+        if "spans" in settings and not (isinstance(settings["spans"], list) and all(
+                isinstance(sp, list) and len(sp) == 2 and all(_is_int(x) and x >= 0 for x in sp)
+                for sp in settings["spans"])):
+            raise ManifestError(f"field '{where}.settings.spans' must be a list of [start, end] pairs of whole numbers.")
+        if run.get("text") is not None and not isinstance(run["text"], str):
+            raise ManifestError(f"field '{where}.text' must be a string or null, got {_kind(run['text'])}.")
+    results = man.get("results", [])
+    if not isinstance(results, list):
+        raise ManifestError(f"field 'results' must be a list, got {_kind(results)}.")
+    for i, result in enumerate(results):
+        where = f"results[{i}]"
+        if not isinstance(result, dict):
+            raise ManifestError(f"field {where!r} must be an object, got {_kind(result)}.")
+        if not isinstance(result.get("key"), str) or not _KEY.fullmatch(result["key"]):
+            raise ManifestError(f"field '{where}.key' must be a stored result's id (letters and digits).")
+        if not isinstance(result.get("kind"), str) or not _KEY.fullmatch(result["kind"]):
+            raise ManifestError(f"field '{where}.kind' must be a record kind (a short name).")
+        if not isinstance(result.get("meta"), dict):
+            raise ManifestError(f"field '{where}.meta' must be an object, got {_kind(result.get('meta'))}.")
+        arrays = result.get("arrays")
+        if not isinstance(arrays, dict):
+            raise ManifestError(f"field '{where}.arrays' must be an object, got {_kind(arrays)}.")
+        for name, arr in arrays.items():
+            if not _KEY.fullmatch(name) or not isinstance(arr, dict) or not isinstance(arr.get("npy"), str) \
+                    or not isinstance(arr.get("sha256"), str) or not _SHA256.fullmatch(arr["sha256"]):
+                raise ManifestError(f"field '{where}.arrays.{name[:40]}' must be an object with a sha256 (64 hex "
+                                    "digits) and the array's .npy bytes in base64 (npy).")
+    left = man.get("results_left_out", [])
+    if not isinstance(left, list) or not all(isinstance(k, str) for k in left):
+        raise ManifestError("field 'results_left_out' must be a list of ids.")
 
 
 def read_manifest_file(path: Path | str) -> dict[str, Any]:

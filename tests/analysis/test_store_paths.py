@@ -226,3 +226,12 @@ def test_a_row_with_fields_of_the_wrong_type_is_skipped(tmp_path, column, value)
     assert [r.key for r in store.list(skipped=skipped)] == ["cd" * 32]
     assert [s.key for s in skipped] == [KEY]
     json.dumps([s.reason for s in skipped])
+
+
+@pytest.mark.parametrize("key", ["../../outside/x", "/tmp/x", "..", "a/b", "", "x" * 129, "k\n", "ké"])
+def test_a_key_that_is_a_path_is_refused_before_anything_is_written(tmp_path, outside, key):
+    store = Store(tmp_path / "home")
+    with pytest.raises(ValueError, match="record key"):
+        store.put(key, "run", {}, {"a": A})
+    assert not [p for p in (tmp_path / "home" / "records").rglob("*")]
+    assert sorted(p.name for p in outside.iterdir()) == ["canary.txt"]
