@@ -434,7 +434,12 @@ def _end_with_server(server_pid: int) -> None:
         if server is not None:
             import select
 
-            select.select([server], [], [])
+            # poll, not select: a server with many open connections hands its jobs descriptors past
+            # select's FD_SETSIZE (1024), which select refuses
+            watcher = select.poll()
+            watcher.register(server, select.POLLIN)
+            while not watcher.poll():
+                pass
         else:
             while os.getppid() == server_pid:
                 time.sleep(0.5)
