@@ -204,3 +204,50 @@ def test_a_compression_run_clears_an_old_message_when_it_starts(server, page):
     assert_unmarked(page, figures)
     assert "compress=" not in page.url
     assert proc.poll() is None
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+def test_the_busy_and_url_key_functions_case_by_case(server, page):
+    """assets/busy.js and assets/url_keys.js alone, in the page: what each returns for each case, odd
+    values (a forged or missing style, click time, URL or store) included."""
+    url, _, _ = server
+    page.goto(url + "heads")
+    page.wait_for_function("window.dash_clientside && window.dash_clientside.headscope_busy && "
+                           "window.dash_clientside.headscope_keys")
+    state = """([busy, status, styles, clicked, button, bar]) => {
+        const out = window.dash_clientside.headscope_busy.state(busy, status, styles, clicked, button, 'S…', bar);
+        return out.map(v => v === window.dash_clientside.no_update ? 'skip' : v); }"""
+    flag = {"--hs-stale": "1"}
+    cases = [
+        # a click started the job: banner cleared, caption, bar without a value, figures marked (their style kept)
+        ((True, "ready", [None, {"height": "300px"}], 1000, "b", True),
+         ["", "S…", None, flag, {"height": "300px", **flag}]),
+        # the same click seen again (a job the link started after it): the banner stays
+        ((True, "", [flag], 1000, "b", False), ["skip", "S…", "skip"]),
+        # a later click of the same button clears it again; another button has its own clicks
+        ((True, "", [], 2000, "b", False), ["", "S…"]),
+        ((True, "", [], 1500, "c", False), ["", "S…"]),
+        # no click yet (a link's job), or a click time that is not a number: the banner stays
+        ((True, "x", ["not a style"], None, "d", False), ["skip", "S…", flag]),
+        ((True, "x", [], "1e99", "d", False), ["skip", "S…"]),
+        # the job ended: marks removed (nothing to remove: no change), "starting" cleared, the rest left
+        ((False, "S…", [{"height": "300px", **flag}, {}], None, "b", True),
+         ["skip", "", "skip", {"height": "300px"}, "skip"]),
+        ((False, "3 trials answered", [flag], 3000, "b", False), ["skip", "skip", {}]),
+        ((None, "S…", None, None, "b", False), ["skip", ""]),
+    ]
+    for args, expected in cases:
+        assert page.evaluate(state, list(args)) == expected, args
+    pick = """([search, current, keys]) => { const out = window.dash_clientside.headscope_keys.pick(search, current, keys);
+        return out === window.dash_clientside.no_update ? 'skip' : out; }"""
+    keys = ["layer", "head", "sweep"]
+    for search, current, expected in [
+        ("?sweep=ab&layer=2&head=1&trial=3", None, {"layer": "2", "head": "1", "sweep": "ab"}),
+        ("?trial=4&head=1&layer=2&sweep=ab", {"layer": "2", "head": "1", "sweep": "ab"}, "skip"),  # order, other keys
+        ("?sweep=ab", {"layer": "2", "head": "1", "sweep": "ab"}, {"sweep": "ab"}),
+        ("", {}, "skip"), (None, "garbage", {}), ("?layer=%3Cb%3E", None, {"layer": "<b>"}),
+        ("?layer=1&layer=2", None, {"layer": "1"}),  # the first, as the server's parse reads it
+    ]:
+        assert page.evaluate(pick, [search, current, keys]) == expected, search
+    assert page.evaluate(pick, ["?a=1", None, "not a list"]) == {}
