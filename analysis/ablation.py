@@ -69,7 +69,7 @@ from transformer_lens.utilities import get_act_name
 
 from analysis.ablation_choices import METHOD_DESCRIPTIONS, METHODS, PATTERN_METHODS
 from analysis.capture import tokenize_input
-from analysis.errors import InputError, check_head_index, check_layer
+from analysis.errors import InputError, check_head, check_head_index, check_layer, shown
 from analysis.models import LoadedModel
 from analysis.retrieval import cancel_requested, stop_ids
 from analysis.store import Store, content_key
@@ -88,14 +88,17 @@ MAX_TOKENS = 2048
 MAX_NEW_TOKENS = 256
 
 
-def kv_group_heads(model: LoadedModel, layer: int, group: int) -> list[Head]:
-    """The query heads of key-value group ``group`` in ``layer``: ``g·G .. g·G + G − 1``, G = H / H_kv."""
+def kv_group_heads(model: LoadedModel, layer: int, group: int | str) -> list[Head]:
+    """The query heads of key-value group ``group`` (an int, or a numeral as typed) in ``layer``:
+    ``g·G .. g·G + G − 1``, G = H / H_kv."""
     check_layer(model.n_layers, layer)
-    if not 0 <= group < model.n_kv_heads:
+    try:
+        group = check_head(model.n_kv_heads, group)
+    except InputError:
         raise InputError(
-            f"Key-value group {group} is out of range: layer {layer} has key-value heads "
+            f"Key-value group {shown(group)} is out of range: layer {layer} has key-value heads "
             f"0..{model.n_kv_heads - 1}."
-        )
+        ) from None
     g = model.group_size
     return [(layer, h) for h in range(group * g, (group + 1) * g)]
 
@@ -104,10 +107,12 @@ _HEAD_FORMS = (
     "Write heads as layer.head (12.3) or L12H3, a whole key-value group as kv:12.1 or L12KV1, "
     "a whole layer as 12.* or L12, separated by commas or spaces."
 )
-_DOTTED = re.compile(r"(\d+)\.(\d+|\*)")
-_LETTERED = re.compile(r"l(\d+)(?:h(\d+))?")
-_KV_DOTTED = re.compile(r"kv:(\d+)\.(\d+)")
-_KV_LETTERED = re.compile(r"l(\d+)kv(\d+)")
+# ASCII digits only ("٣" or "３" are digits to int(), not a head a user meant); the numbers are checked,
+# however long, by analysis.errors
+_DOTTED = re.compile(r"([0-9]+)\.([0-9]+|\*)")
+_LETTERED = re.compile(r"l([0-9]+)(?:h([0-9]+))?")
+_KV_DOTTED = re.compile(r"kv:([0-9]+)\.([0-9]+)")
+_KV_LETTERED = re.compile(r"l([0-9]+)kv([0-9]+)")
 
 
 def parse_heads(model: LoadedModel, text: str) -> list[Head]:
@@ -131,15 +136,13 @@ def parse_heads(model: LoadedModel, text: str) -> list[Head]:
     for item in items:
         s = item.lower()
         if m := _KV_DOTTED.fullmatch(s) or _KV_LETTERED.fullmatch(s):
-            heads.update(kv_group_heads(model, int(m[1]), int(m[2])))
+            heads.update(kv_group_heads(model, check_layer(model.n_layers, m[1]), m[2]))
         elif m := _DOTTED.fullmatch(s) or _LETTERED.fullmatch(s):
-            layer = int(m[1])
+            layer = check_layer(model.n_layers, m[1])
             if m[2] is None or m[2] == "*":
-                check_layer(model.n_layers, layer)
                 heads.update((layer, h) for h in range(model.n_heads))
             else:
-                check_head_index(model.n_layers, model.n_heads, layer, int(m[2]))
-                heads.add((layer, int(m[2])))
+                heads.add(check_head_index(model.n_layers, model.n_heads, layer, m[2]))
         else:
             raise InputError(f"Cannot read {item!r} as a head. {_HEAD_FORMS}")
     return sorted(heads)

@@ -49,7 +49,7 @@ def parse_head_pairs(text: object, what: str | None = None) -> list[tuple[int, i
         raise InputError(f"The list of {what or 'heads'} is {len(text):,} characters long; a model has far fewer heads.")
     heads = []
     for item in text.split(","):
-        m = re.fullmatch(r"\s*(\d{1,6})\.(\d{1,6})\s*", item)
+        m = re.fullmatch(r"\s*([0-9]{1,6})\.([0-9]{1,6})\s*", item)  # ASCII digits: not "٣" or "３"
         if not m:
             where = f" in the {what}" if what else ""
             raise InputError(f"{item.strip()[:40]!r}{where} is not a head: write layer.head, comma-separated, "

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from analysis.ablation_choices import CONTROL_TOP_N, DEFAULT_METHOD, DEFAULT_SEEDS, MAX_SEEDS, METHODS
+from analysis.errors import shown
 from analysis.kv_compression_choices import BACKENDS as COMPRESS_BACKENDS
 from analysis.kv_compression_choices import DEFAULT_FRACTIONS as COMPRESS_FRACTIONS
 from analysis.kv_compression_choices import DEFAULT_RANKINGS as COMPRESS_RANKINGS
@@ -59,11 +60,34 @@ class _Parser(argparse.ArgumentParser):
 # "argument --name: message".
 
 
+_WHOLE = re.compile(r"[+-]?[0-9]+")
+_MOST_DIGITS = 18  # no count or index has more; int() refuses numerals past 4,300 digits
+
+
+def _number(text: str, kind: type = int) -> int | float:
+    """``text`` as an int (ASCII digits, an optional sign) or a float (as ``float()`` reads it), written in
+    ASCII: ``٣`` or ``３`` are digits to Python, not numbers a user meant to type. ValueError with what to
+    write otherwise."""
+    t = text.strip()
+    if not t.isascii():
+        raise ValueError(f"{shown(text)} is not a number: write numbers with the digits 0-9")
+    if kind is float:
+        try:
+            return float(t)
+        except ValueError:
+            raise ValueError(f"{shown(text)} is not a number") from None
+    if not _WHOLE.fullmatch(t):
+        raise ValueError(f"{shown(text)} is not a whole number")
+    if len(t.lstrip("+-").lstrip("0")) > _MOST_DIGITS:
+        raise ValueError(f"{shown(t)} is out of range")
+    return int(t)
+
+
 def _whole(text: str) -> int:
     try:
-        return int(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        return _number(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def count(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -89,9 +113,9 @@ def number_list(kind: type, minimum: float, maximum: float | None = None, what: 
             raise argparse.ArgumentTypeError(f"give one or more {what} separated by commas, e.g. "
                                              f"{int(minimum) if kind is int else minimum},{int(minimum) + 1}")
         try:
-            values = [kind(x) for x in items]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a list of {what} separated by commas") from None
+            values = [_number(x, kind) for x in items]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{e}; give {what} separated by commas") from None
         for v in values:
             if v != v or v < minimum or (maximum is not None and v > maximum):
                 bound = f"between {minimum:g} and {maximum:g}" if maximum is not None else f"at least {minimum:g}"
@@ -907,9 +931,9 @@ def ranking_list(text: str) -> list[str]:
 def share(text: str) -> float:
     """A number in [0, 1] (a tolerance on an accuracy)."""
     try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        v = _number(text, float)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     if not 0 <= v <= 1:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
     return v
@@ -922,10 +946,10 @@ def export_choice(text: str) -> tuple[str, float | None, int | None]:
         raise argparse.ArgumentTypeError(f"write RANKING:FRACTION (e.g. retrieval:0.25, random:0.5:1 for a seed, "
                                          f"or all_streaming), with RANKING one of {', '.join(COMPRESS_RANKING_NAMES)}")
     try:
-        fraction = float(parts[1]) if len(parts) > 1 else None
-        seed = int(parts[2]) if len(parts) > 2 else None
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: the fraction must be a number and the seed a whole number") from None
+        fraction = _number(parts[1], float) if len(parts) > 1 else None
+        seed = _number(parts[2]) if len(parts) > 2 else None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e}; the fraction must be a number and the seed a whole number") from None
     if fraction is not None and not 0 <= fraction <= 1:
         raise argparse.ArgumentTypeError(f"the fraction must be between 0 and 1, got {parts[1]}")
     return parts[0], fraction, seed
@@ -1089,13 +1113,14 @@ def answer_list(text: str) -> list[str]:
     return items
 
 
-_LAYER_HEAD = re.compile(r"^\s*(\d+)\.(\d+)\s*$")
+_LAYER_HEAD = re.compile(r"^\s*([0-9]{1,9})\.([0-9]{1,9})\s*$")  # ASCII digits: not "٣" or "３"
 
 
 def layer_head(text: str) -> tuple[int, int]:
     m = _LAYER_HEAD.match(text)
     if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a head: write layer.head, e.g. 23.3")
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a head: write layer.head with the digits 0-9, "
+                                         "e.g. 23.3")
     return int(m[1]), int(m[2])
 
 

@@ -9,7 +9,10 @@ from analysis.errors import InputError
 
 
 def number_list(text: Any, what: str, cast: type = float, most: int = 12) -> list:
-    """The numbers of a text box (commas or semicolons between them), each ``cast``; 1 to ``most`` of them."""
+    """The numbers of a text box (commas or semicolons between them), each ``cast``; 1 to ``most`` of them.
+    Written in ASCII: ``٣`` or ``３`` are digits to Python, not numbers a user meant to type."""
+    if not str(text or "").isascii():
+        raise InputError(f"{what} must be numbers written with the digits 0-9, got {str(text)[:40]!r}.")
     try:
         values = [cast(x) for x in str(text or "").replace(";", ",").split(",") if x.strip()]
     except ValueError:

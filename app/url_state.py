@@ -23,7 +23,7 @@ _INT_KEYS = ("layer", "head", "query", "target", "trial", "sentences", "sink_siz
 SCORES = (*HEAD_METRICS, "evidence")
 ABLATION_METHODS = ABLATION_CHOICES
 RANK_BY = ("retrieval", "effect", *HEAD_METRICS)
-_HEADS = re.compile(r"^[\w.:*,; ]{1,2000}$")
+_HEADS = re.compile(r"^[\w.:*,; ]{1,2000}$", re.ASCII)  # digits 0-9 only: not "٣" or "３"
 _HEX_KEYS = ("curve", "hsweep", "source", "ref", "labels", "texts", "patching", "ppos", "first", "second", "compress")
 _PICK = re.compile(r"^[a-z_]{1,20}(:[0-9]{0,3}\.?[0-9]{1,8})?(:[0-9]{1,4})?$")  # RANKING[:FRACTION[:SEED]]
 _FIND = re.compile(r"^[^\x00-\x1f<>]{1,40}$")
@@ -225,7 +225,7 @@ def parse(search: str | None) -> PageState:
     for key in _INT_KEYS:
         if key in first:
             value = first[key]
-            if re.fullmatch(r"\d{1,7}", value) and int(value) < MAX_INDEX:
+            if re.fullmatch(r"[0-9]{1,7}", value) and int(value) < MAX_INDEX:  # ASCII digits: not "٣" or "３"
                 setattr(state, key, int(value))
             else:
                 state.problems.append(f"The link's {key} {value[:20]!r} is not a non-negative whole number.")
@@ -274,7 +274,7 @@ def parse(search: str | None) -> PageState:
         else:
             state.problems.append(f"The link's feature {first['feature'][:40]!r} is not a valid feature name.")
     if "region" in first:  # a zoomed region of a long run: q0-q1,k0-k1
-        if re.fullmatch(r"\d{1,7}-\d{1,7},\d{1,7}-\d{1,7}", first["region"]):
+        if re.fullmatch(r"[0-9]{1,7}-[0-9]{1,7},[0-9]{1,7}-[0-9]{1,7}", first["region"]):
             state.region = first["region"]
         else:
             state.problems.append("The link's region must be written q0-q1,k0-k1 (token positions).")

@@ -349,7 +349,7 @@ def _map_key(state: PageState) -> list:
     return [state.model, state.run, state.by, state.sweep, state.hsweep]
 
 
-_PENDING = re.compile(r"\d{1,4}\.\d{1,4}(,\d{1,4}\.\d{1,4})*")
+_PENDING = re.compile(r"[0-9]{1,4}\.[0-9]{1,4}(,[0-9]{1,4}\.[0-9]{1,4})*")
 
 
 def _pending(value) -> str | None:

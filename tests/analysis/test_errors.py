@@ -25,8 +25,13 @@ def test_valid_heads_come_back_as_ints():
         (0, None, "Layer and head must be whole numbers, got 0 and None."),
         (True, 0, "Layer and head must be whole numbers, got True and 0."),
         ("²", 0, "Layer and head must be whole numbers, got '²' and 0."),  # a digit to isdigit(), not to int()
-        (0, "٣٣٣", "Head 333 is out of range in layer 0: the model has query heads 0..8."),
-        ("9" * 5000, 0, f"Layer and head must be whole numbers, got '{'9' * 5000}' and 0."),  # past int()'s digits
+        # digits of other scripts are digits to int(), not to a user reading the page: ASCII only
+        (0, "٣", "Layer and head must be whole numbers written with the digits 0-9, got 0 and '٣'."),
+        ("３", 0, "Layer and head must be whole numbers written with the digits 0-9, got '３' and 0."),
+        (0, "𝟑", "Layer and head must be whole numbers written with the digits 0-9, got 0 and '𝟑'."),
+        # past int()'s 4,300 digits: out of range, said without Python's "int max digits" text
+        ("9" * 5000, 0, "Layer 9999999999…9999 (5,000 digits) is out of range: the model has layers 0..29."),
+        (0, "0" * 4999 + "9", "Head 9 is out of range in layer 0: the model has query heads 0..8."),
         (float("inf"), 0, "Layer and head must be whole numbers, got inf and 0."),
     ],
 )
