@@ -17,6 +17,7 @@ variable                       default  what it bounds
 ``HEADSCOPE_MAX_QK_POINTS``    20000    query + key points of one head's joint embedding
 ``HEADSCOPE_MAX_SWEEP_TRIALS``   200    trials (needles × lengths × depths) of one NIAH sweep
 ``HEADSCOPE_MAX_UPLOAD_BYTES`` 4000000  bytes of one uploaded file (haystack, sentences, labels)
+``HEADSCOPE_READ_TIMEOUT``         60   seconds the server waits for the next bytes of a request
 =============================  =======  ==========================================================
 """
 
@@ -35,6 +36,7 @@ DEFAULTS = {
     "HEADSCOPE_MAX_QK_POINTS": 20_000,
     "HEADSCOPE_MAX_SWEEP_TRIALS": 200,
     "HEADSCOPE_MAX_UPLOAD_BYTES": 4_000_000,
+    "HEADSCOPE_READ_TIMEOUT": 60,
 }
 
 

@@ -399,7 +399,9 @@ def cmd_serve(args) -> int:
         print("headscope: answering to any host name (bound beyond the loopback, the token guards it); "
               "--allowed-hosts limits the names", file=sys.stderr)
     print(f"headscope: serving on http://{host}:{args.port}  (store: {context.store.root})", file=sys.stderr)
-    app.run(host=host, port=args.port, debug=False, threaded=True)
+    from app.server import request_handler
+
+    app.run(host=host, port=args.port, debug=False, threaded=True, request_handler=request_handler())
     return 0
 
 

@@ -75,6 +75,7 @@ def create_app(context: AppContext) -> Dash:
     answer_404_for_unknown_components(app)
     redact_tokens_in_logs()
     cap_request_size(app.server)
+    answer_408_for_stalled_requests(app.server)
     from app.offers import check_callback_requests
 
     check_callback_requests(app, app.server)
@@ -214,6 +215,40 @@ def cap_request_size(server: Flask) -> None:
         return None
 
     server.register_error_handler(413, lambda _e: too_large())
+
+
+def request_handler() -> type:
+    """The web server's request handler: every read from a client waits at most ``HEADSCOPE_READ_TIMEOUT``
+    seconds for the next bytes (headers or body), so a client that stops sending (a body shorter than its
+    Content-Length) frees its thread then, instead of holding it for ever. A slow upload that keeps
+    sending is not cut: the limit is on each wait, as nginx's ``client_body_timeout``."""
+    from werkzeug.serving import WSGIRequestHandler
+
+    class TimedRequestHandler(WSGIRequestHandler):
+        timeout = limit("HEADSCOPE_READ_TIMEOUT")  # socketserver sets it on the connection
+
+    return TimedRequestHandler
+
+
+def answer_408_for_stalled_requests(server: Flask) -> None:
+    """A body that stopped arriving (:func:`request_handler`'s timeout, raised where the app reads it, as
+    itself or as werkzeug's ClientDisconnected): 408 and one log line, not a 500 with a traceback or a 400
+    that blames the request's form."""
+    from werkzeug.exceptions import ClientDisconnected
+
+    def stalled() -> Response:
+        log.warning("%s %r: the request's body stopped arriving for %d s; connection closed", request.method,
+                    request.path[:200], limit("HEADSCOPE_READ_TIMEOUT"))
+        response = Response("headscope: the request's body stopped arriving; send it again.\n", status=408,
+                            mimetype="text/plain")
+        response.headers["Connection"] = "close"
+        return response
+
+    def disconnected(error: ClientDisconnected):
+        return stalled() if isinstance(error.__context__, TimeoutError) else error
+
+    server.register_error_handler(TimeoutError, lambda _error: stalled())
+    server.register_error_handler(ClientDisconnected, disconnected)
 
 
 def show_error(error: Exception) -> None:
