@@ -1675,10 +1675,23 @@ def _quiet_libraries() -> None:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
 
 
+def _torch_cache_outside_tmp() -> None:
+    """torch creates its compile cache folder when it is imported (``torch._dynamo.package`` asks
+    ``torch._inductor`` for it), by default ``$TMPDIR/torchinductor_<user>``: a folder every command left in
+    the temporary files, under a name any local user could create first. headscope compiles nothing with
+    inductor; its processes (and the jobs and workers they start) keep that folder in headscope's own cache
+    folder instead, unless ``TORCHINDUCTOR_CACHE_DIR`` names one."""
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        import platformdirs
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(platformdirs.user_cache_dir("headscope"), "torchinductor")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _torch_cache_outside_tmp()  # before anything imports torch
     if not sys.stderr.isatty():
         _quiet_libraries()
     try:
