@@ -554,13 +554,13 @@ def cmd_figure(args) -> int:
         manifest = read_manifest_file(args.manifest)
     except ManifestError as e:
         raise UsageError(f"argument manifest: {e}") from None
-    from app.export import FIGURE_FORMATS, rebuilding, write_files
+    formats = _check_formats(args.formats) if args.formats else FIGURE_FORMATS
+    from app.export import rebuilding, write_files
     from app.views import VIEWS
 
     if manifest["view"] not in VIEWS:
         raise UsageError(f"argument manifest: field 'view' names an unknown view {manifest['view']!r}; "
                          f"known: {', '.join(VIEWS)}")
-    formats = _check_formats(args.formats, FIGURE_FORMATS) if args.formats else FIGURE_FORMATS
     out = Path(args.out) if args.out else Path(args.manifest).resolve().parent / "regenerated"
     with contextlib.ExitStack() as stack:
         with progress_bar("rebuilding") as bar:

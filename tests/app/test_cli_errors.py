@@ -138,3 +138,13 @@ def test_bytes_that_are_not_utf8_in_an_argument_are_shown_escaped(tmp_path):
                        capture_output=True, timeout=60)
     err = p.stderr.decode("utf-8")  # strict: the message is valid UTF-8
     assert_one_line(p.returncode, err, "argument --file", "caf\\udce9.txt")
+
+
+def test_figure_refuses_a_format_before_torch_loads(tmp_path):
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"manifest_version": 1, "view": "head_grid", "params": {"metric": "entropy"},
+                                    "model": {"name": "smollm2-135m", "digest": "0" * 64}, "token_ids": [504, 3575],
+                                    "settings": {}}))
+    code, err, torch_loaded, seconds = headscope(["figure", str(manifest), "--formats", "gif"], tmp_path / "home")
+    assert_one_line(code, err, "argument --formats")
+    assert not torch_loaded and seconds < 2, (torch_loaded, seconds)
