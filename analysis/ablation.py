@@ -70,6 +70,7 @@ from transformer_lens.utilities import get_act_name
 from analysis.ablation_choices import METHOD_DESCRIPTIONS, METHODS, PATTERN_METHODS
 from analysis.capture import tokenize_input
 from analysis.errors import InputError, check_head, check_head_index, check_layer, shown
+from analysis.limits import limit
 from analysis.models import LoadedModel
 from analysis.retrieval import cancel_requested, stop_ids
 from analysis.store import Store, content_key
@@ -84,7 +85,14 @@ SweepMetric = Callable[[torch.Tensor], torch.Tensor]
 MetricFn = Callable[[LoadedModel, list[Hook]], float]
 """``metric_fn(model, hooks)``: run the model with ``hooks`` active and return one number."""
 
-MAX_TOKENS = 2048
+#: The limit on an ablated text's tokens (:mod:`analysis.limits`), read each time a text is checked.
+LIMIT = "HEADSCOPE_MAX_ABLATION_TOKENS"
+
+
+def ablation_ids(model: LoadedModel, text_or_ids: str | Sequence[int]) -> list[int]:
+    """Token ids of a text to ablate on (:func:`~analysis.capture.tokenize_input`), at most
+    ``HEADSCOPE_MAX_ABLATION_TOKENS``; a refusal names that variable."""
+    return tokenize_input(model, text_or_ids, limit(LIMIT), limited="ablation takes at most", variable=LIMIT)
 MAX_NEW_TOKENS = 256
 
 
@@ -227,7 +235,7 @@ def head_means(
         raise InputError("The reference set for mean ablation is empty: give one or more texts.")
     if any(isinstance(r, int | np.integer) for r in reference):
         raise InputError("The reference set is a list of inputs: wrap a single list of token ids in a list.")
-    ids_list = [tokenize_input(model, r, MAX_TOKENS) for r in reference]
+    ids_list = [ablation_ids(model, r) for r in reference]
     key = head_means_key(model, ids_list)
     if store is not None:
         stored = load_head_means(store, key)
@@ -662,7 +670,7 @@ def ablation_effects(
     max_new_tokens : length of the greedy continuations (0: none), generated with the ablation
         active at every step.
     """
-    ids = tokenize_input(model, text_or_ids, MAX_TOKENS)
+    ids = ablation_ids(model, text_or_ids)
     spec_list = [specs] if isinstance(specs, AblationSpec) else list(specs)
     hooks = ablation_hooks(model, spec_list)
     if not 1 <= top_k <= model.vocab_size:
@@ -751,7 +759,7 @@ def kl_metric(clean_logits: torch.Tensor) -> SweepMetric:
 
 def loss_metric_fn(text_or_ids: str | Sequence[int], model: LoadedModel) -> MetricFn:
     """A ``metric_fn(model, hooks)`` for :func:`topk_curve`: mean next-token loss on one input."""
-    ids = tokenize_input(model, text_or_ids, MAX_TOKENS)
+    ids = ablation_ids(model, text_or_ids)
     if len(ids) < 2:
         raise InputError("The loss needs at least two tokens.")
     metric = loss_metric(ids)

@@ -167,6 +167,7 @@ def capture(
     store: Store | None = None,
     pattern_dtype: str = "float16",
     max_tokens: int = MAX_TOKENS_PATTERNS,
+    max_tokens_variable: str = "capture's max_tokens argument",
     progress: Callable[[float], None] | None = None,
     before_store: Callable[[Run], None] | None = None,
 ) -> Run:
@@ -180,6 +181,8 @@ def capture(
     store : when given, a stored run with the same key is loaded instead of recomputed, and a new
         run is stored.
     pattern_dtype : ``float16`` (half the memory and disk) or ``float32`` (bit-exact to eager).
+    max_tokens, max_tokens_variable : the longest input taken, and what a refusal tells the user to
+        set to change it (the page passes ``HEADSCOPE_MAX_TOKENS`` with its value).
     before_store : called with a newly computed run before it is written to ``store`` (a run found
         in the store is not passed): the Attention page draws its grid from it while the patterns,
         127 MB at 512 tokens, are written (#16's click → grid). What it raises stops the capture.
@@ -189,7 +192,7 @@ def capture(
     layers = sorted({int(layer) for layer in qk_layers})
     for layer in layers:
         check_layer(model.n_layers, layer)
-    ids = tokenize_input(model, text_or_ids, max_tokens)
+    ids = tokenize_input(model, text_or_ids, max_tokens, variable=max_tokens_variable)
     text = text_or_ids if isinstance(text_or_ids, str) else None
     settings = {"pattern_dtype": pattern_dtype, "qk_layers": layers}
     if model.facts.windowed:  # per-layer sliding windows (entropy's visible keys); absent: all full

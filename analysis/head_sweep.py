@@ -24,7 +24,6 @@ from transformer_lens.utilities import get_act_name
 
 from analysis.ablation import (
     ABLATION_VERSION,
-    MAX_TOKENS,
     AblationSpec,
     Cancel,
     Head,
@@ -35,11 +34,12 @@ from analysis.ablation import (
     _logits,
     _spec_template,
     _tensor,
+    ablation_ids,
     kl_metric,
     loss_metric,
 )
 from analysis.ablation_choices import SWEEP_METRICS
-from analysis.capture import Run, tokenize_input
+from analysis.capture import Run
 from analysis.errors import InputError
 from analysis.models import LoadedModel
 from analysis.retrieval import Cancelled, cancel_requested
@@ -95,7 +95,7 @@ def single_head_sweep(
     cancel : checked between batches; the sweep stops and returns what finished (``complete`` False).
     """
     t0 = time.perf_counter()
-    ids = tokenize_input(model, tokens, MAX_TOKENS)
+    ids = ablation_ids(model, tokens)
     template = _spec_template(method)
     all_heads = [(layer, h) for layer in range(model.n_layers) for h in range(model.n_heads)]
     todo = sorted({(int(layer), int(h)) for layer, h in heads}) if heads is not None else all_heads

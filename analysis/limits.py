@@ -12,6 +12,8 @@ variable                       default  what it bounds
 ``HEADSCOPE_MAX_STATS_TOKENS`` 32768   tokens of a long page run (statistics mode; also bounded
                                         by the model's context)
 ``HEADSCOPE_MAX_FLOW_TOKENS``     128   tokens for exact attention flow
+``HEADSCOPE_MAX_ABLATION_TOKENS`` 2048 tokens of an ablated text (effects, curves, single-head sweeps,
+                                        mean ablation's references; every ablated set runs the text)
 ``HEADSCOPE_MAX_PATCH_TOKENS``   2048   tokens of each prompt of an activation or path patching (no
                                         patterns are kept, but every patched unit runs the prompt)
 ``HEADSCOPE_MAX_QK_POINTS``    20000    query + key points of one head's joint embedding
@@ -32,6 +34,7 @@ DEFAULTS = {
     "HEADSCOPE_MAX_TOKENS": 1024,
     "HEADSCOPE_MAX_STATS_TOKENS": 32_768,
     "HEADSCOPE_MAX_FLOW_TOKENS": 128,
+    "HEADSCOPE_MAX_ABLATION_TOKENS": 2048,
     "HEADSCOPE_MAX_PATCH_TOKENS": 2048,
     "HEADSCOPE_MAX_QK_POINTS": 20_000,
     "HEADSCOPE_MAX_SWEEP_TRIALS": 200,

@@ -385,7 +385,8 @@ def capture_for_page(model: LoadedModel, text: str, store: Store | None, max_tok
                                  f"{model.n_ctx:,}) are limited to")
     if statistics_supported(model) and (len(ids) > max_tokens or str(model.device).startswith("cuda")):
         return capture_statistics(model, text, store=store, max_tokens=long_limit, progress=progress)
-    return capture(model, text, store=store, max_tokens=max_tokens, progress=progress, before_store=before_store)
+    return capture(model, text, store=store, max_tokens=max_tokens, max_tokens_variable="HEADSCOPE_MAX_TOKENS",
+                   progress=progress, before_store=before_store)
 
 
 # --- scores from statistics -----------------------------------------------------------------------

@@ -799,8 +799,10 @@ def _niah_sweep(model, args, store, needles, hay, lengths, depths):
 
 def _ablation_spec(model, args, heads, store, reference):
     """The :class:`AblationSpec` of ``--method`` on ``heads``, and the page parameters naming it."""
+    from analysis.ablation import LIMIT as ABLATION_LIMIT
     from analysis.ablation import AblationSpec, format_heads, head_means
     from analysis.capture import capture
+    from analysis.limits import limit
     from app.views.ablation import builtin_reference
 
     params = {"model": _model_spec(args), "heads": format_heads(heads), "ablate": args.method}
@@ -811,7 +813,8 @@ def _ablation_spec(model, args, heads, store, reference):
         params["ref"] = means.key[:16]
     if args.method == "resample":
         with _argument("--source"):
-            source_run = capture(model, args.source, store=store)
+            source_run = capture(model, args.source, store=store, max_tokens=limit(ABLATION_LIMIT),
+                                 max_tokens_variable=ABLATION_LIMIT)
         source, params["source"] = tuple(source_run.token_ids), source_run.key[:16]
     spec = AblationSpec(tuple(heads), args.method, means=means, source_ids=source)
     spec.validate(model)
@@ -852,11 +855,13 @@ def cmd_ablate(args) -> int:
 
     import numpy as np
 
+    from analysis.ablation import LIMIT as ABLATION_LIMIT
     from analysis.ablation import METHOD_DESCRIPTIONS, format_heads, parse_heads
     from analysis.ablation_curve import ablation_curve, check_curve, rank_heads
     from analysis.capture import capture
     from analysis.errors import InputError
     from analysis.head_summary import HEAD_METRICS
+    from analysis.limits import limit
     from analysis.store import content_key
     from app.export import write_files
     from app.views import names
@@ -875,7 +880,8 @@ def cmd_ablate(args) -> int:
     with _argument("--heads"):
         heads = parse_heads(model, args.heads) if args.heads else None
     with _argument("--file" if args.file else "--text"):
-        run = capture(model, text, store=store) if text else None
+        run = capture(model, text, store=store, max_tokens=limit(ABLATION_LIMIT),
+                      max_tokens_variable=ABLATION_LIMIT) if text else None
     result = _niah_sweep(model, args, store, needles, hay, lengths, depths) if args.sweep else None
     scores, by_label = None, ""  # the scores heads are ranked by
     if args.top_k:

@@ -337,7 +337,8 @@ def register_run(prefix: str, state_after: Any, keeps: tuple[str, ...], long_run
         if long_runs:
             run = capture_for_page(model, text or "", context.store, context.max_tokens)
         else:
-            run = capture(model, text or "", store=context.store, max_tokens=context.max_tokens)
+            run = capture(model, text or "", store=context.store, max_tokens=context.max_tokens,
+                          max_tokens_variable="HEADSCOPE_MAX_TOKENS")
         context.remember(run)
         return url_patch(search, state_after(parse(search), model, run).to_search(), keep=keeps), ""
 

@@ -630,7 +630,8 @@ def apply(set_progress, n_clicks, from_link, pending, heads_text, method, source
             if not source.strip():
                 raise ValueError("Resample ablation needs a source text: write one in the box, then Apply.")
             set_progress(("0", "100", "effects: running the source text"))
-            state.source = capture(model, source, store=context.store, max_tokens=context.max_tokens).key[:16]
+            state.source = capture(model, source, store=context.store, max_tokens=context.max_tokens,
+                                   max_tokens_variable="HEADSCOPE_MAX_TOKENS").key[:16]
         elif not link and state.ablate == "mean":
             reference = reference if isinstance(reference, str) else ""
             texts = [t for t in reference.splitlines() if t.strip()] or builtin_reference()

@@ -495,3 +495,48 @@ def test_the_head_sweep_action_keeps_the_pages_store_key_and_equals_the_plain_sw
     assert store.get(key).meta["run"] == run.key and result.complete
     with pytest.raises(InputError, match="choose one of loss, kl"):
         ablation_head_sweep(tiny_model, run, AblationSpec((), "zero"), "accuracy", store)
+
+
+ABLATION_LIMIT = "HEADSCOPE_MAX_ABLATION_TOKENS"
+
+
+@pytest.fixture(scope="module")
+def long_tiny(make_tiny_model):
+    """A tiny model whose context (4,096) holds a text past the ablation limit's default (2,048)."""
+    return make_tiny_model(max_positions=4096, name="tiny-llama-long")
+
+
+def test_a_lowered_ablation_limit_refuses_and_names_its_own_variable(tiny_model, ids, monkeypatch):
+    """Effects, the loss metric of curves and single-head sweeps, and mean ablation's references all
+    read one limit, and the refusal names the variable that changes it."""
+    monkeypatch.setenv(ABLATION_LIMIT, "8")
+    spec = AblationSpec(heads=((0, 0),), method="zero")
+    for check in (lambda: ablation_effects(tiny_model, ids, spec),
+                  lambda: loss_metric_fn(ids, tiny_model),
+                  lambda: head_means(tiny_model, [ids])):
+        with pytest.raises(InputError) as refused:
+            check()
+        message = str(refused.value)
+        assert f"{len(ids)} tokens" in message and "8" in message and f"set {ABLATION_LIMIT}" in message, message
+        assert "HEADSCOPE_MAX_TOKENS" not in message
+    monkeypatch.setenv(ABLATION_LIMIT, str(len(ids)))  # at the limit: admitted
+    assert ablation_effects(tiny_model, ids, spec) is not None
+
+
+def test_a_raised_ablation_limit_admits_a_longer_text(long_tiny, monkeypatch):
+    long_ids = [long_tiny.tokenizer.bos_token_id or 1] + [300 + i % 500 for i in range(2100)]
+    monkeypatch.delenv(ABLATION_LIMIT, raising=False)
+    with pytest.raises(InputError, match=rf"2,101 tokens.*2,048 tokens \(set {ABLATION_LIMIT} to change it\)"):
+        loss_metric_fn(long_ids, long_tiny)
+    monkeypatch.setenv(ABLATION_LIMIT, "5000")
+    assert callable(loss_metric_fn(long_ids, long_tiny))
+
+
+def test_capture_past_its_max_tokens_names_no_setting_that_does_not_change_it(tiny_model):
+    """capture()'s own bound is its ``max_tokens`` argument: no environment variable moves it."""
+    from analysis.capture import capture
+
+    with pytest.raises(InputError) as refused:
+        capture(tiny_model, list(range(300, 330)), max_tokens=16)
+    message = str(refused.value)
+    assert "30 tokens" in message and "max_tokens" in message and "HEADSCOPE_MAX_TOKENS" not in message, message
