@@ -21,6 +21,7 @@ from dash import (
 )
 from dash.exceptions import PreventUpdate
 
+from analysis.ablation import LIMIT as ABLATION_LIMIT
 from analysis.ablation import format_heads, head_means, parse_heads
 from analysis.ablation_choices import (
     CONTROL_TOP_N,
@@ -35,6 +36,7 @@ from analysis.ablation_choices import (
 from analysis.ablation_curve import ablation_curve, random_control
 from analysis.capture import capture
 from analysis.head_sweep import ablation_head_sweep
+from analysis.limits import limit
 from analysis.models import load_model
 from app import ids
 from app.components import (
@@ -630,8 +632,8 @@ def apply(set_progress, n_clicks, from_link, pending, heads_text, method, source
             if not source.strip():
                 raise ValueError("Resample ablation needs a source text: write one in the box, then Apply.")
             set_progress(("0", "100", "effects: running the source text"))
-            state.source = capture(model, source, store=context.store, max_tokens=context.max_tokens,
-                                   max_tokens_variable="HEADSCOPE_MAX_TOKENS").key[:16]
+            state.source = capture(model, source, store=context.store, max_tokens=limit(ABLATION_LIMIT),
+                                   max_tokens_variable=ABLATION_LIMIT).key[:16]
         elif not link and state.ablate == "mean":
             reference = reference if isinstance(reference, str) else ""
             texts = [t for t in reference.splitlines() if t.strip()] or builtin_reference()
