@@ -237,11 +237,11 @@ def test_strips_sharing_a_scale_are_coloured_in_one_unit_the_share_of_the_target
 
 
 def test_the_page_says_what_the_colour_means(tmp_path):
+    import dash
+
     from analysis.store import Store
     from app.context import AppContext
     from app.server import create_app
-
-    import dash
 
     create_app(AppContext(store=Store(tmp_path / "store")))  # the pages register with an app
     flow_page = next(p for p in dash.page_registry.values() if p["path"] == "/flow")  # as the router has it
