@@ -527,6 +527,7 @@ def _outline(drawn, head: tuple[int, int] | None):
     Output(ids.HEADS_GRID, "figure", allow_duplicate=True),
     Output(ids.HEADS_SCORE_GRID, "figure", allow_duplicate=True),
     Output(ids.HEADS_TRIALS, "data"),
+    Output(ids.HEADS_TRIALS, "active_cell"),
     Input(KEYS["selection"], "data"),
     Input(GRID_DRAWN, "data"),  # after a map is drawn whole (Dash waits for draw_sweep and draw_scores)
     Input(SCORES_DRAWN, "data"),
@@ -536,19 +537,20 @@ def _outline(drawn, head: tuple[int, int] | None):
 )
 def draw_selection(_keys, grid_drawn, scores_drawn, search):
     """The selected head: its outline on both maps (on the retrieval map only under the query-head
-    aggregation, whose cells are heads), and its trials when the head or sweep changed."""
+    aggregation, whose cells are heads), and its trials when the head or sweep changed, none of them
+    chosen yet (a row chosen for the last head, kept, made a click on that row for this one do nothing)."""
     state = parse(search)
     head = (state.layer, state.head) if state.layer is not None and state.head is not None else None
-    trials = no_update
+    trials = chosen = no_update
     if f"{KEYS['selection']}.data" in dash.ctx.triggered_prop_ids:
-        trials = []
+        trials, chosen = [], None
         if state.sweep is not None and head is not None:
             try:
                 sw = sweep_of({"sweep": state.sweep})
                 trials = head_trials(sw, *check_sweep_head(sw, *head))
             except ValueError:  # no such sweep (the banner says so) or head (the decode steps say so)
                 trials = []
-    return _outline(grid_drawn, head if state.agg == "query" else None), _outline(scores_drawn, head), trials
+    return _outline(grid_drawn, head if state.agg == "query" else None), _outline(scores_drawn, head), trials, chosen
 
 
 @callback(

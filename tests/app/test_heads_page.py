@@ -196,6 +196,16 @@ def test_a_click_redraws_only_the_figures_that_show_what_it_changed(server, page
     assert set(page.evaluate(UNTOUCHED, list(FIGURES))) == set(FIGURES) - {"hs-heads-steps"}
     asked = _asked(requests)
     assert asked <= {"hs-heads-steps", "heads-hs-url"}, asked
+
+    # another head, then the same trial row again: that trial of this head (the row stayed chosen, so
+    # the click changed nothing and the page did nothing)
+    other = (layer + 1) % 30
+    click_cell(page, "hs-heads-grid", col=head, row=other, n_cols=9, n_rows=30)
+    wait_title(page, "hs-heads-steps", f"Layer {other}, head {head}, trial 0", timeout=240_000)
+    settle(page)
+    page.wait_for_function("!new URLSearchParams(location.search).has('trial')")
+    page.locator("#hs-heads-trials td[data-dash-column='response']").first.click()
+    page.wait_for_function("new URLSearchParams(location.search).get('trial') === '0'", timeout=30_000)
     assert proc.poll() is None
 
 
