@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from analysis.errors import InputError, parse_json
+from analysis.errors import InputError, parse_json, shown
 from analysis.paths import DATA_DIR
 
 if TYPE_CHECKING:  # torch is not imported to check a request's needles, lengths and S + W
@@ -222,8 +222,11 @@ def check_lengths(lengths: Sequence[int]) -> list[int]:
     out = []
     for n in lengths:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_LENGTH:
-            shown = str(n) if len(str(n)) <= 12 else str(n)[:12] + "…"
-            raise InputError(f"Context lengths must be whole numbers of tokens from 1 to {MAX_LENGTH:,}, got {shown}.")
+            if isinstance(n, int) and not isinstance(n, bool):
+                given = f"{n:,}" if len(str(n)) <= 12 else f"{str(n)[:12]}… ({len(str(n)):,} digits)"
+            else:
+                given = shown(n)
+            raise InputError(f"Context lengths must be whole numbers of tokens from 1 to {MAX_LENGTH:,}, got {given}.")
         out.append(n)
     if not out:
         raise InputError("Give at least one context length.")
