@@ -46,9 +46,9 @@ With grouped-query attention a whole key-value group can be named (``kv:12.1``):
 query heads. Only the query heads' outputs (or patterns) change; the shared keys and values do not.
 
 This module holds the methods, the head lists, the hooks and the effects of one ablation
-(:func:`ablation_effects`). Ablating every head alone is :mod:`analysis.head_sweep`; the top-k vs
-random curve is :mod:`analysis.ablation_curve`; the names a user chooses from are
-:mod:`analysis.ablation_choices`.
+(:func:`ablation_effects`). Ablating every head alone is :mod:`headscope.analysis.head_sweep`; the top-k vs
+random curve is :mod:`headscope.analysis.ablation_curve`; the names a user chooses from are
+:mod:`headscope.analysis.ablation_choices`.
 """
 
 from __future__ import annotations
@@ -65,15 +65,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from headscope.analysis.ablation_choices import METHOD_DESCRIPTIONS, METHODS, PATTERN_METHODS
+from headscope.analysis.capture import tokenize_input
+from headscope.analysis.errors import InputError, check_head, check_head_index, check_layer, shown
+from headscope.analysis.limits import limit
+from headscope.analysis.models import LoadedModel
+from headscope.analysis.retrieval import cancel_requested, stop_ids
+from headscope.analysis.store import Store, content_key
 from transformer_lens.utilities import get_act_name
-
-from analysis.ablation_choices import METHOD_DESCRIPTIONS, METHODS, PATTERN_METHODS
-from analysis.capture import tokenize_input
-from analysis.errors import InputError, check_head, check_head_index, check_layer, shown
-from analysis.limits import limit
-from analysis.models import LoadedModel
-from analysis.retrieval import cancel_requested, stop_ids
-from analysis.store import Store, content_key
 
 ABLATION_VERSION = 1
 Head = tuple[int, int]
@@ -85,12 +84,12 @@ SweepMetric = Callable[[torch.Tensor], torch.Tensor]
 MetricFn = Callable[[LoadedModel, list[Hook]], float]
 """``metric_fn(model, hooks)``: run the model with ``hooks`` active and return one number."""
 
-#: The limit on an ablated text's tokens (:mod:`analysis.limits`), read each time a text is checked.
+#: The limit on an ablated text's tokens (:mod:`headscope.analysis.limits`), read each time a text is checked.
 LIMIT = "HEADSCOPE_MAX_ABLATION_TOKENS"
 
 
 def ablation_ids(model: LoadedModel, text_or_ids: str | Sequence[int]) -> list[int]:
-    """Token ids of a text to ablate on (:func:`~analysis.capture.tokenize_input`), at most
+    """Token ids of a text to ablate on (:func:`~headscope.analysis.capture.tokenize_input`), at most
     ``HEADSCOPE_MAX_ABLATION_TOKENS``; a refusal names that variable."""
     return tokenize_input(model, text_or_ids, limit(LIMIT), limited="ablation takes at most", variable=LIMIT)
 MAX_NEW_TOKENS = 256

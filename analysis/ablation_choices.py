@@ -1,10 +1,10 @@
 """What a user can choose in an ablation, spelled once: the methods and what each removes, the
 metrics of single-head sweeps and of top-k curves, and the default size of the top-N the random
 control stays out of. (The per-head scores heads can be ranked by are
-:data:`analysis.head_summary.HEAD_METRICS`.)
+:data:`headscope.analysis.head_summary.HEAD_METRICS`.)
 
 This module imports nothing heavy, so the command line checks its arguments against these names
-before torch is loaded; the pages, the exports and :mod:`analysis.ablation` read the same names.
+before torch is loaded; the pages, the exports and :mod:`headscope.analysis.ablation` read the same names.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ METHOD_DESCRIPTIONS = {
 }
 
 SWEEP_METRICS = {"loss": "Δ mean loss", "kl": "KL from the clean next-token distribution"}
-"""Metrics of a single-head sweep (:func:`analysis.head_sweep.single_head_sweep`)."""
+"""Metrics of a single-head sweep (:func:`headscope.analysis.head_sweep.single_head_sweep`)."""
 
 CURVE_METRICS = {"loss": "mean loss (nats)", "niah": "NIAH accuracy"}
-"""Metrics of a top-k curve (:func:`analysis.ablation_curve.ablation_curve`): mean next-token loss on
+"""Metrics of a top-k curve (:func:`headscope.analysis.ablation_curve.ablation_curve`): mean next-token loss on
 a run, or needle-in-a-haystack accuracy on a retrieval sweep's prompts."""
 
 CONTROL_TOP_N = 20

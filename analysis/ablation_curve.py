@@ -7,8 +7,8 @@ needle-in-a-haystack retrieval, masking as many random heads does not. For each 
     top(k)    = metric(model with order[:k] ablated),        order = heads by descending score
     random(k) = metric(model with k heads drawn from outside order[:N] ablated), one draw per seed
 
-with N = max(``outside_top``, largest k) (:data:`~analysis.ablation_choices.CONTROL_TOP_N` by
-default). The metric is the mean next-token loss on a run (:func:`analysis.ablation.loss_metric_fn`)
+with N = max(``outside_top``, largest k) (:data:`~headscope.analysis.ablation_choices.CONTROL_TOP_N` by
+default). The metric is the mean next-token loss on a run (:func:`headscope.analysis.ablation.loss_metric_fn`)
 or the NIAH accuracy on a retrieval sweep's prompts (:func:`retrieval_accuracy`).
 
 :func:`ablation_curve` is the user action (the page's "Run curve", ``headscope ablate --curve``):
@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from analysis.ablation import (
+from headscope.analysis.ablation import (
     ABLATION_VERSION,
     AblationSpec,
     Cancel,
@@ -37,12 +36,12 @@ from analysis.ablation import (
     greedy_continuation,
     loss_metric_fn,
 )
-from analysis.ablation_choices import CONTROL_TOP_N, CURVE_METRICS, MAX_SEEDS
-from analysis.capture import Run
-from analysis.errors import InputError
-from analysis.models import LoadedModel
-from analysis.niah import NiahPrompt
-from analysis.retrieval import (
+from headscope.analysis.ablation_choices import CONTROL_TOP_N, CURVE_METRICS, MAX_SEEDS
+from headscope.analysis.capture import Run
+from headscope.analysis.errors import InputError
+from headscope.analysis.models import LoadedModel
+from headscope.analysis.niah import NiahPrompt
+from headscope.analysis.retrieval import (
     ROUGE_GATE,
     Cancelled,
     RetrievalSweep,
@@ -51,8 +50,8 @@ from analysis.retrieval import (
     stop_ids,
     trial_prompt,
 )
-from analysis.statistics_run import StatsRun
-from analysis.store import Store, content_key
+from headscope.analysis.statistics_run import StatsRun
+from headscope.analysis.store import Store, content_key
 
 
 @dataclass
@@ -122,7 +121,7 @@ def random_control(scores: np.ndarray, k: int, seed: int, outside_top: int = CON
     scores : ``[layer, head]`` the score heads are ranked by.
     k : how many heads, 1 ≤ k ≤ the heads outside the top N.
     seed : 0 ≤ seed ≤ :data:`MAX_SEED`.
-    outside_top : N above (≥ 0; :data:`~analysis.ablation_choices.CONTROL_TOP_N` by default).
+    outside_top : N above (≥ 0; :data:`~headscope.analysis.ablation_choices.CONTROL_TOP_N` by default).
 
     Returns
     -------
@@ -197,7 +196,7 @@ def topk_curve(
     method : a method name or an :class:`AblationSpec` template (its options are used).
     random_seeds : one random curve per seed; empty for none.
     outside_top : N above (default: the largest k, the rule of curves stored before it was a
-        setting; :func:`ablation_curve` passes :data:`~analysis.ablation_choices.CONTROL_TOP_N`).
+        setting; :func:`ablation_curve` passes :data:`~headscope.analysis.ablation_choices.CONTROL_TOP_N`).
     known : metric values by ablated head set (sorted tuple), read before and written after each
         evaluation, e.g. a :class:`StoredValues`: a cancelled curve run again resumes where it stopped.
     """
@@ -253,7 +252,7 @@ def topk_curve(
 class RetrievalAccuracy:
     """Needle-in-a-haystack accuracy of a (possibly ablated) model: ``accuracy`` is the share of
     prompts whose greedy response recalls the answer (ROUGE-1 recall > 0.5, the gate of
-    :mod:`analysis.retrieval`)."""
+    :mod:`headscope.analysis.retrieval`)."""
 
     accuracy: float
     recalls: list[float]
@@ -418,7 +417,7 @@ def ablation_curve(
     k_values : the k to evaluate, 0 ≤ k ≤ the heads with a finite score.
     spec : the method and its options (mean reference, resample source); its heads are ignored.
     on : a run, with patterns or in statistics mode (metric: its mean next-token loss), or a
-        :class:`~analysis.retrieval.RetrievalSweep` (metric: NIAH accuracy on its prompts).
+        :class:`~headscope.analysis.retrieval.RetrievalSweep` (metric: NIAH accuracy on its prompts).
     by_label : what the score is, for the figure and the summary.
     outside_top : the random control draws from outside this many top heads (see :func:`topk_curve`).
     source_id : the store id of the resample source run (part of the key).

@@ -1,4 +1,4 @@
-"""Statistics mode: the model's own forward pass runs its attention through :func:`kernels.attention`.
+"""Statistics mode: the model's own forward pass runs its attention through :func:`headscope.kernels.attention`.
 
 Every attention layer of a TransformerLens ``TransformerBridge`` computes its output with the
 kernel (torch on CPU, Triton on CUDA), which returns the per-head statistics asked for in the same
@@ -37,7 +37,7 @@ naming what is missing rather than computing something else.
 
 Key masks from a KV-cache policy. ``statistics_mode(..., key_masks=)`` gives layers a per-query-head
 :class:`HeadKeyMask` (S sinks + a window of W keys, the kernel's ``key_sink``/``key_window``, equal to
-:func:`analysis.kv_compression.streaming_key_mask`), applied in the prefill and at every KV-cached
+:func:`headscope.analysis.kv_compression.streaming_key_mask`), applied in the prefill and at every KV-cached
 decode step. On a sliding-window layer it is intersected with the model's window: a query at
 position ``p`` sees key ``j ≤ p`` iff ``j > p − W_model`` and (``j < S`` or ``j > p − W``)
 (:func:`masked_segments`); rows where only some sinks are still inside the model's window run one
@@ -62,9 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
-
-from kernels.attention import (
+from headscope.kernels.attention import (
     ARGMAX,
     COL_SUM,
     LSE,
@@ -76,6 +74,7 @@ from kernels.attention import (
     AttentionResult,
     attention,
 )
+from torch import Tensor
 
 
 class StatisticsModeError(ValueError):
@@ -86,7 +85,7 @@ class StatisticsModeError(ValueError):
 class LayerRequest:
     """What one attention layer returns besides its output.
 
-    ``kernel`` holds keyword arguments of :func:`kernels.attention.attention` (``stats``,
+    ``kernel`` holds keyword arguments of :func:`headscope.kernels.attention.attention` (``stats``,
     ``sink_size``, ``window``, ``spans``, ``block_size``, ``rows``, ``topk``); ``pairs`` the
     offsets of the pair terms (module docstring); ``pair_index`` any set of cells (query row,
     key position) whose weights are wanted, by the same exact formula.
@@ -201,7 +200,7 @@ def statistics_supported(model: Any) -> bool:
 @dataclass(frozen=True)
 class HeadKeyMask:
     """Per query head of one layer: keys ``j < sink[h]`` and the last ``window[h]`` keys up to the
-    query (``0``: no limit, the head sees every earlier key), as ``kernels.attention``'s ``key_sink``
+    query (``0``: no limit, the head sees every earlier key), as ``headscope.kernels.attention``'s ``key_sink``
     and ``key_window``."""
 
     sink: tuple[int, ...]
@@ -274,11 +273,11 @@ def statistics_mode(
     model: Any, request: Request | None = None, on_layer: OnLayer | None = None,
     key_masks: dict[int, HeadKeyMask] | None = None,
 ) -> Iterator[None]:
-    """Within the block, ``model``'s forward passes compute attention with :func:`kernels.attention`.
+    """Within the block, ``model``'s forward passes compute attention with :func:`headscope.kernels.attention`.
 
     Parameters
     ----------
-    model : a :class:`analysis.models.LoadedModel` (its ``lock`` is held for the whole block) or a
+    model : a :class:`headscope.analysis.models.LoadedModel` (its ``lock`` is held for the whole block) or a
         bare ``TransformerBridge``.
     request : ``request(layer, n_q, n_k) -> LayerRequest | None`` for each attention call.
     on_layer : receives each call's :class:`LayerStats` (when its request asked for anything).
@@ -374,9 +373,9 @@ class LayerMask:
 
 def layer_mask(hf_attn: Any) -> LayerMask:
     """The :class:`LayerMask` of a Hugging Face attention module. The window is
-    :func:`analysis.model_facts.attention_window` (the one place windows are read);
+    :func:`headscope.analysis.model_facts.attention_window` (the one place windows are read);
     :func:`_check_causal_mask` then holds it against the mask the model actually built."""
-    from analysis.model_facts import attention_window
+    from headscope.analysis.model_facts import attention_window
 
     window = attention_window(hf_attn)
     softcap = getattr(hf_attn, "attn_logit_softcapping", None)

@@ -25,16 +25,16 @@ each method as the user sees it, not a fixed variant of it.
 - ``attention`` — raw attention: the head-fused pattern of one layer (the last by default), row t,
   sink columns dropped and the row renormalised: ``Ā_{L−1}[t, j]`` (the rollout of that layer alone
   with no residual term; with mean fusion and no sink dropped, ``mean_h A[L−1, h][t, j]``).
-- ``rollout`` — attention rollout row t, ``(Â_L ··· Â_1)[t, j]`` (:func:`analysis.rollout.rollout`).
+- ``rollout`` — attention rollout row t, ``(Â_L ··· Â_1)[t, j]`` (:func:`headscope.analysis.rollout.rollout`).
 - ``flow`` — exact attention flow into output t, ``maxflow((0, j) → (L, t))``
-  (:func:`analysis.flow.attention_flow`).
+  (:func:`headscope.analysis.flow.attention_flow`).
 - ``rollout_debiased``, ``flow_debiased`` — rollout and flow divided by their values on uniform
   causal attention of the same length, layers, residual and sinks, then normalised
-  (:mod:`analysis.position_bias`): in a causal model early inputs reach more outputs, so plain
+  (:mod:`headscope.analysis.position_bias`): in a causal model early inputs reach more outputs, so plain
   rollout and flow favour them whatever the attention does; the ratio removes that head start.
 - ``value_attention``, ``value_rollout`` — raw attention and rollout of norm-based attention
   ``N_l[i, j] = ‖Σ_h α^h_ij v_j W_O^h‖`` (Kobayashi et al. 2020, "Attention is Not Only a
-  Weight", :mod:`analysis.value_norms`), rows renormalised: a token is relevant only as far as
+  Weight", :mod:`headscope.analysis.value_norms`), rows renormalised: a token is relevant only as far as
   its value actually moves the output. One "head" per layer, so the fusion option does not apply.
 - ``ixg_norm`` — input×gradient, norm: ``‖e_j ⊙ ∂f/∂e_j‖₂`` (Kindermans et al. 2016,
   "Investigating the influence of noise and distractors on the interpretation of neural
@@ -80,17 +80,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from headscope.analysis.capture import MAX_TOKENS_PATTERNS, capture, tokenize_input
+from headscope.analysis.errors import InputError
+from headscope.analysis.flow import attention_flow
+from headscope.analysis.limits import limit
+from headscope.analysis.models import LoadedModel
+from headscope.analysis.paths import DATA_DIR
+from headscope.analysis.position_bias import CORRECTED, position_corrected, uniform_baseline
+from headscope.analysis.rollout import FUSIONS, rollout, rollout_row_per_layer
+from headscope.analysis.value_norms import value_weighted_patterns
 from transformer_lens.utilities import get_act_name
-
-from analysis.capture import MAX_TOKENS_PATTERNS, capture, tokenize_input
-from analysis.errors import InputError
-from analysis.flow import attention_flow
-from analysis.limits import limit
-from analysis.models import LoadedModel
-from analysis.paths import DATA_DIR
-from analysis.position_bias import CORRECTED, position_corrected, uniform_baseline
-from analysis.rollout import FUSIONS, rollout, rollout_row_per_layer
-from analysis.value_norms import value_weighted_patterns
 
 MAX_TOKENS_FLOW = 128
 """Longest input for an attribution: exact flow and N ablated copies grow fast with length."""
@@ -111,7 +110,7 @@ CORRECTED_METHODS = {
     "flow_debiased": "Flow, position-corrected (÷ flow of uniform causal attention)",
 }
 """Rollout and flow divided by their values on uniform causal attention
-(:mod:`analysis.position_bias`), with their titles."""
+(:mod:`headscope.analysis.position_bias`), with their titles."""
 
 RELEVANCE_METHODS = {**PLAIN_METHODS, **CORRECTED_METHODS}
 """The Flow page's strips, in order, with their titles: the plain methods (one shared colour
@@ -261,11 +260,11 @@ def token_relevance(
     Abnar & Zuidema 2020, "Quantifying Attention Flow in Transformers" (ACL 2020,
     arXiv:2005.00928), sections 3–4. With Ā_l the head-fused attention of layer l (``fusion`` over
     heads, the ``drop_sinks`` columns set to zero, rows renormalised) and Â_l = r·I + (1 − r)·Ā_l
-    (:func:`analysis.rollout.augmented_attention`), for positions j ≤ t:
+    (:func:`headscope.analysis.rollout.augmented_attention`), for positions j ≤ t:
 
     - ``attention[j] = Ā_raw_layer[t, j]`` (no residual term);
     - ``rollout[j] = (Â_L ··· Â_1)[t, j]`` and ``rollout_layers[l, j] = (Â_l ··· Â_1)[t, j]``;
-    - ``flow[j] = maxflow((0, j) → (L, t))`` with capacities Â_l (:func:`analysis.flow.attention_flow`).
+    - ``flow[j] = maxflow((0, j) → (L, t))`` with capacities Â_l (:func:`headscope.analysis.flow.attention_flow`).
 
     The Flow page's strips, its per-layer heatmap and the faithfulness protocol (:func:`attribute`,
     :func:`evaluate`) all take their attention-based scores from here, with the page's options, so
@@ -284,7 +283,7 @@ def token_relevance(
         positions than this; ``None``: :func:`max_flow_tokens`.
     corrected : also ``rollout_debiased`` and ``flow_debiased`` (:data:`CORRECTED_METHODS`): each
         divided by its value on uniform causal attention with the same layers, residual and sinks,
-        then normalised (:func:`analysis.position_bias.position_corrected`); removes the head start
+        then normalised (:func:`headscope.analysis.position_bias.position_corrected`); removes the head start
         early positions have in a causal model.
 
     Returns
@@ -747,7 +746,7 @@ def stored_evaluation(
     Returns ``(item ids, rho, seconds)``, or ``None`` when ``compute`` is false and nothing is stored.
     The key is the model digest, the evaluation set's contents and the settings.
     """
-    from analysis.store import content_key
+    from headscope.analysis.store import content_key
 
     items = load_eval_set()
     # "definition": 2 since raw attention takes the fusion and sink options (before, a head mean of

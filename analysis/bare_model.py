@@ -12,7 +12,7 @@ pass can run on the modules the bridge wraps.
 module tree has every bridge component replaced by the module it wraps. The twin shares every
 parameter and buffer with the bridge (no copy of the weights); only its config is its own, with
 :data:`ATTENTION` as the attention implementation, so its attention layers call
-:func:`analysis.attention_statistics`'s kernel step (``_attend``: the same kernel, mask, scale,
+:func:`headscope.analysis.attention_statistics`'s kernel step (``_attend``: the same kernel, mask, scale,
 soft-cap and sliding-window handling as statistics mode) with the request of the enclosing block.
 Nothing of the bridge's module tree is changed, so a forked job or another thread never sees a
 half-swapped model.
@@ -34,9 +34,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from headscope.analysis.attention_statistics import OnLayer, Request, _attend, layer_mask
 from torch import Tensor, nn
-
-from analysis.attention_statistics import OnLayer, Request, _attend, layer_mask
 
 ATTENTION = "headscope_statistics"
 """The name of the twin's attention implementation in transformers' ``AttentionInterface``. It has no
@@ -52,7 +51,7 @@ _twins_lock = threading.Lock()
 def bare_supported(model: Any) -> bool:
     """Whether a pass through the twin computes what the bridge would: no hook on any of the bridge's
     hook points, and no compatibility mode. (The architecture is checked by the caller with
-    :func:`analysis.attention_statistics.statistics_supported`.)
+    :func:`headscope.analysis.attention_statistics.statistics_supported`.)
 
     Hook points are where every TransformerLens hook is attached (``run_with_hooks``, ``hooks()``,
     ``add_hook``). The forward pre-hooks TransformerLens leaves on a block's norms once hooks have been
@@ -70,7 +69,7 @@ def bare_supported(model: Any) -> bool:
 def bare_statistics(model: Any, request: Request | None = None, on_layer: OnLayer | None = None) -> Iterator[nn.Module]:
     """Within the block, the twin of ``model.hf_model`` (a Hugging Face causal LM to call as usual:
     ``twin(input_ids=..., past_key_values=..., use_cache=True)``) runs its attention through the kernel,
-    with ``request(layer, n_q, n_k)`` and ``on_layer`` as in :func:`analysis.attention_statistics.statistics_mode`.
+    with ``request(layer, n_q, n_k)`` and ``on_layer`` as in :func:`headscope.analysis.attention_statistics.statistics_mode`.
 
     The caller holds ``model.lock`` when the KV cache or the request's state are shared."""
     twin = bare_twin(model)

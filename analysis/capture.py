@@ -16,13 +16,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from headscope.analysis.errors import (  # InputError also re-exported from here for older imports
+    InputError,
+    check_layer,
+)
+from headscope.analysis.models import LoadedModel
+from headscope.analysis.runs import RunRecord
+from headscope.analysis.store import Store, content_key
+from headscope.analysis.token_predictions import final_hidden_state, token_predictions
 from transformer_lens.utilities import get_act_name
-
-from analysis.errors import InputError, check_layer  # InputError also re-exported from here for older imports
-from analysis.models import LoadedModel
-from analysis.runs import RunRecord
-from analysis.store import Store, content_key
-from analysis.token_predictions import final_hidden_state, token_predictions
 
 CAPTURE_VERSION = 1
 MAX_TOKENS_PATTERNS = 2048
@@ -31,7 +33,7 @@ MAX_TOKENS_PATTERNS = 2048
 
 @dataclass
 class Run(RunRecord):
-    """What one forward pass captured (an :class:`analysis.runs.AttentionRun` with full patterns).
+    """What one forward pass captured (an :class:`headscope.analysis.runs.AttentionRun` with full patterns).
 
     Attributes
     ----------
@@ -63,7 +65,7 @@ class Run(RunRecord):
 
     @property
     def metrics(self) -> tuple[str, ...]:
-        from analysis.head_summary import HEAD_METRICS
+        from headscope.analysis.head_summary import HEAD_METRICS
 
         return tuple(HEAD_METRICS)
 
@@ -75,23 +77,23 @@ class Run(RunRecord):
         """Full patterns are kept: every view can be drawn."""
 
     def head_scores(self, metric: str) -> np.ndarray:
-        """``[layer, head]`` :data:`analysis.head_summary.HEAD_METRICS` ``metric`` of the patterns."""
-        from analysis.head_summary import HEAD_METRICS
+        """``[layer, head]`` :data:`headscope.analysis.head_summary.HEAD_METRICS` ``metric`` of the patterns."""
+        from headscope.analysis.head_summary import HEAD_METRICS
 
         if metric not in HEAD_METRICS:
             raise InputError(f"Unknown metric {metric!r}; choose one of: {', '.join(HEAD_METRICS)}.")
         return HEAD_METRICS[metric].compute(self.patterns, self.token_ids, self.layer_windows)
 
     def received_attention(self) -> np.ndarray:
-        """``[layer, head, n]`` :func:`analysis.streaming.sink_map`'s ``received``."""
+        """``[layer, head, n]`` :func:`headscope.analysis.streaming.sink_map`'s ``received``."""
         return self._sink_map().received
 
     def sink_counts(self) -> np.ndarray:
-        """``[n]`` :func:`analysis.streaming.sink_map`'s ``head_counts``."""
+        """``[n]`` :func:`headscope.analysis.streaming.sink_map`'s ``head_counts``."""
         return self._sink_map().head_counts
 
     def _sink_map(self):
-        from analysis.streaming import sink_map
+        from headscope.analysis.streaming import sink_map
 
         if "sink_map" not in self._memo:
             self._memo["sink_map"] = sink_map(self.patterns, layer_windows=self.layer_windows)
@@ -236,7 +238,7 @@ def _forward(model: LoadedModel, ids: list[int], layers: list[int], dtype: np.dt
     """One forward pass over ``ids`` keeping every layer's attention pattern and the post-rotary q/k
     of ``layers``: ``(patterns [layer, head, N, N] in dtype, q, k (layer → [head, N, d_head]),
     predictions)``, the per-token loss and top-k from the final hidden state in chunks
-    (:func:`analysis.token_predictions.token_predictions`: no ``[N, vocab]`` logits array).
+    (:func:`headscope.analysis.token_predictions.token_predictions`: no ``[N, vocab]`` logits array).
     ``progress`` hears of each layer's pattern."""
     n = len(ids)
     patterns = np.empty((model.n_layers, model.n_heads, n, n), dtype=dtype)

@@ -6,9 +6,9 @@ normalised by its maximum ``log(v_i)`` with ``v_i`` the number of visible keys (
 lies in [0, 1]: 0 = all attention on one key, 1 = uniform over what the query can see. A head's
 score is the mean of ``H_i / log(v_i)`` over rows with at least two visible keys (row 0 has one key
 and no entropy to normalise). See DESIGN.md, "Entropy". The pattern path
-(:func:`normalised_entropy`) and statistics mode (:func:`analysis.statistics_run.statistics_score`)
+(:func:`normalised_entropy`) and statistics mode (:func:`headscope.analysis.statistics_run.statistics_score`)
 both normalise with :func:`mean_normalised_entropy`; the windows come from
-:attr:`analysis.model_facts.ModelFacts.windows`.
+:attr:`headscope.analysis.model_facts.ModelFacts.windows`.
 """
 
 from __future__ import annotations

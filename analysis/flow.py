@@ -3,7 +3,7 @@
 Abnar & Zuidema 2020, "Quantifying Attention Flow in Transformers" (ACL 2020, arXiv:2005.00928),
 section 4. The attention graph is layered: node (l, p) is position p after layer l, l = 0 being the
 input embeddings; the edge (l−1, j) → (l, i) has capacity Â_l[i, j], the residual-augmented,
-head-fused attention of :func:`analysis.rollout.augmented_attention` (the same matrices rollout
+head-fused attention of :func:`headscope.analysis.rollout.augmented_attention` (the same matrices rollout
 multiplies). The flow of input j to output i is the value of a maximum flow from (0, j) to (L, i).
 
 How it is computed, and why it is exact
@@ -41,8 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
-
-from analysis.rollout import augmented_attention
+from headscope.analysis.rollout import augmented_attention
 
 try:
     from numba import njit
@@ -372,7 +371,7 @@ def attention_flow(
     Abnar & Zuidema 2020, "Quantifying Attention Flow in Transformers", section 4: in the layered
     graph with nodes (l, p), l = 0..L, and capacities c((l−1, j) → (l, i)) = Â_l[i, j],
     ``flow[j] = maxflow((0, j) → (L, target))``. Â_l is
-    :func:`analysis.rollout.augmented_attention` (``Â_l = r·I + (1 − r)·Ā_l``). Computed by
+    :func:`headscope.analysis.rollout.augmented_attention` (``Â_l = r·I + (1 − r)·Ā_l``). Computed by
     push-relabel in float64 on the causal subgraph of positions j..target; exact up to float64
     rounding of sums (see the module docstring), and equal to :func:`flow_reference_networkx`.
 
@@ -383,7 +382,7 @@ def attention_flow(
     target : int or None
         Output position i (negative counts from the end); ``None``: the last position.
     residual, fusion, discard_ratio, drop_sinks, start_layer, end_layer
-        Build the capacities Â_l; see :func:`analysis.rollout.augmented_attention`. Layer 0 of the
+        Build the capacities Â_l; see :func:`headscope.analysis.rollout.augmented_attention`. Layer 0 of the
         graph is the input of ``start_layer``, layer L the output of ``end_layer − 1``.
     sources : sequence of int or None
         Only these input positions (the others stay NaN); ``None``: all.
@@ -438,7 +437,7 @@ def attention_flow_all(
     patterns : float array [layer, head, query, key]
         Post-softmax causal attention.
     residual, fusion, discard_ratio, drop_sinks, start_layer, end_layer
-        See :func:`analysis.rollout.augmented_attention`.
+        See :func:`headscope.analysis.rollout.augmented_attention`.
     normalize : bool
         Divide each row by its sum (the paper's released code does).
     progress : callable(float) or None
@@ -492,7 +491,7 @@ def flow_reference_networkx(
     target : int or None
         Output position (``None``: the last).
     residual, fusion, discard_ratio, drop_sinks, start_layer, end_layer
-        See :func:`analysis.rollout.augmented_attention`.
+        See :func:`headscope.analysis.rollout.augmented_attention`.
     sources : sequence of int or None
         Only these input positions (the others stay NaN); ``None``: all.
     progress : callable(float) or None

@@ -17,7 +17,7 @@ fork waits for the calls in flight and new calls wait for the fork (a fork takes
 thread that forks while it is itself inside the gate only waits for the others (two threads that both
 fork from inside it would wait for each other: nothing here does). Connections are closed inside the
 gate too (the server closes each request thread's connections when its request ends,
-:func:`app.server.close_sqlite_after_requests`), never left for the interpreter to close at thread exit.
+:func:`headscope.app.server.close_sqlite_after_requests`), never left for the interpreter to close at thread exit.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ os.register_at_fork(before=GATE.close_for_fork, after_in_parent=GATE.open_after_
                     after_in_child=GATE.reset_in_child)
 
 MODEL_LOADS = ForkGate()
-"""Model loads (:func:`analysis.models.load_model`) pass this gate; a job's fork holds it
+"""Model loads (:func:`headscope.analysis.models.load_model`) pass this gate; a job's fork holds it
 (:meth:`ForkGate.held`), so no job is forked while another thread loads a model.
 
 A load imports the family's modelling code lazily and holds Python's lock on each module while it

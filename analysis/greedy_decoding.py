@@ -1,11 +1,11 @@
 """Greedy decoding through the KV cache that records, at every step, where each head looks.
 
 The decoding half of the retrieval-head protocol (Wu et al. 2024, "Retrieval Head Mechanistically
-Explains Long-Context Factuality", arXiv:2404.15574; :mod:`analysis.retrieval`): at decode step t
+Explains Long-Context Factuality", arXiv:2404.15574; :mod:`headscope.analysis.retrieval`): at decode step t
 the query that produces token ``y_t`` attends over the prompt and what was generated; for every
 layer and query head only ``argmax_j A[l, h][t, j]`` and its weight are kept (and, on request, one
-head's whole row). The prompt is pre-filled in statistics mode (:mod:`analysis.attention_statistics`)
-so no N x N matrix is built, and each decode row is reduced to its argmax by :func:`kernels.attention`
+head's whole row). The prompt is pre-filled in statistics mode (:mod:`headscope.analysis.attention_statistics`)
+so no N x N matrix is built, and each decode row is reduced to its argmax by :func:`headscope.kernels.attention`
 in the pass that computes the output; models without statistics mode use a ``hook_pattern`` hook
 (same numbers). Also used by the ablation pipelines (continuations under ablation) and stopped by
 the same ``cancel`` callables.
@@ -21,13 +21,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from headscope.analysis.attention_statistics import statistics_mode, statistics_supported
+from headscope.analysis.bare_model import bare_statistics, bare_supported
+from headscope.analysis.errors import InputError, check_head_index
+from headscope.analysis.models import LoadedModel
+from headscope.kernels.attention import ARGMAX, ARGMAX_PROB, ROWS
 from transformer_lens.utilities import get_act_name
-
-from analysis.attention_statistics import statistics_mode, statistics_supported
-from analysis.bare_model import bare_statistics, bare_supported
-from analysis.errors import InputError, check_head_index
-from analysis.models import LoadedModel
-from kernels.attention import ARGMAX, ARGMAX_PROB, ROWS
 
 DEFAULT_MAX_NEW_TOKENS = 32
 
@@ -93,10 +92,10 @@ def greedy_decode(
     feeds one token and, when ``record``, every layer's decode row ``[head, key]`` is reduced to its
     argmax key and maximum. The first step's query is the prompt's last token, so row t produces
     token t. Models that run in statistics mode (the families in the README's table) do all of it through
-    :func:`kernels.attention` (the prefill builds no N × N matrix; the argmax comes from the
+    :func:`headscope.kernels.attention` (the prefill builds no N × N matrix; the argmax comes from the
     kernel); others through a hook on ``hook_pattern``, which gives the same numbers. When no hook is
     attached to the bridge, the passes run on the Hugging Face modules it wraps, without its wrappers
-    (:mod:`analysis.bare_model`: the same numbers, without the bridge's per-module cost).
+    (:mod:`headscope.analysis.bare_model`: the same numbers, without the bridge's per-module cost).
 
     Parameters
     ----------
@@ -198,7 +197,7 @@ def _bridge_forward(bridge: Any) -> Forward:
 
 
 def _bare_forward(twin: Any) -> Forward:
-    """A pass through the bridge's Hugging Face modules without its wrappers (:mod:`analysis.bare_model`)."""
+    """A pass through the bridge's Hugging Face modules without its wrappers (:mod:`headscope.analysis.bare_model`)."""
 
     def forward(ids: torch.Tensor, past: Any, prefill: bool = False) -> tuple[torch.Tensor, Any]:
         out = twin(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=1)
@@ -212,7 +211,7 @@ def _kernel_recorders(keys: torch.Tensor, weights: torch.Tensor, step_box: list[
     """Statistics mode's ``request`` and ``on_layer`` for greedy decoding: each decode row (one query)
     reduced to its argmax key and weight by the kernel, into ``keys``/``weights`` at step ``step_box[0]``,
     and ``keep_row``'s whole row; the prefill asks for nothing (no N × N matrix)."""
-    from analysis.attention_statistics import LayerRequest
+    from headscope.analysis.attention_statistics import LayerRequest
 
     argmax_only = LayerRequest({"stats": (ARGMAX,)})
     with_row = LayerRequest({"stats": (ARGMAX, ROWS), "rows": [0]})

@@ -1,16 +1,16 @@
 """Per-head scores over several prompts, aggregated with mean and spread.
 
-For each prompt one forward pass runs in statistics mode (:mod:`analysis.statistics_run`: attention
+For each prompt one forward pass runs in statistics mode (:mod:`headscope.analysis.statistics_run`: attention
 through the kernels, per-row statistics kept, never an N × N matrix), which gives every score of
-:data:`analysis.head_summary.HEAD_METRICS` (entropy, first-token and mid-sequence sinks,
+:data:`headscope.analysis.head_summary.HEAD_METRICS` (entropy, first-token and mid-sequence sinks,
 previous-token, duplicate-token, induction, max attention, streaming) and the evidence score at any
 length, equal to their pattern-based definitions (models that cannot run in statistics mode capture
 full patterns instead). The scores are computed
 with the streaming score's sink size S and recent window W as parameters
-(:func:`analysis.streaming.streaming_score`), plus the evidence score when the prompt names a
-question span and an evidence span (:func:`analysis.evidence.evidence_score`: question tokens →
+(:func:`headscope.analysis.streaming.streaming_score`), plus the evidence score when the prompt names a
+question span and an evidence span (:func:`headscope.analysis.evidence.evidence_score`: question tokens →
 the needle, as in a needle-in-a-haystack prompt). The per-prompt tables are aggregated with
-:func:`analysis.detectors.aggregate_runs` (mean, sample standard deviation, n) and stored, so the
+:func:`headscope.analysis.detectors.aggregate_runs` (mean, sample standard deviation, n) and stored, so the
 Heads page and ``headscope scan`` read them back instantly.
 """
 
@@ -21,22 +21,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from analysis.attention_statistics import statistics_supported
-from analysis.capture import capture
-from analysis.detectors import aggregate_runs
-from analysis.errors import InputError
-from analysis.evidence import evidence_score
-from analysis.head_summary import HEAD_METRICS
-from analysis.models import LoadedModel
-from analysis.statistics_run import (
+from headscope.analysis.attention_statistics import statistics_supported
+from headscope.analysis.capture import capture
+from headscope.analysis.detectors import aggregate_runs
+from headscope.analysis.errors import InputError
+from headscope.analysis.evidence import evidence_score
+from headscope.analysis.head_summary import HEAD_METRICS
+from headscope.analysis.models import LoadedModel
+from headscope.analysis.statistics_run import (
     STATS_METRICS,
     capture_statistics,
     evidence_from_statistics,
     statistics_score,
 )
-from analysis.store import Store, content_key
-from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW, streaming_score
+from headscope.analysis.store import Store, content_key
+from headscope.analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW, streaming_score
 
 HEAD_SCORES_VERSION = 3  # 2: statistics mode; 3: streaming and sinks read windowed layers where the window lets them
 EVIDENCE = "evidence"
@@ -190,7 +189,7 @@ def load_head_scores(store: Store, key: str) -> HeadScores | None:
 def trial_prompts(trials: Sequence[Any]) -> list[ScoredPrompt]:
     """The distinct prompts of needle-in-a-haystack trials, with question → needle as the evidence spans.
 
-    ``trials`` are :class:`analysis.retrieval.Trial` (anything with ``prompt_ids`` and ``settings``
+    ``trials`` are :class:`headscope.analysis.retrieval.Trial` (anything with ``prompt_ids`` and ``settings``
     holding ``question_span`` and ``needle_span``); a prompt repeated across trials is scored once.
     """
     seen: set[tuple[int, ...]] = set()

@@ -10,10 +10,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from analysis.detectors import head_detector_scores
-from analysis.entropy import normalised_entropy
-from analysis.streaming import (
+from headscope.analysis.detectors import head_detector_scores
+from headscope.analysis.entropy import normalised_entropy
+from headscope.analysis.streaming import (
     DEFAULT_SINK,
     DEFAULT_WINDOW,
     SINK_MIN_LATER,
@@ -29,7 +28,7 @@ def first_token_mass(patterns: np.ndarray, layer_windows: Sequence[int | None] |
     ``score(l, h) = mean_{1 ≤ i < min(N, W_l)} A[l, h][i, 0]``, ``W_l`` the model's sliding window of
     layer l (``layer_windows``; none on a full-attention layer, then rows 1..N−1): queries the window
     keeps away from position 0 are not counted as declining it. This is the sink map's
-    ``received(l, h, 0)`` (:func:`analysis.streaming.sink_map`). nan for a single token.
+    ``received(l, h, 0)`` (:func:`headscope.analysis.streaming.sink_map`). nan for a single token.
     """
     p = np.asarray(patterns)
     n = p.shape[-1]
@@ -73,7 +72,7 @@ def mid_sequence_sink(patterns: np.ndarray, layer_windows: Sequence[int | None] 
     """The most attention any single non-first key receives, averaged over the later queries that see it.
 
     ``max_{j ≥ 1, v_l(j) ≥ m} received(l, h, j)`` with ``received`` and ``v_l(j)`` (later queries that
-    see key j, fewer on a layer with a model window) from :func:`analysis.streaming.sink_map` and
+    see key j, fewer on a layer with a model window) from :func:`headscope.analysis.streaming.sink_map` and
     ``m = SINK_MIN_LATER`` (so the last few keys cannot win by having one or two queries after them).
     High = the head parks its attention on a mid-sequence sink (Gu et al. 2024, arXiv:2410.10781, §3);
     nan when the run is too short to have such a key, or the layer's window is at most m keys.
@@ -85,7 +84,7 @@ def mid_sequence_sink(patterns: np.ndarray, layer_windows: Sequence[int | None] 
 @dataclass(frozen=True)
 class HeadMetric:
     """A named per-head score: ``compute(patterns [L, H, N, N], token_ids [N], windows) -> [L, H]``
-    with ``windows`` the per-layer sliding windows (:attr:`analysis.model_facts.ModelFacts.windows`;
+    with ``windows`` the per-layer sliding windows (:attr:`headscope.analysis.model_facts.ModelFacts.windows`;
     None: all full attention). ``windowed`` says, in words, how the score treats a layer the model
     windows ("" when it reads such a layer like any other); the grid shows it beside windowed layers."""
 

@@ -2,8 +2,8 @@
 
 ``effect[l, h] = metric(model with head (l, h) ablated) − metric(clean model)`` on one run's tokens,
 with the metric the mean next-token loss or the mean KL divergence from the clean next-token
-distribution (:data:`analysis.ablation_choices.SWEEP_METRICS`). The ablation methods and exactly
-what each removes are described in :mod:`analysis.ablation`. The retrieval-head paper ranks heads by
+distribution (:data:`headscope.analysis.ablation_choices.SWEEP_METRICS`). The ablation methods and exactly
+what each removes are described in :mod:`headscope.analysis.ablation`. The retrieval-head paper ranks heads by
 a score and masks them (Wu et al. 2024, arXiv:2404.15574, §4); a sweep measures each head's effect
 directly, as in Olsson et al. 2022's per-head ablations.
 
@@ -20,9 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformer_lens.utilities import get_act_name
-
-from analysis.ablation import (
+from headscope.analysis.ablation import (
     ABLATION_VERSION,
     AblationSpec,
     Cancel,
@@ -38,12 +36,13 @@ from analysis.ablation import (
     kl_metric,
     loss_metric,
 )
-from analysis.ablation_choices import SWEEP_METRICS
-from analysis.capture import Run
-from analysis.errors import InputError
-from analysis.models import LoadedModel
-from analysis.retrieval import Cancelled, cancel_requested
-from analysis.store import Store, content_key
+from headscope.analysis.ablation_choices import SWEEP_METRICS
+from headscope.analysis.capture import Run
+from headscope.analysis.errors import InputError
+from headscope.analysis.models import LoadedModel
+from headscope.analysis.retrieval import Cancelled, cancel_requested
+from headscope.analysis.store import Store, content_key
+from transformer_lens.utilities import get_act_name
 
 
 @dataclass
@@ -245,7 +244,7 @@ def ablation_head_sweep(
     Parameters
     ----------
     spec : the method and its options (mean reference, resample source); its heads are ignored.
-    metric : a name of :data:`~analysis.ablation_choices.SWEEP_METRICS`.
+    metric : a name of :data:`~headscope.analysis.ablation_choices.SWEEP_METRICS`.
     source_id : the store id of the resample source run (part of the key; None for other methods).
 
     Returns

@@ -32,10 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from analysis.errors import InputError
-from analysis.qk_collect import HeadQK
-from analysis.store import Store, content_key
+from headscope.analysis.errors import InputError
+from headscope.analysis.qk_collect import HeadQK
+from headscope.analysis.store import Store, content_key
 
 EMBED_VERSION = 1
 METHODS = ("pca", "umap", "tsne")
@@ -145,7 +144,7 @@ class QKEmbedding:
     Attributes
     ----------
     coords : ``[2 n, 2]`` queries first (row ``i`` is token ``i``'s query), then keys (row ``n + j``
-        is token ``j``'s key), as in :meth:`analysis.qk_collect.HeadQK.point_table`.
+        is token ``j``'s key), as in :meth:`headscope.analysis.qk_collect.HeadQK.point_table`.
     explained_variance : fraction of variance on each axis (PCA only).
     """
 

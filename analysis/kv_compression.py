@@ -15,7 +15,7 @@ i.e. S sinks and a window of W keys ending at the query itself, in the prefill a
 step (a real compressed cache holds exactly these S + W keys). A policy is built from a *ranking*
 of the groups and a fraction kept full (:func:`build_policy`): the ``round(fraction · L · H_kv)``
 groups ranked highest are full. Rankings (:data:`RANKINGS`) turn a per-query-head score ``[layer,
-head]`` into a per-group priority with :func:`analysis.detectors.group_heads`, the aggregation the
+head]`` into a per-group priority with :func:`headscope.analysis.detectors.group_heads`, the aggregation the
 Heads page shows: retrieval and evidence score by their group maximum (a group must stay full if
 any of its query heads retrieves), streaming score by ``max(1 − streaming)`` (a group may stream only
 if all its heads do); ``random`` draws a priority per seed; ``all_full`` and ``all_streaming`` are the
@@ -35,8 +35,8 @@ every KV-cached decode step, on one of two backends (:data:`BACKENDS`):
 
 - ``eager``: the model's eager path with a hook on ``hook_attn_scores`` that sets the scores of keys
   a streaming group cannot see to −inf before the softmax (:func:`policy_hooks`); O(n²) memory per layer;
-- ``statistics``: statistics mode (:mod:`analysis.attention_statistics`), the model's own forward
-  pass with its attention in :func:`kernels.attention.attention`, the mask given to the kernel as
+- ``statistics``: statistics mode (:mod:`headscope.analysis.attention_statistics`), the model's own forward
+  pass with its attention in :func:`headscope.kernels.attention.attention`, the mask given to the kernel as
   per-query-head ``key_sink``/``key_window`` (:func:`policy_key_masks`; intersected with a
   sliding-window model's own window); O(n) memory;
 - ``auto`` (default): statistics mode where the model supports it and the longest input is over
@@ -46,7 +46,7 @@ every KV-cached decode step, on one of two backends (:data:`BACKENDS`):
 
 Both measure mean next-token loss and
 next-token agreement with the uncompressed model on texts, and needle-in-a-haystack accuracy on a
-sweep's prompts (:func:`analysis.ablation_curve.retrieval_accuracy`, the same decoding and answer
+sweep's prompts (:func:`headscope.analysis.ablation_curve.retrieval_accuracy`, the same decoding and answer
 scoring as the ablation curves). The policy can be exported as the pattern folder DuoAttention ships
 and NVIDIA kvpress' ``DuoAttentionPress`` reads (:func:`export_policy`).
 
@@ -70,24 +70,23 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformer_lens.utilities import get_act_name
-
-from analysis.ablation import Cancel, Hook, Progress, loss_metric
-from analysis.ablation_curve import retrieval_accuracy
-from analysis.attention_statistics import HeadKeyMask, statistics_mode, statistics_supported
-from analysis.detectors import group_heads
-from analysis.errors import InputError
-from analysis.kv_compression_choices import (
+from headscope.analysis.ablation import Cancel, Hook, Progress, loss_metric
+from headscope.analysis.ablation_curve import retrieval_accuracy
+from headscope.analysis.attention_statistics import HeadKeyMask, statistics_mode, statistics_supported
+from headscope.analysis.detectors import group_heads
+from headscope.analysis.errors import InputError
+from headscope.analysis.kv_compression_choices import (
     BACKENDS,
     DEFAULT_RANKINGS,
     DEFAULT_RECENT_SIZE,
     DEFAULT_SINK_SIZE,
     RANKING_LABELS,
 )
-from analysis.models import LoadedModel
-from analysis.niah import NiahPrompt
-from analysis.retrieval import Cancelled, cancel_requested
-from analysis.store import Store, content_key
+from headscope.analysis.models import LoadedModel
+from headscope.analysis.niah import NiahPrompt
+from headscope.analysis.retrieval import Cancelled, cancel_requested
+from headscope.analysis.store import Store, content_key
+from transformer_lens.utilities import get_act_name
 
 KV_COMPRESSION_VERSION = 1
 PATTERN_CONFIG = "config.json"
@@ -125,7 +124,7 @@ def group_priority(model: LoadedModel, ranking: str, scores: Mapping[str, np.nda
                    seed: int = 0) -> np.ndarray:
     """``[layer, kv_head]`` priority of ``ranking`` (higher = kept full first); see the module docstring.
 
-    Query-head scores are aggregated with :func:`analysis.detectors.group_heads` (nan counts as 0).
+    Query-head scores are aggregated with :func:`headscope.analysis.detectors.group_heads` (nan counts as 0).
     """
     if ranking not in RANKINGS:
         raise InputError(f"Unknown ranking {ranking!r}: choose from {', '.join(RANKINGS)}.")
@@ -255,7 +254,7 @@ def streaming_key_mask(n_queries: int, n_keys: int, sink_size: int, recent_size:
 
     Query row r is absolute position ``i = n_keys − n_queries + r`` (with the KV cache the rows are
     the last positions); key j is visible iff ``j ≤ i and (j < S or j > i − W)``. This is the one
-    place the mask is defined: a kernel backend (``kernels.attention(..., key_sink=, key_window=)``)
+    place the mask is defined: a kernel backend (``headscope.kernels.attention(..., key_sink=, key_window=)``)
     can replace :func:`policy_hooks` and must agree with it.
     """
     i = torch.arange(n_keys - n_queries, n_keys, device=device)[:, None]
@@ -350,7 +349,7 @@ def policy_key_masks(model: LoadedModel, policy: Policy) -> dict[int, HeadKeyMas
 
 def choose_backend(model: LoadedModel, backend: str, n_tokens: int) -> str:
     """``eager`` or ``statistics`` for ``backend`` (see the module docstring for ``auto``)."""
-    from analysis.limits import limit
+    from headscope.analysis.limits import limit
 
     if backend not in BACKENDS:
         raise InputError(f"Unknown backend {backend!r}: choose from {', '.join(BACKENDS)}.")
@@ -373,7 +372,7 @@ def check_eager_decode(model: LoadedModel, sink_size: int, n_decoded: int) -> No
 
     The KV cache of a sliding-window layer drops keys older than its window, and the scores hook
     sees only the cache, so it would take the cache's first keys for the sinks. Statistics mode
-    knows the positions (:func:`analysis.attention_statistics.masked_segments`)."""
+    knows the positions (:func:`headscope.analysis.attention_statistics.masked_segments`)."""
     window = smallest_model_window(model)
     if sink_size > 0 and window and n_decoded > window:
         raise InputError(f"{model.name} has a sliding window of {window} keys and the prompts decode past it: the eager "
@@ -549,7 +548,7 @@ def evaluate_policies(
     rankings : names from :data:`RANKINGS`.
     fractions : shares of KV groups kept full, each in [0, 1].
     texts : token-id lists for loss and agreement (at least one, or ``prompts``).
-    prompts : needle-in-a-haystack prompts (e.g. a sweep's, :func:`analysis.retrieval.trial_prompt`).
+    prompts : needle-in-a-haystack prompts (e.g. a sweep's, :func:`headscope.analysis.retrieval.trial_prompt`).
     seeds : one random policy per seed and fraction.
     backend : ``eager`` (masked scores, O(n²) memory), ``statistics`` (the kernels' key mask, O(n)) or
         ``auto`` (statistics mode above ``HEADSCOPE_MAX_TOKENS`` tokens or on CUDA where the model

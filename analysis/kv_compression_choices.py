@@ -2,7 +2,7 @@
 the streaming groups' S and W (DuoAttention's shipped defaults) and the default fractions and seeds.
 
 This module imports nothing heavy, so the command line checks its arguments against these names
-before torch is loaded; :mod:`analysis.kv_compression` and (later) the Compress page read the same names.
+before torch is loaded; :mod:`headscope.analysis.kv_compression` and (later) the Compress page read the same names.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ RANKING_LABELS = {
     "all_full": "All full (uncompressed)",
     "all_streaming": "All streaming (StreamingLLM's sinks + window; positions kept, not renumbered)",
 }
-"""Rankings of KV groups (higher = kept full first): :data:`analysis.kv_compression.RANKINGS` says how each
+"""Rankings of KV groups (higher = kept full first): :data:`headscope.analysis.kv_compression.RANKINGS` says how each
 orders the groups."""
 RANKINGS = tuple(RANKING_LABELS)
 DEFAULT_RANKINGS = ("retrieval", "streaming", "random", "all_full", "all_streaming")
 
 BACKENDS = ("auto", "eager", "statistics")
-"""How a policy is evaluated (:func:`analysis.kv_compression.evaluate_policies`): ``eager`` masks the
+"""How a policy is evaluated (:func:`headscope.analysis.kv_compression.evaluate_policies`): ``eager`` masks the
 scores (O(n²) memory), ``statistics`` gives the mask to the kernels (O(n)), ``auto`` picks statistics
 mode above ``HEADSCOPE_MAX_TOKENS`` tokens or on CUDA where the model supports it."""
 

@@ -1,10 +1,10 @@
 """KV-cache compression curves on a needle-in-a-haystack sweep, stored whole: the user action of the
 Compress page and ``headscope compress``.
 
-:func:`compress_sweep` takes a stored sweep (:func:`analysis.retrieval.sweep`), obtains the per-head
+:func:`compress_sweep` takes a stored sweep (:func:`headscope.analysis.retrieval.sweep`), obtains the per-head
 scores its rankings need (retrieval from the sweep; streaming and evidence from
-:func:`analysis.head_scores.score_prompts` over the sweep's prompts, the streaming score with the
-policy's own S and W), and calls :func:`analysis.kv_compression.evaluate_policies` on the sweep's
+:func:`headscope.analysis.head_scores.score_prompts` over the sweep's prompts, the streaming score with the
+policy's own S and W), and calls :func:`headscope.analysis.kv_compression.evaluate_policies` on the sweep's
 prompts. The finished curve is stored as one record keyed by its inputs (:func:`curve_key`), so a
 link that names it reopens the curve without computing (:func:`load_curve`); each policy's numbers
 are also stored by ``evaluate_policies`` itself, so a cancelled run resumes.
@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from analysis.ablation import Cancel, Progress
-from analysis.errors import InputError
-from analysis.kv_compression import (
+from headscope.analysis.ablation import Cancel, Progress
+from headscope.analysis.errors import InputError
+from headscope.analysis.kv_compression import (
     KV_COMPRESSION_VERSION,
     RANKINGS,
     CompressionCurve,
@@ -29,15 +28,15 @@ from analysis.kv_compression import (
     PolicyEvaluation,
     evaluate_policies,
 )
-from analysis.kv_compression_choices import (
+from headscope.analysis.kv_compression_choices import (
     DEFAULT_FRACTIONS,
     DEFAULT_RANKINGS,
     DEFAULT_RECENT_SIZE,
     DEFAULT_SINK_SIZE,
 )
-from analysis.models import LoadedModel
-from analysis.retrieval import RetrievalSweep, trial_prompt
-from analysis.store import Store, content_key
+from headscope.analysis.models import LoadedModel
+from headscope.analysis.retrieval import RetrievalSweep, trial_prompt
+from headscope.analysis.store import Store, content_key
 
 CURVE_KIND = "kv_compression_curve"
 SCORES_SHARE = 0.2  # of the progress bar, for the streaming/evidence scores when they are computed
@@ -68,7 +67,7 @@ def sweep_scores(model: LoadedModel, sweep: RetrievalSweep, rankings: Sequence[s
                  ) -> dict[str, np.ndarray]:
     """The ``[layer, head]`` tables the rankings need: the sweep's retrieval scores, and the streaming
     (with S = ``sink_size``, W = ``recent_size``) and evidence scores' means over its prompts."""
-    from analysis.head_scores import score_prompts, trial_prompts
+    from headscope.analysis.head_scores import score_prompts, trial_prompts
 
     scores = {"retrieval": np.asarray(sweep.scores)}
     if {"streaming", "evidence"} & set(rankings):
@@ -98,9 +97,9 @@ def compress_sweep(
 
     A curve already stored under the same inputs is read back, not computed. A cancelled evaluation
     returns the finished policies (``curve.complete`` False) and stores no curve record. ``backend``
-    is :func:`analysis.kv_compression.evaluate_policies`' (``auto``, ``eager`` or ``statistics``).
+    is :func:`headscope.analysis.kv_compression.evaluate_policies`' (``auto``, ``eager`` or ``statistics``).
     """
-    from analysis.head_scores import trial_prompts
+    from headscope.analysis.head_scores import trial_prompts
 
     if not sweep.trials:
         raise InputError("The sweep has no finished trial: run it again, or with more needles or lengths.")

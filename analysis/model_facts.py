@@ -4,15 +4,15 @@ One place answers, for any model the bridge boots:
 
 - **windows**: per layer, the sliding attention window in keys (query at position p sees keys
   ``p − W < j ≤ p``), None on full-attention layers (Mistral: every layer; Gemma 2/3: some layers).
-  Entropy normalises by the visible keys (:mod:`analysis.entropy`), statistics mode masks with it
-  (:func:`analysis.attention_statistics.layer_mask`), the Attention page marks windowed layers.
+  Entropy normalises by the visible keys (:mod:`headscope.analysis.entropy`), statistics mode masks with it
+  (:func:`headscope.analysis.attention_statistics.layer_mask`), the Attention page marks windowed layers.
 - **BOS policy**: whether the tokenizer puts a BOS token before a text when asked for its special
   tokens (Llama, Mistral, Gemma do; Qwen, GPT-2 and SmolLM2 do not). When it does, headscope
   prepends it deliberately and shows it as token 0, so positions stay those the model saw
   (DESIGN.md, "Conventions").
 - **chat template**: whether the tokenizer has one. Without it (a base model) NIAH prompts are the
-  plain user message (:meth:`analysis.models.LoadedModel.chat_ids`) ending with an answer cue
-  (:data:`analysis.niah.ANSWER_CUE`).
+  plain user message (:meth:`headscope.analysis.models.LoadedModel.chat_ids`) ending with an answer cue
+  (:data:`headscope.analysis.niah.ANSWER_CUE`).
 - **which q and k the QK page shows**: ``hook_rot_q``/``hook_rot_k``, i.e. after QK-norm (Qwen 3,
   Gemma 3, OLMo 2) and after RoPE where the model has them: the vectors the attention logits are
   made of. :attr:`ModelFacts.qk_label` says so in words.
@@ -135,7 +135,7 @@ def bos_policy(tokenizer: Any) -> int | None:
 
 
 def model_facts(model: Any) -> ModelFacts:
-    """The :class:`ModelFacts` of a :class:`analysis.models.LoadedModel` (use ``model.facts``,
+    """The :class:`ModelFacts` of a :class:`headscope.analysis.models.LoadedModel` (use ``model.facts``,
     which memoises this)."""
     from transformer_lens.model_bridge.generalized_components.joint_qkv_attention import (
         JointQKVAttentionBridge,

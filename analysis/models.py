@@ -32,10 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from analysis.errors import parse_json
-from analysis.fork_gate import MODEL_LOADS
-from analysis.paths import model_cache
+from headscope.analysis.errors import parse_json
+from headscope.analysis.fork_gate import MODEL_LOADS
+from headscope.analysis.paths import model_cache
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +134,10 @@ class LoadedModel:
 
     @property
     def facts(self) -> Any:
-        """The model's :class:`analysis.model_facts.ModelFacts` (windows per layer, BOS policy, chat
+        """The model's :class:`headscope.analysis.model_facts.ModelFacts` (windows per layer, BOS policy, chat
         template, which q/k the QK page shows), read once."""
         if self._facts is None:
-            from analysis.model_facts import model_facts
+            from headscope.analysis.model_facts import model_facts
 
             self._facts = model_facts(self)
         return self._facts
@@ -167,7 +166,7 @@ class LoadedModel:
 
     def input_ids(self, text: str) -> list[int]:
         """Token ids the model reads for ``text``: :meth:`encode`, after the BOS token when the model
-        expects one (``facts.bos_id``, :func:`analysis.model_facts.bos_policy`). The BOS is then a
+        expects one (``facts.bos_id``, :func:`headscope.analysis.model_facts.bos_policy`). The BOS is then a
         real position, shown as token 0; nothing else is added."""
         ids = self.encode(text)
         bos = self.facts.bos_id
@@ -497,7 +496,7 @@ def _fresh_locks_in_child() -> None:
         with contextlib.suppress(Exception):
             model.bridge.reset_hooks()
         # ...and a statistics-mode block it was inside left the kernel forward patched in
-        from analysis.attention_statistics import restore_eager
+        from headscope.analysis.attention_statistics import restore_eager
 
         restore_eager(model.bridge)
 
@@ -520,7 +519,7 @@ def refuse_loading(reason: str | None) -> None:
 
 def load_model(spec: str = DEFAULT_MODEL, device: str | None = None) -> LoadedModel:
     """Load a model by spec (memoised per process: a model is never loaded twice at once). A job's
-    fork waits for the load to end (:data:`analysis.fork_gate.MODEL_LOADS`), which can be minutes
+    fork waits for the load to end (:data:`headscope.analysis.fork_gate.MODEL_LOADS`), which can be minutes
     for a first load that converts a GGUF.
 
     ``device`` defaults to ``$HEADSCOPE_DEVICE`` or ``cpu`` (``headscope worker --device`` sets it).

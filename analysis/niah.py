@@ -16,7 +16,7 @@ The construction follows Kamradt's "needle in a haystack" test as used by Wu et 
    that the greedy continuation is the answer rather than more text;
 4. the needle's token span is located exactly in the final token ids. When tokenisation merges the
    needle with its neighbours, so that no contiguous run of tokens spells exactly the needle, the
-   build fails with an :class:`~analysis.capture.InputError` that says so: scores that count
+   build fails with an :class:`~headscope.analysis.capture.InputError` that says so: scores that count
    "attention inside the needle" need that span to be exact.
 
 Haystacks: ``data/niah/haystack_prose.txt`` (original prose written for headscope, CC0, about 8,200
@@ -35,11 +35,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from analysis.errors import InputError, parse_json, shown
-from analysis.paths import DATA_DIR
+from headscope.analysis.errors import InputError, parse_json, shown
+from headscope.analysis.paths import DATA_DIR
 
 if TYPE_CHECKING:  # torch is not imported to check a request's needles, lengths and S + W
-    from analysis.models import LoadedModel
+    from headscope.analysis.models import LoadedModel
 
 NIAH_DIR = DATA_DIR / "niah"
 NEEDLES_FILE = NIAH_DIR / "needles.json"
@@ -236,7 +236,7 @@ def check_lengths(lengths: Sequence[int]) -> list[int]:
 def check_streaming_window(sink: int, window: int, lengths: Sequence[int]) -> None:
     """Refuse a streaming score's sink size S and window W that leave no query row to score.
 
-    The streaming score (:mod:`analysis.streaming`) reads the query rows after the first S + W
+    The streaming score (:mod:`headscope.analysis.streaming`) reads the query rows after the first S + W
     positions, so a prompt of at most ``min(lengths)`` tokens has none when S + W reaches it: every
     head's score would be blank. The Heads page and ``headscope scan`` both ask this.
     """

@@ -41,7 +41,7 @@ site       hook                            unit
 
 With a chosen head (``head=(l, h)``) a head site is patched one position at a time instead.
 
-Exact patching is batched like the single-head ablation sweep (:mod:`analysis.head_sweep`): a batch
+Exact patching is batched like the single-head ablation sweep (:mod:`headscope.analysis.head_sweep`): a batch
 holds one copy of the receiving prompt per unit and a hook patches unit ``b`` in batch element b only;
 layers below the batch's first patched layer run once and are broadcast.
 
@@ -68,22 +68,21 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformer_lens.utilities import get_act_name
-
-from analysis.ablation import Cancel, Hook, Progress, _tensor
-from analysis.capture import tokenize_input
-from analysis.errors import InputError, check_head_index
-from analysis.greedy_decoding import cancel_requested
-from analysis.limits import hint, limit
-from analysis.models import LoadedModel
-from analysis.patching_choices import (
+from headscope.analysis.ablation import Cancel, Hook, Progress, _tensor
+from headscope.analysis.capture import tokenize_input
+from headscope.analysis.errors import InputError, check_head_index
+from headscope.analysis.greedy_decoding import cancel_requested
+from headscope.analysis.limits import hint, limit
+from headscope.analysis.models import LoadedModel
+from headscope.analysis.patching_choices import (
     DIRECTIONS,
     KV_SITES,
     METRIC_LABELS,
     METRICS,
     SITES,
 )
-from analysis.store import Store, content_key
+from headscope.analysis.store import Store, content_key
+from transformer_lens.utilities import get_act_name
 
 PATCHING_VERSION = 1
 TOP_K = 10
@@ -140,11 +139,11 @@ def _answer_id(model: LoadedModel, answer: str | int, which: str) -> int:
 
 
 PATCH_TOKENS = "HEADSCOPE_MAX_PATCH_TOKENS"
-"""The limit on each prompt's tokens (:mod:`analysis.limits`): read when a pair is checked."""
+"""The limit on each prompt's tokens (:mod:`headscope.analysis.limits`): read when a pair is checked."""
 
 
 def _prompt_ids(model: LoadedModel, prompt: str | Sequence[int], which: str) -> list[int]:
-    """One prompt's ids (:func:`~analysis.capture.tokenize_input`: not empty, within the model's
+    """One prompt's ids (:func:`~headscope.analysis.capture.tokenize_input`: not empty, within the model's
     context), at most :data:`PATCH_TOKENS` of them."""
     ids = tokenize_input(model, prompt, model.n_ctx)
     if len(ids) > limit(PATCH_TOKENS):

@@ -1,5 +1,5 @@
 """What a user can choose in activation patching, spelled once: the sites, the directions and the
-metrics, with what each means (:mod:`analysis.patching` implements them).
+metrics, with what each means (:mod:`headscope.analysis.patching` implements them).
 
 This module imports nothing heavy, so the command line checks its arguments against these names
 before torch is loaded.
@@ -11,7 +11,7 @@ SITES = ("z", "q", "k", "v", "resid")
 HEAD_SITES = ("z", "q", "k", "v")
 KV_SITES = ("k", "v")
 JOINT_SITES = ("embed", "z", "q", "k", "v", "attn_out", "mlp_out", "resid")
-"""Sites a set of units patched together (:func:`analysis.path_patching.patch_together`) may name: the head
+"""Sites a set of units patched together (:func:`headscope.analysis.path_patching.patch_together`) may name: the head
 sites, the residual stream, and the three writers into it (the token embedding ``hook_embed``, a
 layer's attention output ``hook_attn_out`` and its MLP output ``hook_mlp_out``)."""
 PATH_SITES = ("q", "k", "v")
@@ -36,12 +36,12 @@ METRIC_LABELS = {"logit_diff": "logit difference", "loss": "loss on the answer"}
 
 def parse_head_pairs(text: object, what: str | None = None) -> list[tuple[int, int]]:
     """Heads typed as ``layer.head``, comma-separated (``0.1,3.4``): the senders and receivers of path
-    patching (:func:`analysis.path_patching.path_patching`, which checks them against the model) as the
+    patching (:func:`headscope.analysis.path_patching.path_patching`, which checks them against the model) as the
     Patching page and ``headscope patch --path-from/--path-to`` take them. Raises ``InputError`` naming
     ``what`` and the item that is not a head."""
     import re
 
-    from analysis.errors import InputError
+    from headscope.analysis.errors import InputError
 
     if not isinstance(text, str) or not text.strip():
         raise InputError(f"Give the {what or 'heads'} as layer.head, comma-separated, e.g. 9.1,10.7.")

@@ -13,7 +13,7 @@ Three kinds, each a classic patching experiment:
 The file is ``{"version": 1, "pairs": [{"id", "kind", "clean", "corrupted", "answers": [A, B], "note"}]}``
 with A the clean answer and B the corrupted one, single tokens written with their leading space. This
 module imports nothing heavy, so the command line checks ``--pair`` before torch loads; the token-level
-checks (equal lengths, single-token answers) are :func:`analysis.patching.prompt_pair`'s, and the test
+checks (equal lengths, single-token answers) are :func:`headscope.analysis.patching.prompt_pair`'s, and the test
 on the embedded model checks that it answers every shipped pair.
 """
 
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from analysis.errors import InputError, parse_json
-from analysis.paths import DATA_DIR
+from headscope.analysis.errors import InputError, parse_json
+from headscope.analysis.paths import DATA_DIR
 
 PAIRS_FILE = DATA_DIR / "patching" / "pairs.json"
 PAIR_KINDS = ("ioi", "fact", "induction")

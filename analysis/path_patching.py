@@ -6,7 +6,7 @@ the exactness checks of activation patching are written with (an empty set gives
 exactly; a layer's heads together equal that layer's attention output). :func:`path_patching`
 (Wang et al. 2022, "Interpretability in the Wild: a Circuit for Indirect Object Identification in GPT-2
 small", arXiv:2211.00593) patches only the path from sender heads into receiver heads' query, key or
-value input. The prompts, metric and normalisation are :mod:`analysis.patching`'s.
+value input. The prompts, metric and normalisation are :mod:`headscope.analysis.patching`'s.
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformer_lens.utilities import get_act_name
-
-from analysis.ablation import Hook, Progress, _tensor
-from analysis.errors import InputError, check_head_index, check_layer
-from analysis.models import LoadedModel
-from analysis.patching import (
+from headscope.analysis.ablation import Hook, Progress, _tensor
+from headscope.analysis.errors import InputError, check_head_index, check_layer
+from headscope.analysis.models import LoadedModel
+from headscope.analysis.patching import (
     LAST_POSITION,
     MIN_DENOMINATOR,
     MetricFn,
@@ -34,16 +32,17 @@ from analysis.patching import (
     patching_metric,
     prompt_pair,
 )
-from analysis.patching_choices import (
+from headscope.analysis.patching_choices import (
     HEAD_SITES,
     JOINT_SITES,
     METRIC_LABELS,
     PATH_SITES,
 )
+from transformer_lens.utilities import get_act_name
 
 JointUnit = tuple[str, int | None, int | None, int | None]
 """``(site, layer, head, position)`` of :func:`patch_together`: ``site`` one of
-:data:`~analysis.patching_choices.JOINT_SITES`; ``layer`` None for ``embed`` (row L of ``resid`` is the
+:data:`~headscope.analysis.patching_choices.JOINT_SITES`; ``layer`` None for ``embed`` (row L of ``resid`` is the
 stream after the last layer); ``head`` a query head for ``z``/``q``, a key-value head for ``k``/``v``
 and None for the other sites; ``position`` one token position or None for all of them."""
 

@@ -1,5 +1,9 @@
-"""Where headscope keeps things on disk.
+"""Where headscope keeps things on disk, and where it finds what it ships.
 
+``ASSETS_DIR`` and ``DATA_DIR`` are the browser assets and the shipped inputs (needles, haystack,
+probes, patching pairs): beside the ``analysis`` package both in a checkout (the repository's
+``assets/`` and ``data/``) and in an installed wheel (``site-packages/headscope/assets``, ``…/data``),
+so they are found from the package itself, never from the current directory.
 ``HEADSCOPE_HOME`` (default: the user data dir) holds the run store; ``HEADSCOPE_MODEL_CACHE``
 (default: ``$HEADSCOPE_HOME/models``) holds converted model weights, so several stores (tests, users)
 can share one 0.5 GB conversion.
@@ -12,8 +16,9 @@ from pathlib import Path
 
 import platformdirs
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DATA_DIR = REPO_ROOT / "data"
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # the checkout, or site-packages/headscope
+ASSETS_DIR = PACKAGE_ROOT / "assets"
+DATA_DIR = PACKAGE_ROOT / "data"
 
 
 def home() -> Path:

@@ -33,9 +33,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
-
-from analysis.flow import attention_flow
-from analysis.rollout import rollout_row_per_layer
+from headscope.analysis.flow import attention_flow
+from headscope.analysis.rollout import rollout_row_per_layer
 
 CORRECTED = {"rollout_debiased": "rollout", "flow_debiased": "flow"}
 """Each position-corrected method and the plain method it corrects."""

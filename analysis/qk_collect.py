@@ -17,7 +17,7 @@ queries and keys of one head pooled over many short inputs. This module produces
 
 The probe sets shipped with headscope live in ``data/probes``: ``sentences.txt`` (one sentence a line,
 ``#`` starts a comment) and ``features.json`` (labelled tasks for the QK decomposition, see
-:func:`load_probe_tasks` and :mod:`analysis.qk_decomposition`).
+:func:`load_probe_tasks` and :mod:`headscope.analysis.qk_decomposition`).
 """
 
 from __future__ import annotations
@@ -29,20 +29,19 @@ from typing import Any
 
 import numpy as np
 import torch
+from headscope.analysis.attention_statistics import layer_mask
+from headscope.analysis.errors import InputError, check_head, check_head_index, check_layer, parse_json
+from headscope.analysis.models import LoadedModel
+from headscope.analysis.paths import DATA_DIR
+from headscope.analysis.store import Store, content_key
 from transformer_lens.utilities import get_act_name
-
-from analysis.attention_statistics import layer_mask
-from analysis.errors import InputError, check_head, check_head_index, check_layer, parse_json
-from analysis.models import LoadedModel
-from analysis.paths import DATA_DIR
-from analysis.store import Store, content_key
 
 PROBES_DIR = DATA_DIR / "probes"
 SENTENCES_FILE = PROBES_DIR / "sentences.txt"
 FEATURES_FILE = PROBES_DIR / "features.json"
 
 QK_VERSION = 2  # 2: the layer's scale, soft-cap and window are stored with the vectors
-MAX_POINTS = 20_000  # the default; the app passes analysis.limits.limit("HEADSCOPE_MAX_QK_POINTS")
+MAX_POINTS = 20_000  # the default; the app passes headscope.analysis.limits.limit("HEADSCOPE_MAX_QK_POINTS")
 """Most points (queries + keys of one head) collected at once; UMAP/t-SNE past this take minutes."""
 MAX_SENTENCE_TOKENS = 256
 """Longest probe sentence: probes are short inputs pooled in numbers, not long documents."""
@@ -165,7 +164,7 @@ class QKSet:
         space belongs to the token), for labelling words.
     scale, softcap, window : the layer's logit scale (Gemma: ``query_pre_attn_scalar ** -0.5``),
         soft-cap (Gemma 2; None) and sliding window (0: none), from
-        :func:`analysis.attention_statistics.layer_mask`.
+        :func:`headscope.analysis.attention_statistics.layer_mask`.
     """
 
     key: str

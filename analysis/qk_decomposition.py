@@ -60,11 +60,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from analysis.errors import InputError, check_layer
-from analysis.models import LoadedModel
-from analysis.qk_collect import HeadQK, ProbeTask, causal_softmax
-from analysis.store import Store, content_key
+from headscope.analysis.errors import InputError, check_layer
+from headscope.analysis.models import LoadedModel
+from headscope.analysis.qk_collect import HeadQK, ProbeTask, causal_softmax
+from headscope.analysis.store import Store, content_key
 
 Progress = Callable[[float], None] | None
 MAX_PAIRS = 5_000_000
@@ -259,7 +258,7 @@ def feature_pairs(head: HeadQK, feature: LabelFeature | ProbeTask | str, *, nega
 
     Parameters
     ----------
-    feature : a :class:`LabelFeature`, a :class:`~analysis.qk_collect.ProbeTask`, or
+    feature : a :class:`LabelFeature`, a :class:`~headscope.analysis.qk_collect.ProbeTask`, or
         ``"same_token"`` / ``"previous_token"``.
     negatives : ``labelled`` (key carries a different label), ``all`` (any key without the query's
         label) or ``None`` (the feature's own setting; ``auto`` means ``labelled`` when there are at
@@ -491,7 +490,7 @@ def decompose_head(head: HeadQK, feature: LabelFeature | ProbeTask | str, *, neg
                    **kwargs: Any) -> QKDecomposition:
     """:func:`feature_pairs` then :func:`decompose` on one head's queries and keys.
 
-    Post-rotary vectors (the default of :func:`~analysis.qk_collect.collect_head`) decompose the
+    Post-rotary vectors (the default of :func:`~headscope.analysis.qk_collect.collect_head`) decompose the
     logits the model actually computes; pre-rotary ones, the interaction before position enters.
     """
     pairs = feature_pairs(head, feature, negatives=negatives)

@@ -1,7 +1,7 @@
 """Retrieval heads from needle-in-a-haystack sweeps.
 
 Wu, Wang, Xiao, Peng & Fu 2024, "Retrieval Head Mechanistically Explains Long-Context Factuality"
-(arXiv:2404.15574), section 2. A needle is hidden in a haystack (:mod:`analysis.niah`), the model
+(arXiv:2404.15574), section 2. A needle is hidden in a haystack (:mod:`headscope.analysis.niah`), the model
 decodes greedily, and at every decode step t with generated token ``y_t`` head (l, h)
 *copy-pastes* when
 
@@ -20,11 +20,11 @@ attention they are also aggregated per key-value group (max and mean over the gr
 Decoding stops at an EOS token or after ``max_new_tokens``; with ``stop_at_newline`` it also stops at
 the first newline after some text, the rule of the paper's code (its responses are one line; a chat
 model's leading newline does not stop it). The default keeps every stored trial and sweep valid.
-The needle's depth rule (nearest or previous sentence boundary) is :data:`analysis.niah.DEPTH_RULES`.
+The needle's depth rule (nearest or previous sentence boundary) is :data:`headscope.analysis.niah.DEPTH_RULES`.
 
 Only one attention row per head per decode step is read: the prompt (all but its last token) is
-pre-filled through the KV cache in statistics mode (:mod:`analysis.attention_statistics`: attention
-through :func:`kernels.attention`, so no N x N matrix is ever built, not even per layer), and at
+pre-filled through the KV cache in statistics mode (:mod:`headscope.analysis.attention_statistics`: attention
+through :func:`headscope.kernels.attention`, so no N x N matrix is ever built, not even per layer), and at
 each decode step the kernel reduces the single query row ``[head, key]`` to its argmax and maximum
 in the same pass as the output. Models that cannot run in statistics mode use the eager path with a
 hook on ``hook_pattern`` (same numbers).
@@ -39,10 +39,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from analysis.detectors import group_heads
-from analysis.errors import InputError
-from analysis.greedy_decoding import (
+from headscope.analysis.detectors import group_heads
+from headscope.analysis.errors import InputError
+from headscope.analysis.greedy_decoding import (
     DEFAULT_MAX_NEW_TOKENS,
     Cancel,
     Cancelled,
@@ -51,10 +50,10 @@ from analysis.greedy_decoding import (
     greedy_decode,
     stop_ids,
 )
-from analysis.limits import hint, limit
-from analysis.models import LoadedModel
-from analysis.niah import DEFAULT_DEPTH_RULE, DEFAULT_TEMPLATE, Needle, NiahPrompt, build_prompt
-from analysis.store import Store, content_key
+from headscope.analysis.limits import hint, limit
+from headscope.analysis.models import LoadedModel
+from headscope.analysis.niah import DEFAULT_DEPTH_RULE, DEFAULT_TEMPLATE, Needle, NiahPrompt, build_prompt
+from headscope.analysis.store import Store, content_key
 
 RETRIEVAL_VERSION = 1
 ROUGE_GATE = 0.5
@@ -449,7 +448,7 @@ def sweep(
     """Run needle-in-a-haystack trials over lengths × depths × needles and score retrieval heads.
 
     Wu et al. 2024 (arXiv:2404.15574), section 2: for every (length, depth, needle) a prompt is built
-    (:func:`analysis.niah.build_prompt`), decoded greedily and scored (:func:`run_trial`); a head's
+    (:func:`headscope.analysis.niah.build_prompt`), decoded greedily and scored (:func:`run_trial`); a head's
     score is its mean trial score over trials whose ROUGE-1 recall of the answer exceeds 0.5.
 
     All prompts are built (and so validated) before anything is decoded. With a ``store`` every trial
@@ -457,7 +456,7 @@ def sweep(
     too. ``cancel`` (a callable, or an object with ``is_set``) is checked between decode steps: the
     sweep stops, drops the unfinished trial, and returns what finished with ``cancelled=True``.
 
-    ``depth_rule`` places the needle (:data:`analysis.niah.DEPTH_RULES`); ``stop_at_newline`` stops
+    ``depth_rule`` places the needle (:data:`headscope.analysis.niah.DEPTH_RULES`); ``stop_at_newline`` stops
     each decode at the first newline after some text (the paper's rule; :func:`greedy_decode`).
     Both default to the behaviour of every stored sweep, whose keys they leave unchanged.
 
@@ -603,7 +602,7 @@ def _sweep_key(model_digest: str, needles: list[dict], lengths: Sequence[int], d
 class SweepSettings:
     """What a stored sweep was run with, to show it and run it again (:func:`sweep` takes them).
 
-    ``haystack`` is the name of the shipped haystack (:data:`analysis.niah.HAYSTACK_NAMES`) the sweep
+    ``haystack`` is the name of the shipped haystack (:data:`headscope.analysis.niah.HAYSTACK_NAMES`) the sweep
     used, or None when it used the user's own text, which is stored only as its digest.
     """
 
@@ -621,7 +620,7 @@ def sweep_settings(store: Store, key: str) -> SweepSettings | None:
     The haystack is found by recomputing the sweep's key (as :func:`sweep` computes it, with the
     default template) for each shipped haystack: the one whose key matches is the one it used.
     """
-    from analysis.niah import HAYSTACK_NAMES, named_haystack
+    from headscope.analysis.niah import HAYSTACK_NAMES, named_haystack
 
     record = store.get(key)
     if record is None or record.kind != "retrieval_sweep":

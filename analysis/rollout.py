@@ -11,7 +11,7 @@ steps:
 ``rollout[i, j]`` is the share of output position i that traces back to input position j. With
 causal attention every Â_l is lower-triangular and row-stochastic, hence so is the rollout.
 
-:func:`augmented_attention` builds the Â_l; :mod:`analysis.flow` uses the same matrices as edge
+:func:`augmented_attention` builds the Â_l; :mod:`headscope.analysis.flow` uses the same matrices as edge
 capacities, so rollout and flow always describe the same graph.
 """
 

@@ -2,15 +2,15 @@
 
 What changes between two prompts on one model (a clean and a corrupted prompt, a name swapped, a
 fact changed), or between two models on one prompt (a base model and its fine-tune, which share a
-tokenizer)? Activation patching (:mod:`analysis.patching`) says which heads *cause* a change in the
+tokenizer)? Activation patching (:mod:`headscope.analysis.patching`) says which heads *cause* a change in the
 output; this says where each head's *behaviour* changes. Every difference is **second − first**.
 
 Both runs must have the same number of tokens, so that position ``i`` is one position in both (as
 activation patching needs, Heimersheim & Nanda 2024, §2), and models of the same shape (layers ×
 query heads). Two different models must also have tokenized the text alike (equal token ids): the
 same text under two tokenizers gives positions that do not correspond. The per-head score is any
-:data:`analysis.head_summary.HEAD_METRICS` both runs can compute (full patterns or statistics mode,
-:class:`analysis.runs.AttentionRun`); a head's attention difference is ``A₂[l, h] − A₁[l, h]``, of the
+:data:`headscope.analysis.head_summary.HEAD_METRICS` both runs can compute (full patterns or statistics mode,
+:class:`headscope.analysis.runs.AttentionRun`); a head's attention difference is ``A₂[l, h] − A₁[l, h]``, of the
 patterns, or of the block means when both runs kept pooled maps of the same block size.
 
 **Resolution.** A run keeps its patterns as float16 (or float32) and a long run its statistics as
@@ -28,7 +28,7 @@ bounds is indistinguishable from rounding (:attr:`RunComparison.within_rounding`
   ``|ΔR| ≤ Σu · (f(u) + R) / (Σ Â − Σu)``;
 - normalised entropy: ``|ΔH_i| ≤ Σ_j max_{|x − Â_ij| ≤ u_ij} |φ(x) − φ(Â_ij)|`` with ``φ(x) = −x log x``
   (the largest change of each term over its interval: at an end, or at 1/e where φ peaks), averaged
-  like the score (:func:`analysis.entropy.mean_normalised_entropy`);
+  like the score (:func:`headscope.analysis.entropy.mean_normalised_entropy`);
 - a statistics run: its scores are means of float32 row statistics, ``2^-24 |score|``.
 
 This is a bound on storage rounding only, not on the model's own float32 arithmetic.
@@ -41,9 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from analysis.errors import InputError, check_head_index
-from analysis.runs import AttentionRun
+from headscope.analysis.errors import InputError, check_head_index
+from headscope.analysis.runs import AttentionRun
 
 TWO_PROMPTS = "two prompts on one model"
 TWO_MODELS = "one prompt on two models"
@@ -241,14 +240,14 @@ def score_resolution(run: AttentionRun, metric: str) -> np.ndarray:
     Parameters
     ----------
     run : a stored run (float16 or float32 patterns, or float32 statistics).
-    metric : a name in :data:`analysis.head_summary.HEAD_METRICS` the run can compute.
+    metric : a name in :data:`headscope.analysis.head_summary.HEAD_METRICS` the run can compute.
 
     Returns
     -------
     ``[layer, head]`` float64 ≥ 0; nan where the score is nan.
     """
-    from analysis.entropy import mean_normalised_entropy
-    from analysis.head_summary import HEAD_METRICS
+    from headscope.analysis.entropy import mean_normalised_entropy
+    from headscope.analysis.head_summary import HEAD_METRICS
 
     if metric not in HEAD_METRICS:
         raise InputError(f"Unknown metric {metric!r}; choose one of: {', '.join(HEAD_METRICS)}.")

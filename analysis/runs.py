@@ -1,7 +1,7 @@
 """One interface for both kinds of run, so the UI codes against it and never against a kind.
 
-A :class:`analysis.capture.Run` keeps the full attention patterns ``A[l, h]`` of a short input; a
-:class:`analysis.statistics_run.StatsRun` keeps per-row statistics, column sums and block-pooled
+A :class:`headscope.analysis.capture.Run` keeps the full attention patterns ``A[l, h]`` of a short input; a
+:class:`headscope.analysis.statistics_run.StatsRun` keeps per-row statistics, column sums and block-pooled
 maps of a long one (the kernels' statistics mode). Both implement :class:`AttentionRun`: sizes,
 tokens, loss, per-head scores by metric, attention received per key, sink positions and the
 attention of a region, each with the same definition on both (tested equal on the same input in
@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-#: The record kinds that are runs: :class:`analysis.capture.Run` and :class:`analysis.statistics_run.StatsRun`.
+#: The record kinds that are runs: :class:`headscope.analysis.capture.Run` and :class:`headscope.analysis.statistics_run.StatsRun`.
 RUN_KINDS = ("run", "stats_run")
 
 
@@ -55,14 +55,14 @@ class AttentionRun(Protocol):
         """Side ``B`` of the blocks of :meth:`attention_overview` (1: every cell)."""
     @property
     def metrics(self) -> tuple[str, ...]:
-        """Names of :data:`analysis.head_summary.HEAD_METRICS` this run can score."""
+        """Names of :data:`headscope.analysis.head_summary.HEAD_METRICS` this run can score."""
     @property
     def mode(self) -> str:
         """What was kept, in words (the CLI prints it)."""
     @property
     def layer_windows(self) -> list[int | None] | None:
         """Per layer the sliding window in keys the model attended with (None: full attention),
-        from :attr:`analysis.model_facts.ModelFacts.windows` at capture; None when no layer has one."""
+        from :attr:`headscope.analysis.model_facts.ModelFacts.windows` at capture; None when no layer has one."""
 
     def require_patterns(self, what: str) -> None:
         """Nothing when full patterns are kept; else an ``InputError`` saying ``what`` needs them."""
@@ -74,7 +74,7 @@ class AttentionRun(Protocol):
         """``[layer, head, n]`` ``Σ_{i>j} A[i, j] / (n − 1 − j)``; nan at the last position."""
 
     def sink_counts(self) -> np.ndarray:
-        """``[n]`` number of heads for which each position is a sink (:func:`analysis.streaming.sink_map`)."""
+        """``[n]`` number of heads for which each position is a sink (:func:`headscope.analysis.streaming.sink_map`)."""
 
     def attention_overview(self, layer: int, head: int) -> np.ndarray:
         """One head's attention at a glance: ``A[l, h]`` itself, or its mean per ``B × B`` block."""
@@ -167,7 +167,7 @@ def stored_runs(store: Any, limit: int = 1000) -> tuple[list[StoredRun], list[st
 
     Parameters
     ----------
-    store : :class:`analysis.store.Store`
+    store : :class:`headscope.analysis.store.Store`
     limit : the most runs listed.
 
     Returns

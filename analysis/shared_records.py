@@ -1,7 +1,7 @@
 """Store records shared through Redis, so processes on different disks see one store.
 
 With ``HEADSCOPE_REDIS_URL`` set, headscope's web front end and its Celery workers may each have
-their own ``HEADSCOPE_HOME``. Every record a :class:`analysis.store.Store` writes is also written
+their own ``HEADSCOPE_HOME``. Every record a :class:`headscope.analysis.store.Store` writes is also written
 here (write-through), and a key the local store lacks is looked up here and copied into the local
 store (read-through), so a sweep computed by one worker is found by another worker and after a
 reload, whichever disk each process has.

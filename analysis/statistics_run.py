@@ -1,26 +1,26 @@
 """Long runs: one forward pass in statistics mode, per-head statistics stored instead of patterns.
 
 A :class:`StatsRun` is what :func:`capture_statistics` keeps of one forward pass whose attention ran
-through :func:`kernels.attention` (:mod:`analysis.attention_statistics`): per layer, head and query
+through :func:`headscope.kernels.attention` (:mod:`headscope.analysis.attention_statistics`): per layer, head and query
 row the statistics the per-head scores need, the attention received per key, a block-pooled map of
 every head, plus the per-token loss and top-5 predictions (from the final hidden state, a chunk of
-positions at a time: :mod:`analysis.token_predictions`, so never an ``[n, vocab]`` array). Memory is
+positions at a time: :mod:`headscope.analysis.token_predictions`, so never an ``[n, vocab]`` array). Memory is
 O(layers · heads · n) plus the pooled maps (at most ``MAX_BLOCKS²`` per head): a 4,096-token run of
 the embedded model stores about 60 MB where its float16 patterns would take 9 GB.
 
 Per-head scores from statistics (:func:`statistics_scores`) follow the same definitions as the
-pattern-based ones in :mod:`analysis.head_summary`, :mod:`analysis.entropy`,
-:mod:`analysis.streaming` and :mod:`analysis.evidence` (tested equal on a 512-token run):
+pattern-based ones in :mod:`headscope.analysis.head_summary`, :mod:`headscope.analysis.entropy`,
+:mod:`headscope.analysis.streaming` and :mod:`headscope.analysis.evidence` (tested equal on a 512-token run):
 
 - entropy: ``mean H_i / log(v_i)`` over rows with ``v_i ≥ 2`` visible keys (``i + 1``, at most the
-  layer's sliding window), ``H_i`` the kernel's row entropy (:func:`analysis.entropy.mean_normalised_entropy`);
+  layer's sliding window), ``H_i`` the kernel's row entropy (:func:`headscope.analysis.entropy.mean_normalised_entropy`);
 - first_token: ``mean_{1≤i<min(n, W_l)} A[i, 0]``; previous_token: ``mean_{i≥1} A[i, i−1]`` (a pair term);
 - max_attention: ``mean_{i≥1} max_j A[i, j]`` (the kernel's argmax probability);
 - streaming: ``mean_{S+W≤i<min(n, W_l)} (Σ_{j<S} A[i, j] + Σ_{i−W<j≤i} A[i, j])`` (sink and recent
-  mass, on the rows before a model window ``W_l`` binds; :func:`analysis.streaming.streaming_score`);
+  mass, on the rows before a model window ``W_l`` binds; :func:`headscope.analysis.streaming.streaming_score`);
 - received (sink map): ``(Σ_i A[i, j] − A[j, j]) / v_l(j)`` from the column sums and the diagonal
-  pair term, ``v_l(j)`` the later queries that see key j (:func:`analysis.streaming.visible_later`);
-  mid_sink its maximum over the checked keys ``j ≥ 1`` (:func:`analysis.streaming.mid_sink_score`);
+  pair term, ``v_l(j)`` the later queries that see key j (:func:`headscope.analysis.streaming.visible_later`);
+  mid_sink its maximum over the checked keys ``j ≥ 1`` (:func:`headscope.analysis.streaming.mid_sink_score`);
 - evidence: ``mean_{i∈Q} Σ_{j∈E} A[i, j]`` from the span masses of the evidence spans.
 
 - duplicate-token and induction (TransformerLens' ``head_detector``, ``mul``): ``Σ_{D[i,j]=1} A[i, j]
@@ -41,14 +41,18 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from analysis.attention_statistics import LayerRequest, LayerStats, statistics_mode, statistics_supported
-from analysis.entropy import mean_normalised_entropy
-from analysis.errors import InputError, check_head_index
-from analysis.models import LoadedModel
-from analysis.runs import RunRecord
-from analysis.store import Store, content_key
-from analysis.streaming import (
+from headscope.analysis.attention_statistics import (
+    LayerRequest,
+    LayerStats,
+    statistics_mode,
+    statistics_supported,
+)
+from headscope.analysis.entropy import mean_normalised_entropy
+from headscope.analysis.errors import InputError, check_head_index
+from headscope.analysis.models import LoadedModel
+from headscope.analysis.runs import RunRecord
+from headscope.analysis.store import Store, content_key
+from headscope.analysis.streaming import (
     DEFAULT_SINK,
     DEFAULT_WINDOW,
     SINK_MIN_LATER,
@@ -58,8 +62,8 @@ from analysis.streaming import (
     sink_flags,
     unbound_rows,
 )
-from analysis.token_predictions import final_hidden_state, token_predictions
-from kernels.attention import (
+from headscope.analysis.token_predictions import final_hidden_state, token_predictions
+from headscope.kernels.attention import (
     ARGMAX,
     ARGMAX_PROB,
     COL_SUM,
@@ -100,7 +104,7 @@ token thousands of times has ~N²/2 of them); above it those two scores are nan.
 @dataclass
 class StatsRun(RunRecord):
     """What one statistics-mode forward pass kept (see the module docstring); an
-    :class:`analysis.runs.AttentionRun` without full patterns.
+    :class:`headscope.analysis.runs.AttentionRun` without full patterns.
 
     Attributes
     ----------
@@ -172,7 +176,7 @@ class StatsRun(RunRecord):
         """Exact ``A[l, h][q0:q1, k0:k1]`` recomputed through the kernel (:func:`exact_region`) with
         ``model`` (default: the run's model, loaded)."""
         if model is None:
-            from analysis.models import load_model
+            from headscope.analysis.models import load_model
 
             model = load_model(self.model_name)
         return exact_region(model, self, layer, head, queries, keys)
@@ -240,14 +244,14 @@ def capture_statistics(
 
     Parameters
     ----------
-    text_or_ids : text (tokenised by :func:`analysis.capture.tokenize_input`: a BOS only where the
+    text_or_ids : text (tokenised by :func:`headscope.analysis.capture.tokenize_input`: a BOS only where the
         model expects one) or token ids, used exactly as given.
     sink, window : S and W of the sink and recent-window masses (the streaming score).
     spans : half-open key spans whose mass each query row puts on them (e.g. a needle).
     store : a stored run with the same key is loaded instead of recomputed; a new one is stored.
     max_tokens : longest input accepted (default: the model's context).
     """
-    from analysis.capture import tokenize_input
+    from headscope.analysis.capture import tokenize_input
 
     if sink < 0 or window < 1:
         raise InputError(f"The sink size must be >= 0 and the window >= 1; got S={sink}, W={window}.")
@@ -371,13 +375,13 @@ def load_stats_run(store: Store, key: str) -> StatsRun | None:
 def capture_for_page(model: LoadedModel, text: str, store: Store | None, max_tokens: int,
                      progress: Callable[[float], None] | None = None,
                      before_store: Callable[[Any], None] | None = None) -> Any:
-    """What the Attention page runs: full patterns (:func:`analysis.capture.capture`) up to
+    """What the Attention page runs: full patterns (:func:`headscope.analysis.capture.capture`) up to
     ``max_tokens`` tokens on CPU, a statistics run above that (up to ``HEADSCOPE_MAX_STATS_TOKENS``
     and the model's context), and a statistics run at any length on CUDA, where it is the default.
     ``progress(fraction)`` is called as layers finish; ``before_store(run)`` with a newly computed
-    pattern run before it is stored (:func:`analysis.capture.capture`; a statistics run is not passed)."""
-    from analysis.capture import capture, tokenize_input
-    from analysis.limits import limit
+    pattern run before it is stored (:func:`headscope.analysis.capture.capture`; a statistics run is not passed)."""
+    from headscope.analysis.capture import capture, tokenize_input
+    from headscope.analysis.limits import limit
 
     long_limit = min(limit("HEADSCOPE_MAX_STATS_TOKENS"), model.n_ctx)
     ids = tokenize_input(model, text, max(long_limit, max_tokens), variable="HEADSCOPE_MAX_STATS_TOKENS",
@@ -394,7 +398,7 @@ def capture_for_page(model: LoadedModel, text: str, store: Store | None, max_tok
 
 def received(run: StatsRun) -> np.ndarray:
     """``[layer, head, n]`` attention received from strictly later queries, averaged over those that
-    see the key (:func:`analysis.streaming.sink_map`'s ``received``); nan at the last position."""
+    see the key (:func:`headscope.analysis.streaming.sink_map`'s ``received``); nan at the last position."""
     if "received" not in run._memo:
         column = run.col_sum.astype(np.float64) - run.rows["diag"].astype(np.float64)
         run._memo["received"] = received_from_columns(column, run.layer_windows)
@@ -402,7 +406,7 @@ def received(run: StatsRun) -> np.ndarray:
 
 
 def sink_positions(run: StatsRun, threshold: float = SINK_THRESHOLD, min_later: int = SINK_MIN_LATER) -> np.ndarray:
-    """``[n]`` number of heads for which each position is a sink (as in :func:`analysis.streaming.sink_map`)."""
+    """``[n]`` number of heads for which each position is a sink (as in :func:`headscope.analysis.streaming.sink_map`)."""
     return sink_flags(received(run), threshold, min_later, run.layer_windows).sum((0, 1))
 
 

@@ -30,7 +30,7 @@ Guarantees
   folder name, and readers only follow committed rows.
 - Arrays are plain ``.npy`` read with ``allow_pickle=False``: no pickles anywhere.
 - With ``HEADSCOPE_REDIS_URL`` set, records are also written to and read from Redis
-  (:mod:`analysis.shared_records`), so processes with different ``HEADSCOPE_HOME``s share results.
+  (:mod:`headscope.analysis.shared_records`), so processes with different ``HEADSCOPE_HOME``s share results.
 """
 
 from __future__ import annotations
@@ -58,10 +58,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
-
-from analysis.fork_gate import GATE
-from analysis.paths import home
-from analysis.shared_records import SharedRecords
+from headscope.analysis.fork_gate import GATE
+from headscope.analysis.paths import home
+from headscope.analysis.shared_records import SharedRecords
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +176,7 @@ class StoreUnavailable(OSError):
 class StoreReadError(OSError):
     """A stored record could not be read for a reason that passes (too many open files, an I/O error,
     a busy resource): it proves no damage, so the record stays. The message says what happened and
-    what to do, without the store's path: it reaches web pages (``app.errors.USER_ERRORS``) and the
+    what to do, without the store's path: it reaches web pages (``headscope.app.errors.USER_ERRORS``) and the
     CLI's one-line errors."""
 
     def __init__(self, kind: str, error: OSError | str):
@@ -191,7 +190,7 @@ class StoreReadError(OSError):
 class StoreWriteError(OSError):
     """A record could not be written (a full disk, a folder that cannot be written, an index locked for
     too long): nothing of it was stored. The message says what to check, without the store's path: it
-    reaches web pages (``app.errors.USER_ERRORS``) and the CLI's one-line errors."""
+    reaches web pages (``headscope.app.errors.USER_ERRORS``) and the CLI's one-line errors."""
 
     def __init__(self, reason: str):
         super().__init__(f"The result could not be stored ({reason}): nothing was stored. Check the disk's "
@@ -381,7 +380,7 @@ def recording_reads() -> Iterator[list]:
     """What was read from the store in this thread while inside, in order, each key once: every
     :class:`Record` :meth:`Store.get` returns, and every object handed to :func:`note_read` (a run
     a cache kept from an earlier read). What a figure was drawn from, so an export can carry it
-    (:func:`app.export.manifest`)."""
+    (:func:`headscope.app.export.manifest`)."""
     reads: list = []
     token = _reads.set(reads)
     try:
@@ -584,7 +583,7 @@ class Store:
     @contextlib.contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
         """This thread's index connection; no fork of this process happens while it is used
-        (:mod:`analysis.fork_gate`: a child would inherit SQLite's locks with no owner)."""
+        (:mod:`headscope.analysis.fork_gate`: a child would inherit SQLite's locks with no owner)."""
         with GATE.using():
             yield self._connection()
 

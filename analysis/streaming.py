@@ -29,7 +29,7 @@ position is tested, so sinks in the middle of the sequence (often the first newl
 are flagged as well as position 0.
 
 **Layers windowed by the model.** On a layer with a sliding window of ``W_l`` keys (Mistral: every
-layer; Gemma 2/3: most layers; :attr:`analysis.model_facts.ModelFacts.windows`) query i sees only keys
+layer; Gemma 2/3: most layers; :attr:`headscope.analysis.model_facts.ModelFacts.windows`) query i sees only keys
 ``i − W_l < j ≤ i``: from row ``W_l`` on, the sinks are out of reach and every head is local because
 the model makes it so, not because the head chose it. Read over all rows, such a head would look
 like a streaming head and its early keys would look like poor sinks (their attention averaged with
@@ -49,7 +49,7 @@ the zeros of queries that cannot see them). So, with ``layer_windows`` given:
 
   and checks key j only when ``min(N − 1 − j, W_l − 1) ≥ min_later`` (a window of at most
   ``min_later`` keys checks none). The first-token share and the mid-sequence sink
-  (:mod:`analysis.head_summary`) read this ``received``.
+  (:mod:`headscope.analysis.head_summary`) read this ``received``.
 """
 
 from __future__ import annotations
@@ -58,8 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from kernels.statistics import DEFAULT_SINK_SIZE, DEFAULT_WINDOW
+from headscope.kernels.statistics import DEFAULT_SINK_SIZE, DEFAULT_WINDOW
 
 DEFAULT_SINK = DEFAULT_SINK_SIZE  # S and W as the kernels define them (StreamingLLM's 4 sinks, a 64-token window)
 SINK_THRESHOLD = 0.2

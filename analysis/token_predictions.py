@@ -29,8 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from analysis.errors import InputError
+from headscope.analysis.errors import InputError
 
 TOP_K = 5
 PREDICTION_CHUNK = 256

@@ -16,7 +16,7 @@ can mislead. The paper's layer-level measure is the norm of each token's whole c
 With grouped-query attention head h reads the value of key-value group ⌊h / (H / G)⌋ (the
 ``repeat_kv`` layout of Hugging Face Llama). :func:`value_weighted_patterns` returns N_l with each
 row divided by its sum, shaped like attention patterns with one head, so raw attention, rollout
-and flow (:mod:`analysis.rollout`, :mod:`analysis.flow`) run on it unchanged.
+and flow (:mod:`headscope.analysis.rollout`, :mod:`headscope.analysis.flow`) run on it unchanged.
 
 Where each part comes from: the norms N_l are Kobayashi et al. 2020 ("Attention is Not Only a
 Weight: Analyzing Transformers with Vector Norms", EMNLP 2020), who read them one layer at a time.
@@ -32,10 +32,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from headscope.analysis.errors import InputError
+from headscope.analysis.models import LoadedModel
 from transformer_lens.utilities import get_act_name
-
-from analysis.errors import InputError
-from analysis.models import LoadedModel
 
 
 def contributions(pattern: torch.Tensor, v: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:

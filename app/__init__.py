@@ -1,5 +1,5 @@
 """headscope's web app, command line and job wiring (over :mod:`analysis` and :mod:`kernels`)."""
 
-from app.fork_safety import sqlite_without_memory_mutex
+from headscope.app.fork_safety import sqlite_without_memory_mutex
 
 sqlite_without_memory_mutex()  # before anything imports sqlite3: see app/fork_safety.py

@@ -260,7 +260,7 @@ class RedactTokens(logging.Filter):
 def redact_tokens_in_logs() -> None:
     """Keep access tokens out of the logs of this process: werkzeug's access log (one line per request,
     with its URL) and headscope's own."""
-    for name in ("werkzeug", "headscope", "headscope.app", "app.server", "dash"):
+    for name in ("werkzeug", "headscope", "headscope.app", "headscope.app.server", "dash"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, RedactTokens) for f in logger.filters):
             logger.addFilter(RedactTokens())

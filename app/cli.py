@@ -19,18 +19,28 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from analysis.ablation_choices import CONTROL_TOP_N, DEFAULT_METHOD, DEFAULT_SEEDS, MAX_SEEDS, METHODS
-from analysis.errors import shown
-from analysis.kv_compression_choices import BACKENDS as COMPRESS_BACKENDS
-from analysis.kv_compression_choices import DEFAULT_FRACTIONS as COMPRESS_FRACTIONS
-from analysis.kv_compression_choices import DEFAULT_RANKINGS as COMPRESS_RANKINGS
-from analysis.kv_compression_choices import DEFAULT_RECENT_SIZE, DEFAULT_SINK_SIZE, DEFAULT_TOLERANCE
-from analysis.kv_compression_choices import RANKINGS as COMPRESS_RANKING_NAMES
-from analysis.patching_choices import DIRECTIONS as PATCH_DIRECTIONS
-from analysis.patching_choices import METRICS as PATCH_METRICS
-from analysis.patching_choices import PATH_SITES
-from analysis.patching_choices import SITES as PATCH_SITES
-from app.export_formats import FIGURE_FORMATS
+from headscope.analysis.ablation_choices import (
+    CONTROL_TOP_N,
+    DEFAULT_METHOD,
+    DEFAULT_SEEDS,
+    MAX_SEEDS,
+    METHODS,
+)
+from headscope.analysis.errors import shown
+from headscope.analysis.kv_compression_choices import BACKENDS as COMPRESS_BACKENDS
+from headscope.analysis.kv_compression_choices import DEFAULT_FRACTIONS as COMPRESS_FRACTIONS
+from headscope.analysis.kv_compression_choices import DEFAULT_RANKINGS as COMPRESS_RANKINGS
+from headscope.analysis.kv_compression_choices import (
+    DEFAULT_RECENT_SIZE,
+    DEFAULT_SINK_SIZE,
+    DEFAULT_TOLERANCE,
+)
+from headscope.analysis.kv_compression_choices import RANKINGS as COMPRESS_RANKING_NAMES
+from headscope.analysis.patching_choices import DIRECTIONS as PATCH_DIRECTIONS
+from headscope.analysis.patching_choices import METRICS as PATCH_METRICS
+from headscope.analysis.patching_choices import PATH_SITES
+from headscope.analysis.patching_choices import SITES as PATCH_SITES
+from headscope.app.export_formats import FIGURE_FORMATS
 
 EXIT_USER_ERROR = 2
 
@@ -175,8 +185,8 @@ def text_file(path: str) -> str:
 
 
 def haystack(value: str) -> str:
-    """A haystack name (:data:`analysis.niah.HAYSTACK_NAMES`) or a UTF-8 text file."""
-    from analysis.niah import HAYSTACK_NAMES  # light: no model code
+    """A haystack name (:data:`headscope.analysis.niah.HAYSTACK_NAMES`) or a UTF-8 text file."""
+    from headscope.analysis.niah import HAYSTACK_NAMES  # light: no model code
 
     if value in HAYSTACK_NAMES:
         return value
@@ -226,8 +236,8 @@ def text_arg(text: str) -> str:
 
 
 def bind_host(text: str) -> str:
-    """``--host``: an IP address or a host name (:func:`app.access.host_name`)."""
-    from app.access import host_name
+    """``--host``: an IP address or a host name (:func:`headscope.app.access.host_name`)."""
+    from headscope.app.access import host_name
 
     try:
         return host_name(text)
@@ -236,8 +246,8 @@ def bind_host(text: str) -> str:
 
 
 def allowed_hosts(text: str) -> tuple[str, ...]:
-    """``--allowed-hosts``: host names or IP addresses, comma-separated (:func:`app.access.host_names`)."""
-    from app.access import host_names
+    """``--allowed-hosts``: host names or IP addresses, comma-separated (:func:`headscope.app.access.host_names`)."""
+    from headscope.app.access import host_names
 
     try:
         return host_names(text)
@@ -275,7 +285,7 @@ def _argument(name: str) -> Iterator[None]:
 
 def _model_spec(args) -> str:
     """``--model``, or the default model (read from analysis only once it is imported)."""
-    from analysis.models import DEFAULT_MODEL
+    from headscope.analysis.models import DEFAULT_MODEL
 
     return args.model or DEFAULT_MODEL
 
@@ -306,7 +316,7 @@ def progress_bar(desc: str, enabled: bool | None = None) -> Iterator:
 
 
 def _store(args):
-    from analysis.store import Store
+    from headscope.analysis.store import Store
 
     try:
         return Store(args.home) if getattr(args, "home", None) else Store()
@@ -355,19 +365,19 @@ def cmd_serve(args) -> int:
         except argparse.ArgumentTypeError as e:
             raise UsageError(f"HEADSCOPE_ALLOWED_HOSTS: {e}") from None
     _port_free(host, args.port)
-    from app.jobs import prepare_server_threads
+    from headscope.app.jobs import prepare_server_threads
 
     prepare_server_threads()  # before torch loads: jobs fork from this process and share its cores
-    from app.access import HostRule, guard_hosts, new_token, protect
-    from app.context import AppContext
-    from app.server import create_app, warm_up
-    from app.workers import redis_url
+    from headscope.app.access import HostRule, guard_hosts, new_token, protect
+    from headscope.app.context import AppContext
+    from headscope.app.server import create_app, warm_up
+    from headscope.app.workers import redis_url
 
     token = given or (None if loopback else new_token())
     model = _model_spec(args)
     context = AppContext(store=_store(args), default_model=model)
     if redis_url():
-        from analysis.models import refuse_loading
+        from headscope.analysis.models import refuse_loading
 
         # jobs and every model-using callback run on `headscope worker`s: this process loads no model
         refuse_loading("This web front end loads no model: its jobs run on headscope workers "
@@ -383,7 +393,7 @@ def cmd_serve(args) -> int:
         # UMAP's numba code is compiled when the QK page first asks for UMAP (app/pages/qk.py), not
         # here: a job forked while it compiles waits for it, the first Run on the Attention page too
     app = create_app(context)
-    from app.jobs import end_jobs_with_server
+    from headscope.app.jobs import end_jobs_with_server
 
     end_jobs_with_server()  # a SIGTERM ends the running jobs too, not only this process
     if token is not None:
@@ -399,7 +409,7 @@ def cmd_serve(args) -> int:
         print("headscope: answering to any host name (bound beyond the loopback, the token guards it); "
               "--allowed-hosts limits the names", file=sys.stderr)
     print(f"headscope: serving on http://{host}:{args.port}  (store: {context.store.root})", file=sys.stderr)
-    from app.server import request_handler
+    from headscope.app.server import request_handler
 
     app.run(host=host, port=args.port, debug=False, threaded=True, request_handler=request_handler())
     return 0
@@ -417,7 +427,7 @@ def _redacted(url: str) -> str:
 
 def cmd_worker(args) -> int:
     """A Celery worker for the app's jobs (needs HEADSCOPE_REDIS_URL)."""
-    from app.workers import redis_url
+    from headscope.app.workers import redis_url
 
     if not redis_url():
         raise UsageError("set HEADSCOPE_REDIS_URL to the Redis server the web front end uses, e.g. "
@@ -435,8 +445,8 @@ def cmd_worker(args) -> int:
         index = int(args.device.split(":")[1]) if ":" in args.device else 0
         if index >= n:
             raise UsageError(f"argument --device: {args.device} is not here ({n} CUDA device(s) found)")
-    from analysis.models import DEFAULT_MODEL
-    from app.server import start_worker
+    from headscope.analysis.models import DEFAULT_MODEL
+    from headscope.app.server import start_worker
 
     if args.home:
         os.environ["HEADSCOPE_HOME"] = args.home
@@ -455,12 +465,11 @@ def cmd_run(args) -> int:
     formats = _check_formats(args.formats)
 
     import numpy as np
-
-    from analysis.limits import limit
-    from analysis.models import load_model
-    from analysis.statistics_run import STATS_METRICS, capture_for_page, capture_statistics
-    from app.export import write_files
-    from app.views import names
+    from headscope.analysis.limits import limit
+    from headscope.analysis.models import load_model
+    from headscope.analysis.statistics_run import STATS_METRICS, capture_for_page, capture_statistics
+    from headscope.app.export import write_files
+    from headscope.app.views import names
 
     store = _store(args)
     with progress_bar("loading model") as bar, _argument("--model"):
@@ -497,7 +506,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from analysis.models import EMBEDDED, available_models, offered_embedded
+    from headscope.analysis.models import EMBEDDED, available_models, offered_embedded
 
     for m in available_models():
         print(f"{m['spec']:<32} {m['status']:<8} {m['description']}")
@@ -516,7 +525,7 @@ def cmd_runs(args) -> int:
         raise UsageError("argument ids: give the ids of the runs to remove (`headscope runs list` shows them)")
     store = _store(args)
     if args.action == "list":
-        from analysis.runs import stored_runs
+        from headscope.analysis.runs import stored_runs
 
         runs, skipped = stored_runs(store)
         for line in skipped:  # a row that rotted inside the index: reported, never hiding the others
@@ -548,15 +557,15 @@ def _printable(text: str) -> str:
 
 
 def cmd_figure(args) -> int:
-    from app.manifest_schema import ManifestError, read_manifest_file
+    from headscope.app.manifest_schema import ManifestError, read_manifest_file
 
     try:
         manifest = read_manifest_file(args.manifest)
     except ManifestError as e:
         raise UsageError(f"argument manifest: {e}") from None
     formats = _check_formats(args.formats) if args.formats else FIGURE_FORMATS
-    from app.export import rebuilding, write_files
-    from app.views import VIEWS
+    from headscope.app.export import rebuilding, write_files
+    from headscope.app.views import VIEWS
 
     if manifest["view"] not in VIEWS:
         raise UsageError(f"argument manifest: field 'view' names an unknown view {manifest['view']!r}; "
@@ -587,9 +596,9 @@ def cmd_figure(args) -> int:
 
 
 def _check_needle_types(path: str) -> None:
-    """Refuse a needles file whose fields are not strings (``analysis.niah`` reads the shape and
+    """Refuse a needles file whose fields are not strings (``headscope.analysis.niah`` reads the shape and
     would turn a number or a list into text)."""
-    from analysis.errors import parse_json
+    from headscope.analysis.errors import parse_json
 
     try:
         raw = parse_json(read_text_file(path))
@@ -605,7 +614,7 @@ def _check_needle_types(path: str) -> None:
 
 def _needles(args) -> list:
     """The needles chosen by ``--needles-file`` and ``--needles`` (ids), checked."""
-    from analysis.niah import load_needles
+    from headscope.analysis.niah import load_needles
 
     if args.needles_file:
         _check_needle_types(args.needles_file)
@@ -624,15 +633,15 @@ def _needles(args) -> list:
 
 def _haystack(args) -> str:
     """The text of ``--haystack`` (default prose)."""
-    from analysis.niah import load_haystack
+    from headscope.analysis.niah import load_haystack
 
     with _argument("--haystack"):
         return load_haystack(args.haystack or "prose")
 
 
 def _depth_rule(args) -> str:
-    """``--depth-rule`` (default: :data:`analysis.niah.DEFAULT_DEPTH_RULE`), checked."""
-    from analysis.niah import DEFAULT_DEPTH_RULE, DEPTH_RULES
+    """``--depth-rule`` (default: :data:`headscope.analysis.niah.DEFAULT_DEPTH_RULE`), checked."""
+    from headscope.analysis.niah import DEFAULT_DEPTH_RULE, DEPTH_RULES
 
     rule = args.depth_rule or DEFAULT_DEPTH_RULE
     if rule not in DEPTH_RULES:
@@ -644,7 +653,7 @@ def cmd_scan(args) -> int:
     """Needle-in-a-haystack sweep → retrieval score tables and figures (re-running reuses trials)."""
     formats = _check_formats(args.formats)
     lengths, depths = args.lengths, args.depths
-    from analysis.niah import check_streaming_window  # the Heads page's rule too; imports no torch
+    from headscope.analysis.niah import check_streaming_window  # the Heads page's rule too; imports no torch
 
     with _argument("--sink/--window/--lengths"):  # S + W against the shortest length
         check_streaming_window(args.sink, args.window, lengths)
@@ -654,10 +663,9 @@ def cmd_scan(args) -> int:
     import json
 
     import numpy as np
-
-    from app.export import write_files
-    from app.views import names
-    from app.views.heads import head_scores_of
+    from headscope.app.export import write_files
+    from headscope.app.views import names
+    from headscope.app.views.heads import head_scores_of
 
     store, spec, model = _open_store_and_model(args)
     result = _niah_sweep(model, args, store, needles, hay, lengths, depths)
@@ -774,8 +782,8 @@ def ablation_table(summary: dict) -> list[str]:
 def _open_store_and_model(args):
     """The store of ``--home``, the ``--model`` spec and the loaded model, set as the app's context
     (the views that write exports read both from it)."""
-    from analysis.models import load_model
-    from app.context import AppContext, set_context
+    from headscope.analysis.models import load_model
+    from headscope.app.context import AppContext, set_context
 
     store = _store(args)
     spec = _model_spec(args)
@@ -788,7 +796,7 @@ def _open_store_and_model(args):
 
 def _niah_sweep(model, args, store, needles, hay, lengths, depths):
     """The needle-in-a-haystack sweep of ``scan`` and ``ablate --sweep`` (stored trials are reused)."""
-    from analysis.retrieval import sweep
+    from headscope.analysis.retrieval import sweep
 
     depth_rule = _depth_rule(args)
     with progress_bar(f"needle-in-a-haystack sweep ({len(needles)} needles × {len(lengths)} lengths × "
@@ -799,11 +807,11 @@ def _niah_sweep(model, args, store, needles, hay, lengths, depths):
 
 def _ablation_spec(model, args, heads, store, reference):
     """The :class:`AblationSpec` of ``--method`` on ``heads``, and the page parameters naming it."""
-    from analysis.ablation import LIMIT as ABLATION_LIMIT
-    from analysis.ablation import AblationSpec, format_heads, head_means
-    from analysis.capture import capture
-    from analysis.limits import limit
-    from app.views.ablation import builtin_reference
+    from headscope.analysis.ablation import LIMIT as ABLATION_LIMIT
+    from headscope.analysis.ablation import AblationSpec, format_heads, head_means
+    from headscope.analysis.capture import capture
+    from headscope.analysis.limits import limit
+    from headscope.app.views.ablation import builtin_reference
 
     params = {"model": _model_spec(args), "heads": format_heads(heads), "ablate": args.method}
     means = source = None
@@ -823,9 +831,9 @@ def _ablation_spec(model, args, heads, store, reference):
 
 def _niah_accuracy(model, spec, result, needles, lengths, depths) -> dict:
     """NIAH accuracy on the sweep's prompts, clean and with ``spec`` ablated, for ``summary.json``."""
-    from analysis.ablation import ablation_hooks
-    from analysis.ablation_curve import retrieval_accuracy
-    from analysis.retrieval import trial_prompt
+    from headscope.analysis.ablation import ablation_hooks
+    from headscope.analysis.ablation_curve import retrieval_accuracy
+    from headscope.analysis.retrieval import trial_prompt
 
     prompts = [trial_prompt(t) for t in result.trials]
     with progress_bar("retrieval accuracy, clean and ablated") as bar:
@@ -854,18 +862,17 @@ def cmd_ablate(args) -> int:
     import json
 
     import numpy as np
-
-    from analysis.ablation import LIMIT as ABLATION_LIMIT
-    from analysis.ablation import METHOD_DESCRIPTIONS, format_heads, parse_heads
-    from analysis.ablation_curve import ablation_curve, check_curve, rank_heads
-    from analysis.capture import capture
-    from analysis.errors import InputError
-    from analysis.head_summary import HEAD_METRICS
-    from analysis.limits import limit
-    from analysis.store import content_key
-    from app.export import write_files
-    from app.views import names
-    from app.views.registry import metric_scores
+    from headscope.analysis.ablation import LIMIT as ABLATION_LIMIT
+    from headscope.analysis.ablation import METHOD_DESCRIPTIONS, format_heads, parse_heads
+    from headscope.analysis.ablation_curve import ablation_curve, check_curve, rank_heads
+    from headscope.analysis.capture import capture
+    from headscope.analysis.errors import InputError
+    from headscope.analysis.head_summary import HEAD_METRICS
+    from headscope.analysis.limits import limit
+    from headscope.analysis.store import content_key
+    from headscope.app.export import write_files
+    from headscope.app.views import names
+    from headscope.app.views.registry import metric_scores
 
     if args.top_k and args.by != "retrieval" and args.by not in HEAD_METRICS:
         raise UsageError(f"argument --by: unknown score {args.by!r}; use retrieval or one of {', '.join(HEAD_METRICS)}")
@@ -924,7 +931,7 @@ def cmd_ablate(args) -> int:
 
 
 def ranking_list(text: str) -> list[str]:
-    """``--rankings``: names of :data:`analysis.kv_compression_choices.RANKINGS`, comma-separated."""
+    """``--rankings``: names of :data:`headscope.analysis.kv_compression_choices.RANKINGS`, comma-separated."""
     items = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
     if not items:
         raise argparse.ArgumentTypeError(f"give one or more rankings separated by commas, from "
@@ -1028,14 +1035,13 @@ def cmd_compress(args) -> int:
     import json
 
     import numpy as np
-
-    from analysis.capture import tokenize_input
-    from analysis.kv_compression import export_policy
-    from analysis.kv_compression_sweep import compress_sweep
-    from analysis.store import content_key
-    from app.export import write_files
-    from app.views import names
-    from app.views.compress import pick_text
+    from headscope.analysis.capture import tokenize_input
+    from headscope.analysis.kv_compression import export_policy
+    from headscope.analysis.kv_compression_sweep import compress_sweep
+    from headscope.analysis.store import content_key
+    from headscope.app.export import write_files
+    from headscope.app.views import names
+    from headscope.app.views.compress import pick_text
 
     lengths, depths = args.lengths or [2048], args.depths or [25.0, 75.0]
     store, spec, model = _open_store_and_model(args)
@@ -1134,9 +1140,9 @@ def layer_head(text: str) -> tuple[int, int]:
 
 def head_list(text: str) -> list[tuple[int, int]]:
     """``--path-from``, ``--path-to``: heads as layer.head, comma-separated (``0.1,3.2``), read by
-    :func:`analysis.patching_choices.parse_head_pairs` as the Patching page reads them."""
-    from analysis.errors import InputError
-    from analysis.patching_choices import parse_head_pairs
+    :func:`headscope.analysis.patching_choices.parse_head_pairs` as the Patching page reads them."""
+    from headscope.analysis.errors import InputError
+    from headscope.analysis.patching_choices import parse_head_pairs
 
     try:
         return parse_head_pairs(text)
@@ -1175,14 +1181,14 @@ def patching_table(summary: dict) -> list[str]:
 
 
 def _patch_prompts(args) -> None:
-    """``--pair ID`` (a built-in pair, :mod:`analysis.patching_pairs`) or ``--clean``, ``--corrupted`` and
+    """``--pair ID`` (a built-in pair, :mod:`headscope.analysis.patching_pairs`) or ``--clean``, ``--corrupted`` and
     ``--answers``, not both: fills the three from the pair."""
     given = [f"--{name}" for name in ("clean", "corrupted", "answers") if getattr(args, name) is not None]
     if args.pair is not None:
         if given:
             raise UsageError(f"argument --pair: a built-in pair brings its own prompts and answers; drop "
                              f"{', '.join(given)} or --pair")
-        from analysis.patching_pairs import pair_by_id
+        from headscope.analysis.patching_pairs import pair_by_id
 
         with _argument("--pair"):
             spec = pair_by_id(args.pair)
@@ -1215,14 +1221,13 @@ def cmd_patch(args) -> int:
     import json
 
     import numpy as np
-
-    from app.export import write_files
-    from app.views import names
-    from app.views.patching import unit_names
+    from headscope.app.export import write_files
+    from headscope.app.views import names
+    from headscope.app.views.patching import unit_names
 
     store, spec, model = _open_store_and_model(args)
-    from analysis.patching import activation_patching, load_patching, patching_key, prompt_pair
-    from analysis.patching_choices import METRIC_LABELS
+    from headscope.analysis.patching import activation_patching, load_patching, patching_key, prompt_pair
+    from headscope.analysis.patching_choices import METRIC_LABELS
 
     # Checked in two steps so that the message names the argument to fix: the prompts (lengths,
     # differences) with a placeholder answer, then the answers.
@@ -1279,7 +1284,7 @@ def cmd_patch(args) -> int:
 
 
 def _cmd_path_patch(args) -> int:
-    """``headscope patch --path-from … --path-to …``: path patching (:func:`analysis.path_patching.path_patching`);
+    """``headscope patch --path-from … --path-to …``: path patching (:func:`headscope.analysis.path_patching.path_patching`);
     prints the value and writes ``summary.json``."""
     for flag, given in (("--head", args.head is not None), ("--attribution", args.attribution),
                         ("--attribution-only", args.attribution_only), ("--site", args.site != "z")):
@@ -1288,14 +1293,14 @@ def _cmd_path_patch(args) -> int:
                              f"input is --path-site)")
     import json
 
-    from analysis.errors import check_head_index
-    from analysis.patching_choices import KV_SITES, METRIC_LABELS
+    from headscope.analysis.errors import check_head_index
+    from headscope.analysis.patching_choices import KV_SITES, METRIC_LABELS
 
     site = args.path_site or "q"
     store, spec, model = _open_store_and_model(args)
-    from analysis.patching import patching_metric, prompt_pair
-    from analysis.path_patching import path_patching
-    from analysis.store import content_key
+    from headscope.analysis.patching import patching_metric, prompt_pair
+    from headscope.analysis.path_patching import path_patching
+    from headscope.analysis.store import content_key
 
     with _argument("--path-from"):
         for layer, head in args.path_from:
@@ -1341,7 +1346,7 @@ def _cmd_path_patch(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    """Two stored runs compared head by head (:func:`analysis.run_comparison.compare_runs`): prints the
+    """Two stored runs compared head by head (:func:`headscope.analysis.run_comparison.compare_runs`): prints the
     heads whose score changed most (second − first); writes both grids with the change, one head's
     change in attention (``--head``), their tables and ``summary.json``."""
     formats = _check_formats(args.formats)
@@ -1349,19 +1354,18 @@ def cmd_compare(args) -> int:
     import json
 
     import numpy as np
-
-    from analysis.errors import InputError
-    from analysis.head_summary import HEAD_METRICS
-    from analysis.run_comparison import compare_runs
-    from app.context import AppContext, set_context
-    from app.export import write_files
-    from app.views import names
+    from headscope.analysis.errors import InputError
+    from headscope.analysis.head_summary import HEAD_METRICS
+    from headscope.analysis.run_comparison import compare_runs
+    from headscope.app.context import AppContext, set_context
+    from headscope.app.export import write_files
+    from headscope.app.views import names
 
     metric = args.metric or "entropy"
     if metric not in HEAD_METRICS:
         raise UsageError(f"argument --metric: unknown metric {metric!r}; choose one of: {', '.join(HEAD_METRICS)}")
     store = _store(args)
-    from analysis.models import DEFAULT_MODEL
+    from headscope.analysis.models import DEFAULT_MODEL
 
     context = AppContext(store=store, default_model=DEFAULT_MODEL)
     set_context(context)
@@ -1384,7 +1388,7 @@ def cmd_compare(args) -> int:
     params = {"model": first.model_name, "first": first.key[:16], "second": second.key[:16], "metric": metric}
     if args.head is not None:
         with _argument("--head"):
-            from analysis.run_comparison import attention_difference
+            from headscope.analysis.run_comparison import attention_difference
 
             attention_difference(first, second, *args.head)
         params.update(layer=args.head[0], head=args.head[1])
@@ -1453,7 +1457,7 @@ MODEL_HELP = "model spec: an embedded model (smollm2-135m; gemma3-270m after `ma
 
 
 def _add_patch_parser(sub) -> None:
-    """``headscope patch``: activation and attribution patching (:func:`analysis.patching.activation_patching`)."""
+    """``headscope patch``: activation and attribution patching (:func:`headscope.analysis.patching.activation_patching`)."""
     p = sub.add_parser("patch", help="activation patching between a clean and a corrupted prompt: which heads "
                                      "(or residual positions) carry the answer")
     p.add_argument("--model", type=non_empty("the model spec"), help=MODEL_HELP)
@@ -1658,15 +1662,15 @@ def _is_user_error(e: BaseException) -> bool:
     manifest's, a model's or the store's."""
     if isinstance(e, (UsageError, argparse.ArgumentTypeError)):
         return True
-    from analysis.errors import InputError
-    from app.manifest_schema import ManifestError
+    from headscope.analysis.errors import InputError
+    from headscope.app.manifest_schema import ManifestError
 
     kinds = [InputError, ManifestError]
     # the rest are checked only where their module is loaded (importing it to check would load torch);
     # an error of that kind was raised by that module, so it is loaded
-    for module, name in (("analysis.models", "ModelError"),
-                         ("analysis.store", "StoreUnavailable"), ("analysis.store", "StoreWriteError"),
-                         ("analysis.store", "StoreReadError")):
+    for module, name in (("headscope.analysis.models", "ModelError"),
+                         ("headscope.analysis.store", "StoreUnavailable"), ("headscope.analysis.store", "StoreWriteError"),
+                         ("headscope.analysis.store", "StoreReadError")):
         if module in sys.modules:
             kinds.append(getattr(sys.modules[module], name))
     return isinstance(e, tuple(kinds))

@@ -1,7 +1,7 @@
 """Pieces every page shares: the text/model/Run bar, export buttons and their one callback.
 
 The Run bar of each page has its own ids (a page prefix), and writes the run into the URL; the
-error banner and the download live in the app shell (``app.server``), so every page can use them.
+error banner and the download live in the app shell (``headscope.app.server``), so every page can use them.
 """
 
 from __future__ import annotations
@@ -27,17 +27,16 @@ from dash import (
     strip_relative_path,
 )
 from dash.exceptions import PreventUpdate
-
-from analysis.capture import capture
-from analysis.models import ModelError, load_model
-from analysis.statistics_run import capture_for_page
-from app import ids
-from app.context import get_context, offered_model
-from app.errors import guarded
-from app.export import FORMATS, bundle
-from app.jobs import on_workers
-from app.url_state import PageState, parse
-from app.views import VIEWS, names
+from headscope.analysis.capture import capture
+from headscope.analysis.models import ModelError, load_model
+from headscope.analysis.statistics_run import capture_for_page
+from headscope.app import ids
+from headscope.app.context import get_context, offered_model
+from headscope.app.errors import guarded
+from headscope.app.export import FORMATS, bundle
+from headscope.app.jobs import on_workers
+from headscope.app.url_state import PageState, parse
+from headscope.app.views import VIEWS, names
 
 GRAPH_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "svg"}}
 
@@ -88,7 +87,7 @@ def url_patch(before: Any, after: str, on: tuple[str, ...] = (), what: str = "Th
     to the old text, a score chosen meanwhile to the old score.
 
     - By default the keys that differ between ``before`` and ``after`` are set or removed; ``before``
-      is compared as :func:`app.url_state.parse` reads it (a default value written out, or an id in
+      is compared as :func:`headscope.app.url_state.parse` reads it (a default value written out, or an id in
       capitals, is no change). ``reset``: keys set to ``after``'s value (or removed) whatever
       ``before`` held: what the result makes meaningless (a policy picked on the old curve).
     - ``keep``: ``after`` is a new page state (a new text), taken whole except the settings in
@@ -162,7 +161,7 @@ def download_id(prefix: str) -> str:
 
 def job_error(prefix: str) -> Output:
     """The output a page's callback writes its error message to (``""`` clears the banner), when the
-    callback is a job or expensive (every :func:`app.jobs.on_workers` callback: with Redis, a job too).
+    callback is a job or expensive (every :func:`headscope.app.jobs.on_workers` callback: with Redis, a job too).
 
     Not the banner itself: a background callback that writes to the app shell is called by Dash
     whenever its page loads, ``prevent_initial_call`` or not, because its inputs and outputs are not in
@@ -228,13 +227,13 @@ figure, id or style only."""
 def show_busy(button: str, status: str, progress: str | None = None, figures: Sequence[str] = ()) -> None:
     """Show a long action as busy, the same way on every page (assets/busy.js): while ``button`` is
     disabled because the action's job runs (the callback's ``running``), the ``status`` line says the
-    job is starting (:data:`app.jobs.STARTING`) until its first report, the ``progress`` bar runs
+    job is starting (:data:`headscope.app.jobs.STARTING`) until its first report, the ``progress`` bar runs
     without a value, and each of ``figures`` (graph ids) is marked :data:`STALE`; when the button is
     enabled again the marks go. If a click of ``button`` started the job, the error banner is cleared
     (its message is about an earlier try); a job that a link starts by itself leaves the link's
-    message. A cancellable job gets this from :func:`app.jobs.cancellable_callback`; a page's
+    message. A cancellable job gets this from :func:`headscope.app.jobs.cancellable_callback`; a page's
     background render calls it with its own button."""
-    from app.jobs import STARTING
+    from headscope.app.jobs import STARTING
 
     outputs = [Output(ids.ERROR, "children", allow_duplicate=True), Output(status, "children", allow_duplicate=True)]
     if progress is not None:
@@ -254,7 +253,7 @@ PROMPT_POLICY_TITLE = ("How a text becomes the model's tokens: a BOS the model e
 
 def prompt_policy(spec: str) -> str:
     """The BOS and chat-template line of a model this server offers
-    (:attr:`analysis.model_facts.ModelFacts.prompt_policy`); "" for any other spec (nothing is claimed
+    (:attr:`headscope.analysis.model_facts.ModelFacts.prompt_policy`); "" for any other spec (nothing is claimed
     about a model this server does not load)."""
     try:
         return load_model(offered_model(spec)).facts.prompt_policy
@@ -313,7 +312,7 @@ def register_run(prefix: str, state_after: Any, keeps: tuple[str, ...], long_run
     names the URL keys of the settings it carries over, which keep what the user chose while the
     text ran (:func:`url_patch`). With
     ``long_runs`` a text longer than the patterns limit runs in statistics mode
-    (:func:`analysis.statistics_run.capture_for_page`); without, it is refused with the limit.
+    (:func:`headscope.analysis.statistics_run.capture_for_page`); without, it is refused with the limit.
     """
 
     show_in_shell(prefix)
@@ -361,7 +360,7 @@ def export_bar(prefix: str, view: str) -> html.Div:
 
 def view_params(view: str, state: PageState, query: int | None = None) -> dict[str, Any]:
     """The parameters a view is drawn with, from the page state (what the page shows is what exports):
-    each view declares how (:attr:`app.views.View.from_state`)."""
+    each view declares how (:attr:`headscope.app.views.View.from_state`)."""
     name, which = names.split(view)
     if name not in VIEWS:
         raise PreventUpdate
@@ -425,7 +424,7 @@ def upload_field(upload_id: str, label: str) -> list:
     :func:`upload_file_id`, which the page's callback reads (with :func:`upload_text`). Register the
     check once per upload with :func:`register_upload`.
     """
-    from analysis.limits import limit
+    from headscope.analysis.limits import limit
 
     return [
         dcc.Upload(id=upload_id, children=html.Span(label), className="hs-upload", max_size=-1),
@@ -466,7 +465,7 @@ def register_upload(upload_id: str) -> None:
 def upload_file(file: Any, what: str) -> tuple[str, str]:
     """(text, name) of an upload's file as :func:`upload_file_id` holds it (``{"contents": base64 data
     URL, "filename": ...}``), or an ``InputError`` (see :func:`upload_text`)."""
-    from analysis.errors import InputError
+    from headscope.analysis.errors import InputError
 
     contents = file.get("contents") if isinstance(file, dict) else None
     filename = file.get("filename") if isinstance(file, dict) else None
@@ -483,8 +482,8 @@ def upload_text(contents: str | None, filename: str | None, what: str) -> str:
     import base64
     import binascii
 
-    from analysis.errors import InputError
-    from analysis.limits import hint, limit
+    from headscope.analysis.errors import InputError
+    from headscope.analysis.limits import hint, limit
 
     name = filename or "The file"
     try:

@@ -1,6 +1,6 @@
 """Process-wide state of a running app: the store, the model specs on offer, limits.
 
-Pages read it; ``app.server.create_app`` sets it. Models are loaded through ``analysis.models``,
+Pages read it; ``headscope.app.server.create_app`` sets it. Models are loaded through ``headscope.analysis.models``,
 which memoises them, so each is loaded once per process.
 
 Models on offer (the allowlist, :func:`offered_model`): the embedded ones (an opt-in one such as
@@ -18,12 +18,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from analysis.capture import Run, load_run
-from analysis.limits import limit
-from analysis.models import DEFAULT_MODEL, EMBEDDED, ModelError, offered_embedded
-from analysis.statistics_run import StatsRun, load_stats_run
-from analysis.store import Store, note_read
+from headscope.analysis.capture import Run, load_run
+from headscope.analysis.limits import limit
+from headscope.analysis.models import DEFAULT_MODEL, EMBEDDED, ModelError, offered_embedded
+from headscope.analysis.statistics_run import StatsRun, load_stats_run
+from headscope.analysis.store import Store, note_read
 
 
 @dataclass

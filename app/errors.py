@@ -8,10 +8,9 @@ from collections.abc import Callable, Sequence
 
 from dash import html, no_update
 from dash.exceptions import PreventUpdate
-
-from analysis.errors import InputError
-from analysis.models import ModelError
-from analysis.store import StoreReadError, StoreWriteError
+from headscope.analysis.errors import InputError
+from headscope.analysis.models import ModelError
+from headscope.analysis.store import StoreReadError, StoreWriteError
 
 log = logging.getLogger("headscope.app")
 

@@ -14,7 +14,7 @@ parameters, and the headscope version; ``headscope figure manifest.json`` rebuil
 from it, on any machine, with an empty store:
 
 - the run a view is drawn from is recomputed from its token ids and settings (or found in the store);
-- the stored results a view read while it was drawn (:func:`analysis.store.recording_reads`) travel
+- the stored results a view read while it was drawn (:func:`headscope.analysis.store.recording_reads`) travel
   with it: other runs by their token ids and settings (``runs``: recomputed, their keys checked),
   everything else (a sweep, a curve, a patching result...) as its metadata and checksummed ``.npy``
   arrays (``results``, up to :data:`MAX_CARRIED_BYTES`; a larger one is named in
@@ -50,15 +50,22 @@ from urllib.parse import quote
 
 import plotly.graph_objects as go
 import plotly.io as pio
-
-from analysis.capture import capture, save_run
-from analysis.errors import InputError
-from analysis.models import ModelError, converted_gguf, embedded_gguf, load_model, offered_embedded
-from analysis.runs import RUN_KINDS, AttentionRun
-from analysis.store import CorruptRecord, Record, Store, as_json, npy_bytes, parse_npy, recording_reads
-from app.export_formats import DATA_FORMATS, FIGURE_FORMATS, FORMATS, IMAGE_FORMATS  # noqa: F401 (also read from here)
-from app.manifest_schema import ManifestError, read_manifest_file
-from app.views import VIEWS, Rows
+from headscope.analysis.capture import capture, save_run
+from headscope.analysis.errors import InputError
+from headscope.analysis.models import ModelError, converted_gguf, embedded_gguf, load_model, offered_embedded
+from headscope.analysis.runs import RUN_KINDS, AttentionRun
+from headscope.analysis.store import (
+    CorruptRecord,
+    Record,
+    Store,
+    as_json,
+    npy_bytes,
+    parse_npy,
+    recording_reads,
+)
+from headscope.app.export_formats import DATA_FORMATS, FIGURE_FORMATS, FORMATS, IMAGE_FORMATS  # noqa: F401 (also read from here)
+from headscope.app.manifest_schema import ManifestError, read_manifest_file
+from headscope.app.views import VIEWS, Rows
 
 MANIFEST_VERSION = 1
 PLOTLYJS_NAME = "plotly.min.js"  # the shared copy of the plotting library beside exported HTML pages
@@ -118,7 +125,7 @@ def carried(reads: Sequence[Any], model_digest: str, run_key: str | None = None)
                 runs.append(as_json({"key": record.key, "kind": "run" if record.has_patterns else "stats_run",
                                      "token_ids": record.token_ids, "settings": record.settings, "text": record.text}))
                 continue
-            from app.context import get_context
+            from headscope.app.context import get_context
 
             record = get_context().store.get(record.key)
             if record is None:
@@ -301,7 +308,7 @@ def write_files(run: AttentionRun | None, view: str, params: dict[str, Any], out
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    """Parse and validate a manifest file (:func:`app.manifest_schema.read_manifest_file`, the one
+    """Parse and validate a manifest file (:func:`headscope.app.manifest_schema.read_manifest_file`, the one
     schema the CLI uses too); a problem is an ``InputError`` naming the file and the field."""
     try:
         return read_manifest_file(path)
@@ -323,8 +330,8 @@ def manifest_model(man: dict[str, Any], given: str | None = None) -> str:
     ManifestError
         The model is not on offer, or ``params.model`` names another model than ``model.name``.
     """
-    from analysis.models import DEFAULT_MODEL
-    from app.context import env_models
+    from headscope.analysis.models import DEFAULT_MODEL
+    from headscope.app.context import env_models
 
     name, digest = man["model"]["name"], man["model"]["digest"]
     in_params = man["params"].get("model")
@@ -382,7 +389,7 @@ def rebuilding(man: dict[str, Any], store: Store | None = None, model: str | Non
 
     Parameters
     ----------
-    man : a manifest that passed :func:`app.manifest_schema.check_manifest`.
+    man : a manifest that passed :func:`headscope.app.manifest_schema.check_manifest`.
     store : the user's store: the manifest's runs are looked up there and stored there once
         computed (they are computed from token ids with a model checked against the manifest's digest).
     model : the model spec given on the command line (:func:`manifest_model`).
@@ -393,8 +400,8 @@ def rebuilding(man: dict[str, Any], store: Store | None = None, model: str | Non
         A model not on offer or with other weights, a view that needs a run without token ids, carried
         runs or results that do not match their keys or checksums.
     """
-    from app import context
-    from app.context import AppContext, set_context
+    from headscope.app import context
+    from headscope.app.context import AppContext, set_context
 
     view = VIEWS.get(man["view"])
     if view is None:
@@ -427,7 +434,7 @@ def _manifest_run(man: dict[str, Any], model, store: Store | None) -> AttentionR
     """The manifest's own run, recomputed from its token ids and settings (or found in ``store``)."""
     settings = man["settings"]
     if "block_size" in settings:  # a long run: statistics mode, same settings
-        from analysis.statistics_run import capture_statistics
+        from headscope.analysis.statistics_run import capture_statistics
 
         return capture_statistics(model, man["token_ids"], sink=settings["sink"], window=settings["window"],
                                   spans=settings.get("spans", ()), store=store)
@@ -455,7 +462,7 @@ def _seed(results: Store, man: dict[str, Any], model, store: Store | None) -> No
     for i, item in enumerate(man.get("runs", [])):
         settings, ids = item["settings"], item["token_ids"]
         if item["kind"] == "stats_run":
-            from analysis.statistics_run import capture_statistics, save_stats_run
+            from headscope.analysis.statistics_run import capture_statistics, save_stats_run
 
             run = capture_statistics(model, ids, sink=settings.get("sink", 0), window=settings.get("window", 1),
                                      spans=settings.get("spans", ()), store=store)

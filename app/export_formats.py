@@ -1,6 +1,6 @@
 """The file formats an export writes, by name: what ``--formats`` and the page's export buttons accept.
 
-Kept apart from :mod:`app.export` (which loads plotly, the model code and torch) so that the command line
+Kept apart from :mod:`headscope.app.export` (which loads plotly, the model code and torch) so that the command line
 refuses a mistyped format at once, before anything heavy loads.
 """
 

@@ -1,6 +1,6 @@
 """Pure figure builders: data in, ``go.Figure`` out.
 
-Shared by the pages, the exports and notebook users (``from app.figures import attention_heatmap``).
+Shared by the pages, the exports and notebook users (``from headscope.app.figures import attention_heatmap``).
 Nothing here computes a score or touches the store. Token strings are escaped, because plotly
 interprets a few HTML-like tags in text: a token ``<b>`` or ``<a href=…>`` must show as written.
 """
@@ -30,7 +30,7 @@ _WHITESPACE_NAMES = {"·": "space", "↵": "newline", "⇥": "tab", "␍": "retu
 
 def shown_token(token: str) -> str:
     """A token as a reader can tell it apart: a token of only whitespace (shown as ``·`` ``↵`` ``⇥``
-    by :func:`analysis.models.display_token`) also says what it is, e.g. ``·· 2 spaces``, since a
+    by :func:`headscope.analysis.models.display_token`) also says what it is, e.g. ``·· 2 spaces``, since a
     bare ``·`` is easy to miss in a grid of words."""
     if not token or any(c not in _WHITESPACE_NAMES for c in token):
         return token
@@ -729,12 +729,11 @@ def comparison_grids(first: np.ndarray, second: np.ndarray, metric_label: str, f
     (second − first, red up and blue down, white at 0); nan cells blank; the selected head outlined.
 
     ``resolution``: ``[layer, head]`` how far each change can be from rounding alone, of ``stored``
-    (:attr:`analysis.run_comparison.RunComparison.resolution`). Each head's numbers are printed to
-    the decimals it carries (:func:`analysis.run_comparison.shown_decimals`), and a head whose change
+    (:attr:`headscope.analysis.run_comparison.RunComparison.resolution`). Each head's numbers are printed to
+    the decimals it carries (:func:`headscope.analysis.run_comparison.shown_decimals`), and a head whose change
     is within it is dotted on the change grid: its change, even its sign, may be rounding alone."""
+    from headscope.analysis.run_comparison import shown_decimals
     from plotly.subplots import make_subplots
-
-    from analysis.run_comparison import shown_decimals
 
     first, second = np.asarray(first, dtype=float), np.asarray(second, dtype=float)
     diff = second - first

@@ -10,7 +10,7 @@ allocation. It can only be set before SQLite initialises, which Python's ``sqlit
 is imported, so :mod:`app` calls this first, before anything imports ``sqlite3``.
 
 This only removes the one mutex every allocation takes. What makes a fork safe is
-:mod:`analysis.fork_gate`: no fork while any thread is inside SQLite.
+:mod:`headscope.analysis.fork_gate`: no fork while any thread is inside SQLite.
 """
 
 from __future__ import annotations

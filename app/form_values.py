@@ -1,11 +1,11 @@
 """Values typed into a page's form, checked once for every page: comma-separated number lists and whole
-numbers. A bad value is an :class:`analysis.errors.InputError` whose message names the field."""
+numbers. A bad value is an :class:`headscope.analysis.errors.InputError` whose message names the field."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from analysis.errors import InputError
+from headscope.analysis.errors import InputError
 
 
 def number_list(text: Any, what: str, cast: type = float, most: int = 12) -> list:

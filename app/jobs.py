@@ -6,7 +6,7 @@ shares the already-loaded model's memory; its progress and result pass through a
 That cache holds JSON (:class:`JSONJobDisk`), not diskcache's default pickles: a value that is not
 JSON is an error, and a pickle found in it is never loaded.
 
-With ``HEADSCOPE_REDIS_URL`` set: Dash's ``CeleryManager`` (:mod:`app.workers`) — the same
+With ``HEADSCOPE_REDIS_URL`` set: Dash's ``CeleryManager`` (:mod:`headscope.app.workers`) — the same
 callbacks run on Celery workers started with ``headscope worker``, and the web process loads no
 model: every callback that loads a model or reads analysis results is a background callback then
 (:func:`on_workers`), so it runs on a worker too.
@@ -19,13 +19,13 @@ so (:func:`_watched_manager`). A job ends with the server that forked it, even o
 
 A job is never forked while another server thread loads a model (a page's render does, for a model
 named in its link): the child would inherit the lock on a module the load was importing and wait for
-ever. The fork waits for the load (:data:`analysis.fork_gate.MODEL_LOADS`) and the job shares the model;
-it likewise waits for any other thread's import to end (:func:`analysis.fork_gate.wait_for_imports`).
+ever. The fork waits for the load (:data:`headscope.analysis.fork_gate.MODEL_LOADS`) and the job shares the model;
+it likewise waits for any other thread's import to end (:func:`headscope.analysis.fork_gate.wait_for_imports`).
 
 A job is never forked while a server thread is inside SQLite (the job cache here, the store's
 index): the job would inherit SQLite's locks with their owner gone, and could never write its progress
-or result. Both pass :data:`analysis.fork_gate.GATE` (:class:`GatedCache`), which every fork waits
-for. Each job has its own result key (:class:`app.workers.OneKeyPerJob`), so two sessions running the
+or result. Both pass :data:`headscope.analysis.fork_gate.GATE` (:class:`GatedCache`), which every fork waits
+for. Each job has its own result key (:class:`headscope.app.workers.OneKeyPerJob`), so two sessions running the
 same thing at once each get their own result.
 
 Torch threads in forked children: GNU OpenMP's thread pool does not survive a fork, so a child of a
@@ -59,9 +59,8 @@ from typing import Any
 
 import diskcache
 from diskcache.core import MODE_BINARY, MODE_RAW, MODE_TEXT
-
-from analysis.fork_gate import GATE, MODEL_LOADS, wait_for_imports
-from app.workers import NotStarted, OneKeyPerJob, ended, job_manager, redis_url
+from headscope.analysis.fork_gate import GATE, MODEL_LOADS, wait_for_imports
+from headscope.app.workers import NotStarted, OneKeyPerJob, ended, job_manager, redis_url
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
 _manager = None
 STARTING = "Starting…"
-"""A job's caption from its button's click to its first progress report (:func:`app.components.show_busy`)."""
+"""A job's caption from its button's click to its first progress report (:func:`headscope.app.components.show_busy`)."""
 
 
 class RefusedPickle(OSError):
@@ -145,7 +144,7 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
     job ends or is cancelled the bar is empty again.
 
     From the moment the job starts (``run`` disabled) it is shown as busy, as every long action is
-    (:func:`app.components.show_busy`): the caption says it is starting, the banner is cleared, and the
+    (:func:`headscope.app.components.show_busy`): the caption says it is starting, the banner is cleared, and the
     figures in ``stale`` (graph ids: those its result will replace) are marked out of date until it ends.
 
     ``preview``: a store the job can fill before it ends, with ``set_progress(value, data)``: the page
@@ -178,7 +177,9 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
         running = [(Output(cancel, "disabled"), not redis_url(), True)]
         if run is not None:
             running.insert(0, (Output(run, "disabled"), True, False))
-            from app.components import show_busy  # not at the top: app.components imports this module
+            from headscope.app.components import (
+                show_busy,  # not at the top: app.components imports this module
+            )
 
             show_busy(run, status, progress, stale)
         reports = [Output(progress, "value"), Output(progress, "max"), Output(status, "children"),
@@ -207,8 +208,7 @@ def background_manager():
             _manager = job_manager()
             return _manager
         from dash import DiskcacheManager
-
-        from analysis.paths import home
+        from headscope.analysis.paths import home
 
         cache = job_cache(home() / "jobs")
         _manager = _watched_manager(DiskcacheManager)(cache, expire=24 * 3600)
@@ -532,7 +532,7 @@ def end_jobs_with_server(grace_s: float = 5.0) -> None:
 
 
 class GatedCache(diskcache.Cache):
-    """A ``diskcache.Cache`` whose every SQLite use passes :data:`analysis.fork_gate.GATE`, so a job
+    """A ``diskcache.Cache`` whose every SQLite use passes :data:`headscope.analysis.fork_gate.GATE`, so a job
     is never forked while a server thread is inside the cache's SQLite (the job would inherit a lock
     with no owner and could never write its progress or result: ``diskcache.Timeout``, exit code 1)."""
 

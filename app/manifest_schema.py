@@ -3,7 +3,7 @@
 ``headscope figure`` reads manifests from disk: an edited or damaged one must end in a message that
 names the field and says what it should hold, never in a traceback from deep inside a rebuild.
 This module imports nothing heavy, so a bad manifest is refused in well under a second.
-The manifest itself is written by :func:`app.export.manifest`.
+The manifest itself is written by :func:`headscope.app.export.manifest`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from analysis.errors import parse_json
+from headscope.analysis.errors import parse_json
 
 
 class ManifestError(ValueError):
@@ -51,7 +51,7 @@ def check_manifest(man: Any) -> dict[str, Any]:
     ``tokens`` (list of strings, as long as ``token_ids``), ``run_key`` (string), and in ``settings``
     ``block_size``/``sink``/``window`` (whole numbers), ``qk_layers`` (list of whole numbers),
     ``pattern_dtype`` (string), ``spans`` (list of [start, end] pairs); the stored records a view
-    read (:func:`app.export.carried`): ``runs`` (objects with ``key``, ``kind`` ``run`` or
+    read (:func:`headscope.app.export.carried`): ``runs`` (objects with ``key``, ``kind`` ``run`` or
     ``stats_run``, ``token_ids``, ``settings`` and ``text``), ``results`` (objects with ``key``,
     ``kind``, ``meta`` and ``arrays``, each array an object with a ``sha256`` and its ``npy`` bytes
     in base64) and ``results_left_out`` (a list of keys).
@@ -117,7 +117,7 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 def _check_carried(man: dict[str, Any]) -> None:
     """The stored records a manifest carries (``runs``, ``results``, ``results_left_out``): their
-    types here; their contents when a rebuild uses them (checksums, keys: :func:`app.export.rebuilding`)."""
+    types here; their contents when a rebuild uses them (checksums, keys: :func:`headscope.app.export.rebuilding`)."""
     runs = man.get("runs", [])
     if not isinstance(runs, list):
         raise ManifestError(f"field 'runs' must be a list, got {_kind(runs)}.")

@@ -9,9 +9,9 @@ without anyone remembering to. A control whose ``options`` a callback changes (t
 feature list) is checked by that callback instead, and values that are structures (graph clicks,
 table cells, stores) get a type check here and their content checked by their callback.
 
-Other kinds of value each have one check of their own: models (:func:`app.context.offered_model`),
-the page state in the URL (:func:`app.url_state.parse`), heads and layers
-(:func:`analysis.errors.check_head_index`), uploads as content (:func:`app.components.upload_text`).
+Other kinds of value each have one check of their own: models (:func:`headscope.app.context.offered_model`),
+the page state in the URL (:func:`headscope.app.url_state.parse`), heads and layers
+(:func:`headscope.analysis.errors.check_head_index`), uploads as content (:func:`headscope.app.components.upload_text`).
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from typing import Any
 from dash import dcc, html
 from dash.development.base_component import Component
 from flask import Flask, Response, request
-
-from analysis.errors import parse_json
-from analysis.limits import limit
+from headscope.analysis.errors import parse_json
+from headscope.analysis.limits import limit
 
 log = logging.getLogger("headscope.app")
 

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dash import Dash, Input, Output, State, dcc
-
-from analysis.runs import RUN_KINDS
-from app import ids
+from headscope.analysis.runs import RUN_KINDS
+from headscope.app import ids
 
 RUN_KEYS = ("run", "first", "second")  # the URL keys that name a stored run (app/url_state.py)
 MAX_KEPT = 100  # ids the browser keeps; the oldest go first
@@ -48,8 +47,7 @@ def remember_runs_shown(app: Dash) -> None:
     """Register, for every page with a URL of its own (``PREFIX``), the browser-side callback that
     adds the runs its URL names to :func:`seen_runs_store`: a page added later is covered unedited."""
     import dash
-
-    from app.components import url_id
+    from headscope.app.components import url_id
 
     source = _REMEMBER.format(pattern=RUN_ID.pattern, keys=json.dumps(list(RUN_KEYS)), most=MAX_KEPT)
     for page in dash.page_registry.values():

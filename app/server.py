@@ -1,7 +1,7 @@
 """The Dash application: pages from ``app/pages``, assets served locally (never from a CDN).
 
 Both processes that create it start here: the web server (:func:`create_app`, :func:`warm_up`) and
-a Celery worker (:func:`start_worker`; how jobs reach workers is :mod:`app.workers`).
+a Celery worker (:func:`start_worker`; how jobs reach workers is :mod:`headscope.app.workers`).
 """
 
 from __future__ import annotations
@@ -17,16 +17,15 @@ from pathlib import Path
 import dash
 from dash import Dash, dcc, html
 from flask import Flask, Response, request
-
-from analysis.limits import limit
-from analysis.models import load_model
-from analysis.paths import REPO_ROOT
-from analysis.store import Store
-from app import ids, workers
-from app.access import redact_tokens_in_logs
-from app.context import AppContext, set_context
-from app.jobs import background_manager
-from app.seen_runs import remember_runs_shown, seen_runs_store
+from headscope.analysis.limits import limit
+from headscope.analysis.models import load_model
+from headscope.analysis.paths import ASSETS_DIR
+from headscope.analysis.store import Store
+from headscope.app import ids, workers
+from headscope.app.access import redact_tokens_in_logs
+from headscope.app.context import AppContext, set_context
+from headscope.app.jobs import background_manager
+from headscope.app.seen_runs import remember_runs_shown, seen_runs_store
 
 log = logging.getLogger("headscope.app")
 
@@ -37,7 +36,7 @@ def create_app(context: AppContext) -> Dash:
         __name__,
         use_pages=True,
         pages_folder=str(Path(__file__).parent / "pages"),
-        assets_folder=str(REPO_ROOT / "assets"),
+        assets_folder=str(ASSETS_DIR),
         serve_locally=True,
         title="headscope",
         suppress_callback_exceptions=True,
@@ -76,7 +75,7 @@ def create_app(context: AppContext) -> Dash:
     redact_tokens_in_logs()
     cap_request_size(app.server)
     answer_408_for_stalled_requests(app.server)
-    from app.offers import check_callback_requests
+    from headscope.app.offers import check_callback_requests
 
     check_callback_requests(app, app.server)
     close_sqlite_after_requests(app.server, context)
@@ -85,12 +84,12 @@ def create_app(context: AppContext) -> Dash:
 
 def close_sqlite_after_requests(server, context: AppContext) -> None:
     """Each request thread closes its SQLite connections (the store's index, the job cache) when its
-    request ends, inside the fork gate (:mod:`analysis.fork_gate`).
+    request ends, inside the fork gate (:mod:`headscope.analysis.fork_gate`).
 
     The server runs one thread per request; a connection left open in a thread's local storage was
     closed when the thread ended, by the interpreter, outside the gate: a job forked at that moment
     could inherit one of SQLite's mutexes held, and wait on it for ever."""
-    from app.jobs import GatedCache, background_manager
+    from headscope.app.jobs import GatedCache, background_manager
 
     @server.teardown_request
     def _close(_error=None) -> None:
@@ -106,15 +105,15 @@ def _nav_link_id(page: dict) -> str:
 
 def carry_shared_state_in_nav(app: Dash) -> None:
     """The nav links carry what every page shares (model, run, layer, head:
-    :data:`app.url_state.SHARED_KEYS`), so going to another page keeps the text's run.
+    :data:`headscope.app.url_state.SHARED_KEYS`), so going to another page keeps the text's run.
 
     One browser-side callback per page, on that page's own URL (a page writes its state there
     without telling the router): the links follow every change without a server round trip."""
     import json
     import sys
 
-    from app.components import url_id
-    from app.url_state import SHARED_KEYS
+    from headscope.app.components import url_id
+    from headscope.app.url_state import SHARED_KEYS
 
     pages = [page for page in dash.page_registry.values() if page.get("nav", True)]  # the 404 page has no link
     paths = json.dumps([page["relative_path"] for page in pages])
@@ -140,7 +139,7 @@ def carry_shared_state_in_nav(app: Dash) -> None:
 def answer_404_for_unknown_paths(app: Dash) -> None:
     """A path that names no page is answered with status 404, not 200 (a crawler, ``curl -f`` or a link
     checker then knows it is missing); the body is still the app, so a browser shows the app's own
-    404 page (:mod:`app.pages.not_found_404`), which Dash Pages draws for it.
+    404 page (:mod:`headscope.app.pages.not_found_404`), which Dash Pages draws for it.
 
     Dash Pages serves every path through one catch-all route; the status is set after it, for that
     route only, by the router's own matching of a path to a page (so the status and the page shown
@@ -256,8 +255,7 @@ def show_error(error: Exception) -> None:
     bug in a background job): logged, and shown in the page's error banner instead of a spinner."""
     from dash import set_props
     from dash.exceptions import BackgroundCallbackError
-
-    from app.errors import USER_ERRORS, message
+    from headscope.app.errors import USER_ERRORS, message
 
     text = str(error)
     if isinstance(error, BackgroundCallbackError):  # "An error occurred inside …: MSG\nTRACEBACK"
@@ -275,8 +273,7 @@ def show_error(error: Exception) -> None:
 def warm_up(model_spec: str) -> None:
     """Load the model and start the export browser before the first request needs them."""
     import plotly.graph_objects as go
-
-    from app.export import figure_bytes
+    from headscope.app.export import figure_bytes
 
     load_model(model_spec)
 
@@ -295,7 +292,7 @@ def start_worker(*, models: list[str], concurrency: int, device: str, name: str 
 
     The same Dash app as the web process is created first (its background callbacks become Celery
     tasks), then ``models`` are loaded in this process, before anything forks (see
-    :mod:`app.workers`). Then this process forks a child that runs Celery's worker on the ``pages`` queue
+    :mod:`headscope.app.workers`). Then this process forks a child that runs Celery's worker on the ``pages`` queue
     (``page_concurrency`` pool processes) and runs the ``jobs`` worker itself (``concurrency``).
     """
     os.environ["HEADSCOPE_DEVICE"] = device

@@ -11,12 +11,12 @@ from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import parse_qs, urlencode
 
-from analysis.ablation_choices import METHODS as ABLATION_CHOICES
-from analysis.head_summary import HEAD_METRICS
-from analysis.joint_embedding import METHODS as PROJECTIONS
-from analysis.retrieval import AGGREGATES as RETRIEVAL_AGGREGATES
-from analysis.rollout import FUSIONS
-from app.context import offered_model
+from headscope.analysis.ablation_choices import METHODS as ABLATION_CHOICES
+from headscope.analysis.head_summary import HEAD_METRICS
+from headscope.analysis.joint_embedding import METHODS as PROJECTIONS
+from headscope.analysis.retrieval import AGGREGATES as RETRIEVAL_AGGREGATES
+from headscope.analysis.rollout import FUSIONS
+from headscope.app.context import offered_model
 
 _RUN_ID = re.compile(r"^[0-9a-f]{8,64}$")
 _INT_KEYS = ("layer", "head", "query", "target", "trial", "sentences", "sink_size", "window", "k", "seed", "tol")
@@ -118,7 +118,7 @@ class CompareState:
 @dataclass
 class CompressState:
     """The Compress page's own fields: the stored compression curve, the tolerance in NIAH points
-    (default: :data:`analysis.kv_compression_choices.DEFAULT_TOLERANCE`) and the policy shown
+    (default: :data:`headscope.analysis.kv_compression_choices.DEFAULT_TOLERANCE`) and the policy shown
     (``RANKING:FRACTION[:SEED]``; default: the first score ranking's smallest within the tolerance)."""
 
     compress: str | None = None

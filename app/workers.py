@@ -2,13 +2,13 @@
 
 One web front end and any number of workers share one Redis: it is the Celery broker (the job
 queue), Celery's result backend (where Dash's ``CeleryManager`` keeps each job's progress and
-result, JSON only) and the shared record store (:mod:`analysis.shared_records`). Dash registers
+result, JSON only) and the shared record store (:mod:`headscope.analysis.shared_records`). Dash registers
 every background callback as a Celery task when the app is created, so a worker creates the same
 Dash app as the web process and then runs Celery's worker on it: no queue of our own.
 
 Pool: Celery's *prefork* pool. The worker loads its models in the parent process *before* the pool
 forks, so every pool process shares the weights copy-on-write and no model is loaded twice at once;
-the at-fork handlers of :mod:`analysis.models` and :mod:`analysis.store` give each pool process
+the at-fork handlers of :mod:`headscope.analysis.models` and :mod:`headscope.analysis.store` give each pool process
 fresh locks, no stray hooks, one torch thread and its own SQLite connections. A model a job asks
 for that the parent did not preload is loaded by that pool process (within
 ``HEADSCOPE_MODEL_MEMORY_MB``, least recently used first). CUDA cannot cross a fork: with a
@@ -22,7 +22,7 @@ it to another worker after ``HEADSCOPE_JOB_VISIBILITY_S`` (default one hour).
 
 Two queues, so one user's long job never blocks another user's page: jobs with a progress bar
 (sweeps, curves, evaluations, embeddings) go to the ``jobs`` queue, the short callbacks that draw
-pages (:func:`app.jobs.on_workers`) to ``pages``. ``headscope worker`` (:func:`app.server.start_worker`)
+pages (:func:`headscope.app.jobs.on_workers`) to ``pages``. ``headscope worker`` (:func:`headscope.app.server.start_worker`)
 forks, after loading its models, one Celery worker per queue: ``--concurrency`` pool processes for jobs and
 ``--page-concurrency`` (default 1) for pages.
 
@@ -59,7 +59,7 @@ _queues: dict[str, str] = {}  # Celery task name → queue, filled as Dash regis
 def worker_context(store, models: list[str]):
     """The app context of a worker: page callbacks run here and check requested models against it,
     so every ``--model`` it was given is on offer (its first is the default), not only the first."""
-    from app.context import AppContext  # loads torch: `headscope worker` checks Redis before that
+    from headscope.app.context import AppContext  # loads torch: `headscope worker` checks Redis before that
 
     return AppContext(store=store, default_model=models[0], extra_models=list(models[1:]))
 
@@ -135,7 +135,7 @@ class OneKeyPerJob:
 
 def ended(text: str) -> dict:
     """What a poll of a job that ended without a result answers: Dash's background-callback error, which
-    the page shows in its banner (:func:`app.server.show_error`); ``text`` is one line."""
+    the page shows in its banner (:func:`headscope.app.server.show_error`); ``text`` is one line."""
     return {"background_callback_error": {"msg": text, "tb": ""}}
 
 

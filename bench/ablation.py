@@ -2,7 +2,7 @@
 
 Sweeps every head (30 layers × 9 heads = 270) of SmolLM2-135M on one random 256-token input with
 zero ablation and the loss metric, for several ways of batching (see
-:func:`analysis.head_sweep.single_head_sweep`):
+:func:`headscope.analysis.head_sweep.single_head_sweep`):
 
 - ``batch 1``: one forward pass per head, the baseline;
 - ``batch B``: B copies of the input per pass, batch element b ablating its own head;
@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CASE = r"""
 import json, resource, statistics, sys, time
 import numpy as np, torch
-from analysis.models import load_model
-from analysis.head_sweep import single_head_sweep
+from headscope.analysis.models import load_model
+from headscope.analysis.head_sweep import single_head_sweep
 n, batch, share, sample = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
 torch.manual_seed(0)
 m = load_model("smollm2-135m")

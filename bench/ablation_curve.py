@@ -4,7 +4,7 @@ with the top-k retrieval heads ablated, against k random heads (Wu et al. 2024, 
 Runs (or reuses, from the store) a sweep of every shipped needle at the given length and depths,
 ranks heads by their retrieval score, and for each k ablates the top k, and k random heads outside
 the top N = max(--control-top, max k) for several seeds, measuring accuracy (ROUGE-1 recall > 0.5)
-on the sweep's prompts, through :func:`analysis.ablation_curve.ablation_curve` (what the page and
+on the sweep's prompts, through :func:`headscope.analysis.ablation_curve.ablation_curve` (what the page and
 ``headscope ablate --curve`` call). The ranking and the accuracy use the same prompts, as in the
 paper. Prints one table per method.
 
@@ -36,13 +36,12 @@ def main() -> None:
 
     import numpy as np
     import torch
-
-    from analysis.ablation import AblationSpec
-    from analysis.ablation_curve import ablation_curve
-    from analysis.models import load_model
-    from analysis.niah import load_haystack, load_needles
-    from analysis.retrieval import sweep
-    from analysis.store import Store
+    from headscope.analysis.ablation import AblationSpec
+    from headscope.analysis.ablation_curve import ablation_curve
+    from headscope.analysis.models import load_model
+    from headscope.analysis.niah import load_haystack, load_needles
+    from headscope.analysis.retrieval import sweep
+    from headscope.analysis.store import Store
 
     torch.set_num_threads(1)  # decoding is many tiny matmuls; one thread is fastest on a shared box
     store = Store(args.home) if args.home else Store()

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CASE = r"""
 import json, os, resource, statistics, sys, time
 import torch
-from analysis.models import load_model
-from analysis.capture import capture
+from headscope.analysis.models import load_model
+from headscope.analysis.capture import capture
 mode, n, repeats, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 if threads:
     torch.set_num_threads(threads)

@@ -2,7 +2,7 @@
 
 Statistics mode never builds a pattern; the duplicate-token and induction scores read the weights
 of their detection cells (``t_j = t_i``, ``j < i``, and those cells one key right) from the lse
-(:func:`analysis.attention_statistics.cell_weights`). A repetitive text has many: the passkey
+(:func:`headscope.analysis.attention_statistics.cell_weights`). A repetitive text has many: the passkey
 haystack of the needle-in-a-haystack page (the paper's "The grass is green..." filler) lists about
 121,000 cells at 1,200 tokens and 1.4 million at 4,096. Until 2026-12-03 every cell gathered its
 query and key vectors (the keys repeated for each query head of their group) and took a dot
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def cell_weights_before(q, k, lse, scale, rows, keys, chunk=1 << 14, softcap=None, window=0):
-    """analysis.attention_statistics.cell_weights at 7c77195 (the baseline): every cell gathers its
+    """headscope.analysis.attention_statistics.cell_weights at 7c77195 (the baseline): every cell gathers its
     query and its key, repeated for each query head of the key's group, and takes a dot product."""
     import torch
 
@@ -61,10 +61,10 @@ def main() -> None:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from analysis import attention_statistics as mod
-    from analysis.models import load_model
-    from analysis.niah import named_haystack
-    from analysis.statistics_run import capture_statistics, detection_cells, statistics_score
+    from headscope.analysis import attention_statistics as mod
+    from headscope.analysis.models import load_model
+    from headscope.analysis.niah import named_haystack
+    from headscope.analysis.statistics_run import capture_statistics, detection_cells, statistics_score
 
     torch.set_num_threads(1)
     model = load_model("smollm2-135m")

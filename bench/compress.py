@@ -1,13 +1,13 @@
 """KV-cache compression policies on the embedded model (DuoAttention, Xiao et al. 2024, arXiv:2410.10819).
 
 ``ratio``: one policy evaluation (mean loss on a text + NIAH accuracy on one prompt, through
-:mod:`analysis.kv_compression`'s masked eager path) against the same evaluation of the uncompressed
+:mod:`headscope.analysis.kv_compression`'s masked eager path) against the same evaluation of the uncompressed
 model, in the same run, alternating, best of ``--repeats``; prints time, peak RSS growth during the
 call and the ratio. Both run the eager path (the N × N scores of a layer exist in both); the mask is
 one ``masked_fill`` per layer with streaming groups.
 
 ``backends``: the same evaluation (uncompressed, and the random 50 % policy) on both backends of
-:func:`analysis.kv_compression.policy_applied` at each of ``--lengths``: ``eager`` (masked
+:func:`headscope.analysis.kv_compression.policy_applied` at each of ``--lengths``: ``eager`` (masked
 ``hook_attn_scores``, the N × N scores of a layer exist) and ``statistics`` (the kernels' per-head
 key mask, O(N)); prints time, peak RSS growth, the time ratio policy / uncompressed on the same
 backend and the peak-memory ratio statistics / eager, all measured in the same run. ``--backends statistics``
@@ -15,7 +15,7 @@ runs one backend only (eager's N × N pass takes several times as long; its memo
 
 ``curve``: a needle-in-a-haystack sweep (stored: reused) at ``--length`` tokens, retrieval scores from
 its trials and streaming scores over its prompts with the policy's S and W, then
-:func:`analysis.kv_compression.evaluate_policies` for the retrieval, streaming and random rankings
+:func:`headscope.analysis.kv_compression.evaluate_policies` for the retrieval, streaming and random rankings
 over ``--fractions`` and the two ends; prints the table and, per ranking, the smallest KV fraction
 within 5 NIAH points of full (for random: every seed within).
 
@@ -71,11 +71,10 @@ def measured(fn):
 
 def ratio(args) -> None:
     import torch
-
-    from analysis.ablation_curve import retrieval_accuracy
-    from analysis.kv_compression import build_policy, policy_hooks, text_metrics
-    from analysis.models import load_model
-    from analysis.niah import build_prompt, load_haystack, load_needles
+    from headscope.analysis.ablation_curve import retrieval_accuracy
+    from headscope.analysis.kv_compression import build_policy, policy_hooks, text_metrics
+    from headscope.analysis.models import load_model
+    from headscope.analysis.niah import build_prompt, load_haystack, load_needles
 
     model = load_model("smollm2-135m")
     hay = load_haystack("prose")
@@ -107,11 +106,10 @@ def _one(args) -> None:
     import json
 
     import torch
-
-    from analysis.ablation_curve import retrieval_accuracy
-    from analysis.kv_compression import build_policy, policy_applied, text_metrics
-    from analysis.models import load_model
-    from analysis.niah import build_prompt, load_haystack, load_needles
+    from headscope.analysis.ablation_curve import retrieval_accuracy
+    from headscope.analysis.kv_compression import build_policy, policy_applied, text_metrics
+    from headscope.analysis.models import load_model
+    from headscope.analysis.niah import build_prompt, load_haystack, load_needles
 
     model = load_model("smollm2-135m")
     prompt = build_prompt(model, load_needles()[0], load_haystack("prose"), args.length, 50.0)
@@ -188,12 +186,12 @@ def backends(args) -> None:
 
 
 def curve(args) -> None:
-    from analysis.head_scores import score_prompts, trial_prompts
-    from analysis.kv_compression import evaluate_policies
-    from analysis.models import load_model
-    from analysis.niah import load_haystack, load_needles
-    from analysis.retrieval import sweep, trial_prompt
-    from analysis.store import Store
+    from headscope.analysis.head_scores import score_prompts, trial_prompts
+    from headscope.analysis.kv_compression import evaluate_policies
+    from headscope.analysis.models import load_model
+    from headscope.analysis.niah import load_haystack, load_needles
+    from headscope.analysis.retrieval import sweep, trial_prompt
+    from headscope.analysis.store import Store
 
     store = Store(args.home) if args.home else Store()
     model = load_model("smollm2-135m")

@@ -4,7 +4,7 @@ Run: ``.venv/bin/python bench/faithfulness.py`` (a few minutes on 2 cores; ``--h
 
 For every prompt of ``data/attribution/eval_set.json`` (``--set copy``: ``copy_set.json``; or
 ``--limit`` of them), at its last
-position and for its target token, ``analysis.attribution.attribute`` scores every input token by
+position and for its target token, ``headscope.analysis.attribution.attribute`` scores every input token by
 raw attention (last layer, head mean), attention rollout, exact attention flow, rollout and flow
 divided by their values on uniform causal attention (position-corrected), value-weighted attention
 and rollout (Kobayashi et al. 2020) and input×gradient (norm and signed sum), and by leave-one-out ablation with the zero vector; the same inputs are
@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from analysis.attribution import (  # noqa: E402
+from headscope.analysis.attribution import (  # noqa: E402
     COPY_SET,
     EVAL_SET,
     LABELS,
@@ -43,9 +43,9 @@ from analysis.attribution import (  # noqa: E402
     attribute,
     load_eval_set,
 )
-from analysis.capture import capture  # noqa: E402
-from analysis.flow import attention_flow  # noqa: E402
-from analysis.rollout import rollout  # noqa: E402
+from headscope.analysis.capture import capture  # noqa: E402
+from headscope.analysis.flow import attention_flow  # noqa: E402
+from headscope.analysis.rollout import rollout  # noqa: E402
 
 SINK_VARIANTS = {"rollout_nosink": "rollout, sink dropped", "flow_nosink": "flow, sink dropped"}
 STAGES = (("capture (forward + patterns)", 0.2),
@@ -65,8 +65,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-
-    from analysis.models import load_model
+    from headscope.analysis.models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

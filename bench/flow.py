@@ -8,7 +8,7 @@ difference. networkx needs seconds per input at 64+ tokens, so it only runs on `
 evenly spaced inputs (all of them where there are fewer); "row" is our time for all inputs of
 the last position and "all" for every (input, output) pair.
 
-Patterns come from the embedded SmolLM2-135M (30 layers × 9 heads) through ``analysis.capture``;
+Patterns come from the embedded SmolLM2-135M (30 layers × 9 heads) through ``headscope.analysis.capture``;
 if that is unavailable, from transformers directly; failing both, from random sink-heavy
 Dirichlet patterns (the table says which).
 """
@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from analysis.flow import attention_flow, attention_flow_all, flow_reference_networkx  # noqa: E402
+from headscope.analysis.flow import attention_flow, attention_flow_all, flow_reference_networkx  # noqa: E402
 
 TEXT = (
     "The lighthouse keeper had kept a log for forty years. Every evening he wrote down the wind, the "
@@ -42,15 +42,15 @@ TEXT = (
 def model_patterns(n_tokens: int) -> tuple[np.ndarray, str]:
     """Attention patterns [layer, head, n_tokens, n_tokens] and a line saying where they came from."""
     try:
-        from analysis.capture import capture
-        from analysis.models import load_model
+        from headscope.analysis.capture import capture
+        from headscope.analysis.models import load_model
 
         model = load_model("smollm2-135m")
         ids = model.tokenizer(TEXT, add_special_tokens=False)["input_ids"][:n_tokens]
         run = capture(model, ids)
         return np.asarray(run.patterns, dtype=np.float32), "SmolLM2-135M via analysis.capture"
     except Exception as error:  # the capture module is being written concurrently
-        print(f"analysis.capture unavailable ({type(error).__name__}: {error}); trying transformers")
+        print(f"headscope.analysis.capture unavailable ({type(error).__name__}: {error}); trying transformers")
     try:
         import importlib.util
 

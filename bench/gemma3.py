@@ -6,12 +6,12 @@ time, and appends its table to ``bench/results/gemma3_cpu_<date>.txt``:
 
   load    assemble the GGUF from its parts, convert it to safetensors, boot the bridge (each step
           timed; "cached" when an earlier run did it), and the model's facts;
-  sweep   a needle-in-a-haystack retrieval sweep (``analysis.retrieval.sweep``, what ``headscope
+  sweep   a needle-in-a-haystack retrieval sweep (``headscope.analysis.retrieval.sweep``, what ``headscope
           scan`` runs; trials stored and reused): NIAH accuracy per length and depth, seconds per
           trial, peak memory (``--report``: its retrieval heads too);
   heads   retrieval heads over the stored trials of sweeps run with different needle counts per
           length (``--plan 1024:12 4096:4``): top 10, how many above 0.1, per key-value group;
-  stats   one statistics-mode forward pass (``analysis.statistics_run.capture_statistics``, what the
+  stats   one statistics-mode forward pass (``headscope.analysis.statistics_run.capture_statistics``, what the
           Attention page and ``headscope run`` use above the patterns limit) at ``--length`` tokens.
 
 Peak memory is the process's peak resident set (VmHWM, reset through /proc/self/clear_refs before
@@ -40,9 +40,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from analysis import models  # noqa: E402
-from analysis.models import EMBEDDED, converted_gguf, embedded_gguf, load_model  # noqa: E402
-from analysis.paths import model_cache  # noqa: E402
+from headscope.analysis import models  # noqa: E402
+from headscope.analysis.models import EMBEDDED, converted_gguf, embedded_gguf, load_model  # noqa: E402
+from headscope.analysis.paths import model_cache  # noqa: E402
 
 MODEL = "gemma3-270m"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -113,9 +113,9 @@ def phase_load(args) -> None:
 
 
 def phase_sweep(args) -> None:
-    from analysis.niah import load_haystack, load_needles
-    from analysis.retrieval import sweep
-    from analysis.store import Store
+    from headscope.analysis.niah import load_haystack, load_needles
+    from headscope.analysis.retrieval import sweep
+    from headscope.analysis.store import Store
 
     model = load_model(MODEL)
     needles = load_needles()[: args.needles]
@@ -154,9 +154,9 @@ def phase_sweep(args) -> None:
 def phase_heads(args) -> None:
     """Retrieval heads over the stored trials of several sweeps (``--plan LENGTH:NEEDLES ...``: the
     sweeps ran with different needle counts per length; nothing is decoded again)."""
-    from analysis.niah import load_haystack, load_needles
-    from analysis.retrieval import retrieval_scores, sweep
-    from analysis.store import Store
+    from headscope.analysis.niah import load_haystack, load_needles
+    from headscope.analysis.retrieval import retrieval_scores, sweep
+    from headscope.analysis.store import Store
 
     model = load_model(MODEL)
     hay = load_haystack(args.haystack)
@@ -196,8 +196,8 @@ def retrieval_heads(model, result, lengths) -> list[str]:
 
 
 def phase_stats(args) -> None:
-    from analysis.niah import load_haystack
-    from analysis.statistics_run import capture_statistics
+    from headscope.analysis.niah import load_haystack
+    from headscope.analysis.statistics_run import capture_statistics
 
     model = load_model(MODEL)
     ids = model.input_ids(load_haystack(args.haystack))

@@ -33,12 +33,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import statistics as stat  # noqa: E402
-from kernels import triton_attention as ta  # noqa: E402
-from kernels.attention import attention  # noqa: E402
-from kernels.reference import OUT, reference_attention  # noqa: E402
-from kernels.statistics import validate  # noqa: E402
-from kernels.triton_decode import DECODE_MIN_KEYS, DECODE_STATS, splits_keys  # noqa: E402
+from headscope.kernels import statistics as stat  # noqa: E402
+from headscope.kernels import triton_attention as ta  # noqa: E402
+from headscope.kernels.attention import attention  # noqa: E402
+from headscope.kernels.reference import OUT, reference_attention  # noqa: E402
+from headscope.kernels.statistics import validate  # noqa: E402
+from headscope.kernels.triton_decode import DECODE_MIN_KEYS, DECODE_STATS, splits_keys  # noqa: E402
 
 T0 = time.time()
 #: Peak dense bf16 tensor-core rate assumed for "% of peak" (NVIDIA's H200 SXM sheet, without

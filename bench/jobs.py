@@ -61,7 +61,7 @@ def start_workers(n: int, folder: Path, url: str) -> list[subprocess.Popen]:
         log = folder / f"worker{n}-{i}.log"
         env = {**os.environ, "HEADSCOPE_REDIS_URL": url, "HEADSCOPE_HOME": str(folder / f"home{n}-{i}"),
                "TOKENIZERS_PARALLELISM": "false"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--name", f"bench{n}-{i}",
+        procs.append(subprocess.Popen([sys.executable, "-m", "headscope.app.cli", "worker", "--name", f"bench{n}-{i}",
                                        "--concurrency", "1"], cwd=ROOT, env=env, stdout=open(log, "w"),
                                       stderr=subprocess.STDOUT, start_new_session=True))
         logs.append(log)
@@ -90,11 +90,10 @@ def texts(n: int, tokens: int, seed: int) -> list[str]:
 def run_text_task(folder: Path):
     """The Celery task Dash registered for the Attention page's Run callback (same app as the server)."""
     from dash.background_callback.managers import BaseBackgroundCallbackManager
-
-    from analysis.store import Store
-    from app.context import AppContext
-    from app.jobs import background_manager
-    from app.server import create_app
+    from headscope.analysis.store import Store
+    from headscope.app.context import AppContext
+    from headscope.app.jobs import background_manager
+    from headscope.app.server import create_app
 
     create_app(AppContext(store=Store(folder / "bench-home")))
     for key, fn, _progress in BaseBackgroundCallbackManager.functions:

@@ -7,10 +7,10 @@ the process's peak RSS. Cases:
 - ``sdpa``: the Hugging Face model (same weights) with ``attn_implementation="sdpa"``, logits
   only — the baseline of the ratios;
 - ``eager``: the bridge's own forward pass (eager attention, the N×N scores built per layer and freed);
-- ``eager+patterns``: :func:`analysis.capture.capture`, every head's float16 pattern kept
+- ``eager+patterns``: :func:`headscope.analysis.capture.capture`, every head's float16 pattern kept
   (what the Attention page does for short texts);
 - ``stats``: the bridge's forward pass in statistics mode, output only;
-- ``stats run``: :func:`analysis.statistics_run.capture_statistics`, every statistic the long-run
+- ``stats run``: :func:`headscope.analysis.statistics_run.capture_statistics`, every statistic the long-run
   page and the per-head scores use (entropy, argmax, sink/recent/first-token mass, pair terms,
   column sums, 128×128 pooled maps), plus loss and top-5.
 
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CASE = r"""
 import json, resource, sys, time
 import torch
-from analysis.models import load_model, converted_gguf, embedded_gguf
+from headscope.analysis.models import load_model, converted_gguf, embedded_gguf
 mode, n, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.manual_seed(0)
 ids = torch.randint(100, 40000, (1, n))
@@ -47,9 +47,9 @@ if mode == "sdpa":
         return hf(x).logits
 else:
     m = load_model("smollm2-135m")
-    from analysis.attention_statistics import statistics_mode
-    from analysis.capture import capture
-    from analysis.statistics_run import capture_statistics
+    from headscope.analysis.attention_statistics import statistics_mode
+    from headscope.analysis.capture import capture
+    from headscope.analysis.statistics_run import capture_statistics
     def run(x):
         if mode == "eager":
             return m.bridge(x, return_type="logits")

@@ -73,8 +73,8 @@ def run_micro_case(method: str, n: int, threads: int, reps: int) -> dict:
     import torch.nn.functional as F
 
     sys.path.insert(0, str(ROOT))
-    from kernels.attention import attention
-    from kernels.reference import eager_attention
+    from headscope.kernels.attention import attention
+    from headscope.kernels.reference import eager_attention
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -105,7 +105,7 @@ def _build_model(n: int, threads: int):
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(ROOT))
-    from kernels.attention import attention
+    from headscope.kernels.attention import attention
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

@@ -43,7 +43,7 @@ def free_port() -> int:
 def start_server(home: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "HEADSCOPE_HOME": str(home)}
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "headscope.app.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/"
     deadline = time.time() + 180

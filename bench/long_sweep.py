@@ -1,9 +1,9 @@
 """Benchmark: the Heads page's sweep job at long contexts, without the browser.
 
 What a click on the Heads page's Run does for one own needle in the passkey haystack at each length
-(one depth): the retrieval sweep (``analysis.retrieval.sweep``: statistics-mode prefill and KV-cached
+(one depth): the retrieval sweep (``headscope.analysis.retrieval.sweep``: statistics-mode prefill and KV-cached
 decode, one attention row per head per step) and then every other per-head score over the sweep's
-prompt (``analysis.head_scores.score_prompts``: streaming, sink, entropy, evidence, ...). The browser
+prompt (``headscope.analysis.head_scores.score_prompts``: streaming, sink, entropy, evidence, ...). The browser
 test runs this at 1,200 tokens (just above the page's patterns limit); this script carries the long
 sizes the suite no longer runs.
 
@@ -48,11 +48,10 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-
-    from analysis.head_scores import score_prompts, trial_prompts
-    from analysis.models import load_model
-    from analysis.niah import load_haystack, parse_needles
-    from analysis.retrieval import sweep
+    from headscope.analysis.head_scores import score_prompts, trial_prompts
+    from headscope.analysis.models import load_model
+    from headscope.analysis.niah import load_haystack, parse_needles
+    from headscope.analysis.retrieval import sweep
 
     torch.set_num_threads(args.threads)
     model = load_model("smollm2-135m")

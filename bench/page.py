@@ -54,7 +54,7 @@ def main() -> None:
         port = s.getsockname()[1]
     home = tempfile.mkdtemp(prefix="headscope-bench-")
     env = {**os.environ, "HEADSCOPE_HOME": home, "PYTHONPATH": str(ROOT)}
-    server = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], env=env,
+    server = subprocess.Popen([sys.executable, "-m", "headscope.app.cli", "serve", "--port", str(port)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     url = f"http://127.0.0.1:{port}/"
     try:
@@ -65,9 +65,8 @@ def main() -> None:
             except OSError:
                 time.sleep(0.5)
         import torch
-
-        from analysis.capture import capture
-        from analysis.models import load_model
+        from headscope.analysis.capture import capture
+        from headscope.analysis.models import load_model
 
         model = load_model("smollm2-135m")
         tokenizer = model.tokenizer

@@ -3,11 +3,11 @@ patching against one forward pass per head.
 
 Denoises each head's output z (30 layers × 9 heads = 270) of SmolLM2-135M on an IOI-style name swap
 (``--tokens`` pads both prompts with the same leading text to a longer length), with the normalised
-logit difference (:func:`analysis.patching.activation_patching`):
+logit difference (:func:`headscope.analysis.patching.activation_patching`):
 
 - ``loop``: one forward pass per head with a plain TransformerLens hook, full logits — the baseline,
   what a notebook does;
-- ``batch B``: :func:`~analysis.patching.activation_patching`, B heads per forward pass, layers below
+- ``batch B``: :func:`~headscope.analysis.patching.activation_patching`, B heads per forward pass, layers below
   a batch's first patched layer shared, only the last position unembedded;
 - ``attribution``: attribution patching, one forward and one backward pass (plus the clean run's
   activations), with its agreement to the exact map.
@@ -38,8 +38,8 @@ CASE = r"""
 import json, resource, sys, time
 import numpy as np, torch
 from transformer_lens.utilities import get_act_name
-from analysis.models import load_model
-from analysis.patching import activation_patching, prompt_pair
+from headscope.analysis.models import load_model
+from headscope.analysis.patching import activation_patching, prompt_pair
 mode, batch, tokens, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 clean, corrupted, pad = sys.argv[5], sys.argv[6], sys.argv[7]
 torch.set_num_threads(threads)

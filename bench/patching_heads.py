@@ -2,16 +2,16 @@
 
 For every IOI-style pair of ``data/patching/pairs.json`` (name swaps, Wang et al. 2022), denoises
 each head's output ``z`` of the embedded SmolLM2-135M exactly and by attribution patching
-(:func:`analysis.patching.activation_patching`, normalised logit difference: 0 = corrupted,
+(:func:`headscope.analysis.patching.activation_patching`, normalised logit difference: 0 = corrupted,
 1 = clean), then:
 
 - per pair: the clean and corrupted logit differences, the attribution/exact agreement (Pearson,
   Spearman over the 270 heads, top-10 overlap) and the five heads with the largest |effect|;
 - over the pairs: the mean effect per head, its top ten, and how many of them are among the ten
   highest-scoring heads of each detector headscope has: previous-token and induction
-  (TransformerLens' detectors, :func:`analysis.detectors.head_detector_scores`, on one run of
+  (TransformerLens' detectors, :func:`headscope.analysis.detectors.head_detector_scores`, on one run of
   ``--random-tokens`` random token ids repeated twice, the detectors' usual input) and retrieval
-  (:func:`analysis.retrieval.sweep` at ``--length`` tokens, read from the store if present).
+  (:func:`headscope.analysis.retrieval.sweep` at ``--length`` tokens, read from the store if present).
   Chance overlap of two random top-10 sets of 270 heads is 10·10/270 = 0.37 heads.
 
     .venv/bin/python bench/patching_heads.py [--home DIR] [--length 2048] [--random-tokens 50]
@@ -46,14 +46,14 @@ def main() -> None:
     parser.add_argument("--random-tokens", type=int, default=50)
     args = parser.parse_args()
 
-    from analysis.capture import capture
-    from analysis.detectors import head_detector_scores
-    from analysis.models import load_model
-    from analysis.niah import load_haystack, load_needles
-    from analysis.patching import activation_patching
-    from analysis.patching_pairs import load_pairs
-    from analysis.retrieval import sweep
-    from analysis.store import Store
+    from headscope.analysis.capture import capture
+    from headscope.analysis.detectors import head_detector_scores
+    from headscope.analysis.models import load_model
+    from headscope.analysis.niah import load_haystack, load_needles
+    from headscope.analysis.patching import activation_patching
+    from headscope.analysis.patching_pairs import load_pairs
+    from headscope.analysis.retrieval import sweep
+    from headscope.analysis.store import Store
 
     store = Store(args.home) if args.home else Store()
     model = load_model("smollm2-135m")

@@ -52,8 +52,8 @@ def main() -> None:
         print(f"{n:>6} | {a:>13.1f} | {b:>13.1f} | {a / b:>5.0f}× | {same}")
 
     sys.path.insert(0, str(ROOT))
-    from analysis.capture import capture
-    from analysis.models import load_model
+    from headscope.analysis.capture import capture
+    from headscope.analysis.models import load_model
 
     model = load_model("smollm2-135m")
     prose = (ROOT / "data" / "niah" / "haystack_prose.txt").read_text(encoding="utf-8").split()

@@ -7,7 +7,7 @@ probe sentences of ``data/probes/sentences.txt``), the time and peak memory of
 - PCA, the baseline of every ratio,
 - UMAP cold: a fresh Python process (import + numba compilation + the fit), reported as a whole
   and as its first fit alone,
-- UMAP warm: in this process, after :func:`analysis.joint_embedding.warm_up_umap`,
+- UMAP warm: in this process, after :func:`headscope.analysis.joint_embedding.warm_up_umap`,
 - t-SNE (scikit-learn Barnes-Hut, one thread, 500 iterations).
 
 Peak memory: tracemalloc's peak of traced allocations (numpy, Python) in this process, or the child
@@ -37,7 +37,7 @@ COLD_UMAP = r"""
 import json, resource, sys, time
 t0 = time.perf_counter()
 import numpy as np
-from analysis.joint_embedding import project
+from headscope.analysis.joint_embedding import project
 x = np.load(sys.argv[1])
 t1 = time.perf_counter()
 project(x, "umap", seed=0)
@@ -76,10 +76,10 @@ def main() -> None:
     parser.add_argument("--no-cold", action="store_true", help="skip the fresh-process UMAP runs")
     args = parser.parse_args()
 
-    from analysis.joint_embedding import normalise_qk, project, warm_up_umap
-    from analysis.models import load_model
-    from analysis.qk_collect import collect_layer, load_sentences
-    from analysis.store import Store
+    from headscope.analysis.joint_embedding import normalise_qk, project, warm_up_umap
+    from headscope.analysis.models import load_model
+    from headscope.analysis.qk_collect import collect_layer, load_sentences
+    from headscope.analysis.store import Store
 
     model = load_model(args.model)
     sentences = load_sentences()

@@ -5,8 +5,8 @@ Four ways to run one trial (same prompt, greedy decoding), at several context le
   (h) hf sdpa    plain Hugging Face ``generate`` (same weights, SDPA attention, KV cache, greedy, the same
                  number of new tokens): what decoding costs without headscope, the baseline;
   (a) generate   greedy decoding through headscope with the KV cache, nothing recorded
-                 (``analysis.greedy_decoding.greedy_decode(record=False)``);
-  (b) score      headscope's scoring (``analysis.retrieval.run_trial``): the same decoding plus a hook
+                 (``headscope.analysis.greedy_decoding.greedy_decode(record=False)``);
+  (b) score      headscope's scoring (``headscope.analysis.retrieval.run_trial``): the same decoding plus a hook
                  that keeps one attention row per head per decode step, reduced to its argmax;
   (c) reference  the usual approach: a plain Hugging Face model with eager attention and
                  ``generate(output_attentions=True, return_dict_in_generate=True)``, which returns
@@ -40,9 +40,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from analysis.models import EMBEDDED, converted_gguf, embedded_gguf, load_model  # noqa: E402
-from analysis.niah import build_prompt, load_haystack, load_needles  # noqa: E402
-from analysis.retrieval import (  # noqa: E402
+from headscope.analysis.models import EMBEDDED, converted_gguf, embedded_gguf, load_model  # noqa: E402
+from headscope.analysis.niah import build_prompt, load_haystack, load_needles  # noqa: E402
+from headscope.analysis.retrieval import (  # noqa: E402
     copy_paste_hits,
     greedy_decode,
     run_trial,

@@ -3,13 +3,13 @@
 The model has Llama 3.1 8B's shape (32 layers, hidden 4096, 32 query / 8 key-value heads of 128, MLP
 14336, vocabulary 128256, RoPE θ 500000, 131072 positions) and random weights: ``LlamaConfig`` +
 ``LlamaForCausalLM`` built on the device in bf16, nothing downloaded, wrapped as headscope wraps models
-(:func:`analysis.models.wrap_model`, TransformerLens' bridge). Per length N (default 32k, 64k, 128k):
+(:func:`headscope.analysis.models.wrap_model`, TransformerLens' bridge). Per length N (default 32k, 64k, 128k):
 
   sdpa   Hugging Face's own model on the same weights with SDPA attention (the bridge's modules
-         unwrapped: :func:`analysis.bare_model.bare_twin`), one forward pass, last position's logits: the baseline;
-  stats  one statistics-mode pass through the bridge (:mod:`analysis.attention_statistics`, as
-         :func:`analysis.statistics_run.capture_statistics` runs it): every layer's attention through
-         :func:`kernels.attention` (Triton on CUDA) with the per-row statistics a statistics run keeps
+         unwrapped: :func:`headscope.analysis.bare_model.bare_twin`), one forward pass, last position's logits: the baseline;
+  stats  one statistics-mode pass through the bridge (:mod:`headscope.analysis.attention_statistics`, as
+         :func:`headscope.analysis.statistics_run.capture_statistics` runs it): every layer's attention through
+         :func:`headscope.kernels.attention` (Triton on CUDA) with the per-row statistics a statistics run keeps
          (entropy, argmax, sink and recent mass, the first key's mass, log-sum-exp), copied to the host
          layer by layer; no N × N matrix.
 
@@ -19,7 +19,7 @@ and the largest |difference| of the last position's logits. Then one layer's att
 attention TFLOP/s (causal: 2 · N² · d_head · heads per layer, the QKᵀ and PV products) against the
 device's dense bf16 peak (``--peak-tflops``; known for H100/H200/A100). Last, a retrieval trial at
 ``--retrieval-length``: prefill and ``--decode-steps`` KV-cached steps recording each step's argmax key
-per head (:func:`analysis.greedy_decoding.greedy_decode`) against Hugging Face's greedy ``generate``.
+per head (:func:`headscope.analysis.greedy_decoding.greedy_decode`) against Hugging Face's greedy ``generate``.
 
 Guards: ``--budget-s`` (a size whose time, extrapolated as N² from the last one, would not fit is
 skipped) and a memory estimate per size against the device's free memory (skipped, with the estimate,
@@ -51,11 +51,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from analysis.attention_statistics import LayerRequest, statistics_mode  # noqa: E402
-from analysis.bare_model import bare_twin  # noqa: E402
-from analysis.greedy_decoding import greedy_decode  # noqa: E402
-from analysis.models import LoadedModel, wrap_model  # noqa: E402
-from kernels.attention import ARGMAX, ENTROPY, LSE, RECENT_MASS, SINK_MASS, SPAN_MASS, attention  # noqa: E402
+from headscope.analysis.attention_statistics import LayerRequest, statistics_mode  # noqa: E402
+from headscope.analysis.bare_model import bare_twin  # noqa: E402
+from headscope.analysis.greedy_decoding import greedy_decode  # noqa: E402
+from headscope.analysis.models import LoadedModel, wrap_model  # noqa: E402
+from headscope.kernels.attention import ARGMAX, ENTROPY, LSE, RECENT_MASS, SINK_MASS, SPAN_MASS, attention  # noqa: E402
 
 #: Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) by a word of the device name.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}

@@ -3,7 +3,7 @@
 A statistics run keeps O(layers · heads · n) statistics, so at long contexts its peak is set by the
 per-token loss and top-5 predictions: built from a full ``[n, vocab]`` logits array they cost
 ``n · vocab · 4`` bytes (8 GiB for Gemma 3's 262k vocabulary at 8,192 tokens); built in chunks of
-positions from the final hidden state (:mod:`analysis.token_predictions`) they cost
+positions from the final hidden state (:mod:`headscope.analysis.token_predictions`) they cost
 ``chunk · vocab · 4``. Each case runs in its own process (fresh peak), on the embedded model by
 default; peak = the process's VmHWM (reset through /proc/self/clear_refs) minus its resident set
 before the case.
@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CASE = r"""
 import gc, json, sys, time
 import torch
-from analysis.models import load_model
-from analysis.niah import load_haystack
-from analysis.statistics_run import capture_statistics
+from headscope.analysis.models import load_model
+from headscope.analysis.niah import load_haystack
+from headscope.analysis.statistics_run import capture_statistics
 
 mode, spec, n, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 if threads:

@@ -32,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from analysis.store import Store  # noqa: E402
+from headscope.analysis.store import Store  # noqa: E402
 
 _stamps: dict[tuple[str, int, int], str] = {}
 _lock = threading.Lock()

@@ -11,12 +11,12 @@ One public entry, :func:`attention`, with two implementations of identical seman
   output comes from ``scaled_dot_product_attention`` where its causal mask agrees with ours.
   When every head has a key window, a chunk scores only the keys its rows can see (the window
   band, and the sink keys before it), so a sliding-window or streaming layer costs O(n · (S + W)).
-- ``backend="triton"``: two fused passes (:mod:`kernels.triton_attention`), for CUDA tensors;
+- ``backend="triton"``: two fused passes (:mod:`headscope.kernels.triton_attention`), for CUDA tensors;
   decode rows (at most 16 queries per head against 512 keys or more, statistics that split over
-  keys) take one split-K pass and a reduction instead (:mod:`kernels.triton_decode`, flash-decoding).
+  keys) take one split-K pass and a reduction instead (:mod:`headscope.kernels.triton_decode`, flash-decoding).
 
 The statistic names, their defaults and the validation of a request live in
-:mod:`kernels.statistics` and are re-exported here. :mod:`kernels.reference` is the eager
+:mod:`headscope.kernels.statistics` and are re-exported here. :mod:`headscope.kernels.reference` is the eager
 full-matrix reference that both backends are tested against.
 
 Grouped-query attention is native: query head ``h`` reads key-value head ``h // (n_heads //
@@ -40,11 +40,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from headscope.kernels import statistics as stat
+from headscope.kernels.statistics import *  # noqa: F403  (re-exported: callers import the names with attention())
+from headscope.kernels.statistics import Plan, pool_counts, split_span_masses, use_triton, validate
 from torch import Tensor
-
-from kernels import statistics as stat
-from kernels.statistics import *  # noqa: F403  (re-exported: callers import the names with attention())
-from kernels.statistics import Plan, pool_counts, split_span_masses, use_triton, validate
 
 __all__ = [*stat.__all__, "AttentionResult", "attention"]
 
@@ -133,7 +132,7 @@ def attention(
     scale : float, optional
         Score scale; default ``1 / sqrt(d)``.
     stats : str or iterable of str
-        Statistics to return, from :data:`kernels.statistics.STATISTICS`:
+        Statistics to return, from :data:`headscope.kernels.statistics.STATISTICS`:
 
         - ``"lse"`` ``[b, h, n_q]``: :math:`\text{lse}_i = \log \sum_j \exp(s_{ij})` (natural log).
         - ``"argmax"`` ``[b, h, n_q]`` (int64): :math:`\arg\max_j A_{ij}`, the lowest index on ties;
@@ -219,9 +218,9 @@ def attention(
 
 
 def _triton_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan) -> tuple[Tensor, dict[str, Tensor]]:
-    """The Triton kernels: split-K for decode rows (:func:`kernels.triton_decode.splits_keys`), else two passes."""
-    from kernels.triton_attention import triton_attention
-    from kernels.triton_decode import splits_keys, triton_decode
+    """The Triton kernels: split-K for decode rows (:func:`headscope.kernels.triton_decode.splits_keys`), else two passes."""
+    from headscope.kernels.triton_attention import triton_attention
+    from headscope.kernels.triton_decode import splits_keys, triton_decode
 
     if splits_keys(plan, q.shape[2], k.shape[2]):
         return triton_decode(q, k, v, plan)

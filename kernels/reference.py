@@ -2,14 +2,14 @@ r"""Eager reference attention: the full matrix, and every statistic read off it.
 
 :math:`A = \operatorname{softmax}(\text{scale} \cdot Q K^\top + M)` with :math:`M_{ij} = -\infty`
 for keys after query ``i``'s position :math:`p_i = n_k - n_q + i` when causal, then
-:math:`O = A V` and each statistic of :func:`kernels.attention.attention` computed directly from
+:math:`O = A V` and each statistic of :func:`headscope.kernels.attention.attention` computed directly from
 its definition on :math:`A` (log-sum-exp of the scores as in Dao et al. 2022, "FlashAttention",
 arXiv:2205.14135; sink mass as in Xiao et al. 2023, arXiv:2309.17453; sink + recent-window mass as in
 DuoAttention, Xiao et al. 2024, arXiv:2410.10819; the argmax key of Wu et al. 2024, arXiv:2404.15574).
 
 This is what the tests, ``bench/gpu_check.py`` and ``bench/kernels_micro.py`` compare the kernels
 with: it builds ``n_q × n_k`` per head (in float64 by default), so it is for checking small and
-medium shapes, never for analysing long texts. It trusts its inputs; :func:`kernels.attention.attention`
+medium shapes, never for analysing long texts. It trusts its inputs; :func:`headscope.kernels.attention.attention`
 is the entry that validates them.
 """
 
@@ -19,9 +19,8 @@ import math
 from collections.abc import Sequence
 
 import torch
+from headscope.kernels import statistics as stat
 from torch import Tensor
-
-from kernels import statistics as stat
 
 #: Key of the attention output in :func:`reference_attention`'s dictionary.
 OUT = "out"
@@ -36,7 +35,7 @@ def attention_scores(
     ``q`` is ``[b, n_heads, n_q, d]`` and ``k`` ``[b, n_kv_heads, n_k, d]``; with grouped-query
     attention K is repeated so that query head ``h`` meets key-value head ``h // (n_heads // n_kv_heads)``.
     ``softcap`` caps the scaled scores (``c · tanh(s / c)``) before the mask; ``key_sink`` and
-    ``key_window`` (int or ``[n_heads]``) narrow the causal mask as in :func:`kernels.attention.attention`.
+    ``key_window`` (int or ``[n_heads]``) narrow the causal mask as in :func:`headscope.kernels.attention.attention`.
     """
     n_heads, n_q, d = q.shape[1:]
     n_kv, n_k = k.shape[1], k.shape[2]
@@ -86,12 +85,12 @@ def reference_attention(
     key_window: int | Tensor | None = None,
     softcap: float | None = None,
 ) -> dict[str, Tensor]:
-    """The output and every statistic of :func:`kernels.attention.attention`, from the full matrix.
+    """The output and every statistic of :func:`headscope.kernels.attention.attention`, from the full matrix.
 
     Parameters
     ----------
     q, k, v, causal, scale, sink_size, window, spans, block_size, rows, topk, key_sink, key_window, softcap
-        As for :func:`kernels.attention.attention`. ``"span_mass"`` is computed only with
+        As for :func:`headscope.kernels.attention.attention`. ``"span_mass"`` is computed only with
         ``spans``, ``"pooled"`` only with ``block_size``, ``"rows"`` only with ``rows``, and
         ``"topk_index"`` / ``"topk_prob"`` only with ``topk > 1``.
     dtype : torch.dtype

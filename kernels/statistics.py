@@ -1,14 +1,14 @@
-"""The statistics :func:`kernels.attention.attention` can return, their defaults, and the checked request.
+"""The statistics :func:`headscope.kernels.attention.attention` can return, their defaults, and the checked request.
 
-Both backends (the chunked torch path in :mod:`kernels.attention`, the fused kernels in
-:mod:`kernels.triton_attention`) and the eager reference (:mod:`kernels.reference`) read the names
+Both backends (the chunked torch path in :mod:`headscope.kernels.attention`, the fused kernels in
+:mod:`headscope.kernels.triton_attention`) and the eager reference (:mod:`headscope.kernels.reference`) read the names
 from here, so a statistic is spelled once. :func:`validate` turns the arguments of one call into a
 :class:`Plan` that every backend trusts: shapes, dtypes, spans, rows and block sizes are checked
 here, once, with messages that say what to pass instead.
 
 What each statistic is (formulas, shapes, and the papers they come from: FlashAttention's per-row
 log-sum-exp, StreamingLLM's attention sinks, DuoAttention's sink + recent-window mass, the
-retrieval-head argmax) is written in the docstring of :func:`kernels.attention.attention`.
+retrieval-head argmax) is written in the docstring of :func:`headscope.kernels.attention.attention`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-#: The vocabulary: what ``kernels.attention`` re-exports (callers import the names with ``attention``).
+#: The vocabulary: what ``headscope.kernels.attention`` re-exports (callers import the names with ``attention``).
 __all__ = [
     "ARGMAX",
     "ARGMAX_PROB",
@@ -181,7 +181,7 @@ def validate(
     key_window: int | Tensor | None = None,
     softcap: float | None = None,
 ) -> Plan:
-    """Check the arguments of :func:`kernels.attention.attention` (same meanings) and normalise them.
+    """Check the arguments of :func:`headscope.kernels.attention.attention` (same meanings) and normalise them.
 
     Raises
     ------

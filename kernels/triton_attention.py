@@ -1,4 +1,4 @@
-"""Triton kernels for :func:`kernels.attention.attention` (the ``"triton"`` backend).
+"""Triton kernels for :func:`headscope.kernels.attention.attention` (the ``"triton"`` backend).
 
 Two passes, in the spirit of Triton's fused-attention tutorial (``06-fused-attention.py``):
 
@@ -15,7 +15,7 @@ rows has a tile key above its K-th), so its cost does not grow with the number o
 ``_attn_topk_next``, each finding the next key below the previous one in (score, index) order.
 Column sums asked alone have their own pass (``_attn_colsum``, no atomics); with other statistics
 they are atomics inside pass 2. Decode rows (few queries, many keys) take the split-K kernel of
-:mod:`kernels.triton_decode` instead (see :func:`kernels.attention.attention`).
+:mod:`headscope.kernels.triton_decode` instead (see :func:`headscope.kernels.attention.attention`).
 
 Grid: ``(ceil(n_q / BLOCK_M), batch · n_heads)``; the program for query head ``h`` reads key-value
 head ``h // group`` directly, so grouped-query attention never repeats K/V. Scores are kept in
@@ -30,10 +30,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from headscope.kernels import statistics as stat
+from headscope.kernels.statistics import Plan, pool_counts, split_span_masses, triton_interpreting
 from torch import Tensor
-
-from kernels import statistics as stat
-from kernels.statistics import Plan, pool_counts, split_span_masses, triton_interpreting
 
 LOG2E = 1.4426950408889634
 

@@ -1,6 +1,6 @@
 r"""Split-K attention for decode rows (few queries, many keys), with statistics, in Triton.
 
-The two-pass kernels of :mod:`kernels.triton_attention` launch one program per (query block, head):
+The two-pass kernels of :mod:`headscope.kernels.triton_attention` launch one program per (query block, head):
 for a decode step (one query row per head, or a few) that is a few dozen programs for a GPU with over
 a hundred SMs, each walking every key alone. Flash-decoding (Dao, Haziza, Massa and Sizov 2023,
 "Flash-Decoding for long-context inference") cuts the keys into ``n_splits`` contiguous ranges, one
@@ -13,7 +13,7 @@ range the softmax is FlashAttention-2's online one (Dao 2023, arXiv:2307.08691),
 - for entropy :math:`E_s = \sum_j 2^{s_j - m_s} (s_j - m_s)` (moving the max from m to m' turns E
   into :math:`2^{m - m'} (E + (m - m') l)`);
 - its best (score, index), or its top-K candidates as sortable int64 keys
-  (:func:`kernels.triton_attention._order_key`);
+  (:func:`headscope.kernels.triton_attention._order_key`);
 - for exact rows, the raw masked scores (their final value needs the row's lse).
 
 The reduction (:func:`_combine`, torch ops on ``[b, h, n_q, n_splits]`` partials) takes
@@ -26,7 +26,7 @@ The reduction (:func:`_combine`, torch ops on ``[b, h, n_q, n_splits]`` partials
 Grouped-query attention: the rows of all query heads of one key-value group are packed into one
 block (row ``r``: query head ``hk · G + r // n_q``, query ``r % n_q``), so each range of K and V is
 read once per group, as flash-decoding does for multi-query attention. Masks (causal offset, per-head
-window and sink, soft-capping) are the ones of :func:`kernels.triton_attention._score_tile`.
+window and sink, soft-capping) are the ones of :func:`headscope.kernels.triton_attention._score_tile`.
 
 Column sums and pooled maps need every row's lse before a key's share is known; calls that ask for
 them (or for ``topk > 16``) stay on the two-pass kernels (:func:`splits_keys` decides).
@@ -37,11 +37,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch import Tensor
-
-from kernels import statistics as stat
-from kernels.statistics import Plan, split_span_masses, triton_interpreting
-from kernels.triton_attention import (
+from headscope.kernels import statistics as stat
+from headscope.kernels.statistics import Plan, split_span_masses, triton_interpreting
+from headscope.kernels.triton_attention import (
     FUSED_TOPK_MAX,
     LOG2E,
     _argmax_merge,
@@ -51,6 +49,7 @@ from kernels.triton_attention import (
     row_slots,
     top_outputs,
 )
+from torch import Tensor
 
 #: Decode rows: at most this many query rows per head ...
 DECODE_MAX_ROWS = 16
@@ -249,7 +248,7 @@ def _split_size(n_k: int, programs: int, block_n: int, device: torch.device) -> 
 def triton_decode(q: Tensor, k: Tensor, v: Tensor, plan: Plan, split: int | None = None,
                   block_n: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Split-K attention on validated inputs with statistics in :data:`DECODE_STATS`; returns
-    ``(out, stats)`` as :func:`kernels.triton_attention.triton_attention` does.
+    ``(out, stats)`` as :func:`headscope.kernels.triton_attention.triton_attention` does.
 
     ``split`` (keys per range, a multiple of the key tile) and ``block_n`` override the defaults, for tests.
     """

@@ -55,7 +55,7 @@ def _isolated_home(tmp_path, monkeypatch):
 
 @pytest.fixture
 def store(tmp_path):
-    from analysis.store import Store
+    from headscope.analysis.store import Store
 
     return Store(tmp_path / "store")
 
@@ -63,7 +63,7 @@ def store(tmp_path):
 @pytest.fixture(scope="session")
 def real_model():
     """SmolLM2-135M-Instruct with its real weights (converted once, then ~1 s to load)."""
-    from analysis.models import load_model
+    from headscope.analysis.models import load_model
 
     return load_model("smollm2-135m")
 
@@ -77,10 +77,9 @@ def embedded_tokenizer():
 def load_embedded_tokenizer():
     """The embedded model's tokenizer alone: from the converted cache folder when there is one
     (0.3 s), else straight from the GGUF (about 5 s; reads the vocabulary, not the weights)."""
+    from headscope.analysis.models import embedded_gguf
+    from headscope.analysis.paths import model_cache
     from transformers import AutoTokenizer
-
-    from analysis.models import embedded_gguf
-    from analysis.paths import model_cache
 
     gguf = embedded_gguf()
     for source in sorted(model_cache().glob("gguf-*/headscope-source.json")):
@@ -96,7 +95,7 @@ def load_embedded_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model(embedded_tokenizer):
     """A 2-layer random Llama (4 query heads, 2 key-value heads) with the embedded tokenizer."""
-    from analysis.models import wrap_model
+    from headscope.analysis.models import wrap_model
 
     hf = tiny_hf_model(len(embedded_tokenizer))
     return wrap_model(hf, embedded_tokenizer, name="tiny-llama", digest="tiny-random-llama-seed0")
@@ -106,7 +105,7 @@ def tiny_model(embedded_tokenizer):
 def make_tiny_model(embedded_tokenizer):
     """Tiny random Llamas (2 layers, 4 query heads, 2 key-value heads) with the embedded tokenizer and
     chat template, for tests that need another seed or longer positions than ``tiny_model``."""
-    from analysis.models import wrap_model
+    from headscope.analysis.models import wrap_model
 
     def make(seed: int = 0, max_positions: int = 512, name: str = "tiny-llama"):
         hf = tiny_hf_model(len(embedded_tokenizer), seed=seed, max_positions=max_positions)
@@ -137,9 +136,8 @@ def small_retrieval_sweep(real_model):
     ``tests/analysis/test_retrieval.py`` checks its retrieval-head share, ``test_ablation.py`` masks its
     top heads. bench/ablation_curve.py runs the full-size version (every needle, more k and seeds)."""
     import torch
-
-    from analysis.niah import load_haystack, load_needles
-    from analysis.retrieval import sweep
+    from headscope.analysis.niah import load_haystack, load_needles
+    from headscope.analysis.retrieval import sweep
 
     by_id = {n.id: n for n in load_needles()}
     needles = [by_id[k] for k in ("locker-code", "chess-club", "tram-depot")]

@@ -2,7 +2,7 @@
 
 Each builder returns a fresh Hugging Face causal LM (2 layers, hidden 64-128, GQA where the family
 has it) with eager attention, sized for the embedded tokenizer's vocabulary. Tests wrap them with
-:func:`analysis.models.wrap_model` as ``tests/conftest.py``'s ``tiny_model`` does.
+:func:`headscope.analysis.models.wrap_model` as ``tests/conftest.py``'s ``tiny_model`` does.
 """
 
 from __future__ import annotations

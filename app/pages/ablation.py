@@ -20,10 +20,9 @@ from dash import (
     no_update,
 )
 from dash.exceptions import PreventUpdate
-
-from analysis.ablation import LIMIT as ABLATION_LIMIT
-from analysis.ablation import format_heads, head_means, parse_heads
-from analysis.ablation_choices import (
+from headscope.analysis.ablation import LIMIT as ABLATION_LIMIT
+from headscope.analysis.ablation import format_heads, head_means, parse_heads
+from headscope.analysis.ablation_choices import (
     CONTROL_TOP_N,
     CURVE_METRICS,
     DEFAULT_CURVE_KS,
@@ -33,13 +32,13 @@ from analysis.ablation_choices import (
     METHODS,
     SWEEP_METRICS,
 )
-from analysis.ablation_curve import ablation_curve, random_control
-from analysis.capture import capture
-from analysis.head_sweep import ablation_head_sweep
-from analysis.limits import limit
-from analysis.models import load_model
-from app import ids
-from app.components import (
+from headscope.analysis.ablation_curve import ablation_curve, random_control
+from headscope.analysis.capture import capture
+from headscope.analysis.head_sweep import ablation_head_sweep
+from headscope.analysis.limits import limit
+from headscope.analysis.models import load_model
+from headscope.app import ids
+from headscope.app.components import (
     GRAPH_CONFIG,
     empty_figure,
     export_bar,
@@ -57,12 +56,12 @@ from app.components import (
     url_patch,
     url_patch_id,
 )
-from app.context import get_context
-from app.errors import USER_ERRORS, guarded, message
-from app.jobs import cancellable_callback, count_progress, in_job, on_workers
-from app.url_state import PageState, parse
-from app.views import VIEWS, names
-from app.views.ablation import (
+from headscope.app.context import get_context
+from headscope.app.errors import USER_ERRORS, guarded, message
+from headscope.app.jobs import cancellable_callback, count_progress, in_job, on_workers
+from headscope.app.url_state import PageState, parse
+from headscope.app.views import VIEWS, names
+from headscope.app.views.ablation import (
     CONTINUATION_TOKENS,
     RANK_LABELS,
     REFERENCE_SENTENCES,
@@ -474,7 +473,7 @@ def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, co
 
 
 def random_rule(outside_top: int) -> str:
-    """The line beside "Random k": the rule it draws by (:func:`analysis.ablation_curve.random_control`)."""
+    """The line beside "Random k": the rule it draws by (:func:`headscope.analysis.ablation_curve.random_control`)."""
     return (f"Random k draws k heads (with the seed) from outside the top {outside_top:,} by the score above, "
             f"as the curve's random control does (N = “random heads from outside the top” below, or k if larger).")
 
@@ -549,7 +548,7 @@ def rank_by(by, sweep_id, search):
         if new == state.sweep:
             raise PreventUpdate
         if new is not None:
-            from app.views.heads import sweep_of
+            from headscope.app.views.heads import sweep_of
 
             sweep_of({"sweep": new})  # a clear message now if there is no such sweep
         state.sweep = new
@@ -562,7 +561,7 @@ STEP_COST = (1, 1, CONTINUATION_TOKENS, CONTINUATION_TOKENS)
 
 
 def _step_reporter(set_progress, started: float):
-    """Progress of :func:`analysis.ablation.ablation_effects` (``fraction`` = steps done / 4) as
+    """Progress of :func:`headscope.analysis.ablation.ablation_effects` (``fraction`` = steps done / 4) as
     "i of n" with an estimate of the time left from the steps' costs in forward passes."""
 
     def report(fraction: float) -> None:
@@ -761,7 +760,7 @@ def run_curve(set_progress, n_clicks, ks_text, n_seeds, control_top, metric, sea
         scores, by_label = rank_scores(run, params)
         spec = ablation_spec(model, {**params, "heads": "0.0"})  # the method and its options
         if metric == "niah":
-            from app.views.heads import sweep_of
+            from headscope.app.views.heads import sweep_of
 
             if not state.sweep:
                 raise ValueError("Needle-in-a-haystack accuracy needs a sweep: give its id (from the Heads page).")

@@ -26,13 +26,12 @@ from dash import (
     no_update,
 )
 from dash.exceptions import PreventUpdate
-
-from analysis.errors import InputError
-from analysis.head_summary import HEAD_METRICS
-from analysis.models import ModelError, load_model
-from analysis.statistics_run import capture_for_page
-from app import figures, ids
-from app.components import (
+from headscope.analysis.errors import InputError
+from headscope.analysis.head_summary import HEAD_METRICS
+from headscope.analysis.models import ModelError, load_model
+from headscope.analysis.statistics_run import capture_for_page
+from headscope.app import figures, ids
+from headscope.app.components import (
     GRAPH_CONFIG,
     empty_figure,
     export_bar,
@@ -54,11 +53,11 @@ from app.components import (
     url_patch,
     url_patch_id,
 )
-from app.context import dropdown_model, get_context, offered_model
-from app.errors import guarded, message
-from app.jobs import cancellable_callback, in_job, on_workers, progress_reporter
-from app.url_state import AttentionState, PageState, parse
-from app.views import VIEWS, names
+from headscope.app.context import dropdown_model, get_context, offered_model
+from headscope.app.errors import guarded, message
+from headscope.app.jobs import cancellable_callback, in_job, on_workers, progress_reporter
+from headscope.app.url_state import AttentionState, PageState, parse
+from headscope.app.views import VIEWS, names
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +202,7 @@ def _not_run_on_error(fn):
 @guarded(outputs=3, error_index=1)
 def run_text(set_progress, n_clicks, text, model_spec, search):
     """Run (a background job): capture the text, patterns up to the limit and statistics mode
-    above it (:func:`analysis.statistics_run.capture_for_page`), with progress; Run is disabled
+    above it (:func:`headscope.analysis.statistics_run.capture_for_page`), with progress; Run is disabled
     and Cancel enabled while it runs. The run lands in the store; the URL names it.
 
     A new pattern run's grid is sent to the page as soon as the forward pass ends
@@ -299,7 +298,7 @@ def _with(search: str | None, **changes) -> str:
 def render(search, pathname=None, sinks_run=None, drawn=None):
     """Draw the page from its URL. The grid and heatmap of the run and metric already drawn are only
     patched for another head or query token (:func:`_head_changed`), and left alone when nothing they
-    show changed; nothing is drawn for a page being left (:func:`app.components.leaving`): a patch
+    show changed; nothing is drawn for a page being left (:func:`headscope.app.components.leaving`): a patch
     answered after the next page replaced this one was "Cannot patch undefined" in the console."""
     if leaving(pathname, PAGE_PATH):
         raise PreventUpdate
@@ -369,7 +368,7 @@ def render(search, pathname=None, sinks_run=None, drawn=None):
 
 
 def _run_policy(run) -> str:
-    """How the run's input became its tokens (:meth:`analysis.model_facts.ModelFacts.run_policy`), for
+    """How the run's input became its tokens (:meth:`headscope.analysis.model_facts.ModelFacts.run_policy`), for
     its chip; "" for a model this server does not offer (nothing is claimed about it)."""
     try:
         facts = load_model(offered_model(run.model_name)).facts
@@ -381,7 +380,7 @@ def _run_policy(run) -> str:
 def _head_changed(run, layer: int, head: int) -> tuple[Patch, Patch]:
     """Another head of the run and metric the browser already shows: the grid's outline moves and the
     heatmap gets the head's weights and title, as patches to the drawn figures (the same values
-    :func:`app.figures.head_grid` and :func:`app.figures.attention_heatmap` give, without building
+    :func:`headscope.app.figures.head_grid` and :func:`headscope.app.figures.attention_heatmap` give, without building
     and sending both figures again: #16's click → heatmap)."""
     grid, heat = Patch(), Patch()
     grid["layout"]["shapes"] = [figures.head_outline(layer, head)]

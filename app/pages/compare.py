@@ -1,13 +1,13 @@
-"""Page "Compare": two stored runs head by head (:func:`analysis.run_comparison.compare_runs`) — two
+"""Page "Compare": two stored runs head by head (:func:`headscope.analysis.run_comparison.compare_runs`) — two
 prompts of equal length on one model, or one text on two models with the same tokenizer: a per-head
 score of both with its change (second − first), the heads that changed most, and a clicked head's
 change in attention. Nothing is computed but the comparison: both runs are read from the store, and
 the URL names them, so a link reopens the same view. The run lists offer only the runs this browser
-was shown (:mod:`app.seen_runs`) and an id pasted into the page, never the store's list. A click on any of the three grids writes its head
+was shown (:mod:`headscope.app.seen_runs`) and an id pasted into the page, never the store's list. A click on any of the three grids writes its head
 into the URL in the browser (``assets/grid_clicks.js``, as on the other pages' grids).
 
-The drawing is the views :data:`~app.views.names.RUN_COMPARISON` and
-:data:`~app.views.names.ATTENTION_DIFFERENCE`, which ``headscope compare`` exports too.
+The drawing is the views :data:`~headscope.app.views.names.RUN_COMPARISON` and
+:data:`~headscope.app.views.names.ATTENTION_DIFFERENCE`, which ``headscope compare`` exports too.
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ import dash
 import numpy as np
 from dash import Input, Output, State, callback, dcc, html, no_update
 from dash.exceptions import PreventUpdate
-
-from analysis.errors import InputError
-from analysis.head_summary import HEAD_METRICS
-from analysis.run_comparison import compare_runs, shown_decimals
-from app import ids
-from app.components import (
+from headscope.analysis.errors import InputError
+from headscope.analysis.head_summary import HEAD_METRICS
+from headscope.analysis.run_comparison import compare_runs, shown_decimals
+from headscope.app import ids
+from headscope.app.components import (
     GRAPH_CONFIG,
     empty_figure,
     export_bar,
@@ -30,13 +29,13 @@ from app.components import (
     shell_stores,
     url_id,
 )
-from app.context import get_context
-from app.errors import guarded, message
-from app.jobs import on_workers
-from app.seen_runs import run_id, run_ids, shown_run, shown_runs
-from app.url_state import parse
-from app.views import VIEWS, names
-from app.views.comparison import comparison_params, stored_run
+from headscope.app.context import get_context
+from headscope.app.errors import guarded, message
+from headscope.app.jobs import on_workers
+from headscope.app.seen_runs import run_id, run_ids, shown_run, shown_runs
+from headscope.app.url_state import parse
+from headscope.app.views import VIEWS, names
+from headscope.app.views.comparison import comparison_params, stored_run
 
 dash.register_page(__name__, path="/compare", name="Compare", title="headscope — compare two runs", order=6)
 
@@ -90,7 +89,7 @@ def layout(**_query) -> html.Div:
 
 
 def run_options(keys: list[str], first_length: int | None = None) -> list[dict]:
-    """The runs among ``keys`` (ids the browser sent, :func:`app.seen_runs.run_ids`) as options; with
+    """The runs among ``keys`` (ids the browser sent, :func:`headscope.app.seen_runs.run_ids`) as options; with
     ``first_length``, runs of another length are listed but disabled (a comparison needs equal lengths)."""
     options = []
     for run in shown_runs(get_context().store, keys):
@@ -113,7 +112,7 @@ def _paste_note(pasted, found) -> str:
 
 def _top_table(result, top_n: int = TOP_N) -> html.Table | str:
     """The heads that changed most, each number to the decimals its rounding leaves meaningful
-    (:func:`analysis.run_comparison.shown_decimals`), with the rounding beside the change; a change
+    (:func:`headscope.analysis.run_comparison.shown_decimals`), with the rounding beside the change; a change
     within it is printed as such, without a sign."""
     changes = result.largest_changes(top_n)
     if not changes:
@@ -134,7 +133,7 @@ def _top_table(result, top_n: int = TOP_N) -> html.Table | str:
 
 def _change_summary(result) -> str:
     """Mean |change| to the decimals the mean rounding leaves, and how many heads changed by no more
-    than rounding alone can (:attr:`analysis.run_comparison.RunComparison.within_rounding`)."""
+    than rounding alone can (:attr:`headscope.analysis.run_comparison.RunComparison.within_rounding`)."""
     finite = np.isfinite(result.difference)
     d = int(shown_decimals(np.mean(result.resolution[finite])))
     within = int(result.within_rounding[finite].sum())
@@ -158,7 +157,7 @@ def _change_summary(result) -> str:
 @guarded(outputs=5)
 def offer_runs(search, seen, pasted, shown_first=None, shown_second=None):
     """Fill both lists with the runs this browser was shown (``seen``, kept in the browser by
-    :mod:`app.seen_runs`), those the URL names (its link was opened: in the list at once, before the
+    :mod:`headscope.app.seen_runs`), those the URL names (its link was opened: in the list at once, before the
     browser's store has it) and an id pasted into the page; each id is checked (hex) and resolved in
     the store here. Nothing else is listed: the store's list is the command line's.
 

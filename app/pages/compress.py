@@ -1,9 +1,9 @@
 """Page "Compress": KV-cache compression from head classes (DuoAttention, RazorAttention). Each key-value
 group keeps its full cache or only S sinks + W recent tokens; the groups ranked highest by a head score
 stay full. Run evaluates every (ranking, fraction) policy on a needle-in-a-haystack sweep's prompts as a
-background job (:func:`analysis.kv_compression_sweep.compress_sweep`, which ``headscope compress`` calls
+background job (:func:`headscope.analysis.kv_compression_sweep.compress_sweep`, which ``headscope compress`` calls
 too); the URL names the stored curve, so a link reopens it without computing. A chosen policy downloads
-as DuoAttention's pattern folder (:func:`analysis.kv_compression.export_policy`)."""
+as DuoAttention's pattern folder (:func:`headscope.analysis.kv_compression.export_policy`)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,9 @@ from pathlib import Path
 import dash
 from dash import Input, Output, State, callback, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
-
-from analysis.ablation_choices import MAX_SEEDS
-from analysis.errors import InputError
-from analysis.kv_compression_choices import (
+from headscope.analysis.ablation_choices import MAX_SEEDS
+from headscope.analysis.errors import InputError
+from headscope.analysis.kv_compression_choices import (
     DEFAULT_FRACTIONS,
     DEFAULT_RANKINGS,
     DEFAULT_RECENT_SIZE,
@@ -29,10 +28,10 @@ from analysis.kv_compression_choices import (
     RANKING_LABELS,
     RANKINGS,
 )
-from analysis.models import load_model
-from analysis.niah import MAX_LENGTH, check_lengths, load_needles, named_haystack
-from app import ids
-from app.components import (
+from headscope.analysis.models import load_model
+from headscope.analysis.niah import MAX_LENGTH, check_lengths, load_needles, named_haystack
+from headscope.app import ids
+from headscope.app.components import (
     GRAPH_CONFIG,
     empty_figure,
     export_bar,
@@ -47,13 +46,13 @@ from app.components import (
     url_patch,
     url_patch_id,
 )
-from app.context import dropdown_model, get_context, offered_model
-from app.errors import guarded, message
-from app.form_values import number_list, whole_number
-from app.jobs import cancellable_callback, in_job, on_workers, progress_reporter, trial_progress
-from app.url_state import parse
-from app.views import VIEWS, names
-from app.views.compress import (
+from headscope.app.context import dropdown_model, get_context, offered_model
+from headscope.app.errors import guarded, message
+from headscope.app.form_values import number_list, whole_number
+from headscope.app.jobs import cancellable_callback, in_job, on_workers, progress_reporter, trial_progress
+from headscope.app.url_state import parse
+from headscope.app.views import VIEWS, names
+from headscope.app.views.compress import (
     chosen_evaluation,
     compress_params,
     curve_rows,
@@ -301,8 +300,8 @@ def set_pick(pick, search):
 
 def _sweep(model, sweep_id, needle_ids, lengths, depths, haystack, set_progress):
     """The stored sweep named by id, or the sweep of the settings (stored trials are reused)."""
-    from analysis.retrieval import sweep
-    from app.views.heads import sweep_of
+    from headscope.analysis.retrieval import sweep
+    from headscope.app.views.heads import sweep_of
 
     sweep_id = (sweep_id or "").strip().lower()
     if sweep_id:
@@ -345,7 +344,7 @@ def run_compress(set_progress, n_clicks, sweep_id, needle_ids, lengths, depths, 
                  fractions, seeds, sink, recent, search):
     """Run: the sweep (or the stored one), then every policy (:func:`compress_sweep`, stored); the curve's
     key goes into the URL."""
-    from analysis.kv_compression_sweep import compress_sweep
+    from headscope.analysis.kv_compression_sweep import compress_sweep
 
     in_job()
     if not n_clicks:
@@ -405,9 +404,9 @@ def cancelled(n_clicks):
 )
 @guarded(outputs=2, error_index=1)
 def download_pattern(n_clicks, search):
-    """The chosen policy as DuoAttention's pattern folder (:func:`analysis.kv_compression.export_policy`),
+    """The chosen policy as DuoAttention's pattern folder (:func:`headscope.analysis.kv_compression.export_policy`),
     zipped under ``pattern/``."""
-    from analysis.kv_compression import export_policy
+    from headscope.analysis.kv_compression import export_policy
 
     if not n_clicks:
         raise PreventUpdate

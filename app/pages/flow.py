@@ -6,10 +6,9 @@ from __future__ import annotations
 import dash
 from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 from dash.exceptions import PreventUpdate
-
-from analysis.rollout import FUSIONS
-from app import figures, ids
-from app.components import (
+from headscope.analysis.rollout import FUSIONS
+from headscope.app import figures, ids
+from headscope.app.components import (
     GRAPH_CONFIG,
     empty_figure,
     export_bar,
@@ -25,12 +24,12 @@ from app.components import (
     text_fill_id,
     url_id,
 )
-from app.context import dropdown_model, get_context
-from app.errors import guarded, message
-from app.jobs import cancellable_callback, in_job, on_workers, progress_reporter
-from app.url_state import FlowState, PageState, parse
-from app.views import VIEWS, names
-from app.views.flow import (
+from headscope.app.context import dropdown_model, get_context
+from headscope.app.errors import guarded, message
+from headscope.app.jobs import cancellable_callback, in_job, on_workers, progress_reporter
+from headscope.app.url_state import FlowState, PageState, parse
+from headscope.app.views import VIEWS, names
+from headscope.app.views.flow import (
     CORRECTED_METHODS,
     PLAIN_METHODS,
     RELEVANCE_METHODS,

@@ -11,10 +11,9 @@ import logging
 import dash
 from dash import Input, Output, Patch, State, callback, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
-
-from analysis.head_scores import LABELS
-from analysis.models import load_model
-from analysis.niah import (
+from headscope.analysis.head_scores import LABELS
+from headscope.analysis.models import load_model
+from headscope.analysis.niah import (
     DEFAULT_DEPTH_RULE,
     DEPTH_RULE_DESCRIPTIONS,
     MAX_LENGTH,
@@ -24,10 +23,10 @@ from analysis.niah import (
     named_haystack,
     parse_needles,
 )
-from analysis.retrieval import SweepSettings, sweep, sweep_settings
-from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
-from app import figures, ids
-from app.components import (
+from headscope.analysis.retrieval import SweepSettings, sweep, sweep_settings
+from headscope.analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
+from headscope.app import figures, ids
+from headscope.app.components import (
     GRAPH_CONFIG,
     PROMPT_POLICY_TITLE,
     empty_figure,
@@ -48,13 +47,13 @@ from app.components import (
     url_patch,
     url_patch_id,
 )
-from app.context import get_context
-from app.errors import USER_ERRORS, guarded, message
-from app.form_values import number_list, whole_number
-from app.jobs import cancellable_callback, in_job, on_workers, progress_reporter, trial_progress
-from app.url_state import parse
-from app.views import VIEWS, names
-from app.views.heads import (
+from headscope.app.context import get_context
+from headscope.app.errors import USER_ERRORS, guarded, message
+from headscope.app.form_values import number_list, whole_number
+from headscope.app.jobs import cancellable_callback, in_job, on_workers, progress_reporter, trial_progress
+from headscope.app.url_state import parse
+from headscope.app.views import VIEWS, names
+from headscope.app.views.heads import (
     AGGREGATES,
     check_sweep_head,
     head_scores_of,
@@ -79,7 +78,7 @@ NEEDLES_HINT = ("Your own needles, one per line: needle | question | answer — 
 
 
 # The page's figures in four groups, each drawn from the URL keys its figures show (a store per group,
-# changed only when those keys change: app.components.register_url_keys). A click on a head redraws its
+# changed only when those keys change: headscope.app.components.register_url_keys). A click on a head redraws its
 # trials and decode steps and moves the outline on both maps; a trial redraws its decode steps only.
 SELECTION = ("layer", "head")  # drawn as an outline patched onto the maps (draw_selection), not by redrawing them
 
@@ -331,7 +330,7 @@ def _form_values(settings: SweepSettings) -> tuple[list[str], str, str, str, str
 )
 def form_from_sweep(_keys, search, filled, own_haystack):
     """A link with ``sweep=`` fills the form with that sweep's own settings
-    (:func:`analysis.retrieval.sweep_settings`), not the defaults, so Run reruns that sweep."""
+    (:func:`headscope.analysis.retrieval.sweep_settings`), not the defaults, so Run reruns that sweep."""
     state = parse(search)
     keep = (no_update,) * 11
     if state.sweep is None or state.sweep == filled:
@@ -416,7 +415,7 @@ def _whole(state) -> dict:
     Output(ids.HEADS_INFO, "children"),
     Output(ids.HEADS_AGG, "value"),
     Output(GRID_DRAWN, "data"),
-    Output(ids.ERROR, "children", allow_duplicate=True),
+    job_error(PREFIX),  # with Redis this is a job: not the banner (components.job_error)
     Input(KEYS["sweep"], "data"),
     State(url_id(PREFIX), "search"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker

@@ -1,6 +1,6 @@
 """Page "Patching": activation patching between a clean and a corrupted prompt (Heimersheim & Nanda
 2024), every head at once as a background job, the attribution-patching estimate beside it with their
-agreement, and one clicked head position by position. Everything is :func:`analysis.patching.activation_patching`;
+agreement, and one clicked head position by position. Everything is :func:`headscope.analysis.patching.activation_patching`;
 the URL names the stored results, so a link reopens the same view without computing."""
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ import dash
 import numpy as np
 from dash import Input, Output, State, callback, dcc, html, no_update
 from dash.exceptions import PreventUpdate
-
-from analysis.errors import InputError, check_head_index
-from analysis.models import load_model
-from analysis.patching import ATTRIBUTION_SHARE, activation_patching, prompt_pair
-from analysis.patching_choices import (
+from headscope.analysis.errors import InputError, check_head_index
+from headscope.analysis.models import load_model
+from headscope.analysis.patching import ATTRIBUTION_SHARE, activation_patching, prompt_pair
+from headscope.analysis.patching_choices import (
     DIRECTION_DESCRIPTIONS,
     DIRECTIONS,
     KV_SITES,
@@ -27,9 +26,9 @@ from analysis.patching_choices import (
     SITES,
     parse_head_pairs,
 )
-from analysis.patching_pairs import load_pairs, pair_by_id
-from app import ids
-from app.components import (
+from headscope.analysis.patching_pairs import load_pairs, pair_by_id
+from headscope.app import ids
+from headscope.app.components import (
     GRAPH_CONFIG,
     empty_figure,
     export_bar,
@@ -43,12 +42,12 @@ from app.components import (
     url_patch,
     url_patch_id,
 )
-from app.context import get_context, offered_model
-from app.errors import guarded, message
-from app.jobs import cancellable_callback, count_progress, in_job, on_workers
-from app.url_state import parse
-from app.views import VIEWS, names
-from app.views.patching import patching_params, stored_patching, unit_names
+from headscope.app.context import get_context, offered_model
+from headscope.app.errors import guarded, message
+from headscope.app.jobs import cancellable_callback, count_progress, in_job, on_workers
+from headscope.app.url_state import parse
+from headscope.app.views import VIEWS, names
+from headscope.app.views.patching import patching_params, stored_patching, unit_names
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ def _choices(values, describe) -> list[dict]:
 
 
 def _pair_options() -> list[dict]:
-    """The built-in pairs (:func:`analysis.patching_pairs.load_pairs`) as choices: the id and the start of
+    """The built-in pairs (:func:`headscope.analysis.patching_pairs.load_pairs`) as choices: the id and the start of
     the clean prompt. A pairs file that cannot be read offers none (the page still works; the log says why)."""
     try:
         pairs = load_pairs()
@@ -460,9 +459,9 @@ def run_positions(set_progress, click, search):
 @guarded(outputs=2, error_index=1)
 def run_path_patching(set_progress, n_clicks, clean, corrupted, answer_clean, answer_corrupted, model_spec,
                       direction, metric, senders, receivers, site, freeze):
-    """Patch path (a background job): :func:`analysis.path_patching.path_patching`, the function
+    """Patch path (a background job): :func:`headscope.analysis.path_patching.path_patching`, the function
     ``headscope patch --path-from … --path-to …`` calls; its value, the endpoints and the heads."""
-    from analysis.path_patching import path_patching
+    from headscope.analysis.path_patching import path_patching
 
     in_job()
     if not n_clicks:

@@ -8,11 +8,10 @@ import sys
 import dash
 import flask
 from dash import Input, Output, State, callback, dcc, html, no_update
-
-from analysis.qk_collect import load_probe_tasks, store_sentences
-from analysis.qk_decomposition import store_labels
-from app import ids
-from app.components import (
+from headscope.analysis.qk_collect import load_probe_tasks, store_sentences
+from headscope.analysis.qk_decomposition import store_labels
+from headscope.app import ids
+from headscope.app.components import (
     GRAPH_CONFIG,
     empty_figure,
     export_bar,
@@ -27,13 +26,20 @@ from app.components import (
     upload_file_id,
     url_id,
 )
-from app.context import get_context
-from app.errors import guarded, message
-from app.jobs import in_job, progress_reporter
-from app.url_state import parse
-from app.views import VIEWS, names
-from app.views.qk import COLOUR_BY, DEFAULT_SENTENCES, MAX_SENTENCES, METHODS, qk_params, user_labels
-from app.workers import redis_url
+from headscope.app.context import get_context
+from headscope.app.errors import guarded, message
+from headscope.app.jobs import in_job, progress_reporter
+from headscope.app.url_state import parse
+from headscope.app.views import VIEWS, names
+from headscope.app.views.qk import (
+    COLOUR_BY,
+    DEFAULT_SENTENCES,
+    MAX_SENTENCES,
+    METHODS,
+    qk_params,
+    user_labels,
+)
+from headscope.app.workers import redis_url
 
 dash.register_page(__name__, path="/qk", name="QK space", title="headscope — query-key space", order=4)
 
@@ -45,11 +51,11 @@ def _warm_umap(method) -> None:
     """Compile UMAP's code in the server, in the background, once the page asks for UMAP (a link that
     names it, or Show with it chosen); embedded only: with Redis the jobs run on workers. Jobs forked
     later inherit the compiled code. Not at the server's start: a job forked while it compiles waits
-    for it (:func:`analysis.joint_embedding.start_umap_warmup`), so every new server's first Run on
+    for it (:func:`headscope.analysis.joint_embedding.start_umap_warmup`), so every new server's first Run on
     the Attention page waited too (6.0 and 4.9 s against 1.6 s without it)."""
     if method != "umap" or redis_url() or not flask.has_request_context():
         return
-    from analysis.joint_embedding import start_umap_warmup
+    from headscope.analysis.joint_embedding import start_umap_warmup
 
     if start_umap_warmup():
         print("headscope: compiling UMAP's code in the background (once per server, 10-20 s)", file=sys.stderr,

@@ -1,4 +1,4 @@
-"""Views of head ablations (:mod:`analysis.ablation`) for the Ablation page and its exports.
+"""Views of head ablations (:mod:`headscope.analysis.ablation`) for the Ablation page and its exports.
 
 - ``ablation_selection``: the layer × head map of the score heads are ranked by, chosen heads boxed;
 - ``ablation_effects``: per-token loss before/after on the run, with the next-token target, top-k
@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-
-from analysis.ablation import (
+from headscope.analysis.ablation import (
     METHOD_DESCRIPTIONS,
     AblationSpec,
     ablation_effects,
@@ -23,14 +22,14 @@ from analysis.ablation import (
     load_head_means,
     parse_heads,
 )
-from analysis.ablation_curve import load_curve, rank_heads
-from analysis.errors import InputError
-from analysis.head_summary import HEAD_METRICS
-from analysis.head_sweep import load_head_sweep
-from analysis.runs import AttentionRun
-from app import figures
-from app.views import names
-from app.views.registry import Rows, memoised, metric_scores, register
+from headscope.analysis.ablation_curve import load_curve, rank_heads
+from headscope.analysis.errors import InputError
+from headscope.analysis.head_summary import HEAD_METRICS
+from headscope.analysis.head_sweep import load_head_sweep
+from headscope.analysis.runs import AttentionRun
+from headscope.app import figures
+from headscope.app.views import names
+from headscope.app.views.registry import Rows, memoised, metric_scores, register
 
 CONTINUATION_TOKENS = 20
 REFERENCE_SENTENCES = 100  # the built-in mean-ablation reference: the first sentences of data/probes
@@ -39,13 +38,13 @@ RANK_LABELS = {"retrieval": "Retrieval score (a sweep)", "effect": "Single-head 
 
 
 def _context():
-    from app.context import get_context
+    from headscope.app.context import get_context
 
     return get_context()
 
 
 def _model(params: dict[str, Any]):
-    from analysis.models import load_model
+    from headscope.analysis.models import load_model
 
     return load_model(params.get("model") or _context().default_model)
 
@@ -63,7 +62,7 @@ def _stored(key: str | None, what: str, loader):
 
 def builtin_reference() -> list[str]:
     """The default reference set of mean ablation: the first built-in probe sentences."""
-    from analysis.paths import DATA_DIR
+    from headscope.analysis.paths import DATA_DIR
 
     lines = (DATA_DIR / "probes" / "sentences.txt").read_text(encoding="utf-8").splitlines()
     return [t for t in lines if t.strip() and not t.startswith("#")][:REFERENCE_SENTENCES]
@@ -109,7 +108,7 @@ def rank_scores(run: AttentionRun | None, params: dict[str, Any]) -> tuple[np.nd
         if not params.get("sweep"):
             raise InputError("No retrieval scores yet: run a needle-in-a-haystack sweep on the Heads page "
                              "(its 'Ablate' link brings them here), or rank heads by another score.")
-        from app.views.heads import sweep_of
+        from headscope.app.views.heads import sweep_of
 
         sweep = sweep_of({"sweep": params["sweep"]})
         return np.nan_to_num(sweep.scores, nan=0.0), f"Retrieval score (sweep {sweep.key[:8]})"

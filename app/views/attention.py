@@ -2,7 +2,7 @@
 heatmap, or for a long run its block-pooled map), the attention row of a token (for a long run the
 exact values of a zoomed region) and the attention sinks.
 
-Every number is read through the run interface (:class:`analysis.runs.AttentionRun`), so both run
+Every number is read through the run interface (:class:`headscope.analysis.runs.AttentionRun`), so both run
 kinds draw here with the same definitions.
 """
 
@@ -12,15 +12,14 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-
-from analysis.errors import InputError
-from analysis.head_summary import HEAD_METRICS
-from analysis.model_facts import window_note
-from analysis.runs import AttentionRun
-from analysis.statistics_run import parse_region
-from app import figures
-from app.views import names
-from app.views.registry import Rows, check_head, check_metric, memoised, metric_scores, register
+from headscope.analysis.errors import InputError
+from headscope.analysis.head_summary import HEAD_METRICS
+from headscope.analysis.model_facts import window_note
+from headscope.analysis.runs import AttentionRun
+from headscope.analysis.statistics_run import parse_region
+from headscope.app import figures
+from headscope.app.views import names
+from headscope.app.views.registry import Rows, check_head, check_metric, memoised, metric_scores, register
 
 
 def _head(state: Any) -> dict[str, Any]:
@@ -124,12 +123,12 @@ def token_strip_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figu
 def sink_map_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """Attention each key receives from later queries, per layer (mean over heads), and the sinks.
 
-    ``received(l, h, j) = Σ_{i>j} A[i, j] / (N − 1 − j)`` (:func:`analysis.streaming.sink_map`); a
+    ``received(l, h, j) = Σ_{i>j} A[i, j] / (N − 1 − j)`` (:func:`headscope.analysis.streaming.sink_map`); a
     position is a sink of a head when it receives at least ``SINK_THRESHOLD`` with ``SINK_MIN_LATER``
     or more later queries. Sinks after position 0 are the mid-sequence sinks (Gu et al. 2024). The
     title says which positions were checked, and when a text is too short to call any sink.
     """
-    from analysis.streaming import SINK_MIN_LATER, WINDOWED_SINKS, sink_checked_positions
+    from headscope.analysis.streaming import SINK_MIN_LATER, WINDOWED_SINKS, sink_checked_positions
 
     rec, counts = memoised((run.key, "sink_map"), lambda: (run.received_attention(), run.sink_counts()))
     positions = [int(p) for p in np.flatnonzero(counts)]

@@ -1,4 +1,4 @@
-"""Views of two stored runs compared head by head (:mod:`analysis.run_comparison`): a per-head score of
+"""Views of two stored runs compared head by head (:mod:`headscope.analysis.run_comparison`): a per-head score of
 both and its change, and one head's change in attention. The runs are named by key (or a unique
 prefix) in ``params["first"]`` and ``params["second"]``; every change is second − first.
 
@@ -10,20 +10,19 @@ from __future__ import annotations
 from typing import Any
 
 import plotly.graph_objects as go
-
-from analysis.errors import InputError
-from analysis.head_summary import HEAD_METRICS
-from analysis.run_comparison import attention_difference, compare_runs
-from analysis.runs import AttentionRun
-from app import figures
-from app.views import names
-from app.views.registry import Rows, check_metric, register
+from headscope.analysis.errors import InputError
+from headscope.analysis.head_summary import HEAD_METRICS
+from headscope.analysis.run_comparison import attention_difference, compare_runs
+from headscope.analysis.runs import AttentionRun
+from headscope.app import figures
+from headscope.app.views import names
+from headscope.app.views.registry import Rows, check_metric, register
 
 
 def comparison_params(state: Any, which: str = "") -> dict[str, Any]:
     """The views' params from a state with ``first``, ``second``, ``metric``, ``layer``, ``head`` (the
     Compare page's first run defaults to the page's shared ``run``)."""
-    from app.context import get_context
+    from headscope.app.context import get_context
 
     params = {k: getattr(state, k, None) for k in ("first", "second", "metric", "layer", "head")}
     params["first"] = params["first"] or getattr(state, "run", None)
@@ -35,7 +34,7 @@ def comparison_params(state: Any, which: str = "") -> dict[str, Any]:
 
 def stored_run(key: Any, which: str) -> AttentionRun:
     """The stored run whose key starts with ``key``; an ``InputError`` naming ``which`` otherwise."""
-    from app.context import get_context
+    from headscope.app.context import get_context
 
     if not isinstance(key, str) or not key:
         raise InputError(f"Name the {which} run by its id (at least 8 hex digits; `headscope runs list` lists them).")
@@ -60,7 +59,7 @@ def run_comparison_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, R
     differ = f"; tokens differ at {len(result.differ)} position(s)" if result.differ else ""
     selected = None
     if params.get("layer") is not None and params.get("head") is not None:
-        from app.views.registry import check_head
+        from headscope.app.views.registry import check_head
 
         selected = check_head(first, params["layer"], params["head"])
     fig = figures.comparison_grids(result.first_scores, result.second_scores, label, _name(first), _name(second),

@@ -1,5 +1,5 @@
-"""Views of a KV-cache compression curve (:mod:`analysis.kv_compression`), drawn from the curve stored
-by :func:`analysis.kv_compression_sweep.compress_sweep` and named by its key (``params["compress"]``,
+"""Views of a KV-cache compression curve (:mod:`headscope.analysis.kv_compression`), drawn from the curve stored
+by :func:`headscope.analysis.kv_compression_sweep.compress_sweep` and named by its key (``params["compress"]``,
 a prefix of it): the Pareto view (NIAH accuracy and mean loss against the KV fraction kept) and the
 per-(layer, KV group) map of one policy of the curve (``params["pick"]``, ``RANKING:FRACTION[:SEED]``).
 
@@ -13,20 +13,19 @@ import re
 from typing import Any
 
 import plotly.graph_objects as go
-
-from analysis.errors import InputError
-from analysis.kv_compression import CompressionCurve, PolicyEvaluation
-from analysis.kv_compression_choices import DEFAULT_TOLERANCE, RANKING_LABELS, RANKINGS
-from app import figures
-from app.views import names
-from app.views.registry import Rows, register
+from headscope.analysis.errors import InputError
+from headscope.analysis.kv_compression import CompressionCurve, PolicyEvaluation
+from headscope.analysis.kv_compression_choices import DEFAULT_TOLERANCE, RANKING_LABELS, RANKINGS
+from headscope.app import figures
+from headscope.app.views import names
+from headscope.app.views.registry import Rows, register
 
 ENDS = ("all_full", "all_streaming")
 _PICK = re.compile(r"^([a-z_]{1,20})(?::([0-9]*\.?[0-9]+))?(?::(\d{1,4}))?$")
 
 
 def _context():
-    from app.context import get_context
+    from headscope.app.context import get_context
 
     return get_context()
 
@@ -42,7 +41,7 @@ def compress_params(state: Any, which: str = "") -> dict[str, Any]:
 
 def stored_curve(key: Any) -> tuple[str, CompressionCurve]:
     """The stored curve whose key starts with ``key``; an ``InputError`` when none (or several) do."""
-    from analysis.kv_compression_sweep import find_curve
+    from headscope.analysis.kv_compression_sweep import find_curve
 
     if not key:
         raise InputError("No compression curve yet: run the evaluation first.")

@@ -1,7 +1,7 @@
 """Views of one run for the Flow page: token relevance for a target (raw attention, rollout, flow;
 Abnar & Zuidema 2020), rollout per layer, gradient and ablation attribution, and their faithfulness.
 
-They need full attention patterns: a statistics run says so (:meth:`analysis.runs.AttentionRun.require_patterns`).
+They need full attention patterns: a statistics run says so (:meth:`headscope.analysis.runs.AttentionRun.require_patterns`).
 """
 
 from __future__ import annotations
@@ -10,16 +10,15 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-
-from analysis.attribution import CORRECTED_METHODS, PLAIN_METHODS, RELEVANCE_METHODS
-from analysis.capture import Run
-from analysis.errors import InputError
-from analysis.flow import relevance_shares
-from analysis.limits import limit
-from analysis.runs import AttentionRun
-from app import figures
-from app.views import names
-from app.views.registry import Rows, memoised, register
+from headscope.analysis.attribution import CORRECTED_METHODS, PLAIN_METHODS, RELEVANCE_METHODS
+from headscope.analysis.capture import Run
+from headscope.analysis.errors import InputError
+from headscope.analysis.flow import relevance_shares
+from headscope.analysis.limits import limit
+from headscope.analysis.runs import AttentionRun
+from headscope.app import figures
+from headscope.app.views import names
+from headscope.app.views.registry import Rows, memoised, register
 
 
 def _relevance(state: Any) -> dict[str, Any]:
@@ -45,8 +44,8 @@ def check_target(run: AttentionRun, target: Any) -> int:
 
 
 def flow_numbers(run: Run, target: int, fusion: str = "mean", drop_sink: bool = False):
-    """Every Flow-page number for ``target`` (:func:`analysis.attribution.token_relevance`), memoised."""
-    from analysis.attribution import token_relevance as compute
+    """Every Flow-page number for ``target`` (:func:`headscope.analysis.attribution.token_relevance`), memoised."""
+    from headscope.analysis.attribution import token_relevance as compute
 
     sinks, flow_limit = ((0,) if drop_sink else ()), max_flow_tokens()
     return memoised((run.key, "flow_numbers", target, fusion, drop_sink, flow_limit),
@@ -67,7 +66,7 @@ def token_relevance(run: Run, method: str, target: int, fusion: str = "mean", dr
 
 def relevance_scale(run: Run, target: int, fusion: str, drop_sink: bool, method: str = "rollout") -> float:
     """The top of the colour scale ``method``'s strip shares with its group: the largest share
-    (:func:`analysis.flow.relevance_shares`) any of them shows. Raw attention, rollout and flow share
+    (:func:`headscope.analysis.flow.relevance_shares`) any of them shows. Raw attention, rollout and flow share
     one scale; the two position-corrected strips (ratios, normalised) share another."""
     numbers = flow_numbers(run, target, fusion, drop_sink)
     group = CORRECTED_METHODS if method in CORRECTED_METHODS else PLAIN_METHODS
@@ -78,7 +77,7 @@ def relevance_scale(run: Run, target: int, fusion: str, drop_sink: bool, method:
           lambda state, query, method: {**_relevance(state), "method": method})
 def relevance_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """One strip of the Flow page: each token coloured by its share of the method's relevance for the
-    target (:func:`analysis.flow.relevance_shares`: rollout and attention rows already sum to 1, flow's
+    target (:func:`headscope.analysis.flow.relevance_shares`: rollout and attention rows already sum to 1, flow's
     max-flow values do not), on the colour scale its group shares (0 to the largest share of any of
     them, :func:`relevance_scale`): one unit, so colours compare. The hover keeps the method's own
     value beside the share, and the rows hold it (the share is its division by the rows' sum)."""
@@ -118,13 +117,13 @@ def rollout_layers_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.F
 
 
 def attribution_for(run: Run, target: int, fusion: str, drop_sink: bool):
-    """Gradients and leave-one-out ablation of ``run`` at ``target`` (:func:`analysis.attribution.attribute`).
+    """Gradients and leave-one-out ablation of ``run`` at ``target`` (:func:`headscope.analysis.attribution.attribute`).
 
     The run's own stored patterns go in, so raw attention, rollout and flow scored here are the
     numbers the strips show, to the bit.
     """
-    from analysis.attribution import attribute
-    from analysis.models import load_model
+    from headscope.analysis.attribution import attribute
+    from headscope.analysis.models import load_model
 
     def compute():
         model = load_model(run.model_name)
@@ -140,7 +139,7 @@ def attribution_for(run: Run, target: int, fusion: str, drop_sink: bool):
           lambda state, query, method: {**_relevance(state), "method": method})
 def gradient_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """Input×gradient norm and leave-one-out ablation importance as token strips."""
-    from analysis.attribution import LABELS
+    from headscope.analysis.attribution import LABELS
 
     target = check_target(run, params.get("target"))
     method = params.get("method", "ixg_norm")
@@ -168,7 +167,7 @@ def options_label(params: dict[str, Any]) -> str:
           lambda state, query, _: _relevance(state))
 def faithfulness_input_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """Spearman ρ of each method with ablation importance, on this input."""
-    from analysis.attribution import LABELS, METHODS
+    from headscope.analysis.attribution import LABELS, METHODS
 
     target = check_target(run, params.get("target"))
     att = attribution_for(run, target, params.get("fusion", "mean"), bool(params.get("drop_sink", False)))
@@ -184,9 +183,9 @@ def faithfulness_input_view(run: AttentionRun, params: dict[str, Any]) -> tuple[
           lambda state, query, _: {"fusion": state.fusion, "drop_sink": state.drop_sink, "_compute": False})
 def faithfulness_set_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """Mean ± std of ρ over the built-in evaluation set (stored; computed when absent)."""
-    from analysis.attribution import LABELS, METHODS, stored_evaluation
-    from analysis.models import load_model
-    from app.context import get_context
+    from headscope.analysis.attribution import LABELS, METHODS, stored_evaluation
+    from headscope.analysis.models import load_model
+    from headscope.app.context import get_context
 
     model = load_model(run.model_name)
     fusion, drop_sink = params.get("fusion", "mean"), bool(params.get("drop_sink", False))

@@ -3,7 +3,7 @@
 Drawn from the stored sweep named in ``params["sweep"]`` (and the model in ``params["model"]``), not
 from one run: the other per-head scores (streaming with sink size S and window W, sinks, entropy,
 evidence, previous/duplicate-token, induction) are computed on every distinct prompt of the sweep
-and aggregated (:mod:`analysis.head_scores`). Registered into :data:`app.views.registry.VIEWS`, so exports and
+and aggregated (:mod:`headscope.analysis.head_scores`). Registered into :data:`headscope.app.views.registry.VIEWS`, so exports and
 manifests work as for every other figure.
 """
 
@@ -13,17 +13,16 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-
-from analysis.errors import InputError
-from analysis.evidence import cumulative_mass
-from analysis.head_scores import LABELS, HeadScores, score_prompts, trial_prompts
-from analysis.head_summary import HEAD_METRICS
-from analysis.model_facts import window_note
-from analysis.retrieval import AGGREGATES, RetrievalSweep, decode_rows, load_sweep
-from analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
-from app import figures
-from app.views import names
-from app.views.registry import Rows, check_head_index, memoised, register
+from headscope.analysis.errors import InputError
+from headscope.analysis.evidence import cumulative_mass
+from headscope.analysis.head_scores import LABELS, HeadScores, score_prompts, trial_prompts
+from headscope.analysis.head_summary import HEAD_METRICS
+from headscope.analysis.model_facts import window_note
+from headscope.analysis.retrieval import AGGREGATES, RetrievalSweep, decode_rows, load_sweep
+from headscope.analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
+from headscope.app import figures
+from headscope.app.views import names
+from headscope.app.views.registry import Rows, check_head_index, memoised, register
 
 RETRIEVAL_THRESHOLD = 0.1
 SWEEP_PARAMS = ("model", "sweep", "agg", "layer", "head", "score", "stat", "sink_size", "window", "trial")
@@ -31,7 +30,7 @@ SWEEP_PARAMS = ("model", "sweep", "agg", "layer", "head", "score", "stat", "sink
 
 def sweep_params(state: Any) -> dict[str, Any]:
     """A sweep view's parameters from the page state (the page and its exports use the same)."""
-    from app.context import get_context
+    from headscope.app.context import get_context
 
     return {"model": state.model or get_context().default_model, "sweep": state.sweep, "agg": state.agg,
             "layer": state.layer, "head": state.head, "score": state.score, "stat": state.stat,
@@ -40,8 +39,8 @@ def sweep_params(state: Any) -> dict[str, Any]:
 
 
 def _model(params: dict[str, Any]):
-    from analysis.models import load_model
-    from app.context import get_context
+    from headscope.analysis.models import load_model
+    from headscope.app.context import get_context
 
     return load_model(params.get("model") or get_context().default_model)
 
@@ -51,7 +50,7 @@ def check_sweep_head(sweep: RetrievalSweep, layer: Any, head: Any) -> tuple[int,
 
 
 def sweep_of(params: dict[str, Any]) -> RetrievalSweep:
-    from app.context import get_context
+    from headscope.app.context import get_context
 
     key = params.get("sweep")
     if not key:
@@ -108,7 +107,7 @@ def retrieval_histogram_view(run: None, params: dict[str, Any]) -> tuple[go.Figu
 
 def head_scores_of(sweep: RetrievalSweep, params: dict[str, Any], progress=None) -> HeadScores:
     """Every other per-head score over the sweep's distinct prompts (stored; computed when missing)."""
-    from app.context import get_context
+    from headscope.app.context import get_context
 
     sink = int(params.get("sink_size", DEFAULT_SINK))
     window = int(params.get("window", DEFAULT_WINDOW))
@@ -208,7 +207,7 @@ def head_trials(sweep: RetrievalSweep, layer: int, head: int) -> Rows:
 def trial_steps_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """One head's whole attention row over the haystack at each decode step of one trial.
 
-    The rows are recomputed by replaying the trial's decode (:func:`analysis.retrieval.decode_rows`),
+    The rows are recomputed by replaying the trial's decode (:func:`headscope.analysis.retrieval.decode_rows`),
     so they are the rows the copy-paste score was taken from; the needle is boxed and each step's
     argmax marked (green: a copy-paste hit).
     """

@@ -1,5 +1,5 @@
-"""Views of activation and attribution patching (:mod:`analysis.patching`), drawn from a stored
-:class:`~analysis.patching.PatchingResult` named by its key (``params["patching"]``, a prefix of it):
+"""Views of activation and attribution patching (:mod:`headscope.analysis.patching`), drawn from a stored
+:class:`~headscope.analysis.patching.PatchingResult` named by its key (``params["patching"]``, a prefix of it):
 the map of exact (or attribution) values, and exact against attribution per unit.
 
 The Patching page (``/patching``) shows them; ``headscope patch`` exports them and ``headscope figure``
@@ -12,17 +12,16 @@ from __future__ import annotations
 from typing import Any
 
 import plotly.graph_objects as go
-
-from analysis.errors import InputError
-from analysis.patching import PatchingResult, load_patching
-from analysis.patching_choices import DIRECTION_DESCRIPTIONS, METRIC_LABELS
-from app import figures
-from app.views import names
-from app.views.registry import Rows, register
+from headscope.analysis.errors import InputError
+from headscope.analysis.patching import PatchingResult, load_patching
+from headscope.analysis.patching_choices import DIRECTION_DESCRIPTIONS, METRIC_LABELS
+from headscope.app import figures
+from headscope.app.views import names
+from headscope.app.views.registry import Rows, register
 
 
 def _context():
-    from app.context import get_context
+    from headscope.app.context import get_context
 
     return get_context()
 

@@ -1,6 +1,6 @@
 """Views of one head's query-key space (AttentionViz joint embedding; Lee et al. 2026 contrastive
 covariance decomposition) for the QK page. Drawn from the model and the probe set named in the
-params, not from a run; registered into :data:`app.views.registry.VIEWS` so they export like every figure."""
+params, not from a run; registered into :data:`headscope.app.views.registry.VIEWS` so they export like every figure."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-
-from analysis.errors import InputError
-from analysis.joint_embedding import METHODS as PROJECTIONS
-from analysis.joint_embedding import joint_embedding, query_attention
-from analysis.limits import limit
-from analysis.qk_collect import (
+from headscope.analysis.errors import InputError
+from headscope.analysis.joint_embedding import METHODS as PROJECTIONS
+from headscope.analysis.joint_embedding import joint_embedding, query_attention
+from headscope.analysis.limits import limit
+from headscope.analysis.qk_collect import (
     HeadQK,
     collect_head,
     collect_layer,
@@ -21,7 +20,7 @@ from analysis.qk_collect import (
     load_sentences,
     stored_sentences,
 )
-from analysis.qk_decomposition import (
+from headscope.analysis.qk_decomposition import (
     ablate_query_subspace,
     attribute_sentence,
     decompose_head,
@@ -29,9 +28,9 @@ from analysis.qk_decomposition import (
     stored_labels,
     wqk_spectra,
 )
-from app import figures
-from app.views import names
-from app.views.registry import Rows, memoised, register
+from headscope.app import figures
+from headscope.app.views import names
+from headscope.app.views.registry import Rows, memoised, register
 
 METHODS = dict(zip(PROJECTIONS, ("PCA", "UMAP", "t-SNE"), strict=True))  # labels of analysis' projections
 COLOUR_BY = ("position", "kind", "sentence", "norm")
@@ -58,14 +57,14 @@ def probe_sentences(params: dict[str, Any]) -> list[str]:
         raise InputError(f"Choose between 1 and {MAX_SENTENCES} probe sentences, got {n}.")
     if not params.get("texts"):
         return load_sentences(limit=n)
-    from app.context import get_context
+    from headscope.app.context import get_context
 
     return stored_sentences(get_context().store, params["texts"])[:n]
 
 
 def _model(params: dict[str, Any]):
-    from analysis.models import load_model
-    from app.context import get_context
+    from headscope.analysis.models import load_model
+    from headscope.app.context import get_context
 
     return load_model(params.get("model") or get_context().default_model)
 
@@ -74,7 +73,7 @@ def user_labels(key: str | None) -> dict[str, Any]:
     """Features of a label file a user uploaded (stored as text under ``key``), by name."""
     if not key:
         return {}
-    from app.context import get_context
+    from headscope.app.context import get_context
 
     return stored_labels(get_context().store, key)
 
@@ -93,8 +92,8 @@ def feature_of(params: dict[str, Any]) -> tuple[str, Any]:
 
 
 def head_of(params: dict[str, Any]) -> HeadQK:
-    from analysis.models import load_model
-    from app.context import get_context
+    from headscope.analysis.models import load_model
+    from headscope.app.context import get_context
 
     context = get_context()
     model = load_model(params.get("model") or context.default_model)
@@ -108,7 +107,7 @@ def head_of(params: dict[str, Any]) -> HeadQK:
 @register(names.QK_SCATTER, "Joint query-key embedding", ("model", "layer", "head", "sentences", "texts", "method", "colour", "query", "find"),
           lambda state, query, _: qk_params(state), needs_run=False)
 def qk_scatter_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
-    from app.context import get_context
+    from headscope.app.context import get_context
 
     head = head_of(params)
     method = params.get("method", "pca")
@@ -257,9 +256,8 @@ def qk_attribution_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, R
           lambda state, query, _: qk_params(state), needs_run=False)
 def qk_layer_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """A layer at a glance: one joint-embedding PCA panel per head (queries blue, keys orange)."""
+    from headscope.app.context import get_context
     from plotly.subplots import make_subplots
-
-    from app.context import get_context
 
     model = _model(params)
     layer = int(params.get("layer", 0))
@@ -295,7 +293,7 @@ def qk_layer_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
           lambda state, query, _: qk_params(state), needs_run=False)
 def qk_rank_map_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """Entropy effective rank of every head's W_QK = W_Q W_Kᵀ (pre-rotary interaction; RMSNorm gain folded)."""
-    from app.context import get_context
+    from headscope.app.context import get_context
 
     model = _model(params)
     spectra = memoised((model.digest, "wqk"), lambda: wqk_spectra(model, store=get_context().store))

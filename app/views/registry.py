@@ -19,10 +19,9 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-
-from analysis.errors import InputError, check_head_index
-from analysis.head_summary import HEAD_METRICS
-from analysis.runs import AttentionRun
+from headscope.analysis.errors import InputError, check_head_index
+from headscope.analysis.head_summary import HEAD_METRICS
+from headscope.analysis.runs import AttentionRun
 
 Rows = list[dict[str, Any]]
 Build = Callable[[Any, dict[str, Any]], tuple[go.Figure, Rows]]
@@ -52,7 +51,7 @@ VIEWS: dict[str, View] = {}
 
 def register(name: str, title: str, params: tuple[str, ...], from_state: FromState,
              needs_run: bool = True) -> Callable[[Build], Build]:
-    """Decorator: register the decorated builder as view ``name`` (a constant of :mod:`app.views.names`)."""
+    """Decorator: register the decorated builder as view ``name`` (a constant of :mod:`headscope.app.views.names`)."""
 
     def add(build: Build) -> Build:
         if name in VIEWS:
@@ -101,7 +100,7 @@ def memoised(key: tuple, compute: Callable[[], Any]) -> Any:
 
 
 def metric_scores(run: AttentionRun, metric: str) -> np.ndarray:
-    """``[layer, head]`` scores of ``metric`` on ``run`` (:meth:`analysis.runs.AttentionRun.head_scores`:
+    """``[layer, head]`` scores of ``metric`` on ``run`` (:meth:`headscope.analysis.runs.AttentionRun.head_scores`:
     from patterns, or from statistics for a long run)."""
     metric = check_metric(metric)
     return memoised((run.key, "metric", metric), lambda: run.head_scores(metric))

@@ -5,9 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformer_lens.utilities import get_act_name
-
-from analysis.ablation import (
+from headscope.analysis.ablation import (
     METHODS,
     AblationSpec,
     ablation_effects,
@@ -20,9 +18,10 @@ from analysis.ablation import (
     parse_heads,
     source_z,
 )
-from analysis.ablation_curve import topk_curve
-from analysis.errors import InputError
-from analysis.head_sweep import single_head_sweep
+from headscope.analysis.ablation_curve import topk_curve
+from headscope.analysis.errors import InputError
+from headscope.analysis.head_sweep import single_head_sweep
+from transformer_lens.utilities import get_act_name
 
 TEXT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 
@@ -397,7 +396,7 @@ def test_real_model_pattern_edits_propagate_and_ablation_changes_the_answer(real
 
 
 def test_a_cancelled_curve_resumes_from_stored_values(tiny_model, ids, store):
-    from analysis.ablation_curve import StoredValues, load_curve, save_curve
+    from headscope.analysis.ablation_curve import StoredValues, load_curve, save_curve
 
     scores = np.arange(8, dtype=float).reshape(2, 4)
     calls = []
@@ -439,8 +438,8 @@ def test_masking_top_retrieval_heads_breaks_retrieval_more_than_random_heads(rea
     prompts: 1.00, 0.00, 1.00 and 0.67). Decoding is greedy and the seeds fixed: the numbers are
     deterministic. Full size (24 prompts, k up to 20, 3 seeds: accuracy 0.54
     clean, 0.08 with the top 5 masked, 0.71 ± 0.10 with 5 random heads): bench/ablation_curve.py."""
-    from analysis.ablation_curve import retrieval_accuracy_fn
-    from analysis.retrieval import trial_prompt
+    from headscope.analysis.ablation_curve import retrieval_accuracy_fn
+    from headscope.analysis.retrieval import trial_prompt
 
     result = small_retrieval_sweep
     trials = [t for t in result.trials if t.depth == 25]
@@ -460,7 +459,7 @@ def test_masking_top_retrieval_heads_breaks_retrieval_more_than_random_heads(rea
 
 
 def test_a_cancelled_single_head_sweep_keeps_finished_layers_and_resumes(tiny_model, ids, store):
-    from analysis.head_sweep import load_head_sweep, resumable_head_sweep
+    from headscope.analysis.head_sweep import load_head_sweep, resumable_head_sweep
 
     calls = {"n": 0}
 
@@ -483,9 +482,9 @@ def test_a_cancelled_single_head_sweep_keeps_finished_layers_and_resumes(tiny_mo
 
 def test_the_head_sweep_action_keeps_the_pages_store_key_and_equals_the_plain_sweep(tiny_model, store):
     """Sweeps the page stored before the action existed are found again: same key formula."""
-    from analysis.capture import capture
-    from analysis.head_sweep import ablation_head_sweep
-    from analysis.store import content_key
+    from headscope.analysis.capture import capture
+    from headscope.analysis.head_sweep import ablation_head_sweep
+    from headscope.analysis.store import content_key
 
     run = capture(tiny_model, TEXT, store=store)
     key, result = ablation_head_sweep(tiny_model, run, AblationSpec((), "zero"), "kl", store)
@@ -534,7 +533,7 @@ def test_a_raised_ablation_limit_admits_a_longer_text(long_tiny, monkeypatch):
 
 def test_capture_past_its_max_tokens_names_no_setting_that_does_not_change_it(tiny_model):
     """capture()'s own bound is its ``max_tokens`` argument: no environment variable moves it."""
-    from analysis.capture import capture
+    from headscope.analysis.capture import capture
 
     with pytest.raises(InputError) as refused:
         capture(tiny_model, list(range(300, 330)), max_tokens=16)

@@ -6,12 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from headscope.analysis.ablation import AblationSpec, loss_metric_fn
+from headscope.analysis.ablation_curve import ablation_curve, check_curve, load_curve, topk_curve
+from headscope.analysis.capture import capture
+from headscope.analysis.errors import InputError
 from transformer_lens.utilities import get_act_name
-
-from analysis.ablation import AblationSpec, loss_metric_fn
-from analysis.ablation_curve import ablation_curve, check_curve, load_curve, topk_curve
-from analysis.capture import capture
-from analysis.errors import InputError
 
 TEXT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 
@@ -82,7 +81,7 @@ def test_the_curve_action_stores_its_control_and_reuses_measured_head_sets(tiny_
     assert loaded.outside_top == 3 and stored_meta["by_label"] == "a score"
     np.testing.assert_array_equal(loaded.random, curve.random)
     # another control N is another curve (another key), but head sets measured before are not rerun
-    import analysis.ablation_curve as ac
+    import headscope.analysis.ablation_curve as ac
 
     calls = []
     real = ac.ablation_hooks
@@ -98,11 +97,11 @@ def test_the_curve_action_stores_its_control_and_reuses_measured_head_sets(tiny_
 
 
 # The Ablation page's "Random k" button and the curve's control draw by one rule (#38 item 19):
-# :func:`analysis.ablation_curve.random_control`.
+# :func:`headscope.analysis.ablation_curve.random_control`.
 
 
 def test_random_control_never_holds_a_head_of_the_top_n_over_many_seeds():
-    from analysis.ablation_curve import random_control
+    from headscope.analysis.ablation_curve import random_control
 
     rng = np.random.default_rng(7)
     scores = rng.normal(size=(30, 9))
@@ -123,7 +122,7 @@ def test_random_control_never_holds_a_head_of_the_top_n_over_many_seeds():
 
 def test_the_curves_random_sets_are_random_control_draws(tiny_model):
     """The curve's seed-s set at k is exactly what "Random k" draws with seed s, k and the curve's N."""
-    from analysis.ablation_curve import random_control
+    from headscope.analysis.ablation_curve import random_control
 
     class Asked(dict):
         """Metric values by head set, recording the sets the curve asks for, in its order."""
@@ -151,7 +150,7 @@ def test_the_curves_random_sets_are_random_control_draws(tiny_model):
     (5, 20, 2**64, "seed must be"),
 ])
 def test_random_control_refuses_what_it_cannot_draw(k, outside, seed, message):
-    from analysis.ablation_curve import random_control
+    from headscope.analysis.ablation_curve import random_control
 
     with pytest.raises(InputError, match=message):
         random_control(np.zeros((30, 9)), k, seed, outside_top=outside)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from analysis.attention_statistics import (
+from headscope.analysis.attention_statistics import (
     LayerRequest,
     StatisticsModeError,
     _check_causal_mask,
     statistics_mode,
 )
-from kernels.attention import ARGMAX, ENTROPY, ROWS, attention
+from headscope.kernels.attention import ARGMAX, ENTROPY, ROWS, attention
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +128,7 @@ def test_masked_segments_apply_a_policy_mask_within_the_models_window_as_the_def
     model's window no longer shows): the keys each segment's kernel call shows each query head are
     exactly ``j ≤ p`` and ``j > p − W_model`` (if any) and ``j < S_h or j > p − W_h`` (if ``W_h``)."""
     import numpy as np
-
-    from analysis.attention_statistics import HeadKeyMask, masked_segments
+    from headscope.analysis.attention_statistics import HeadKeyMask, masked_segments
 
     rng = np.random.default_rng(0)
     for _ in range(300):
@@ -194,9 +192,8 @@ def test_a_policy_mask_runs_full_groups_apart_and_equals_the_definition(seed, mo
     some KV groups full and some streaming): the output equals a dense softmax under the definition's
     mask, and the full groups' heads run in a kernel call without a key mask (SDPA where it applies)."""
     import numpy as np
-
-    from analysis import attention_statistics as mod
-    from analysis.attention_statistics import HeadKeyMask, LayerMask, _attend_masked
+    from headscope.analysis import attention_statistics as mod
+    from headscope.analysis.attention_statistics import HeadKeyMask, LayerMask, _attend_masked
 
     rng = np.random.default_rng(seed)
     n_kv, group = int(rng.integers(1, 4)), int(rng.choice([1, 2, 3]))
@@ -240,8 +237,8 @@ def test_listed_cells_equal_the_dense_softmax_at_those_cells(layout, batch):
     """cell_weights on GQA heads: the equal-token cells of a repetitive text and scattered cells, listed
     in no particular order, equal the dense softmax read at those cells (0 where the window hides the
     key), with the weights finished a small ``chunk`` at a time."""
-    from analysis.attention_statistics import cell_weights
-    from analysis.statistics_run import detection_cells
+    from headscope.analysis.attention_statistics import cell_weights
+    from headscope.analysis.statistics_run import detection_cells
 
     g = torch.Generator().manual_seed(len(layout) + batch)
     n_kv, group, d, n_k = 2, 3, 16, 203

@@ -8,8 +8,7 @@ same independent path and against central finite differences on a float64 copy o
 import numpy as np
 import pytest
 import torch
-
-from analysis.attribution import (
+from headscope.analysis.attribution import (
     COPY_SET,
     EVAL_SET,
     METHODS,
@@ -25,10 +24,11 @@ from analysis.attribution import (
     spearman,
     token_relevance,
 )
-from analysis.capture import capture
-from analysis.errors import InputError
-from analysis.flow import attention_flow, flow_reference_networkx
-from analysis.rollout import rollout
+from headscope.analysis.capture import capture
+from headscope.analysis.errors import InputError
+from headscope.analysis.flow import attention_flow, flow_reference_networkx
+from headscope.analysis.rollout import rollout
+
 from tests.conftest import tiny_hf_model
 
 TEXT = "The keys to the old wooden cabinet in the kitchen"
@@ -115,7 +115,7 @@ def test_input_x_gradient_matches_autograd_through_inputs_embeds(tiny_model):
 
 def test_input_x_gradient_sum_matches_finite_differences(tiny_model):
     """e_j · ∂f/∂e_j = d/dε f(…, (1 + ε)·e_j, …) at ε = 0, by a five-point stencil in float64."""
-    from analysis.models import wrap_model
+    from headscope.analysis.models import wrap_model
 
     hf = tiny_hf_model(len(tiny_model.tokenizer), seed=1).double()
     model = wrap_model(hf, tiny_model.tokenizer, name="tiny-float64", digest="tiny-float64")

@@ -42,7 +42,7 @@ def test_the_position_correction_is_said_to_be_headscopes_own():
 
 
 def test_all_streaming_says_positions_are_kept_not_renumbered():
-    from analysis.kv_compression_choices import RANKING_LABELS
+    from headscope.analysis.kv_compression_choices import RANKING_LABELS
 
     label = RANKING_LABELS["all_streaming"]
     assert "StreamingLLM" in label and "positions kept" in label, label

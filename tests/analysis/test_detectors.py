@@ -3,9 +3,8 @@ key-value-group aggregation by hand."""
 
 import numpy as np
 import pytest
-
-from analysis.capture import capture
-from analysis.detectors import (
+from headscope.analysis.capture import capture
+from headscope.analysis.detectors import (
     aggregate_runs,
     detection_pattern,
     detector_scores,
@@ -125,7 +124,7 @@ def test_group_heads_by_hand():
 
 @pytest.mark.integration
 def test_embedded_model_has_induction_and_previous_token_heads():
-    from analysis.models import load_model
+    from headscope.analysis.models import load_model
 
     model = load_model("smollm2-135m")
     half = np.random.default_rng(0).integers(1000, 20000, size=60).tolist()

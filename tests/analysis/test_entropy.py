@@ -1,6 +1,5 @@
 import numpy as np
-
-from analysis.entropy import normalised_entropy
+from headscope.analysis.entropy import normalised_entropy
 
 
 def causal_uniform(n):
@@ -34,7 +33,7 @@ def test_row_entropy_matches_the_definition_row_by_row_across_chunks():
     keys up to its last row) and in full; and on a non-causal, non-square one."""
     import math
 
-    from analysis.entropy import row_entropy
+    from headscope.analysis.entropy import row_entropy
 
     def entropy(row) -> float:
         return -math.fsum(float(p) * math.log(float(p)) for p in row if p > 0)
@@ -67,8 +66,7 @@ def test_a_whole_runs_rows_on_one_or_two_threads_are_the_one_call_results_bit_fo
     import math
 
     import torch
-
-    from analysis.entropy import row_entropy
+    from headscope.analysis.entropy import row_entropy
 
     rng = np.random.default_rng(1)
     L, H, n = 5, 3, 150

@@ -2,9 +2,8 @@
 
 import numpy as np
 import pytest
-
-from analysis.capture import InputError as ReExported
-from analysis.errors import InputError, check_head, check_head_index, check_layer
+from headscope.analysis.capture import InputError as ReExported
+from headscope.analysis.errors import InputError, check_head, check_head_index, check_layer
 
 
 def test_valid_heads_come_back_as_ints():

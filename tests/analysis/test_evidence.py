@@ -2,8 +2,7 @@
 
 import numpy as np
 import pytest
-
-from analysis.evidence import cumulative_mass, evidence_score
+from headscope.analysis.evidence import cumulative_mass, evidence_score
 
 
 def random_causal(rng, n_layers, n_heads, n):
@@ -72,9 +71,9 @@ def test_cumulative_mass_concentrated_vs_spread():
 
 @pytest.mark.integration
 def test_question_reads_the_needle_in_a_few_heads_of_the_embedded_model():
-    from analysis.capture import capture
-    from analysis.models import load_model
-    from analysis.niah import build_prompt, load_haystack, load_needles
+    from headscope.analysis.capture import capture
+    from headscope.analysis.models import load_model
+    from headscope.analysis.niah import build_prompt, load_haystack, load_needles
 
     model = load_model("smollm2-135m")
     needle = {n.id: n for n in load_needles()}["locker-code"]

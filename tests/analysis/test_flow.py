@@ -2,9 +2,8 @@
 
 import numpy as np
 import pytest
-
-from analysis.flow import attention_flow, attention_flow_all, flow_reference_networkx
-from analysis.rollout import augmented_attention
+from headscope.analysis.flow import attention_flow, attention_flow_all, flow_reference_networkx
+from headscope.analysis.rollout import augmented_attention
 
 
 def random_causal(rng, n_layers, n_heads, n, alpha=1.0, sink=0.0):

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from headscope.analysis.capture import capture, tokenize_input
+from headscope.analysis.errors import InputError
+from headscope.analysis.evidence import evidence_score
+from headscope.analysis.niah import Needle, build_prompt, load_haystack, parse_needles
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-
-from analysis.capture import capture, tokenize_input
-from analysis.errors import InputError
-from analysis.evidence import evidence_score
-from analysis.niah import Needle, build_prompt, load_haystack, parse_needles
 
 ODD = st.sampled_from(["\u200b", "\u200e", "\u202e", "\u2066", "\ufeff", "\U0001F600", "\U0001F469\u200d\U0001F52C",
                        "\x00", "\x07", "\x1b[31m", "\ud800", "\udcff", "é", "ﬁ", "\u0301", "𝔘", "<script>", " "])
@@ -62,7 +61,7 @@ def test_needle_lists_parse_or_say_why(text):
 @FAST
 @given(st.text(max_size=60))
 def test_head_lists_parse_or_say_why(tiny_model, text):
-    from analysis.ablation import parse_heads
+    from headscope.analysis.ablation import parse_heads
 
     try:
         heads = parse_heads(tiny_model, text)
@@ -104,7 +103,7 @@ def test_evidence_spans_score_or_say_why(question, evidence):
 @FAST
 @given(st.text(max_size=200))
 def test_links_always_parse_and_round_trip(search):
-    from app.url_state import parse
+    from headscope.app.url_state import parse
 
     state = parse(search)
     again = parse(state.to_search())

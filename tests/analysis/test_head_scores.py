@@ -3,13 +3,12 @@ prompt's captured patterns, the aggregate is their mean and spread, and results 
 
 import numpy as np
 import pytest
-
-from analysis.capture import capture
-from analysis.errors import InputError
-from analysis.evidence import evidence_score
-from analysis.head_scores import ScoredPrompt, load_head_scores, score_prompts, trial_prompts
-from analysis.head_summary import HEAD_METRICS
-from analysis.streaming import streaming_score
+from headscope.analysis.capture import capture
+from headscope.analysis.errors import InputError
+from headscope.analysis.evidence import evidence_score
+from headscope.analysis.head_scores import ScoredPrompt, load_head_scores, score_prompts, trial_prompts
+from headscope.analysis.head_summary import HEAD_METRICS
+from headscope.analysis.streaming import streaming_score
 
 
 @pytest.fixture
@@ -45,7 +44,7 @@ def test_scores_equal_direct_computation_and_aggregate_over_prompts(tiny_model, 
 
 def test_no_pattern_capture_at_any_length(tiny_model, prompts, monkeypatch):
     """Every score comes from the one statistics-mode pass: capture (patterns) is never called."""
-    import analysis.head_scores as hs
+    import headscope.analysis.head_scores as hs
 
     def no_patterns(*args, **kwargs):
         raise AssertionError("patterns captured")
@@ -78,8 +77,9 @@ def test_scores_of_a_windowed_model_keep_its_windows_and_the_heads_grid_says_so(
     """Tiny Gemma 3 (window 6 on layers 0 and 2): the scores over prompts read windowed layers as the
     single-run scores do, the stored result keeps the windows, and the Heads page's score map marks
     those layers and says how the streaming score treats them."""
-    from analysis.models import wrap_model
-    from app.views import heads as views
+    from headscope.analysis.models import wrap_model
+    from headscope.app.views import heads as views
+
     from tests.tiny_families import tiny_family_model
 
     model = wrap_model(tiny_family_model("gemma3", len(embedded_tokenizer)), embedded_tokenizer,

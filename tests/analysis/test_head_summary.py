@@ -1,7 +1,6 @@
 import numpy as np
 import pytest
-
-from analysis.head_summary import (
+from headscope.analysis.head_summary import (
     HEAD_METRICS,
     first_token_mass,
     max_attention,

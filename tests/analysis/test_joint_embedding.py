@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy.stats import binomtest
-
-from analysis.capture import capture
-from analysis.errors import InputError
-from analysis.head_summary import previous_token_mass
-from analysis.joint_embedding import (
+from headscope.analysis.capture import capture
+from headscope.analysis.errors import InputError
+from headscope.analysis.head_summary import previous_token_mass
+from headscope.analysis.joint_embedding import (
     attention_agreement,
     joint_embedding,
     nearest_keys,
@@ -17,7 +15,9 @@ from analysis.joint_embedding import (
     project,
     query_attention,
 )
-from analysis.qk_collect import causal_softmax, collect_head, load_sentences
+from headscope.analysis.qk_collect import causal_softmax, collect_head, load_sentences
+from scipy.stats import binomtest
+
 from tests.analysis.test_qk_collect import synthetic_head
 
 
@@ -189,7 +189,7 @@ def test_joint_embedding_puts_queries_near_the_key_they_attend_to(real_model, pr
 
 UMAP_STARTS_DURING_A_FORK = """
 import os, sys, threading, time
-from analysis import joint_embedding as je
+from headscope.analysis import joint_embedding as je
 
 def slow_warm_up(progress=None):  # stands in for numba's compile (10-20 s, holding its compiler lock)
     time.sleep(1.0)

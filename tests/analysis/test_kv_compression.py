@@ -9,8 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from analysis.kv_compression import (
+from headscope.analysis.kv_compression import (
     PATTERN_CONFIG,
     PATTERN_TSV,
     Policy,
@@ -24,6 +23,7 @@ from analysis.kv_compression import (
     smallest_model_window,
     streaming_key_mask,
 )
+
 from tests.conftest import tiny_hf_model
 
 SEED = 3
@@ -209,7 +209,7 @@ def test_evaluate_policies_on_texts_baseline_ends_and_resume(model, store):
     assert base.agreement == 1.0 and base.memory.fraction == 1.0
     assert rows[("all_full", None)]["loss"] == base.loss
     # the baseline loss is the plain model's mean loss over both texts (token-weighted)
-    from analysis.ablation import loss_metric
+    from headscope.analysis.ablation import loss_metric
 
     want = np.mean([float(loss_metric(t)(bridge_logits(model, t, [])[None])[0]) for t in texts])
     assert base.loss == pytest.approx(want, rel=1e-6)
@@ -243,7 +243,7 @@ def test_evaluate_policies_cancel_keeps_what_finished(model):
     ({"recent_size": 0}, "W >= 1"),
 ])
 def test_evaluate_policies_refuses_bad_input_before_any_work(model, kwargs, message):
-    from analysis.errors import InputError
+    from headscope.analysis.errors import InputError
 
     args = {"rankings": ["random"], "fractions": [0.5], "texts": [IDS], **kwargs}
     with pytest.raises(InputError, match=message):
@@ -259,8 +259,8 @@ def test_evaluate_policies_refuses_bad_input_before_any_work(model, kwargs, mess
 def test_the_kernels_key_sink_and_window_are_streaming_key_mask(n_q, n_k, sink, recent):
     """One definition of the mask: the kernel's visible keys (read off its exact rows) and the eager
     reference's are :func:`streaming_key_mask`'s, also for decode rows (n_q < n_k)."""
-    from kernels.attention import attention
-    from kernels.reference import attention_scores
+    from headscope.kernels.attention import attention
+    from headscope.kernels.reference import attention_scores
 
     g = torch.Generator().manual_seed(n_q * 100 + n_k)
     q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (n_q, n_k, n_k))
@@ -286,7 +286,7 @@ def _decode_logits(model, ids: list[int], n_prompt: int, hooks=()) -> list[torch
 def test_statistics_backend_equals_a_hand_written_forward_prefill_and_decode(model, reference):
     """The same GQA policy through the kernels: prefill logits and every KV-cached decode step equal
     the hand-written forward with :func:`brute_visible`'s mask."""
-    from analysis.kv_compression import policy_applied, policy_key_masks
+    from headscope.analysis.kv_compression import policy_applied, policy_key_masks
 
     policy = Policy(MIXED, sink_size=2, recent_size=3)
     masks = policy_key_masks(model, policy)
@@ -307,7 +307,8 @@ def test_statistics_backend_equals_a_hand_written_forward_prefill_and_decode(mod
 def windowed(request, embedded_tokenizer):
     """Sliding-window families (tests/tiny_families.py): Mistral, window 7 on every layer; Gemma 3,
     window 6 on layers 0 and 2, one KV head for four query heads, soft scale, QK-norm."""
-    from analysis.models import wrap_model
+    from headscope.analysis.models import wrap_model
+
     from tests.tiny_families import tiny_family_model
 
     name = request.param
@@ -323,8 +324,8 @@ def test_statistics_backend_intersects_the_models_sliding_window_prefill_and_dec
     part-way (rows that run one at a time). Prefill equals the eager path's masked scores (which hold
     the model's own window); each KV-cached decode step, whose sliding cache has dropped early keys,
     equals the last row of an uncached eager forward over the same tokens."""
-    from analysis.attention_statistics import layer_mask, masked_segments
-    from analysis.kv_compression import policy_applied, policy_key_masks
+    from headscope.analysis.attention_statistics import layer_mask, masked_segments
+    from headscope.analysis.kv_compression import policy_applied, policy_key_masks
 
     full = np.zeros((windowed.n_layers, windowed.n_kv_heads), bool)
     full[0, 0] = windowed.n_kv_heads > 1  # Mistral: one full group in layer 0
@@ -351,7 +352,7 @@ def _metrics(curve):
 def _check_backends_agree(m) -> None:
     """Loss within 1e-4, agreement, NIAH accuracy and KV bytes exactly, on texts and on prompts decoded
     with the cache (6 new tokens each)."""
-    from analysis.niah import build_prompt, load_haystack, load_needles
+    from headscope.analysis.niah import build_prompt, load_haystack, load_needles
 
     texts = [LONG, LONG[::-1]]
     prompts = [build_prompt(m, n, load_haystack("prose"), 160, 50.0) for n in load_needles()[:2]]
@@ -378,8 +379,8 @@ def test_statistics_backend_metrics_equal_eager_metrics_sliding_window_families(
 def test_all_full_on_the_statistics_backend_is_the_uncompressed_statistics_run(model):
     """The all-full policy gives no key masks: its loss and predictions are exactly those of a plain
     statistics-mode run (the baseline), and a policy whose S + W covers every text changes nothing."""
-    from analysis.attention_statistics import statistics_mode
-    from analysis.kv_compression import policy_key_masks, text_metrics
+    from headscope.analysis.attention_statistics import statistics_mode
+    from headscope.analysis.kv_compression import policy_key_masks, text_metrics
 
     assert policy_key_masks(model, build_policy(model, "all_full", 1.0)) == {}
     with statistics_mode(model):
@@ -395,8 +396,8 @@ def test_all_full_on_the_statistics_backend_is_the_uncompressed_statistics_run(m
 
 def test_auto_backend_follows_the_page_rule(model, monkeypatch):
     """``auto``: eager up to HEADSCOPE_MAX_TOKENS tokens on CPU, statistics mode above."""
-    from analysis.errors import InputError
-    from analysis.kv_compression import choose_backend
+    from headscope.analysis.errors import InputError
+    from headscope.analysis.kv_compression import choose_backend
 
     assert choose_backend(model, "auto", 100) == "eager"
     monkeypatch.setenv("HEADSCOPE_MAX_TOKENS", "10")
@@ -411,9 +412,9 @@ def test_eager_decode_past_a_sliding_window_with_sinks_is_refused_and_auto_uses_
     """The eager hook sees only the shortened sliding-window cache and would take its first keys for the
     sinks (its decode steps differ from the uncached forward by ~0.3-0.5 in the logits): asked for,
     it is refused; ``auto`` evaluates such prompts in statistics mode."""
-    from analysis.errors import InputError
-    from analysis.kv_compression import policy_applied
-    from analysis.niah import build_prompt, load_haystack, load_needles
+    from headscope.analysis.errors import InputError
+    from headscope.analysis.kv_compression import policy_applied
+    from headscope.analysis.niah import build_prompt, load_haystack, load_needles
 
     policy = Policy(np.zeros((windowed.n_layers, windowed.n_kv_heads), bool), sink_size=2, recent_size=3)
     with policy_applied(windowed, policy, "eager") as hooks:

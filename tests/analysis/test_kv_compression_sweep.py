@@ -7,17 +7,16 @@ from __future__ import annotations
 import json
 import threading
 
+import headscope.analysis.kv_compression_sweep as kvs
 import numpy as np
 import pytest
-
-import analysis.kv_compression_sweep as kvs
-from analysis.errors import InputError
-from analysis.head_scores import trial_prompts
-from analysis.kv_compression import evaluate_policies
-from analysis.kv_compression_choices import RANKING_LABELS
-from analysis.niah import load_haystack, load_needles
-from analysis.retrieval import sweep, trial_prompt
-from analysis.store import Store
+from headscope.analysis.errors import InputError
+from headscope.analysis.head_scores import trial_prompts
+from headscope.analysis.kv_compression import evaluate_policies
+from headscope.analysis.kv_compression_choices import RANKING_LABELS
+from headscope.analysis.niah import load_haystack, load_needles
+from headscope.analysis.retrieval import sweep, trial_prompt
+from headscope.analysis.store import Store
 
 SINK, RECENT = 4, 16
 RANKINGS = ["retrieval", "streaming", "random", "all_streaming"]
@@ -41,7 +40,7 @@ def test_stored_curve_equals_evaluate_policies_and_reopens_without_computing(mod
                                 recent_size=RECENT, store=store)
     assert stored.key and stored.curve.complete
     # by hand: the sweep's retrieval scores, the streaming score with the policy's S and W
-    from analysis.head_scores import score_prompts
+    from headscope.analysis.head_scores import score_prompts
 
     streaming = score_prompts(model, trial_prompts(result.trials), sink=SINK, window=RECENT).mean["streaming"]
     by_hand = evaluate_policies(model, {"retrieval": result.scores, "streaming": streaming}, RANKINGS, [0.25, 0.5],
@@ -87,7 +86,7 @@ def test_a_cancelled_curve_is_not_stored_and_s_plus_w_must_leave_keys_out(model,
 
 
 def test_pareto_figure_band_and_marks_are_the_curves_numbers(model, swept):
-    from app.figures import compression_pareto
+    from headscope.app.figures import compression_pareto
 
     store, result = swept
     curve = kvs.compress_sweep(model, result, RANKINGS, [0.25, 0.5], seeds=[0, 1], sink_size=SINK,

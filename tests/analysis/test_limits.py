@@ -4,9 +4,8 @@ that reports one names its variable."""
 import base64
 
 import pytest
-
-from analysis.errors import InputError
-from analysis.limits import DEFAULTS, hint, limit
+from headscope.analysis.errors import InputError
+from headscope.analysis.limits import DEFAULTS, hint, limit
 
 
 def test_limits_read_the_environment_at_check_time(monkeypatch):
@@ -19,8 +18,8 @@ def test_limits_read_the_environment_at_check_time(monkeypatch):
 
 
 def test_a_sweep_over_the_trial_limit_is_refused_before_any_work(tiny_model, monkeypatch):
-    from analysis.niah import load_haystack, load_needles
-    from analysis.retrieval import sweep
+    from headscope.analysis.niah import load_haystack, load_needles
+    from headscope.analysis.retrieval import sweep
 
     monkeypatch.setenv("HEADSCOPE_MAX_SWEEP_TRIALS", "5")
     with pytest.raises(InputError, match="6 trials.*HEADSCOPE_MAX_SWEEP_TRIALS"):
@@ -28,7 +27,7 @@ def test_a_sweep_over_the_trial_limit_is_refused_before_any_work(tiny_model, mon
 
 
 def test_uploads_over_the_limit_or_not_text_say_why(monkeypatch):
-    from app.components import upload_text
+    from headscope.app.components import upload_text
 
     def url(data: bytes) -> str:
         return "data:text/plain;base64," + base64.b64encode(data).decode()

@@ -1,6 +1,5 @@
 import pytest
-
-from analysis.models import ModelError, display_token, load_model
+from headscope.analysis.models import ModelError, display_token, load_model
 
 
 def test_unknown_spec_says_what_can_be_loaded():
@@ -19,9 +18,8 @@ def test_missing_gguf_and_empty_folder_are_explained(tmp_path):
 
 def test_unsupported_architecture_is_a_model_error(embedded_tokenizer):
     import torch
+    from headscope.analysis.models import wrap_model
     from transformers import GPT2Config, GPT2LMHeadModel
-
-    from analysis.models import wrap_model
 
     class Odd(torch.nn.Module):
         config = GPT2Config(n_layer=1, n_head=2, n_embd=8)
@@ -144,7 +142,8 @@ def test_models_over_the_memory_budget_are_unloaded_least_recently_used_first(re
     least recently used, never the one just loaded nor one in use."""
     import threading
 
-    from analysis import models
+    from headscope.analysis import models
+
     from tests.conftest import tiny_hf_model
 
     saved = dict(models._models)  # models other tests left resident would change who is least recent
@@ -214,13 +213,13 @@ def _missing(monkeypatch):
     """The opt-in entry as it is on a machine without its package (an import name nothing provides)."""
     from dataclasses import replace
 
-    from analysis.models import EMBEDDED
+    from headscope.analysis.models import EMBEDDED
 
     monkeypatch.setitem(EMBEDDED, OPT_IN, replace(EMBEDDED[OPT_IN], package="headscope_absent_optin_pkg"))
 
 
 def test_the_opt_in_model_is_never_the_default_and_carries_its_terms():
-    from analysis.models import DEFAULT_MODEL, EMBEDDED
+    from headscope.analysis.models import DEFAULT_MODEL, EMBEDDED
 
     spec = EMBEDDED[OPT_IN]
     assert DEFAULT_MODEL != OPT_IN and spec.opt_in and not EMBEDDED[DEFAULT_MODEL].opt_in
@@ -229,7 +228,7 @@ def test_the_opt_in_model_is_never_the_default_and_carries_its_terms():
 
 
 def test_a_missing_opt_in_model_is_not_offered_and_asking_for_it_names_the_install_command(monkeypatch):
-    from analysis.models import available_models, offered_embedded
+    from headscope.analysis.models import available_models, offered_embedded
 
     _missing(monkeypatch)
     assert OPT_IN not in offered_embedded() and "smollm2-135m" in offered_embedded()
@@ -266,7 +265,7 @@ def _installed_fake(monkeypatch, tmp_path):
     import uuid
     from dataclasses import replace
 
-    from analysis.models import EMBEDDED
+    from headscope.analysis.models import EMBEDDED
 
     name = f"headscope_fake_optin_{uuid.uuid4().hex[:8]}"  # imported once per test, not reused from sys.modules
     parts = [b"GGUF" + b"a" * 1000, b"b" * 777]
@@ -283,7 +282,7 @@ def _installed_fake(monkeypatch, tmp_path):
 
 
 def test_an_installed_opt_in_model_is_offered_and_assembled_once_into_the_model_cache(monkeypatch, tmp_path):
-    from analysis.models import available_models, embedded_gguf, offered_embedded
+    from headscope.analysis.models import available_models, embedded_gguf, offered_embedded
 
     _installed_fake(monkeypatch, tmp_path)
     assert offered_embedded() == ["smollm2-135m", OPT_IN]  # after the default, never before it
@@ -299,7 +298,7 @@ def test_an_installed_opt_in_model_is_offered_and_assembled_once_into_the_model_
 
 
 def test_an_opt_in_model_whose_parts_are_broken_says_to_reinstall(monkeypatch, tmp_path):
-    from analysis.models import embedded_gguf
+    from headscope.analysis.models import embedded_gguf
 
     package, _ = _installed_fake(monkeypatch, tmp_path)
     (package / "part1").write_bytes(b"corrupted")

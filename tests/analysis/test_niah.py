@@ -2,9 +2,8 @@
 
 import numpy as np
 import pytest
-
-from analysis.errors import InputError
-from analysis.niah import (
+from headscope.analysis.errors import InputError
+from headscope.analysis.niah import (
     Needle,
     build_prompt,
     find_span,
@@ -13,7 +12,7 @@ from analysis.niah import (
     passkey_filler,
     split_sentences,
 )
-from analysis.retrieval import rouge1_recall
+from headscope.analysis.retrieval import rouge1_recall
 
 NEEDLE = Needle(
     needle="The combination for the blue locker is 4817.",
@@ -161,7 +160,7 @@ def test_find_span():
 
 
 def test_own_needles_parse_from_lines_or_json_and_bad_ones_say_why():
-    from analysis.niah import parse_needles
+    from headscope.analysis.niah import parse_needles
 
     lines = "# mine\nThe vault code is 7731. | What is the vault code? | 7731\n\nPip is a parrot. | Who is Pip? | a parrot"
     needles = parse_needles(lines)
@@ -177,7 +176,7 @@ def test_own_needles_parse_from_lines_or_json_and_bad_ones_say_why():
 
 def test_named_haystack_refuses_paths(tmp_path):
     """What a request may name: the shipped haystacks only; a path is refused, its file never read."""
-    from analysis.niah import named_haystack
+    from headscope.analysis.niah import named_haystack
 
     secret = tmp_path / "secret.txt"
     secret.write_text("canary-word-in-a-file")
@@ -213,7 +212,8 @@ def base_model(embedded_tokenizer):
     and has no chat template (a base model; a copy, the session's tokenizer stays as it is)."""
     import copy
 
-    from analysis.models import wrap_model
+    from headscope.analysis.models import wrap_model
+
     from tests.tiny_families import tiny_family_model
 
     tok = copy.deepcopy(embedded_tokenizer)
@@ -226,7 +226,7 @@ def base_model(embedded_tokenizer):
 def test_a_base_model_prompt_ends_with_the_answer_cue(base_model, prose):
     """Without a chat template nothing marks where the answer goes; like the retrieval-head paper's
     base-model prompts, the question is followed by 'Answer:', so greedy decoding starts with it."""
-    from analysis.niah import ANSWER_CUE
+    from headscope.analysis.niah import ANSWER_CUE
 
     p = build_prompt(base_model, NEEDLE, prose, 300, 50)
     tok = base_model.tokenizer
@@ -251,7 +251,7 @@ def test_json_needles_whose_fields_are_not_strings_are_refused_naming_the_field(
     field and what it was (``str()`` made them "None", "7731", "['a']" before)."""
     import json
 
-    from analysis.niah import parse_needles
+    from headscope.analysis.niah import parse_needles
 
     good = {"needle": "The vault code is 7731.", "question": "What is the vault code?", "answer": "7731"}
     for field in ("needle", "question", "answer", "id", "kind"):
@@ -274,7 +274,7 @@ def test_context_lengths_and_the_streaming_window_are_checked_before_anything_ru
     import subprocess
     import sys
 
-    from analysis.niah import MAX_LENGTH, check_lengths, check_streaming_window
+    from headscope.analysis.niah import MAX_LENGTH, check_lengths, check_streaming_window
 
     assert check_lengths([160, 2048]) == [160, 2048]
     for bad in ([-5], [0], [True], [MAX_LENGTH + 1], [10**300], ["512"], [2.0], [160, -1]):

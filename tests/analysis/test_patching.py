@@ -7,11 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from headscope.analysis.errors import InputError
+from headscope.analysis.patching import activation_patching, agreement, prompt_pair
+from headscope.analysis.path_patching import layer_units, patch_together, path_patching
 from transformer_lens.utilities import get_act_name
-
-from analysis.errors import InputError
-from analysis.patching import activation_patching, agreement, prompt_pair
-from analysis.path_patching import layer_units, patch_together, path_patching
 
 CLEAN = "When Mary and John went to the store, John gave a drink to"
 CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
@@ -222,7 +221,7 @@ def test_pairs_and_settings_that_cannot_be_patched_are_explained(tiny_model):
 
 
 def test_stored_result_is_returned_and_a_cancel_keeps_what_finished(tiny_model, store, monkeypatch):
-    import analysis.patching as patching
+    import headscope.analysis.patching as patching
 
     calls = []
     result = activation_patching(tiny_model, CLEAN, CORRUPTED, ANSWERS, attribution=True, store=store,

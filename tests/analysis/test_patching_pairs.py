@@ -8,10 +8,9 @@ import json
 
 import pytest
 import torch
-
-from analysis.errors import InputError
-from analysis.patching import prompt_pair
-from analysis.patching_pairs import PAIR_KINDS, load_pairs, pair_by_id
+from headscope.analysis.errors import InputError
+from headscope.analysis.patching import prompt_pair
+from headscope.analysis.patching_pairs import PAIR_KINDS, load_pairs, pair_by_id
 
 
 def test_the_shipped_file_has_three_or_more_pairs_of_each_kind():

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from analysis.attribution import token_relevance
-from analysis.flow import flow_reference_networkx
-from analysis.position_bias import position_corrected, uniform_baseline, uniform_causal_patterns
+from headscope.analysis.attribution import token_relevance
+from headscope.analysis.flow import flow_reference_networkx
+from headscope.analysis.position_bias import position_corrected, uniform_baseline, uniform_causal_patterns
 
 
 def random_causal(n_layers: int, n_heads: int, n: int, seed: int = 0) -> np.ndarray:

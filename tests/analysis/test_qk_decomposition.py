@@ -6,12 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy.linalg import subspace_angles
-
-from analysis.errors import InputError
-from analysis.paths import DATA_DIR
-from analysis.qk_collect import ProbeTask, collect_head, load_probe_tasks
-from analysis.qk_decomposition import (
+from headscope.analysis.errors import InputError
+from headscope.analysis.paths import DATA_DIR
+from headscope.analysis.qk_collect import ProbeTask, collect_head, load_probe_tasks
+from headscope.analysis.qk_decomposition import (
     FeaturePairs,
     LabelFeature,
     LabelFileError,
@@ -28,6 +26,8 @@ from analysis.qk_decomposition import (
     token_labels,
     wqk_spectra,
 )
+from scipy.linalg import subspace_angles
+
 from tests.analysis.test_qk_collect import synthetic_head
 
 D = 32
@@ -287,7 +287,7 @@ def test_wqk_spectra_are_stored(tiny_model, store):
 @pytest.mark.integration
 def test_previous_token_subspace_of_a_real_previous_token_head(real_model):
     """Layer 1 head 2 of SmolLM2-135M attends from i to i-1 (mean 0.69 on the probe sentences)."""
-    from analysis.qk_collect import load_sentences
+    from headscope.analysis.qk_collect import load_sentences
 
     head = collect_head(real_model, load_sentences(limit=30), layer=1, head=2)
     pairs = feature_pairs(head, "previous_token")
@@ -299,9 +299,9 @@ def test_previous_token_subspace_of_a_real_previous_token_head(real_model):
 
 
 def test_uploaded_labels_and_sentences_round_trip_through_the_store(store):
-    from analysis.errors import InputError
-    from analysis.qk_collect import store_sentences, stored_sentences
-    from analysis.qk_decomposition import store_labels, stored_labels
+    from headscope.analysis.errors import InputError
+    from headscope.analysis.qk_collect import store_sentences, stored_sentences
+    from headscope.analysis.qk_decomposition import store_labels, stored_labels
 
     key, features = store_labels(store, "feature,side,label,match\ncat,both,L0,token:c0\ncat,both,L1,token:c1",
                                  "mine.csv")

@@ -6,10 +6,9 @@ import threading
 import numpy as np
 import pytest
 import torch
-
-from analysis.errors import InputError
-from analysis.niah import DEFAULT_TEMPLATE, Needle, build_prompt, load_haystack, load_needles
-from analysis.retrieval import (
+from headscope.analysis.errors import InputError
+from headscope.analysis.niah import DEFAULT_TEMPLATE, Needle, build_prompt, load_haystack, load_needles
+from headscope.analysis.retrieval import (
     Trial,
     copy_paste_hits,
     greedy_decode,
@@ -24,7 +23,7 @@ from analysis.retrieval import (
     trial_prompt,
     trial_scores,
 )
-from analysis.store import Store, content_key
+from headscope.analysis.store import Store, content_key
 
 NEEDLE = Needle(
     needle="The combination for the blue locker is 4817.",
@@ -263,7 +262,7 @@ def test_small_sweep_finds_few_retrieval_heads(small_retrieval_sweep):
 
 
 def test_decode_rows_replay_the_scored_steps(tiny, prompt):
-    from analysis.retrieval import decode_rows
+    from headscope.analysis.retrieval import decode_rows
 
     trial = run_trial(tiny, prompt, max_new_tokens=5)
     n = len(prompt.token_ids)
@@ -279,7 +278,7 @@ def test_decode_rows_replay_the_scored_steps(tiny, prompt):
 
 
 def test_decode_rows_show_a_forced_head_reading_the_needle(tiny, prompt):
-    from analysis.retrieval import decode_rows
+    from headscope.analysis.retrieval import decode_rows
 
     start, end = prompt.needle_span
     copy = prompt.token_ids[start:end]
@@ -294,7 +293,7 @@ def test_decode_rows_show_a_forced_head_reading_the_needle(tiny, prompt):
 
 def test_statistics_mode_decode_equals_the_eager_pattern_hook_path(real_model, monkeypatch, one_thread):
     """The kernel path (prefill and decode rows through kernels.attention) gives the eager numbers."""
-    import analysis.greedy_decoding as decoding
+    import headscope.analysis.greedy_decoding as decoding
 
     text = open("data/niah/haystack_prose.txt", encoding="utf-8").read()
     ids = real_model.encode(text)[:300]
@@ -313,7 +312,7 @@ def test_decoding_without_the_bridges_wrappers_keeps_tokens_and_argmax_keys(real
     """With nothing hooked, decoding runs on the Hugging Face modules under the bridge (analysis.bare_model):
     on a needle prompt of the embedded model the tokens, argmax keys and weights and the kept row are
     those of the bridge's statistics-mode pass bit for bit, and those of the eager pattern hook."""
-    import analysis.greedy_decoding as decoding
+    import headscope.analysis.greedy_decoding as decoding
 
     prompt = build_prompt(real_model, load_needles()[0], load_haystack("prose"), 400, 50)
     assert decoding.bare_supported(real_model)
@@ -335,7 +334,7 @@ def test_decoding_without_the_bridges_wrappers_keeps_tokens_and_argmax_keys(real
 
 def test_a_hook_on_the_bridge_keeps_decoding_on_the_bridge(tiny, prompt):
     """A hook (an ablation, a capture) must fire: decoding then runs through the bridge, not its modules."""
-    import analysis.greedy_decoding as decoding
+    import headscope.analysis.greedy_decoding as decoding
 
     fired = []
     assert decoding.bare_supported(tiny)
@@ -384,7 +383,7 @@ def test_sweep_settings_are_stored_and_defaults_keep_the_sweep_key(tiny, tmp_pat
 def test_stored_sweep_settings_run_the_same_sweep_again(tiny, tmp_path):
     """What the Heads page fills its form with from a sweep's link: the sweep's own settings, so
     Run computes the same sweep (same key), never the form's defaults."""
-    from analysis.niah import named_haystack
+    from headscope.analysis.niah import named_haystack
 
     store = Store(tmp_path)
     own = Needle("The vault code is 4412.", "What is the vault code?", "4412", id="custom-1", kind="custom")

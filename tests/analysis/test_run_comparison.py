@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from analysis.capture import Run
-from analysis.errors import InputError
-from analysis.run_comparison import (
+from headscope.analysis.capture import Run
+from headscope.analysis.errors import InputError
+from headscope.analysis.run_comparison import (
     ONE_TEXT,
     SAME_RUN,
     TWO_MODELS,
@@ -91,7 +90,7 @@ def test_an_unknown_metric_or_head_is_refused():
 
 # --- the rounding of the stored patterns: how far a score can move from it (#38 item 18) ---
 
-from analysis.head_summary import HEAD_METRICS  # noqa: E402
+from headscope.analysis.head_summary import HEAD_METRICS  # noqa: E402
 
 
 def _rounding_cases(seed=3, n=24):
@@ -122,7 +121,7 @@ def test_a_score_moves_by_at_most_its_resolution_when_the_weights_move_within_th
     weight's rounding interval (random points and both ends), lies within ``score_resolution`` of the
     stored run's score; and the resolution is no wider than float16 can explain (a few units of
     2^-11, relative)."""
-    from analysis.run_comparison import score_resolution
+    from headscope.analysis.run_comparison import score_resolution
 
     exact, stored, ids = _rounding_cases()
     run = make_run("d" * 64, stored, ids)
@@ -146,7 +145,7 @@ def test_a_score_moves_by_at_most_its_resolution_when_the_weights_move_within_th
 def test_a_linear_score_reaches_its_resolution_exactly():
     """The previous-token score is a mean of weights: moving each to the top of its rounding interval
     moves the score by exactly the resolution (the bound is tight, not a guess)."""
-    from analysis.run_comparison import score_resolution
+    from headscope.analysis.run_comparison import score_resolution
 
     exact, stored, ids = _rounding_cases(seed=5)
     run = make_run("e" * 64, stored, ids)
@@ -159,7 +158,7 @@ def test_changes_within_the_rounding_of_both_runs_are_named():
     """The comparison's resolution is the sum of both runs' (each may be off by its own); a head whose
     change is within it is named as such, and a float16 run's change that flips sign between the
     stored and the exact weights is always among them."""
-    from analysis.run_comparison import score_resolution
+    from headscope.analysis.run_comparison import score_resolution
 
     rng = np.random.default_rng(11)
     exact_a = causal_patterns(rng, n=16)
@@ -184,7 +183,7 @@ def test_changes_within_the_rounding_of_both_runs_are_named():
 
 def test_statistics_and_float32_runs_carry_float32_precision():
     """A float32 run's resolution is float32's (about 1e-7 of a score): its changes print to 4 decimals."""
-    from analysis.run_comparison import score_resolution, shown_decimals
+    from headscope.analysis.run_comparison import score_resolution, shown_decimals
 
     exact, _, ids = _rounding_cases(seed=2)
     run = make_run("f" * 64, exact.astype(np.float32), ids)

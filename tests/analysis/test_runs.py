@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from analysis.capture import capture
-from analysis.errors import InputError
-from analysis.runs import AttentionRun
-from analysis.statistics_run import STATS_METRICS, capture_statistics, exact_region
+from headscope.analysis.capture import capture
+from headscope.analysis.errors import InputError
+from headscope.analysis.runs import AttentionRun
+from headscope.analysis.statistics_run import STATS_METRICS, capture_statistics, exact_region
 
 N = 128
 

@@ -13,18 +13,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from analysis.attention_statistics import (
+from headscope.analysis.attention_statistics import (
     LayerRequest,
     StatisticsModeError,
     _check_causal_mask,
     check_supported,
     statistics_mode,
 )
-from analysis.capture import capture
-from analysis.models import wrap_model
-from analysis.statistics_run import STATS_METRICS, capture_statistics, statistics_score
-from kernels.attention import ARGMAX, ARGMAX_PROB, COL_SUM, ENTROPY, RECENT_MASS, ROWS, SINK_MASS
+from headscope.analysis.capture import capture
+from headscope.analysis.models import wrap_model
+from headscope.analysis.statistics_run import STATS_METRICS, capture_statistics, statistics_score
+from headscope.kernels.attention import ARGMAX, ARGMAX_PROB, COL_SUM, ENTROPY, RECENT_MASS, ROWS, SINK_MASS
+
 from tests.tiny_families import FAMILIES, tiny_family_model
 
 TEXT = ("The keeper of the lighthouse wrote every evening in a small blue notebook. She counted the ships, "
@@ -128,7 +128,7 @@ def test_scores_of_a_statistics_run_equal_those_of_patterns(family):
     stats = capture_statistics(model, tokens, sink=4, window=16)
     for metric in STATS_METRICS:
         if metric == "streaming":
-            from analysis.streaming import streaming_score
+            from headscope.analysis.streaming import streaming_score
 
             expected = streaming_score(run.patterns, sink=4, window=16, layer_windows=run.layer_windows)
         else:
@@ -161,7 +161,7 @@ def test_retrieval_argmax_rows_equal_eager_and_the_full_pattern(name, embedded_t
     brute force) agree, in the model's positions, also past a sliding window's cache. Nothing is hooked,
     so the statistics-mode decode runs on the Hugging Face modules without the bridge's wrappers
     (analysis.bare_model): every family's twin is checked here."""
-    import analysis.greedy_decoding as gd
+    import headscope.analysis.greedy_decoding as gd
 
     model = wrap_model(tiny_family_model(name, len(embedded_tokenizer)), embedded_tokenizer,
                        name=f"tiny-{name}-decode", digest=f"tiny-{name}-decode")

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from analysis.capture import capture
-from analysis.errors import InputError
-from analysis.evidence import evidence_score
-from analysis.head_summary import HEAD_METRICS
-from analysis.statistics_run import (
+from headscope.analysis.capture import capture
+from headscope.analysis.errors import InputError
+from headscope.analysis.evidence import evidence_score
+from headscope.analysis.head_summary import HEAD_METRICS
+from headscope.analysis.statistics_run import (
     STATS_METRICS,
     capture_statistics,
     evidence_from_statistics,
@@ -18,7 +17,7 @@ from analysis.statistics_run import (
     received,
     statistics_score,
 )
-from analysis.streaming import sink_map, streaming_score
+from headscope.analysis.streaming import sink_map, streaming_score
 
 N = 512
 
@@ -44,7 +43,7 @@ def test_scores_from_statistics_equal_scores_from_patterns(both, name):
 
 def test_detectors_on_a_repeated_text_and_too_many_cells(real_model, monkeypatch):
     """Induction on text repeated twice is high for induction heads; the cell cap gives nan."""
-    import analysis.statistics_run as sr
+    import headscope.analysis.statistics_run as sr
 
     ids = real_model.encode("The quick brown fox jumps over the lazy dog while seven wizards juggle.") * 3
     run = capture(real_model, ids, pattern_dtype="float32", max_tokens=len(ids))
@@ -87,7 +86,7 @@ def test_sink_map_evidence_pooled_loss_and_exact_region(real_model, both):
 
 
 def test_unknown_scores_and_bad_regions_say_why(real_model, both, monkeypatch):
-    import analysis.statistics_run as sr
+    import headscope.analysis.statistics_run as sr
 
     monkeypatch.setattr(sr, "MAX_REGION", 100)  # the default is 256
     _, stats = both
@@ -117,8 +116,8 @@ def test_stored_and_loaded(real_model, store, both):
 
 
 def test_page_runs_keep_patterns_up_to_the_limit_and_statistics_above(real_model, store, monkeypatch):
-    from analysis.capture import Run
-    from analysis.statistics_run import StatsRun, capture_for_page
+    from headscope.analysis.capture import Run
+    from headscope.analysis.statistics_run import StatsRun, capture_for_page
 
     short = capture_for_page(real_model, "A short text keeps its full patterns.", store, max_tokens=64)
     assert isinstance(short, Run) and short.patterns.shape[-1] == short.n_tokens

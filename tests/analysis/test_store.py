@@ -9,8 +9,7 @@ import time
 
 import numpy as np
 import pytest
-
-from analysis.store import Store, content_key
+from headscope.analysis.store import Store, content_key
 
 
 def test_round_trip_keeps_values_shapes_and_metadata(store):
@@ -73,7 +72,7 @@ def test_remove_and_prefix_find(store):
 WRITER = textwrap.dedent(
     """
     import sys, numpy as np
-    from analysis.store import Store
+    from headscope.analysis.store import Store
     s = Store(sys.argv[1]); who = int(sys.argv[2])
     for i in range(40):
         key = f"shared{i % 10}"            # both processes write the same ten keys
@@ -107,7 +106,7 @@ def test_two_processes_sharing_a_store_do_not_corrupt_it(tmp_path):
 
 KILLED_WRITER = r"""
 import sys, numpy as np
-from analysis.store import Store
+from headscope.analysis.store import Store
 s = Store(sys.argv[1])
 rng = np.random.default_rng(int(sys.argv[2]))
 i = 0
@@ -211,7 +210,7 @@ def test_a_file_changed_after_reading_never_changes_what_was_served(store, tampe
     np.testing.assert_array_equal(held.array("a"), a)
     with pytest.raises(ValueError):
         served[0] = 1  # read-only, as the memory map was
-    with caplog.at_level("WARNING", logger="analysis.store"):
+    with caplog.at_level("WARNING", logger="headscope.analysis.store"):
         assert _within(20, lambda: store.get("k")) is None
     assert "dropped, it will be computed again" in caplog.text and "k" in caplog.text
     store.put("k", "run", {"n": 1}, {"a": a})
@@ -271,9 +270,9 @@ def test_a_corrupt_index_is_reported_once_and_rebuilt_losing_nothing(tmp_path, d
         index.write_bytes(b"")
     else:
         index.unlink()
-    with caplog.at_level("WARNING", logger="analysis.store"):
+    with caplog.at_level("WARNING", logger="headscope.analysis.store"):
         s = Store(root)
-    lines = [r.getMessage() for r in caplog.records if r.name == "analysis.store"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "headscope.analysis.store"]
     assert len(lines) == 1 and "rebuilt 5 records from the record folders" in lines[0], lines
     assert {r.key for r in s.list()} == set(want)
     for key, arr in want.items():
@@ -281,7 +280,7 @@ def test_a_corrupt_index_is_reported_once_and_rebuilt_losing_nothing(tmp_path, d
         assert r.meta == {"i": int(arr[0])} and r.kind == "run"
         np.testing.assert_array_equal(r.array("a"), arr)
     caplog.clear()
-    with caplog.at_level("WARNING", logger="analysis.store"):
+    with caplog.at_level("WARNING", logger="headscope.analysis.store"):
         Store(root)  # rebuilt once: the next open says nothing
     assert not caplog.records
 
@@ -292,7 +291,7 @@ def test_a_corrupt_index_is_reported_once_and_rebuilt_losing_nothing(tmp_path, d
 def test_a_live_writers_temporary_folder_is_left_alone_a_dead_ones_is_collected(tmp_path):
     root = tmp_path / "home"
     s = Store(root)
-    from analysis.store import _HOST
+    from headscope.analysis.store import _HOST
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -349,7 +348,7 @@ def test_a_locked_index_is_reported_and_never_moved_aside(tmp_path, monkeypatch)
     error) and left as it is, with every record still there once the lock is gone."""
     import sqlite3
 
-    from analysis.store import StoreUnavailable
+    from headscope.analysis.store import StoreUnavailable
 
     root = tmp_path / "locked"
     s = Store(root)
@@ -380,7 +379,7 @@ ODD_LEFTOVERS = [
 
 @pytest.mark.parametrize("name, kind", ODD_LEFTOVERS, ids=[f"{k}:{n[:24]}" for n, k in ODD_LEFTOVERS])
 def test_odd_leftovers_never_stop_a_store_opening_and_are_collected(tmp_path, name, kind):
-    from analysis.store import _HOST
+    from headscope.analysis.store import _HOST
 
     Store(tmp_path / "home").put("kept", "run", {"n": 1}, {"a": np.arange(4.0)})
     where = tmp_path / "home" / "records" / "ab"
@@ -406,7 +405,7 @@ def test_odd_leftovers_never_stop_a_store_opening_and_are_collected(tmp_path, na
 FORK_DURING_INDEX_WRITE = textwrap.dedent("""
     import os, sys, threading, time
     import numpy as np
-    from analysis.store import Store
+    from headscope.analysis.store import Store
 
     store = Store(sys.argv[1], shared=False)
     store.BUSY_TIMEOUT_S = 5
@@ -450,7 +449,7 @@ def test_the_fork_gate_lets_threads_in_together_and_a_fork_waits_for_them():
     others only."""
     import threading
 
-    from analysis.fork_gate import ForkGate
+    from headscope.analysis.fork_gate import ForkGate
 
     gate, order = ForkGate(), []
     release = threading.Event()
@@ -520,7 +519,7 @@ def test_a_record_that_cannot_be_written_says_so_without_the_stores_path(tmp_pat
     OperationalError, which a page could only show as "Something went wrong"."""
     import sqlite3
 
-    from analysis.store import StoreWriteError
+    from headscope.analysis.store import StoreWriteError
 
     root = tmp_path / "store"
     s = Store(root)
@@ -556,7 +555,7 @@ def test_an_index_error_that_is_a_bug_is_not_reported_as_a_refused_write(tmp_pat
     folder still goes."""
     import sqlite3
 
-    from analysis.store import StoreWriteError
+    from headscope.analysis.store import StoreWriteError
 
     s = Store(tmp_path / "store")
 

@@ -17,8 +17,7 @@ import time
 
 import numpy as np
 import pytest
-
-from analysis.store import Store, UnreadableRow
+from headscope.analysis.store import Store, UnreadableRow
 
 A = np.arange(100, dtype=np.float32)
 KEY = "ab" * 32
@@ -183,7 +182,7 @@ def test_a_pipe_for_a_manifest_never_hangs_a_rebuild(tmp_path):
     (store.root / "index.sqlite").write_bytes(b"garbage" * 100)
     child = textwrap.dedent("""
         import sys
-        from analysis.store import Store
+        from headscope.analysis.store import Store
         print([r.key[:4] for r in Store(sys.argv[1]).list()])
     """)
     out = subprocess.run([sys.executable, "-c", child, str(tmp_path / "home")], capture_output=True, text=True,

@@ -15,8 +15,7 @@ import textwrap
 
 import numpy as np
 import pytest
-
-from analysis.store import Store, StoreReadError
+from headscope.analysis.store import Store, StoreReadError
 
 A = np.arange(5000, dtype=np.float32)
 
@@ -84,7 +83,7 @@ class _FailingRead(io.RawIOBase):
 @pytest.mark.parametrize("code", [errno.EIO, errno.EAGAIN, errno.EMFILE])
 def test_a_read_failing_mid_file_is_reported_and_the_record_stays(store, monkeypatch, code):
     key = _stored(store)
-    import analysis.store as store_module
+    import headscope.analysis.store as store_module
 
     with monkeypatch.context() as m:
         m.setattr(store_module, "open", lambda fd, mode="r", *a, **k: _FailingRead(fd, code, 1000), raising=False)
@@ -117,7 +116,7 @@ def test_proven_damage_still_drops_the_record(store):
 
 
 def test_a_transient_error_reaches_the_cli_as_one_line_and_the_run_stays(tmp_path, monkeypatch, capsys):
-    from app.cli import main
+    from headscope.app.cli import main
 
     home = tmp_path / "home"
     store = Store(home)
@@ -134,7 +133,7 @@ def test_a_transient_error_reaches_the_cli_as_one_line_and_the_run_stays(tmp_pat
 
 
 def test_the_app_shows_a_transient_error_as_a_message():
-    from app.errors import USER_ERRORS, guarded
+    from headscope.app.errors import USER_ERRORS, guarded
 
     assert issubclass(StoreReadError, USER_ERRORS)
 
@@ -149,7 +148,7 @@ def test_the_app_shows_a_transient_error_as_a_message():
 CHILD = textwrap.dedent("""
     import os, resource, sys
     import numpy as np
-    from analysis.store import Store, StoreReadError
+    from headscope.analysis.store import Store, StoreReadError
 
     store = Store(sys.argv[1])
     key = "cd" * 32

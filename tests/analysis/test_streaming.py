@@ -2,9 +2,8 @@
 
 import numpy as np
 import pytest
-
-from analysis.head_summary import HEAD_METRICS
-from analysis.streaming import SINK_MIN_LATER, sink_checked_positions, sink_map, streaming_score
+from headscope.analysis.head_summary import HEAD_METRICS
+from headscope.analysis.streaming import SINK_MIN_LATER, sink_checked_positions, sink_map, streaming_score
 
 
 def random_causal(rng, n_layers, n_heads, n, alpha=1.0):
@@ -119,9 +118,9 @@ def test_streaming_registered_as_a_head_metric():
 
 @pytest.mark.integration
 def test_embedded_model_has_streaming_and_full_context_heads_and_a_first_token_sink():
-    from analysis.capture import capture
-    from analysis.models import load_model
-    from analysis.niah import load_haystack
+    from headscope.analysis.capture import capture
+    from headscope.analysis.models import load_model
+    from headscope.analysis.niah import load_haystack
 
     model = load_model("smollm2-135m")
     ids = model.encode(load_haystack("prose"))[:300]
@@ -228,9 +227,10 @@ def test_streaming_and_sinks_of_tiny_windowed_models_equal_brute_force_from_eage
     """Tiny Mistral (window 7 on every layer) and Gemma 3 (window 6 on layers 0 and 2): the streaming
     score, the attention received per key, the first-token share and the mid-sequence sink of a
     full-pattern run and of a statistics run equal brute force over the eager patterns."""
-    from analysis.capture import capture
-    from analysis.models import wrap_model
-    from analysis.statistics_run import capture_statistics, statistics_score
+    from headscope.analysis.capture import capture
+    from headscope.analysis.models import wrap_model
+    from headscope.analysis.statistics_run import capture_statistics, statistics_score
+
     from tests.tiny_families import tiny_family_model
 
     model = wrap_model(tiny_family_model(family, len(embedded_tokenizer)), embedded_tokenizer,

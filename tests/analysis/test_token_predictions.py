@@ -4,9 +4,9 @@ numbers read off the model's full ``[n, vocab]`` logits (log_softmax, gather, to
 import numpy as np
 import pytest
 import torch
+from headscope.analysis.models import wrap_model
+from headscope.analysis.token_predictions import TOP_K, final_hidden_state, token_predictions
 
-from analysis.models import wrap_model
-from analysis.token_predictions import TOP_K, final_hidden_state, token_predictions
 from tests.tiny_families import tiny_family_model
 
 TEXT = ("The keeper of the lighthouse wrote every evening in a small blue notebook. She counted the ships, "
@@ -51,7 +51,7 @@ def test_chunked_predictions_equal_those_of_the_full_logits(family, embedded_tok
 def test_a_model_whose_logits_are_not_its_unembedding_is_refused(embedded_tokenizer):
     """The model's own last-position logits are held against the recomputed ones: an unembedding
     that does something else (here: a soft-capping the recomputation does not know of) is caught."""
-    from analysis.errors import InputError
+    from headscope.analysis.errors import InputError
 
     model = wrap_model(tiny_family_model("llama", len(embedded_tokenizer)), embedded_tokenizer,
                        name="tiny-llama-pred", digest="tiny-llama-pred")
@@ -64,8 +64,8 @@ def test_a_model_whose_logits_are_not_its_unembedding_is_refused(embedded_tokeni
 
 @pytest.mark.parametrize("kind", ["patterns", "statistics"])
 def test_both_run_kinds_keep_the_predictions_of_the_full_logits(embedded_tokenizer, kind):
-    from analysis.capture import capture
-    from analysis.statistics_run import capture_statistics
+    from headscope.analysis.capture import capture
+    from headscope.analysis.statistics_run import capture_statistics
 
     model = wrap_model(tiny_family_model("gemma2", len(embedded_tokenizer)), embedded_tokenizer,
                        name="tiny-gemma2-run-pred", digest="tiny-gemma2-run-pred")

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from headscope.analysis.attribution import attribute
+from headscope.analysis.value_norms import contribution_norms, contributions, value_weighted_patterns
 from transformer_lens.utilities import get_act_name
-
-from analysis.attribution import attribute
-from analysis.value_norms import contribution_norms, contributions, value_weighted_patterns
 
 
 def layer_activations(model, ids, layer):

@@ -26,7 +26,7 @@ def server(tmp_path_factory):
     env = {**os.environ, "HEADSCOPE_HOME": str(home)}
     for name in ("HEADSCOPE_REDIS_URL", "HEADSCOPE_TOKEN", "HEADSCOPE_MAX_TOKENS"):
         env.pop(name, None)  # a developer's own settings never reach the tests' server
-    proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, home / "server.log")
+    proc, url = start_server([sys.executable, "-m", "headscope.app.cli", "serve"], env, home / "server.log")
     yield url, proc, home
     proc.terminate()
     proc.wait(timeout=30)

@@ -3,7 +3,7 @@
 The fixture under ``fixtures/ablation_manifests`` was made by its ``make_fixture.py`` with the code
 of the commit that added it (before issue #15's ablation refactor): the manifests of an effects view
 and of a top-k curve view, their rows and figures, and the stored curve record the curve manifest
-names. Each manifest is rebuilt here with :func:`app.export.regenerate` and compared number by
+names. Each manifest is rebuilt here with :func:`headscope.app.export.regenerate` and compared number by
 number (relative 1e-5: a forward pass may differ in its last bits across thread counts).
 """
 
@@ -51,9 +51,9 @@ def _number(s: str) -> float | None:
 @pytest.fixture
 def old_store(tmp_path, real_model):
     """A fresh store holding the curve record exactly as the old code stored it."""
-    from analysis.store import Store
-    from app import context
-    from app.context import AppContext, set_context
+    from headscope.analysis.store import Store
+    from headscope.app import context
+    from headscope.app.context import AppContext, set_context
 
     rec = json.loads((FIXTURE / "curve_record.json").read_text())
     store = Store(tmp_path / "home")
@@ -68,7 +68,7 @@ def old_store(tmp_path, real_model):
 
 @pytest.mark.parametrize("view", ["ablation_curve", "ablation_effects"])
 def test_an_old_ablation_manifest_rebuilds_the_same_figure_and_rows(old_store, view):
-    from app.export import read_manifest, regenerate
+    from headscope.app.export import read_manifest, regenerate
 
     man = read_manifest(FIXTURE / f"{view}.manifest.json")
     _, fig, rows = regenerate(man, old_store)

@@ -1,5 +1,5 @@
 """The Ablation page's "Random k" in real Chromium (#38 item 19): it draws by the curve's rule
-(:func:`analysis.ablation_curve.random_control`), from outside the top N heads by the score chosen,
+(:func:`headscope.analysis.ablation_curve.random_control`), from outside the top N heads by the score chosen,
 N being the curve's "random heads from outside the top" box, and says so beside the button."""
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def test_non_loopback_server_requires_its_token(tmp_path):
     env = {**os.environ, "HEADSCOPE_HOME": str(tmp_path / "home")}
     env.pop("HEADSCOPE_TOKEN", None)
     log = tmp_path / "server.log"
-    proc, base = start_server([sys.executable, "-m", "app.cli", "serve", "--host", "0.0.0.0"], env, log)
+    proc, base = start_server([sys.executable, "-m", "headscope.app.cli", "serve", "--host", "0.0.0.0"], env, log)
     try:
         token = None
         deadline = time.time() + 180
@@ -69,7 +69,7 @@ def guarded_server(tmp_path_factory):
     env = {**os.environ, "HEADSCOPE_HOME": str(home), "HEADSCOPE_TOKEN": TOKEN, "OMP_NUM_THREADS": "1",
            "HEADSCOPE_MAX_UPLOAD_BYTES": str(UPLOAD_LIMIT)}
     env.pop("HEADSCOPE_MAX_REQUEST_BYTES", None)
-    proc, base = start_server([sys.executable, "-m", "app.cli", "serve"], env, log)
+    proc, base = start_server([sys.executable, "-m", "headscope.app.cli", "serve"], env, log)
     port = int(base.rstrip("/").rsplit(":", 1)[1])
     yield base, port, log, proc
     proc.terminate()

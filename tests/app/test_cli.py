@@ -1,4 +1,4 @@
-"""The ``headscope`` command as a user runs it: ``app.cli.main`` on the embedded model and a fresh store, and
+"""The ``headscope`` command as a user runs it: ``headscope.app.cli.main`` on the embedded model and a fresh store, and
 real processes where the process itself is what is tested."""
 
 import json
@@ -16,12 +16,12 @@ pytestmark = pytest.mark.integration
 def headscope_process(*args, home, timeout=240, env=None):
     """``headscope ARGS`` in its own process, output captured (a pipe, not a terminal)."""
     env = {**os.environ, "HEADSCOPE_HOME": str(home), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "headscope.app.cli", *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
 def headscope(*args, home, timeout=None, env=None):
-    """``headscope ARGS`` through the same ``app.cli.main`` a process runs, in this process: the
+    """``headscope ARGS`` through the same ``headscope.app.cli.main`` a process runs, in this process: the
     embedded model is loaded once per test session instead of once per command (about 12 s each).
     What only a separate process shows (exit status of the interpreter, progress bars on a pipe,
     import cost, SIGKILL) is tested with :func:`headscope_process`. An exception that is not a user
@@ -29,7 +29,7 @@ def headscope(*args, home, timeout=None, env=None):
     import contextlib
     import io
 
-    from app.cli import main
+    from headscope.app.cli import main
 
     saved = {k: os.environ.get(k) for k in ("HEADSCOPE_HOME", *(env or {}))}
     out, err = io.StringIO(), io.StringIO()
@@ -121,7 +121,7 @@ def test_models_lists_the_embedded_model(tmp_path):
 def test_models_names_the_opt_in_model_and_its_terms_only_as_an_install_hint_when_missing(tmp_path, monkeypatch):
     from dataclasses import replace
 
-    from analysis.models import EMBEDDED
+    from headscope.analysis.models import EMBEDDED
 
     monkeypatch.setitem(EMBEDDED, "gemma3-270m", replace(EMBEDDED["gemma3-270m"], package="headscope_absent_optin_pkg"))
     r = headscope("models", home=tmp_path / "home")
@@ -252,7 +252,7 @@ def test_patch_maps_the_residual_stream_and_compares_attribution(tmp_path):
 def test_patch_with_a_built_in_pair(tmp_path):
     """``headscope patch --pair ID`` patches the shipped pair's prompts with its answers (here the
     attribution estimate alone: one forward and one backward pass)."""
-    from analysis.patching_pairs import pair_by_id
+    from headscope.analysis.patching_pairs import pair_by_id
 
     spec = pair_by_id("fact-capital-france-italy")
     out = tmp_path / "out"
@@ -269,9 +269,9 @@ def test_patch_with_a_built_in_pair(tmp_path):
 
 def test_patch_along_a_path(tmp_path, real_model):
     """``headscope patch --path-from … --path-to …`` prints and stores the value of
-    :func:`analysis.path_patching.path_patching` on the same pair (computed here in-process)."""
-    from analysis.patching_pairs import pair_by_id
-    from analysis.path_patching import path_patching
+    :func:`headscope.analysis.path_patching.path_patching` on the same pair (computed here in-process)."""
+    from headscope.analysis.patching_pairs import pair_by_id
+    from headscope.analysis.path_patching import path_patching
 
     spec = pair_by_id("ioi-mary-john")
     out = tmp_path / "out"
@@ -314,13 +314,13 @@ def test_a_sweep_killed_mid_run_is_resumed_from_its_stored_trials(tmp_path):
     import signal
     import time
 
-    from analysis.store import Store
+    from headscope.analysis.store import Store
 
     home = tmp_path / "home"
     args = ["scan", "--lengths", "256", "--depths", "25,50,75", "--needles", "locker-code", "--formats", "svg",
             "--out", str(tmp_path / "out")]
     env = {**os.environ, "HEADSCOPE_HOME": str(home)}
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "headscope.app.cli", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     deadline = time.time() + 240
     while time.time() < deadline:
@@ -571,7 +571,7 @@ def test_bad_input_is_one_line_naming_the_argument_and_exit_2(real_model, bad_fi
     An uncaught exception fails the test by itself."""
     import socket
 
-    from app.cli import main
+    from headscope.app.cli import main
 
     for var in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"):  # main sets them; restore after
         monkeypatch.setenv(var, os.environ.get(var, "1"))
@@ -606,7 +606,7 @@ def test_bad_inputs_in_a_real_process_exit_2_without_traceback(bad_files, tmp_pa
         assert len(r.stderr.strip().splitlines()) == 1 and names in r.stderr, r.stderr
 
 
-HEAVY = ("torch", "transformers", "dash", "plotly", "transformer_lens", "numpy", "analysis.models")
+HEAVY = ("torch", "transformers", "dash", "plotly", "transformer_lens", "numpy", "headscope.analysis.models")
 
 
 def test_help_and_argument_errors_import_nothing_heavy_and_answer_fast(tmp_path):
@@ -616,7 +616,7 @@ def test_help_and_argument_errors_import_nothing_heavy_and_answer_fast(tmp_path)
 
     probe = (
         "import sys\n"
-        "from app.cli import build_parser\n"
+        "from headscope.app.cli import build_parser\n"
         "argvs = [['serve', '--port', '9000'], ['worker', '--concurrency', '2'], ['run', 'hi', '--formats', 'svg'],\n"
         "         ['scan', '--lengths', '256,512', '--depths', '0,50'], ['models'], ['runs', 'list'],\n"
         "         ['figure', 'm.json'], ['ablate', '--text', 'x', '--top-k', '3', '--curve', '0,1,3'],\n"
@@ -662,7 +662,7 @@ def test_worker_with_an_unreachable_redis_is_one_line_exit_2(monkeypatch, capsys
     """A Redis URL nothing listens on, or one that is not a URL: the variable is named, no traceback."""
     import socket
 
-    from app.cli import main
+    from headscope.app.cli import main
 
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
@@ -676,8 +676,8 @@ def test_worker_with_an_unreachable_redis_is_one_line_exit_2(monkeypatch, capsys
 
 def test_scan_defaults_for_s_and_w_are_the_kernels_defaults():
     """The CLI spells S and W out (so --help stays light); they must be the kernels' own defaults."""
-    from app.cli import build_parser
-    from kernels.statistics import DEFAULT_SINK_SIZE, DEFAULT_WINDOW
+    from headscope.app.cli import build_parser
+    from headscope.kernels.statistics import DEFAULT_SINK_SIZE, DEFAULT_WINDOW
 
     args = build_parser().parse_args(["scan", "--model", "smollm2-135m"])
     assert (args.sink, args.window) == (DEFAULT_SINK_SIZE, DEFAULT_WINDOW)
@@ -722,7 +722,7 @@ def test_compress_prints_the_policy_table_and_writes_a_pattern_folder(tmp_path, 
     """In-process on the embedded model, one needle at 256 tokens: the uncompressed row, the retrieval-ranked
     policy keeping half the KV groups full, all-streaming; KV numbers by hand for 30 layers × 3 KV heads ×
     d_head 64 in float32; the exported TSV reads back as 30 × 3."""
-    from app.cli import main
+    from headscope.app.cli import main
 
     for var in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"):
         monkeypatch.setenv(var, os.environ.get(var, "1"))

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Runs the command line as `headscope` does, then says on stdout whether torch was loaded.
 RUNNER = """
 import sys
-from app.cli import main
+from headscope.app.cli import main
 try:
     code = main(sys.argv[1:])
 except SystemExit as e:
@@ -86,9 +86,9 @@ def test_patch_with_an_unknown_pair_names_the_pairs(tmp_path):
 def test_an_input_error_is_one_line_whatever_was_imported():
     """The command line recognises analysis' InputError (and its subclasses) without the module that
     happened to raise it being one it knows about."""
-    code = ("import sys; from app.cli import _is_user_error; from analysis.errors import InputError;"
-            "assert 'analysis.capture' not in sys.modules; assert _is_user_error(InputError('x'));"
-            "from analysis.qk_decomposition import LabelFileError; assert _is_user_error(LabelFileError('x'))")
+    code = ("import sys; from headscope.app.cli import _is_user_error; from headscope.analysis.errors import InputError;"
+            "assert 'headscope.analysis.capture' not in sys.modules; assert _is_user_error(InputError('x'));"
+            "from headscope.analysis.qk_decomposition import LabelFileError; assert _is_user_error(LabelFileError('x'))")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
 
@@ -134,7 +134,7 @@ def test_bytes_that_are_not_utf8_in_an_argument_are_shown_escaped(tmp_path):
     """A file name in Latin-1 (bytes that are not UTF-8) reaches Python as lone surrogates; the message
     shows them escaped instead of failing to print."""
     env = {**os.environ, "HEADSCOPE_HOME": str(tmp_path / "home")}
-    p = subprocess.run([sys.executable, "-m", "app.cli", "run", "--file", b"caf\xe9.txt"], cwd=ROOT, env=env,
+    p = subprocess.run([sys.executable, "-m", "headscope.app.cli", "run", "--file", b"caf\xe9.txt"], cwd=ROOT, env=env,
                        capture_output=True, timeout=60)
     err = p.stderr.decode("utf-8")  # strict: the message is valid UTF-8
     assert_one_line(p.returncode, err, "argument --file", "caf\\udce9.txt")

@@ -1,6 +1,6 @@
 """The Compare page (``/compare``) in real Chromium against a real ``headscope serve`` on the embedded
 model: two stored runs of equal length chosen from the lists, the grids and the largest changes equal
-to :func:`analysis.run_comparison.compare_runs` worked here from the runs' exported patterns, a clicked
+to :func:`headscope.analysis.run_comparison.compare_runs` worked here from the runs' exported patterns, a clicked
 head's change in attention, a run of another length refused in the page, and the export's numbers."""
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ GRIDS = "#hs-cmp-grids"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, real_model):
     """Three stored runs (two of 7 tokens, one longer), captured here into the server's store."""
-    from analysis.statistics_run import capture_for_page
-    from analysis.store import Store
+    from headscope.analysis.statistics_run import capture_for_page
+    from headscope.analysis.store import Store
 
     home = tmp_path_factory.mktemp("compare-home")
     store = Store(home)
@@ -41,7 +41,7 @@ def server(tmp_path_factory, real_model):
     store.close()
     env = {**os.environ, "HEADSCOPE_HOME": str(home)}
     env.pop("HEADSCOPE_REDIS_URL", None)
-    proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, home / "server.log")
+    proc, url = start_server([sys.executable, "-m", "headscope.app.cli", "serve"], env, home / "server.log")
     yield url, proc, runs
     proc.terminate()
     proc.wait(timeout=30)
@@ -294,8 +294,8 @@ def test_changes_print_to_the_precision_of_the_stored_patterns(server, page):  #
     """The runs keep float16 patterns: every number is printed to the decimals their rounding leaves
     meaningful (no 4 decimals where the 4th is rounding), and the heads whose change rounding alone can
     make are counted in the status line, dotted on the change grid and printed without a sign, all as
-    :mod:`analysis.run_comparison` computes them."""
-    from analysis.run_comparison import compare_runs, shown_decimals
+    :mod:`headscope.analysis.run_comparison` computes them."""
+    from headscope.analysis.run_comparison import compare_runs, shown_decimals
 
     url, proc, (first, second, _) = server
     result = compare_runs(first, second, "entropy")

@@ -1,7 +1,7 @@
 """app/components.py: the pieces every page shares (here: the run's info line)."""
 
-from analysis.capture import capture
-from app import components
+from headscope.analysis.capture import capture
+from headscope.app import components
 
 
 def _texts(div) -> list[str]:
@@ -25,7 +25,7 @@ def _into_shell_on_page_load(deps: list[dict]) -> list[list[str]]:
     """The outputs of each background callback (a forked job, or a Celery task) in the served
     dependencies ``deps`` that Dash calls on every page load: it has ``prevent_initial_call`` and
     writes to the app shell (the error banner, the download)."""
-    from app import ids
+    from headscope.app import ids
 
     shell = {ids.ERROR, ids.DOWNLOAD}
     into_shell = []
@@ -41,9 +41,9 @@ def _into_shell_on_page_load(deps: list[dict]) -> list[list[str]]:
 _DEPENDENCIES = """
 import json, sys, tempfile
 from pathlib import Path
-from analysis.store import Store
-from app.context import AppContext
-from app.server import create_app
+from headscope.analysis.store import Store
+from headscope.app.context import AppContext
+from headscope.app.server import create_app
 app = create_app(AppContext(store=Store(Path(tempfile.mkdtemp()) / "store")))
 client = app.server.test_client()
 client.get("/")
@@ -61,9 +61,9 @@ def test_no_background_job_starts_when_a_page_loads(tmp_path):
     landing: it is called on load on purpose.)"""
     import json
 
-    from analysis.store import Store
-    from app.context import AppContext
-    from app.server import create_app
+    from headscope.analysis.store import Store
+    from headscope.app.context import AppContext
+    from headscope.app.server import create_app
 
     app = create_app(AppContext(store=Store(tmp_path / "store")))
     client = app.server.test_client()
@@ -74,11 +74,11 @@ def test_no_background_job_starts_when_a_page_loads(tmp_path):
 
 
 def test_no_job_is_queued_when_a_page_loads_with_redis_workers(tmp_path):
-    """With ``HEADSCOPE_REDIS_URL`` every expensive callback (:func:`app.jobs.on_workers`: it loads a
+    """With ``HEADSCOPE_REDIS_URL`` every expensive callback (:func:`headscope.app.jobs.on_workers`: it loads a
     model or reads results) is a Celery task too: one that wrote to the app shell was queued on every
     page load, as above (each page's export, Run on the Ablation and Flow pages, the sink map, the
     heads chosen, the faithfulness input, the KV pattern download). They write into their page
-    (:func:`app.components.job_error`, :func:`app.components.page_download`). The app is made as the
+    (:func:`headscope.app.components.job_error`, :func:`headscope.app.components.page_download`). The app is made as the
     web process makes it (Redis is not reached until a job runs)."""
     import json
     import os
@@ -103,13 +103,12 @@ def test_a_link_naming_a_model_has_it_chosen_from_the_first_frame(tmp_path, monk
     page's render, a Run pressed at once ran the server's default model instead (seen in Chromium once
     Run was enabled at page load). A model the server does not offer is not put in the menu."""
     import dash
+    import headscope.app.context
+    from headscope.analysis.store import Store
+    from headscope.app.context import AppContext
+    from headscope.app.server import create_app
 
-    import app.context
-    from analysis.store import Store
-    from app.context import AppContext
-    from app.server import create_app
-
-    monkeypatch.setattr(app.context, "_context", app.context._context)  # restored after the test
+    monkeypatch.setattr(headscope.app.context, "_context", headscope.app.context._context)  # restored after the test
     # the pages as Dash loads them (importing app.pages.* here would register their callbacks twice)
     create_app(AppContext(store=Store(tmp_path / "store"), default_model="smollm2-135m",
                           extra_models=["/models/tiny-qwen3"]))
@@ -137,9 +136,9 @@ def test_a_link_naming_a_model_has_it_chosen_from_the_first_frame(tmp_path, monk
 
 def test_a_page_knows_it_is_being_left_from_its_own_location_path():
     """Every page's Location hears a nav link, so the page being left sees another page's path there
-    while the router fetches that page (app.components.leaving); its own path, with or without a
+    while the router fetches that page (headscope.app.components.leaving); its own path, with or without a
     trailing slash, and no path yet, are not leaving."""
-    from app.components import leaving
+    from headscope.app.components import leaving
 
     assert leaving("/flow", "/") and leaving("/ablation", "/flow") and leaving("/", "/flow")
     assert not leaving("/", "/") and not leaving("/flow/", "/flow") and not leaving("/flow", "/flow")
@@ -150,15 +149,16 @@ def test_the_settings_a_new_text_keeps_are_those_each_pages_after_run_carries_ov
     """A Run's URL change keeps the user's meanwhile changes to the settings in its ``keeps`` (the page's
     ``KEPT_ON_RUN``) and drops everything else of the old text: the list must be exactly what the page's
     ``_after_run`` carries over, or a new text would keep an old text's query (or lose a setting)."""
+    import sys
     from types import SimpleNamespace
 
-    from analysis.store import Store
-    from app.context import AppContext
-    from app.server import create_app
+    from headscope.analysis.store import Store
+    from headscope.app.context import AppContext
+    from headscope.app.server import create_app
 
     create_app(AppContext(store=Store(tmp_path / "store")))  # the pages register with an app
-    from app.pages import ablation, attention, flow
-    from app.url_state import parse
+    ablation, attention, flow = (sys.modules[f"pages.{name}"] for name in ("ablation", "attention", "flow"))  # as Dash loaded them: an import of headscope.app.pages.* would register each page again
+    from headscope.app.url_state import parse
 
     model = SimpleNamespace(name="smollm2-135m", n_layers=30, n_heads=9)
     run = SimpleNamespace(key="0123456789abcdef" * 2)

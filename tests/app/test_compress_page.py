@@ -1,6 +1,6 @@
 """The Compress page (``/compress``) in real Chromium against a real ``headscope serve`` on the embedded
 model, kept small (one needle at 192 tokens, two fractions, the retrieval and random rankings): Cancel,
-Run with progress, the table and the Pareto figure against :func:`analysis.kv_compression.evaluate_policies`
+Run with progress, the table and the Pareto figure against :func:`headscope.analysis.kv_compression.evaluate_policies`
 computed here on the same sweep, the pattern-folder download read back with ``np.loadtxt``, and a copied
 link reopening the curve from the store without a job."""
 
@@ -24,10 +24,10 @@ PARETO, TABLE = "#hs-kv-pareto", "#hs-kv-table"
 @pytest.fixture(scope="module")
 def reference(real_model):
     """The same sweep and policies, computed in this process (no store): the analysis's own numbers."""
-    from analysis.head_scores import trial_prompts
-    from analysis.kv_compression import evaluate_policies
-    from analysis.niah import load_needles, named_haystack
-    from analysis.retrieval import sweep, trial_prompt
+    from headscope.analysis.head_scores import trial_prompts
+    from headscope.analysis.kv_compression import evaluate_policies
+    from headscope.analysis.niah import load_needles, named_haystack
+    from headscope.analysis.retrieval import sweep, trial_prompt
 
     needle = [n for n in load_needles() if n.id == NEEDLE]
     swept = sweep(real_model, needle, [LENGTH], [DEPTH], named_haystack("prose"))

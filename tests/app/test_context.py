@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from analysis.capture import capture
-from analysis.store import Store
-from app.context import AppContext, run_bytes
+from headscope.analysis.capture import capture
+from headscope.analysis.store import Store
+from headscope.app.context import AppContext, run_bytes
 
 TEXTS = [f"Sentence number {i} is about " + "the quick brown fox and the lazy dog " * 12 for i in range(4)]
 
@@ -39,7 +38,7 @@ def test_the_latest_run_is_kept_even_when_it_alone_exceeds_the_budget(tiny_model
 
 
 def test_a_run_made_with_a_model_not_on_offer_puts_the_default_in_the_dropdown_and_says_so():
-    from app.context import dropdown_model, offered_model
+    from headscope.app.context import dropdown_model, offered_model
 
     problems: list[str] = []
     assert dropdown_model("smollm2-135m", problems) == "smollm2-135m" and problems == []
@@ -64,15 +63,15 @@ def test_an_opt_in_model_is_on_offer_only_when_installed_and_its_menu_label_carr
     package in its place): offered after the default, its option label naming the Gemma terms."""
     from dataclasses import replace
 
-    import app.context
-    from analysis.models import EMBEDDED, ModelError
-    from app.context import offered_model
+    import headscope.app.context
+    from headscope.analysis.models import EMBEDDED, ModelError
+    from headscope.app.context import offered_model
 
     context = AppContext(store=Store(tmp_path / "store"))
     monkeypatch.setitem(EMBEDDED, "gemma3-270m", replace(EMBEDDED["gemma3-270m"], package="headscope_absent_optin_pkg"))
     assert "gemma3-270m" not in context.allowed_models()
     assert [o["label"] for o in context.model_options()] == context.allowed_models()  # no terms: plain specs
-    monkeypatch.setattr(app.context, "_context", context)  # the allowlist offered_model reads
+    monkeypatch.setattr(headscope.app.context, "_context", context)  # the allowlist offered_model reads
     with pytest.raises(ModelError, match="not offered"):
         offered_model("gemma3-270m")
     (tmp_path / "site" / "headscope_fake_optin_ctx").mkdir(parents=True)

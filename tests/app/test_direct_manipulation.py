@@ -38,7 +38,7 @@ PATTERNS_LIMIT = 128  # the server's HEADSCOPE_MAX_TOKENS here: longer texts run
 def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("server-home")
     env = {**os.environ, "HEADSCOPE_HOME": str(home), "HEADSCOPE_MAX_TOKENS": str(PATTERNS_LIMIT)}
-    proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, home / "server.log")
+    proc, url = start_server([sys.executable, "-m", "headscope.app.cli", "serve"], env, home / "server.log")
     yield url, proc, home
     proc.terminate()
     proc.wait(timeout=20)
@@ -338,7 +338,7 @@ def test_runs_grid_comes_before_its_run_is_stored_and_goes_if_the_run_is_not(tmp
 
     home = tmp_path / "home"
     env = {**os.environ, "HEADSCOPE_HOME": str(home), "HEADSCOPE_MAX_TOKENS": str(PATTERNS_LIMIT)}
-    proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, tmp_path / "server.log")
+    proc, url = start_server([sys.executable, "-m", "headscope.app.cli", "serve"], env, tmp_path / "server.log")
     context = browser.new_context(viewport={"width": 1400, "height": 1100})
     page = context.new_page()
     index = sqlite3.connect(home / "index.sqlite", isolation_level=None, timeout=60)
@@ -418,7 +418,7 @@ def test_runs_grid_comes_before_its_run_is_stored_and_goes_if_the_run_is_not(tmp
         proc.wait(timeout=20)
         index.close()
         shutil.rmtree(home)
-        proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, tmp_path / "server2.log")
+        proc, url = start_server([sys.executable, "-m", "headscope.app.cli", "serve"], env, tmp_path / "server2.log")
         index = sqlite3.connect(":memory:")
         page.goto(url + search)
         page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('Run the text again')",

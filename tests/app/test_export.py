@@ -8,11 +8,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
-from analysis.capture import capture
-from analysis.errors import InputError
-from app.export import PLOTLYJS_NAME, bundle, plotlyjs, read_manifest, regenerate, write_files
-from app.views import VIEWS
+from headscope.analysis.capture import capture
+from headscope.analysis.errors import InputError
+from headscope.app.export import PLOTLYJS_NAME, bundle, plotlyjs, read_manifest, regenerate, write_files
+from headscope.app.views import VIEWS
 
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
@@ -78,7 +77,7 @@ def test_png_and_pdf_are_real_images(run):
 
 def test_manifest_regenerates_the_same_figure(run, store, tmp_path, monkeypatch):
     # The tiny random model is built in-process, not loadable by spec: hand it to regenerate().
-    monkeypatch.setattr("app.export.load_model", lambda spec, device="cpu": _tiny(spec))
+    monkeypatch.setattr("headscope.app.export.load_model", lambda spec, device="cpu": _tiny(spec))
     _, data = bundle(run, "head_grid", {"metric": "previous_token", "layer": 1, "head": 0}, "json")
     path = tmp_path / "manifest.json"
     path.write_bytes(zipfile.ZipFile(io.BytesIO(data)).read("manifest.json"))
@@ -197,7 +196,7 @@ def test_subfolders_share_one_library(run, tmp_path, offline_page):
 def test_cli_output_folder_opens_offline(tmp_path, offline_page):
     out = tmp_path / "out"
     env = {**os.environ, "HEADSCOPE_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "app.cli", "run", "The cat sat on the mat.", "--formats", "svg,html",
+    done = subprocess.run([sys.executable, "-m", "headscope.app.cli", "run", "The cat sat on the mat.", "--formats", "svg,html",
                            "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (out / PLOTLYJS_NAME).read_bytes() == plotlyjs()

@@ -46,7 +46,7 @@ def server(tmp_path_factory, folders):
     home = tmp_path_factory.mktemp("families-home")
     env = {**os.environ, "HEADSCOPE_HOME": str(home), "HEADSCOPE_MODELS": folders["qwen3"]}
     env.pop("HEADSCOPE_REDIS_URL", None)
-    proc, url = start_server([sys.executable, "-m", "app.cli", "serve", "--model", folders["gemma3"]], env,
+    proc, url = start_server([sys.executable, "-m", "headscope.app.cli", "serve", "--model", folders["gemma3"]], env,
                              home / "server.log")
     yield url, proc, home
     proc.terminate()

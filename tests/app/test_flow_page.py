@@ -8,11 +8,17 @@ import json
 
 import numpy as np
 import pytest
+from headscope.analysis.attribution import (
+    CORRECTED_METHODS,
+    PLAIN_METHODS,
+    RELEVANCE_METHODS,
+    attribute,
+    spearman,
+)
+from headscope.analysis.capture import capture
+from headscope.analysis.rollout import FUSIONS
+from headscope.app.views import flow as views
 
-from analysis.attribution import CORRECTED_METHODS, PLAIN_METHODS, RELEVANCE_METHODS, attribute, spearman
-from analysis.capture import capture
-from analysis.rollout import FUSIONS
-from app.views import flow as views
 from tests.app.test_browser import browser, page, start_server  # noqa: F401
 
 TEXT = "The keys to the old wooden cabinet are"
@@ -60,7 +66,7 @@ def test_the_options_change_the_scored_raw_attention(flow_run):
 
 
 def test_a_click_on_a_strip_cell_names_its_token_and_empty_cells_name_none():
-    from app.figures import token_strip_position
+    from headscope.app.figures import token_strip_position
 
     assert token_strip_position({"x": 2, "y": 1, "text": "·to"}) == 18
     assert token_strip_position({"x": 2.0, "y": 0, "text": "·to"}) == 2
@@ -238,10 +244,9 @@ def test_strips_sharing_a_scale_are_coloured_in_one_unit_the_share_of_the_target
 
 def test_the_page_says_what_the_colour_means(tmp_path):
     import dash
-
-    from analysis.store import Store
-    from app.context import AppContext
-    from app.server import create_app
+    from headscope.analysis.store import Store
+    from headscope.app.context import AppContext
+    from headscope.app.server import create_app
 
     create_app(AppContext(store=Store(tmp_path / "store")))  # the pages register with an app
     flow_page = next(p for p in dash.page_registry.values() if p["path"] == "/flow")  # as the router has it

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from analysis.errors import InputError
-from app.form_values import number_list, whole_number
+from headscope.analysis.errors import InputError
+from headscope.app.form_values import number_list, whole_number
 
 
 def test_number_lists_take_commas_or_semicolons_and_refuse_the_rest_naming_the_field():

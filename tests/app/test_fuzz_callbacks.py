@@ -77,7 +77,7 @@ def served(tmp_path_factory):
            "HEADSCOPE_MAX_SWEEP_TRIALS": "1", "HEADSCOPE_MAX_QK_POINTS": "64"}
     for name in ("HEADSCOPE_TOKEN", "HEADSCOPE_MODELS", "HEADSCOPE_REDIS_URL"):
         env.pop(name, None)
-    proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, log)
+    proc, url = start_server([sys.executable, "-m", "headscope.app.cli", "serve"], env, log)
     yield Served(url, proc, home, log, word, canary)
     proc.terminate()
     proc.wait(timeout=30)

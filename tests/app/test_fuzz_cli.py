@@ -20,7 +20,7 @@ HEADS = st.one_of(st.text(max_size=30), st.sampled_from(["12.3", "kv:14.1", "7.*
 
 
 def run_cli(argv, capsys):
-    from app.cli import main
+    from headscope.app.cli import main
 
     try:
         code = main(argv)
@@ -65,7 +65,7 @@ def test_ablate_numbers_are_parsed_in_range_or_refused_in_one_line(top_k, seeds,
     import contextlib
     import io
 
-    from app.cli import build_parser
+    from headscope.app.cli import build_parser
 
     err = io.StringIO()
     argv = ["ablate", "--sweep", "--top-k", top_k, "--seeds", seeds, "--curve", curve, "--lengths", lengths,
@@ -108,7 +108,7 @@ HOSTILE = st.one_of(
 def _subcommands():
     import argparse
 
-    from app.cli import build_parser
+    from headscope.app.cli import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     out = {}
@@ -155,17 +155,16 @@ def test_every_subcommand_answers_bad_arguments_in_one_line(tmp_path_factory, mo
     surrogates, device files, URLs, escapes): exit 2 with one line naming what to fix, or the arguments
     were accepted. The run stops where a model would load or a server start (the fuzz covers the argument
     boundary; test_ablate_head_lists and test_cli.py run the real model past it)."""
-    import analysis.models
-    import app.export
-    import app.jobs
-    from app.cli import main
+    from headscope.analysis import models
+    from headscope.app import export, jobs
+    from headscope.app.cli import main
 
     def stop(*_args, **_kwargs):
         raise ReachedHeavyWork
 
-    for module in (analysis.models, app.export):
+    for module in (models, export):
         monkeypatch.setattr(module, "load_model", stop)
-    monkeypatch.setattr(app.jobs, "prepare_server_threads", stop)
+    monkeypatch.setattr(jobs, "prepare_server_threads", stop)
     for var in ("HEADSCOPE_REDIS_URL", "HEADSCOPE_TOKEN", "HEADSCOPE_ALLOWED_HOSTS"):
         monkeypatch.delenv(var, raising=False)
     for var in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"):  # main sets them; restore after

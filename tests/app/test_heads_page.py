@@ -92,12 +92,12 @@ def test_a_top_20_row_opens_that_head_like_its_map_cell(server, page):
 
 def test_trial_progress_counts_trials_and_scales_the_time_so_far(tmp_path):
     """Three trials; the first takes 10 s: then "trial 2 of 3" and 10 s × (2/3) / (1/3) = 20 s left."""
-    from analysis.store import Store
-    from app.context import AppContext
-    from app.server import create_app
+    from headscope.analysis.store import Store
+    from headscope.app.context import AppContext
+    from headscope.app.server import create_app
 
     create_app(AppContext(store=Store(tmp_path / "store")))  # registers the pages
-    from app.jobs import (
+    from headscope.app.jobs import (
         trial_progress,  # not app.pages.*: Dash loads pages as pages.*, a second import registers them twice
     )
 
@@ -118,7 +118,7 @@ def test_trial_progress_counts_trials_and_scales_the_time_so_far(tmp_path):
 def test_count_progress_names_its_items_and_estimates_the_time_left(tmp_path):
     """The Ablation page's sweep of 270 heads, reported a layer (9 heads) at a time: "head i of n", and
     after the first layer took 6 s, 6 s × (261/270) / (9/270) = 174 s, shown as 3 min."""
-    from app.jobs import count_progress
+    from headscope.app.jobs import count_progress
 
     now, shown = [0.0], []
     report = count_progress(shown.append, 270, "head", clock=lambda: now[0])
@@ -224,7 +224,7 @@ def _sweep_refused(page, said: str = "") -> str:
 @pytest.mark.timeout(600)
 def test_a_streaming_window_as_long_as_the_prompt_is_refused_as_the_cli_refuses_it(server, page):
     """S + W at least the context length leaves the streaming score no query row: refused before the
-    sweep runs, with the message ``headscope scan`` gives (one rule, :func:`analysis.niah.check_streaming_window`)."""
+    sweep runs, with the message ``headscope scan`` gives (one rule, :func:`headscope.analysis.niah.check_streaming_window`)."""
     url, proc, _ = server
     open_heads(page, url)
     page.fill("#hs-heads-custom-needles", NEEDLE)
@@ -235,8 +235,8 @@ def test_a_streaming_window_as_long_as_the_prompt_is_refused_as_the_cli_refuses_
     select_option(page, "hs-heads-haystack", "passkey")
     page.click("#hs-heads-run")
     shown = _sweep_refused(page)
-    from analysis.errors import InputError
-    from analysis.niah import check_streaming_window
+    from headscope.analysis.errors import InputError
+    from headscope.analysis.niah import check_streaming_window
 
     with pytest.raises(InputError) as cli:
         check_streaming_window(100, 60, [160])

@@ -158,7 +158,7 @@ def named_server(tmp_path_factory):
     env = {**os.environ, "HEADSCOPE_HOME": str(home), "OMP_NUM_THREADS": "1"}
     for name in ("HEADSCOPE_REDIS_URL", "HEADSCOPE_TOKEN", "HEADSCOPE_ALLOWED_HOSTS"):
         env.pop(name, None)
-    proc, base = start_server([sys.executable, "-m", "app.cli", "serve", "--allowed-hosts",
+    proc, base = start_server([sys.executable, "-m", "headscope.app.cli", "serve", "--allowed-hosts",
                                "lab.example, Notebook.Example."], env, log)
     yield base, log
     proc.terminate()
@@ -189,7 +189,7 @@ def open_server(tmp_path_factory):
     env = {**os.environ, "HEADSCOPE_HOME": str(home), "OMP_NUM_THREADS": "1", "HEADSCOPE_TOKEN": TOKEN,
            "HEADSCOPE_ALLOWED_HOSTS": "gpu-box.lab.example"}
     env.pop("HEADSCOPE_REDIS_URL", None)
-    proc, base = start_server([sys.executable, "-m", "app.cli", "serve", "--host", "0.0.0.0"], env, log)
+    proc, base = start_server([sys.executable, "-m", "headscope.app.cli", "serve", "--host", "0.0.0.0"], env, log)
     yield base, log
     proc.terminate()
     proc.wait(timeout=30)
@@ -220,7 +220,7 @@ def test_names_given_to_an_open_server_are_checked_too(open_server):
     ("10.0.0.5,[::1],::FFFF:10.0.0.5", ("10.0.0.5", "::1", "::ffff:a00:5")), ("gpu_box", ("gpu_box",)),
 ])
 def test_allowed_host_names_are_read_in_one_spelling(given, names):
-    from app.access import host_names
+    from headscope.app.access import host_names
 
     assert host_names(given) == names
 
@@ -240,7 +240,7 @@ def test_what_is_no_host_name_is_refused_before_the_server_starts(given):
     for argv, where in ((["--allowed-hosts", given], "argument --allowed-hosts"), ([], "HEADSCOPE_ALLOWED_HOSTS")):
         if not argv and not given.strip():
             continue  # an empty variable is no variable
-        p = subprocess.run([sys.executable, "-c", "import sys; from app.cli import main; code = main(sys.argv[1:]); "
+        p = subprocess.run([sys.executable, "-c", "import sys; from headscope.app.cli import main; code = main(sys.argv[1:]); "
                             "assert 'torch' not in sys.modules and 'flask' not in sys.modules; sys.exit(code)",
                             "serve", "--port", str(taken.getsockname()[1]), *argv], env=env, capture_output=True,
                            text=True, timeout=60)
@@ -252,7 +252,7 @@ def test_what_is_no_host_name_is_refused_before_the_server_starts(given):
 def test_the_rule_for_each_way_of_binding():
     """Bound to the loopback: loopback addresses and localhost, plus names given. Bound to every address:
     any name unless names are given. Bound to one address: that address too."""
-    from app.access import HostRule, same_origin
+    from headscope.app.access import HostRule, same_origin
 
     loop = HostRule.for_server("127.0.0.1")
     assert [loop.accepts(h) for h in ("127.0.0.1:1", "localhost", "[::1]:8", "127.9.9.9", "lab.example", "0.0.0.0",

@@ -32,16 +32,15 @@ UPDATE = "/_dash-update-component"
 # --- a small Dash app on the server's job manager, driven through Dash's own request path ---------------
 
 class MiniApp:
-    """A Dash app with one background callback (``run``) on the server's job manager (:mod:`app.jobs`),
-    its errors shown as the server shows them (:func:`app.server.show_error`), requested as the browser
+    """A Dash app with one background callback (``run``) on the server's job manager (:mod:`headscope.app.jobs`),
+    its errors shown as the server shows them (:func:`headscope.app.server.show_error`), requested as the browser
     does: a start, then polls with the signed handles it answered."""
 
     def __init__(self, cache: Path, job, manager=None):
         import dash
         from dash import DiskcacheManager, Input, Output, html
-
-        from app.jobs import _watched_manager, job_cache
-        from app.server import show_error
+        from headscope.app.jobs import _watched_manager, job_cache
+        from headscope.app.server import show_error
 
         self.manager = manager or _watched_manager(DiskcacheManager)(job_cache(cache), expire=3600)
         self.app = dash.Dash(__name__, background_callback_manager=self.manager, on_error=show_error)
@@ -193,7 +192,7 @@ SERVER_WITH_A_JOB = textwrap.dedent("""
     import subprocess, sys, time
     from dash import DiskcacheManager
     from dash._utils import AttributeDict
-    from app.jobs import _watched_manager, job_cache
+    from headscope.app.jobs import _watched_manager, job_cache
 
     folder = sys.argv[1]
 
@@ -214,7 +213,7 @@ SERVER_WITH_A_JOB = textwrap.dedent("""
 def test_a_job_and_the_processes_it_started_end_when_their_server_is_killed(tmp_path):
     """SIGKILL gives the server no chance to end its jobs (its SIGTERM handler never runs): the job,
     and any process it had started, must see the server gone and end, storing nothing."""
-    from app.jobs import job_cache
+    from headscope.app.jobs import job_cache
 
     server = subprocess.Popen([sys.executable, "-c", SERVER_WITH_A_JOB, str(tmp_path / "jobs")], stdout=subprocess.PIPE,
                               text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -256,8 +255,8 @@ def _running_pid(pid: int) -> bool:
 RACING_SERVER = textwrap.dedent("""
     import os, signal, sys, time
     import psutil
-    import app.jobs as jobs
-    from app.cli import main
+    import headscope.app.jobs as jobs
+    from headscope.app.cli import main
 
     watched = jobs._watched_manager
 
@@ -351,13 +350,13 @@ def _running(process) -> bool:
 def test_a_job_orphaned_by_a_killed_server_ends_with_it_and_stores_nothing(tmp_path, page):  # noqa: F811
     """A SIGKILLed server cannot end its jobs (its SIGTERM handler never runs): they computed on, orphaned,
     holding the model's memory, and stored their results. Each job now ends within seconds of its server."""
-    from analysis.store import Store
+    from headscope.analysis.store import Store
 
     home = tmp_path / "home"
     env = {**os.environ, "HEADSCOPE_HOME": str(home), "OMP_NUM_THREADS": "1"}
     for name in ("HEADSCOPE_REDIS_URL", "HEADSCOPE_TOKEN"):
         env.pop(name, None)
-    proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, tmp_path / "server.log")
+    proc, url = start_server([sys.executable, "-m", "headscope.app.cli", "serve"], env, tmp_path / "server.log")
     jobs = []
     try:
         page.goto(url + "heads")

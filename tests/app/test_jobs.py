@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVER = textwrap.dedent("""
     import faulthandler, signal, sys, time
     from multiprocess import Process
-    from app.jobs import end_jobs_with_server
+    from headscope.app.jobs import end_jobs_with_server
 
     faulthandler.register(signal.SIGUSR1)  # for the test's report if it does not end
     end_jobs_with_server()
@@ -113,8 +113,8 @@ def test_a_terminated_server_with_its_export_browser_running_ends_within_seconds
 
     server = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import time
-        from app.export import figure_bytes
-        from app.jobs import end_jobs_with_server
+        from headscope.app.export import figure_bytes
+        from headscope.app.jobs import end_jobs_with_server
         import plotly.graph_objects as go
 
         end_jobs_with_server()
@@ -150,7 +150,7 @@ def test_a_terminated_server_with_its_export_browser_running_ends_within_seconds
 
 
 def test_a_process_that_imports_the_app_first_runs_sqlite_without_its_global_memory_mutex():
-    """`headscope serve` imports :mod:`app` before sqlite3, so SQLite's memory statistics (one global
+    """`headscope serve` imports :mod:`headscope.app` before sqlite3, so SQLite's memory statistics (one global
     mutex taken by every allocation, which a forked job could inherit locked) are off: SQLite then
     counts no memory in use, where by default it counts every allocation."""
     probe = textwrap.dedent("""
@@ -163,11 +163,11 @@ def test_a_process_that_imports_the_app_first_runs_sqlite_without_its_global_mem
         print(lib.sqlite3_memory_used())
     """)
     used = {}
-    for first in ("app", "json"):  # json: a process that never imported the app (SQLite's default)
+    for first in ("headscope.app", "json"):  # json: a process that never imported the app (SQLite's default)
         out = subprocess.run([sys.executable, "-c", probe.format(first=first)], capture_output=True, text=True,
                              timeout=120, check=True)
         used[first] = int(out.stdout.strip())
-    assert used["app"] == 0 and used["json"] > 0, used
+    assert used["headscope.app"] == 0 and used["json"] > 0, used
 
 
 # A stand-in for the server at the moment it forks a job: another server thread is inside a write to
@@ -177,9 +177,9 @@ def test_a_process_that_imports_the_app_first_runs_sqlite_without_its_global_mem
 # report neither progress nor result (diskcache.Timeout, exit code 1; seen with ten sessions at once).
 FORK_DURING_WRITE = textwrap.dedent("""
     import sys, threading, time
-    import app
+    import headscope.app
     from multiprocess import Process
-    from app.jobs import GatedCache, JSONJobDisk
+    from headscope.app.jobs import GatedCache, JSONJobDisk
     import diskcache
 
     kind = GatedCache if sys.argv[2] == "gated" else diskcache.Cache
@@ -226,8 +226,7 @@ def test_two_jobs_with_the_same_arguments_each_deliver_their_own_result(tmp_path
     for ever or read "the job stopped". Each job now has its own key, and each poll gets its own result."""
     from dash import DiskcacheManager
     from dash._utils import AttributeDict
-
-    from app.jobs import _watched_manager, job_cache
+    from headscope.app.jobs import _watched_manager, job_cache
 
     manager = _watched_manager(DiskcacheManager)(job_cache(tmp_path), expire=3600)
 
@@ -255,7 +254,7 @@ def test_two_jobs_with_the_same_arguments_each_deliver_their_own_result(tmp_path
 # What `headscope serve` does before it loads a model (app/cli.py cmd_serve), then a job forked from it
 FORKED_JOB_THREADS = textwrap.dedent("""
     import os, signal, sys, threading
-    from app.jobs import in_job, prepare_server_threads
+    from headscope.app.jobs import in_job, prepare_server_threads
 
     prepare_server_threads()
     import torch
@@ -306,7 +305,7 @@ RUN_IN_A_JOB = textwrap.dedent("""
     import time
     from dash import DiskcacheManager
     from dash._utils import AttributeDict
-    from app.jobs import _watched_manager, job_cache
+    from headscope.app.jobs import _watched_manager, job_cache
 
     def run_in_a_job(fn, cache, timeout_s):
         manager = _watched_manager(DiskcacheManager)(job_cache(cache), expire=3600)
@@ -325,8 +324,8 @@ RUN_IN_A_JOB = textwrap.dedent("""
 # forks the job through the server's job manager; the job loads the model and runs it.
 JOB_FORKED_DURING_A_LOAD = RUN_IN_A_JOB + textwrap.dedent("""
     import faulthandler, sys, threading
-    from analysis import models
-    from analysis.fork_gate import MODEL_LOADS
+    from headscope.analysis import models
+    from headscope.analysis.fork_gate import MODEL_LOADS
 
     folder, delay_s, cache = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 
@@ -427,8 +426,7 @@ def test_a_progress_report_written_while_a_poll_reads_the_last_one_is_not_lost(t
     last report, so the page never drew it (#16). A report over diskcache's 32 KB inline limit (kept in
     a file, as a preview grid can be) is read and removed the same way."""
     from dash import DiskcacheManager
-
-    from app.jobs import _watched_manager, job_cache
+    from headscope.app.jobs import _watched_manager, job_cache
 
     manager = _watched_manager(DiskcacheManager)(job_cache(tmp_path), expire=3600)
     key = manager._make_progress_key("job")

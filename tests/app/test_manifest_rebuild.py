@@ -1,8 +1,8 @@
 """Every exported manifest rebuilds its figure on a fresh machine, with an empty store.
 
-One export of every view in :data:`app.views.VIEWS` is made here as a user makes them (the CLI's
+One export of every view in :data:`headscope.app.views.VIEWS` is made here as a user makes them (the CLI's
 ``run``, ``scan``, ``ablate``, ``compress``, ``patch`` and ``compare``; the pages' export buttons,
-:func:`app.export.bundle`, for the views only a page exports), on the embedded model with small
+:func:`headscope.app.export.bundle`, for the views only a page exports), on the embedded model with small
 settings. Then each manifest is rebuilt by ``headscope figure`` in a new process, each with its own
 empty ``HEADSCOPE_HOME``, and the rebuilt table must be the exported one (numbers to 1e-4: runs and
 scores are computed again). The manifests also go through hostile edits: a model named by a path
@@ -23,8 +23,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
-from app.views import VIEWS, names
+from headscope.app.views import VIEWS, names
 
 # Making one export of every view (a needle sweep, a compression curve, a single-head ablation map
 # over 270 heads, patching over 270 heads, the built-in faithfulness set...) takes about 6 minutes
@@ -42,7 +41,7 @@ def _cli(home: Path, *args: str) -> str:
     """``headscope ARGS`` in this process, on the store ``home``; its stdout (a failure shows stderr)."""
     from contextlib import redirect_stdout
 
-    from app.cli import main
+    from headscope.app.cli import main
 
     buf = io.StringIO()
     with redirect_stdout(buf):
@@ -53,7 +52,7 @@ def _cli(home: Path, *args: str) -> str:
 
 def _page_export(run, view: str, params: dict, folder: Path) -> Path:
     """What a page's export button writes (a zip): its manifest and rows, unpacked into ``folder``."""
-    from app.export import bundle
+    from headscope.app.export import bundle
 
     _name, data = bundle(run, view, params, "json")
     z = zipfile.ZipFile(io.BytesIO(data))
@@ -66,12 +65,12 @@ def _page_export(run, view: str, params: dict, folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory, real_model) -> dict[str, Path]:
     """One exported manifest per view (its rows beside it as ``<view>.json``), by view name."""
-    from analysis.ablation import AblationSpec
-    from analysis.capture import capture
-    from analysis.head_sweep import ablation_head_sweep
-    from analysis.store import Store
-    from app import context
-    from app.context import AppContext, set_context
+    from headscope.analysis.ablation import AblationSpec
+    from headscope.analysis.capture import capture
+    from headscope.analysis.head_sweep import ablation_head_sweep
+    from headscope.analysis.store import Store
+    from headscope.app import context
+    from headscope.app.context import AppContext, set_context
 
     tmp = tmp_path_factory.mktemp("exports")
     home, out = tmp / "home", tmp / "out"
@@ -133,8 +132,8 @@ def exports(tmp_path_factory, real_model) -> dict[str, Path]:
 REBUILD = textwrap.dedent("""
     import json, sys
     from pathlib import Path
-    from app.cli import main
-    from app.views import registry
+    from headscope.app.cli import main
+    from headscope.app.views import registry
 
     results = {}
     for i, manifest in enumerate(json.loads(sys.argv[1])):
@@ -199,7 +198,7 @@ def _edited(exports, view: str, tmp_path: Path, edit) -> Path:
 
 
 def _figure(tmp_path: Path, manifest: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app.cli", "--home", str(tmp_path / "home"), "figure", str(manifest),
+    return subprocess.run([sys.executable, "-m", "headscope.app.cli", "--home", str(tmp_path / "home"), "figure", str(manifest),
                            "--out", str(tmp_path / "out"), "--formats", "html", *extra], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
 
@@ -234,7 +233,7 @@ def test_a_model_named_by_a_path_in_a_manifest_is_refused(exports, tmp_path, pat
 def test_the_same_path_given_with_model_is_used(exports, tmp_path, real_model):
     """Named on the command line too, the model loads (here the embedded GGUF by its path), and its
     digest is checked against the manifest's."""
-    from analysis.models import embedded_gguf
+    from headscope.analysis.models import embedded_gguf
 
     gguf = str(embedded_gguf("smollm2-135m"))
 
@@ -312,7 +311,7 @@ def test_forged_carried_results_are_refused_in_one_line(exports, tmp_path, forge
 
 
 def _kinds(home: Path) -> set[str]:
-    from analysis.store import Store
+    from headscope.analysis.store import Store
 
     return {r.kind for r in Store(home).list()} if home.exists() else set()
 
@@ -334,7 +333,7 @@ def test_edited_metadata_of_carried_results_is_a_figure_or_one_line(exports, tmp
     import copy
     import random
 
-    from app.cli import main
+    from headscope.app.cli import main
 
     rng = random.Random(38)
     cases = []

@@ -14,9 +14,9 @@ LONG = "7" * 5000
 
 @pytest.mark.parametrize("digit", OTHER_DIGITS)
 def test_head_lists_take_ascii_digits_only(tiny_model, digit):
-    from analysis.ablation import parse_heads
-    from analysis.errors import InputError
-    from analysis.patching_choices import parse_head_pairs
+    from headscope.analysis.ablation import parse_heads
+    from headscope.analysis.errors import InputError
+    from headscope.analysis.patching_choices import parse_head_pairs
 
     assert parse_heads(tiny_model, "1.3") == [(1, 3)]
     for text in (f"{digit}.1", f"1.{digit}", f"L{digit}H1", f"kv:{digit}.0", f"{digit}.*", f"L1{digit}"):
@@ -27,8 +27,8 @@ def test_head_lists_take_ascii_digits_only(tiny_model, digit):
 
 
 def test_a_5000_digit_layer_is_out_of_range(tiny_model):
-    from analysis.ablation import parse_heads
-    from analysis.errors import InputError
+    from headscope.analysis.ablation import parse_heads
+    from headscope.analysis.errors import InputError
 
     for text, message in ((f"{LONG}.1", "Layer 7777777777…7777 (5,000 digits) is out of range"),
                           (f"L{LONG}", "Layer 7777777777…7777 (5,000 digits) is out of range"),
@@ -46,7 +46,7 @@ def test_a_5000_digit_layer_is_out_of_range(tiny_model):
 
 @pytest.mark.parametrize("digit", OTHER_DIGITS)
 def test_links_take_ascii_digits_only(digit):
-    from app.url_state import parse
+    from headscope.app.url_state import parse
 
     assert parse("?layer=3&head=1").layer == 3
     state = parse(f"?layer={digit}&head=1{digit}&region=0-{digit},0-4&heads={digit}.1")
@@ -90,8 +90,8 @@ def test_cli_heads_in_other_digits_or_5000_digits_are_one_line(tmp_path):
 @pytest.mark.parametrize("digit", OTHER_DIGITS)
 def test_page_number_lists_take_ascii_digits_only(digit):
     """The pages' comma-separated boxes (context lengths, depths, fractions) read ASCII digits only."""
-    from analysis.errors import InputError
-    from app.form_values import number_list
+    from headscope.analysis.errors import InputError
+    from headscope.app.form_values import number_list
 
     assert number_list("256, 512", "Context lengths", int) == [256, 512]
     for text in (f"{digit}00", f"256,{digit}", f"0.{digit}"):

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from analysis.store import Store
-from app.context import AppContext
-from app.server import create_app
+from headscope.analysis.store import Store
+from headscope.app.context import AppContext
+from headscope.app.server import create_app
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +180,7 @@ def test_a_clicked_button_carries_no_forged_state_past_the_boundary(client):
     never reaches a job's body there. Here every server callback that a button starts gets its
     button clicked and one State forged at a time: each is refused before the callback runs
     (nothing is computed, no job starts), whatever the button."""
-    from app.offers import Offers
+    from headscope.app.offers import Offers
 
     client, deps = client
     table = Offers(client.dash_app).table()
@@ -213,8 +212,8 @@ def test_a_request_thread_closes_its_sqlite_connections_when_its_request_ends(cl
     """The server runs one thread per request; a connection left in the thread's local storage was closed
     by the interpreter when the thread ended, outside the fork gate (a job forked then could inherit one
     of SQLite's mutexes held). Each request now closes the store's and the job cache's connections itself."""
-    from app.context import get_context
-    from app.jobs import background_manager
+    from headscope.app.context import get_context
+    from headscope.app.jobs import background_manager
 
     store, cache = get_context().store, background_manager().handle
     with client[0].dash_app.server.test_request_context("/"):

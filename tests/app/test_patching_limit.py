@@ -22,7 +22,7 @@ REFUSED = f"The clean prompt has 61 tokens, more than patching takes (the limit 
 
 
 def run_cli(argv, capsys):
-    from app.cli import main
+    from headscope.app.cli import main
 
     try:
         code = main(argv)
@@ -51,7 +51,7 @@ def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("patch-limit-home")
     env = {**os.environ, "HEADSCOPE_HOME": str(home), LIMIT: "16"}
     env.pop("HEADSCOPE_REDIS_URL", None)
-    proc, url = start_server([sys.executable, "-m", "app.cli", "serve"], env, home / "server.log")
+    proc, url = start_server([sys.executable, "-m", "headscope.app.cli", "serve"], env, home / "server.log")
     yield url, proc, home
     proc.terminate()
     proc.wait(timeout=30)

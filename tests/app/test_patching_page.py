@@ -1,6 +1,6 @@
 """The Patching page (``/patching``) in real Chromium against a real ``headscope serve`` on the embedded
 model: a user's journey (refusals, Run with progress, the map and its top head, a head's per-position
-map, a copied link, the CSV export) checked against :func:`analysis.patching.activation_patching` run
+map, a copied link, the CSV export) checked against :func:`headscope.analysis.patching.activation_patching` run
 here, and forged choices refused at the request boundary."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import zipfile
 
 import numpy as np
 import pytest
+from headscope.analysis.patching import activation_patching, prompt_pair
 
-from analysis.patching import activation_patching, prompt_pair
 from tests.app.test_browser import browser, cut_off_titles, page, select_option, settle, start_server  # noqa: F401
 
 CLEAN = "When Mary and John went to the store, John gave a drink to"
@@ -282,10 +282,10 @@ def test_a_forged_site_direction_or_metric_is_refused(server):
 @pytest.mark.browser
 @pytest.mark.integration
 def test_path_patching_on_the_page_is_the_analysis_value(server, page, real_model):
-    """Patch path with the page's prompts: the value shown is :func:`analysis.path_patching.path_patching`
+    """Patch path with the page's prompts: the value shown is :func:`headscope.analysis.path_patching.path_patching`
     computed here; a head list that is not one, or receivers before every sender, is the analysis's
     message in the banner and nothing else changes."""
-    from analysis.path_patching import path_patching
+    from headscope.analysis.path_patching import path_patching
 
     url, proc, home = server
     page.goto(url + "patching")

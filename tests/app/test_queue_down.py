@@ -66,7 +66,7 @@ def queue(tmp_path_factory):
         worker.start()
         env = {**os.environ, "HEADSCOPE_HOME": str(folder / "web-home"), "HEADSCOPE_REDIS_URL": url}
         env.pop("HEADSCOPE_TOKEN", None)
-        web, web_url = start_server([sys.executable, "-m", "app.cli", "serve"], env, folder / "web.log")
+        web, web_url = start_server([sys.executable, "-m", "headscope.app.cli", "serve"], env, folder / "web.log")
         worker.wait_ready()
         yield {"url": web_url, "web": web, "web_log": folder / "web.log", "redis": redis, "worker": worker}
     finally:

@@ -27,7 +27,7 @@ def timed_server(tmp_path_factory):
     env = {**os.environ, "HEADSCOPE_HOME": str(home), "OMP_NUM_THREADS": "1", "HEADSCOPE_READ_TIMEOUT": str(TIMEOUT)}
     for name in ("HEADSCOPE_REDIS_URL", "HEADSCOPE_TOKEN", "HEADSCOPE_ALLOWED_HOSTS"):
         env.pop(name, None)
-    proc, base = start_server([sys.executable, "-m", "app.cli", "serve"], env, log)
+    proc, base = start_server([sys.executable, "-m", "headscope.app.cli", "serve"], env, log)
     yield base, proc, log
     proc.terminate()
     proc.wait(timeout=30)

@@ -12,10 +12,9 @@ import sqlite3
 
 import numpy as np
 import pytest
-
-from analysis.runs import stored_runs
-from analysis.store import Store
-from app.cli import main
+from headscope.analysis.runs import stored_runs
+from headscope.analysis.store import Store
+from headscope.app.cli import main
 
 GOOD, BAD, STATS = "aa" * 32, "bb" * 32, "cc" * 32
 

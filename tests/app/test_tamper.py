@@ -45,7 +45,7 @@ class Bomb:
 def start_server(home: Path, log: Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "HEADSCOPE_HOME": str(home), "OMP_NUM_THREADS": "1"}
     env.pop("HEADSCOPE_REDIS_URL", None)
-    return start_served([sys.executable, "-m", "app.cli", "serve"], env, log)
+    return start_served([sys.executable, "-m", "headscope.app.cli", "serve"], env, log)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -59,8 +59,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 def render_attention(url: str, search: str) -> dict:
     """What the Attention page's ``render`` callback answers for ``search``, as the browser asks it."""
-    from app import ids
-    from app.components import url_id
+    from headscope.app import ids
+    from headscope.app.components import url_id
 
     location = url_id("attn")
     deps = json.load(urllib.request.urlopen(url + "_dash-dependencies", timeout=30))
@@ -139,8 +139,8 @@ def test_tampered_run_files_never_reach_a_live_server_and_are_recomputed(tmp_pat
     it with SIGBUS). A fresh server on that home, with its index garbled too, starts, rebuilds the
     index, says the tampered run is gone, and running the text again in the browser gives the true
     numbers back."""
-    from analysis.capture import capture
-    from analysis.store import Store
+    from headscope.analysis.capture import capture
+    from headscope.analysis.store import Store
 
     home = tmp_path / "home"
     store = Store(home)
@@ -216,8 +216,8 @@ def test_tampered_run_files_never_reach_a_live_server_and_are_recomputed(tmp_pat
 
 @pytest.mark.parametrize("damage", ["garbage", "zero-length"])  # truncated: tests/analysis/test_store.py
 def test_cli_reports_a_corrupt_index_in_one_line_and_lists_the_rebuilt_runs(tmp_path, real_model, damage):
-    from analysis.capture import capture
-    from analysis.store import Store
+    from headscope.analysis.capture import capture
+    from headscope.analysis.store import Store
 
     home = tmp_path / "home"
     store = Store(home)
@@ -230,7 +230,7 @@ def test_cli_reports_a_corrupt_index_in_one_line_and_lists_the_rebuilt_runs(tmp_
     else:
         index.write_bytes(b"")
     env = {**os.environ, "HEADSCOPE_HOME": str(home)}
-    done = subprocess.run([sys.executable, "-m", "app.cli", "runs", "list"], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "headscope.app.cli", "runs", "list"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
@@ -250,8 +250,7 @@ def test_job_cache_round_trips_a_real_background_job_as_json_and_never_unpickles
     import diskcache
     import plotly.graph_objects as go
     from dash import Dash, DiskcacheManager, Input, Output, html, no_update
-
-    from app.jobs import job_cache
+    from headscope.app.jobs import job_cache
 
     folder = tmp_path / "jobs"
     manager = DiskcacheManager(job_cache(folder), expire=600)
@@ -317,8 +316,7 @@ def test_shared_records_refuse_malformed_and_pickled_copies(redis_url, tmp_path,
     import io
 
     import redis
-
-    from analysis.store import Store
+    from headscope.analysis.store import Store
 
     monkeypatch.setenv("HEADSCOPE_REDIS_URL", redis_url)
     client = redis.Redis.from_url(redis_url)

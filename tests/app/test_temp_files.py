@@ -22,7 +22,7 @@ def run_cli(tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     env.update(extra)
     (tmp_path / "tmp").mkdir(exist_ok=True)
-    return subprocess.run([sys.executable, "-m", "app.cli", "run", "The cat sat on the mat.", "--out",
+    return subprocess.run([sys.executable, "-m", "headscope.app.cli", "run", "The cat sat on the mat.", "--out",
                            str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 

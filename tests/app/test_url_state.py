@@ -1,8 +1,7 @@
 from urllib.parse import urlencode
 
 import pytest
-
-from app.url_state import PageState, parse
+from headscope.app.url_state import PageState, parse
 
 
 def test_round_trip():

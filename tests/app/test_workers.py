@@ -76,7 +76,7 @@ class Worker:
     def start(self) -> None:
         env = {**os.environ, "HEADSCOPE_HOME": str(self.folder / "home"), "HEADSCOPE_REDIS_URL": self.redis_url}
         log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--name", self.name,
+        self.proc = subprocess.Popen([sys.executable, "-m", "headscope.app.cli", "worker", "--name", self.name,
                                       "--concurrency", "1"], env=env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
@@ -123,7 +123,7 @@ def cluster(redis_url, tmp_path_factory):
     for w in workers:
         w.start()
     web_home = folder / "web-home"
-    web, url = start_server([sys.executable, "-m", "app.cli", "serve"],
+    web, url = start_server([sys.executable, "-m", "headscope.app.cli", "serve"],
                             {**os.environ, "HEADSCOPE_HOME": str(web_home), "HEADSCOPE_REDIS_URL": redis_url},
                             folder / "web.log")
     for w in workers:
@@ -298,7 +298,7 @@ def test_a_job_whose_worker_process_is_killed_is_retried_and_the_app_keeps_servi
 
 def test_records_cross_disks_through_redis_within_limits(redis_url, tmp_path, monkeypatch):
     """Two stores on different folders share records through Redis; an oversized record stays local."""
-    from analysis.store import Store
+    from headscope.analysis.store import Store
 
     monkeypatch.setenv("HEADSCOPE_REDIS_URL", redis_url)
     monkeypatch.setenv("HEADSCOPE_SHARED_RECORD_MB", "1")
@@ -326,9 +326,8 @@ def test_records_cross_disks_through_redis_within_limits(redis_url, tmp_path, mo
 def test_a_job_that_failed_outside_its_callback_ends_with_a_message(redis_url, monkeypatch):
     """A task Celery marked failed (its pool process lost more often than it is retried) gives the page
     an error to show, not an endless spinner; a job that delivered its result is not terminated."""
+    import headscope.app.workers as workers
     from billiard.exceptions import WorkerLostError
-
-    import app.workers as workers
 
     monkeypatch.setenv("HEADSCOPE_REDIS_URL", redis_url)
     monkeypatch.setattr(workers, "_celery", None)
@@ -348,15 +347,15 @@ def test_a_job_that_failed_outside_its_callback_ends_with_a_message(redis_url, m
 ])
 def test_worker_without_a_reachable_redis_says_what_to_do(url, expected):
     env = {**os.environ, "HEADSCOPE_REDIS_URL": url}
-    out = subprocess.run([sys.executable, "-m", "app.cli", "worker"], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "headscope.app.cli", "worker"], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and expected in out.stderr and "Traceback" not in out.stderr
 
 
 def test_a_worker_offers_every_model_it_was_given(tmp_path):
     """Page callbacks check models on the worker: `worker --model A --model B` must accept B too."""
-    from analysis.store import Store
-    from app.workers import worker_context
+    from headscope.analysis.store import Store
+    from headscope.app.workers import worker_context
 
     context = worker_context(Store(tmp_path / "store"), ["smollm2-135m", "/models/second"])
     assert context.default_model == "smollm2-135m"
@@ -368,7 +367,8 @@ def test_a_progress_report_written_while_a_poll_reads_the_last_one_is_not_lost_o
     progress in one step (MULTI/EXEC), so a report the job writes right after is the next poll's."""
     import json
 
-    import app.workers as workers
+    import headscope.app.workers as workers
+
     from tests.app.test_jobs import _WritesAfterFirstRead
 
     monkeypatch.setenv("HEADSCOPE_REDIS_URL", redis_url)
@@ -415,7 +415,7 @@ def test_a_progress_report_written_while_a_poll_reads_the_last_one_is_not_lost_o
 def test_a_job_result_that_is_not_json_ends_the_job_with_a_message(redis_url, monkeypatch):
     """A result or progress key holding what is not JSON (bit rot, a tampered Redis) failed the poll inside
     Dash, which answered 204: the page stopped waiting and said nothing. The job now ends with a message."""
-    import app.workers as workers
+    import headscope.app.workers as workers
 
     monkeypatch.setenv("HEADSCOPE_REDIS_URL", redis_url)
     monkeypatch.setattr(workers, "_celery", None)

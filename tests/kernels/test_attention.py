@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import statistics as stat
-from kernels.attention import AttentionResult, attention
-from kernels.reference import reference_attention
+from headscope.kernels import statistics as stat
+from headscope.kernels.attention import AttentionResult, attention
+from headscope.kernels.reference import reference_attention
 
 
 def make_qkv(b, n_heads, n_kv, n_q, n_k, d, dtype=torch.float32, seed=0, d_v=None):
@@ -274,9 +273,9 @@ def test_mismatched_dtypes_and_devices_raise():
 
 
 def test_statistic_names_are_reexported_for_callers():
-    """analysis/ imports the names with attention() from kernels.attention; they are kernels.statistics'."""
-    import kernels.attention
+    """analysis/ imports the names with attention() from headscope.kernels.attention; they are kernels.statistics'."""
+    import headscope.kernels.attention
 
     for name in stat.__all__:
-        assert getattr(kernels.attention, name) is getattr(stat, name), name
-    assert set(stat.__all__) <= set(kernels.attention.__all__)
+        assert getattr(headscope.kernels.attention, name) is getattr(stat, name), name
+    assert set(stat.__all__) <= set(headscope.kernels.attention.__all__)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels.attention import STATISTICS, attention
-from kernels.reference import attention_scores, reference_attention
+from headscope.kernels.attention import STATISTICS, attention
+from headscope.kernels.reference import attention_scores, reference_attention
 
 # name: (n_heads, n_kv_heads, n_q, n_k, key_window, key_sink, softcap)
 CASES = {

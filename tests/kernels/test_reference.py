@@ -12,10 +12,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from headscope.kernels import statistics as stat
+from headscope.kernels.reference import OUT, eager_attention, reference_attention
 from torch.nn.attention.bias import causal_lower_right
-
-from kernels import statistics as stat
-from kernels.reference import OUT, eager_attention, reference_attention
 
 
 def test_uniform_attention_gives_the_hand_computed_statistics():

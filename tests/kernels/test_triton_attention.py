@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from kernels.statistics import STATISTICS
+from headscope.kernels.statistics import STATISTICS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,10 +42,9 @@ def _worker() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
     import torch
-
-    from kernels.attention import attention
-    from kernels.statistics import validate
-    from kernels.triton_attention import triton_attention
+    from headscope.kernels.attention import attention
+    from headscope.kernels.statistics import validate
+    from headscope.kernels.triton_attention import triton_attention
 
     report = {}
     for name, (b, h, h_kv, n_q, n_k, d, d_v, causal, dtype, block, tiles) in CASES.items():
@@ -103,9 +101,9 @@ def _model_through_triton() -> dict:
     """Statistics mode with the Triton backend (interpreted) inside a tiny Llama's own forward pass:
     the integration that runs by default on CUDA, checked against the eager path."""
     import torch
+    from headscope.analysis.attention_statistics import LayerRequest, statistics_mode
+    from headscope.analysis.models import wrap_model
 
-    from analysis.attention_statistics import LayerRequest, statistics_mode
-    from analysis.models import wrap_model
     from tests.conftest import load_embedded_tokenizer, tiny_hf_model
 
     tokenizer = load_embedded_tokenizer()  # the tokenizer alone: no real weights for a tiny model
@@ -127,11 +125,10 @@ def _compile_worker() -> None:
     """Compile each kernel for sm_90 without a GPU: GPU-only lowering errors show up here."""
     sys.path.insert(0, str(ROOT))
     import triton
+    from headscope.kernels import triton_attention as ta
+    from headscope.kernels import triton_decode as td
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from kernels import triton_attention as ta
-    from kernels import triton_decode as td
 
     def build(fn, dtype, num_warps, **constexprs):
         # naming convention in kernels/triton_attention.py: Capitalised = pointer, ALL_CAPS = constexpr
@@ -258,8 +255,7 @@ def test_kernels_compile_for_hopper_without_a_gpu(workers):
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     """Without TRITON_INTERPRET, asking for Triton on CPU is a clear error, not a driver traceback."""
     import torch
-
-    from kernels.attention import attention
+    from headscope.kernels.attention import attention
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q = torch.randn(1, 2, 4, 16)

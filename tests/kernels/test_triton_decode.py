@@ -44,10 +44,9 @@ def _worker() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
     import torch
-
-    from kernels.attention import attention
-    from kernels.statistics import validate
-    from kernels.triton_decode import DECODE_STATS, splits_keys, triton_decode
+    from headscope.kernels.attention import attention
+    from headscope.kernels.statistics import validate
+    from headscope.kernels.triton_decode import DECODE_STATS, splits_keys, triton_decode
 
     def tensors(name, h, h_kv, n_q, n_k, dtype):
         g = torch.Generator().manual_seed(len(name))
@@ -121,8 +120,7 @@ def _worker() -> None:
 def _matrix(q, k, mask, causal=True):
     """The reference attention matrix in float64 (for the probability of any chosen key)."""
     import torch
-
-    from kernels.reference import attention_scores
+    from headscope.kernels.reference import attention_scores
 
     return torch.softmax(attention_scores(q, k, causal=causal, **mask), -1)
 

@@ -33,9 +33,8 @@ def _worker() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
     import torch
-
-    from kernels.attention import STATISTICS, attention
-    from kernels.reference import reference_attention
+    from headscope.kernels.attention import STATISTICS, attention
+    from headscope.kernels.reference import reference_attention
 
     def arg(x):
         return torch.tensor(x, dtype=torch.int64) if isinstance(x, list) else x
@@ -51,8 +50,8 @@ def _worker() -> None:
                   window=7, key_window=arg(window), key_sink=arg(sink), softcap=cap)
         ref = reference_attention(q.double(), k.double(), v.double(), **kw)
         if tiles:
-            from kernels.statistics import validate
-            from kernels.triton_attention import triton_attention
+            from headscope.kernels.statistics import validate
+            from headscope.kernels.triton_attention import triton_attention
 
             plan = validate(q, k, v, True, None, STATISTICS, 3, 7, kw["spans"], 4, kw["rows"], 3, "triton",
                             key_sink=kw["key_sink"], key_window=kw["key_window"], softcap=cap)

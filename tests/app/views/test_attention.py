@@ -2,12 +2,11 @@
 
 import numpy as np
 import pytest
-
-from analysis.capture import capture
-from analysis.errors import InputError
-from analysis.statistics_run import capture_statistics
-from app.views import attention as views
-from app.views import flow
+from headscope.analysis.capture import capture
+from headscope.analysis.errors import InputError
+from headscope.analysis.statistics_run import capture_statistics
+from headscope.app.views import attention as views
+from headscope.app.views import flow
 
 
 @pytest.fixture
@@ -32,7 +31,7 @@ def test_a_long_sink_map_reaches_the_browser_as_binary_arrays_with_each_cells_to
     waited for it, #16)."""
     import json
 
-    from app import figures
+    from headscope.app import figures
 
     rng = np.random.default_rng(0)
     values = rng.random((30, 515)) ** 6
@@ -56,7 +55,7 @@ def test_a_long_sink_map_reaches_the_browser_as_binary_arrays_with_each_cells_to
 def test_sink_title_says_when_a_text_is_too_short_to_call_sinks(real_model):
     import re
 
-    from analysis.streaming import SINK_MIN_LATER
+    from headscope.analysis.streaming import SINK_MIN_LATER
 
     short = capture(real_model, "The cat sat on the mat by the door.")
     assert short.n_tokens <= SINK_MIN_LATER  # no position has enough later tokens
@@ -83,8 +82,8 @@ def test_sink_title_says_when_a_text_is_too_short_to_call_sinks(real_model):
 
 
 def test_sink_title_in_statistics_mode_says_the_same(tiny_model):
-    from analysis.statistics_run import capture_statistics
-    from analysis.streaming import SINK_MIN_LATER
+    from headscope.analysis.statistics_run import capture_statistics
+    from headscope.analysis.streaming import SINK_MIN_LATER
 
     for text in ("The keys to the cabinet are on the table.",
                  "The keys to the cabinet are on the table, and the table stands in the hall by the door "
@@ -126,7 +125,8 @@ def test_the_grid_and_sinks_of_a_statistics_run_are_those_of_its_patterns(tiny_m
 def test_head_grid_marks_sliding_window_layers(embedded_tokenizer, stats_mode):
     """Gemma 3 (tiny, random): layers 0 and 2 slide over 6 keys, layer 1 is global; the grid says
     so on its layer axis and in every cell's hover, in both run kinds, and the export rows carry it."""
-    from analysis.models import wrap_model
+    from headscope.analysis.models import wrap_model
+
     from tests.tiny_families import tiny_family_model
 
     model = wrap_model(tiny_family_model("gemma3", len(embedded_tokenizer)), embedded_tokenizer,
@@ -149,7 +149,8 @@ def test_head_grid_of_a_model_without_windows_has_plain_layers(run):
 
 
 def _tiny_gemma3(embedded_tokenizer, digest):
-    from analysis.models import wrap_model
+    from headscope.analysis.models import wrap_model
+
     from tests.tiny_families import tiny_family_model
 
     return wrap_model(tiny_family_model("gemma3", len(embedded_tokenizer)), embedded_tokenizer,

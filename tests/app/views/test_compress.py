@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from analysis.errors import InputError
-from analysis.kv_compression import CompressionCurve, KVMemory, Policy, PolicyEvaluation
-from app.url_state import parse
-from app.views.compress import chosen_evaluation, pick_text
+from headscope.analysis.errors import InputError
+from headscope.analysis.kv_compression import CompressionCurve, KVMemory, Policy, PolicyEvaluation
+from headscope.app.url_state import parse
+from headscope.app.views.compress import chosen_evaluation, pick_text
 
 
 def _evaluation(ranking: str, fraction: float, seed: int | None = None, loss: float = 1.0) -> PolicyEvaluation:

@@ -2,12 +2,11 @@
 
 import numpy as np
 import pytest
-
-from analysis.capture import capture
-from analysis.errors import InputError
-from analysis.flow import attention_flow
-from analysis.rollout import rollout
-from app.views import flow as views
+from headscope.analysis.capture import capture
+from headscope.analysis.errors import InputError
+from headscope.analysis.flow import attention_flow
+from headscope.analysis.rollout import rollout
+from headscope.app.views import flow as views
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ drawn, in real Chromium."""
 from __future__ import annotations
 
 import pytest
+from headscope.app.views import qk as views
 
-from app.views import qk as views
 from tests.app.test_browser import browser  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -17,8 +17,8 @@ PARAMS = {"model": "smollm2-135m", "layer": 2, "head": 1, "sentences": 4, "texts
 
 @pytest.fixture(scope="module")
 def qk_context(tmp_path_factory, real_model):
-    from analysis.store import Store
-    from app import context
+    from headscope.analysis.store import Store
+    from headscope.app import context
 
     before = context._context
     store = Store(tmp_path_factory.mktemp("qk-home"))

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 from dash.exceptions import PreventUpdate
-
-from app.components import view_params
-from app.url_state import PageState, parse
-from app.views import VIEWS, names
+from headscope.app.components import view_params
+from headscope.app.url_state import PageState, parse
+from headscope.app.views import VIEWS, names
 
 ROOT = Path(__file__).resolve().parents[3]
 STATE = PageState(model="smollm2-135m", run="abc", layer=3, head=2, metric="first_token", query=4, target=5,
@@ -68,8 +67,8 @@ def test_the_registry_imports_no_view_module():
     tree = ast.parse((ROOT / "app" / "views" / "registry.py").read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert not {m for m in imported if m.startswith("app.")}, imported
+    assert not {m for m in imported if m.startswith("headscope.app.")}, imported
     for module in ("attention", "flow", "heads", "ablation", "qk"):
         tree = ast.parse((ROOT / "app" / "views" / f"{module}.py").read_text())
-        assert not any(isinstance(n, ast.ImportFrom) and n.module == "app.views"
+        assert not any(isinstance(n, ast.ImportFrom) and n.module == "headscope.app.views"
                        and any(a.name == "VIEWS" for a in n.names) for n in ast.walk(tree)), module
