@@ -305,6 +305,8 @@ def test_changes_print_to_the_precision_of_the_stored_patterns(server, page):  #
     wait_status(page, "differ at")
     status = page.inner_text("#hs-cmp-status")
     assert f"{int(within.sum())} of 270 heads changed by no more than the rounding of the float16 patterns" in status
+    # the status line comes with the figure, which plotly draws a moment later (dcc.Graph loads it lazily)
+    page.wait_for_function("document.querySelector('#hs-cmp-grids .js-plotly-plot')?.data")
     dots = page.evaluate("document.querySelector('#hs-cmp-grids .js-plotly-plot').data"
                          ".filter(t => t.type === 'scatter').flatMap(t => t.x.map((x, i) => [t.y[i], x]))")
     assert sorted(map(tuple, dots)) == sorted(zip(*map(lambda a: a.tolist(), np.nonzero(within)), strict=True))
