@@ -42,6 +42,8 @@ from headscope.analysis.patching_choices import PATH_SITES
 from headscope.analysis.patching_choices import SITES as PATCH_SITES
 from headscope.app.export_formats import FIGURE_FORMATS
 
+from headscope import __version__  # the installed distribution's, read from its metadata
+
 EXIT_USER_ERROR = 2
 
 
@@ -1498,6 +1500,7 @@ def _add_patch_parser(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The command line's arguments, each with a type that checks it (nothing heavy is imported)."""
     parser = _Parser(prog="headscope", description="A workbench for attention heads.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--home", type=folder, help="store folder (default: $HEADSCOPE_HOME or the user data dir)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
