@@ -13,6 +13,7 @@ retrieval-head argmax) is written in the docstring of :func:`headscope.kernels.a
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -127,12 +128,16 @@ def triton_interpreting() -> bool:
 def use_triton(q: Tensor, backend: str) -> bool:
     """Whether ``backend`` (already one of :data:`BACKENDS`) means the Triton kernels for ``q``.
 
-    ``"auto"`` picks Triton for CUDA tensors of a dtype it supports; ``"triton"`` on anything
-    else is a :class:`ValueError` that says what to use instead.
+    ``"auto"`` picks Triton for CUDA tensors of a dtype it supports when triton is installed (the
+    ``[gpu]`` extra); ``"triton"`` without triton, or on anything else, is a :class:`ValueError` that
+    says what to use instead.
     """
     if backend == "torch":
         return False
     if backend == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("backend='triton' needs the triton package, which is not installed: install "
+                             "headscope[gpu] (pip install 'headscope[gpu]'), or use backend='torch' or 'auto'")
         if q.device.type != "cuda" and not triton_interpreting():
             raise ValueError(
                 f"backend='triton' needs CUDA tensors (got {q.device}); use backend='torch' or 'auto', "
@@ -146,7 +151,7 @@ def use_triton(q: Tensor, backend: str) -> bool:
         return False
     try:
         import triton  # noqa: F401
-    except ImportError:  # pragma: no cover - triton is a dependency, but stay usable without it
+    except ImportError:  # triton is the [gpu] extra: without it (or where it cannot load), the torch path
         return False
     return True
 
