@@ -58,7 +58,7 @@ serve: setup
 	$(VENV)/bin/headscope serve --host $(HOST) --port $(PORT) --model $(MODEL)
 
 lint: setup
-	$(VENV)/bin/ruff check app analysis kernels tests bench
+	$(VENV)/bin/ruff check app analysis kernels tests bench headscope docs
 
 test: setup chromium redis lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)

@@ -65,6 +65,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformer_lens.utilities import get_act_name
+
 from headscope.analysis.ablation_choices import METHOD_DESCRIPTIONS, METHODS, PATTERN_METHODS
 from headscope.analysis.capture import tokenize_input
 from headscope.analysis.errors import InputError, check_head, check_head_index, check_layer, shown
@@ -72,7 +74,6 @@ from headscope.analysis.limits import limit
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.retrieval import cancel_requested, stop_ids
 from headscope.analysis.store import Store, content_key
-from transformer_lens.utilities import get_act_name
 
 ABLATION_VERSION = 1
 Head = tuple[int, int]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from headscope.analysis.ablation import (
     ABLATION_VERSION,
     AblationSpec,

@@ -62,6 +62,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
+
 from headscope.kernels.attention import (
     ARGMAX,
     COL_SUM,
@@ -74,7 +76,6 @@ from headscope.kernels.attention import (
     AttentionResult,
     attention,
 )
-from torch import Tensor
 
 
 class StatisticsModeError(ValueError):

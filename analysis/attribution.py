@@ -80,6 +80,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformer_lens.utilities import get_act_name
+
 from headscope.analysis.capture import MAX_TOKENS_PATTERNS, capture, tokenize_input
 from headscope.analysis.errors import InputError
 from headscope.analysis.flow import attention_flow
@@ -89,7 +91,6 @@ from headscope.analysis.paths import DATA_DIR
 from headscope.analysis.position_bias import CORRECTED, position_corrected, uniform_baseline
 from headscope.analysis.rollout import FUSIONS, rollout, rollout_row_per_layer
 from headscope.analysis.value_norms import value_weighted_patterns
-from transformer_lens.utilities import get_act_name
 
 MAX_TOKENS_FLOW = 128
 """Longest input for an attribution: exact flow and N ablated copies grow fast with length."""

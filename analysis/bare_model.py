@@ -34,8 +34,9 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from headscope.analysis.attention_statistics import OnLayer, Request, _attend, layer_mask
 from torch import Tensor, nn
+
+from headscope.analysis.attention_statistics import OnLayer, Request, _attend, layer_mask
 
 ATTENTION = "headscope_statistics"
 """The name of the twin's attention implementation in transformers' ``AttentionInterface``. It has no

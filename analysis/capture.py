@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformer_lens.utilities import get_act_name
+
 from headscope.analysis.errors import (  # InputError also re-exported from here for older imports
     InputError,
     check_layer,
@@ -24,7 +26,6 @@ from headscope.analysis.models import LoadedModel
 from headscope.analysis.runs import RunRecord
 from headscope.analysis.store import Store, content_key
 from headscope.analysis.token_predictions import final_hidden_state, token_predictions
-from transformer_lens.utilities import get_act_name
 
 CAPTURE_VERSION = 1
 MAX_TOKENS_PATTERNS = 2048

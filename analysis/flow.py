@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
 from headscope.analysis.rollout import augmented_attention
 
 try:

@@ -21,12 +21,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformer_lens.utilities import get_act_name
+
 from headscope.analysis.attention_statistics import statistics_mode, statistics_supported
 from headscope.analysis.bare_model import bare_statistics, bare_supported
 from headscope.analysis.errors import InputError, check_head_index
 from headscope.analysis.models import LoadedModel
 from headscope.kernels.attention import ARGMAX, ARGMAX_PROB, ROWS
-from transformer_lens.utilities import get_act_name
 
 DEFAULT_MAX_NEW_TOKENS = 32
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from headscope.analysis.attention_statistics import statistics_supported
 from headscope.analysis.capture import capture
 from headscope.analysis.detectors import aggregate_runs

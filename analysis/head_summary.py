@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from headscope.analysis.detectors import head_detector_scores
 from headscope.analysis.entropy import normalised_entropy
 from headscope.analysis.streaming import (

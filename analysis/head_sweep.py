@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformer_lens.utilities import get_act_name
+
 from headscope.analysis.ablation import (
     ABLATION_VERSION,
     AblationSpec,
@@ -42,7 +44,6 @@ from headscope.analysis.errors import InputError
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.retrieval import Cancelled, cancel_requested
 from headscope.analysis.store import Store, content_key
-from transformer_lens.utilities import get_act_name
 
 
 @dataclass

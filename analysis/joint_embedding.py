@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.qk_collect import HeadQK
 from headscope.analysis.store import Store, content_key

@@ -70,6 +70,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformer_lens.utilities import get_act_name
+
 from headscope.analysis.ablation import Cancel, Hook, Progress, loss_metric
 from headscope.analysis.ablation_curve import retrieval_accuracy
 from headscope.analysis.attention_statistics import HeadKeyMask, statistics_mode, statistics_supported
@@ -86,7 +88,6 @@ from headscope.analysis.models import LoadedModel
 from headscope.analysis.niah import NiahPrompt
 from headscope.analysis.retrieval import Cancelled, cancel_requested
 from headscope.analysis.store import Store, content_key
-from transformer_lens.utilities import get_act_name
 
 KV_COMPRESSION_VERSION = 1
 PATTERN_CONFIG = "config.json"

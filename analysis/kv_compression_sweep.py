@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from headscope.analysis.ablation import Cancel, Progress
 from headscope.analysis.errors import InputError
 from headscope.analysis.kv_compression import (

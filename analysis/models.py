@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from headscope.analysis.errors import parse_json
 from headscope.analysis.fork_gate import MODEL_LOADS
 from headscope.analysis.paths import model_cache

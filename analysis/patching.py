@@ -68,6 +68,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformer_lens.utilities import get_act_name
+
 from headscope.analysis.ablation import Cancel, Hook, Progress, _tensor
 from headscope.analysis.capture import tokenize_input
 from headscope.analysis.errors import InputError, check_head_index
@@ -82,7 +84,6 @@ from headscope.analysis.patching_choices import (
     SITES,
 )
 from headscope.analysis.store import Store, content_key
-from transformer_lens.utilities import get_act_name
 
 PATCHING_VERSION = 1
 TOP_K = 10

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformer_lens.utilities import get_act_name
+
 from headscope.analysis.ablation import Hook, Progress, _tensor
 from headscope.analysis.errors import InputError, check_head_index, check_layer
 from headscope.analysis.models import LoadedModel
@@ -38,7 +40,6 @@ from headscope.analysis.patching_choices import (
     METRIC_LABELS,
     PATH_SITES,
 )
-from transformer_lens.utilities import get_act_name
 
 JointUnit = tuple[str, int | None, int | None, int | None]
 """``(site, layer, head, position)`` of :func:`patch_together`: ``site`` one of

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
+
 from headscope.analysis.flow import attention_flow
 from headscope.analysis.rollout import rollout_row_per_layer
 

@@ -29,12 +29,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformer_lens.utilities import get_act_name
+
 from headscope.analysis.attention_statistics import layer_mask
 from headscope.analysis.errors import InputError, check_head, check_head_index, check_layer, parse_json
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.paths import DATA_DIR
 from headscope.analysis.store import Store, content_key
-from transformer_lens.utilities import get_act_name
 
 PROBES_DIR = DATA_DIR / "probes"
 SENTENCES_FILE = PROBES_DIR / "sentences.txt"

@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from headscope.analysis.errors import InputError, check_layer
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.qk_collect import HeadQK, ProbeTask, causal_softmax

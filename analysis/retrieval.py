@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from headscope.analysis.detectors import group_heads
 from headscope.analysis.errors import InputError
 from headscope.analysis.greedy_decoding import (

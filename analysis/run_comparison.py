@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from headscope.analysis.errors import InputError, check_head_index
 from headscope.analysis.runs import AttentionRun
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from headscope.analysis.attention_statistics import (
     LayerRequest,
     LayerStats,

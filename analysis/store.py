@@ -58,6 +58,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
+
 from headscope.analysis.fork_gate import GATE
 from headscope.analysis.paths import home
 from headscope.analysis.shared_records import SharedRecords

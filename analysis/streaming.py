@@ -58,6 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from headscope.kernels.statistics import DEFAULT_SINK_SIZE, DEFAULT_WINDOW
 
 DEFAULT_SINK = DEFAULT_SINK_SIZE  # S and W as the kernels define them (StreamingLLM's 4 sinks, a 64-token window)

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from headscope.analysis.errors import InputError
 
 TOP_K = 5

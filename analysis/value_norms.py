@@ -32,9 +32,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformer_lens.utilities import get_act_name
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.models import LoadedModel
-from transformer_lens.utilities import get_act_name
 
 
 def contributions(pattern: torch.Tensor, v: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:

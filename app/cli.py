@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from headscope import __version__  # the installed distribution's, read from its metadata
 from headscope.analysis.ablation_choices import (
     CONTROL_TOP_N,
     DEFAULT_METHOD,
@@ -41,8 +42,6 @@ from headscope.analysis.patching_choices import METRICS as PATCH_METRICS
 from headscope.analysis.patching_choices import PATH_SITES
 from headscope.analysis.patching_choices import SITES as PATCH_SITES
 from headscope.app.export_formats import FIGURE_FORMATS
-
-from headscope import __version__  # the installed distribution's, read from its metadata
 
 EXIT_USER_ERROR = 2
 
@@ -467,6 +466,7 @@ def cmd_run(args) -> int:
     formats = _check_formats(args.formats)
 
     import numpy as np
+
     from headscope.analysis.limits import limit
     from headscope.analysis.models import load_model
     from headscope.analysis.statistics_run import STATS_METRICS, capture_for_page, capture_statistics
@@ -665,6 +665,7 @@ def cmd_scan(args) -> int:
     import json
 
     import numpy as np
+
     from headscope.app.export import write_files
     from headscope.app.views import names
     from headscope.app.views.heads import head_scores_of
@@ -864,6 +865,7 @@ def cmd_ablate(args) -> int:
     import json
 
     import numpy as np
+
     from headscope.analysis.ablation import LIMIT as ABLATION_LIMIT
     from headscope.analysis.ablation import METHOD_DESCRIPTIONS, format_heads, parse_heads
     from headscope.analysis.ablation_curve import ablation_curve, check_curve, rank_heads
@@ -1037,6 +1039,7 @@ def cmd_compress(args) -> int:
     import json
 
     import numpy as np
+
     from headscope.analysis.capture import tokenize_input
     from headscope.analysis.kv_compression import export_policy
     from headscope.analysis.kv_compression_sweep import compress_sweep
@@ -1223,6 +1226,7 @@ def cmd_patch(args) -> int:
     import json
 
     import numpy as np
+
     from headscope.app.export import write_files
     from headscope.app.views import names
     from headscope.app.views.patching import unit_names
@@ -1356,6 +1360,7 @@ def cmd_compare(args) -> int:
     import json
 
     import numpy as np
+
     from headscope.analysis.errors import InputError
     from headscope.analysis.head_summary import HEAD_METRICS
     from headscope.analysis.run_comparison import compare_runs

@@ -27,6 +27,7 @@ from dash import (
     strip_relative_path,
 )
 from dash.exceptions import PreventUpdate
+
 from headscope.analysis.capture import capture
 from headscope.analysis.models import ModelError, load_model
 from headscope.analysis.statistics_run import capture_for_page

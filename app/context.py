@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from headscope.analysis.capture import Run, load_run
 from headscope.analysis.limits import limit
 from headscope.analysis.models import DEFAULT_MODEL, EMBEDDED, ModelError, offered_embedded

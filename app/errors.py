@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from dash import html, no_update
 from dash.exceptions import PreventUpdate
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.models import ModelError
 from headscope.analysis.store import StoreReadError, StoreWriteError

@@ -50,6 +50,7 @@ from urllib.parse import quote
 
 import plotly.graph_objects as go
 import plotly.io as pio
+
 from headscope.analysis.capture import capture, save_run
 from headscope.analysis.errors import InputError
 from headscope.analysis.models import ModelError, converted_gguf, embedded_gguf, load_model, offered_embedded

@@ -732,8 +732,9 @@ def comparison_grids(first: np.ndarray, second: np.ndarray, metric_label: str, f
     (:attr:`headscope.analysis.run_comparison.RunComparison.resolution`). Each head's numbers are printed to
     the decimals it carries (:func:`headscope.analysis.run_comparison.shown_decimals`), and a head whose change
     is within it is dotted on the change grid: its change, even its sign, may be rounding alone."""
-    from headscope.analysis.run_comparison import shown_decimals
     from plotly.subplots import make_subplots
+
+    from headscope.analysis.run_comparison import shown_decimals
 
     first, second = np.asarray(first, dtype=float), np.asarray(second, dtype=float)
     diff = second - first

@@ -59,6 +59,7 @@ from typing import Any
 
 import diskcache
 from diskcache.core import MODE_BINARY, MODE_RAW, MODE_TEXT
+
 from headscope.analysis.fork_gate import GATE, MODEL_LOADS, wait_for_imports
 from headscope.app.workers import NotStarted, OneKeyPerJob, ended, job_manager, redis_url
 
@@ -208,6 +209,7 @@ def background_manager():
             _manager = job_manager()
             return _manager
         from dash import DiskcacheManager
+
         from headscope.analysis.paths import home
 
         cache = job_cache(home() / "jobs")

@@ -27,6 +27,7 @@ from typing import Any
 from dash import dcc, html
 from dash.development.base_component import Component
 from flask import Flask, Response, request
+
 from headscope.analysis.errors import parse_json
 from headscope.analysis.limits import limit
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dash import Dash, Input, Output, State, dcc
+
 from headscope.analysis.runs import RUN_KINDS
 from headscope.app import ids
 
@@ -47,6 +48,7 @@ def remember_runs_shown(app: Dash) -> None:
     """Register, for every page with a URL of its own (``PREFIX``), the browser-side callback that
     adds the runs its URL names to :func:`seen_runs_store`: a page added later is covered unedited."""
     import dash
+
     from headscope.app.components import url_id
 
     source = _REMEMBER.format(pattern=RUN_ID.pattern, keys=json.dumps(list(RUN_KEYS)), most=MAX_KEPT)

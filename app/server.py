@@ -17,6 +17,7 @@ from pathlib import Path
 import dash
 from dash import Dash, dcc, html
 from flask import Flask, Response, request
+
 from headscope.analysis.limits import limit
 from headscope.analysis.models import load_model
 from headscope.analysis.paths import ASSETS_DIR
@@ -255,6 +256,7 @@ def show_error(error: Exception) -> None:
     bug in a background job): logged, and shown in the page's error banner instead of a spinner."""
     from dash import set_props
     from dash.exceptions import BackgroundCallbackError
+
     from headscope.app.errors import USER_ERRORS, message
 
     text = str(error)
@@ -273,6 +275,7 @@ def show_error(error: Exception) -> None:
 def warm_up(model_spec: str) -> None:
     """Load the model and start the export browser before the first request needs them."""
     import plotly.graph_objects as go
+
     from headscope.app.export import figure_bytes
 
     load_model(model_spec)

@@ -36,6 +36,7 @@ def main() -> None:
 
     import numpy as np
     import torch
+
     from headscope.analysis.ablation import AblationSpec
     from headscope.analysis.ablation_curve import ablation_curve
     from headscope.analysis.models import load_model

@@ -71,6 +71,7 @@ def measured(fn):
 
 def ratio(args) -> None:
     import torch
+
     from headscope.analysis.ablation_curve import retrieval_accuracy
     from headscope.analysis.kv_compression import build_policy, policy_hooks, text_metrics
     from headscope.analysis.models import load_model
@@ -106,6 +107,7 @@ def _one(args) -> None:
     import json
 
     import torch
+
     from headscope.analysis.ablation_curve import retrieval_accuracy
     from headscope.analysis.kv_compression import build_policy, policy_applied, text_metrics
     from headscope.analysis.models import load_model

@@ -65,6 +65,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+
     from headscope.analysis.models import load_model
 
     if args.threads:

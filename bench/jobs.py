@@ -90,6 +90,7 @@ def texts(n: int, tokens: int, seed: int) -> list[str]:
 def run_text_task(folder: Path):
     """The Celery task Dash registered for the Attention page's Run callback (same app as the server)."""
     from dash.background_callback.managers import BaseBackgroundCallbackManager
+
     from headscope.analysis.store import Store
     from headscope.app.context import AppContext
     from headscope.app.jobs import background_manager

@@ -48,6 +48,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+
     from headscope.analysis.head_scores import score_prompts, trial_prompts
     from headscope.analysis.models import load_model
     from headscope.analysis.niah import load_haystack, parse_needles

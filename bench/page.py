@@ -65,6 +65,7 @@ def main() -> None:
             except OSError:
                 time.sleep(0.5)
         import torch
+
         from headscope.analysis.capture import capture
         from headscope.analysis.models import load_model
 

@@ -54,6 +54,7 @@ def registry_pages() -> list[str]:
     """The pages the nav links to, in nav order, by module name (``attention``, ``flow``, …): what
     ``dash.page_registry`` holds once the app is created (in an empty temporary store)."""
     import dash
+
     from headscope.analysis.store import Store
     from headscope.app.context import AppContext
     from headscope.app.server import create_app

@@ -40,10 +40,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+
 from headscope.kernels import statistics as stat
 from headscope.kernels.statistics import *  # noqa: F403  (re-exported: callers import the names with attention())
 from headscope.kernels.statistics import Plan, pool_counts, split_span_masses, use_triton, validate
-from torch import Tensor
 
 __all__ = [*stat.__all__, "AttentionResult", "attention"]
 

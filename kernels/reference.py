@@ -19,8 +19,9 @@ import math
 from collections.abc import Sequence
 
 import torch
-from headscope.kernels import statistics as stat
 from torch import Tensor
+
+from headscope.kernels import statistics as stat
 
 #: Key of the attention output in :func:`reference_attention`'s dictionary.
 OUT = "out"

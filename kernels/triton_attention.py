@@ -30,9 +30,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+
 from headscope.kernels import statistics as stat
 from headscope.kernels.statistics import Plan, pool_counts, split_span_masses, triton_interpreting
-from torch import Tensor
 
 LOG2E = 1.4426950408889634
 

@@ -37,6 +37,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+
 from headscope.kernels import statistics as stat
 from headscope.kernels.statistics import Plan, split_span_masses, triton_interpreting
 from headscope.kernels.triton_attention import (
@@ -49,7 +51,6 @@ from headscope.kernels.triton_attention import (
     row_slots,
     top_outputs,
 )
-from torch import Tensor
 
 #: Decode rows: at most this many query rows per head ...
 DECODE_MAX_ROWS = 16

@@ -77,9 +77,10 @@ def embedded_tokenizer():
 def load_embedded_tokenizer():
     """The embedded model's tokenizer alone: from the converted cache folder when there is one
     (0.3 s), else straight from the GGUF (about 5 s; reads the vocabulary, not the weights)."""
+    from transformers import AutoTokenizer
+
     from headscope.analysis.models import embedded_gguf
     from headscope.analysis.paths import model_cache
-    from transformers import AutoTokenizer
 
     gguf = embedded_gguf()
     for source in sorted(model_cache().glob("gguf-*/headscope-source.json")):
@@ -136,6 +137,7 @@ def small_retrieval_sweep(real_model):
     ``tests/analysis/test_retrieval.py`` checks its retrieval-head share, ``test_ablation.py`` masks its
     top heads. bench/ablation_curve.py runs the full-size version (every needle, more k and seeds)."""
     import torch
+
     from headscope.analysis.niah import load_haystack, load_needles
     from headscope.analysis.retrieval import sweep
 

@@ -20,6 +20,7 @@ from dash import (
     no_update,
 )
 from dash.exceptions import PreventUpdate
+
 from headscope.analysis.ablation import LIMIT as ABLATION_LIMIT
 from headscope.analysis.ablation import format_heads, head_means, parse_heads
 from headscope.analysis.ablation_choices import (

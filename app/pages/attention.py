@@ -26,6 +26,7 @@ from dash import (
     no_update,
 )
 from dash.exceptions import PreventUpdate
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.head_summary import HEAD_METRICS
 from headscope.analysis.models import ModelError, load_model

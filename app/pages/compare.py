@@ -16,6 +16,7 @@ import dash
 import numpy as np
 from dash import Input, Output, State, callback, dcc, html, no_update
 from dash.exceptions import PreventUpdate
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.head_summary import HEAD_METRICS
 from headscope.analysis.run_comparison import compare_runs, shown_decimals

@@ -16,6 +16,7 @@ from pathlib import Path
 import dash
 from dash import Input, Output, State, callback, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
+
 from headscope.analysis.ablation_choices import MAX_SEEDS
 from headscope.analysis.errors import InputError
 from headscope.analysis.kv_compression_choices import (

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dash
 from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 from dash.exceptions import PreventUpdate
+
 from headscope.analysis.rollout import FUSIONS
 from headscope.app import figures, ids
 from headscope.app.components import (

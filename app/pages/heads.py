@@ -11,6 +11,7 @@ import logging
 import dash
 from dash import Input, Output, Patch, State, callback, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
+
 from headscope.analysis.head_scores import LABELS
 from headscope.analysis.models import load_model
 from headscope.analysis.niah import (

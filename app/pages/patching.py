@@ -12,6 +12,7 @@ import dash
 import numpy as np
 from dash import Input, Output, State, callback, dcc, html, no_update
 from dash.exceptions import PreventUpdate
+
 from headscope.analysis.errors import InputError, check_head_index
 from headscope.analysis.models import load_model
 from headscope.analysis.patching import ATTRIBUTION_SHARE, activation_patching, prompt_pair

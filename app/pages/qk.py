@@ -8,6 +8,7 @@ import sys
 import dash
 import flask
 from dash import Input, Output, State, callback, dcc, html, no_update
+
 from headscope.analysis.qk_collect import load_probe_tasks, store_sentences
 from headscope.analysis.qk_decomposition import store_labels
 from headscope.app import ids

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
+
 from headscope.analysis.ablation import (
     METHOD_DESCRIPTIONS,
     AblationSpec,

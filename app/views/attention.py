@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.head_summary import HEAD_METRICS
 from headscope.analysis.model_facts import window_note

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import plotly.graph_objects as go
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.head_summary import HEAD_METRICS
 from headscope.analysis.run_comparison import attention_difference, compare_runs

@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 import plotly.graph_objects as go
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.kv_compression import CompressionCurve, PolicyEvaluation
 from headscope.analysis.kv_compression_choices import DEFAULT_TOLERANCE, RANKING_LABELS, RANKINGS

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
+
 from headscope.analysis.attribution import CORRECTED_METHODS, PLAIN_METHODS, RELEVANCE_METHODS
 from headscope.analysis.capture import Run
 from headscope.analysis.errors import InputError

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.evidence import cumulative_mass
 from headscope.analysis.head_scores import LABELS, HeadScores, score_prompts, trial_prompts

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import plotly.graph_objects as go
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.patching import PatchingResult, load_patching
 from headscope.analysis.patching_choices import DIRECTION_DESCRIPTIONS, METRIC_LABELS

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.joint_embedding import METHODS as PROJECTIONS
 from headscope.analysis.joint_embedding import joint_embedding, query_attention
@@ -256,8 +257,9 @@ def qk_attribution_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, R
           lambda state, query, _: qk_params(state), needs_run=False)
 def qk_layer_view(_run: Any, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     """A layer at a glance: one joint-embedding PCA panel per head (queries blue, keys orange)."""
-    from headscope.app.context import get_context
     from plotly.subplots import make_subplots
+
+    from headscope.app.context import get_context
 
     model = _model(params)
     layer = int(params.get("layer", 0))

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
+
 from headscope.analysis.errors import InputError, check_head_index
 from headscope.analysis.head_summary import HEAD_METRICS
 from headscope.analysis.runs import AttentionRun

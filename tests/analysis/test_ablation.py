@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from transformer_lens.utilities import get_act_name
+
 from headscope.analysis.ablation import (
     METHODS,
     AblationSpec,
@@ -21,7 +23,6 @@ from headscope.analysis.ablation import (
 from headscope.analysis.ablation_curve import topk_curve
 from headscope.analysis.errors import InputError
 from headscope.analysis.head_sweep import single_head_sweep
-from transformer_lens.utilities import get_act_name
 
 TEXT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from transformer_lens.utilities import get_act_name
+
 from headscope.analysis.ablation import AblationSpec, loss_metric_fn
 from headscope.analysis.ablation_curve import ablation_curve, check_curve, load_curve, topk_curve
 from headscope.analysis.capture import capture
 from headscope.analysis.errors import InputError
-from transformer_lens.utilities import get_act_name
 
 TEXT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 

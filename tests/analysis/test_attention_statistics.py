@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from headscope.analysis.attention_statistics import (
     LayerRequest,
     StatisticsModeError,
@@ -128,6 +129,7 @@ def test_masked_segments_apply_a_policy_mask_within_the_models_window_as_the_def
     model's window no longer shows): the keys each segment's kernel call shows each query head are
     exactly ``j ≤ p`` and ``j > p − W_model`` (if any) and ``j < S_h or j > p − W_h`` (if ``W_h``)."""
     import numpy as np
+
     from headscope.analysis.attention_statistics import HeadKeyMask, masked_segments
 
     rng = np.random.default_rng(0)
@@ -192,6 +194,7 @@ def test_a_policy_mask_runs_full_groups_apart_and_equals_the_definition(seed, mo
     some KV groups full and some streaming): the output equals a dense softmax under the definition's
     mask, and the full groups' heads run in a kernel call without a key mask (SDPA where it applies)."""
     import numpy as np
+
     from headscope.analysis import attention_statistics as mod
     from headscope.analysis.attention_statistics import HeadKeyMask, LayerMask, _attend_masked
 

@@ -8,6 +8,7 @@ same independent path and against central finite differences on a float64 copy o
 import numpy as np
 import pytest
 import torch
+
 from headscope.analysis.attribution import (
     COPY_SET,
     EVAL_SET,
@@ -28,7 +29,6 @@ from headscope.analysis.capture import capture
 from headscope.analysis.errors import InputError
 from headscope.analysis.flow import attention_flow, flow_reference_networkx
 from headscope.analysis.rollout import rollout
-
 from tests.conftest import tiny_hf_model
 
 TEXT = "The keys to the old wooden cabinet in the kitchen"

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 import torch
+
 from headscope.analysis.capture import capture
 from headscope.analysis.errors import InputError
 
@@ -105,8 +106,9 @@ def test_corrupt_stored_run_is_recomputed_not_served(tiny_model, store):
 @pytest.mark.integration
 def test_patterns_equal_hugging_face_eager(real_model):
     """Independent reference: a separate HF model loaded from the same converted weights."""
-    from headscope.analysis.models import converted_gguf, embedded_gguf
     from transformers import AutoModelForCausalLM
+
+    from headscope.analysis.models import converted_gguf, embedded_gguf
 
     folder, _ = converted_gguf(embedded_gguf())
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")

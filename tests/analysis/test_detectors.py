@@ -3,6 +3,7 @@ key-value-group aggregation by hand."""
 
 import numpy as np
 import pytest
+
 from headscope.analysis.capture import capture
 from headscope.analysis.detectors import (
     aggregate_runs,

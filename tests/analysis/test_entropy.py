@@ -1,4 +1,5 @@
 import numpy as np
+
 from headscope.analysis.entropy import normalised_entropy
 
 
@@ -66,6 +67,7 @@ def test_a_whole_runs_rows_on_one_or_two_threads_are_the_one_call_results_bit_fo
     import math
 
     import torch
+
     from headscope.analysis.entropy import row_entropy
 
     rng = np.random.default_rng(1)

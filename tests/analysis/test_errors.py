@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from headscope.analysis.capture import InputError as ReExported
 from headscope.analysis.errors import InputError, check_head, check_head_index, check_layer
 

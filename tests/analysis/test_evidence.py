@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from headscope.analysis.evidence import cumulative_mass, evidence_score
 
 

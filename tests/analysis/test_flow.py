@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from headscope.analysis.flow import attention_flow, attention_flow_all, flow_reference_networkx
 from headscope.analysis.rollout import augmented_attention
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
 from headscope.analysis.capture import capture, tokenize_input
 from headscope.analysis.errors import InputError
 from headscope.analysis.evidence import evidence_score
 from headscope.analysis.niah import Needle, build_prompt, load_haystack, parse_needles
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
 
 ODD = st.sampled_from(["\u200b", "\u200e", "\u202e", "\u2066", "\ufeff", "\U0001F600", "\U0001F469\u200d\U0001F52C",
                        "\x00", "\x07", "\x1b[31m", "\ud800", "\udcff", "é", "ﬁ", "\u0301", "𝔘", "<script>", " "])

@@ -3,6 +3,7 @@ prompt's captured patterns, the aggregate is their mean and spread, and results 
 
 import numpy as np
 import pytest
+
 from headscope.analysis.capture import capture
 from headscope.analysis.errors import InputError
 from headscope.analysis.evidence import evidence_score
@@ -79,7 +80,6 @@ def test_scores_of_a_windowed_model_keep_its_windows_and_the_heads_grid_says_so(
     those layers and says how the streaming score treats them."""
     from headscope.analysis.models import wrap_model
     from headscope.app.views import heads as views
-
     from tests.tiny_families import tiny_family_model
 
     model = wrap_model(tiny_family_model("gemma3", len(embedded_tokenizer)), embedded_tokenizer,

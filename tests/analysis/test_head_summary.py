@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+
 from headscope.analysis.head_summary import (
     HEAD_METRICS,
     first_token_mass,

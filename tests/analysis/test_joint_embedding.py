@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from scipy.stats import binomtest
+
 from headscope.analysis.capture import capture
 from headscope.analysis.errors import InputError
 from headscope.analysis.head_summary import previous_token_mass
@@ -16,8 +18,6 @@ from headscope.analysis.joint_embedding import (
     query_attention,
 )
 from headscope.analysis.qk_collect import causal_softmax, collect_head, load_sentences
-from scipy.stats import binomtest
-
 from tests.analysis.test_qk_collect import synthetic_head
 
 

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from headscope.analysis.kv_compression import (
     PATTERN_CONFIG,
     PATTERN_TSV,
@@ -23,7 +24,6 @@ from headscope.analysis.kv_compression import (
     smallest_model_window,
     streaming_key_mask,
 )
-
 from tests.conftest import tiny_hf_model
 
 SEED = 3
@@ -308,7 +308,6 @@ def windowed(request, embedded_tokenizer):
     """Sliding-window families (tests/tiny_families.py): Mistral, window 7 on every layer; Gemma 3,
     window 6 on layers 0 and 2, one KV head for four query heads, soft scale, QK-norm."""
     from headscope.analysis.models import wrap_model
-
     from tests.tiny_families import tiny_family_model
 
     name = request.param

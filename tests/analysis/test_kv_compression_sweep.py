@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 import threading
 
-import headscope.analysis.kv_compression_sweep as kvs
 import numpy as np
 import pytest
+
+import headscope.analysis.kv_compression_sweep as kvs
 from headscope.analysis.errors import InputError
 from headscope.analysis.head_scores import trial_prompts
 from headscope.analysis.kv_compression import evaluate_policies

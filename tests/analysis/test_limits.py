@@ -4,6 +4,7 @@ that reports one names its variable."""
 import base64
 
 import pytest
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.limits import DEFAULTS, hint, limit
 

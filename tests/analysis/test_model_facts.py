@@ -8,11 +8,11 @@ import copy
 import numpy as np
 import pytest
 import torch
+
 from headscope.analysis.capture import capture
 from headscope.analysis.entropy import normalised_entropy
 from headscope.analysis.models import wrap_model
 from headscope.analysis.statistics_run import capture_statistics
-
 from tests.tiny_families import tiny_family_model
 
 WINDOWS = {"llama": (None, None), "mistral": (7, 7), "gemma2": (6, None), "gemma3": (6, None, 6),
@@ -120,8 +120,9 @@ def test_qk_page_label_names_norm_and_rotation(embedded_tokenizer):
 def test_qk_probe_sentences_start_with_the_bos_the_model_expects(base_tokenizer):
     """QK page probes of a BOS model: each sentence is read after its BOS (a point shown as a token,
     with no characters of the sentence), and the queries are those of the model run on [BOS] + text."""
-    from headscope.analysis.qk_collect import collect_layer
     from transformer_lens.utilities import get_act_name
+
+    from headscope.analysis.qk_collect import collect_layer
 
     model = _wrap("gemma3", base_tokenizer)
     sentences = ["The cat sat on the mat.", "A dog ran home."]

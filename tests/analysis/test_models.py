@@ -1,4 +1,5 @@
 import pytest
+
 from headscope.analysis.models import ModelError, display_token, load_model
 
 
@@ -18,8 +19,9 @@ def test_missing_gguf_and_empty_folder_are_explained(tmp_path):
 
 def test_unsupported_architecture_is_a_model_error(embedded_tokenizer):
     import torch
-    from headscope.analysis.models import wrap_model
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    from headscope.analysis.models import wrap_model
 
     class Odd(torch.nn.Module):
         config = GPT2Config(n_layer=1, n_head=2, n_embd=8)
@@ -143,7 +145,6 @@ def test_models_over_the_memory_budget_are_unloaded_least_recently_used_first(re
     import threading
 
     from headscope.analysis import models
-
     from tests.conftest import tiny_hf_model
 
     saved = dict(models._models)  # models other tests left resident would change who is least recent

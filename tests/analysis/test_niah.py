@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.niah import (
     Needle,
@@ -213,7 +214,6 @@ def base_model(embedded_tokenizer):
     import copy
 
     from headscope.analysis.models import wrap_model
-
     from tests.tiny_families import tiny_family_model
 
     tok = copy.deepcopy(embedded_tokenizer)

@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from transformer_lens.utilities import get_act_name
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.patching import activation_patching, agreement, prompt_pair
 from headscope.analysis.path_patching import layer_units, patch_together, path_patching
-from transformer_lens.utilities import get_act_name
 
 CLEAN = "When Mary and John went to the store, John gave a drink to"
 CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.patching import prompt_pair
 from headscope.analysis.patching_pairs import PAIR_KINDS, load_pairs, pair_by_id

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from headscope.analysis.attribution import token_relevance
 from headscope.analysis.flow import flow_reference_networkx
 from headscope.analysis.position_bias import position_corrected, uniform_baseline, uniform_causal_patterns

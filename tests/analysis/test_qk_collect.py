@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+
 from headscope.analysis.capture import capture
 from headscope.analysis.errors import InputError
 from headscope.analysis.qk_collect import (
@@ -60,7 +61,6 @@ def test_attention_from_collected_vectors_uses_the_layers_scale_cap_and_window(f
     """Gemma's logits are ``q · k / sqrt(query_pre_attn_scalar)`` (not ``sqrt(d_head)``), soft-capped
     (Gemma 2) and windowed on sliding layers: the collected vectors' attention is still the model's."""
     from headscope.analysis.models import wrap_model
-
     from tests.tiny_families import tiny_family_model
 
     model = wrap_model(tiny_family_model(family, len(embedded_tokenizer)), embedded_tokenizer,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from scipy.linalg import subspace_angles
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.paths import DATA_DIR
 from headscope.analysis.qk_collect import ProbeTask, collect_head, load_probe_tasks
@@ -26,8 +28,6 @@ from headscope.analysis.qk_decomposition import (
     token_labels,
     wqk_spectra,
 )
-from scipy.linalg import subspace_angles
-
 from tests.analysis.test_qk_collect import synthetic_head
 
 D = 32

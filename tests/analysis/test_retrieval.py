@@ -6,6 +6,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.niah import DEFAULT_TEMPLATE, Needle, build_prompt, load_haystack, load_needles
 from headscope.analysis.retrieval import (

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from headscope.analysis.rollout import augmented_attention, rollout, rollout_per_layer
 
 # Two layers, two heads, three tokens; rows are post-softmax and causal.

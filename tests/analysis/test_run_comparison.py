@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from headscope.analysis.capture import Run
 from headscope.analysis.errors import InputError
 from headscope.analysis.run_comparison import (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from headscope.analysis.capture import capture
 from headscope.analysis.errors import InputError
 from headscope.analysis.runs import AttentionRun

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from headscope.analysis.attention_statistics import (
     LayerRequest,
     StatisticsModeError,
@@ -24,7 +25,6 @@ from headscope.analysis.capture import capture
 from headscope.analysis.models import wrap_model
 from headscope.analysis.statistics_run import STATS_METRICS, capture_statistics, statistics_score
 from headscope.kernels.attention import ARGMAX, ARGMAX_PROB, COL_SUM, ENTROPY, RECENT_MASS, ROWS, SINK_MASS
-
 from tests.tiny_families import FAMILIES, tiny_family_model
 
 TEXT = ("The keeper of the lighthouse wrote every evening in a small blue notebook. She counted the ships, "

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+
 from headscope.analysis.store import Store, content_key
 
 

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+
 from headscope.analysis.store import Store, UnreadableRow
 
 A = np.arange(100, dtype=np.float32)

@@ -15,6 +15,7 @@ import textwrap
 
 import numpy as np
 import pytest
+
 from headscope.analysis.store import Store, StoreReadError
 
 A = np.arange(5000, dtype=np.float32)

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from headscope.analysis.head_summary import HEAD_METRICS
 from headscope.analysis.streaming import SINK_MIN_LATER, sink_checked_positions, sink_map, streaming_score
 
@@ -230,7 +231,6 @@ def test_streaming_and_sinks_of_tiny_windowed_models_equal_brute_force_from_eage
     from headscope.analysis.capture import capture
     from headscope.analysis.models import wrap_model
     from headscope.analysis.statistics_run import capture_statistics, statistics_score
-
     from tests.tiny_families import tiny_family_model
 
     model = wrap_model(tiny_family_model(family, len(embedded_tokenizer)), embedded_tokenizer,

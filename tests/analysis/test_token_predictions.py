@@ -4,9 +4,9 @@ numbers read off the model's full ``[n, vocab]`` logits (log_softmax, gather, to
 import numpy as np
 import pytest
 import torch
+
 from headscope.analysis.models import wrap_model
 from headscope.analysis.token_predictions import TOP_K, final_hidden_state, token_predictions
-
 from tests.tiny_families import tiny_family_model
 
 TEXT = ("The keeper of the lighthouse wrote every evening in a small blue notebook. She counted the ships, "

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from transformer_lens.utilities import get_act_name
+
 from headscope.analysis.attribution import attribute
 from headscope.analysis.value_norms import contribution_norms, contributions, value_weighted_patterns
-from transformer_lens.utilities import get_act_name
 
 
 def layer_activations(model, ids, layer):

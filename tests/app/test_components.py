@@ -103,6 +103,7 @@ def test_a_link_naming_a_model_has_it_chosen_from_the_first_frame(tmp_path, monk
     page's render, a Run pressed at once ran the server's default model instead (seen in Chromium once
     Run was enabled at page load). A model the server does not offer is not put in the menu."""
     import dash
+
     import headscope.app.context
     from headscope.analysis.store import Store
     from headscope.app.context import AppContext

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from headscope.analysis.capture import capture
 from headscope.analysis.store import Store
 from headscope.app.context import AppContext, run_bytes

@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from headscope.analysis.capture import capture
 from headscope.analysis.errors import InputError
 from headscope.app.export import PLOTLYJS_NAME, bundle, plotlyjs, read_manifest, regenerate, write_files

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+
 from headscope.analysis.attribution import (
     CORRECTED_METHODS,
     PLAIN_METHODS,
@@ -18,7 +19,6 @@ from headscope.analysis.attribution import (
 from headscope.analysis.capture import capture
 from headscope.analysis.rollout import FUSIONS
 from headscope.app.views import flow as views
-
 from tests.app.test_browser import browser, page, start_server  # noqa: F401
 
 TEXT = "The keys to the old wooden cabinet are"
@@ -244,6 +244,7 @@ def test_strips_sharing_a_scale_are_coloured_in_one_unit_the_share_of_the_target
 
 def test_the_page_says_what_the_colour_means(tmp_path):
     import dash
+
     from headscope.analysis.store import Store
     from headscope.app.context import AppContext
     from headscope.app.server import create_app

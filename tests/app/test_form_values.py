@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from headscope.analysis.errors import InputError
 from headscope.app.form_values import number_list, whole_number
 

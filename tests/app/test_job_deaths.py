@@ -39,6 +39,7 @@ class MiniApp:
     def __init__(self, cache: Path, job, manager=None):
         import dash
         from dash import DiskcacheManager, Input, Output, html
+
         from headscope.app.jobs import _watched_manager, job_cache
         from headscope.app.server import show_error
 

@@ -226,6 +226,7 @@ def test_two_jobs_with_the_same_arguments_each_deliver_their_own_result(tmp_path
     for ever or read "the job stopped". Each job now has its own key, and each poll gets its own result."""
     from dash import DiskcacheManager
     from dash._utils import AttributeDict
+
     from headscope.app.jobs import _watched_manager, job_cache
 
     manager = _watched_manager(DiskcacheManager)(job_cache(tmp_path), expire=3600)
@@ -426,6 +427,7 @@ def test_a_progress_report_written_while_a_poll_reads_the_last_one_is_not_lost(t
     last report, so the page never drew it (#16). A report over diskcache's 32 KB inline limit (kept in
     a file, as a preview grid can be) is read and removed the same way."""
     from dash import DiskcacheManager
+
     from headscope.app.jobs import _watched_manager, job_cache
 
     manager = _watched_manager(DiskcacheManager)(job_cache(tmp_path), expire=3600)

@@ -23,6 +23,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from headscope.app.views import VIEWS, names
 
 # Making one export of every view (a needle sweep, a compression curve, a single-head ablation map

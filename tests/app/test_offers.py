@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from headscope.analysis.store import Store
 from headscope.app.context import AppContext
 from headscope.app.server import create_app

@@ -14,8 +14,8 @@ import zipfile
 
 import numpy as np
 import pytest
-from headscope.analysis.patching import activation_patching, prompt_pair
 
+from headscope.analysis.patching import activation_patching, prompt_pair
 from tests.app.test_browser import browser, cut_off_titles, page, select_option, settle, start_server  # noqa: F401
 
 CLEAN = "When Mary and John went to the store, John gave a drink to"

@@ -12,6 +12,7 @@ import sqlite3
 
 import numpy as np
 import pytest
+
 from headscope.analysis.runs import stored_runs
 from headscope.analysis.store import Store
 from headscope.app.cli import main

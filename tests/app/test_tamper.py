@@ -250,6 +250,7 @@ def test_job_cache_round_trips_a_real_background_job_as_json_and_never_unpickles
     import diskcache
     import plotly.graph_objects as go
     from dash import Dash, DiskcacheManager, Input, Output, html, no_update
+
     from headscope.app.jobs import job_cache
 
     folder = tmp_path / "jobs"
@@ -316,6 +317,7 @@ def test_shared_records_refuse_malformed_and_pickled_copies(redis_url, tmp_path,
     import io
 
     import redis
+
     from headscope.analysis.store import Store
 
     monkeypatch.setenv("HEADSCOPE_REDIS_URL", redis_url)

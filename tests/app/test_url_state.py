@@ -1,6 +1,7 @@
 from urllib.parse import urlencode
 
 import pytest
+
 from headscope.app.url_state import PageState, parse
 
 

@@ -326,8 +326,9 @@ def test_records_cross_disks_through_redis_within_limits(redis_url, tmp_path, mo
 def test_a_job_that_failed_outside_its_callback_ends_with_a_message(redis_url, monkeypatch):
     """A task Celery marked failed (its pool process lost more often than it is retried) gives the page
     an error to show, not an endless spinner; a job that delivered its result is not terminated."""
-    import headscope.app.workers as workers
     from billiard.exceptions import WorkerLostError
+
+    import headscope.app.workers as workers
 
     monkeypatch.setenv("HEADSCOPE_REDIS_URL", redis_url)
     monkeypatch.setattr(workers, "_celery", None)
@@ -368,7 +369,6 @@ def test_a_progress_report_written_while_a_poll_reads_the_last_one_is_not_lost_o
     import json
 
     import headscope.app.workers as workers
-
     from tests.app.test_jobs import _WritesAfterFirstRead
 
     monkeypatch.setenv("HEADSCOPE_REDIS_URL", redis_url)

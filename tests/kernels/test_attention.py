@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from headscope.kernels import statistics as stat
 from headscope.kernels.attention import AttentionResult, attention
 from headscope.kernels.reference import reference_attention

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from headscope.kernels.attention import STATISTICS, attention
 from headscope.kernels.reference import attention_scores, reference_attention
 

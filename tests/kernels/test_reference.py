@@ -12,9 +12,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
 from headscope.kernels import statistics as stat
 from headscope.kernels.reference import OUT, eager_attention, reference_attention
-from torch.nn.attention.bias import causal_lower_right
 
 
 def test_uniform_attention_gives_the_hand_computed_statistics():

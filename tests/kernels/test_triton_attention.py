@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from headscope.kernels.statistics import STATISTICS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +43,7 @@ def _worker() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
     import torch
+
     from headscope.kernels.attention import attention
     from headscope.kernels.statistics import validate
     from headscope.kernels.triton_attention import triton_attention
@@ -101,9 +103,9 @@ def _model_through_triton() -> dict:
     """Statistics mode with the Triton backend (interpreted) inside a tiny Llama's own forward pass:
     the integration that runs by default on CUDA, checked against the eager path."""
     import torch
+
     from headscope.analysis.attention_statistics import LayerRequest, statistics_mode
     from headscope.analysis.models import wrap_model
-
     from tests.conftest import load_embedded_tokenizer, tiny_hf_model
 
     tokenizer = load_embedded_tokenizer()  # the tokenizer alone: no real weights for a tiny model
@@ -125,10 +127,11 @@ def _compile_worker() -> None:
     """Compile each kernel for sm_90 without a GPU: GPU-only lowering errors show up here."""
     sys.path.insert(0, str(ROOT))
     import triton
-    from headscope.kernels import triton_attention as ta
-    from headscope.kernels import triton_decode as td
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from headscope.kernels import triton_attention as ta
+    from headscope.kernels import triton_decode as td
 
     def build(fn, dtype, num_warps, **constexprs):
         # naming convention in kernels/triton_attention.py: Capitalised = pointer, ALL_CAPS = constexpr
@@ -255,6 +258,7 @@ def test_kernels_compile_for_hopper_without_a_gpu(workers):
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     """Without TRITON_INTERPRET, asking for Triton on CPU is a clear error, not a driver traceback."""
     import torch
+
     from headscope.kernels.attention import attention
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

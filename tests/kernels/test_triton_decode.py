@@ -44,6 +44,7 @@ def _worker() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
     import torch
+
     from headscope.kernels.attention import attention
     from headscope.kernels.statistics import validate
     from headscope.kernels.triton_decode import DECODE_STATS, splits_keys, triton_decode
@@ -120,6 +121,7 @@ def _worker() -> None:
 def _matrix(q, k, mask, causal=True):
     """The reference attention matrix in float64 (for the probability of any chosen key)."""
     import torch
+
     from headscope.kernels.reference import attention_scores
 
     return torch.softmax(attention_scores(q, k, causal=causal, **mask), -1)

@@ -33,6 +33,7 @@ def _worker() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
     import torch
+
     from headscope.kernels.attention import STATISTICS, attention
     from headscope.kernels.reference import reference_attention
 

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from headscope.analysis.capture import capture
 from headscope.analysis.errors import InputError
 from headscope.analysis.statistics_run import capture_statistics
@@ -126,7 +127,6 @@ def test_head_grid_marks_sliding_window_layers(embedded_tokenizer, stats_mode):
     """Gemma 3 (tiny, random): layers 0 and 2 slide over 6 keys, layer 1 is global; the grid says
     so on its layer axis and in every cell's hover, in both run kinds, and the export rows carry it."""
     from headscope.analysis.models import wrap_model
-
     from tests.tiny_families import tiny_family_model
 
     model = wrap_model(tiny_family_model("gemma3", len(embedded_tokenizer)), embedded_tokenizer,
@@ -150,7 +150,6 @@ def test_head_grid_of_a_model_without_windows_has_plain_layers(run):
 
 def _tiny_gemma3(embedded_tokenizer, digest):
     from headscope.analysis.models import wrap_model
-
     from tests.tiny_families import tiny_family_model
 
     return wrap_model(tiny_family_model("gemma3", len(embedded_tokenizer)), embedded_tokenizer,

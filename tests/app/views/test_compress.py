@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.kv_compression import CompressionCurve, KVMemory, Policy, PolicyEvaluation
 from headscope.app.url_state import parse

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from headscope.analysis.capture import capture
 from headscope.analysis.errors import InputError
 from headscope.analysis.flow import attention_flow

@@ -5,8 +5,8 @@ drawn, in real Chromium."""
 from __future__ import annotations
 
 import pytest
-from headscope.app.views import qk as views
 
+from headscope.app.views import qk as views
 from tests.app.test_browser import browser  # noqa: F401
 
 pytestmark = pytest.mark.integration
