@@ -10,6 +10,7 @@ a small app on the server's job manager.
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import json
 import os
@@ -49,22 +50,32 @@ class MiniApp:
         self.app.callback(Output("out", "children"), Input("go", "n_clicks"), background=True,
                           prevent_initial_call=True)(job)
         self.client = self.app.server.test_client()
-        page = self.client.get("/").get_data(as_text=True)
+        page = self._as_served(self.client.get, "/").get_data(as_text=True)
         self.end_id = json.loads(page.split('<script id="_dash-config" type="application/json">')[1]
                                  .split("</script>")[0])["end_id"]
         self.body = {"output": "out.children", "outputs": {"id": "out", "property": "children"},
                      "inputs": [{"id": "go", "property": "n_clicks", "value": 1}], "changedPropIds": ["go.n_clicks"],
                      "state": []}
 
+    def _as_served(self, request, *args, **kwargs):
+        """``request`` as a server thread runs it: in a fresh context where this is the Dash app. Dash's
+        callback dispatch finds its app (and so the secret it checks job handles with) through a context
+        variable that any earlier ``Dash.get_layout()`` in this thread left set, to another test's app."""
+        from dash._get_app import app_context
+
+        context = contextvars.copy_context()
+        context.run(app_context.set, self.app)
+        return context.run(request, *args, **kwargs)
+
     def start(self, old_job: str | None = None) -> dict:
         query = {"endId": self.end_id, **({"oldJob": old_job} if old_job else {})}
-        answer = self.client.post(f"{UPDATE}?{urllib.parse.urlencode(query)}", json=self.body)
+        answer = self._as_served(self.client.post, f"{UPDATE}?{urllib.parse.urlencode(query)}", json=self.body)
         assert answer.status_code == 200, answer.get_data(as_text=True)[:500]
         return answer.get_json()
 
     def poll(self, handles: dict) -> tuple[int, dict | None]:
         query = {"cacheKey": handles["cacheKey"], "job": handles["job"], "endId": self.end_id}
-        answer = self.client.post(f"{UPDATE}?{urllib.parse.urlencode(query)}", json=self.body)
+        answer = self._as_served(self.client.post, f"{UPDATE}?{urllib.parse.urlencode(query)}", json=self.body)
         return answer.status_code, answer.get_json(silent=True)
 
     def follow(self, handles: dict, timeout_s: float = 120) -> tuple[int, dict | None]:
@@ -124,6 +135,11 @@ def test_a_handle_from_before_a_restart_ends_with_a_message_and_kills_nothing(tm
     handles. Its poll found no such job and answered 204, or, where the pid was another process's by
     then, waited for ever; its next Run sent the old handle to be ended, and Dash's manager killed
     whatever process had that pid now (and its children)."""
+    import dash
+
+    another = dash.Dash("another")  # what an earlier test in this process leaves behind (MiniApp._as_served)
+    another.layout = dash.html.Div()
+    another.get_layout()
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         mini = MiniApp(tmp_path / "jobs", _sleeps(0))
