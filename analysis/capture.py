@@ -24,6 +24,7 @@ from headscope.analysis.errors import (  # InputError also re-exported from here
 )
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.runs import RunRecord
+from headscope.analysis.score_registry import run_metrics, score_run
 from headscope.analysis.store import Store, content_key
 from headscope.analysis.token_predictions import final_hidden_state, token_predictions
 
@@ -66,9 +67,8 @@ class Run(RunRecord):
 
     @property
     def metrics(self) -> tuple[str, ...]:
-        from headscope.analysis.head_summary import HEAD_METRICS
-
-        return tuple(HEAD_METRICS)
+        """The scores this run gives (:func:`headscope.analysis.score_registry.run_metrics`)."""
+        return run_metrics(self)
 
     @property
     def mode(self) -> str:
@@ -77,13 +77,10 @@ class Run(RunRecord):
     def require_patterns(self, what: str) -> None:
         """Full patterns are kept: every view can be drawn."""
 
-    def head_scores(self, metric: str) -> np.ndarray:
-        """``[layer, head]`` :data:`headscope.analysis.head_summary.HEAD_METRICS` ``metric`` of the patterns."""
-        from headscope.analysis.head_summary import HEAD_METRICS
-
-        if metric not in HEAD_METRICS:
-            raise InputError(f"Unknown metric {metric!r}; choose one of: {', '.join(HEAD_METRICS)}.")
-        return HEAD_METRICS[metric].compute(self.patterns, self.token_ids, self.layer_windows)
+    def head_scores(self, metric: str, model: LoadedModel | None = None) -> np.ndarray:
+        """``[layer, head]`` score ``metric`` of the patterns, or with ``model`` (default: the run's own)
+        for a score that needs the model (:func:`headscope.analysis.score_registry.score_run`)."""
+        return score_run(self, metric, model, word="metric")
 
     def received_attention(self) -> np.ndarray:
         """``[layer, head, n]`` :func:`headscope.analysis.streaming.sink_map`'s ``received``."""

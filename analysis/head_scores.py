@@ -1,23 +1,23 @@
 """Per-head scores over several prompts, aggregated with mean and spread.
 
-For each prompt one forward pass runs in statistics mode (:mod:`headscope.analysis.statistics_run`: attention
-through the kernels, per-row statistics kept, never an N × N matrix), which gives every score of
-:data:`headscope.analysis.head_summary.HEAD_METRICS` (entropy, first-token and mid-sequence sinks,
-previous-token, duplicate-token, induction, max attention, streaming) and the evidence score at any
-length, equal to their pattern-based definitions (models that cannot run in statistics mode capture
-full patterns instead). The scores are computed
-with the streaming score's sink size S and recent window W as parameters
-(:func:`headscope.analysis.streaming.streaming_score`), plus the evidence score when the prompt names a
-question span and an evidence span (:func:`headscope.analysis.evidence.evidence_score`: question tokens →
-the needle, as in a needle-in-a-haystack prompt). The per-prompt tables are aggregated with
-:func:`headscope.analysis.detectors.aggregate_runs` (mean, sample standard deviation, n) and stored, so the
-Heads page and ``headscope scan`` read them back instantly.
+Every score of the registry (:data:`headscope.analysis.score_registry.HEAD_SCORES`) is computed on each
+prompt; those that need a question and an evidence span (the evidence score, question → needle, as
+in a needle-in-a-haystack prompt) when every prompt has both. One forward pass per prompt runs in
+statistics mode (:mod:`headscope.analysis.statistics_run`: attention through the kernels, per-row
+statistics kept, never an N × N matrix) and gives every score that has a statistics mode at any
+length, equal to its pattern-based definition; a score without one is computed from the prompt's
+full patterns, or from the model itself when that is what it needs, on prompts within its limit
+(nan beyond). Models that cannot run in statistics mode capture full patterns instead. The streaming
+score takes its sink size S and recent window W as parameters
+(:func:`headscope.analysis.streaming.streaming_score`). The per-prompt tables are aggregated with
+:func:`headscope.analysis.detectors.aggregate_runs` (mean, sample standard deviation, n) and stored,
+so the Heads page and ``headscope scan`` read them back instantly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -26,21 +26,14 @@ from headscope.analysis.attention_statistics import statistics_supported
 from headscope.analysis.capture import capture
 from headscope.analysis.detectors import aggregate_runs
 from headscope.analysis.errors import InputError
-from headscope.analysis.evidence import evidence_score
-from headscope.analysis.head_summary import HEAD_METRICS
+from headscope.analysis.limits import limit
 from headscope.analysis.models import LoadedModel
-from headscope.analysis.statistics_run import (
-    STATS_METRICS,
-    capture_statistics,
-    evidence_from_statistics,
-    statistics_score,
-)
+from headscope.analysis.score_registry import HEAD_SCORES, HeadScore, ScoreInput
+from headscope.analysis.statistics_run import capture_statistics
 from headscope.analysis.store import Store, content_key
-from headscope.analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW, streaming_score
+from headscope.analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 
 HEAD_SCORES_VERSION = 3  # 2: statistics mode; 3: streaming and sinks read windowed layers where the window lets them
-EVIDENCE = "evidence"
-LABELS = {**{name: m.label for name, m in HEAD_METRICS.items()}, EVIDENCE: "Evidence score (question → needle)"}
 
 
 @dataclass(frozen=True)
@@ -83,11 +76,41 @@ class HeadScores:
         return self.meta.get("layer_windows")
 
 
-def _key(model: LoadedModel, prompts: Sequence[ScoredPrompt], sink: int, window: int) -> str:
+def _key(model: LoadedModel, prompts: Sequence[ScoredPrompt], sink: int, window: int, names: Sequence[str]) -> str:
+    """The content key: the model, the prompts and their spans, S and W, and the scores computed (a
+    score added to the registry is computed afresh rather than missing from a stored result)."""
     return content_key(
         "head_scores", HEAD_SCORES_VERSION, model.digest,
-        [[p.token_ids, p.question_span, p.evidence_span] for p in prompts], sink, window,
+        [[p.token_ids, p.question_span, p.evidence_span] for p in prompts], sink, window, list(names),
     )
+
+
+def _fits(score: HeadScore, n_tokens: int) -> bool:
+    return score.max_tokens is None or n_tokens <= limit(score.max_tokens)
+
+
+def _score_prompt(model: LoadedModel, prompt: ScoredPrompt, scores: Sequence[HeadScore], sink: int, window: int,
+                  kernel: bool) -> dict[str, np.ndarray]:
+    """Each score's ``[layer, head]`` table on one prompt (a score past its :attr:`HeadScore.max_tokens`
+    limit is left out: nan in the result)."""
+    ids, n = prompt.token_ids, len(prompt.token_ids)
+    given = ScoreInput(token_ids=ids, model=model, question_span=prompt.question_span,
+                       evidence_span=prompt.evidence_span, sink=sink, window=window)
+    tables: dict[str, np.ndarray] = {}
+    if kernel:  # statistics mode: one forward pass, O(n) memory, whatever the prompt's length
+        spanned = any("spans" in s.needs for s in scores) and prompt.evidence_span
+        stats = capture_statistics(model, ids, sink=sink, window=window, max_tokens=max(n, 1),
+                                   spans=[tuple(prompt.evidence_span)] if spanned else [])
+        at = replace(given, stats=stats, windows=stats.layer_windows)
+        tables = {s.name: s.of_statistics(at) for s in scores if s.of_statistics is not None}
+        del stats, at
+    rest = [s for s in scores if s.name not in tables and _fits(s, n)]
+    if any("patterns" in s.needs for s in rest):  # a model that cannot run in statistics mode: full patterns
+        run = capture(model, ids, max_tokens=max(n, 1))
+        given = replace(given, patterns=run.patterns, windows=run.layer_windows)
+    for s in rest:
+        tables[s.name] = s.of_run(given)
+    return tables
 
 
 def score_prompts(
@@ -98,6 +121,7 @@ def score_prompts(
     window: int = DEFAULT_WINDOW,
     store: Store | None = None,
     progress: Callable[[float], None] | None = None,
+    names: Sequence[str] | None = None,
 ) -> HeadScores:
     """Score every head on every prompt and aggregate (see the module docstring).
 
@@ -105,58 +129,40 @@ def score_prompts(
     ----------
     prompts : at least one; each is captured with its ids exactly as given.
     sink, window : S >= 0 first tokens and W >= 1 most recent tokens of the streaming score.
-    store : results are loaded from / saved to it under a key of the model digest, the prompts, S and W.
+    store : results are loaded from / saved to it under a key of the model digest, the prompts, S, W and
+        the scores.
+    names : the scores to compute (default: every score of the registry the prompts allow).
 
     Returns
     -------
-    :class:`HeadScores`; ``evidence`` is present when every prompt has both spans.
+    :class:`HeadScores`, one table per score asked for; those that need spans (``evidence``) only when
+    every prompt has both.
     """
     if not prompts:
         raise InputError("Give at least one prompt to score heads on.")
     if sink < 0 or window < 1:
         raise InputError(f"The streaming score needs a sink size >= 0 and a window >= 1; got S={sink}, W={window}.")
-    key = _key(model, prompts, sink, window)
+    with_spans = all(p.question_span and p.evidence_span for p in prompts)
+    unknown = [name for name in names or () if name not in HEAD_SCORES]
+    if unknown:
+        raise InputError(f"Unknown score {str(unknown[0])[:40]!r}; choose from {', '.join(HEAD_SCORES)}.")
+    chosen = [name for name, s in HEAD_SCORES.items()
+              if (names is None or name in names) and ("spans" not in s.needs or with_spans)]
+    key = _key(model, prompts, sink, window, chosen)
     if store is not None:
         stored = load_head_scores(store, key)
         if stored is not None:
             if progress:
                 progress(1.0)
             return stored
-    with_evidence = all(p.question_span and p.evidence_span for p in prompts)
+    scores = [HEAD_SCORES[name] for name in chosen]
     kernel = statistics_supported(model)
-    per_run: dict[str, list[np.ndarray]] = {}
+    per_run: dict[str, list[np.ndarray]] = {name: [] for name in chosen}
     for k, prompt in enumerate(prompts):
-        n = len(prompt.token_ids)
-        tables: dict[str, np.ndarray] = {}
-        if kernel:
-            # statistics mode: one forward pass, O(n) memory, whatever the prompt's length
-            spans = [tuple(prompt.evidence_span)] if with_evidence else []
-            stats = capture_statistics(model, prompt.token_ids, sink=sink, window=window, spans=spans,
-                                       max_tokens=max(n, 1))
-            for name in STATS_METRICS:
-                tables[name] = statistics_score(stats, name)
-            if with_evidence:
-                tables[EVIDENCE] = evidence_from_statistics(stats, tuple(prompt.question_span), [0])
-            del stats
-        need_patterns = [name for name in HEAD_METRICS if name not in tables]
-        if need_patterns:  # a model that cannot run in statistics mode: full patterns, as before
-            run = capture(model, prompt.token_ids, max_tokens=max(n, 1))
-            for name in need_patterns:
-                if name == "streaming":
-                    tables[name] = streaming_score(run.patterns, sink=sink, window=window,
-                                                   layer_windows=run.layer_windows)
-                else:
-                    tables[name] = HEAD_METRICS[name].compute(run.patterns, run.token_ids,
-                                                              run.layer_windows)
-            if with_evidence and EVIDENCE not in tables:
-                tables[EVIDENCE] = evidence_score(run.patterns, tuple(prompt.question_span),
-                                                  tuple(prompt.evidence_span))
-            del run
-        for name in [*HEAD_METRICS, EVIDENCE]:
-            if name == EVIDENCE and not with_evidence:
-                continue
-            table = tables.get(name, np.full((model.n_layers, model.n_heads), np.nan))
-            per_run.setdefault(name, []).append(np.asarray(table, dtype=np.float64))
+        tables = _score_prompt(model, prompt, scores, sink, window, kernel)
+        for name, stack in per_run.items():
+            stack.append(np.asarray(tables.get(name, np.full((model.n_layers, model.n_heads), np.nan)),
+                                    dtype=np.float64))
         if progress:
             progress((k + 1) / len(prompts))
     runs = {name: np.stack(tables) for name, tables in per_run.items()}

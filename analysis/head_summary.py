@@ -1,26 +1,19 @@
-"""Per-head summaries of one run, shown as the layer × head grid.
+"""Per-head summaries of one run's attention patterns, shown as the layer × head grid.
 
-Each metric maps a run's patterns ``[layer, head, query, key]`` and the token ids the model saw to
-``[layer, head]``. The registry is the one place that names them: pages, exports and the CLI read it.
+Each function maps a run's patterns ``[layer, head, query, key]`` (and, for the detectors, the token
+ids the model saw) to ``[layer, head]``. The registry of head scores
+(:data:`headscope.analysis.score_registry.HEAD_SCORES`) names the scores they compute; pages, exports
+and the command line read it, not this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import numpy as np
 
 from headscope.analysis.detectors import head_detector_scores
-from headscope.analysis.entropy import normalised_entropy
-from headscope.analysis.streaming import (
-    DEFAULT_SINK,
-    DEFAULT_WINDOW,
-    SINK_MIN_LATER,
-    mid_sink_score,
-    sink_map,
-    streaming_score,
-)
+from headscope.analysis.streaming import mid_sink_score, sink_map
 
 
 def first_token_mass(patterns: np.ndarray, layer_windows: Sequence[int | None] | None = None) -> np.ndarray:
@@ -82,67 +75,11 @@ def mid_sequence_sink(patterns: np.ndarray, layer_windows: Sequence[int | None] 
     return mid_sink_score(sink_map(p, layer_windows=layer_windows).received, layer_windows=layer_windows)
 
 
-@dataclass(frozen=True)
-class HeadMetric:
-    """A named per-head score: ``compute(patterns [L, H, N, N], token_ids [N], windows) -> [L, H]``
-    with ``windows`` the per-layer sliding windows (:attr:`headscope.analysis.model_facts.ModelFacts.windows`;
-    None: all full attention). ``windowed`` says, in words, how the score treats a layer the model
-    windows ("" when it reads such a layer like any other); the grid shows it beside windowed layers."""
-
-    name: str
-    label: str
-    compute: Callable[..., np.ndarray]
-    description: str
-    windowed: str = ""
-
-
-def _patterns_only(fn: Callable[[np.ndarray], np.ndarray]) -> Callable[..., np.ndarray]:
-    return lambda patterns, token_ids=(), windows=None: fn(patterns)
-
-
-def _with_windows(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
-    return lambda patterns, token_ids=(), windows=None: fn(patterns, layer_windows=windows)
-
-
-def _entropy(patterns: np.ndarray, token_ids: Sequence[int] = (), windows=None) -> np.ndarray:
-    return normalised_entropy(patterns, windows)
-
-
-def _detector(kind: str) -> Callable[..., np.ndarray]:
-    def compute(patterns: np.ndarray, token_ids: Sequence[int], windows=None) -> np.ndarray:
-        if np.asarray(patterns).shape[-1] < 2:
-            return np.full(np.asarray(patterns).shape[:2], np.nan)
-        return head_detector_scores(patterns, token_ids, kind)
-
-    return compute
-
-
-HEAD_METRICS: dict[str, HeadMetric] = {
-    m.name: m
-    for m in [
-        HeadMetric("entropy", "Normalised entropy", _entropy,
-                   "Mean row entropy / log(visible keys): 0 = one key, 1 = uniform.",
-                   "normalised by the keys the window leaves visible"),
-        HeadMetric("first_token", "Attention on first token", _with_windows(first_token_mass),
-                   "Mean attention on position 0 (sink share).",
-                   "averaged over the queries the window lets see position 0"),
-        HeadMetric("mid_sink", "Mid-sequence sink", _with_windows(mid_sequence_sink),
-                   "Largest mean attention received by any key after position 0 (a mid-sequence sink).",
-                   f"each key averaged over the queries that see it; blank: a window of {SINK_MIN_LATER} "
-                   "keys or fewer checks none"),
-        HeadMetric("previous_token", "Previous-token attention", _patterns_only(previous_token_mass),
-                   "Mean attention from token i to token i-1."),
-        HeadMetric("duplicate_token", "Duplicate-token score", _detector("duplicate_token"),
-                   "Share of attention on earlier copies of the current token (TransformerLens head_detector)."),
-        HeadMetric("induction", "Induction score", _detector("induction"),
-                   "Share of attention on the token after an earlier copy of the current token "
-                   "(TransformerLens head_detector; needs repeated text to fire)."),
-        HeadMetric("max_attention", "Max attention", _patterns_only(max_attention),
-                   "Mean of each row's largest weight."),
-        HeadMetric("streaming", "Streaming score", _with_windows(streaming_score),
-                   f"Share of attention on the first {DEFAULT_SINK} tokens plus the last {DEFAULT_WINDOW} "
-                   "(DuoAttention's sink + recent window): high = streaming head, low = needs full context.",
-                   "scored only on rows from S+W until the window binds (they still see every key), so "
-                   "locality the model forces is not counted; blank: the window binds before row S+W"),
-    ]
-}
+def detection_score(patterns: np.ndarray, token_ids: Sequence[int], kind: str) -> np.ndarray:
+    """TransformerLens' ``head_detector`` score ``kind`` (``duplicate_token`` or ``induction``, error
+    measure ``mul``) of every head (:func:`headscope.analysis.detectors.head_detector_scores`); nan for a
+    single token, which has no earlier key to detect."""
+    p = np.asarray(patterns)
+    if p.shape[-1] < 2:
+        return np.full(p.shape[:2], np.nan)
+    return head_detector_scores(p, token_ids, kind)

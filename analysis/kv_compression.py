@@ -16,10 +16,11 @@ step (a real compressed cache holds exactly these S + W keys). A policy is built
 of the groups and a fraction kept full (:func:`build_policy`): the ``round(fraction · L · H_kv)``
 groups ranked highest are full. Rankings (:data:`RANKINGS`) turn a per-query-head score ``[layer,
 head]`` into a per-group priority with :func:`headscope.analysis.detectors.group_heads`, the aggregation the
-Heads page shows: retrieval and evidence score by their group maximum (a group must stay full if
-any of its query heads retrieves), streaming score by ``max(1 − streaming)`` (a group may stream only
-if all its heads do); ``random`` draws a priority per seed; ``all_full`` and ``all_streaming`` are the
-two ends. ``all_streaming`` keeps StreamingLLM's cache (its sinks and window) with the positions the
+Heads page shows: the retrieval score and every head score the registry ranks by
+(:attr:`headscope.analysis.score_registry.HeadScore.kv_ranking`: evidence, streaming, ...) by their group
+maximum (a group must stay full if any of its query heads retrieves), or, for a score whose high values
+say a head may stream, of ``1 − score`` (streaming: a group may stream only if all its heads do);
+``random`` draws a priority per seed; ``all_full`` and ``all_streaming`` are the two ends. ``all_streaming`` keeps StreamingLLM's cache (its sinks and window) with the positions the
 model saw; StreamingLLM itself renumbers positions within its cache (Xiao et al. 2023, positions
 "within the cache rather than in the original text"), which this masking does not.
 
@@ -87,6 +88,7 @@ from headscope.analysis.kv_compression_choices import (
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.niah import NiahPrompt
 from headscope.analysis.retrieval import Cancelled, cancel_requested
+from headscope.analysis.score_registry import HEAD_SCORES, KV_SCORES
 from headscope.analysis.store import Store, content_key
 
 KV_COMPRESSION_VERSION = 1
@@ -98,12 +100,14 @@ POLICY_JSON = "policy.json"
 @dataclass(frozen=True)
 class Ranking:
     """How one ranking orders KV groups: ``priority(scores [layer, head], n_kv, seed) -> [layer, n_kv]``
-    (higher = kept full first); ``score`` names the per-head table it needs (None: none)."""
+    (higher = kept full first); ``score`` names the per-head table it needs (None: none), ``invert``
+    ranks by ``1 − score``."""
 
     name: str
     score: str | None
     fixed_fraction: float | None = None  # the two ends ignore the fraction asked for
     seeded: bool = False
+    invert: bool = False
 
     @property
     def label(self) -> str:
@@ -112,8 +116,7 @@ class Ranking:
 
 RANKINGS: dict[str, Ranking] = {r.name: r for r in [
     Ranking("retrieval", "retrieval"),
-    Ranking("streaming", "streaming"),
-    Ranking("evidence", "evidence"),
+    *[Ranking(name, name, invert=HEAD_SCORES[name].kv_ranking.invert) for name in KV_SCORES],
     Ranking("random", None, seeded=True),
     Ranking("all_full", None, fixed_fraction=1.0),
     Ranking("all_streaming", None, fixed_fraction=0.0),
@@ -142,7 +145,7 @@ def group_priority(model: LoadedModel, ranking: str, scores: Mapping[str, np.nda
     if table.shape != (model.n_layers, model.n_heads):
         raise InputError(f"The {r.score} score must have shape [layer, head] = {(model.n_layers, model.n_heads)}, "
                          f"got {table.shape}.")
-    if ranking == "streaming":
+    if r.invert:
         table = 1.0 - table
     return group_heads(np.nan_to_num(table, nan=0.0), model.n_kv_heads, "max")
 
@@ -544,8 +547,8 @@ def evaluate_policies(
 
     Parameters
     ----------
-    scores : per-query-head tables ``[layer, head]`` by name (``retrieval``, ``streaming``,
-        ``evidence``) for the rankings that need them.
+    scores : per-query-head tables ``[layer, head]`` by name (``retrieval`` and the registry's scores
+        that rank KV groups, e.g. ``streaming``) for the rankings that need them.
     rankings : names from :data:`RANKINGS`.
     fractions : shares of KV groups kept full, each in [0, 1].
     texts : token-id lists for loss and agreement (at least one, or ``prompts``).

@@ -2,15 +2,17 @@
 the streaming groups' S and W (DuoAttention's shipped defaults) and the default fractions and seeds.
 
 This module imports nothing heavy, so the command line checks its arguments against these names
-before torch is loaded; :mod:`headscope.analysis.kv_compression` and (later) the Compress page read the same names.
+before torch is loaded; :mod:`headscope.analysis.kv_compression` and the Compress page read the same names.
+The rankings by a head score are those the registry declares (:attr:`headscope.analysis.score_registry.HeadScore.kv_ranking`).
 """
 
 from __future__ import annotations
 
+from headscope.analysis.score_registry import HEAD_SCORES, KV_SCORES
+
 RANKING_LABELS = {
     "retrieval": "Retrieval score (group max)",
-    "streaming": "Streaming score (group max of 1 − score)",
-    "evidence": "Evidence score (group max)",
+    **{name: HEAD_SCORES[name].kv_ranking.label for name in KV_SCORES},
     "random": "Random groups",
     "all_full": "All full (uncompressed)",
     "all_streaming": "All streaming (StreamingLLM's sinks + window; positions kept, not renumbered)",

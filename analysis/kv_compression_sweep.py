@@ -2,9 +2,9 @@
 Compress page and ``headscope compress``.
 
 :func:`compress_sweep` takes a stored sweep (:func:`headscope.analysis.retrieval.sweep`), obtains the per-head
-scores its rankings need (retrieval from the sweep; streaming and evidence from
-:func:`headscope.analysis.head_scores.score_prompts` over the sweep's prompts, the streaming score with the
-policy's own S and W), and calls :func:`headscope.analysis.kv_compression.evaluate_policies` on the sweep's
+scores its rankings need (retrieval from the sweep; the registry's scores that rank KV groups, such as
+streaming and evidence, from :func:`headscope.analysis.head_scores.score_prompts` over the sweep's prompts,
+the streaming score with the policy's own S and W), and calls :func:`headscope.analysis.kv_compression.evaluate_policies` on the sweep's
 prompts. The finished curve is stored as one record keyed by its inputs (:func:`curve_key`), so a
 link that names it reopens the curve without computing (:func:`load_curve`); each policy's numbers
 are also stored by ``evaluate_policies`` itself, so a cancelled run resumes.
@@ -37,10 +37,11 @@ from headscope.analysis.kv_compression_choices import (
 )
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.retrieval import RetrievalSweep, trial_prompt
+from headscope.analysis.score_registry import KV_SCORES
 from headscope.analysis.store import Store, content_key
 
 CURVE_KIND = "kv_compression_curve"
-SCORES_SHARE = 0.2  # of the progress bar, for the streaming/evidence scores when they are computed
+SCORES_SHARE = 0.2  # of the progress bar, for the head scores over the prompts when they are computed
 
 
 @dataclass
@@ -66,15 +67,16 @@ def curve_key(model: LoadedModel, sweep_key: str, rankings: Sequence[str], fract
 def sweep_scores(model: LoadedModel, sweep: RetrievalSweep, rankings: Sequence[str], sink_size: int,
                  recent_size: int, store: Store | None = None, progress: Progress | None = None
                  ) -> dict[str, np.ndarray]:
-    """The ``[layer, head]`` tables the rankings need: the sweep's retrieval scores, and the streaming
-    (with S = ``sink_size``, W = ``recent_size``) and evidence scores' means over its prompts."""
+    """The ``[layer, head]`` tables the rankings need: the sweep's retrieval scores, and the means over its
+    prompts of the head scores the rankings name (the streaming score with S = ``sink_size``, W = ``recent_size``)."""
     from headscope.analysis.head_scores import score_prompts, trial_prompts
 
     scores = {"retrieval": np.asarray(sweep.scores)}
-    if {"streaming", "evidence"} & set(rankings):
+    wanted = [r for r in rankings if r in KV_SCORES]
+    if wanted:
         head_scores = score_prompts(model, trial_prompts(sweep.trials), sink=sink_size, window=recent_size,
-                                    store=store, progress=progress)
-        scores.update({k: head_scores.mean[k] for k in ("streaming", "evidence") if k in head_scores.mean})
+                                    store=store, progress=progress, names=wanted)
+        scores.update({k: head_scores.mean[k] for k in wanted if k in head_scores.mean})
     return scores
 
 
@@ -116,7 +118,7 @@ def compress_sweep(
         found = load_curve(store, key)
         if found is not None:
             return StoredCurve(key, found, sweep.key)
-    needs_scores = bool({"streaming", "evidence"} & set(rankings))
+    needs_scores = any(r in KV_SCORES for r in rankings)
     share = SCORES_SHARE if needs_scores else 0.0
 
     def part(lo: float, hi: float) -> Progress | None:

@@ -9,7 +9,7 @@ Both runs must have the same number of tokens, so that position ``i`` is one pos
 activation patching needs, Heimersheim & Nanda 2024, §2), and models of the same shape (layers ×
 query heads). Two different models must also have tokenized the text alike (equal token ids): the
 same text under two tokenizers gives positions that do not correspond. The per-head score is any
-:data:`headscope.analysis.head_summary.HEAD_METRICS` both runs can compute (full patterns or statistics mode,
+score of one text (:data:`headscope.analysis.score_registry.RUN_SCORES`) both runs can compute (full patterns or statistics mode,
 :class:`headscope.analysis.runs.AttentionRun`); a head's attention difference is ``A₂[l, h] − A₁[l, h]``, of the
 patterns, or of the block means when both runs kept pooled maps of the same block size.
 
@@ -18,7 +18,8 @@ float32, so each stored weight ``Â`` stands for any weight within half a spacin
 ``|A − Â| ≤ u(Â) = spacing(Â) / 2`` (``2^-11 Â`` for a float16 weight, ``2^-25`` for one stored as 0;
 future keys and keys outside a model's window are exactly 0). :func:`score_resolution` bounds how far
 a score can move over those intervals, and a change second − first within the sum of both runs'
-bounds is indistinguishable from rounding (:attr:`RunComparison.within_rounding`). The bound, per score:
+bounds is indistinguishable from rounding (:attr:`RunComparison.within_rounding`). The bound, per kind
+of score (each score's ``rounding`` in the registry, :data:`headscope.analysis.score_registry.ROUNDINGS`):
 
 - scores that are means of weights, or of row maxima or column means (first-token, previous-token,
   max attention, mid-sequence sink, streaming): the score is monotone and subadditive in the weights,
@@ -29,7 +30,8 @@ bounds is indistinguishable from rounding (:attr:`RunComparison.within_rounding`
 - normalised entropy: ``|ΔH_i| ≤ Σ_j max_{|x − Â_ij| ≤ u_ij} |φ(x) − φ(Â_ij)|`` with ``φ(x) = −x log x``
   (the largest change of each term over its interval: at an end, or at 1/e where φ peaks), averaged
   like the score (:func:`headscope.analysis.entropy.mean_normalised_entropy`);
-- a statistics run: its scores are means of float32 row statistics, ``2^-24 |score|``.
+- a statistics run: its scores are means of float32 row statistics, ``2^-24 |score|``;
+- a score computed afresh from the model (``exact``): storage rounds nothing, 0.
 
 This is a bound on storage rounding only, not on the model's own float32 arithmetic.
 """
@@ -44,6 +46,7 @@ import numpy as np
 
 from headscope.analysis.errors import InputError, check_head_index
 from headscope.analysis.runs import AttentionRun
+from headscope.analysis.score_registry import head_score
 
 TWO_PROMPTS = "two prompts on one model"
 TWO_MODELS = "one prompt on two models"
@@ -170,8 +173,6 @@ def attention_difference(first: AttentionRun, second: AttentionRun, layer: int, 
 
 
 FLOAT32_ROUNDING = 2.0**-24  # half a float32 spacing, relative: the rounding of a statistics run's values
-_SUBLINEAR = ("first_token", "previous_token", "max_attention", "mid_sink", "streaming")
-_RATIO = ("duplicate_token", "induction")
 
 
 def stored_precision(run: AttentionRun) -> str:
@@ -241,41 +242,41 @@ def score_resolution(run: AttentionRun, metric: str) -> np.ndarray:
     Parameters
     ----------
     run : a stored run (float16 or float32 patterns, or float32 statistics).
-    metric : a name in :data:`headscope.analysis.head_summary.HEAD_METRICS` the run can compute.
+    metric : a score the run can compute (:attr:`headscope.analysis.runs.AttentionRun.metrics`).
 
     Returns
     -------
     ``[layer, head]`` float64 ≥ 0; nan where the score is nan.
     """
     from headscope.analysis.entropy import mean_normalised_entropy
-    from headscope.analysis.head_summary import HEAD_METRICS
 
-    if metric not in HEAD_METRICS:
-        raise InputError(f"Unknown metric {metric!r}; choose one of: {', '.join(HEAD_METRICS)}.")
+    kind = head_score(metric, "metric")
     score = np.asarray(run.head_scores(metric), dtype=np.float64)
+    if kind.rounding is None:  # a score declared without a bound: tests/analysis fails on it
+        raise NotImplementedError(f"no rounding bound for the score {metric!r}")
+    if kind.rounding == "exact":
+        return np.where(np.isfinite(score), 0.0, np.nan)
     if not run.has_patterns:
         return FLOAT32_ROUNDING * np.abs(score)
-    patterns, compute = run.patterns, HEAD_METRICS[metric].compute
+    patterns, compute = run.patterns, kind.compute
     n_layers, n_heads, n, _ = patterns.shape
     windows: Sequence[int | None] = run.layer_windows or [None] * n_layers
     out = np.empty((n_layers, n_heads), dtype=np.float64)
     for layer in range(n_layers):  # one layer's half-spacings at a time: [head, n, n]
         weights = np.asarray(patterns[layer])
         one = [windows[layer]] if run.layer_windows else None
-        if metric == "entropy":
+        if kind.rounding == "entropy":
             rows = _entropy_row_change(weights, _visible(n, windows[layer]))  # [head, n]
             out[layer] = mean_normalised_entropy(rows[None], one)[0]
             continue
         u = _half_spacings(weights)
-        if metric in _SUBLINEAR:
+        if kind.rounding == "sublinear":
             out[layer] = compute(u[None], run.token_ids, one)[0]
-        elif metric in _RATIO:
+        else:  # "ratio"
             total_u = u.sum((-1, -2), dtype=np.float64)
             total = np.asarray(weights, dtype=np.float64).sum((-1, -2))
             with np.errstate(divide="ignore", invalid="ignore"):
                 out[layer] = total_u * (compute(u[None], run.token_ids, one)[0] + score[layer]) / (total - total_u)
-        else:  # a score added to HEAD_METRICS without a bound here: tests/analysis fails on it
-            raise NotImplementedError(f"no rounding bound for the score {metric!r}")
     return np.where(np.isfinite(score), out, np.nan)
 
 

@@ -3,7 +3,8 @@
 A :class:`headscope.analysis.capture.Run` keeps the full attention patterns ``A[l, h]`` of a short input; a
 :class:`headscope.analysis.statistics_run.StatsRun` keeps per-row statistics, column sums and block-pooled
 maps of a long one (the kernels' statistics mode). Both implement :class:`AttentionRun`: sizes,
-tokens, loss, per-head scores by metric, attention received per key, sink positions and the
+tokens, loss, per-head scores by name (through the registry of head scores,
+:mod:`headscope.analysis.score_registry`), attention received per key, sink positions and the
 attention of a region, each with the same definition on both (tested equal on the same input in
 ``tests/analysis/test_statistics_run.py``). What only full patterns can give (rollout, flow,
 attribution) is asked for through :meth:`AttentionRun.require_patterns`, which says why not.
@@ -55,7 +56,7 @@ class AttentionRun(Protocol):
         """Side ``B`` of the blocks of :meth:`attention_overview` (1: every cell)."""
     @property
     def metrics(self) -> tuple[str, ...]:
-        """Names of :data:`headscope.analysis.head_summary.HEAD_METRICS` this run can score."""
+        """Names of the head scores this run can give (:func:`headscope.analysis.score_registry.run_metrics`)."""
     @property
     def mode(self) -> str:
         """What was kept, in words (the CLI prints it)."""
@@ -67,8 +68,9 @@ class AttentionRun(Protocol):
     def require_patterns(self, what: str) -> None:
         """Nothing when full patterns are kept; else an ``InputError`` saying ``what`` needs them."""
 
-    def head_scores(self, metric: str) -> np.ndarray:
-        """``[layer, head]`` score ``metric`` (a name in :attr:`metrics`)."""
+    def head_scores(self, metric: str, model: Any = None) -> np.ndarray:
+        """``[layer, head]`` score ``metric`` (a name in :attr:`metrics`); ``model`` for a score that needs
+        the model (default: the run's own, loaded)."""
 
     def received_attention(self) -> np.ndarray:
         """``[layer, head, n]`` ``Σ_{i>j} A[i, j] / (n − 1 − j)``; nan at the last position."""

@@ -8,25 +8,18 @@ positions at a time: :mod:`headscope.analysis.token_predictions`, so never an ``
 O(layers · heads · n) plus the pooled maps (at most ``MAX_BLOCKS²`` per head): a 4,096-token run of
 the embedded model stores about 60 MB where its float16 patterns would take 9 GB.
 
-Per-head scores from statistics (:func:`statistics_scores`) follow the same definitions as the
-pattern-based ones in :mod:`headscope.analysis.head_summary`, :mod:`headscope.analysis.entropy`,
-:mod:`headscope.analysis.streaming` and :mod:`headscope.analysis.evidence` (tested equal on a 512-token run):
+Per-head scores from statistics (:mod:`headscope.analysis.statistics_scores`, dispatched by the
+registry :data:`headscope.analysis.score_registry.HEAD_SCORES`: :func:`statistics_score`) follow the same
+definitions as the pattern-based ones (tested equal on a 512-token run), from these statistics:
 
-- entropy: ``mean H_i / log(v_i)`` over rows with ``v_i ≥ 2`` visible keys (``i + 1``, at most the
-  layer's sliding window), ``H_i`` the kernel's row entropy (:func:`headscope.analysis.entropy.mean_normalised_entropy`);
-- first_token: ``mean_{1≤i<min(n, W_l)} A[i, 0]``; previous_token: ``mean_{i≥1} A[i, i−1]`` (a pair term);
-- max_attention: ``mean_{i≥1} max_j A[i, j]`` (the kernel's argmax probability);
-- streaming: ``mean_{S+W≤i<min(n, W_l)} (Σ_{j<S} A[i, j] + Σ_{i−W<j≤i} A[i, j])`` (sink and recent
-  mass, on the rows before a model window ``W_l`` binds; :func:`headscope.analysis.streaming.streaming_score`);
-- received (sink map): ``(Σ_i A[i, j] − A[j, j]) / v_l(j)`` from the column sums and the diagonal
-  pair term, ``v_l(j)`` the later queries that see key j (:func:`headscope.analysis.streaming.visible_later`);
-  mid_sink its maximum over the checked keys ``j ≥ 1`` (:func:`headscope.analysis.streaming.mid_sink_score`);
-- evidence: ``mean_{i∈Q} Σ_{j∈E} A[i, j]`` from the span masses of the evidence spans.
-
-- duplicate-token and induction (TransformerLens' ``head_detector``, ``mul``): ``Σ_{D[i,j]=1} A[i, j]
-  / Σ_ij A[i, j]`` with the detection pattern's cells (``t_j = t_i, j < i``; induction the same
-  cells shifted one key right) read exactly from the lse (pair terms over listed cells), and
-  ``Σ_ij A[i, j] = n``; nan above :data:`MAX_DETECTOR_CELLS` cells.
+- entropy: the kernel's row entropy ``H_i``; max_attention: its argmax probability;
+- first_token, previous_token: ``A[i, 0]`` and ``A[i, i−1]`` (a span mass and a pair term);
+- streaming: the masses on the first S keys and on the last W keys up to the query;
+- received (sink map) and mid_sink: the column sums and the diagonal pair term;
+- evidence: the mass of each query row on the evidence spans;
+- duplicate-token and induction (TransformerLens' ``head_detector``, ``mul``): the detection
+  pattern's cells (``t_j = t_i, j < i``; induction the same cells shifted one key right) read exactly
+  from the lse (pair terms over listed cells); nan above :data:`MAX_DETECTOR_CELLS` cells.
 
 Exact values of a region (:func:`exact_region`) come from the kernel too: the forward pass is run
 again in statistics mode with the region's query rows requested as exact rows in one layer, and
@@ -48,20 +41,27 @@ from headscope.analysis.attention_statistics import (
     statistics_mode,
     statistics_supported,
 )
-from headscope.analysis.entropy import mean_normalised_entropy
 from headscope.analysis.errors import InputError, check_head_index
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.runs import RunRecord
+from headscope.analysis.score_registry import (
+    HEAD_SCORES,
+    STATISTICS_SCORES,
+    ScoreInput,
+    run_metrics,
+    score_run,
+)
+from headscope.analysis.statistics_scores import (
+    evidence_from_statistics as evidence_from_statistics,  # callers import it here
+)
+from headscope.analysis.statistics_scores import received
 from headscope.analysis.store import Store, content_key
 from headscope.analysis.streaming import (
     DEFAULT_SINK,
     DEFAULT_WINDOW,
     SINK_MIN_LATER,
     SINK_THRESHOLD,
-    mid_sink_score,
-    received_from_columns,
     sink_flags,
-    unbound_rows,
 )
 from headscope.analysis.token_predictions import final_hidden_state, token_predictions
 from headscope.kernels.attention import (
@@ -93,9 +93,8 @@ ROW_STATS = {
     "diag": "A[i, i]",
     "prev": "A[i, i-1]",
 }
-#: Metrics computable from statistics: all of HEAD_METRICS.
-STATS_METRICS = ("entropy", "first_token", "mid_sink", "previous_token", "duplicate_token", "induction",
-                 "max_attention", "streaming")
+STATS_METRICS = STATISTICS_SCORES
+"""Scores of one text that statistics give (the registry's :data:`headscope.analysis.score_registry.STATISTICS_SCORES`)."""
 DETECTORS = ("duplicate_token", "induction")
 MAX_DETECTOR_CELLS = 4_000_000
 """Most (query, key) cells the duplicate-token and induction scores read (a text that repeats one
@@ -145,7 +144,9 @@ class StatsRun(RunRecord):
 
     @property
     def metrics(self) -> tuple[str, ...]:
-        return STATS_METRICS
+        """The scores this run gives (:func:`headscope.analysis.score_registry.run_metrics`): those with a
+        statistics mode, and those that need only the model on a text short enough for them."""
+        return run_metrics(self)
 
     @property
     def mode(self) -> str:
@@ -156,9 +157,10 @@ class StatsRun(RunRecord):
         raise InputError(f"{what} needs full attention patterns; this {self.n_tokens:,}-token run kept statistics "
                          "only (longer than HEADSCOPE_MAX_TOKENS). Run a shorter text.")
 
-    def head_scores(self, metric: str) -> np.ndarray:
-        """``[layer, head]`` :func:`statistics_score` ``metric``."""
-        return statistics_score(self, metric)
+    def head_scores(self, metric: str, model: LoadedModel | None = None) -> np.ndarray:
+        """``[layer, head]`` score ``metric`` (:func:`headscope.analysis.score_registry.score_run`: from the
+        statistics, or with ``model``, default the run's own, for a score that needs the model)."""
+        return score_run(self, metric, model)
 
     def received_attention(self) -> np.ndarray:
         """``[layer, head, n]`` :func:`received`."""
@@ -397,73 +399,21 @@ def capture_for_page(model: LoadedModel, text: str, store: Store | None, max_tok
 # --- scores from statistics -----------------------------------------------------------------------
 
 
-def received(run: StatsRun) -> np.ndarray:
-    """``[layer, head, n]`` attention received from strictly later queries, averaged over those that
-    see the key (:func:`headscope.analysis.streaming.sink_map`'s ``received``); nan at the last position."""
-    if "received" not in run._memo:
-        column = run.col_sum.astype(np.float64) - run.rows["diag"].astype(np.float64)
-        run._memo["received"] = received_from_columns(column, run.layer_windows)
-    return run._memo["received"]
-
-
 def sink_positions(run: StatsRun, threshold: float = SINK_THRESHOLD, min_later: int = SINK_MIN_LATER) -> np.ndarray:
     """``[n]`` number of heads for which each position is a sink (as in :func:`headscope.analysis.streaming.sink_map`)."""
     return sink_flags(received(run), threshold, min_later, run.layer_windows).sum((0, 1))
 
 
 def statistics_score(run: StatsRun, name: str, sink: int | None = None, window: int | None = None) -> np.ndarray:
-    """``[layer, head]`` score ``name`` (:data:`STATS_METRICS`) from the run's statistics.
+    """``[layer, head]`` score ``name`` (:data:`STATS_METRICS`) from the run's statistics, by the
+    registry's statistics mode of that score.
 
     ``sink``/``window`` must match the run's (the masses were taken with them); nan where the
     pattern-based definition is nan (too short a run)."""
-    n = run.n_tokens
-    L, H = run.n_layers, run.n_heads
-    nan = np.full((L, H), np.nan)
-    r = run.rows
-    if name == "entropy":
-        return mean_normalised_entropy(r["entropy"], run.layer_windows)
-    windows = run.layer_windows or [None] * L
-    if name in ("previous_token", "max_attention"):
-        if n < 2:
-            return nan
-        src = {"previous_token": "prev", "max_attention": "argmax_prob"}[name]
-        return r[src][..., 1:].astype(np.float64).mean(-1)
-    if name == "first_token":  # rows that see key 0: 1 <= i < min(n, W_l)
-        if n < 2:
-            return nan
-        return np.stack([r["first"][la, :, 1 : min(n, w) if w else n].astype(np.float64).mean(-1)
-                         for la, w in enumerate(windows)])
-    if name == "streaming":
-        S, W = run.settings["sink"], run.settings["window"]
-        if (sink is not None and sink != S) or (window is not None and window != W):
-            raise InputError(f"This run's masses were taken with S={S}, W={W}; capture it again for S={sink}, W={window}.")
-        out = nan.copy()
-        for la, w in enumerate(windows):
-            rows_read = unbound_rows(n, S, W, w)
-            if len(rows_read):
-                sl = slice(rows_read.start, rows_read.stop)
-                out[la] = (r["sink_mass"][la, :, sl].astype(np.float64)
-                           + r["recent_mass"][la, :, sl].astype(np.float64)).mean(-1)
-        return out
-    if name == "mid_sink":
-        return mid_sink_score(received(run), SINK_MIN_LATER, run.layer_windows)
-    if name in DETECTORS:
-        if n < 2 or name not in run.detectors:
-            return nan
-        return run.detectors[name] / n  # Σ_ij A[i, j] = n: every row sums to 1
-    raise InputError(f"Unknown score {name!r}; statistics give: {', '.join(STATS_METRICS)}.")
-
-
-def evidence_from_statistics(run: StatsRun, question: tuple[int, int], evidence: Sequence[int]) -> np.ndarray:
-    """``mean_{i∈Q} Σ_{j∈E} A[i, j]`` with ``E`` the union of the run's spans listed in ``evidence``
-    (indices into ``settings["spans"]``; spans must not overlap)."""
-    if run.span_mass is None:
-        raise InputError("This run was captured without spans: no evidence score.")
-    a, e = int(question[0]), int(question[1])
-    if not 0 <= a < e <= run.n_tokens:
-        raise InputError(f"The question span ({a}, {e}) is outside the {run.n_tokens}-token input.")
-    mass = run.span_mass[:, :, a:e][..., list(evidence)].astype(np.float64).sum(-1)
-    return mass.mean(-1)
+    if name not in STATS_METRICS:
+        raise InputError(f"Unknown score {str(name)[:40]!r}; statistics give: {', '.join(STATS_METRICS)}.")
+    return HEAD_SCORES[name].of_statistics(ScoreInput(token_ids=run.token_ids, stats=run, windows=run.layer_windows,
+                                                      sink=sink, window=window))
 
 
 # --- exact values of a region -----------------------------------------------------------------------

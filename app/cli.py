@@ -41,6 +41,7 @@ from headscope.analysis.patching_choices import DIRECTIONS as PATCH_DIRECTIONS
 from headscope.analysis.patching_choices import METRICS as PATCH_METRICS
 from headscope.analysis.patching_choices import PATH_SITES
 from headscope.analysis.patching_choices import SITES as PATCH_SITES
+from headscope.analysis.score_registry import HEAD_SCORES, RUN_SCORES
 from headscope.app.export_formats import FIGURE_FORMATS
 
 EXIT_USER_ERROR = 2
@@ -704,10 +705,9 @@ def cmd_scan(args) -> int:
     for score in scores.names:
         write_files(None, names.HEAD_SCORE_GRID, {**params, "score": score}, out / score, formats,
                     plotlyjs_path=out / "plotly.min.js")
-    for score in ("retrieval", "evidence"):
-        if score == "retrieval" or score in scores.names:
-            write_files(None, names.SCORE_MASS, {**params, "score": score}, out / f"mass_{score}", formats,
-                        plotlyjs_path=out / "plotly.min.js")
+    for score in ("retrieval", *[name for name in scores.names if HEAD_SCORES[name].mass_curve]):
+        write_files(None, names.SCORE_MASS, {**params, "score": score}, out / f"mass_{score}", formats,
+                    plotlyjs_path=out / "plotly.min.js")
     print(f"sweep {result.key} ({result.settings_text()})")
     print(f"{result.n_counted}/{result.n_trials} trials answered ({summary['reused_trials']} reused); "
           f"{result.share_above(0.1):.1%} of heads score above 0.1")
@@ -871,15 +871,12 @@ def cmd_ablate(args) -> int:
     from headscope.analysis.ablation_curve import ablation_curve, check_curve, rank_heads
     from headscope.analysis.capture import capture
     from headscope.analysis.errors import InputError
-    from headscope.analysis.head_summary import HEAD_METRICS
     from headscope.analysis.limits import limit
     from headscope.analysis.store import content_key
     from headscope.app.export import write_files
     from headscope.app.views import names
     from headscope.app.views.registry import metric_scores
 
-    if args.top_k and args.by != "retrieval" and args.by not in HEAD_METRICS:
-        raise UsageError(f"argument --by: unknown score {args.by!r}; use retrieval or one of {', '.join(HEAD_METRICS)}")
     lengths, depths = args.lengths or [512], args.depths or [25.0, 75.0]
     store, spec_name, model = _open_store_and_model(args)
     n_heads = model.n_layers * model.n_heads
@@ -899,7 +896,7 @@ def cmd_ablate(args) -> int:
         if args.by == "retrieval":
             scores, by_label = np.nan_to_num(result.scores, nan=0.0), "Retrieval score"
         else:
-            scores, by_label = metric_scores(run, args.by), HEAD_METRICS[args.by].label
+            scores, by_label = metric_scores(run, args.by), HEAD_SCORES[args.by].label
         heads = rank_heads(scores)[: args.top_k]
         if len(heads) < args.top_k:
             raise InputError(f"Only {len(heads)} heads have a {by_label} here; --top-k must be at most that.")
@@ -932,6 +929,24 @@ def cmd_ablate(args) -> int:
         print(line)
     print(f"results in {out}")
     return 0
+
+
+BY_HELP = f"retrieval (needs --sweep) or a per-head score on the text: {', '.join(RUN_SCORES)}"
+METRIC_HELP = f"the per-head score (default entropy; the Attention page's metrics: {', '.join(RUN_SCORES)})"
+
+
+def text_score(text: str) -> str:
+    """``--metric``: a per-head score of one text (:data:`headscope.analysis.score_registry.RUN_SCORES`)."""
+    if text not in RUN_SCORES:
+        raise argparse.ArgumentTypeError(f"unknown score {text[:40]!r}; choose one of {', '.join(RUN_SCORES)}")
+    return text
+
+
+def rank_score(text: str) -> str:
+    """``--by``: ``retrieval`` (a sweep's) or a per-head score of the text."""
+    if text != "retrieval" and text not in RUN_SCORES:
+        raise argparse.ArgumentTypeError(f"unknown score {text[:40]!r}; use retrieval or one of {', '.join(RUN_SCORES)}")
+    return text
 
 
 def ranking_list(text: str) -> list[str]:
@@ -1362,15 +1377,12 @@ def cmd_compare(args) -> int:
     import numpy as np
 
     from headscope.analysis.errors import InputError
-    from headscope.analysis.head_summary import HEAD_METRICS
     from headscope.analysis.run_comparison import compare_runs
     from headscope.app.context import AppContext, set_context
     from headscope.app.export import write_files
     from headscope.app.views import names
 
     metric = args.metric or "entropy"
-    if metric not in HEAD_METRICS:
-        raise UsageError(f"argument --metric: unknown metric {metric!r}; choose one of: {', '.join(HEAD_METRICS)}")
     store = _store(args)
     from headscope.analysis.models import DEFAULT_MODEL
 
@@ -1404,7 +1416,7 @@ def cmd_compare(args) -> int:
     top = result.largest_changes(args.top)
     summary = {
         "first": first.key, "second": second.key, "first_model": first.model_name, "second_model": second.model_name,
-        "kind": result.kind, "metric": metric, "metric_label": HEAD_METRICS[metric].label,
+        "kind": result.kind, "metric": metric, "metric_label": HEAD_SCORES[metric].label,
         "n_tokens": first.n_tokens, "differ": list(result.differ),
         "differ_tokens": [[first.tokens[i], second.tokens[i]] for i in result.differ],
         "largest_changes": [{"layer": c.layer, "head": c.head, "first": _finite(c.first), "second": _finite(c.second),
@@ -1570,7 +1582,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=non_empty("the model spec"), help=MODEL_HELP)
     p.add_argument("--heads", help="e.g. 12.3,14.1 or kv:20.1 (a key-value group) or 7.* (a layer)")
     p.add_argument("--top-k", type=count(1), help="ablate the k heads with the highest --by score")
-    p.add_argument("--by", default="retrieval", help="retrieval (needs --sweep) or a per-head score on the text")
+    p.add_argument("--by", default="retrieval", type=rank_score, help=BY_HELP)
     p.add_argument("--method", default=DEFAULT_METHOD, choices=METHODS)
     p.add_argument("--text", type=text_arg)
     p.add_argument("--file", type=text_file, help="read the text from a UTF-8 file")
@@ -1639,7 +1651,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("second", type=non_empty("the second run id"),
                    help="a run of the same length: another text on the same model, or the same text on a model "
                         "with the same tokenizer")
-    p.add_argument("--metric", help="the per-head score (default entropy; the Attention page's metric names)")
+    p.add_argument("--metric", type=text_score, help=METRIC_HELP)
     p.add_argument("--head", type=layer_head, help="also this head's change in attention (layer.head)")
     p.add_argument("--top", type=count(1, 10_000), default=10, help="how many heads to print (default 10)")
     p.add_argument("--out", type=folder)

@@ -96,6 +96,7 @@ def head_grid(
     colorscale: str = COLORSCALE,
     windows: Sequence[int | None] | None = None,
     window_note: str = "",
+    signed: bool = False,
 ) -> go.Figure:
     """Layer × head heatmap of a per-head score; the selected head is outlined.
 
@@ -107,6 +108,8 @@ def head_grid(
         says which attention its layer has.
     window_note : what ``w`` means for this score, shown under the grid when a layer is windowed
         (e.g. ``"w: windowed by the model (W=512): scored only on rows ..."``).
+    signed : the score's sign means something (a registry score declared ``signed``): a diverging scale
+        centred at 0, red above and blue below, instead of ``colorscale``.
     """
     scores = np.asarray(scores, dtype=float)
     n_layers, n_heads = scores.shape
@@ -118,7 +121,7 @@ def head_grid(
             x=list(range(n_heads)),
             y=list(range(n_layers)),
             customdata=[[a] * n_heads for a in attn],
-            colorscale=colorscale,
+            **(_signed_colours() if signed else {"colorscale": colorscale}),
             colorbar={"title": {"text": metric_label, "side": "right"}, "thickness": 12},
             hovertemplate="layer %{y}, head %{x} (%{customdata})<br>" + metric_label + ": %{z:.4f}<extra></extra>",
             xgap=1,
@@ -133,6 +136,15 @@ def head_grid(
     fig = _layout(fig, f"{metric_label} per head", height=max(360, 18 * n_layers + 100))
     _mark_windowed_layers(fig, windows, window_note)  # "3 w" on the axis (hover gives the size), the note below
     return fig
+
+
+def _signed_colours(shared: np.ndarray | None = None) -> dict:
+    """A diverging scale centred at 0, red above and blue below: ``zmid`` 0, or, for grids that share
+    one scale, a range symmetric about 0 that holds every value of ``shared``."""
+    if shared is None:
+        return {"colorscale": PATCHING_SCALE, "reversescale": True, "zmid": 0}
+    span = _symmetric_span(np.asarray(shared, dtype=float))
+    return {"colorscale": PATCHING_SCALE, "reversescale": True, "zmin": -span, "zmax": span}
 
 
 def head_outline(layer: int, head: int) -> dict:
@@ -577,13 +589,13 @@ def decode_rows_heatmap(rows: np.ndarray, span: tuple[int, int], argmax: np.ndar
 
 
 def head_selection(scores: np.ndarray, label: str, chosen: Sequence[tuple[int, int]],
-                   title: Sequence[str] | None = None) -> go.Figure:
+                   title: Sequence[str] | None = None, signed: bool = False) -> go.Figure:
     """The ranking score per head with the heads chosen for ablation marked (click toggles them).
 
     The markers' trace is there even when no head is chosen (``uid="chosen"``): the page toggles a
     clicked head in the browser by rewriting its points and the count in the title
     (``assets/grid_clicks.js``). ``title``: paragraphs to say instead, starting with the count."""
-    fig = head_grid(scores, label)
+    fig = head_grid(scores, label, signed=signed)
     fig.add_trace(go.Scatter(
         x=[h for _, h in chosen], y=[la for la, _ in chosen], mode="markers", showlegend=False, uid="chosen",
         marker={"symbol": "square-open", "size": 13, "color": "#e4572e", "line": {"width": 3}},
@@ -724,14 +736,16 @@ def _fixed(values: np.ndarray, decimals: np.ndarray, sign: bool = False) -> list
 
 def comparison_grids(first: np.ndarray, second: np.ndarray, metric_label: str, first_name: str,
                      second_name: str, title: str, selected: tuple[int, int] | None = None,
-                     resolution: np.ndarray | None = None, stored: str = "the stored attention") -> go.Figure:
+                     resolution: np.ndarray | None = None, stored: str = "the stored attention",
+                     signed: bool = False) -> go.Figure:
     """Two runs' per-head score side by side (one colour range for both) and their difference
     (second − first, red up and blue down, white at 0); nan cells blank; the selected head outlined.
 
     ``resolution``: ``[layer, head]`` how far each change can be from rounding alone, of ``stored``
     (:attr:`headscope.analysis.run_comparison.RunComparison.resolution`). Each head's numbers are printed to
     the decimals it carries (:func:`headscope.analysis.run_comparison.shown_decimals`), and a head whose change
-    is within it is dotted on the change grid: its change, even its sign, may be rounding alone."""
+    is within it is dotted on the change grid: its change, even its sign, may be rounding alone.
+    ``signed``: the score's sign means something; both runs' grids then share a diverging scale centred at 0."""
     from plotly.subplots import make_subplots
 
     from headscope.analysis.run_comparison import shown_decimals
@@ -745,6 +759,7 @@ def comparison_grids(first: np.ndarray, second: np.ndarray, metric_label: str, f
         within = np.abs(diff) <= resolution
     both = np.concatenate([first[np.isfinite(first)], second[np.isfinite(second)]])
     lo, hi = (float(both.min()), float(both.max())) if both.size else (0.0, 1.0)
+    colours = _signed_colours(both) if signed else {"colorscale": COLORSCALE, "zmin": lo, "zmax": hi}
     span = _symmetric_span(diff)
     # the shared colour bar stands in the gap after the second grid, clear of its last column and of
     # the third grid's layer labels: the gap holds the bar, its ticks, its title and those labels
@@ -755,7 +770,7 @@ def comparison_grids(first: np.ndarray, second: np.ndarray, metric_label: str, f
     hover = "layer %{y}, head %{x}<br>" + safe_text(metric_label) + ": %{text}<extra>%{fullData.name}</extra>"
     for col, (z, name) in enumerate(((first, "first"), (second, "second")), start=1):
         fig.add_trace(go.Heatmap(z=np.where(np.isfinite(z), z, None).tolist(), x=list(range(n_heads)),
-                                 y=list(range(n_layers)), colorscale=COLORSCALE, zmin=lo, zmax=hi, name=name,
+                                 y=list(range(n_layers)), **colours, name=name,
                                  showscale=col == 2, hovertemplate=hover, xgap=1, ygap=1,
                                  text=_fixed(z, decimals),
                                  colorbar={"title": {"text": metric_label, "side": "right"}, "thickness": 10,

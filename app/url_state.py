@@ -12,17 +12,17 @@ from typing import Any
 from urllib.parse import parse_qs, urlencode
 
 from headscope.analysis.ablation_choices import METHODS as ABLATION_CHOICES
-from headscope.analysis.head_summary import HEAD_METRICS
 from headscope.analysis.joint_embedding import METHODS as PROJECTIONS
 from headscope.analysis.retrieval import AGGREGATES as RETRIEVAL_AGGREGATES
 from headscope.analysis.rollout import FUSIONS
+from headscope.analysis.score_registry import HEAD_SCORES, RUN_SCORES
 from headscope.app.context import offered_model
 
 _RUN_ID = re.compile(r"^[0-9a-f]{8,64}$")
 _INT_KEYS = ("layer", "head", "query", "target", "trial", "sentences", "sink_size", "window", "k", "seed", "tol")
-SCORES = (*HEAD_METRICS, "evidence")
+SCORES = tuple(HEAD_SCORES)  # the Heads page's scores over a sweep's prompts: every score
 ABLATION_METHODS = ABLATION_CHOICES
-RANK_BY = ("retrieval", "effect", *HEAD_METRICS)
+RANK_BY = ("retrieval", "effect", *RUN_SCORES)
 _HEADS = re.compile(r"^[\w.:*,; ]{1,2000}$", re.ASCII)  # digits 0-9 only: not "٣" or "３"
 _HEX_KEYS = ("curve", "hsweep", "source", "ref", "labels", "texts", "patching", "ppos", "first", "second", "compress")
 _PICK = re.compile(r"^[a-z_]{1,20}(:[0-9]{0,3}\.?[0-9]{1,8})?(:[0-9]{1,4})?$")  # RANKING[:FRACTION[:SEED]]
@@ -230,7 +230,7 @@ def parse(search: str | None) -> PageState:
             else:
                 state.problems.append(f"The link's {key} {value[:20]!r} is not a non-negative whole number.")
     if "metric" in first:
-        if first["metric"] in HEAD_METRICS:
+        if first["metric"] in RUN_SCORES:
             state.metric = first["metric"]
         else:
             state.problems.append(f"Unknown metric {first['metric'][:40]!r}; showing entropy.")

@@ -28,7 +28,8 @@ _API = {
     "load_model": ("headscope.analysis.models", "load_model"),
     "capture": ("headscope.analysis.capture", "capture"),
     "Store": ("headscope.analysis.store", "Store"),
-    "HEAD_METRICS": ("headscope.analysis.head_summary", "HEAD_METRICS"),
+    "HEAD_METRICS": ("headscope.analysis.score_registry", "HEAD_METRICS"),
+    "HEAD_SCORES": ("headscope.analysis.score_registry", "HEAD_SCORES"),
     "VIEWS": ("headscope.app.views", "VIEWS"),
     "figures": ("headscope.app.figures", None),
 }

@@ -28,8 +28,8 @@ from dash import (
 from dash.exceptions import PreventUpdate
 
 from headscope.analysis.errors import InputError
-from headscope.analysis.head_summary import HEAD_METRICS
 from headscope.analysis.models import ModelError, load_model
+from headscope.analysis.score_registry import HEAD_SCORES, RUN_SCORES, unavailable
 from headscope.analysis.statistics_run import capture_for_page
 from headscope.app import figures, ids
 from headscope.app.components import (
@@ -108,8 +108,8 @@ def layout(**query) -> html.Div:
                                     html.Label("Per-head metric", htmlFor=ids.METRIC),
                                     dcc.Dropdown(
                                         id=ids.METRIC,
-                                        options=[{"label": m.label, "value": m.name, "title": m.description}
-                                                 for m in HEAD_METRICS.values()],
+                                        options=[{"label": HEAD_SCORES[name].label, "value": name,
+                                                  "title": HEAD_SCORES[name].description} for name in RUN_SCORES],
                                         value="entropy", clearable=False,
                                     ),
                                 ],
@@ -318,8 +318,7 @@ def render(search, pathname=None, sinks_run=None, drawn=None):
                 None, None, None)
     n_layers, n_heads = run.n_layers, run.n_heads
     if state.metric not in run.metrics:
-        problems.append(f"{HEAD_METRICS[state.metric].label} needs full attention patterns, which a "
-                        f"{run.n_tokens:,}-token run does not keep; showing normalised entropy.")
+        problems.append(f"{unavailable(HEAD_SCORES[state.metric], run)}; showing normalised entropy.")
         state.metric = "entropy"
     layer, head = state.layer or 0, state.head or 0
     if layer >= n_layers or head >= n_heads:

@@ -18,8 +18,8 @@ from dash import Input, Output, State, callback, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
 from headscope.analysis.errors import InputError
-from headscope.analysis.head_summary import HEAD_METRICS
 from headscope.analysis.run_comparison import compare_runs, shown_decimals
+from headscope.analysis.score_registry import HEAD_SCORES, RUN_SCORES
 from headscope.app import ids
 from headscope.app.components import (
     GRAPH_CONFIG,
@@ -64,8 +64,8 @@ def layout(**_query) -> html.Div:
                                  className="hs-run-dropdown"),
                     html.Label("Score", htmlFor=ids.CMP_METRIC),
                     dcc.Dropdown(id=ids.CMP_METRIC, clearable=False, className="hs-score-dropdown",
-                                 options=[{"label": m.label, "value": m.name, "title": m.description}
-                                          for m in HEAD_METRICS.values()]),
+                                 options=[{"label": HEAD_SCORES[name].label, "value": name,
+                                           "title": HEAD_SCORES[name].description} for name in RUN_SCORES]),
                 ],
                 className="hs-options",
             ),
@@ -118,7 +118,7 @@ def _top_table(result, top_n: int = TOP_N) -> html.Table | str:
     changes = result.largest_changes(top_n)
     if not changes:
         return ""
-    label = HEAD_METRICS[result.metric].label
+    label = HEAD_SCORES[result.metric].label
     head = html.Tr([html.Th(c) for c in ("head", "first", "second", "change", "rounding (±)")])
     rows = []
     for c in changes:
@@ -197,7 +197,7 @@ def render(search, shown_metric=None):
     state = parse(search)
     problems = list(state.problems)
     first_key = state.first or state.run
-    metric = state.metric if state.metric in HEAD_METRICS else "entropy"
+    metric = state.metric if state.metric in RUN_SCORES else "entropy"
     first = second = None
     if first_key:
         try:
@@ -253,7 +253,7 @@ def choose(first, second, metric, search):
                                       and all(c in "0123456789abcdef" for c in value)):
             raise PreventUpdate  # not a value the list could offer
         setattr(state, name, value)
-    if isinstance(metric, str) and metric in HEAD_METRICS:
+    if isinstance(metric, str) and metric in RUN_SCORES:
         state.metric = metric
     new = state.to_search()
     return no_update if new == (search or "") else new

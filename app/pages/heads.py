@@ -12,7 +12,6 @@ import dash
 from dash import Input, Output, Patch, State, callback, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
-from headscope.analysis.head_scores import LABELS
 from headscope.analysis.models import load_model
 from headscope.analysis.niah import (
     DEFAULT_DEPTH_RULE,
@@ -25,6 +24,7 @@ from headscope.analysis.niah import (
     parse_needles,
 )
 from headscope.analysis.retrieval import SweepSettings, sweep, sweep_settings
+from headscope.analysis.score_registry import HEAD_SCORES
 from headscope.analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 from headscope.app import figures, ids
 from headscope.app.components import (
@@ -208,7 +208,7 @@ def layout(**_query) -> html.Div:
                     html.H4("Other per-head scores, over every prompt of the sweep", className="hs-section"),
                     html.Div([
                         dcc.Dropdown(id=ids.HEADS_SCORE, clearable=False, value="streaming",
-                                     options=[{"label": v, "value": k} for k, v in LABELS.items()],
+                                     options=[{"label": s.label, "value": s.name} for s in HEAD_SCORES.values()],
                                      className="hs-score-select"),
                         dcc.RadioItems(id=ids.HEADS_STAT, inline=True, value="mean", options=[
                             {"label": " mean", "value": "mean"}, {"label": " spread (std)", "value": "std"}]),

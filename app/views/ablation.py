@@ -25,9 +25,9 @@ from headscope.analysis.ablation import (
 )
 from headscope.analysis.ablation_curve import load_curve, rank_heads
 from headscope.analysis.errors import InputError
-from headscope.analysis.head_summary import HEAD_METRICS
 from headscope.analysis.head_sweep import load_head_sweep
 from headscope.analysis.runs import AttentionRun
+from headscope.analysis.score_registry import HEAD_SCORES, RUN_SCORES
 from headscope.app import figures
 from headscope.app.views import names
 from headscope.app.views.registry import Rows, memoised, metric_scores, register
@@ -35,7 +35,7 @@ from headscope.app.views.registry import Rows, memoised, metric_scores, register
 CONTINUATION_TOKENS = 20
 REFERENCE_SENTENCES = 100  # the built-in mean-ablation reference: the first sentences of data/probes
 RANK_LABELS = {"retrieval": "Retrieval score (a sweep)", "effect": "Single-head ablation effect",
-               **{k: m.label for k, m in HEAD_METRICS.items()}}
+               **{name: HEAD_SCORES[name].label for name in RUN_SCORES}}
 
 
 def _context():
@@ -118,11 +118,11 @@ def rank_scores(run: AttentionRun | None, params: dict[str, Any]) -> tuple[np.nd
         if found is None:
             raise InputError("No single-head sweep yet: run one below, then rank heads by its effect.")
         return np.nan_to_num(found[0].effect, nan=-np.inf), f"Single-head {found[0].method} effect on {found[0].metric}"
-    if by not in HEAD_METRICS:
-        raise InputError(f"Unknown score {by!r}; choose one of {', '.join(RANK_LABELS)}.")
+    if not isinstance(by, str) or by not in RUN_SCORES:
+        raise InputError(f"Unknown score {str(by)[:40]!r}; choose one of {', '.join(RANK_LABELS)}.")
     if run is None:
         raise InputError("Run a text first: this score is computed on it.")
-    return metric_scores(run, by), HEAD_METRICS[by].label + " (this text)"
+    return metric_scores(run, by), HEAD_SCORES[by].label + " (this text)"
 
 
 def top_heads(run: AttentionRun | None, params: dict[str, Any], k: int) -> list[tuple[int, int]]:
@@ -147,7 +147,9 @@ def selection_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure
         table, label, scored = np.zeros((model.n_layers, model.n_heads)), "(no score)", False
     chosen = parse_heads(model, params["heads"]) if params.get("heads") else []
     no_score = [f"{len(chosen)} heads chosen (boxed) — no score yet:", "rank by a score below, or bring a sweep"]
-    fig = figures.head_selection(table, label, chosen, title=None if scored else no_score)
+    by = params.get("by")
+    signed = scored and isinstance(by, str) and by in HEAD_SCORES and HEAD_SCORES[by].signed
+    fig = figures.head_selection(table, label, chosen, title=None if scored else no_score, signed=signed)
     if not scored:  # cells to click, but no colour bar for a score that does not exist yet
         fig.update_traces(showscale=False, colorscale=[[0, "#eeeeee"], [1, "#eeeeee"]],
                           hovertemplate="layer %{y}, head %{x}<extra></extra>", selector={"type": "heatmap"})

@@ -14,9 +14,9 @@ import numpy as np
 import plotly.graph_objects as go
 
 from headscope.analysis.errors import InputError
-from headscope.analysis.head_summary import HEAD_METRICS
 from headscope.analysis.model_facts import window_note
 from headscope.analysis.runs import AttentionRun
+from headscope.analysis.score_registry import HEAD_SCORES
 from headscope.analysis.statistics_run import parse_region
 from headscope.app import figures
 from headscope.app.views import names
@@ -36,8 +36,9 @@ def head_grid_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure
         selected = check_head(run, params["layer"], params["head"])
     scores = metric_scores(run, metric)
     windows = run.layer_windows
-    fig = figures.head_grid(scores, HEAD_METRICS[metric].label, selected, windows=windows,
-                            window_note=window_note(windows, HEAD_METRICS[metric].windowed))
+    score = HEAD_SCORES[metric]
+    fig = figures.head_grid(scores, score.label, selected, windows=windows,
+                            window_note=window_note(windows, score.windowed), signed=score.signed)
     rows = [
         {"layer": layer, "head": head, "metric": metric, "value": float(scores[layer, head]),
          "attention_window": windows[layer] if windows else None}

@@ -12,9 +12,9 @@ from typing import Any
 import plotly.graph_objects as go
 
 from headscope.analysis.errors import InputError
-from headscope.analysis.head_summary import HEAD_METRICS
 from headscope.analysis.run_comparison import attention_difference, compare_runs
 from headscope.analysis.runs import AttentionRun
+from headscope.analysis.score_registry import HEAD_SCORES
 from headscope.app import figures
 from headscope.app.views import names
 from headscope.app.views.registry import Rows, check_metric, register
@@ -56,7 +56,7 @@ def run_comparison_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, R
     first, second = stored_run(params.get("first"), "first"), stored_run(params.get("second"), "second")
     metric = check_metric(params.get("metric") or "entropy")
     result = compare_runs(first, second, metric)
-    label = HEAD_METRICS[metric].label
+    label = HEAD_SCORES[metric].label
     differ = f"; tokens differ at {len(result.differ)} position(s)" if result.differ else ""
     selected = None
     if params.get("layer") is not None and params.get("head") is not None:
@@ -64,7 +64,8 @@ def run_comparison_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, R
 
         selected = check_head(first, params["layer"], params["head"])
     fig = figures.comparison_grids(result.first_scores, result.second_scores, label, _name(first), _name(second),
-                                   f"{label}: {result.kind}{differ}", selected, result.resolution, result.stored)
+                                   f"{label}: {result.kind}{differ}", selected, result.resolution, result.stored,
+                                   signed=HEAD_SCORES[metric].signed)
     rows: Rows = [{"layer": la, "head": h, "metric": metric, "first": float(result.first_scores[la, h]),
                    "second": float(result.second_scores[la, h]), "change": float(result.difference[la, h])}
                   for la in range(first.n_layers) for h in range(first.n_heads)]

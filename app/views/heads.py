@@ -16,10 +16,10 @@ import plotly.graph_objects as go
 
 from headscope.analysis.errors import InputError
 from headscope.analysis.evidence import cumulative_mass
-from headscope.analysis.head_scores import LABELS, HeadScores, score_prompts, trial_prompts
-from headscope.analysis.head_summary import HEAD_METRICS
+from headscope.analysis.head_scores import HeadScores, score_prompts, trial_prompts
 from headscope.analysis.model_facts import window_note
 from headscope.analysis.retrieval import AGGREGATES, RetrievalSweep, decode_rows, load_sweep
+from headscope.analysis.score_registry import HEAD_SCORES
 from headscope.analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 from headscope.app import figures
 from headscope.app.views import names
@@ -119,11 +119,11 @@ def head_scores_of(sweep: RetrievalSweep, params: dict[str, Any], progress=None)
 
 def _score(scores: HeadScores, params: dict[str, Any]) -> tuple[str, np.ndarray, str]:
     name, stat = params.get("score", "streaming"), params.get("stat", "mean")
-    if name not in scores.mean:
-        raise InputError(f"No score {name!r} on this sweep; choose one of {', '.join(scores.mean)}.")
+    if not isinstance(name, str) or name not in scores.mean or name not in HEAD_SCORES:
+        raise InputError(f"No score {str(name)[:40]!r} on this sweep; choose one of {', '.join(scores.mean)}.")
     if stat not in ("mean", "std"):
         raise InputError(f"stat must be 'mean' or 'std', got {stat!r}.")
-    label = LABELS[name] + (f" (S={scores.sink}, W={scores.window})" if name == "streaming" else "")
+    label = HEAD_SCORES[name].label + (f" (S={scores.sink}, W={scores.window})" if name == "streaming" else "")
     return name, (scores.mean if stat == "mean" else scores.std)[name], label
 
 
@@ -138,9 +138,10 @@ def head_score_grid_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, 
     if params.get("layer") is not None and params.get("head") is not None:
         selected = check_sweep_head(sweep, params["layer"], params["head"])
     stat = params.get("stat", "mean")
-    treatment = HEAD_METRICS[name].windowed if name in HEAD_METRICS else ""
+    score = HEAD_SCORES[name]
     fig = figures.head_grid(table, label if stat == "mean" else f"std of {label}", selected,
-                            windows=scores.layer_windows, window_note=window_note(scores.layer_windows, treatment))
+                            windows=scores.layer_windows, window_note=window_note(scores.layer_windows, score.windowed),
+                            signed=score.signed and stat == "mean")
     fig.update_layout(title_text=figures.safe_text(
         f"{label}: {'mean' if stat == 'mean' else 'standard deviation'} over {scores.n_prompts} prompts"))
     rows = [{"layer": la, "head": h, "score": name, "mean": float(scores.mean[name][la, h]),

@@ -21,8 +21,8 @@ import numpy as np
 import plotly.graph_objects as go
 
 from headscope.analysis.errors import InputError, check_head_index
-from headscope.analysis.head_summary import HEAD_METRICS
 from headscope.analysis.runs import AttentionRun
+from headscope.analysis.score_registry import RUN_SCORES
 
 Rows = list[dict[str, Any]]
 Build = Callable[[Any, dict[str, Any]], tuple[go.Figure, Rows]]
@@ -69,8 +69,9 @@ def check_head(run: AttentionRun, layer: Any, head: Any) -> tuple[int, int]:
 
 
 def check_metric(metric: Any) -> str:
-    if metric not in HEAD_METRICS:
-        raise InputError(f"Unknown metric {metric!r}; choose one of: {', '.join(HEAD_METRICS)}.")
+    """``metric`` when it is a score of one text (:data:`headscope.analysis.score_registry.RUN_SCORES`)."""
+    if not isinstance(metric, str) or metric not in RUN_SCORES:
+        raise InputError(f"Unknown metric {str(metric)[:40]!r}; choose one of: {', '.join(RUN_SCORES)}.")
     return metric
 
 

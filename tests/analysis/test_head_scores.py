@@ -8,7 +8,7 @@ from headscope.analysis.capture import capture
 from headscope.analysis.errors import InputError
 from headscope.analysis.evidence import evidence_score
 from headscope.analysis.head_scores import ScoredPrompt, load_head_scores, score_prompts, trial_prompts
-from headscope.analysis.head_summary import HEAD_METRICS
+from headscope.analysis.score_registry import HEAD_METRICS, HEAD_SCORES
 from headscope.analysis.streaming import streaming_score
 
 
@@ -21,7 +21,7 @@ def prompts(tiny_model):
 
 def test_scores_equal_direct_computation_and_aggregate_over_prompts(tiny_model, prompts, store):
     result = score_prompts(tiny_model, prompts, sink=2, window=3, store=store)
-    assert result.n_prompts == 2 and set(result.names) == set(HEAD_METRICS) | {"evidence"}
+    assert result.n_prompts == 2 and set(result.names) == set(HEAD_SCORES)  # the registry's scores, evidence too
     for k, p in enumerate(prompts):
         run = capture(tiny_model, p.token_ids, pattern_dtype="float32")
         # every score comes from statistics mode; the reference is each score on float32 patterns

@@ -2,12 +2,12 @@ import numpy as np
 import pytest
 
 from headscope.analysis.head_summary import (
-    HEAD_METRICS,
     first_token_mass,
     max_attention,
     mid_sequence_sink,
     previous_token_mass,
 )
+from headscope.analysis.score_registry import HEAD_METRICS
 
 
 def test_previous_token_head_scores_one_and_sink_head_scores_one_on_first_token():

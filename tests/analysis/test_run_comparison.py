@@ -91,7 +91,7 @@ def test_an_unknown_metric_or_head_is_refused():
 
 # --- the rounding of the stored patterns: how far a score can move from it (#38 item 18) ---
 
-from headscope.analysis.head_summary import HEAD_METRICS  # noqa: E402
+from headscope.analysis.score_registry import HEAD_METRICS  # noqa: E402
 
 
 def _rounding_cases(seed=3, n=24):

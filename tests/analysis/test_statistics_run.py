@@ -8,7 +8,7 @@ import pytest
 from headscope.analysis.capture import capture
 from headscope.analysis.errors import InputError
 from headscope.analysis.evidence import evidence_score
-from headscope.analysis.head_summary import HEAD_METRICS
+from headscope.analysis.score_registry import HEAD_METRICS
 from headscope.analysis.statistics_run import (
     STATS_METRICS,
     capture_statistics,

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from headscope.analysis.head_summary import HEAD_METRICS
+from headscope.analysis.score_registry import HEAD_METRICS
 from headscope.analysis.streaming import SINK_MIN_LATER, sink_checked_positions, sink_map, streaming_score
 
 

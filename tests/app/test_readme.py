@@ -24,7 +24,7 @@ def notebook_example() -> str:
 
 
 def test_the_notebook_example_runs_and_draws_the_pages_grid(tmp_path, monkeypatch, capsys):
-    from headscope.analysis.head_summary import HEAD_METRICS
+    from headscope.analysis.score_registry import HEAD_METRICS
     from headscope.app.views import VIEWS
 
     monkeypatch.chdir(tmp_path)  # anything the example writes stays in the test's folder
