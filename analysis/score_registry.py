@@ -239,6 +239,14 @@ def _evidence_statistics(s: ScoreInput) -> Any:
     return evidence_span_from_statistics(s.stats, *_spans(s))
 
 
+def _copy_suppression(s: ScoreInput) -> Any:
+    from headscope.analysis.copy_suppression import copy_suppression
+
+    if s.model is None:
+        raise InputError("Copy suppression needs the model: give model= (a run's scores load the run's own).")
+    return copy_suppression(s.model, s.token_ids)
+
+
 _duplicate, _duplicate_statistics = _detector("duplicate_token")
 _induction, _induction_statistics = _detector("induction")
 _PATTERNS = frozenset({"patterns"})
@@ -277,6 +285,11 @@ HEAD_SCORES: dict[str, HeadScore] = {s.name: s for s in [
               "Attention mass from the question's tokens onto the needle, averaged over question tokens.",
               frozenset({"patterns", "spans"}), _evidence, _evidence_statistics,
               rounding="sublinear", kv_ranking=KVRanking("Evidence score (group max)"), mass_curve=True),
+    HeadScore("copy_suppression", "Copy suppression",
+              "How much the head's output lowers the logits of the tokens it attends to (McDougall et al. 2023), "
+              "in logits: positive = it suppresses them, negative = it copies them.",
+              frozenset({"model"}), _copy_suppression, signed=True, rounding="exact",
+              kv_ranking=KVRanking("Copy suppression (group max)"), max_tokens="HEADSCOPE_MAX_TOKENS"),
 ]}
 """Every per-head score, in menu order."""
 
