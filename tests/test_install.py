@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.app.test_browser import CHROMIUM_ARGS, run_prompt, start_server, wait_for_run
+from tests.app.browsing import CHROMIUM_ARGS, run_prompt, wait_for_run
+from tests.app.servers import start_server
 from tests.app.test_readme import notebook_example
 
 ROOT = Path(__file__).resolve().parents[1]

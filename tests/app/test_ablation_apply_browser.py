@@ -1,7 +1,7 @@
 """Issue #16 items 4 and 8 in real Chromium: on the Ablation page, clicking heads only chooses them
 (drawn, listed, nothing computed); Apply computes the effects once, as a background job with progress
-that can be cancelled; the map shows no "(no score)" colour bar before there is a score. The server,
-browser and helpers are tests/app/test_browser.py's."""
+that can be cancelled; the map shows no "(no score)" colour bar before there is a score. The server
+and browser are tests/app/conftest.py's, the steps tests/app/browsing.py's."""
 
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ import time
 
 import pytest
 
-from tests.app.test_browser import (  # noqa: F401
+from tests.app.browsing import (
     HOLD_ANSWERS,
     PROMPT,
-    browser,
     click_cell,
-    page,
+    run_on_ablation_page,
     select_option,
     settle,
     wait_title,
@@ -51,20 +50,11 @@ def _watch_effects_requests(page) -> list[dict]:
     return seen
 
 
-def run_on_ablation_page(page, url: str) -> None:
-    """Open the Ablation page, run the shared prompt, and wait for its map with no head chosen."""
-    page.goto(url + "ablation")
-    page.fill("#abl-hs-text", PROMPT)
-    page.click("#abl-hs-run")
-    page.wait_for_function("location.search.includes('run=')")
-    wait_title(page, "hs-abl-grid", "0 heads chosen")
-
-
 def _text(page, selector: str) -> str:
     return page.evaluate("(s) => document.querySelector(s)?.innerText || ''", selector)
 
 
-def test_clicked_heads_wait_for_apply_which_computes_once_and_can_be_cancelled(server, page):  # noqa: F811
+def test_clicked_heads_wait_for_apply_which_computes_once_and_can_be_cancelled(server, page):
     url, proc, _ = server
     run_on_ablation_page(page, url)
     # before any score (ranking by retrieval, no sweep): no "(no score)" colour bar, a short message instead
@@ -146,7 +136,7 @@ def decoded_heads(page) -> str:
     return page.evaluate("new URLSearchParams(location.search).get('heads') || ''")
 
 
-def test_a_fresh_link_with_heads_draws_at_once_and_computes_its_effects_with_progress_and_cancel(server, page):  # noqa: F811
+def test_a_fresh_link_with_heads_draws_at_once_and_computes_its_effects_with_progress_and_cancel(server, page):
     """Opening an Ablation link that names applied heads (issue #16): the page is drawn at once and the
     link's effects are computed as the Apply job, with "i of n" progress and Cancel; they were
     computed inside the page's render, with no progress and no way to stop them."""
@@ -210,7 +200,7 @@ def _boxed(page) -> list[list[int]]:
         return marks ? Array.from(marks.y, (y, i) => [y, marks.x[i]]) : []; }""")
 
 
-def test_heads_clicked_at_once_are_all_chosen_in_order(server, page):  # noqa: F811
+def test_heads_clicked_at_once_are_all_chosen_in_order(server, page):
     """Two, then three heads clicked within milliseconds are all chosen: boxed on the map, counted in
     its title, listed, in the heads box; a head clicked twice at once is removed and chosen again.
     (Plotly reports a click at the point its last hover found, and hovers at most every 50 ms and
@@ -244,7 +234,6 @@ def test_heads_clicked_at_once_are_all_chosen_in_order(server, page):  # noqa: F
     assert page.locator("#hs-error").inner_text() == ""
 
 
-
 def _two_heads_chosen(page, url: str) -> None:
     run_on_ablation_page(page, url)
     page.fill("#hs-abl-heads", "3.1, 7.2")
@@ -273,7 +262,7 @@ def _map_says(page, count: str, score: str) -> None:
     # the redraw answers first, while top k is still under way
     [['"changedPropIds":["hs-abl-by.value"]', 300], ['"changedPropIds":["hs-abl-topk.n_clicks"]', 3000]],
 ], ids=["redraw-last", "redraw-first"])
-def test_top_k_chosen_while_the_map_is_recoloured_stays_chosen(server, page, holds):  # noqa: F811
+def test_top_k_chosen_while_the_map_is_recoloured_stays_chosen(server, page, holds):
     """Pick another score to rank by, then top k at once: the map is recoloured (the score is written
     to the URL, which redraws the page) while top k is chosen. The redraw read the selection as it
     was when it started and, answering after top k, put the old selection back: the map said "2 heads
@@ -292,7 +281,7 @@ def test_top_k_chosen_while_the_map_is_recoloured_stays_chosen(server, page, hol
     _map_says(page, "3 heads chosen", "first token")
 
 
-def test_a_head_clicked_while_the_map_is_recoloured_is_chosen_on_the_new_colours(server, page):  # noqa: F811
+def test_a_head_clicked_while_the_map_is_recoloured_is_chosen_on_the_new_colours(server, page):
     """Pick another score to rank by, and click a head while the map is being recoloured: the click is
     kept and the map ends coloured by the new score. The recolouring was dropped for the click (Dash
     drops the answer of a callback asked again while it runs), and the map kept the old score's
@@ -310,7 +299,7 @@ def test_a_head_clicked_while_the_map_is_recoloured_is_chosen_on_the_new_colours
     assert [0, 0] in _boxed(page)
 
 
-def test_top_k_clicked_as_the_page_loads_is_not_lost(server, page):  # noqa: F811
+def test_top_k_clicked_as_the_page_loads_is_not_lost(server, page):
     """Top k clicked while the page's first draw is under way (no text run, no sweep: nothing to rank
     by) says so. Dash holds the choice until that draw answers, then asks once for both; the choice
     was read as the draw's write of the selection and dropped without a word (a quiet CI run with two
@@ -325,7 +314,7 @@ def test_top_k_clicked_as_the_page_loads_is_not_lost(server, page):  # noqa: F81
 
 @pytest.mark.parametrize("query, expected", [("?run=0123456789abcdef", "No stored run"),
                                              ("?heads=99.99", "out of range")])
-def test_a_bad_ablation_link_keeps_its_message(server, page, query, expected):  # noqa: F811
+def test_a_bad_ablation_link_keeps_its_message(server, page, query, expected):
     """A link the page cannot draw says why, and keeps saying it: the choice callback that follows the
     first draw answered with an empty message, which cleared the banner at once."""
     url, proc, _ = server
@@ -338,7 +327,7 @@ def test_a_bad_ablation_link_keeps_its_message(server, page, query, expected):  
     assert proc.poll() is None
 
 
-def test_a_score_chosen_while_apply_computes_stays_chosen_and_the_link_gets_the_applied_set(server, page):  # noqa: F811
+def test_a_score_chosen_while_apply_computes_stays_chosen_and_the_link_gets_the_applied_set(server, page):
     """Choose another score to rank by while Apply computes: when the effects arrive the map stays
     coloured by that score and the link names it and the applied set. Apply read the URL when it
     started and wrote all of it back when it ended, so the score went back to the old one."""
@@ -356,7 +345,7 @@ def test_a_score_chosen_while_apply_computes_stays_chosen_and_the_link_gets_the_
     assert proc.poll() is None
 
 
-def test_a_new_text_run_while_apply_computes_is_kept_and_the_old_texts_effects_do_not_show(server, page):  # noqa: F811
+def test_a_new_text_run_while_apply_computes_is_kept_and_the_old_texts_effects_do_not_show(server, page):
     """Run another text while Apply computes the effects on the first: the page stays on the new text,
     and the first text's effects do not appear under it. Apply wrote back the URL it read at its start,
     so the page went back to the old text (its run id) under the new text in the box. Asked to apply
@@ -387,7 +376,7 @@ def test_a_new_text_run_while_apply_computes_is_kept_and_the_old_texts_effects_d
     assert proc.poll() is None
 
 
-def test_a_job_writes_only_what_it_changed_into_the_link(server, page):  # noqa: F811
+def test_a_job_writes_only_what_it_changed_into_the_link(server, page):
     """The browser's merge of a job's result into the URL (assets/url_patch.js), case by case: what the
     job changed is set or removed, what the user changed meanwhile stays, a new text drops what
     belonged to the old one, and a result computed on what the page no longer shows (``on``) is not
@@ -450,7 +439,7 @@ def test_a_job_writes_only_what_it_changed_into_the_link(server, page):  # noqa:
                          "window.dash_clientside.no_update", [cases[0][0], cases[0][1]])
 
 
-def test_heads_typed_and_applied_at_once_are_the_heads_applied(server, page):  # noqa: F811
+def test_heads_typed_and_applied_at_once_are_the_heads_applied(server, page):
     """Type a list of heads and press Apply without Enter (the box is read when it loses the focus, as
     Apply is pressed): Apply computes the typed heads. It read the selection as it was before the box
     was read, computed the two heads chosen before, and the line said they were applied."""
@@ -466,7 +455,7 @@ def test_heads_typed_and_applied_at_once_are_the_heads_applied(server, page):  #
     assert proc.poll() is None
 
 
-def test_a_method_chosen_before_another_score_is_the_method_applied(server, page):  # noqa: F811
+def test_a_method_chosen_before_another_score_is_the_method_applied(server, page):
     """Tick a method, then choose another score to rank by, then Apply: the method ticked is applied.
     The score goes into the URL, which redraws the page, and the redraw ticked the URL's method (the
     last one applied, zero by default) again: Apply then ablated with a method the user had changed."""
@@ -484,7 +473,7 @@ def test_a_method_chosen_before_another_score_is_the_method_applied(server, page
     assert proc.poll() is None
 
 
-def test_the_line_says_applied_only_while_the_effects_shown_are_of_the_chosen_heads(server, page):  # noqa: F811
+def test_the_line_says_applied_only_while_the_effects_shown_are_of_the_chosen_heads(server, page):
     """The line under the heads box says "applied" only while the effects on the page are those of the
     heads chosen, on this text. After a new text (the applied set carries over; its effects there wait
     for Apply) it still said "2 heads applied", and Back showed another applied set's line."""
@@ -530,7 +519,7 @@ HOLD_RENDER_UNTIL = """([until, extra_ms]) => {
 }"""
 
 
-def test_a_render_that_answers_after_apply_keeps_the_effects_apply_drew(server, page):  # noqa: F811
+def test_a_render_that_answers_after_apply_keeps_the_effects_apply_drew(server, page):
     """Choose another score while a link's effects compute, with the redraw that follows (the score is
     written to the URL) answering after the effects are drawn: they stay, with their summary and the
     "applied" line. The redraw read what the page showed when it started (no effects yet), and
@@ -555,7 +544,7 @@ def test_a_render_that_answers_after_apply_keeps_the_effects_apply_drew(server, 
     assert proc.poll() is None
 
 
-def test_a_curve_finished_on_a_text_the_page_left_says_so_in_its_status_line(server, page):  # noqa: F811
+def test_a_curve_finished_on_a_text_the_page_left_says_so_in_its_status_line(server, page):
     """Run another text while the ablation curve computes on the first: when the curve ends it is not
     shown (the banner says why), and its status line says so too. The line gave the curve's numbers
     ("k=3: top …") as if they were the page's, under a curve panel that showed none."""

@@ -1,6 +1,6 @@
 """The #15 settings in real Chromium: the curve's random-control top N on the Ablation page, and the
-needle-depth rule and newline stop of a sweep on the Heads page (shown with the sweep). The server,
-browser and helpers are tests/app/test_browser.py's."""
+needle-depth rule and newline stop of a sweep on the Heads page (shown with the sweep). The server
+and browser are tests/app/conftest.py's, the steps tests/app/browsing.py's."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ import re
 
 import pytest
 
-from tests.app.test_ablation_apply_browser import run_on_ablation_page
-from tests.app.test_browser import browser, page, select_option, wait_title  # noqa: F401
+from tests.app.browsing import run_on_ablation_page, select_option, wait_title
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
 
-def test_curve_control_top_n_is_used_shown_and_checked(server, page):  # noqa: F811
+def test_curve_control_top_n_is_used_shown_and_checked(server, page):
     url, proc, _ = server
     run_on_ablation_page(page, url)
     select_option(page, "hs-abl-by", "Attention on first token")
@@ -47,7 +46,7 @@ def _watch_text(page, selector: str, flag: str) -> None:
             .observe(el, {childList: true, subtree: true, characterData: true}); }""", [selector, flag])
 
 
-def test_curve_and_head_sweep_progress_count_items_and_estimate_the_time_left(server, page):  # noqa: F811
+def test_curve_and_head_sweep_progress_count_items_and_estimate_the_time_left(server, page):
     """Issue #16: the curve's and the single-head sweep's progress said a bare percentage; they say
     "curve point i of n" (n = k values × (1 + seeds)) and "head i of n" with the time left."""
     url, proc, _ = server
@@ -75,7 +74,7 @@ def test_curve_and_head_sweep_progress_count_items_and_estimate_the_time_left(se
     assert proc.poll() is None
 
 
-def test_sweep_depth_rule_and_newline_stop_are_sweep_settings_shown_with_it(server, page):  # noqa: F811
+def test_sweep_depth_rule_and_newline_stop_are_sweep_settings_shown_with_it(server, page):
     url, proc, _ = server
     page.goto(url + "heads")
     page.wait_for_selector("#hs-heads-run")

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.app.test_ablation_apply_browser import run_on_ablation_page
-from tests.app.test_browser import browser, page, select_option  # noqa: F401
+from tests.app.browsing import run_on_ablation_page, select_option
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
@@ -25,7 +24,7 @@ def press(page, button: str) -> set[tuple[int, int]]:
     return chosen(page)
 
 
-def test_random_k_never_picks_a_head_of_the_top_n_and_says_so(server, page):  # noqa: F811
+def test_random_k_never_picks_a_head_of_the_top_n_and_says_so(server, page):
     url, proc, _ = server
     run_on_ablation_page(page, url)
     select_option(page, "hs-abl-by", "Attention on first token")

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from tests.app.test_browser import start_server
+from tests.app.servers import start_server
 
 pytestmark = pytest.mark.integration
 
@@ -158,7 +158,7 @@ def test_an_oversized_upload_says_so_in_the_page(guarded_server, tmp_path):
     silently); a file within it becomes the own haystack."""
     from playwright.sync_api import sync_playwright
 
-    from tests.app.test_browser import CHROMIUM_ARGS, settle
+    from tests.app.browsing import CHROMIUM_ARGS, settle
 
     base, _, _, _ = guarded_server
     big, small = tmp_path / "big.txt", tmp_path / "small.txt"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.app.test_browser import browser, page, run_prompt, wait_for_run, wait_title  # noqa: F401
+from tests.app.browsing import run_prompt, wait_for_run, wait_title
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
@@ -18,7 +18,7 @@ def status(page) -> str:
     return page.evaluate("(document.querySelector('#attn-hs-status')?.innerText || '')")
 
 
-def test_an_empty_run_says_it_did_not_run(server, page):  # noqa: F811
+def test_an_empty_run_says_it_did_not_run(server, page):
     url, proc, _ = server
     page.goto(url)
     page.wait_for_selector("#attn-hs-run:not([disabled])", timeout=240_000)
@@ -37,7 +37,7 @@ def test_an_empty_run_says_it_did_not_run(server, page):  # noqa: F811
     assert proc.poll() is None
 
 
-def test_the_run_chip_and_sink_map_say_what_is_true_of_a_16_token_text(server, page):  # noqa: F811
+def test_the_run_chip_and_sink_map_say_what_is_true_of_a_16_token_text(server, page):
     url, proc, _ = server
     run_prompt(page, url, SIXTEEN)
     wait_for_run(page, timeout=240_000)

@@ -3,199 +3,28 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 import zipfile
 from pathlib import Path
 
 import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
+from tests.app.browsing import (
+    PROMPT,
+    click_cell,
+    error_text,
+    hover_token,
+    run_prompt,
+    select_option,
+    settle,
+    wait_for_run,
+    wait_strip,
+    wait_title,
+)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
-
-CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
-PROMPT = "When Mary and John went to the store, John gave a drink to Mary. The cat sat on the mat."
-
-
-def free_port() -> int:
-    """A loopback port free right now. Another process may take it before ours binds it: start
-    servers with :func:`start_server`, which checks that the server answering is ours."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-
-def start_server(args: list[str], env: dict[str, str], log_path: Path, timeout: float = 180,
-                 attempts: int = 3) -> tuple[subprocess.Popen, str]:
-    """Start ``headscope serve`` (``args`` without ``--port``) on a free loopback port; return (process, url).
-
-    Ready when werkzeug logged that it runs on the port (after binding it) and it answers there: an answer alone could
-    come from another engineer's or test's server that took the port between :func:`free_port` and our
-    bind. If ours could not bind (the port was taken), it is started again on another port."""
-    for _ in range(attempts):
-        port = free_port()
-        offset = log_path.stat().st_size if log_path.exists() else 0
-        with open(log_path, "a") as log:
-            proc = subprocess.Popen([*args, "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}/"
-        deadline = time.time() + timeout
-        while proc.poll() is None and time.time() < deadline:
-            text = log_path.read_text(errors="replace")[offset:]
-            # werkzeug logs "Running on" after it bound the port; headscope's own "serving on" line
-            # comes before the bind, so it cannot tell whether the port is ours
-            if f"Running on http://127.0.0.1:{port}" in text:
-                try:
-                    urllib.request.urlopen(url, timeout=5)
-                    return proc, url
-                except urllib.error.HTTPError:  # an answer (403 from a server that wants its token)
-                    return proc, url
-                except OSError:
-                    pass
-            time.sleep(0.5)
-        text = log_path.read_text(errors="replace")[offset:]
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=20)
-            pytest.fail(f"server did not start within {timeout:.0f} s:\n{text}")
-        if "in use" not in text:
-            pytest.fail(f"server exited with code {proc.returncode}:\n{text}")
-    pytest.fail(f"no free port after {attempts} attempts:\n{text}")
-
-
-# a stand-in for ``headscope serve`` in the test below: answers "ours" on --port, logs like werkzeug
-STAND_IN = """
-import http.server, sys
-port = int(sys.argv[sys.argv.index("--port") + 1])
-print(f"headscope: serving on http://127.0.0.1:{port}", flush=True)  # like headscope: before the bind
-class Ours(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.end_headers(); self.wfile.write(b"ours")
-server = http.server.HTTPServer(("127.0.0.1", port), Ours)
-print(f" * Running on http://127.0.0.1:{port}", flush=True)
-server.serve_forever()
-"""
-
-
-def test_a_server_whose_port_was_taken_meanwhile_starts_on_another_and_the_url_reaches_it(tmp_path, monkeypatch):
-    """Another process takes the chosen port between free_port() and our bind (six engineers start
-    servers on this machine): start_server starts ours again on another port, and the url it returns
-    reaches our server, never the intruder that answers on the first port."""
-    import http.server
-    import threading
-
-    class Intruder(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"intruder")
-
-        def log_message(self, *args):
-            pass
-
-    intruder = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Intruder)
-    taken = intruder.server_address[1]
-    threading.Thread(target=intruder.serve_forever, daemon=True).start()
-    chosen, real_free_port = iter([taken]), free_port
-    monkeypatch.setattr(sys.modules[__name__], "free_port", lambda: next(chosen, None) or real_free_port())
-    proc = None
-    try:
-        proc, url = start_server([sys.executable, "-c", STAND_IN], dict(os.environ), tmp_path / "server.log", timeout=60)
-        assert not url.endswith(f":{taken}/")
-        assert urllib.request.urlopen(url, timeout=10).read() == b"ours"
-        assert "in use" in (tmp_path / "server.log").read_text()  # the first start found the port taken
-    finally:
-        intruder.shutdown()
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=20)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
-
-
-@pytest.fixture
-def page(browser):
-    yield from open_page(browser, 1400, 1100)
-
-
-def open_page(browser, width: int, height: int):
-    """A page of its own browser context at ``width`` × ``height`` px, closed after the test."""
-    context = browser.new_context(viewport={"width": width, "height": height}, accept_downloads=True)
-    page = context.new_page()
-    page.set_default_timeout(60_000)
-    yield page
-    context.close()
-
-
-def run_prompt(page, url, text):
-    # A freshly started server on a loaded 2-core machine can take over a minute to render the page
-    # and enable Run (seen twice while other suites ran); the page's other waits keep their timeout.
-    page.goto(url)
-    page.fill("#attn-hs-text", text, timeout=240_000)
-    page.click("#attn-hs-run", timeout=240_000)
-
-
-def wait_for_run(page, timeout: float | None = None):
-    """Wait until the Attention page shows its run (the run's chips and the grid); on timeout, fail
-    with what the page showed (a 450-token run did not show within 240 s once, in a loaded run)."""
-    try:
-        page.wait_for_function("(document.querySelector('#hs-run-info')?.innerText || '').includes('tokens')",
-                               timeout=timeout)
-    except PlaywrightTimeoutError:
-        status = page.evaluate("(document.querySelector('#attn-hs-status, #hs-status')?.innerText || '').slice(0, 200)")
-        raise AssertionError(f"the run was not shown within {(timeout or 60_000) / 1000:.0f} s: "
-                             f"{page_state(page, 'hs-grid')}, status {status!r}") from None
-    page.wait_for_selector("#hs-grid .heatmaplayer .hm")
-
-
-def settled(page, timeout: float = 20_000) -> None:
-    """Wait until Dash has no callback in flight (it titles the tab "Updating..." meanwhile) and two
-    frames were painted: a figure still being redrawn (plotly rebuilds its drag layer, and draws again
-    when its margins change) can drop a click, which a user sees as a click that did nothing; under
-    load that window grows. A background job polling for longer is not waited for past ``timeout``."""
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
-
-    try:
-        page.wait_for_function("() => document.title !== 'Updating...'", timeout=timeout)
-    except PlaywrightTimeout:
-        pass
-    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
-
-
-# The plot area's size, read in one step of the page (never through a handle the page can replace).
-AREA_SIZE = """(s) => { const e = document.querySelector(s); if (!e) return null;
-    const r = e.getBoundingClientRect(); return r.width > 0 && r.height > 0 ? [r.width, r.height] : null; }"""
-
-
-def click_cell(page, graph, col, row, n_cols, n_rows):
-    """Click cell (col, row) of the ``n_cols`` × ``n_rows`` heatmap ``graph``, as a user would.
-
-    Through a locator, which finds the plot area again at each try: dcc.Graph replaces its placeholder
-    once plotly has loaded, and plotly replaces the area on a redraw, so an element handle taken
-    before the click can be detached by then ("Element is not attached to the DOM"). Playwright scrolls
-    the area into view, waits until it is still and receives the click at that point."""
-    settled(page)
-    area = f"#{graph} .nsewdrag"
-    width, height = page.wait_for_function(AREA_SIZE, arg=area).json_value()
-    page.locator(area).first.click(position={"x": width * (col + 0.5) / n_cols, "y": height * (row + 0.5) / n_rows})
 
 
 def quick_second_clicks_lost(page, graph: str, gaps=(0, 30, 60, 300), n_cols=9, n_rows=30) -> list[int]:
@@ -224,93 +53,6 @@ def quick_second_clicks_lost(page, graph: str, gaps=(0, 30, 60, 300), n_cols=9, 
         except PlaywrightTimeoutError:
             missed.append(gap)
     return missed
-
-
-# Answers of the page's callbacks held back in the browser (after the server answered), by a piece of
-# their request (``page.evaluate(HOLD_ANSWERS, [[piece, ms], ...])``, or an init script before the page
-# loads): the page's own order of events, with the network's timing chosen by the test.
-HOLD_ANSWERS = """(holds) => {
-    const fetch = window.fetch;
-    window.fetch = async (url, options) => {
-        const answer = await fetch(url, options);
-        const body = typeof options?.body === 'string' ? options.body : '';
-        const hold = holds.find(([piece]) => body.includes(piece));
-        if (hold) await new Promise(done => setTimeout(done, hold[1]));
-        return answer;
-    };
-}"""
-
-
-def settle(page, quiet_ms: int = 300) -> None:
-    """Wait until no Dash callback is pending (Dash titles the page 'Updating...' while one is) and none
-    starts within ``quiet_ms``: whatever the last action set off has answered, so a stale answer that
-    would undo it has arrived. (A fixed second's wait did the same for slower.)"""
-    idle = "() => document.title !== 'Updating...'"
-    page.wait_for_function(idle)
-    page.wait_for_timeout(quiet_ms)
-    page.wait_for_function(idle)
-
-
-def select_option(page, dropdown: str, value_label: str) -> None:
-    """Pick an option of a Dash dropdown by (part of) its label, as a user clicks it."""
-    page.click(f"#{dropdown}")
-    page.get_by_role("option", name=value_label).first.click()
-
-
-def wait_title(page, graph: str, text: str, timeout: float = 60_000) -> None:
-    try:
-        page.wait_for_function(
-            "([g, t]) => { const el = document.querySelector(`#${g} .gtitle`); return el && el.textContent.includes(t); }",
-            arg=[graph, text], timeout=timeout)
-    except PlaywrightTimeoutError:
-        raise AssertionError(f"#{graph} was not titled {text!r} within {timeout / 1000:.0f} s: "
-                             f"{page_state(page, graph)}") from None
-
-
-# What the page shows and what Dash is still doing, for a failure's message: which callbacks are
-# requested, blocked, executing or watched (a background job) in the renderer's store.
-PAGE_STATE = """(graph) => {
-    const text = s => (document.querySelector(s)?.textContent || '').slice(0, 200);
-    const state = (window.dash_stores || [])[0]?.getState?.();
-    const pending = {};
-    for (const kind of ['requested', 'prioritized', 'blocked', 'executing', 'watched']) {
-        const cbs = (state && state.callbacks && state.callbacks[kind]) || [];
-        if (cbs.length) pending[kind] = cbs.map(cb => (cb.callback?.output || '').slice(0, 60));
-    }
-    return {title: text(`#${graph} .gtitle`), banner: text('#hs-error'), search: location.search,
-            document_title: document.title, pending};
-}"""
-
-
-def page_state(page, graph: str) -> dict | str:
-    try:
-        return page.evaluate(PAGE_STATE, graph)
-    except Exception as e:  # noqa: BLE001 - a page that cannot say: the failure's message says so
-        return f"(could not read the page: {e})"
-
-
-def wait_strip(page, text: str, timeout: float = 60_000) -> None:
-    """Wait until the Attention page's token strip (HTML spans, #hs-strip-tokens) is titled with ``text``."""
-    page.wait_for_function(
-        "t => (document.querySelector('#hs-strip-tokens .hs-strip-title')?.textContent || '').includes(t)",
-        arg=text, timeout=timeout)
-
-
-def hover_token(page, position: int) -> None:
-    """Move the mouse onto token ``position`` of the token strip."""
-    token = page.locator(f'#hs-strip-tokens [data-pos="{position}"]')
-    token.scroll_into_view_if_needed()
-    box = token.bounding_box()
-    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
-
-
-def cut_off_titles(page) -> list[str]:
-    """Every drawn figure's title and colour-bar title that runs past its figure's edges (by more than
-    a pixel) at the page's window width, and every colour bar drawn over a plot area, an axis's labels
-    or another colour bar: each hides what a figure shows (tests/app/figure_layout.py)."""
-    from tests.app.figure_layout import hidden_parts
-
-    return hidden_parts(page)
 
 
 def drawn_head(page) -> dict:
@@ -388,11 +130,6 @@ def test_copied_link_reopens_the_same_view(server, page, browser):
     wait_title(other, "hs-heatmap", "layer 7, head 2")
     assert other.input_value("#attn-hs-text") == "A copied link should reopen this exact view."
     other.close()
-
-
-def error_text(page) -> str:
-    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').length > 0")
-    return page.locator("#hs-error").inner_text()
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.app.test_browser import browser, page, select_option  # noqa: F401
+from tests.app.browsing import select_option
 
 NEEDLE = "The secret passkey is 7731. | What is the secret passkey? | 7731"
 STALE = "--hs-stale"  # the flag in a figure's style (app.components.STALE)

@@ -15,15 +15,8 @@ import zipfile
 import numpy as np
 import pytest
 
-from tests.app.test_browser import (  # noqa: F401
-    browser,
-    cut_off_titles,
-    page,
-    select_option,
-    settle,
-    start_server,
-    wait_for_run,
-)
+from tests.app.browsing import cut_off_titles, select_option, settle, wait_for_run
+from tests.app.servers import start_server
 
 TEXTS = ("The capital of France is Paris.", "The capital of Italy is Rome.", "A longer text of another length here.")
 GRIDS = "#hs-cmp-grids"
@@ -195,7 +188,7 @@ def wait_status(page, text: str, timeout: float = 120_000) -> None:
 
 @pytest.mark.browser
 @pytest.mark.integration
-def test_the_lists_offer_only_the_runs_this_browser_was_shown(server, browser):  # noqa: F811
+def test_the_lists_offer_only_the_runs_this_browser_was_shown(server, browser):
     """One browser opens a run by a link on the Attention page and another on the Compare page: its
     lists offer both, and not the third stored run. A second browser (its own context: its own
     storage) is offered none of them, and sees no id or text of theirs anywhere in the page, until it
@@ -290,7 +283,7 @@ def test_no_forged_request_lists_the_stored_runs(server):
 
 @pytest.mark.browser
 @pytest.mark.integration
-def test_changes_print_to_the_precision_of_the_stored_patterns(server, page):  # noqa: F811
+def test_changes_print_to_the_precision_of_the_stored_patterns(server, page):
     """The runs keep float16 patterns: every number is printed to the decimals their rounding leaves
     meaningful (no 4 decimals where the 4th is rounding), and the heads whose change rounding alone can
     make are counted in the status line, dotted on the change grid and printed without a sign, all as

@@ -13,7 +13,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from tests.app.test_browser import browser, cut_off_titles, page, select_option, start_server  # noqa: F401
+from tests.app.browsing import cut_off_titles, select_option
 
 NEEDLE, LENGTH, DEPTH = "locker-code", 192, 50
 FRACTIONS, SEEDS, SINK, RECENT = (0.25, 0.5), 2, 4, 32

@@ -17,16 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from tests.app.test_browser import (  # noqa: E402, F401
-    browser,
-    hover_token,
-    page,
-    run_prompt,
-    settle,
-    start_server,
-    wait_for_run,
-    wait_strip,
-)
+from tests.app.browsing import hover_token, run_prompt, settle, wait_for_run, wait_strip  # noqa: E402
+from tests.app.servers import start_server  # noqa: E402
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 

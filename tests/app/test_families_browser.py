@@ -14,14 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.app.test_browser import (  # noqa: F401
-    browser,
-    page,
-    select_option,
-    start_server,
-    wait_for_run,
-    wait_title,
-)
+from tests.app.browsing import select_option, wait_for_run, wait_title
+from tests.app.servers import start_server
 from tests.tiny_families import tiny_family_model
 
 TEXT = ("The keeper of the lighthouse wrote every evening in a small blue notebook. She counted the ships, "

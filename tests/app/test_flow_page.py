@@ -19,13 +19,8 @@ from headscope.analysis.attribution import (
 from headscope.analysis.capture import capture
 from headscope.analysis.rollout import FUSIONS
 from headscope.app.views import flow as views
-from tests.app.test_browser import browser, page, start_server  # noqa: F401
 
 TEXT = "The keys to the old wooden cabinet are"
-CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +72,7 @@ def test_a_click_on_a_strip_cell_names_its_token_and_empty_cells_name_none():
 
 
 # ---------------------------------------------------------------------------------------------
-# In real Chromium (server and browser fixtures as in tests/app/test_browser.py)
+# In real Chromium (the browser fixture and steps: tests/app/conftest.py, tests/app/browsing.py)
 
 
 def strip(method: str) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.app.test_browser import start_server
+from tests.app.servers import start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.app.test_browser import browser, error_text, page, select_option, wait_title  # noqa: F401
+from tests.app.browsing import error_text, select_option, wait_title
 
 NEEDLE = "The secret passkey is 7731. | What is the secret passkey? | 7731"
 
@@ -153,7 +153,7 @@ def _asked(requests: list[str]) -> set[str]:
 @pytest.mark.integration
 @pytest.mark.timeout(600)  # a one-trial sweep on a loaded 2-core machine
 def test_a_click_redraws_only_the_figures_that_show_what_it_changed(server, page):
-    from tests.app.test_browser import click_cell, settle
+    from tests.app.browsing import click_cell, settle
 
     url, proc, _ = server
     open_heads(page, url)

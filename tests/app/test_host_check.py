@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.app.test_browser import start_server
+from tests.app.servers import start_server
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.app.test_browser import browser, page, start_server  # noqa: F401 (fixtures)
+from tests.app.servers import start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 UPDATE = "/_dash-update-component"
@@ -321,7 +321,7 @@ def long_text(words: int) -> str:
 
 @pytest.mark.browser
 @pytest.mark.integration
-def test_a_job_killed_while_its_poll_is_answered_says_so_in_the_banner(racing_server, page):  # noqa: F811
+def test_a_job_killed_while_its_poll_is_answered_says_so_in_the_banner(racing_server, page):
     url, proc, home = racing_server
     page.goto(url)
     page.fill("#attn-hs-text", long_text(600) + " raced", timeout=240_000)
@@ -364,7 +364,7 @@ def _running(process) -> bool:
 
 @pytest.mark.browser
 @pytest.mark.integration
-def test_a_job_orphaned_by_a_killed_server_ends_with_it_and_stores_nothing(tmp_path, page):  # noqa: F811
+def test_a_job_orphaned_by_a_killed_server_ends_with_it_and_stores_nothing(tmp_path, page):
     """A SIGKILLed server cannot end its jobs (its SIGTERM handler never runs): they computed on, orphaned,
     holding the model's memory, and stored their results. Each job now ends within seconds of its server."""
     from headscope.analysis.store import Store

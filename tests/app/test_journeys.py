@@ -2,8 +2,8 @@
 on the embedded model (issue #16: "a journey test per page"). Each step asserts what the user sees:
 text, a figure drawn with data, no error banner and no console error from the app.
 
-The server is the session's shared one (tests/app/conftest.py); browser and helpers are
-tests/app/test_browser.py's."""
+The server is the session's shared one and the browser the module's (tests/app/conftest.py); the
+steps are tests/app/browsing.py's."""
 
 from __future__ import annotations
 
@@ -14,15 +14,13 @@ import zipfile
 import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-from tests.app.test_browser import (  # noqa: F401
+from tests.app.browsing import (
     HOLD_ANSWERS,
-    browser,
     click_cell,
     cut_off_titles,
     hover_token,
     open_page,
     select_option,
-    start_server,
     wait_for_run,
     wait_strip,
     wait_title,
@@ -38,14 +36,14 @@ BENIGN_CONSOLE = ("favicon.ico",)
 
 
 @pytest.fixture
-def page(browser):  # noqa: F811
+def page(browser):
     """A page at 1280 × 900, a laptop's window (the other browser tests use 1400 px): every journey
     step checks that no figure's title is cut off at this width (:func:`clean`)."""
     yield from open_page(browser, 1280, 900)
 
 
 @pytest.fixture
-def errors(page):  # noqa: F811
+def errors(page):
     """Console errors and uncaught exceptions of the page, collected as the journey goes."""
     seen: list[str] = []
     page.on("console", lambda m: seen.append(f"console: {m.text}") if m.type == "error" else None)
@@ -53,7 +51,7 @@ def errors(page):  # noqa: F811
     return seen
 
 
-def clean(page, errors: list[str], step: str) -> None:  # noqa: F811
+def clean(page, errors: list[str], step: str) -> None:
     """After a step: no error banner, no crash message, no console error from the app."""
     banner = page.locator("#hs-error").inner_text().strip()
     assert banner == "", f"{step}: error banner {banner!r}"
@@ -97,14 +95,14 @@ def watch_text(page, selector: str, flag: str) -> None:
             .observe(el, {childList: true, subtree: true, characterData: true}); }""", [selector, flag])
 
 
-def run_attention(page, url: str, text: str = TEXT) -> None:  # noqa: F811
+def run_attention(page, url: str, text: str = TEXT) -> None:
     page.goto(url)
     page.fill("#attn-hs-text", text)
     page.click("#attn-hs-run", timeout=240_000)
     wait_for_run(page, timeout=240_000)
 
 
-def test_attention_journey(server, page, browser, errors, tmp_path):  # noqa: F811
+def test_attention_journey(server, page, browser, errors, tmp_path):
     url, proc, _ = server
     # land: the text box says what to do, the strip says how to use it, Run is ready
     page.goto(url)
@@ -185,7 +183,7 @@ def strip_scales(page) -> list[tuple[float, float, float]]:
             for m in ("attention", "rollout", "flow")]
 
 
-def test_flow_journey(server, page, errors):  # noqa: F811
+def test_flow_journey(server, page, errors):
     url, proc, _ = server
     # from the Attention page, the nav link carries the run: the text and its strips are there
     run_attention(page, url)
@@ -240,7 +238,7 @@ def test_flow_journey(server, page, errors):  # noqa: F811
     assert proc.poll() is None
 
 
-def test_leaving_every_page_by_the_nav_bar_leaves_no_console_error(server, page, errors):  # noqa: F811
+def test_leaving_every_page_by_the_nav_bar_leaves_no_console_error(server, page, errors):
     """Every page, left by a nav link with what a user leaves on it (a run: the Attention page's grid and
     export buttons, the Flow page's strips and token buttons): no console error. Leaving Attention
     printed "A nonexistent object was used in an `State` ... `attn-hs-url`": its export callback (an
@@ -264,14 +262,14 @@ def test_leaving_every_page_by_the_nav_bar_leaves_no_console_error(server, page,
     assert proc.poll() is None
 
 
-def choose_heads(page, spec: str) -> None:  # noqa: F811
+def choose_heads(page, spec: str) -> None:
     """Choose the heads to ablate by typing a list and pressing Enter: they are boxed and listed,
     nothing is computed until Apply (:func:`apply`)."""
     page.fill("#hs-abl-heads", spec)
     page.press("#hs-abl-heads", "Enter")
 
 
-def test_heads_journey(server, page, errors):  # noqa: F811
+def test_heads_journey(server, page, errors):
     url, proc, _ = server
     page.goto(url + "heads")
     page.wait_for_selector("#hs-heads-run")
@@ -315,7 +313,7 @@ def test_heads_journey(server, page, errors):  # noqa: F811
     assert proc.poll() is None
 
 
-def test_qk_journey(server, page, errors):  # noqa: F811
+def test_qk_journey(server, page, errors):
     url, proc, _ = server
     page.goto(url + "qk")
     page.wait_for_selector("#hs-qk-show")
@@ -356,7 +354,7 @@ def test_qk_journey(server, page, errors):  # noqa: F811
     assert proc.poll() is None
 
 
-def test_ablation_journey(server, page, errors):  # noqa: F811
+def test_ablation_journey(server, page, errors):
     url, proc, _ = server
     page.goto(url + "ablation")
     page.wait_for_selector("#abl-hs-run")
@@ -402,7 +400,7 @@ def test_ablation_journey(server, page, errors):  # noqa: F811
 
 
 
-def test_leaving_attention_while_it_redraws_leaves_no_console_error(server, page, errors):  # noqa: F811
+def test_leaving_attention_while_it_redraws_leaves_no_console_error(server, page, errors):
     """A nav link changes the URL of the page being left too, and its render runs once more as it goes
     when the link drops something of its URL (here the query position, which other pages do not share).
     Answered with patches to figures the next page has already removed, it printed "Cannot patch
@@ -426,7 +424,7 @@ def test_leaving_attention_while_it_redraws_leaves_no_console_error(server, page
 OTHER_TEXT = "When Mary and John went to the store, Mary gave a drink to John."  # 16 tokens, as TEXT
 
 
-def test_compare_journey(server, page, errors):  # noqa: F811
+def test_compare_journey(server, page, errors):
     """Two texts run on the Attention page, then compared: the Compare page's lists offer both, its
     grids draw, and at a laptop's 1280 × 720 and at 1440 × 900 no colour bar covers a grid's column."""
     url, proc, _ = server

@@ -9,8 +9,6 @@ import urllib.parse
 
 import pytest
 
-from tests.app.test_browser import browser, page  # noqa: F401
-
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
 PAGES = ["/", "/flow", "/heads", "/qk", "/ablation", "/patching", "/compare", "/compress"]

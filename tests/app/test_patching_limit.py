@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.app.test_browser import browser, page, start_server  # noqa: F401
+from tests.app.servers import start_server
 
 pytestmark = pytest.mark.integration
 
@@ -58,7 +58,7 @@ def server(tmp_path_factory):
 
 
 @pytest.mark.browser
-def test_the_patching_page_names_the_limit_beside_the_prompts_and_on_run(server, page):  # noqa: F811
+def test_the_patching_page_names_the_limit_beside_the_prompts_and_on_run(server, page):
     url, proc, _home = server
     page.goto(url + "patching")
     page.wait_for_function("() => (document.querySelector('#hs-pat-differ')?.innerText || '').includes('differ')",

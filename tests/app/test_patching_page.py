@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from headscope.analysis.patching import activation_patching, prompt_pair
-from tests.app.test_browser import browser, cut_off_titles, page, select_option, settle, start_server  # noqa: F401
+from tests.app.browsing import cut_off_titles, select_option, settle
 
 CLEAN = "When Mary and John went to the store, John gave a drink to"
 CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.app.test_browser import CHROMIUM_ARGS, free_port, select_option, settled, start_server
-from tests.app.test_workers import REDIS, Worker
+from tests.app.browsing import select_option, settled
+from tests.app.servers import free_port, start_server
+from tests.app.worker_processes import REDIS, Worker
 
 # the module's first test also pays for starting redis, a worker (which loads the model) and the web
 # server, each allowed 180 s on a loaded machine; then a sweep runs on the worker
@@ -75,16 +76,6 @@ def queue(tmp_path_factory):
             web.wait(timeout=30)
         worker.stop()
         redis.kill()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
 
 
 class RunAnswers:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.app.test_browser import start_server
+from tests.app.servers import start_server
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from tests.app.test_browser import browser, click_cell, page, wait_for_run, wait_title  # noqa: F401
+from tests.app.browsing import click_cell, wait_for_run, wait_title
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
@@ -25,7 +25,7 @@ def _nav(page, name: str, path: str) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_nav_links_carry_the_text_and_run_across_every_page(server, page):  # noqa: F811
+def test_nav_links_carry_the_text_and_run_across_every_page(server, page):
     url, proc, _ = server
     page.goto(url)
     page.fill("#attn-hs-text", TEXT)
@@ -52,7 +52,7 @@ def test_nav_links_carry_the_text_and_run_across_every_page(server, page):  # no
     assert proc.poll() is None
 
 
-def test_a_qk_link_fills_the_controls_and_draws_on_landing(server, page):  # noqa: F811
+def test_a_qk_link_fills_the_controls_and_draws_on_landing(server, page):
     url, proc, _ = server
     page.goto(url + "qk?layer=5&head=3&sentences=12&colour=kind&find=the")
     wait_title(page, "hs-qk-scatter", "Layer 5, head 3: joint query-key embedding (PCA", timeout=240_000)
@@ -68,7 +68,7 @@ def test_a_qk_link_fills_the_controls_and_draws_on_landing(server, page):  # noq
 
 
 @pytest.mark.timeout(600)
-def test_a_heads_link_fills_the_form_from_the_sweeps_own_settings(server, page, browser):  # noqa: F811
+def test_a_heads_link_fills_the_form_from_the_sweeps_own_settings(server, page, browser):
     url, proc, _ = server
     page.goto(url + "heads")
     page.wait_for_selector("#hs-heads-run")
@@ -112,7 +112,7 @@ def test_a_heads_link_fills_the_form_from_the_sweeps_own_settings(server, page, 
     assert proc.poll() is None
 
 
-def test_text_typed_while_a_link_loads_or_after_its_run_is_drawn_is_never_replaced(server, page):  # noqa: F811
+def test_text_typed_while_a_link_loads_or_after_its_run_is_drawn_is_never_replaced(server, page):
     """The page fills the text box from the run its link names. It replaced what the user had typed:
     text typed while the link's run was still loading, and an edit made after the run was drawn, as
     soon as a head click drew the same run again."""

@@ -20,9 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.app.test_browser import browser, page, run_prompt, wait_for_run  # noqa: F401
-from tests.app.test_browser import start_server as start_served
-from tests.app.test_workers import redis_url  # noqa: F401
+from tests.app.browsing import run_prompt, wait_for_run
+from tests.app.servers import start_server as start_served
 
 pytestmark = pytest.mark.integration
 
@@ -132,7 +131,7 @@ def run_id_of(page_url: str) -> str:
 
 
 @pytest.mark.browser
-def test_tampered_run_files_never_reach_a_live_server_and_are_recomputed(tmp_path, page, real_model):  # noqa: F811
+def test_tampered_run_files_never_reach_a_live_server_and_are_recomputed(tmp_path, page, real_model):
     """While a server holds a run it read from the store, its patterns file is flipped in place
     (same size and mtime), truncated, and deleted: each time the page shows the run's true numbers
     and the server lives (with the old memory map, flipped bytes were served and a truncation killed
@@ -310,7 +309,7 @@ def test_job_cache_round_trips_a_real_background_job_as_json_and_never_unpickles
     assert pickle.PROTO in (folder / planted["planted-large"][3]).read_bytes()
 
 
-def test_shared_records_refuse_malformed_and_pickled_copies(redis_url, tmp_path, monkeypatch):  # noqa: F811
+def test_shared_records_refuse_malformed_and_pickled_copies(redis_url, tmp_path, monkeypatch):
     """A record in Redis with a pickled object array (its checksum matching) or a malformed header is
     logged and not used: the store answers None, nothing is unpickled, nothing raises."""
     import hashlib

@@ -5,8 +5,6 @@ processes (Celery, prefork) and a ``headscope serve`` front end, each with its o
 from __future__ import annotations
 
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,102 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.app.test_browser import (
-    CHROMIUM_ARGS,
-    click_cell,
-    free_port,
-    select_option,
-    start_server,
-    wait_title,
-)
+from tests.app.browsing import click_cell, select_option, wait_title
+from tests.app.servers import start_server
+from tests.app.worker_processes import STARTED, Worker
 
 # 600 s, not the suite's 300: the module's first test also pays for starting redis, two workers and
 # the web server (each allowed 180 s to load the model), and every test waits on sweeps run by workers
 pytestmark = [pytest.mark.browser, pytest.mark.integration, pytest.mark.timeout(600)]
-
-REDIS = shutil.which("redis-server") or "/usr/bin/redis-server"
-STARTED = re.compile(r"job (\w+) (started|skipped) in \S+ pid (\d+)")
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    """A throw-away redis-server on a free loopback port, no persistence. Ready when our server logged
-    that it accepts connections (a ping alone could reach another process's server on a port taken
-    between choosing and binding it); started again on another port if ours could not bind."""
-    if not os.path.exists(REDIS):
-        pytest.fail("redis-server is missing: `make setup` installs Debian's redis-server")
-    import redis
-
-    folder = tmp_path_factory.mktemp("redis")
-    for attempt in range(3):
-        port = free_port()
-        log_path = folder / f"redis-{attempt}.log"
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen([REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                     "--appendonly", "no", "--dir", str(folder)], stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
-        while proc.poll() is None and "Ready to accept connections" not in log_path.read_text(errors="replace"):
-            assert time.time() < deadline, log_path.read_text()
-            time.sleep(0.1)
-        if proc.poll() is None:
-            break
-        assert "in use" in log_path.read_text(errors="replace"), log_path.read_text()
-    else:
-        pytest.fail(f"redis-server found no free port in 3 attempts:\n{log_path.read_text()}")
-    redis.Redis(port=port).ping()
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(timeout=10)
-
-
-class Worker:
-    """One ``headscope worker`` subprocess with its own store folder and log."""
-
-    def __init__(self, name: str, folder: Path, redis_url: str):
-        self.name, self.folder, self.redis_url = name, folder, redis_url
-        self.log_path = folder / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        env = {**os.environ, "HEADSCOPE_HOME": str(self.folder / "home"), "HEADSCOPE_REDIS_URL": self.redis_url}
-        log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "headscope.app.cli", "worker", "--name", self.name,
-                                      "--concurrency", "1"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def wait_ready(self, since: int = 0, timeout: float = 180) -> None:
-        """Until both of its Celery workers (long jobs, page callbacks) are ready."""
-        deadline = time.time() + timeout
-        while self.log()[since:].count(" ready.") < 2:
-            assert self.proc.poll() is None, self.log()
-            assert time.time() < deadline, f"worker {self.name} did not start:\n{self.log()}"
-            time.sleep(0.5)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def jobs(self, name: str, since: int = 0) -> list[int]:
-        """Pids of the pool processes that started job ``name`` (in the log after offset ``since``),
-        leaving out calls that had nothing to do (logged as skipped: a button's callback fired as its
-        page's layout arrived, which Dash still sends to a worker)."""
-        pids: list[int] = []
-        for job, what, pid in STARTED.findall(self.log()[since:]):
-            if job == name and what == "started":
-                pids.append(int(pid))
-            elif job == name and int(pid) in pids:
-                pids.reverse()
-                pids.remove(int(pid))  # the most recent start of that process
-                pids.reverse()
-        return pids
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # warm shutdown of the worker and its pool
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -133,16 +42,6 @@ def cluster(redis_url, tmp_path_factory):
     web.wait(timeout=20)
     for w in workers:
         w.stop()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
 
 
 def new_page(browser):

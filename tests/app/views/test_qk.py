@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from headscope.app.views import qk as views
-from tests.app.test_browser import browser  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +27,7 @@ def qk_context(tmp_path_factory, real_model):
     store.close()
 
 
-def test_attention_before_and_after_removing_the_subspace_stand_side_by_side(qk_context, browser):  # noqa: F811
+def test_attention_before_and_after_removing_the_subspace_stand_side_by_side(qk_context, browser):
     """Each key's attention before and after the intervention are two bars from 0, side by side, each
     as tall as its value: stacked, the second bar started at the top of the first and key 0 read 1.14
     on an attention axis."""

@@ -1,4 +1,4 @@
-"""The browser tests' own helpers (tests/app/test_browser.py), on a page made for them: a helper that
+"""The browser tests' own steps (tests/app/browsing.py), on a page made for them: a step that
 fails while the page redraws makes a test fail that the page passed (#38 item 24: a grid click
 failed with "Element is not attached to the DOM" once in 14 runs)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.app.test_browser import browser, click_cell, page  # noqa: F401
+from tests.app.browsing import click_cell
 
 pytestmark = pytest.mark.browser
 
@@ -41,7 +41,7 @@ setTimeout(() => {
 
 
 @pytest.mark.parametrize("redraw_ms", [0, 1500])
-def test_click_cell_clicks_the_cell_while_the_grid_is_replaced(page, redraw_ms):  # noqa: F811
+def test_click_cell_clicks_the_cell_while_the_grid_is_replaced(page, redraw_ms):
     page.set_content(REDRAWN.replace("REDRAW_MS", str(redraw_ms)))
     click_cell(page, "grid", col=2, row=4, n_cols=9, n_rows=30)
     page.wait_for_function("() => window.clicks.length > 0")
