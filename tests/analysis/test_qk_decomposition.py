@@ -274,8 +274,12 @@ def test_wqk_spectra_match_factored_matrix_and_brute_force(tiny_model):
         wqk_spectra(tiny_model, layers=[5])
 
 
-def test_wqk_spectra_are_stored(tiny_model, store):
+def test_wqk_spectra_are_stored(tiny_model, store, monkeypatch):
+    """The first call keeps its spectra in the store; the second reads them back, computing nothing."""
     a = wqk_spectra(tiny_model, store=store)
+    (record,) = store.list(kind="wqk_spectra")
+    np.testing.assert_array_equal(store.get(record.key).array("spectra"), a)
+    monkeypatch.setattr(torch.linalg, "svdvals", lambda *args, **kwargs: pytest.fail("recomputed stored spectra"))
     b = wqk_spectra(tiny_model, store=store)
     np.testing.assert_array_equal(a, b)
 
