@@ -136,8 +136,15 @@ def test_first_token_puts_all_attention_on_key_zero(tiny_model, ids):
     torch.testing.assert_close(got[names[2]][0, :, 3], v0.expand(len(ids), -1), rtol=1e-6, atol=1e-7)
 
 
-def test_pattern_seam_holds_for_the_bridge(tiny_model):
+def test_pattern_seam_holds_for_the_bridge(tiny_model, monkeypatch):
+    """Checked afresh: the check's result is kept per model, and earlier tests' ablations have made it."""
+    import weakref
+
+    import headscope.analysis.ablation as ablation
+
+    monkeypatch.setattr(ablation, "_seam_ok", weakref.WeakKeyDictionary())
     check_pattern_seam(tiny_model)  # raises if editing hook_pattern did not change hook_z
+    assert ablation._seam_ok.get(tiny_model)
 
 
 def test_mean_ablation_uses_the_stored_mean(tiny_model, ids, store, monkeypatch):

@@ -28,7 +28,12 @@ def test_unsupported_architecture_is_a_model_error(embedded_tokenizer):
 
     with pytest.raises(ModelError, match="cannot wrap"):
         wrap_model(Odd(), embedded_tokenizer, name="odd", digest="x")
-    assert GPT2LMHeadModel  # GPT-2 itself is supported by the bridge; only the odd module is refused
+    # the same configuration in GPT-2's own class wraps: the module is refused, not the architecture
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=len(embedded_tokenizer), bos_token_id=None,
+                        eos_token_id=None)
+    config.architectures = ["GPT2LMHeadModel"]
+    gpt2 = wrap_model(GPT2LMHeadModel(config), embedded_tokenizer, name="tiny-gpt2", digest="y")
+    assert (gpt2.architecture, gpt2.n_layers, gpt2.n_heads) == ("GPT2LMHeadModel", 1, 2)
 
 
 @pytest.mark.integration
