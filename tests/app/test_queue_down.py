@@ -147,7 +147,7 @@ def test_run_while_redis_is_down_says_the_queue_is_not_reachable(queue, browser)
     deadline = time.time() + 60
     while not any(UNREACHABLE in body for _, body in answers.all()):
         assert time.time() < deadline, answers.all()
-        time.sleep(0.2)
+        page.wait_for_timeout(200)  # Playwright delivers the response events only while it is called
     page.wait_for_function("!document.querySelector('#hs-heads-run').disabled", timeout=10_000)
     assert all(status == 200 for status, _ in answers.all()), answers.all()
     assert UNREACHABLE in page.locator("#hs-error").inner_text()
