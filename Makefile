@@ -19,7 +19,7 @@ TEST_WORKERS ?= 2
 # that serves torch 2.13.0). Read only when torch is not installed yet.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup serve test lint bench gemma3 chromium redis
+.PHONY: setup serve test test-fast lint bench gemma3 chromium redis
 
 setup: $(STAMP)
 
@@ -62,6 +62,12 @@ lint: setup
 
 test: setup chromium redis lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The unit tests alone, for the edit-and-test loop (docs/testing.md): no embedded model, no Chromium, no
+# redis-server, nothing marked slow (the Triton interpreter and the like); installs no Debian package and
+# runs no ruff (make lint). make test runs these and the rest.
+test-fast: setup
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not integration and not browser and not redis and not slow" $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) bench/capture.py

@@ -40,12 +40,15 @@ def _share_cores_between_workers() -> None:
 _share_cores_between_workers()
 
 
+# A test that takes one of these fixtures gets the marker, marked or not: ``-m "not integration"`` then
+# never loads the embedded model, and ``make test-fast`` never starts Chromium or redis-server.
+MARKED_BY_FIXTURE = {"real_model": "integration", "browser": "browser", "page": "browser", "redis_url": "redis"}
+
+
 def pytest_collection_modifyitems(items):
-    """A test that takes the real weights is an integration test, marked or not: ``-m "not integration"``
-    then runs the unit tests without ever loading the embedded model."""
     for item in items:
-        if "real_model" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.integration)
+        for name in MARKED_BY_FIXTURE.keys() & set(getattr(item, "fixturenames", ())):
+            item.add_marker(MARKED_BY_FIXTURE[name])
 
 
 @pytest.fixture(autouse=True)

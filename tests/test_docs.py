@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "docs" / "screenshots.py"
 SHOTS = ROOT / "docs" / "screenshots"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# the pages fixture lists the nav's pages in a process that imports the app: 10-30 s
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from tests.app.test_readme import notebook_example
 ROOT = Path(__file__).resolve().parents[1]
 # The install is pip resolving ~90 packages from the indexes: about 2 min quiet, up to 3x that under load,
 # and it is paid by whichever of these tests runs first.
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 CODE, DATA = ("app", "analysis", "kernels"), ("assets", "data")
 

@@ -54,6 +54,7 @@ def figures(nb) -> list[dict]:
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # a Jupyter kernel that runs every cell
 def test_the_notebook_finds_the_induction_heads_it_draws(executed):
     out = printed(executed)
     # the model copies the second copy of the words: its loss falls far below the first copy's

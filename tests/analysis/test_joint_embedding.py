@@ -80,6 +80,7 @@ def test_pca_is_the_top_two_principal_axes_and_deterministic():
     np.testing.assert_allclose(ev, (s[:2] ** 2) / (s**2).sum(), rtol=1e-6)
 
 
+@pytest.mark.slow  # UMAP's numba compile and t-SNE: about 30 s
 def test_umap_and_tsne_are_deterministic_given_a_seed():
     rng = np.random.default_rng(4)
     x = np.concatenate([rng.normal(size=(60, 8)), rng.normal(size=(60, 8)) + 6]).astype(np.float32)
@@ -214,6 +215,7 @@ print(started, os.waitstatus_to_exitcode(status))
 """
 
 
+@pytest.mark.slow  # a process that imports and warms up UMAP
 def test_a_fork_under_way_when_the_umap_warm_up_starts_waits_for_it():
     """The server starts UMAP's warm-up when its QK page first asks for UMAP, while other users' jobs
     may be forking. Python runs the at-fork hooks registered when a fork began: a hook registered by

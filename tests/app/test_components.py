@@ -1,5 +1,7 @@
 """app/components.py: the pieces every page shares (here: the run's info line)."""
 
+import pytest
+
 from headscope.analysis.capture import capture
 from headscope.app import components
 
@@ -73,6 +75,7 @@ def test_no_background_job_starts_when_a_page_loads(tmp_path):
     assert _into_shell_on_page_load(deps) == []
 
 
+@pytest.mark.slow  # a process that builds the app with Celery
 def test_no_job_is_queued_when_a_page_loads_with_redis_workers(tmp_path):
     """With ``HEADSCOPE_REDIS_URL`` every expensive callback (:func:`headscope.app.jobs.on_workers`: it loads a
     model or reads results) is a Celery task too: one that wrote to the app shell was queued on every

@@ -49,7 +49,7 @@ def test_token_labels_are_escaped(run):
     assert "<" not in labels and "&lt;" in labels  # "<script>" tokenises into pieces, each escaped
 
 
-@pytest.mark.parametrize("fmt", ["svg", "html", "csv", "json"])
+@pytest.mark.parametrize("fmt", [pytest.param("svg", marks=pytest.mark.browser), "html", "csv", "json"])  # svg: kaleido's Chromium
 def test_bundle_has_figure_data_and_manifest(run, fmt):
     name, data = bundle(run, "attention", {"layer": 1, "head": 2}, fmt)
     assert name.endswith(f"-{fmt}.zip")
@@ -69,6 +69,7 @@ def test_bundle_has_figure_data_and_manifest(run, fmt):
         assert plotlyjs().decode() in page and not re.findall(r"<script[^>]*\bsrc=", page)  # standalone
 
 
+@pytest.mark.browser  # kaleido's Chromium
 def test_png_and_pdf_are_real_images(run):
     for fmt, magic in (("png", b"\x89PNG"), ("pdf", b"%PDF")):
         _, data = bundle(run, "head_grid", {"metric": "entropy"}, fmt)

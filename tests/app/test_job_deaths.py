@@ -227,6 +227,7 @@ SERVER_WITH_A_JOB = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a server process that imports the app
 def test_a_job_and_the_processes_it_started_end_when_their_server_is_killed(tmp_path):
     """SIGKILL gives the server no chance to end its jobs (its SIGTERM handler never runs): the job,
     and any process it had started, must see the server gone and end, storing nothing."""

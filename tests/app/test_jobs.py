@@ -103,6 +103,7 @@ def test_a_terminated_server_ends_its_running_jobs_and_reports_sigterm():
             pass
 
 
+@pytest.mark.browser  # kaleido's Chromium
 def test_a_terminated_server_with_its_export_browser_running_ends_within_seconds():
     """The server keeps a headless Chromium for image exports (kaleido, started at warm-up). On SIGTERM
     its wrapper process (choreographer's) spent 5 s in its own SIGTERM handler, waiting on a lock its
@@ -350,6 +351,7 @@ JOB_FORKED_DURING_A_LOAD = RUN_IN_A_JOB + textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a server process that imports the app and loads a model, twice
 @pytest.mark.parametrize("delay_s", [0.0, 0.5])
 def test_a_job_forked_while_the_server_loads_a_model_runs_it(embedded_tokenizer, tmp_path, delay_s):
     """CI: the Qwen 3 browser test waited 240 s for a Run whose job never started. The page's render

@@ -212,6 +212,7 @@ def report(workers) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_matches_torch_kernel(report, case):
     diffs = report[case]
@@ -233,12 +234,14 @@ def test_triton_matches_torch_kernel(report, case):
             assert diffs[key] <= 2e-6, key
 
 
+@pytest.mark.slow
 def test_statistics_mode_through_triton_matches_eager_logits(report):
     model = report["model"]
     assert model["layers"] == 2 + 2 * 2  # the prefill, then the cached prefill and one decode step
     assert model["logits"] <= 1e-5 and model["decode"] <= 1e-5
 
 
+@pytest.mark.slow
 def test_ties_go_to_the_lowest_key_index(report):
     ties = report["ties"]
     assert ties["argmax_is_first_key"]
@@ -246,6 +249,7 @@ def test_ties_go_to_the_lowest_key_index(report):
     assert ties["prob"] <= 1e-6
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper_without_a_gpu(workers):
     """The interpreter does not lower to GPU code; compiling for sm_90 catches what it cannot."""
     code, out, err = workers("compile")

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 # name: (n_heads, n_kv_heads, n_q, n_k, topk, key_window, key_sink, softcap, dtype)
 TOPK_CASES = {  # the statistics pass with a running top-k list (two-pass kernels: n_k < 512)

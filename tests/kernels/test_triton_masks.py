@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 # name: (n_heads, n_kv_heads, n_q, n_k, key_window, key_sink, softcap, dtype, tiles (m, n) or None)
 CASES = {
