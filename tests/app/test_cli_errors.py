@@ -1,6 +1,6 @@
 """Every mistake a user can make on the command line ends in one line on stderr and exit status 2, never a
 traceback, whatever the command imported before it noticed; and a mistake in the arguments answers
-before torch loads (well under 2 s), as the README promises (app/cli.py)."""
+before torch loads (well under 2 s), as the README promises (app/cli/)."""
 
 from __future__ import annotations
 
@@ -86,9 +86,9 @@ def test_patch_with_an_unknown_pair_names_the_pairs(tmp_path):
 def test_an_input_error_is_one_line_whatever_was_imported():
     """The command line recognises analysis' InputError (and its subclasses) without the module that
     happened to raise it being one it knows about."""
-    code = ("import sys; from headscope.app.cli import _is_user_error; from headscope.analysis.errors import InputError;"
-            "assert 'headscope.analysis.capture' not in sys.modules; assert _is_user_error(InputError('x'));"
-            "from headscope.analysis.qk_decomposition import LabelFileError; assert _is_user_error(LabelFileError('x'))")
+    code = ("import sys; from headscope.app.cli.errors import is_user_error; from headscope.analysis.errors import InputError;"
+            "assert 'headscope.analysis.capture' not in sys.modules; assert is_user_error(InputError('x'));"
+            "from headscope.analysis.qk_decomposition import LabelFileError; assert is_user_error(LabelFileError('x'))")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
 
