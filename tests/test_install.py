@@ -30,7 +30,7 @@ import pytest
 
 from tests.app.browsing import CHROMIUM_ARGS, run_prompt, wait_for_run
 from tests.app.servers import start_server
-from tests.app.test_readme import notebook_example
+from tests.readme_example import notebook_example
 
 ROOT = Path(__file__).resolve().parents[1]
 # The install is pip resolving ~90 packages from the indexes: about 2 min quiet, up to 3x that under load,

@@ -16,10 +16,8 @@ from headscope.analysis.capture import capture, tokenize_input
 from headscope.analysis.errors import InputError
 from headscope.analysis.evidence import evidence_score
 from headscope.analysis.niah import Needle, build_prompt, load_haystack, parse_needles
+from tests.hostile_text import TEXT
 
-ODD = st.sampled_from(["\u200b", "\u200e", "\u202e", "\u2066", "\ufeff", "\U0001F600", "\U0001F469\u200d\U0001F52C",
-                       "\x00", "\x07", "\x1b[31m", "\ud800", "\udcff", "é", "ﬁ", "\u0301", "𝔘", "<script>", " "])
-TEXT = st.lists(st.one_of(st.text(max_size=20), ODD), max_size=12).map("".join)
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 

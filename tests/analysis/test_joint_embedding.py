@@ -18,7 +18,7 @@ from headscope.analysis.joint_embedding import (
     query_attention,
 )
 from headscope.analysis.qk_collect import causal_softmax, collect_head, load_sentences
-from tests.analysis.test_qk_collect import synthetic_head
+from tests.analysis.synthetic_heads import synthetic_head
 
 
 def _attention_from(q: np.ndarray, k: np.ndarray, lengths: list[int]) -> list[np.ndarray]:

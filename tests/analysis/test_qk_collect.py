@@ -10,7 +10,6 @@ import pytest
 from headscope.analysis.capture import capture
 from headscope.analysis.errors import InputError
 from headscope.analysis.qk_collect import (
-    HeadQK,
     causal_softmax,
     collect_head,
     collect_layer,
@@ -24,23 +23,6 @@ SENTENCES = [
     "A cat and a dog slept by the fire.",
     "She played the violin on Monday and the piano on Friday.",
 ]
-
-
-def synthetic_head(q: np.ndarray, k: np.ndarray, lengths: list[int], *, tokens: list[str] | None = None,
-                   token_ids: np.ndarray | None = None, sentences: list[str] | None = None,
-                   char_spans: np.ndarray | None = None) -> HeadQK:
-    """A HeadQK built from arrays (for unit tests of the analyses that read one)."""
-    n = int(sum(lengths))
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    return HeadQK(
-        layer=0, head=0, kv_head=0, rotary=True, q=q, k=k, q_rot=q, k_rot=k,
-        token_ids=np.arange(n) if token_ids is None else np.asarray(token_ids),
-        tokens=tokens or [f"t{i}" for i in range(n)],
-        positions=np.concatenate([np.arange(m) for m in lengths]).astype(np.int32),
-        sentence_index=np.repeat(np.arange(len(lengths)), lengths).astype(np.int32), offsets=offsets,
-        char_spans=np.zeros((n, 2), np.int32) if char_spans is None else char_spans,
-        sentences=sentences or [f"s{i}" for i in range(len(lengths))], scale=1 / np.sqrt(q.shape[1]),
-    )
 
 
 def test_attention_from_collected_vectors_equals_the_models_pattern(tiny_model):

@@ -28,7 +28,7 @@ from headscope.analysis.qk_decomposition import (
     token_labels,
     wqk_spectra,
 )
-from tests.analysis.test_qk_collect import synthetic_head
+from tests.analysis.synthetic_heads import synthetic_head
 
 D = 32
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.analysis.test_fuzz_inputs import TEXT
+from tests.hostile_text import TEXT
 
 pytestmark = pytest.mark.integration
 

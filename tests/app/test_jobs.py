@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.app.racing_cache import WritesAfterFirstRead
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # A stand-in for `headscope serve`: the same job-process launch Dash's DiskcacheManager uses
@@ -400,29 +402,6 @@ def test_a_job_forked_while_the_server_imports_a_module_runs(tmp_path):
     assert done.stdout.strip().splitlines()[-1] == str({"value": 7}), done.stdout[-2000:] + done.stderr[-3000:]
 
 
-class _WritesAfterFirstRead:
-    """A job cache (or Redis client) through which a job writes its next progress report right after a
-    poll's first read of the progress key, as a job can between two requests of a poll."""
-
-    def __init__(self, real, write):
-        self._real, self._write, self.written = real, write, False
-
-    def _after(self, value):
-        if not self.written:
-            self.written = True
-            self._write()
-        return value
-
-    def get(self, *args, **kwargs):
-        return self._after(self._real.get(*args, **kwargs))
-
-    def pop(self, *args, **kwargs):
-        return self._after(self._real.pop(*args, **kwargs))
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-
 def test_a_progress_report_written_while_a_poll_reads_the_last_one_is_not_lost(tmp_path):
     """A poll reads the job's progress and removes it in one step. Dash's own manager read it, then
     deleted it: a report the job wrote in between was deleted unseen. Run's grid preview is its job's
@@ -436,7 +415,7 @@ def test_a_progress_report_written_while_a_poll_reads_the_last_one_is_not_lost(t
     key = manager._make_progress_key("job")
     real = manager.handle
     real.set(key, [50, 100, "half"])
-    manager.handle = _WritesAfterFirstRead(real, lambda: real.set(key, [100, 100, "preview", "x" * 40_000]))
+    manager.handle = WritesAfterFirstRead(real, lambda: real.set(key, [100, 100, "preview", "x" * 40_000]))
     assert manager.get_progress("job") == [50, 100, "half"]
     assert manager.get_progress("job") == [100, 100, "preview", "x" * 40_000]  # not deleted unseen
     assert manager.get_progress("job") is None

@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+from tests.readme_example import notebook_example
 
 pytestmark = pytest.mark.integration
-
-
-def notebook_example() -> str:
-    """The one fenced python block of the README section "From Python (notebooks)"."""
-    text = README.read_text(encoding="utf-8")
-    section = re.search(r"^## From Python \(notebooks\)\n(.*?)(?=^## )", text, re.S | re.M)
-    assert section, "README.md has no '## From Python (notebooks)' section"
-    blocks = re.findall(r"^```python\n(.*?)^```", section[1], re.S | re.M)
-    assert len(blocks) == 1, f"the section should hold one python block, found {len(blocks)}"
-    return blocks[0]
 
 
 def test_the_notebook_example_runs_and_draws_the_pages_grid(tmp_path, monkeypatch, capsys):

@@ -268,7 +268,7 @@ def test_a_progress_report_written_while_a_poll_reads_the_last_one_is_not_lost_o
     import json
 
     import headscope.app.workers as workers
-    from tests.app.test_jobs import _WritesAfterFirstRead
+    from tests.app.racing_cache import WritesAfterFirstRead
 
     monkeypatch.setenv("HEADSCOPE_REDIS_URL", redis_url)
     monkeypatch.setattr(workers, "_celery", None)
@@ -300,7 +300,7 @@ def test_a_progress_report_written_while_a_poll_reads_the_last_one_is_not_lost_o
         def execute(self):
             return self.outer._after(self.real.execute())
 
-    watched = _WritesAfterFirstRead(client, lambda: client.set(key, json.dumps([100, 100, "preview"])))
+    watched = WritesAfterFirstRead(client, lambda: client.set(key, json.dumps([100, 100, "preview"])))
     watched.pipeline = lambda: Pipeline(watched)
     monkeypatch.setattr(backend, "client", watched)  # Dash's own get, then delete, also goes through it
     try:
