@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.app.test_cli_errors import assert_one_line, headscope
+from tests.app.command_line import assert_one_line, headscope
 
 OTHER_DIGITS = ["٣", "３", "𝟑", "۳", "३"]  # Arabic-Indic, fullwidth, mathematical bold, Persian, Devanagari
 LONG = "7" * 5000
