@@ -64,7 +64,7 @@ import json
 import math
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -520,6 +520,89 @@ def _evaluate_one(model: LoadedModel, policy: Policy, texts: Sequence[Sequence[i
                             time.perf_counter() - t0)
 
 
+def _checked_choices(rankings: Sequence[str], fractions: Sequence[float], texts: Sequence[Sequence[int]],
+                     prompts: Sequence[NiahPrompt], sink_size: int, recent_size: int
+                     ) -> tuple[list[str], list[float], list[list[int]]]:
+    """:func:`evaluate_policies`' rankings (unique, in order), fractions (sorted) and texts (int lists),
+    checked before any work; an ``InputError`` that says what to change otherwise."""
+    rankings = list(dict.fromkeys(rankings))
+    if not rankings:
+        raise InputError("Choose at least one ranking.")
+    for name in rankings:
+        if name not in RANKINGS:
+            raise InputError(f"Unknown ranking {name!r}: choose from {', '.join(RANKINGS)}.")
+    fractions = sorted({float(f) for f in fractions})
+    if not fractions or fractions[0] < 0 or fractions[-1] > 1:
+        raise InputError(f"Give fractions of KV groups kept full between 0 and 1; got {fractions}.")
+    texts = [[int(t) for t in ids] for ids in texts]
+    if not texts and not prompts:
+        raise InputError("Give a text (for loss and agreement) or needle-in-a-haystack prompts to evaluate on.")
+    if any(len(ids) < 2 for ids in texts):
+        raise InputError("Each text needs at least two tokens to have a loss.")
+    if sink_size < 0 or recent_size < 1:
+        raise InputError(f"A streaming group needs S >= 0 sinks and W >= 1 recent tokens; got S={sink_size}, "
+                         f"W={recent_size}.")
+    return rankings, fractions, texts
+
+
+def _evaluation_backend(model: LoadedModel, backend: str, n_tokens: int, prompts: Sequence[NiahPrompt],
+                        sink_size: int, max_new_tokens: int) -> str:
+    """The backend :func:`evaluate_policies` runs on: :func:`choose_backend`'s, or statistics mode where
+    ``auto`` chose eager and the eager decode cannot hold the prompts' streaming window."""
+    n_decoded = max([p.n_tokens for p in prompts], default=0) + max_new_tokens if prompts else 0
+    wanted = backend
+    backend = choose_backend(model, backend, max(n_tokens, n_decoded))
+    if backend == "eager" and prompts:
+        try:
+            check_eager_decode(model, sink_size, n_decoded)
+        except InputError:
+            if wanted != "auto" or not statistics_supported(model):
+                raise
+            backend = "statistics"
+    return backend
+
+
+def _policies(model: LoadedModel, rankings: Sequence[str], fractions: Sequence[float], seeds: Sequence[int],
+              scores: Mapping[str, np.ndarray] | None, sink_size: int, recent_size: int) -> list[Policy]:
+    """Every (ranking, fraction[, seed]) policy to evaluate, in order: a fixed-fraction ranking once, a
+    seeded one once per seed."""
+    policies: list[Policy] = []
+    for name in rankings:
+        r = RANKINGS[name]
+        for f in ([r.fixed_fraction] if r.fixed_fraction is not None else fractions):
+            for seed in (seeds if r.seeded else [0]):
+                policies.append(build_policy(model, name, f, scores, seed=seed, sink_size=sink_size,
+                                             recent_size=recent_size))
+    return policies
+
+
+def _evaluated_in_turn(evaluate: Callable[[Policy], PolicyEvaluation], baseline_policy: Policy,
+                       policies: Sequence[Policy], progress: Progress | None, cancel: Cancel | None
+                       ) -> tuple[PolicyEvaluation, list[PolicyEvaluation], bool]:
+    """The baseline, then each policy in turn, with progress: ``(baseline, evaluations, complete)``. A
+    cancel (asked between policies, or raised inside one) keeps what finished, unless the baseline itself
+    did not finish."""
+    evaluations: list[PolicyEvaluation] = []
+    complete = True
+    baseline = None
+    try:
+        baseline = evaluate(baseline_policy)
+        if progress:
+            progress(1 / (len(policies) + 1))
+        for done, policy in enumerate(policies):
+            if cancel_requested(cancel):
+                complete = False
+                break
+            evaluations.append(evaluate(policy))
+            if progress:
+                progress((done + 2) / (len(policies) + 1))
+    except Cancelled:
+        if baseline is None:
+            raise
+        complete = False
+    return baseline, evaluations, complete
+
+
 def evaluate_policies(
     model: LoadedModel,
     scores: Mapping[str, np.ndarray] | None,
@@ -565,44 +648,13 @@ def evaluate_policies(
     -------
     :class:`CompressionCurve`.
     """
-    rankings = list(dict.fromkeys(rankings))
-    if not rankings:
-        raise InputError("Choose at least one ranking.")
-    for name in rankings:
-        if name not in RANKINGS:
-            raise InputError(f"Unknown ranking {name!r}: choose from {', '.join(RANKINGS)}.")
-    fractions = sorted({float(f) for f in fractions})
-    if not fractions or fractions[0] < 0 or fractions[-1] > 1:
-        raise InputError(f"Give fractions of KV groups kept full between 0 and 1; got {fractions}.")
-    texts = [[int(t) for t in ids] for ids in texts]
-    if not texts and not prompts:
-        raise InputError("Give a text (for loss and agreement) or needle-in-a-haystack prompts to evaluate on.")
-    if any(len(ids) < 2 for ids in texts):
-        raise InputError("Each text needs at least two tokens to have a loss.")
-    if sink_size < 0 or recent_size < 1:
-        raise InputError(f"A streaming group needs S >= 0 sinks and W >= 1 recent tokens; got S={sink_size}, "
-                         f"W={recent_size}.")
+    rankings, fractions, texts = _checked_choices(rankings, fractions, texts, prompts, sink_size, recent_size)
     for name in rankings:  # a missing score is reported before any work
         group_priority(model, name, scores, 0)
     n_tokens = max([len(t) for t in texts] + [p.n_tokens for p in prompts])
-    n_decoded = max([p.n_tokens for p in prompts], default=0) + max_new_tokens if prompts else 0
-    wanted = backend
-    backend = choose_backend(model, backend, max(n_tokens, n_decoded))
-    if backend == "eager" and prompts:
-        try:
-            check_eager_decode(model, sink_size, n_decoded)
-        except InputError:
-            if wanted != "auto" or not statistics_supported(model):
-                raise
-            backend = "statistics"
+    backend = _evaluation_backend(model, backend, n_tokens, prompts, sink_size, max_new_tokens)
     seeds = [int(s) for s in seeds] or [0]
-    policies: list[Policy] = []
-    for name in rankings:
-        r = RANKINGS[name]
-        for f in ([r.fixed_fraction] if r.fixed_fraction is not None else fractions):
-            for seed in (seeds if r.seeded else [0]):
-                policies.append(build_policy(model, name, f, scores, seed=seed, sink_size=sink_size,
-                                             recent_size=recent_size))
+    policies = _policies(model, rankings, fractions, seeds, scores, sink_size, recent_size)
     inputs = content_key(texts, [p.token_ids for p in prompts], max_new_tokens)
     full_policy = build_policy(model, "all_full", 1.0, sink_size=sink_size, recent_size=recent_size)
 
@@ -631,24 +683,7 @@ def evaluate_policies(
         memo[mk] = e
         return e
 
-    evaluations: list[PolicyEvaluation] = []
-    complete = True
-    baseline = None
-    try:
-        baseline = evaluate(full_policy)
-        if progress:
-            progress(1 / (len(policies) + 1))
-        for done, policy in enumerate(policies):
-            if cancel_requested(cancel):
-                complete = False
-                break
-            evaluations.append(evaluate(policy))
-            if progress:
-                progress((done + 2) / (len(policies) + 1))
-    except Cancelled:
-        if baseline is None:
-            raise
-        complete = False
+    baseline, evaluations, complete = _evaluated_in_turn(evaluate, full_policy, policies, progress, cancel)
     meta = {"model_name": model.name, "model_digest": model.digest, "rankings": rankings, "fractions": fractions,
             "seeds": seeds, "n_tokens": n_tokens, "dtype_bytes": dtype_bytes(model), "backend": backend,
             "layout": {"n_layers": model.n_layers, "n_kv_heads": model.n_kv_heads, "d_head": model.d_head},
