@@ -12,6 +12,7 @@ import dash
 from dash import Input, Output, Patch, State, callback, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
+from headscope.analysis.head_scan import scan
 from headscope.analysis.models import load_model
 from headscope.analysis.niah import (
     DEFAULT_DEPTH_RULE,
@@ -23,7 +24,7 @@ from headscope.analysis.niah import (
     named_haystack,
     parse_needles,
 )
-from headscope.analysis.retrieval import SweepSettings, sweep, sweep_settings
+from headscope.analysis.retrieval import SweepSettings, sweep_settings
 from headscope.analysis.score_registry import HEAD_SCORES
 from headscope.analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 from headscope.app import figures, ids
@@ -57,7 +58,6 @@ from headscope.app.views import VIEWS, names
 from headscope.app.views.heads import (
     AGGREGATES,
     check_sweep_head,
-    head_scores_of,
     head_trials,
     retrieval_table,
     sweep_of,
@@ -385,18 +385,18 @@ def run_sweep(set_progress, n_clicks, needle_ids, custom_needles, lengths, depth
         check_streaming_window(sink_, window_, lengths_)
         context = get_context()
         model = load_model(context.default_model)
-        result = sweep(model, chosen, lengths_, depths_, _haystack(haystack, custom_haystack), store=context.store,
-                       depth_rule=depth_rule or DEFAULT_DEPTH_RULE, stop_at_newline=bool(stop_newline),
-                       progress=trial_progress(set_progress, len(lengths_) * len(depths_) * len(chosen)))
+        # the sweep, then the other per-head scores, stored: the page's figures read them back
+        result = scan(model, chosen, lengths_, depths_, _haystack(haystack, custom_haystack), sink=sink_,
+                      window=window_, depth_rule=depth_rule or DEFAULT_DEPTH_RULE, stop_at_newline=bool(stop_newline),
+                      store=context.store,
+                      progress=trial_progress(set_progress, len(lengths_) * len(depths_) * len(chosen)),
+                      scores_progress=progress_reporter(set_progress, "scoring heads")).sweep
         if not result.trials:
             return no_update, "No trial finished.", ""
-        check_streaming_window(sink_, window_, [len(t.prompt_ids) for t in result.trials])  # as built: may be shorter
         state = parse(search)
         state.sweep, state.trial = result.key[:16], None
         state.sink_size = None if sink_ == DEFAULT_SINK else sink_
         state.window = None if window_ == DEFAULT_WINDOW else window_
-        # the other per-head scores, now, so the page renders from the store
-        head_scores_of(result, sweep_params(state), progress=progress_reporter(set_progress, "scoring heads"))
     except ValueError as e:  # what the user asked cannot run: said where every page says it
         return no_update, "", message(str(e))
     note = f"{result.n_counted}/{result.n_trials} trials answered; {result.share_above(0.1):.1%} of heads score > 0.1"

@@ -16,7 +16,8 @@ import plotly.graph_objects as go
 
 from headscope.analysis.errors import InputError
 from headscope.analysis.evidence import cumulative_mass
-from headscope.analysis.head_scores import HeadScores, score_prompts, trial_prompts
+from headscope.analysis.head_scan import sweep_head_scores
+from headscope.analysis.head_scores import HeadScores
 from headscope.analysis.model_facts import window_note
 from headscope.analysis.retrieval import AGGREGATES, RetrievalSweep, decode_rows, load_sweep
 from headscope.analysis.score_registry import HEAD_SCORES
@@ -107,14 +108,15 @@ def retrieval_histogram_view(run: None, params: dict[str, Any]) -> tuple[go.Figu
 
 
 def head_scores_of(sweep: RetrievalSweep, params: dict[str, Any], progress=None) -> HeadScores:
-    """Every other per-head score over the sweep's distinct prompts (stored; computed when missing)."""
+    """Every other per-head score over the sweep's distinct prompts, as the scan stored them
+    (:func:`headscope.analysis.head_scan.sweep_head_scores`; computed when missing)."""
     from headscope.app.context import get_context
 
     sink = int(params.get("sink_size", DEFAULT_SINK))
     window = int(params.get("window", DEFAULT_WINDOW))
     model = _model(params)
-    return memoised(("head_scores", sweep.key, model.digest, sink, window), lambda: score_prompts(
-        model, trial_prompts(sweep.trials), sink=sink, window=window, store=get_context().store, progress=progress))
+    return memoised(("head_scores", sweep.key, model.digest, sink, window), lambda: sweep_head_scores(
+        model, sweep, sink=sink, window=window, store=get_context().store, progress=progress))
 
 
 def _score(scores: HeadScores, params: dict[str, Any]) -> tuple[str, np.ndarray, str]:
