@@ -97,7 +97,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("scan", help="needle-in-a-haystack sweep: retrieval scores per head")
     p.add_argument("--model", type=non_empty("the model spec"), help=MODEL_HELP)
     p.add_argument("--lengths", type=token_counts, default=[512], help="context lengths in tokens, e.g. 512,1024")
-    p.add_argument("--depths", type=depth_percents, default=[10.0, 50.0, 90.0], help="needle depths in percent, e.g. 0,50,100")
+    p.add_argument("--depths", type=depth_percents, default=[10.0, 50.0, 90.0],
+                   help="needle depths in percent, e.g. 0,50,100")
     p.add_argument("--needles", default="", help="needle ids (default: all shipped needles)")
     p.add_argument("--needles-file", type=text_file, help="a JSON file of needles (fields: needle, question, answer)")
     p.add_argument("--haystack", type=haystack, default="prose", help="prose, passkey, or a UTF-8 text file")
