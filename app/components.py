@@ -31,7 +31,7 @@ from dash.exceptions import PreventUpdate
 from headscope.analysis.capture import capture
 from headscope.analysis.models import ModelError, load_model
 from headscope.analysis.statistics_run import capture_for_page
-from headscope.app import ids
+from headscope.app import figures, ids
 from headscope.app.context import get_context, offered_model
 from headscope.app.errors import guarded
 from headscope.app.export import FORMATS, bundle
@@ -96,8 +96,9 @@ def url_patch(before: Any, after: str, on: tuple[str, ...] = (), what: str = "Th
       old text (a query position, a flow target) goes, even if chosen meanwhile.
     - ``on``: the URL keys the result was computed on (``"run"``). If the page shows another value of
       one of them by then, nothing is put in and the banner says so, naming the result by ``what``;
-      ``status``, the job's status line (its ``…-status`` id), says it was not shown instead of the
-      result's numbers, which the job answered with before it could know."""
+      ``status``, the id of the job's status line (an element with ``role="status"``: the only kind
+      a patch may write to), says it was not shown instead of the result's numbers, which the job
+      answered with before it could know."""
     started = before if isinstance(before, str) else ""
     patch = {"started": started, "before": parse(started).to_search(), "after": after, "on": list(on),
              "keep": None if keep is None else list(keep), "reset": list(reset), "what": what,
@@ -505,3 +506,34 @@ def upload_text(contents: str | None, filename: str | None, what: str) -> str:
 def query_store_id(prefix: str) -> str:
     """A page's selected query token (hovered, not in the URL: hovering must not re-render)."""
     return f"{prefix}-{ids.QUERY_STORE}"
+
+
+def head_clicks(component: Any, action: dict[str, Any]) -> html.Div:
+    """``component`` (a layer × head grid, or what wraps it) in a holder that says what a click on one of
+    its cells does: ``action`` is :func:`select_head`, :func:`toggle_head` or :func:`ask_for_head`.
+    ``assets/grid_clicks.js`` reads it from the holder's ``data-hs-click`` when a click lands in the
+    grid's plot area, so a page declares its clickable grids where it lays them out."""
+    return html.Div(component, **{"data-hs-click": json.dumps(action, separators=(",", ":"))})
+
+
+def select_head(graph: str, prefix: str, drop: Sequence[str] = (),
+                when: dict[str, Sequence[str | None]] | None = None) -> dict[str, Any]:
+    """A click on a cell of ``graph`` selects that head in the page's URL (its Location, :func:`url_id`
+    of ``prefix``), as a link would, and removes the URL keys in ``drop`` (what a new head resets); only
+    while each key of ``when`` has one of its values (None: the key is absent)."""
+    return {"do": "select", "graph": graph, "url": url_id(prefix), "drop": list(drop),
+            "when": {key: list(values) for key, values in (when or {}).items()}}
+
+
+def toggle_head(graph: str, pending: str, box: str) -> dict[str, Any]:
+    """A click on a cell of ``graph`` adds that head to the selection in the store ``pending``, or removes
+    it, and writes the selection into the heads box ``box`` and onto the map (its
+    :data:`headscope.app.figures.CHOSEN_TRACE` markers and the count in its title), in the browser."""
+    return {"do": "toggle", "graph": graph, "pending": pending, "box": box, "marks": figures.CHOSEN_TRACE}
+
+
+def ask_for_head(graph: str, store: str) -> dict[str, Any]:
+    """A click on a cell of ``graph`` puts ``{"layer", "head", "click"}`` into the store ``store`` (the
+    click count makes the same head clicked again a new request); not on a map whose cells are
+    positions (``layout.meta.cells == "positions"``)."""
+    return {"do": "ask", "graph": graph, "store": store}

@@ -588,16 +588,19 @@ def decode_rows_heatmap(rows: np.ndarray, span: tuple[int, int], argmax: np.ndar
     return fig
 
 
+CHOSEN_TRACE = "chosen"  # the uid of the chosen heads' markers on a selection map (app/components.py toggle_head)
+
+
 def head_selection(scores: np.ndarray, label: str, chosen: Sequence[tuple[int, int]],
                    title: Sequence[str] | None = None, signed: bool = False) -> go.Figure:
     """The ranking score per head with the heads chosen for ablation marked (click toggles them).
 
-    The markers' trace is there even when no head is chosen (``uid="chosen"``): the page toggles a
+    The markers' trace is there even when no head is chosen (its uid :data:`CHOSEN_TRACE`): the page toggles a
     clicked head in the browser by rewriting its points and the count in the title
     (``assets/grid_clicks.js``). ``title``: paragraphs to say instead, starting with the count."""
     fig = head_grid(scores, label, signed=signed)
     fig.add_trace(go.Scatter(
-        x=[h for _, h in chosen], y=[la for la, _ in chosen], mode="markers", showlegend=False, uid="chosen",
+        x=[h for _, h in chosen], y=[la for la, _ in chosen], mode="markers", showlegend=False, uid=CHOSEN_TRACE,
         marker={"symbol": "square-open", "size": 13, "color": "#e4572e", "line": {"width": 3}},
         hovertemplate="layer %{y}, head %{x}: chosen<extra></extra>",
     ))

@@ -6,26 +6,18 @@
    page no longer shows do not stay on it, and a render that answers after them does not replace them.
    Served locally by Dash. */
 (function () {
-const MOST = 12;  // heads named on the line; the rest are counted
-
-function names(heads) {
-  const pairs = heads.split(",").map((h) => h.split(".")).filter((p) => p.length === 2);
-  const named = pairs.slice(0, MOST).map(([layer, head]) => `L${layer}H${head}`).join(", ");
-  return named + (pairs.length > MOST ? ` and ${pairs.length - MOST} more` : "");
-}
-
-const asSet = (heads) => [...new Set(heads.split(",").filter(Boolean))].sort().join(",");
+const heads = () => window.headscope_heads;  // assets/head_lists.js (loaded after this file)
 
 window.dash_clientside = Object.assign({}, window.dash_clientside, {
   headscope_ablation: {
     line: function (pending, shown) {
       const chosen = typeof pending === "string" ? pending : "";
       if (!chosen) { return "No heads chosen: click heads in the map (or type them), then Apply."; }
-      const n = chosen.split(",").filter(Boolean).length;
+      const n = heads().count(chosen);
       const row = shown !== null && typeof shown === "object" ? shown.row : null;
       const applied = row !== null && typeof row === "object" && typeof row.heads === "string" ? row.heads : null;
-      if (applied !== null && asSet(applied) === asSet(chosen)) { return `${n} heads applied: ${names(chosen)}`; }
-      return `${n} heads chosen: ${names(chosen)} — Apply to compute their effects`;
+      if (applied !== null && heads().same(applied, chosen)) { return `${n} heads applied: ${heads().names(chosen)}`; }
+      return `${n} heads chosen: ${heads().names(chosen)} — Apply to compute their effects`;
     },
     // Apply's effects are drawn when its job ends; if a text was run meanwhile, the page shows that
     // text, and effects of the other one (the key's run) are replaced by the figure that waits for Apply

@@ -61,10 +61,10 @@ let strip = null;  // what the drawn strip shows: {el, spans, tokens, n, colours
 // while Run's previewed grid is shown: its mark and the grid it replaced
 let replaced = null;
 // Run's button and click count when Cancel was last clicked (a page opened again has a new button,
-// whose count starts again from 0)
+// whose count starts again from 0); ``button``: its id, from the callback
 let cancelledAt = null;
-const cancelled = (runs) => cancelledAt !== null && cancelledAt.runs === runs
-  && cancelledAt.button === document.getElementById("attn-hs-run");
+const cancelled = (runs, button) => cancelledAt !== null && cancelledAt.runs === runs
+  && cancelledAt.button === document.getElementById(button);
 
 /* The mark "preview|run|metric|layer|head" a grid figure carries while it is Run's preview, or null. */
 function markOf(figure) {
@@ -187,10 +187,10 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
        and the banner already says something (a dead job's message comes before the job's last
        report in the same answer). What it replaced is kept, to be put back if the job ends without
        its run (withdrawPreview). */
-    previewGrid: function (preview, grid, drawn, running, runs, banner) {
+    previewGrid: function (preview, grid, drawn, running, runs, banner, button) {
       const skip = window.dash_clientside.no_update;
       const mark = markOf(preview);
-      if (mark === null || drawn === mark || cancelled(runs) || (running !== true && says(banner))
+      if (mark === null || drawn === mark || cancelled(runs, button) || (running !== true && says(banner))
           || (typeof drawn === "string" && drawn.startsWith(mark.split("|")[1] + "|"))) {
         return [skip, skip];  // (the last: the render of the stored run came first and drew it whole)
       }
@@ -201,12 +201,12 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
     /* The job ended without its run: an error or a dead job in the banner, or Cancel. If the grid is
        still the preview (its layout.meta.preview) and the URL does not name its run, the grid it
        replaced comes back, and the next render draws whole figures. */
-    withdrawPreview: function (banner, cancels, grid, search, runs) {
+    withdrawPreview: function (banner, cancels, grid, search, runs, button) {
       const skip = window.dash_clientside.no_update;
       const triggered = (window.dash_clientside.callback_context.triggered || [])[0];
       if (!triggered) { return [skip, skip]; }
       if (triggered.prop_id.endsWith(".n_clicks")) {
-        cancelledAt = {button: document.getElementById("attn-hs-run"), runs: runs};  // its preview is not drawn
+        cancelledAt = {button: document.getElementById(button), runs: runs};  // its preview is not drawn
       } else if (!says(banner)) {
         return [skip, skip];
       }

@@ -17,7 +17,11 @@ const listOrNone = (value) => value === undefined || value === null || Array.isA
 const valid = (patch) => patch !== null && typeof patch === "object" && typeof patch.after === "string" &&
   typeof patch.before === "string" && listOrNone(patch.on) && listOrNone(patch.reset) && listOrNone(patch.keep);
 const started = (patch) => params(typeof patch.started === "string" ? patch.started : patch.before);
-const STATUS = /^hs-[a-z-]+-status$/;  // a job's status line: the only element a patch may write to
+// a job's status line (an element with role="status"): the only element a patch may write to
+const statusLine = (id) => {
+  const line = typeof id === "string" ? document.getElementById(id) : null;
+  return line !== null && line.getAttribute("role") === "status";
+};
 const id = (value) => (value === null ? null : value.toLowerCase());  // run and result ids: any case
 const stale = (patch, search) => {
   const then = started(patch), now = params(search);
@@ -60,7 +64,7 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
       if (valid(patch) && stale(patch, search)) {
         const what = typeof patch.what === "string" && patch.what ? patch.what : "This result";
         const set = window.dash_clientside.set_props;
-        if (set && typeof patch.status === "string" && STATUS.test(patch.status) && document.getElementById(patch.status)) {
+        if (set && statusLine(patch.status)) {
           set(patch.status, {children: "Not shown: computed for the text the page showed when it started."});
         }
         return [skip, what + " was computed for what the page showed when it started, not for what it " +

@@ -44,6 +44,7 @@ from headscope.app.components import (
     empty_figure,
     export_bar,
     fill_text_from_runs,
+    head_clicks,
     input_bar,
     job_error,
     model_id,
@@ -53,6 +54,7 @@ from headscope.app.components import (
     register_run,
     shell_stores,
     text_fill_id,
+    toggle_head,
     url_id,
     url_patch,
     url_patch_id,
@@ -102,7 +104,8 @@ def layout(**query) -> html.Div:
             html.Div(
                 [
                     html.Div([
-                        dcc.Graph(id=ids.ABL_GRID, figure=EMPTY, config=GRAPH_CONFIG),
+                        head_clicks(dcc.Graph(id=ids.ABL_GRID, figure=EMPTY, config=GRAPH_CONFIG),
+                                    toggle_head(ids.ABL_GRID, ids.ABL_PENDING, ids.ABL_HEADS)),
                         html.P("Click heads to choose them (again to remove); Apply computes their effects.",
                                className="hs-hint"),
                         export_bar(PREFIX, names.ABLATION_SELECTION),
@@ -127,7 +130,7 @@ def layout(**query) -> html.Div:
                             html.Button("Cancel", id=ids.ABL_APPLY_CANCEL, n_clicks=0,
                                         className="hs-button hs-cancel", disabled=True),
                             html.Progress(id=ids.ABL_APPLY_PROGRESS, value="0", max="100", className="hs-progress"),
-                            html.Span(id=ids.ABL_APPLY_STATUS, className="hs-hint"),
+                            html.Span(id=ids.ABL_APPLY_STATUS, className="hs-hint", role="status"),
                         ], className="hs-options"),
                         html.Hr(),
                         html.Label("Choose by a score", htmlFor=ids.ABL_BY),
@@ -178,7 +181,7 @@ def layout(**query) -> html.Div:
                     html.Button("Cancel", id=ids.ABL_CURVE_CANCEL, n_clicks=0, className="hs-button hs-cancel",
                                 disabled=True),
                     html.Progress(id=ids.ABL_CURVE_PROGRESS, value="0", max="100", className="hs-progress"),
-                    html.Span(id=ids.ABL_CURVE_STATUS, className="hs-hint"),
+                    html.Span(id=ids.ABL_CURVE_STATUS, className="hs-hint", role="status"),
                 ],
                 className="hs-options",
             ),
@@ -193,7 +196,7 @@ def layout(**query) -> html.Div:
                     html.Button("Cancel", id=ids.ABL_SWEEP_CANCEL, n_clicks=0, className="hs-button hs-cancel",
                                 disabled=True),
                     html.Progress(id=ids.ABL_SWEEP_PROGRESS, value="0", max="100", className="hs-progress"),
-                    html.Span(id=ids.ABL_SWEEP_STATUS, className="hs-hint"),
+                    html.Span(id=ids.ABL_SWEEP_STATUS, className="hs-hint", role="status"),
                 ],
                 className="hs-options",
             ),
@@ -377,13 +380,6 @@ def _shown(key: list, run, state: PageState, spec, fx) -> dict:
         "link": state.to_search()}}
 
 
-def _names(heads: str | None, most: int = 12) -> str:
-    """``"3.1,5.0"`` as ``"L3H1, L5H0"`` (the first ``most``, then how many more)."""
-    pairs = [h.split(".") for h in (heads or "").split(",") if h.count(".") == 1]
-    names = [f"L{la}H{h}" for la, h in pairs[:most]]
-    return ", ".join(names) + (f" and {len(pairs) - most} more" if len(pairs) > most else "")
-
-
 def _summary(run, params) -> html.Div:
     """Next-token top-5 before/after and the greedy continuations side by side."""
     spec, fx = effects_of(run, params)
@@ -397,8 +393,7 @@ def _summary(run, params) -> html.Div:
         html.Div([html.H4("Next token, clean"), top(fx.top_ids_clean[-1], fx.top_probs_clean[-1]),
                   html.H4("Continuation, clean"), html.Pre(model.tokenizer.decode(fx.continuation_clean),
                                                           className="hs-continuation")], className="hs-panel"),
-        html.Div([html.H4(f"Next token, {spec.method} ablation of {len(spec.heads)} heads "
-                          f"({_names(format_heads(spec.heads))})"),
+        html.Div([html.H4(f"Next token, {spec.method} ablation of {len(spec.heads)} heads"),  # named by the line above
                   top(fx.top_ids_ablated[-1], fx.top_probs_ablated[-1]),
                   html.H4("Continuation, ablated"), html.Pre(model.tokenizer.decode(fx.continuation_ablated),
                                                             className="hs-continuation")], className="hs-panel"),

@@ -37,6 +37,7 @@ from headscope.app.components import (
     empty_figure,
     export_bar,
     fill_text_from_runs,
+    head_clicks,
     input_bar,
     job_error,
     leaving,
@@ -46,6 +47,7 @@ from headscope.app.components import (
     register_export,
     run_id,
     run_info,
+    select_head,
     shell_stores,
     show_in_shell,
     text_fill_id,
@@ -115,7 +117,8 @@ def layout(**query) -> html.Div:
                                 ],
                                 className="hs-metric",
                             ),
-                            _busy(dcc.Graph(id=ids.GRID, figure=EMPTY, config=GRAPH_CONFIG)),
+                            head_clicks(_busy(dcc.Graph(id=ids.GRID, figure=EMPTY, config=GRAPH_CONFIG)),
+                                        select_head(ids.GRID, PREFIX, drop=("query",))),
                             export_bar(PREFIX, names.HEAD_GRID),
                         ],
                         className="hs-panel hs-grid-panel",
@@ -445,6 +448,7 @@ clientside_callback(
     State(run_id(PREFIX), "disabled"),
     State(run_id(PREFIX), "n_clicks"),
     State(ids.ERROR, "children"),
+    State(run_id(PREFIX), "id"),
     prevent_initial_call=True,
 )
 clientside_callback(
@@ -456,6 +460,7 @@ clientside_callback(
     State(ids.GRID, "figure"),
     State(url_id(PREFIX), "search"),
     State(run_id(PREFIX), "n_clicks"),
+    State(run_id(PREFIX), "id"),
     prevent_initial_call=True,
 )
 

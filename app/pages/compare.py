@@ -25,8 +25,10 @@ from headscope.app.components import (
     GRAPH_CONFIG,
     empty_figure,
     export_bar,
+    head_clicks,
     page_location,
     register_export,
+    select_head,
     shell_stores,
     url_id,
 )
@@ -79,7 +81,8 @@ def layout(**_query) -> html.Div:
                 className="hs-options",
             ),
             html.P(id=ids.CMP_STATUS, className="hs-hint"),
-            html.Div([dcc.Graph(id=ids.CMP_GRIDS, figure=NO_RUNS, config=GRAPH_CONFIG),
+            html.Div([head_clicks(dcc.Graph(id=ids.CMP_GRIDS, figure=NO_RUNS, config=GRAPH_CONFIG),  # any of its three grids
+                                  select_head(ids.CMP_GRIDS, PREFIX)),
                       html.P("Click a head to see its change in attention.", className="hs-hint"),
                       export_bar(PREFIX, names.RUN_COMPARISON)], className="hs-panel"),
             html.Div(id=ids.CMP_TOP, className="hs-panel"),

@@ -33,6 +33,7 @@ from headscope.app.components import (
     PROMPT_POLICY_TITLE,
     empty_figure,
     export_bar,
+    head_clicks,
     job_error,
     page_location,
     prompt_policy,
@@ -40,6 +41,7 @@ from headscope.app.components import (
     register_export,
     register_upload,
     register_url_keys,
+    select_head,
     shell_stores,
     show_in_shell,
     upload_field,
@@ -181,7 +183,9 @@ def layout(**_query) -> html.Div:
                         dcc.RadioItems(id=ids.HEADS_AGG, options=[{"label": f" {v}", "value": k}
                                                                   for k, v in AGGREGATES.items()],
                                        value="query", inline=True),
-                        dcc.Graph(id=ids.HEADS_GRID, figure=EMPTY, config=GRAPH_CONFIG),
+                        # a cell per query head only under the query-head aggregation (else its cells are key-value groups)
+                        head_clicks(dcc.Graph(id=ids.HEADS_GRID, figure=EMPTY, config=GRAPH_CONFIG),
+                                    select_head(ids.HEADS_GRID, PREFIX, drop=("trial",), when={"agg": ("query", None)})),
                         export_bar(PREFIX, names.RETRIEVAL_GRID),
                     ], className="hs-panel"),
                     html.Div([
@@ -214,7 +218,8 @@ def layout(**_query) -> html.Div:
                             {"label": " mean", "value": "mean"}, {"label": " spread (std)", "value": "std"}]),
                     ], className="hs-options"),
                     html.Div([
-                        html.Div([dcc.Graph(id=ids.HEADS_SCORE_GRID, figure=EMPTY, config=GRAPH_CONFIG),
+                        html.Div([head_clicks(dcc.Graph(id=ids.HEADS_SCORE_GRID, figure=EMPTY, config=GRAPH_CONFIG),
+                                              select_head(ids.HEADS_SCORE_GRID, PREFIX, drop=("trial",))),
                                   export_bar(PREFIX, names.HEAD_SCORE_GRID)], className="hs-panel"),
                         html.Div([dcc.Graph(id=ids.HEADS_MASS, figure=EMPTY, config=GRAPH_CONFIG),
                                   export_bar(PREFIX, names.SCORE_MASS)], className="hs-panel"),

@@ -31,8 +31,10 @@ from headscope.analysis.patching_pairs import load_pairs, pair_by_id
 from headscope.app import ids
 from headscope.app.components import (
     GRAPH_CONFIG,
+    ask_for_head,
     empty_figure,
     export_bar,
+    head_clicks,
     job_error,
     page_location,
     query_store_id,
@@ -134,7 +136,8 @@ def layout(**_query) -> html.Div:
             ),
             html.Div(
                 [
-                    html.Div([dcc.Graph(id=ids.PAT_MAP, figure=EMPTY, config=GRAPH_CONFIG),
+                    html.Div([head_clicks(dcc.Graph(id=ids.PAT_MAP, figure=EMPTY, config=GRAPH_CONFIG),
+                                          ask_for_head(ids.PAT_MAP, ids.PAT_CLICK)),
                               dcc.Store(id=ids.PAT_CLICK),
                               html.P("Exact activation patching. Click a head to patch it position by position.",
                                      className="hs-hint"),
@@ -157,7 +160,7 @@ def layout(**_query) -> html.Div:
                 html.Button("Cancel", id=ids.PAT_POS_CANCEL, n_clicks=0, className="hs-button hs-cancel",
                             disabled=True),
                 html.Progress(id=ids.PAT_POS_PROGRESS, value="0", max="100", className="hs-progress"),
-                html.Span(id=ids.PAT_POS_STATUS, className="hs-hint"),
+                html.Span(id=ids.PAT_POS_STATUS, className="hs-hint", role="status"),
             ], className="hs-options"),
             html.Div([dcc.Graph(id=ids.PAT_POSITIONS, figure=NO_POSITIONS, config=GRAPH_CONFIG),
                       export_bar(PREFIX, names.variant(names.PATCHING_MAP, "positions"))], className="hs-panel"),

@@ -1,0 +1,66 @@
+"""The app's pages as ``dash.page_registry`` holds them once the app is created, with what each page's
+layout holds: for tests that must cover every page without naming one (the fuzzer, the grid and id checks).
+
+In a process of its own: creating the app registers the pages and their callbacks, which the calling
+process may do with other settings (or may have done already)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+LIST_PAGES = r"""
+import json, os, sys
+from pathlib import Path
+
+import dash
+
+from headscope.analysis.store import Store
+from headscope.app.context import AppContext
+from headscope.app.server import create_app
+
+app = create_app(AppContext(store=Store(Path(os.environ["HEADSCOPE_HOME"]) / "store")))
+
+
+def props_of(node, out):
+    if isinstance(node, (list, tuple)):
+        for child in node:
+            props_of(child, out)
+    elif hasattr(node, "to_plotly_json"):
+        props = node.to_plotly_json()["props"]
+        out.append(props)
+        for value in props.values():
+            props_of(value, out)
+    return out
+
+
+def described(layout):
+    props = props_of(layout, [])
+    return {"ids": sorted({p["id"] for p in props if isinstance(p.get("id"), str)}),
+            "clicks": [json.loads(p["data-hs-click"]) for p in props if "data-hs-click" in p]}
+
+
+pages = []
+for page in dash.page_registry.values():
+    layout = page["layout"]
+    pages.append({"path": page["path"], "module": page["module"], "name": page["name"],
+                  "prefix": getattr(sys.modules[page["module"]], "PREFIX", None),
+                  **described(layout() if callable(layout) else layout)})
+print(json.dumps({"shell": described(app.layout), "pages": pages}))
+"""
+
+
+def registered_pages(home: Path) -> dict:
+    """``{"shell": {...}, "pages": [{"path", "module", "name", "prefix", "ids", "clicks"}, ...]}``: every
+    registered page (the 404 page too) with the string ids of its layout's components and the head
+    clicks its grids declare (``data-hs-click``); the shell's the same. ``home``: an empty folder."""
+    env = {**os.environ, "HEADSCOPE_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    for name in ("HEADSCOPE_REDIS_URL", "HEADSCOPE_TOKEN", "HEADSCOPE_MODELS"):
+        env.pop(name, None)
+    out = subprocess.run([sys.executable, "-c", LIST_PAGES], capture_output=True, text=True, timeout=600,
+                         env=env, cwd=home)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
