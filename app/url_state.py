@@ -6,7 +6,9 @@ a bad value is dropped and reported, so a mangled link still opens a page that s
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import parse_qs, urlencode
@@ -17,6 +19,8 @@ from headscope.analysis.retrieval import AGGREGATES as RETRIEVAL_AGGREGATES
 from headscope.analysis.rollout import FUSIONS
 from headscope.analysis.score_registry import HEAD_SCORES, RUN_SCORES
 from headscope.app.context import offered_model
+
+log = logging.getLogger("headscope.app")
 
 _RUN_ID = re.compile(r"^[0-9a-f]{8,64}$")
 _INT_KEYS = ("layer", "head", "query", "target", "trial", "sentences", "sink_size", "window", "k", "seed", "tol")
@@ -39,7 +43,93 @@ MAX_SEARCH = 20_000  # characters of a query string (a head list is at most 2,00
 # links carry the first four from page to page (app.server); the rest belong to one page each.
 SHARED_KEYS = ("model", "run", "layer", "head")
 
+PARTS: dict[str, type] = {}  # part name -> its dataclass: each page's own fields (:func:`page_part`)
+_OWNER: dict[str, str] = {}  # page field -> its part
+_READERS: dict[str, Callable[[str], Any]] = {}  # URL key -> its reader, for fields declared with one
+_SHARED = ("model", "run", "layer", "head", "query")  # ``query``: one URL key, read by Attention and QK
+# The URL's key order: the keys of the links pages wrote before each page declared its own part (kept, so
+# those links are written unchanged), then every later part's fields in the order it declares them.
+_LINK_ORDER = ("model", "run", "layer", "head", "metric", "query", "target", "fusion", "drop_sink", "method", "colour",
+               "feature", "sentences", "score", "stat", "sink_size", "window", "heads", "ablate", "by", "k", "seed",
+               "curve", "hsweep", "source", "ref", "labels", "texts", "find", "region", "sweep", "trial", "agg",
+               "patching", "ppos", "first", "second", "compress", "tol", "pick")
+_ORDER = _LINK_ORDER
+_URL_KEY = {"drop_sink": "sink"}
+Reader = Callable[[str], Any]
 
+
+def page_part(name: str, readers: dict[str, Reader] | None = None) -> Callable[[type], type]:
+    """Class decorator: the dataclass's fields are a page's own URL fields, ``state.<name>.<field>`` (or
+    ``state.<field>``: a field name belongs to one part). A page declares its part in its own module,
+    beside its layout::
+
+        @page_part("demo", readers={"zoom": read_whole_number, "shade": read_one_of("light", "dark")})
+        @dataclass
+        class DemoState:
+            zoom: int | None = None
+            shade: str = "light"
+
+    Each field is a URL key of the same name, written after those already registered; a field at its
+    default is left out of links. ``readers`` turn a link's text into the field's value, or raise
+    ``ValueError`` saying what is wrong with it ("is not …"), which the page shows; every field needs
+    one, except the keys links had before parts were declared (:data:`_LINK_ORDER`), which
+    :func:`parse` reads itself.
+
+    Raises
+    ------
+    ValueError
+        The part or one of its fields is named like a part, a field or a shared key already.
+    TypeError
+        A field without a reader, or a reader for no field.
+    """
+
+    def register(cls: type) -> type:
+        names = [f.name for f in fields(cls)]
+        taken = set(PARTS) | set(_OWNER) | set(_SHARED) | {"problems"} | set(_URL_KEY.values())
+        clashes = sorted(taken & {name, *names})
+        if clashes or len(set(names)) < len(names) or name in names:
+            raise ValueError(f"URL part {name!r}: {', '.join(clashes) or name!r} is named already")
+        given = dict(readers or {})
+        unread = [n for n in names if n not in given and n not in _LINK_ORDER]
+        if unread or set(given) - set(names):
+            raise TypeError(f"URL part {name!r}: no reader for {unread}" if unread
+                            else f"URL part {name!r}: readers for no field: {sorted(set(given) - set(names))}")
+        global _ORDER
+        PARTS[name] = cls
+        _OWNER.update({n: name for n in names})
+        _READERS.update(given)
+        _ORDER = (*_LINK_ORDER, *(n for n in _OWNER if n not in _LINK_ORDER))
+        return cls
+
+    return register
+
+
+def read_whole_number(text: str) -> int:
+    """A link's whole number, 0 to :data:`MAX_INDEX` - 1, in ASCII digits (not "٣" or "３")."""
+    if re.fullmatch(r"[0-9]{1,7}", text) and int(text) < MAX_INDEX:
+        return int(text)
+    raise ValueError("is not a non-negative whole number.")
+
+
+def read_stored_id(text: str) -> str:
+    """A link's id of a stored run or result: 8–64 hex digits, in lower case."""
+    if _RUN_ID.match(text.lower()):
+        return text.lower()
+    raise ValueError("is not a valid id (8–64 hex digits).")
+
+
+def read_one_of(*choices: str) -> Reader:
+    """A reader that accepts one of ``choices``."""
+
+    def read(text: str) -> str:
+        if text in choices:
+            return text
+        raise ValueError(f"is not one of: {', '.join(choices)}.")
+
+    return read
+
+
+@page_part("attention")
 @dataclass
 class AttentionState:
     """The Attention page's own fields: the grid's per-head metric, a zoomed region of a long run."""
@@ -48,6 +138,7 @@ class AttentionState:
     region: str | None = None
 
 
+@page_part("flow")
 @dataclass
 class FlowState:
     """The Flow page's own fields: the target token, the rollout's head fusion, dropping sink columns."""
@@ -57,6 +148,7 @@ class FlowState:
     drop_sink: bool = False
 
 
+@page_part("sweeps")
 @dataclass
 class HeadsState:
     """The Heads page's own fields: the sweep, its trial, the aggregation and the other-score view."""
@@ -70,6 +162,7 @@ class HeadsState:
     window: int | None = None
 
 
+@page_part("qk")
 @dataclass
 class QKState:
     """The QK page's own fields: projection, colour, feature, probe set and token search."""
@@ -83,6 +176,7 @@ class QKState:
     find: str | None = None
 
 
+@page_part("ablation")
 @dataclass
 class AblationState:
     """The Ablation page's own fields: heads, method, ranking, the curve and the stored results."""
@@ -98,6 +192,7 @@ class AblationState:
     ref: str | None = None
 
 
+@page_part("patch")
 @dataclass
 class PatchingState:
     """The Patching page's own fields: the stored all-units result and one head's per-position result."""
@@ -106,6 +201,7 @@ class PatchingState:
     ppos: str | None = None
 
 
+@page_part("compare")
 @dataclass
 class CompareState:
     """The Compare page's own fields: the two stored runs (keys or unique prefixes); every change is
@@ -115,6 +211,7 @@ class CompareState:
     second: str | None = None
 
 
+@page_part("kv")
 @dataclass
 class CompressState:
     """The Compress page's own fields: the stored compression curve, the tolerance in NIAH points
@@ -126,16 +223,6 @@ class CompressState:
     pick: str | None = None
 
 
-PARTS = {"attention": AttentionState, "flow": FlowState, "sweeps": HeadsState, "qk": QKState,
-         "ablation": AblationState, "patch": PatchingState, "compare": CompareState, "kv": CompressState}
-_OWNER = {f.name: part for part, cls in PARTS.items() for f in fields(cls)}  # page field -> its part
-_SHARED = ("model", "run", "layer", "head", "query")  # ``query``: one URL key, read by Attention and QK
-# the URL's key order (kept as it was, so links the pages write are unchanged), and a field's URL key
-_ORDER = ("model", "run", "layer", "head", "metric", "query", "target", "fusion", "drop_sink", "method", "colour",
-          "feature", "sentences", "score", "stat", "sink_size", "window", "heads", "ablate", "by", "k", "seed",
-          "curve", "hsweep", "source", "ref", "labels", "texts", "find", "region", "sweep", "trial", "agg",
-          "patching", "ppos", "first", "second", "compress", "tol", "pick")
-_URL_KEY = {"drop_sink": "sink"}
 
 
 class PageState:
@@ -291,4 +378,19 @@ def parse(search: str | None) -> PageState:
             state.agg = first["agg"]
         else:
             state.problems.append(f"Unknown aggregation {first['agg'][:20]!r}; showing query heads.")
+    _read_declared(first, state)
     return state
+
+
+def _read_declared(first: dict[str, str], state: PageState) -> None:
+    """The fields of parts declared with readers (:func:`page_part`): a bad value is dropped and reported."""
+    for key, read in _READERS.items():
+        if key not in first:
+            continue
+        try:
+            setattr(state, key, read(first[key]))
+        except ValueError as e:
+            state.problems.append(f"The link's {key} {first[key][:40]!r} {e}")
+        except Exception:  # noqa: BLE001 - a reader's bug: the link still opens, without the field
+            log.exception("the URL reader of %r failed", key)
+            state.problems.append(f"The link's {key} {first[key][:40]!r} could not be read; it is left out.")
