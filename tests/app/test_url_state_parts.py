@@ -5,11 +5,19 @@ then read, check and write them with no list in ``url_state`` to edit, after the
 from __future__ import annotations
 
 import dataclasses
+from urllib.parse import urlencode
 
 import pytest
 
 from headscope.app import url_state
-from headscope.app.url_state import PageState, page_part, parse, read_one_of, read_stored_id, read_whole_number
+from headscope.app.url_state import (
+    PageState,
+    page_part,
+    parse,
+    read_one_of,
+    read_stored_id,
+    read_whole_number,
+)
 
 
 @pytest.fixture
@@ -58,8 +66,6 @@ def test_bad_values_of_declared_fields_are_dropped_and_said(registry):
                             "The link's shade '<b>' is not one of: light, dark.",
                             "The link's result 'xyz' is not a valid id (8–64 hex digits)."]
     for value in HOSTILE:
-        from urllib.parse import urlencode
-
         state = parse("?" + urlencode({"zoom": value, "shade": value, "result": value}))
         assert state.zoom is None and state.shade == "light" and state.result is None, value
         assert len(state.problems) == 3 and all(len(p) < 200 for p in state.problems), value
