@@ -23,7 +23,6 @@ from headscope.app.cli.niah import (
     chosen_needles,
     depth_percents,
     haystack_text,
-    niah_sweep,
     token_counts,
 )
 from headscope.app.cli.terminal import progress_bar
@@ -44,12 +43,18 @@ def cmd_scan(args) -> int:
 
     import numpy as np
 
+    from headscope.analysis.head_scan import scan
     from headscope.app.export import write_files
     from headscope.app.views import names
-    from headscope.app.views.heads import head_scores_of
 
     store, spec, model = open_store_and_model(args)
-    result = niah_sweep(model, args, store, needles, hay, lengths, depths)
+    trials = f"needle-in-a-haystack sweep ({len(needles)} needles × {len(lengths)} lengths × {len(depths)} depths)"
+    with (progress_bar(trials) as bar, progress_bar("per-head scores on the sweep's prompts") as scoring,
+          argument("--lengths/--depths/--needles")):
+        found = scan(model, needles, lengths, depths, hay, sink=args.sink, window=args.window,
+                     depth_rule=checked_depth_rule(args), stop_at_newline=args.stop_at_newline, store=store,
+                     progress=bar, scores_progress=scoring)
+    result, scores = found.sweep, found.scores
     if not result.trials:
         print("headscope scan: no trial finished", file=sys.stderr)
         return 1
@@ -69,8 +74,6 @@ def cmd_scan(args) -> int:
     }
     params = {"model": spec, "sweep": result.key[:16], "agg": "query", "score": "streaming", "stat": "mean",
               "sink_size": args.sink, "window": args.window, "trial": 0}
-    with progress_bar(f"per-head scores on {len({tuple(t.prompt_ids) for t in result.trials})} prompts") as bar:
-        scores = head_scores_of(result, params, progress=bar)
     for name in scores.names:
         np.savetxt(out / f"{name}_mean.csv", scores.mean[name], delimiter=",", fmt="%.6f")
         np.savetxt(out / f"{name}_std.csv", scores.std[name], delimiter=",", fmt="%.6f")

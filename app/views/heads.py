@@ -107,7 +107,7 @@ def retrieval_histogram_view(run: None, params: dict[str, Any]) -> tuple[go.Figu
     return fig, rows
 
 
-def head_scores_of(sweep: RetrievalSweep, params: dict[str, Any], progress=None) -> HeadScores:
+def head_scores_of(sweep: RetrievalSweep, params: dict[str, Any]) -> HeadScores:
     """Every other per-head score over the sweep's distinct prompts, as the scan stored them
     (:func:`headscope.analysis.head_scan.sweep_head_scores`; computed when missing)."""
     from headscope.app.context import get_context
@@ -116,7 +116,7 @@ def head_scores_of(sweep: RetrievalSweep, params: dict[str, Any], progress=None)
     window = int(params.get("window", DEFAULT_WINDOW))
     model = _model(params)
     return memoised(("head_scores", sweep.key, model.digest, sink, window), lambda: sweep_head_scores(
-        model, sweep, sink=sink, window=window, store=get_context().store, progress=progress))
+        model, sweep, sink=sink, window=window, store=get_context().store))
 
 
 def _score(scores: HeadScores, params: dict[str, Any]) -> tuple[str, np.ndarray, str]:
