@@ -74,6 +74,7 @@ from headscope.analysis.limits import limit
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.retrieval import cancel_requested, stop_ids
 from headscope.analysis.store import Store, content_key
+from headscope.analysis.stored_results import stored_record, stored_result
 
 ABLATION_VERSION = 1
 Head = tuple[int, int]
@@ -201,8 +202,8 @@ def head_means_key(model: LoadedModel, reference_ids: Sequence[Sequence[int]]) -
 
 def load_head_means(store: Store, key: str) -> HeadMeans | None:
     """Stored head means under ``key`` (see :func:`head_means`), or None."""
-    record = store.get(key)
-    if record is None or record.kind != "head_means":
+    record = stored_record(store, key, "head_means")
+    if record is None:
         return None
     m = record.meta
     return HeadMeans(key, m["model_digest"], record.array("mean", mmap=False), m["n_runs"], m["n_tokens"])
@@ -237,12 +238,8 @@ def head_means(
         raise InputError("The reference set is a list of inputs: wrap a single list of token ids in a list.")
     ids_list = [ablation_ids(model, r) for r in reference]
     key = head_means_key(model, ids_list)
-    if store is not None:
-        stored = load_head_means(store, key)
-        if stored is not None:
-            if progress:
-                progress(1.0)
-            return stored
+    if (stored := stored_result(store, key, load_head_means, progress)) is not None:
+        return stored
     total = torch.zeros((model.n_layers, model.n_heads, model.d_head), dtype=torch.float64)
 
     def add(layer: int):

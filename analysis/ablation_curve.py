@@ -53,6 +53,7 @@ from headscope.analysis.retrieval import (
 )
 from headscope.analysis.statistics_run import StatsRun
 from headscope.analysis.store import Store, content_key
+from headscope.analysis.stored_results import stored_record
 
 
 @dataclass
@@ -311,8 +312,8 @@ class StoredValues(MutableMapping):
         return content_key("ablation_value", self.scope, [list(h) for h in heads])
 
     def __getitem__(self, heads: tuple[Head, ...]) -> float:
-        record = self.store.get(self._key(heads))
-        if record is None or record.kind != "ablation_value":
+        record = stored_record(self.store, self._key(heads), "ablation_value")
+        if record is None:
             raise KeyError(heads)
         return float(record.meta["value"])
 
@@ -346,8 +347,8 @@ def save_curve(store: Store, key: str, curve: TopkCurve, meta: dict[str, Any]) -
 
 
 def load_curve(store: Store, key: str) -> tuple[TopkCurve, dict[str, Any]] | None:
-    record = store.get(key)
-    if record is None or record.kind != "ablation_curve":
+    record = stored_record(store, key, "ablation_curve")
+    if record is None:
         return None
     m = record.meta
     curve = TopkCurve(list(m["k_values"]), record.array("top", mmap=False), record.array("random", mmap=False),

@@ -748,6 +748,7 @@ def stored_evaluation(
     The key is the model digest, the evaluation set's contents and the settings.
     """
     from headscope.analysis.store import content_key
+    from headscope.analysis.stored_results import stored_record
 
     items = load_eval_set()
     # "definition": 2 since raw attention takes the fusion and sink options (before, a head mean of
@@ -755,7 +756,7 @@ def stored_evaluation(
     settings = {"ablation": ablation, "fusion": fusion, "drop_sinks": sorted(int(s) for s in drop_sinks),
                 "definition": 2}
     key = content_key("faithfulness", model.digest, [(i.id, i.text, i.target) for i in items], settings, METHODS)
-    record = store.get(key)
+    record = stored_record(store, key, "faithfulness")
     if record is not None:
         return record.meta["items"], record.array("rho", mmap=False), record.array("seconds", mmap=False)
     if not compute:

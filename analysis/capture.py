@@ -26,6 +26,7 @@ from headscope.analysis.models import LoadedModel
 from headscope.analysis.runs import RunRecord
 from headscope.analysis.score_registry import run_metrics, score_run
 from headscope.analysis.store import Store, content_key
+from headscope.analysis.stored_results import stored_record, stored_result
 from headscope.analysis.token_predictions import final_hidden_state, token_predictions
 
 CAPTURE_VERSION = 1
@@ -198,12 +199,8 @@ def capture(
     if model.facts.windowed:  # per-layer sliding windows (entropy's visible keys); absent: all full
         settings["layer_windows"] = model.facts.run_windows()
     key = run_key(model, ids, settings)
-    if store is not None:
-        stored = load_run(store, key)
-        if stored is not None:
-            if progress:
-                progress(1.0)
-            return stored
+    if (stored := stored_result(store, key, load_run, progress)) is not None:
+        return stored
 
     patterns, q, k, predicted = _forward(model, ids, layers, np.dtype(pattern_dtype), progress)
     token_loss, top_ids, top_probs = predicted.token_loss, predicted.top_ids, predicted.top_probs
@@ -289,8 +286,8 @@ def save_run(store: Store, run: Run) -> None:
 
 def load_run(store: Store, key: str) -> Run | None:
     """A stored run, or ``None`` when absent or corrupt (a corrupt run is dropped, to be recomputed)."""
-    record = store.get(key)
-    if record is None or record.kind != "run":
+    record = stored_record(store, key, "run")
+    if record is None:
         return None
     m = record.meta
     names = record.array_info

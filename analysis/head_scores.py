@@ -31,6 +31,7 @@ from headscope.analysis.models import LoadedModel
 from headscope.analysis.score_registry import HEAD_SCORES, HeadScore, ScoreInput
 from headscope.analysis.statistics_run import capture_statistics
 from headscope.analysis.store import Store, content_key
+from headscope.analysis.stored_results import stored_record, stored_result
 from headscope.analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 
 HEAD_SCORES_VERSION = 3  # 2: statistics mode; 3: streaming and sinks read windowed layers where the window lets them
@@ -149,12 +150,8 @@ def score_prompts(
     chosen = [name for name, s in HEAD_SCORES.items()
               if (names is None or name in names) and ("spans" not in s.needs or with_spans)]
     key = _key(model, prompts, sink, window, chosen)
-    if store is not None:
-        stored = load_head_scores(store, key)
-        if stored is not None:
-            if progress:
-                progress(1.0)
-            return stored
+    if (stored := stored_result(store, key, load_head_scores, progress)) is not None:
+        return stored
     scores = [HEAD_SCORES[name] for name in chosen]
     kernel = statistics_supported(model)
     per_run: dict[str, list[np.ndarray]] = {name: [] for name in chosen}
@@ -181,8 +178,8 @@ def score_prompts(
 
 def load_head_scores(store: Store, key: str) -> HeadScores | None:
     """Stored head scores, or None when absent or corrupt."""
-    record = store.get(key)
-    if record is None or record.kind != "head_scores":
+    record = stored_record(store, key, "head_scores")
+    if record is None:
         return None
     m = record.meta
     runs = {n: record.array(f"runs_{n}", mmap=False).astype(np.float64) for n in m["names"]}

@@ -44,6 +44,7 @@ from headscope.analysis.errors import InputError
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.retrieval import Cancelled, cancel_requested
 from headscope.analysis.store import Store, content_key
+from headscope.analysis.stored_results import stored_record
 
 
 @dataclass
@@ -167,8 +168,8 @@ def save_head_sweep(store: Store, key: str, sweep: HeadSweep, meta: dict[str, An
 
 
 def load_head_sweep(store: Store, key: str) -> tuple[HeadSweep, dict[str, Any]] | None:
-    record = store.get(key)
-    if record is None or record.kind != "ablation_head_sweep":
+    record = stored_record(store, key, "ablation_head_sweep")
+    if record is None:
         return None
     m = record.meta
     sweep = HeadSweep(record.array("effect", mmap=False), float(m["clean"]), m["method"], m["metric"],

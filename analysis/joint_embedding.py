@@ -29,6 +29,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ import numpy as np
 from headscope.analysis.errors import InputError
 from headscope.analysis.qk_collect import HeadQK
 from headscope.analysis.store import Store, content_key
+from headscope.analysis.stored_results import stored_record, stored_result
 
 EMBED_VERSION = 1
 METHODS = ("pca", "umap", "tsne")
@@ -261,6 +263,16 @@ def _umap_2d(x: np.ndarray, *, seed: int, n_neighbors: int, min_dist: float, n_e
         return reducer.fit_transform(x).astype(np.float32)
 
 
+def _stored_embedding(store: Store, key: str, method: str, params: dict) -> QKEmbedding | None:
+    rec = stored_record(store, key, "qk_embedding")
+    if rec is None:
+        return None
+    m = rec.meta
+    return QKEmbedding(coords=rec.array("coords", mmap=False), is_key=rec.array("is_key", mmap=False),
+                       method=method, params=params, seconds=m["seconds"], scale=m["scale"],
+                       explained_variance=m["explained_variance"])
+
+
 def joint_embedding(
     head: HeadQK,
     method: str = "pca",
@@ -294,14 +306,9 @@ def joint_embedding(
         h = hashlib.sha256(np.ascontiguousarray(head.q, np.float32).tobytes())
         h.update(np.ascontiguousarray(head.k, np.float32).tobytes())
         key = content_key("qk_embedding", EMBED_VERSION, h.hexdigest(), method, params)
-        rec = store.get(key)
-        if rec is not None and rec.kind == "qk_embedding":
-            if progress:
-                progress(1.0)
-            m = rec.meta
-            return QKEmbedding(coords=rec.array("coords", mmap=False), is_key=rec.array("is_key", mmap=False),
-                               method=method, params=params, seconds=m["seconds"], scale=m["scale"],
-                               explained_variance=m["explained_variance"])
+        stored = stored_result(store, key, partial(_stored_embedding, method=method, params=params), progress)
+        if stored is not None:
+            return stored
     t0 = time.perf_counter()
     joint = normalise_qk(head.q, head.k, translate=translate, balance=balance)
     coords, ev = project(joint.points, method, seed=seed, n_neighbors=n_neighbors, min_dist=min_dist,

@@ -90,6 +90,7 @@ from headscope.analysis.niah import NiahPrompt
 from headscope.analysis.retrieval import Cancelled, cancel_requested
 from headscope.analysis.score_registry import HEAD_SCORES, KV_SCORES
 from headscope.analysis.store import Store, content_key
+from headscope.analysis.stored_results import stored_record
 
 KV_COMPRESSION_VERSION = 1
 PATTERN_CONFIG = "config.json"
@@ -670,8 +671,8 @@ def evaluate_policies(
         # eager keys as before (stored results stay valid); the kernel's rounding differs slightly
         key = content_key("kv_policy_eval", KV_COMPRESSION_VERSION, model.digest, inputs, mk,
                           *([backend] if backend != "eager" else []))
-        record = store.get(key) if store is not None else None
-        if record is not None and record.kind == "kv_policy_eval":
+        record = stored_record(store, key, "kv_policy_eval") if store is not None else None
+        if record is not None:
             m = record.meta
             e = PolicyEvaluation(policy, kv_memory(policy, n_tokens, model.d_head, dtype_bytes(model)),
                                  float(m["loss"]), float(m["agreement"]), float(m["niah_accuracy"]), 0.0)

@@ -39,6 +39,7 @@ from headscope.analysis.models import LoadedModel
 from headscope.analysis.retrieval import RetrievalSweep, trial_prompt
 from headscope.analysis.score_registry import KV_SCORES
 from headscope.analysis.store import Store, content_key
+from headscope.analysis.stored_results import loaded_by_prefix, stored_record, stored_result
 
 CURVE_KIND = "kv_compression_curve"
 SCORES_SHARE = 0.2  # of the progress bar, for the head scores over the prompts when they are computed
@@ -114,10 +115,8 @@ def compress_sweep(
         raise InputError(f"S + W = {sink_size + recent_size} keeps every key of the sweep's {shortest}-token "
                          "prompts: nothing to compress. Lower S or W, or use a sweep with longer contexts.")
     key = curve_key(model, sweep.key, rankings, fractions, seeds, sink_size, recent_size, texts, backend)
-    if store is not None:
-        found = load_curve(store, key)
-        if found is not None:
-            return StoredCurve(key, found, sweep.key)
+    if (found := stored_result(store, key, load_curve)) is not None:
+        return StoredCurve(key, found, sweep.key)
     needs_scores = any(r in KV_SCORES for r in rankings)
     share = SCORES_SHARE if needs_scores else 0.0
 
@@ -166,8 +165,8 @@ def save_curve(store: Store, key: str, curve: CompressionCurve) -> None:
 
 def load_curve(store: Store, key: str) -> CompressionCurve | None:
     """The curve stored under ``key`` (a full key), or None (absent, or not a curve record)."""
-    record = store.get(key)
-    if record is None or record.kind != CURVE_KIND:
+    record = stored_record(store, key, CURVE_KIND)
+    if record is None:
         return None
     m = record.meta
     try:
@@ -180,8 +179,7 @@ def load_curve(store: Store, key: str) -> CompressionCurve | None:
 
 def find_curve(store: Store, prefix: str) -> tuple[str, CompressionCurve]:
     """The stored curve whose key starts with ``prefix`` (a link's id); an ``InputError`` when none does."""
-    keys = [k for k in store.find(str(prefix or ""))] if prefix else []
-    curve = load_curve(store, keys[0]) if len(keys) == 1 else None
-    if curve is None:
+    found = loaded_by_prefix(store, prefix, load_curve)
+    if found is None:
         raise InputError(f"No stored compression curve has the id {prefix!r}: run the evaluation again.")
-    return keys[0], curve
+    return found

@@ -84,6 +84,7 @@ from headscope.analysis.patching_choices import (
     SITES,
 )
 from headscope.analysis.store import Store, content_key
+from headscope.analysis.stored_results import stored_record, stored_result
 
 PATCHING_VERSION = 1
 TOP_K = 10
@@ -512,8 +513,8 @@ def save_patching(store: Store, result: PatchingResult, model_digest: str) -> No
 
 def load_patching(store: Store, key: str) -> PatchingResult | None:
     """A stored :class:`PatchingResult` under ``key``, or None."""
-    record = store.get(key)
-    if record is None or record.kind != "patching":
+    record = stored_record(store, key, "patching")
+    if record is None:
         return None
     m = record.meta
     arrays = {name: record.array(name, mmap=False) for name in ("values", "raw", "attribution")
@@ -600,12 +601,8 @@ def activation_patching(
         layer, h = check_head_index(model.n_layers, n, *head, kind=_head_kind(site))
         head = (layer, h)
     key = patching_key(model, pair, site, direction, metric, head, attribution, exact)
-    if store is not None:
-        found = load_patching(store, key)
-        if found is not None:
-            if progress:
-                progress(1.0)
-            return found
+    if (found := stored_result(store, key, load_patching, progress)) is not None:
+        return found
     with model.lock, torch.inference_mode():
         both = model.bridge.run_with_hooks(_tensor(model, [pair.clean_ids, pair.corrupted_ids]), fwd_hooks=[LAST_POSITION],
                                            return_type="logits")

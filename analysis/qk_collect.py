@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from headscope.analysis.errors import InputError, check_head, check_head_index, 
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.paths import DATA_DIR
 from headscope.analysis.store import Store, content_key
+from headscope.analysis.stored_results import loaded_by_prefix, stored_record
 
 PROBES_DIR = DATA_DIR / "probes"
 SENTENCES_FILE = PROBES_DIR / "sentences.txt"
@@ -622,8 +624,8 @@ def _save(store: Store, qk: QKSet) -> None:
 
 
 def _load(store: Store, key: str) -> QKSet | None:
-    record = store.get(key)
-    if record is None or record.kind != "qk_points":
+    record = stored_record(store, key, "qk_points")
+    if record is None:
         return None
     m = record.meta
     try:
@@ -649,8 +651,7 @@ def store_sentences(store: Store, sentences: Sequence[str], filename: str = "") 
 def stored_sentences(store: Store, key: str) -> list[str]:
     """Probe sentences stored by :func:`store_sentences` under ``key`` (or its prefix); an
     ``InputError`` when there are none."""
-    keys = store.find(str(key))
-    record = store.get(keys[0]) if len(keys) == 1 else None
-    if record is None or record.kind != "qk_sentences":
+    found = loaded_by_prefix(store, key, partial(stored_record, kind="qk_sentences"))
+    if found is None:
         raise InputError(f"No uploaded probe set has the id {key!r}: upload it again.")
-    return list(record.meta["sentences"])
+    return list(found[1].meta["sentences"])

@@ -56,6 +56,7 @@ import csv
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ from headscope.analysis.errors import InputError, check_layer
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.qk_collect import HeadQK, ProbeTask, causal_softmax
 from headscope.analysis.store import Store, content_key
+from headscope.analysis.stored_results import loaded_by_prefix, stored_record, stored_result
 
 Progress = Callable[[float], None] | None
 MAX_PAIRS = 5_000_000
@@ -700,12 +702,8 @@ def wqk_spectra(model: LoadedModel, layers: Sequence[int] | None = None, *, fold
     for layer in layers:
         check_layer(model.n_layers, layer)
     key = content_key("wqk_spectra", 1, model.digest, layers, fold_ln)
-    if store is not None:
-        rec = store.get(key)
-        if rec is not None and rec.kind == "wqk_spectra":
-            if progress:
-                progress(1.0)
-            return rec.array("spectra", mmap=False)
+    if (stored := stored_result(store, key, _stored_spectra, progress)) is not None:
+        return stored
     out = np.zeros((len(layers), model.n_heads, model.d_head))
     with torch.no_grad():
         w_q_all, w_k_all = b.W_Q, b.W_K  # [L, H, d_model, d_head], [L, H_kv, d_model, d_head]
@@ -727,6 +725,11 @@ def wqk_spectra(model: LoadedModel, layers: Sequence[int] | None = None, *, fold
         store.put(key, "wqk_spectra", {"model_name": model.name, "layers": layers, "fold_ln": fold_ln},
                   {"spectra": out})
     return out
+
+
+def _stored_spectra(store: Store, key: str) -> np.ndarray | None:
+    rec = stored_record(store, key, "wqk_spectra")
+    return None if rec is None else rec.array("spectra", mmap=False)
 
 
 def _ln_gain(bridge: Any, layer: int):
@@ -767,8 +770,7 @@ def store_labels(store: Store, text: str, filename: str = "") -> tuple[str, dict
 
 def stored_labels(store: Store, key: str) -> dict[str, LabelFeature]:
     """Features of a label file stored by :func:`store_labels` under ``key`` (or its prefix)."""
-    keys = store.find(str(key))
-    record = store.get(keys[0]) if len(keys) == 1 else None
-    if record is None or record.kind != "qk_labels":
+    found = loaded_by_prefix(store, key, partial(stored_record, kind="qk_labels"))
+    if found is None:
         raise InputError(f"No uploaded label file has the id {key!r}: upload it again.")
-    return parse_label_csv(record.meta["text"])
+    return parse_label_csv(found[1].meta["text"])

@@ -55,6 +55,7 @@ from headscope.analysis.limits import hint, limit
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.niah import DEFAULT_DEPTH_RULE, DEFAULT_TEMPLATE, Needle, NiahPrompt, build_prompt
 from headscope.analysis.store import Store, content_key
+from headscope.analysis.stored_results import stored_record, stored_result
 
 RETRIEVAL_VERSION = 1
 ROUGE_GATE = 0.5
@@ -211,8 +212,8 @@ def trial_key(model: LoadedModel, prompt: NiahPrompt, max_new_tokens: int, stop_
 
 def load_trial(store: Store, key: str) -> Trial | None:
     """A stored trial, or None when absent or corrupt."""
-    record = store.get(key)
-    if record is None or record.kind != "retrieval_trial":
+    record = stored_record(store, key, "retrieval_trial")
+    if record is None:
         return None
     m = record.meta
     return Trial(
@@ -254,12 +255,8 @@ def run_trial(
     :class:`Trial`.
     """
     key = trial_key(model, prompt, max_new_tokens, stop_at_newline)
-    if store is not None:
-        stored = load_trial(store, key)
-        if stored is not None:
-            if progress:
-                progress(1.0)
-            return stored
+    if (stored := stored_result(store, key, load_trial, progress)) is not None:
+        return stored
     decoded = greedy_decode(model, prompt.token_ids, max_new_tokens, cancel=cancel, progress=progress,
                             stop_at_newline=stop_at_newline)
     stops = stop_ids(model)
@@ -623,8 +620,8 @@ def sweep_settings(store: Store, key: str) -> SweepSettings | None:
     """
     from headscope.analysis.niah import HAYSTACK_NAMES, named_haystack
 
-    record = store.get(key)
-    if record is None or record.kind != "retrieval_sweep":
+    record = stored_record(store, key, "retrieval_sweep")
+    if record is None:
         return None
     m = record.meta
     depth_rule, stop = m.get("depth_rule", DEFAULT_DEPTH_RULE), bool(m.get("stop_at_newline", False))
@@ -639,8 +636,8 @@ def sweep_settings(store: Store, key: str) -> SweepSettings | None:
 
 def load_sweep(store: Store, key: str) -> RetrievalSweep | None:
     """A stored sweep with its trials, or None when it (or one of its trials) is missing."""
-    record = store.get(key)
-    if record is None or record.kind != "retrieval_sweep":
+    record = stored_record(store, key, "retrieval_sweep")
+    if record is None:
         return None
     m = record.meta
     trials = [load_trial(store, k) for k in m["trial_keys"]]

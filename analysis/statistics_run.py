@@ -56,6 +56,7 @@ from headscope.analysis.statistics_scores import (
 )
 from headscope.analysis.statistics_scores import received
 from headscope.analysis.store import Store, content_key
+from headscope.analysis.stored_results import stored_record, stored_result
 from headscope.analysis.streaming import (
     DEFAULT_SINK,
     DEFAULT_WINDOW,
@@ -266,12 +267,8 @@ def capture_statistics(
     if model.facts.windowed:  # per-layer sliding windows (entropy's visible keys); absent: all full
         settings["layer_windows"] = model.facts.run_windows()
     key = stats_key(model, ids, settings)
-    if store is not None:
-        stored = load_stats_run(store, key)
-        if stored is not None:
-            if progress:
-                progress(1.0)
-            return stored
+    if (stored := stored_result(store, key, load_stats_run, progress)) is not None:
+        return stored
 
     L, H = model.n_layers, model.n_heads
     rows = {name: np.zeros((L, H, n), dtype=np.int64 if name == "argmax" else np.float32) for name in ROW_STATS}
@@ -357,8 +354,8 @@ def save_stats_run(store: Store, run: StatsRun) -> None:
 
 def load_stats_run(store: Store, key: str) -> StatsRun | None:
     """A stored statistics run, or ``None`` when absent or corrupt."""
-    record = store.get(key)
-    if record is None or record.kind != StatsRun.kind:
+    record = stored_record(store, key, StatsRun.kind)
+    if record is None:
         return None
     m = record.meta
     names = record.array_info
