@@ -36,9 +36,10 @@ def test_unknown_component_paths_are_404_without_a_traceback(server):
     start = log.stat().st_size
     hostile = [
         "/_dash-component-suites/nope/x.js", f"/_dash-component-suites/{package}/nope.js",
-        f"/_dash-component-suites/{package}/..%2f..%2fapp%2fcli.py", f"/_dash-component-suites/{package}/..%2F__init__.py",
+        f"/_dash-component-suites/{package}/..%2f..%2fapp%2fcli%2f__init__.py",
+        f"/_dash-component-suites/{package}/..%2F__init__.py",
         f"/_dash-component-suites/{package}/%2e%2e/%2e%2e/etc/passwd", "/_dash-component-suites/os/..%2fos.py",
-        "/_dash-component-suites/app/cli.py", "/_dash-component-suites/analysis/store.py",
+        "/_dash-component-suites/app/cli/__init__.py", "/_dash-component-suites/analysis/store.py",
         f"/_dash-component-suites/{package}/" + "a" * 3000 + ".js", f"/_dash-component-suites/{package}/x.v9_9_9m1.js",
         f"/_dash-component-suites/{package}/%00.js", f"/_dash-component-suites/{package}/%C3%BC.js",
         "/_dash-component-suites/..%2f..%2fetc/passwd", "/_dash-component-suites/sys/x",
