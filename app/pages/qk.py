@@ -62,7 +62,7 @@ def _warm_umap(method) -> None:
 
     if start_umap_warmup():
         print("headscope: compiling UMAP's code in the background (once per server, 10-20 s)", file=sys.stderr,
-              flush=True)  # the server's own lines (app/cli.py serve), not a warning
+              flush=True)  # the server's own lines (app/cli/serve.py), not a warning
 
 
 def layout(**query) -> html.Div:

@@ -255,7 +255,7 @@ def test_two_jobs_with_the_same_arguments_each_deliver_their_own_result(tmp_path
     assert sorted(map(str, results.values())) == [str({"value": 42})] * 2, results
 
 
-# What `headscope serve` does before it loads a model (app/cli.py cmd_serve), then a job forked from it
+# What `headscope serve` does before it loads a model (app/cli/serve.py cmd_serve), then a job forked from it
 FORKED_JOB_THREADS = textwrap.dedent("""
     import os, signal, sys, threading
     from headscope.app.jobs import in_job, prepare_server_threads
