@@ -78,9 +78,9 @@ def ablation_table(summary: dict) -> list[str]:
     if "text" in summary and summary["text"]:
         t = summary["text"]
         rows.append(("mean loss on the text (nats)", f"{t['mean_loss_clean']:.4f}", f"{t['mean_loss_ablated']:.4f}",
-                     f"{t['mean_loss_ablated'] - t['mean_loss_clean']:+.4f}"))
+                     f"{t['d_loss']:+.4f}"))
         rows.append((f"p(next token {t['target_token']!r})", f"{t['target_prob_clean']:.4f}",
-                     f"{t['target_prob_ablated']:.4f}", f"{t['target_prob_ablated'] - t['target_prob_clean']:+.4f}"))
+                     f"{t['target_prob_ablated']:.4f}", f"{t['d_p_next']:+.4f}"))
     if "niah" in summary:
         n = summary["niah"]
         rows.append((f"NIAH accuracy ({n['n_prompts']} prompts)", f"{n['accuracy_clean']:.3f}",
@@ -106,28 +106,22 @@ def ablation_table(summary: dict) -> list[str]:
     return lines
 
 
-def _ablation_spec(model, args, heads, store, reference):
-    """The :class:`AblationSpec` of ``--method`` on ``heads``, and the page parameters naming it."""
-    from headscope.analysis.ablation import LIMIT as ABLATION_LIMIT
-    from headscope.analysis.ablation import AblationSpec, format_heads, head_means
-    from headscope.analysis.capture import capture
-    from headscope.analysis.limits import limit
-    from headscope.app.views.ablation import builtin_reference
+def _prepared(model, args, heads, store, reference):
+    """The ablation of ``--method`` on ``heads`` with the reference means or source run it needs, stored
+    (:func:`headscope.analysis.ablation_effects.prepare`), and the page parameters naming it."""
+    from headscope.analysis.ablation import format_heads
+    from headscope.analysis.ablation_effects import prepare
 
+    where = {"resample": "--source", "mean": "--reference-file"}.get(args.method, "--method")
+    with progress_bar("reference means", enabled=None if args.method == "mean" else False) as bar, argument(where):
+        prepared = prepare(model, heads, args.method, source=args.source, reference=reference or None, store=store,
+                           progress=bar)
     params = {"model": model_spec(args), "heads": format_heads(heads), "ablate": args.method}
-    means = source = None
-    if args.method == "mean":
-        with progress_bar("reference means") as bar:
-            means = head_means(model, reference or builtin_reference(), store=store, progress=bar)
-        params["ref"] = means.key[:16]
-    if args.method == "resample":
-        with argument("--source"):
-            source_run = capture(model, args.source, store=store, max_tokens=limit(ABLATION_LIMIT),
-                                 max_tokens_variable=ABLATION_LIMIT)
-        source, params["source"] = tuple(source_run.token_ids), source_run.key[:16]
-    spec = AblationSpec(tuple(heads), args.method, means=means, source_ids=source)
-    spec.validate(model)
-    return spec, params
+    if prepared.means_key:
+        params["ref"] = prepared.means_key[:16]
+    if prepared.source_key:
+        params["source"] = prepared.source_key[:16]
+    return prepared, params
 
 
 def _niah_accuracy(model, spec, result, needles, lengths, depths) -> dict:
@@ -167,12 +161,14 @@ def cmd_ablate(args) -> int:
     from headscope.analysis.ablation import LIMIT as ABLATION_LIMIT
     from headscope.analysis.ablation import METHOD_DESCRIPTIONS, format_heads, parse_heads
     from headscope.analysis.ablation_curve import ablation_curve, check_curve, rank_heads
+    from headscope.analysis.ablation_effects import effects_on
     from headscope.analysis.capture import capture
     from headscope.analysis.errors import InputError
     from headscope.analysis.limits import limit
     from headscope.analysis.store import content_key
     from headscope.app.export import write_files
     from headscope.app.views import names
+    from headscope.app.views.ablation import remember_effects
     from headscope.app.views.registry import metric_scores
 
     lengths, depths = args.lengths or [512], args.depths or [25.0, 75.0]
@@ -198,16 +194,20 @@ def cmd_ablate(args) -> int:
         heads = rank_heads(scores)[: args.top_k]
         if len(heads) < args.top_k:
             raise InputError(f"Only {len(heads)} heads have a {by_label} here; --top-k must be at most that.")
-    spec, params = _ablation_spec(model, args, heads, store, reference)
+    prepared, params = _prepared(model, args, heads, store, reference)
+    spec = prepared.spec
     out = Path(args.out) if args.out else store.root / "exports" / f"ablate-{content_key(params)[:12]}"
     out.mkdir(parents=True, exist_ok=True)
     summary: dict = {"model": model.name, "model_digest": model.digest, "heads": format_heads(heads),
                      "method": args.method, "method_does": METHOD_DESCRIPTIONS[args.method],
                      "by": args.by if args.top_k else None}
     if run is not None:
+        with progress_bar("effects on the text") as bar:
+            applied = effects_on(model, run, prepared, progress=bar)
+        remember_effects(run, params, applied)  # the export draws it, not computing it again
         fig_rows = write_files(run, names.ABLATION_EFFECTS, params, out, formats)
         rows = json.loads(fig_rows[-2].read_text()) if fig_rows else []
-        summary["text"] = rows[-1] if rows else {}
+        summary["text"] = {**rows[-1], "d_loss": applied.d_loss, "d_p_next": applied.d_p_next} if rows else {}
     if result is not None:
         summary["niah"] = _niah_accuracy(model, spec, result, needles, lengths, depths)
     if args.curve:

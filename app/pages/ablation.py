@@ -21,8 +21,7 @@ from dash import (
 )
 from dash.exceptions import PreventUpdate
 
-from headscope.analysis.ablation import LIMIT as ABLATION_LIMIT
-from headscope.analysis.ablation import format_heads, head_means, parse_heads
+from headscope.analysis.ablation import format_heads, parse_heads
 from headscope.analysis.ablation_choices import (
     CONTROL_TOP_N,
     CURVE_METRICS,
@@ -34,9 +33,14 @@ from headscope.analysis.ablation_choices import (
     SWEEP_METRICS,
 )
 from headscope.analysis.ablation_curve import ablation_curve, random_control
-from headscope.analysis.capture import capture
+from headscope.analysis.ablation_effects import (
+    CONTINUATION_TOKENS,
+    REFERENCE_SENTENCES,
+    AppliedAblation,
+    builtin_reference,
+)
+from headscope.analysis.ablation_effects import apply as apply_ablation
 from headscope.analysis.head_sweep import ablation_head_sweep
-from headscope.analysis.limits import limit
 from headscope.analysis.models import load_model
 from headscope.app import ids
 from headscope.app.components import (
@@ -65,14 +69,11 @@ from headscope.app.jobs import cancellable_callback, count_progress, in_job, on_
 from headscope.app.url_state import PageState, parse
 from headscope.app.views import VIEWS, names
 from headscope.app.views.ablation import (
-    CONTINUATION_TOKENS,
     RANK_LABELS,
-    REFERENCE_SENTENCES,
     ablation_params,
     ablation_spec,
-    builtin_reference,
-    effects_of,
     rank_scores,
+    remember_effects,
     top_heads,
 )
 
@@ -370,20 +371,20 @@ def _applied_key(state: PageState) -> list:
     return [state.model, state.run, state.heads, state.ablate, state.ref, state.source]
 
 
-def _shown(key: list, run, state: PageState, spec, fx) -> dict:
+def _shown(key: list, run, state: PageState, applied: AppliedAblation) -> dict:
     """The record of the effects on the page: their key, and the numbers *Keep* adds to the table."""
+    spec = applied.spec
     return {"key": key, "row": {
         "run": run.short_id, "heads": format_heads(spec.heads), "n_heads": len(spec.heads), "method": spec.method,
-        "loss_clean": round(fx.mean_loss_clean, 4), "loss_ablated": round(fx.mean_loss_ablated, 4),
-        "d_loss": round(fx.mean_loss_ablated - fx.mean_loss_clean, 4),
-        "p_next_clean": round(fx.target_prob_clean, 4), "p_next_ablated": round(fx.target_prob_ablated, 4),
+        "loss_clean": round(applied.loss_clean, 4), "loss_ablated": round(applied.loss_ablated, 4),
+        "d_loss": round(applied.d_loss, 4),
+        "p_next_clean": round(applied.p_next_clean, 4), "p_next_ablated": round(applied.p_next_ablated, 4),
         "link": state.to_search()}}
 
 
-def _summary(run, params) -> html.Div:
+def _summary(model, applied: AppliedAblation) -> html.Div:
     """Next-token top-5 before/after and the greedy continuations side by side."""
-    spec, fx = effects_of(run, params)
-    model = load_model(params["model"])
+    spec, fx = applied.spec, applied.effects
     strings = model.token_strings
 
     def top(ids_, probs):
@@ -556,16 +557,20 @@ EFFECT_STEPS = ("the clean pass", "the ablated pass", "the clean continuation", 
 STEP_COST = (1, 1, CONTINUATION_TOKENS, CONTINUATION_TOKENS)
 
 
-def _step_reporter(set_progress, started: float):
-    """Progress of :func:`headscope.analysis.ablation.ablation_effects` (``fraction`` = steps done / 4) as
-    "i of n" with an estimate of the time left from the steps' costs in forward passes."""
+def _step_reporter(set_progress):
+    """Progress of the effects' steps (:func:`headscope.analysis.ablation_effects.effects_on`: ``fraction`` =
+    steps done / 4, 0 as they begin) as "i of n" with an estimate of the time left from the steps' costs
+    in forward passes, timed from that first report (after the method's reference)."""
+    started: list[float] = []
 
     def report(fraction: float) -> None:
+        if not started:
+            started.append(time.monotonic())
         done = min(len(EFFECT_STEPS), round(fraction * len(EFFECT_STEPS)))
         cost = sum(STEP_COST[:done])
         left = ""
         if 0 < done < len(EFFECT_STEPS):
-            seconds = (time.monotonic() - started) * (sum(STEP_COST) - cost) / cost
+            seconds = (time.monotonic() - started[0]) * (sum(STEP_COST) - cost) / cost
             left = f", about {seconds:.0f} s left"
         now = EFFECT_STEPS[done] if done < len(EFFECT_STEPS) else "drawing"
         set_progress((str(round(100 * cost / sum(STEP_COST))), "100",
@@ -619,28 +624,33 @@ def apply(set_progress, n_clicks, from_link, pending, heads_text, method, source
             heads = state.heads if pending is None else pending
         if not heads:
             raise ValueError("No heads chosen: click heads in the map, type them, or pick the top k; then Apply.")
-        state.heads = format_heads(sorted(set(parse_heads(model, heads))))
         state.ablate = state.ablate if link else method or "zero"
-        # a link names its means (ref) and resample source as stored results: used as they are
-        if not link and state.ablate == "resample":
+        needs: dict = {}  # what the method needs, from the boxes; a link's stored means (ref) and source as they are
+        if link:
+            stored = ablation_spec(model, {**ablation_params(state), "heads": heads})
+            needs = {"means": stored.means, "source": stored.source_ids}
+        elif state.ablate == "resample":
             source = source if isinstance(source, str) else ""
             if not source.strip():
                 raise ValueError("Resample ablation needs a source text: write one in the box, then Apply.")
             set_progress(("0", "100", "effects: running the source text"))
-            state.source = capture(model, source, store=context.store, max_tokens=limit(ABLATION_LIMIT),
-                                   max_tokens_variable=ABLATION_LIMIT).key[:16]
-        elif not link and state.ablate == "mean":
+            needs = {"source": source}
+        elif state.ablate == "mean":
             reference = reference if isinstance(reference, str) else ""
             texts = [t for t in reference.splitlines() if t.strip()] or builtin_reference()
-            state.ref = head_means(model, texts, store=context.store,
-                                   progress=count_progress(set_progress, len(texts),
-                                                           "means: reference text")).key[:16]
+            needs = {"reference": texts,
+                     "reference_progress": count_progress(set_progress, len(texts), "means: reference text")}
+        applied = apply_ablation(model, run, heads, state.ablate, **needs, store=context.store,
+                                 progress=_step_reporter(set_progress))
+        state.heads = format_heads(applied.spec.heads)
+        if applied.source_key:  # a source text captured and stored now
+            state.source = applied.source_key[:16]
+        if not link and applied.means_key:
+            state.ref = applied.means_key[:16]
         params = ablation_params(state)
-        report = _step_reporter(set_progress, time.monotonic())
-        report(0.0)
-        spec, fx = effects_of(run, params, progress=report)
-        effects, _ = VIEWS[names.ABLATION_EFFECTS].build(run, params)  # memoised: drawn, not computed again
-        summary = _summary(run, params)
+        remember_effects(run, params, applied)
+        effects, _ = VIEWS[names.ABLATION_EFFECTS].build(run, params)  # drawn from ``applied``, not computed again
+        summary = _summary(model, applied)
     except USER_ERRORS as e:  # a link's set that cannot be computed or stored: its figure no longer says "computing"
         figure = empty_figure(f"No effects: {e}") if link else no_update
         return no_update, figure, no_update, no_update, str(e)
@@ -648,8 +658,8 @@ def apply(set_progress, n_clicks, from_link, pending, heads_text, method, source
     # the set and how it was ablated are written whole: a link never names a method its effects did not use
     return (url_patch(search, state.to_search(), on=("run",), what="Apply's result", status=ids.ABL_APPLY_STATUS,
                       reset=("heads", "ablate", "ref", "source")), effects, summary,
-            _shown(_applied_key(state), run, state, spec, fx),
-            f"{len(spec.heads)} heads, {spec.method} ablation: effects in {seconds:.1f} s")
+            _shown(_applied_key(state), run, state, applied),
+            f"{len(applied.spec.heads)} heads, {applied.spec.method} ablation: effects in {seconds:.1f} s")
 
 
 @callback(

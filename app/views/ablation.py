@@ -18,12 +18,17 @@ import plotly.graph_objects as go
 from headscope.analysis.ablation import (
     METHOD_DESCRIPTIONS,
     AblationSpec,
-    ablation_effects,
     format_heads,
     load_head_means,
     parse_heads,
 )
 from headscope.analysis.ablation_curve import load_curve, rank_heads
+from headscope.analysis.ablation_effects import (
+    CONTINUATION_TOKENS,
+    AppliedAblation,
+    PreparedAblation,
+    effects_on,
+)
 from headscope.analysis.errors import InputError
 from headscope.analysis.head_sweep import load_head_sweep
 from headscope.analysis.runs import AttentionRun
@@ -32,8 +37,6 @@ from headscope.app import figures
 from headscope.app.views import names
 from headscope.app.views.registry import Rows, memoised, metric_scores, register
 
-CONTINUATION_TOKENS = 20
-REFERENCE_SENTENCES = 100  # the built-in mean-ablation reference: the first sentences of data/probes
 RANK_LABELS = {"retrieval": "Retrieval score (a sweep)", "effect": "Single-head ablation effect",
                **{name: HEAD_SCORES[name].label for name in RUN_SCORES}}
 
@@ -59,14 +62,6 @@ def _stored(key: str | None, what: str, loader):
     if found is None:
         raise InputError(f"No stored {what} has the id {key!r}: compute it again.")
     return found
-
-
-def builtin_reference() -> list[str]:
-    """The default reference set of mean ablation: the first built-in probe sentences."""
-    from headscope.analysis.paths import DATA_DIR
-
-    lines = (DATA_DIR / "probes" / "sentences.txt").read_text(encoding="utf-8").splitlines()
-    return [t for t in lines if t.strip() and not t.startswith("#")][:REFERENCE_SENTENCES]
 
 
 def ablation_params(state: Any) -> dict[str, Any]:
@@ -158,22 +153,31 @@ def selection_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure
     return fig, rows
 
 
-def effects_of(run: AttentionRun, params: dict[str, Any], progress=None):
-    """The spec named by ``params`` and its :func:`ablation_effects` on ``run`` (memoised);
-    ``progress(fraction)`` hears of each step when they are computed here."""
+def _effects_key(run: AttentionRun, spec: AblationSpec, params: dict[str, Any]) -> tuple:
+    return ("ablation_effects", run.key, spec.method, spec.heads, params.get("ref"), params.get("source"),
+            int(params.get("continue", CONTINUATION_TOKENS)))
+
+
+def effects_of(run: AttentionRun, params: dict[str, Any]) -> AppliedAblation:
+    """The effects on ``run`` of the ablation ``params`` name, with the stored reference means and source
+    run they name (:func:`headscope.analysis.ablation_effects.effects_on`; memoised)."""
     model = _model(params)
     spec = ablation_spec(model, params)
-    target = int(run.top_ids[-1, 0])  # the clean model's next-token prediction after the last token
-    n_new = int(params.get("continue", CONTINUATION_TOKENS))
-    key = ("ablation_effects", run.key, spec.method, spec.heads, params.get("ref"), params.get("source"), n_new)
-    return spec, memoised(key, lambda: ablation_effects(
-        model, run.token_ids, spec, target_position=-1, target_token=target, max_new_tokens=n_new, progress=progress))
+    return memoised(_effects_key(run, spec, params), lambda: effects_on(
+        model, run, PreparedAblation(spec), max_new_tokens=int(params.get("continue", CONTINUATION_TOKENS))))
+
+
+def remember_effects(run: AttentionRun, params: dict[str, Any], applied: AppliedAblation) -> None:
+    """Keep ``applied`` (an Apply's result) as the effects ``params`` name, so that the views of this
+    process draw it without computing it again."""
+    memoised(_effects_key(run, applied.spec, params), lambda: applied)
 
 
 @register(names.ABLATION_EFFECTS, "Effects of an ablation", ("heads", "ablate", "ref", "source"),
           lambda state, query, _: ablation_params(state))
 def effects_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
-    spec, fx = effects_of(run, params)
+    applied = effects_of(run, params)
+    spec, fx = applied.spec, applied.effects
     model = _model(params)
     tokens = run.tokens
     title = (f"{spec.method} ablation of {len(spec.heads)} heads: mean loss {fx.mean_loss_clean:.3f} → "
