@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.app.registered_pages import registered_pages
 from tests.app.servers import start_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +45,8 @@ class Served:
         self.leaks: list[str] = []
         self.errors: list[str] = []
         self.end_id: str | None = None
+        self.pages: list[dict] = []  # every registered page (tests/app/registered_pages.py)
+        self.fetched: dict[str, set] = {}  # a page's path -> the ids of the layout the router answered with
 
     def request(self, path: str, body: object | None = None, timeout: float = 120) -> tuple[int, bytes]:
         data = None if body is None else json.dumps(body).encode()
@@ -77,14 +80,18 @@ def served(tmp_path_factory):
            "HEADSCOPE_MAX_SWEEP_TRIALS": "1", "HEADSCOPE_MAX_QK_POINTS": "64"}
     for name in ("HEADSCOPE_TOKEN", "HEADSCOPE_MODELS", "HEADSCOPE_REDIS_URL"):
         env.pop(name, None)
+    pages = registered_pages(tmp_path_factory.mktemp("pages-home"))["pages"]
     proc, url = start_server([sys.executable, "-m", "headscope.app.cli", "serve"], env, log)
-    yield Served(url, proc, home, log, word, canary)
+    served = Served(url, proc, home, log, word, canary)
+    served.pages = pages
+    yield served
     proc.terminate()
     proc.wait(timeout=30)
 
 
 def components(node, found: dict) -> None:
-    """Collect id → props of every component in a layout's JSON."""
+    """Collect id → props of every component in a layout's JSON, or in a callback's answer (the router's:
+    ``{"_pages_content": {"children": layout}, …}``)."""
     if isinstance(node, list):
         for child in node:
             components(child, found)
@@ -94,6 +101,9 @@ def components(node, found: dict) -> None:
             key = props["id"] if isinstance(props["id"], str) else json.dumps(props["id"], sort_keys=True)
             found[key] = props
         for value in props.values():
+            components(value, found)
+    elif isinstance(node, dict):
+        for value in node.values():
             components(value, found)
 
 
@@ -120,16 +130,20 @@ def concrete(dep_id, found: dict) -> list:
 
 
 def page_layouts(served: Served, deps: list) -> dict:
-    """id → props over the shell and every page, each page's layout fetched through the pages router."""
+    """id → props over the shell and every page of the app's page registry (none listed here: a new page is
+    fuzzed as it is registered), each page's layout fetched through the pages router, as a browser gets it."""
     found: dict = {}
     _, shell = served.request("_dash-layout")
     components(json.loads(shell), found)
     router = next(d for d in deps if "_pages_content.children" in d["output"])
-    for path in ("/", "/flow", "/heads", "/qk", "/ablation"):
+    for path in (page["path"] for page in served.pages):
         body = request_body(router, {"_pages_location.pathname": path, "_pages_location.search": ""}, {})
         status, payload = served.request(UPDATE, body)
         assert status == 200, payload[:500]
-        components(json.loads(payload)["response"], found)
+        own: dict = {}
+        components(json.loads(payload)["response"], own)
+        served.fetched[path] = set(own)
+        found.update(own)
     return found
 
 
@@ -178,7 +192,7 @@ def follow_job(served: Served, body: dict, first: dict) -> None:
         time.sleep(0.3)
 
 
-@pytest.mark.timeout(900)  # ~5,000 requests: 260 s on a 2-core machine at load 10, past the 300 s default
+@pytest.mark.timeout(900)  # ~12,000 requests: 185 s on a 2-core machine at load 4, past the 300 s default at load 10
 def test_every_callback_survives_forged_values_and_never_reads_a_path(served):
     t0 = time.time()
     _, index = served.request("")
@@ -248,6 +262,21 @@ def test_every_callback_survives_forged_values_and_never_reads_a_path(served):
             assert served.word.encode() not in path.read_bytes(), f"the canary's word was written to {path}"
     assert served.word not in served.log.read_text(errors="replace"), "the canary's word reached the server log"
     assert "Traceback" not in served.log.read_text(errors="replace")
+
+
+def test_every_registered_page_is_fuzzed(served):
+    """The fuzzer reads the layout of every page in the app's page registry, so each page's controls are
+    sent their own values and its pattern-matching ids are made concrete (a page it does not read has
+    its callbacks fuzzed with nothing but None). Each page answers through the router with its own
+    layout, not the 404 page's."""
+    _, deps_json = served.request("_dash-dependencies")
+    page_layouts(served, json.loads(deps_json))
+    registered = {page["path"]: page for page in served.pages}
+    assert len(registered) >= 9 and "/compress" in registered  # the registry as the app has it
+    assert sorted(served.fetched) == sorted(registered), "pages the fuzzer does not read"
+    for path, page in registered.items():
+        missing = set(page["ids"]) - served.fetched[path]
+        assert page["ids"] and not missing, f"{page['module']}: the router's layout lacks {sorted(missing)[:5]}"
 
 
 def test_sweep_with_a_haystack_path_reads_no_file(served):
