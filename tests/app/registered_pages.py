@@ -6,11 +6,12 @@ process may do with other settings (or may have done already)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
+import tempfile
 
 LIST_PAGES = r"""
 import json, os, sys
@@ -53,14 +54,17 @@ print(json.dumps({"shell": described(app.layout), "pages": pages}))
 """
 
 
-def registered_pages(home: Path) -> dict:
+@functools.cache
+def registered_pages() -> dict:
     """``{"shell": {...}, "pages": [{"path", "module", "name", "prefix", "ids", "clicks"}, ...]}``: every
     registered page (the 404 page too) with the string ids of its layout's components and the head
-    clicks its grids declare (``data-hs-click``); the shell's the same. ``home``: an empty folder."""
-    env = {**os.environ, "HEADSCOPE_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    clicks its grids declare (``data-hs-click``); the shell's the same. Created once per test process,
+    in an empty home of its own."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name in ("HEADSCOPE_REDIS_URL", "HEADSCOPE_TOKEN", "HEADSCOPE_MODELS"):
         env.pop(name, None)
-    out = subprocess.run([sys.executable, "-c", LIST_PAGES], capture_output=True, text=True, timeout=600,
-                         env=env, cwd=home)
+    with tempfile.TemporaryDirectory() as home:
+        out = subprocess.run([sys.executable, "-c", LIST_PAGES], capture_output=True, text=True, timeout=600,
+                             env={**env, "HEADSCOPE_HOME": home}, cwd=home)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -80,7 +80,7 @@ def served(tmp_path_factory):
            "HEADSCOPE_MAX_SWEEP_TRIALS": "1", "HEADSCOPE_MAX_QK_POINTS": "64"}
     for name in ("HEADSCOPE_TOKEN", "HEADSCOPE_MODELS", "HEADSCOPE_REDIS_URL"):
         env.pop(name, None)
-    pages = registered_pages(tmp_path_factory.mktemp("pages-home"))["pages"]
+    pages = registered_pages()["pages"]
     proc, url = start_server([sys.executable, "-m", "headscope.app.cli", "serve"], env, log)
     served = Served(url, proc, home, log, word, canary)
     served.pages = pages

@@ -57,8 +57,8 @@ def test_a_new_views_module_registers_its_views_without_being_listed(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def pages(tmp_path_factory) -> list[dict]:
-    return registered_pages(tmp_path_factory.mktemp("parts-home"))["pages"]
+def pages() -> list[dict]:
+    return registered_pages()["pages"]
 
 
 IDS_OF = {"select": ("graph", "url"), "toggle": ("graph", "pending", "box"), "ask": ("graph", "store")}

@@ -19,8 +19,8 @@ STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'|`(?:[^`\\]|\\.)
 REGEX = re.compile(r"(?<=[=(,:!&|?{};\s])/(?![/*\s])((?:[^/\\\n\[]|\\.|\[(?:[^\]\\\n]|\\.)*\])+)/([a-z]*)")
 
 
-def app_ids(home: Path) -> set[str]:
-    pages = registered_pages(home)
+def app_ids() -> set[str]:
+    pages = registered_pages()
     return set(pages["shell"]["ids"]).union(*(page["ids"] for page in pages["pages"]))
 
 
@@ -46,8 +46,8 @@ def named_by_hand(script: str, ids: set[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def ids(tmp_path_factory) -> set[str]:
-    found = app_ids(tmp_path_factory.mktemp("ids-home"))
+def ids() -> set[str]:
+    found = app_ids()
     assert {"hs-grid", "hs-abl-grid", "attn-hs-url", "attn-hs-run"} <= found  # the scan sees every page's ids
     return found
 
