@@ -220,34 +220,6 @@ def register_url_keys(prefix: str, name: str, keys: Sequence[str]) -> str:
     return store
 
 
-STALE = "--hs-stale"
-"""The flag in a graph's style that marks its figure out of date while a job that replaces it runs
-(faded and captioned: assets/headscope.css). A style, not a class: a dcc.Graph re-renders for a new
-figure, id or style only."""
-
-
-def show_busy(button: str, status: str, progress: str | None = None, figures: Sequence[str] = ()) -> None:
-    """Show a long action as busy, the same way on every page (assets/busy.js): while ``button`` is
-    disabled because the action's job runs (the callback's ``running``), the ``status`` line says the
-    job is starting (:data:`headscope.app.jobs.STARTING`) until its first report, the ``progress`` bar runs
-    without a value, and each of ``figures`` (graph ids) is marked :data:`STALE`; when the button is
-    enabled again the marks go. If a click of ``button`` started the job, the error banner is cleared
-    (its message is about an earlier try); a job that a link starts by itself leaves the link's
-    message. A cancellable job gets this from :func:`headscope.app.jobs.cancellable_callback`; a page's
-    background render calls it with its own button."""
-    from headscope.app.jobs import STARTING
-
-    outputs = [Output(ids.ERROR, "children", allow_duplicate=True), Output(status, "children", allow_duplicate=True)]
-    if progress is not None:
-        outputs.append(Output(progress, "value", allow_duplicate=True))
-    outputs += [Output(figure, "style", allow_duplicate=True) for figure in figures]
-    clientside_callback(
-        f"(busy, status, clicked, ...styles) => window.dash_clientside.headscope_busy.state(busy, status, styles, "
-        f"clicked, {json.dumps(button)}, {json.dumps(STARTING)}, {'true' if progress is not None else 'false'})",
-        *outputs, Input(button, "disabled"), State(status, "children"), State(button, "n_clicks_timestamp"),
-        *[State(figure, "style") for figure in figures], prevent_initial_call=True)
-
-
 PROMPT_POLICY_TITLE = ("How a text becomes the model's tokens: a BOS the model expects is prepended and shown "
                        "as token 0, so positions are those the model saw; a model without a chat template "
                        "(a base model) reads plain prompts, and needle-in-a-haystack prompts end with 'Answer:'.")

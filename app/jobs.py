@@ -61,6 +61,7 @@ import diskcache
 from diskcache.core import MODE_BINARY, MODE_RAW, MODE_TEXT
 
 from headscope.analysis.fork_gate import GATE, MODEL_LOADS, wait_for_imports
+from headscope.app.busy import STARTING, show_busy
 from headscope.app.workers import NotStarted, OneKeyPerJob, ended, job_manager, redis_url
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,6 @@ log = logging.getLogger(__name__)
 os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
 _manager = None
-STARTING = "Starting…"
-"""A job's caption from its button's click to its first progress report (:func:`headscope.app.components.show_busy`)."""
 
 
 class RefusedPickle(OSError):
@@ -145,7 +144,7 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
     job ends or is cancelled the bar is empty again.
 
     From the moment the job starts (``run`` disabled) it is shown as busy, as every long action is
-    (:func:`headscope.app.components.show_busy`): the caption says it is starting, the banner is cleared, and the
+    (:func:`headscope.app.busy.show_busy`): the caption says it is starting, the banner is cleared, and the
     figures in ``stale`` (graph ids: those its result will replace) are marked out of date until it ends.
 
     ``preview``: a store the job can fill before it ends, with ``set_progress(value, data)``: the page
@@ -178,10 +177,6 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
         running = [(Output(cancel, "disabled"), not redis_url(), True)]
         if run is not None:
             running.insert(0, (Output(run, "disabled"), True, False))
-            from headscope.app.components import (
-                show_busy,  # not at the top: app.components imports this module
-            )
-
             show_busy(run, status, progress, stale)
         reports = [Output(progress, "value"), Output(progress, "max"), Output(status, "children"),
                    Output(cancel, "disabled")]

@@ -12,6 +12,7 @@ from dash import Input, Output, State, callback, dcc, html, no_update
 from headscope.analysis.qk_collect import load_probe_tasks, store_sentences
 from headscope.analysis.qk_decomposition import store_labels
 from headscope.app import ids
+from headscope.app.busy import show_busy
 from headscope.app.components import (
     GRAPH_CONFIG,
     empty_figure,
@@ -23,7 +24,6 @@ from headscope.app.components import (
     register_upload,
     select_head,
     shell_stores,
-    show_busy,
     upload_field,
     upload_file,
     upload_file_id,

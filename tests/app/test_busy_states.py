@@ -15,7 +15,7 @@ import pytest
 from tests.app.browsing import select_option
 
 NEEDLE = "The secret passkey is 7731. | What is the secret passkey? | 7731"
-STALE = "--hs-stale"  # the flag in a figure's style (app.components.STALE)
+STALE = "--hs-stale"  # the flag in a figure's style (headscope.app.busy.STALE)
 
 # From now on, every change of the watched elements, in order: [ms, what, value]; "click" when the
 # button is pressed. A figure's value is its style attribute, a progress bar's its value attribute.
