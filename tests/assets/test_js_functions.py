@@ -82,7 +82,8 @@ MERGE_CASES = [
     ({"before": "?run=aaaaaaaa", "after": "?run=aaaaaaaa", "keep": []}, "?run=aaaaaaaa", "?run=aaaaaaaa"),
     # no change and no keep: nothing written
     ({"before": "?run=aaaaaaaa", "after": "?run=aaaaaaaa"}, "?run=aaaaaaaa", NO_UPDATE),
-    # computed on a run the page no longer shows: nothing written (ids compared in any case)
+    # a patch for a run the page no longer shows writes nothing; run ids compare without case
+    # (the second: AAAAAAAA is the run aaaaaaaa, so its patch is written)
     ({"started": "?run=aaaaaaaa", "before": "?run=aaaaaaaa", "after": "?run=aaaaaaaa&curve=eeeeeeee", "on": ["run"]},
      "?run=ffffffff", NO_UPDATE),
     ({"started": "?run=AAAAAAAA", "before": "?run=aaaaaaaa", "after": "?run=aaaaaaaa&curve=eeeeeeee", "on": ["run"]},
