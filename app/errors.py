@@ -29,11 +29,51 @@ def message(problems: Sequence[str] | str) -> list | str:
     return [html.Div(p, className="hs-error-line") for p in problems] if problems else ""
 
 
-def guarded(outputs: int, error_index: int | None = None) -> Callable:
-    """Wrap a callback with ``outputs`` outputs; the error message goes to ``error_index``
-    (default: the last output). Other outputs are left unchanged on error."""
-    index = outputs - 1 if error_index is None else error_index
+def guarded(outputs: int | Sequence[str], error_index: int | None = None, *, error: str = "error") -> Callable:
+    """Wrap a callback so an exception becomes a message in one of its outputs.
 
+    ``outputs`` is either the number of positional outputs (the message goes to ``error_index``, by
+    default the last) or the names of a callback declared with named outputs (Dash's flexible
+    signature, ``output=dict(figure=Output(...), error=Output(...))``): the callback returns a dict
+    with any of those names, names it leaves out are ``no_update``, and the message goes to the
+    output named ``error``. Other outputs are left unchanged on error."""
+    if isinstance(outputs, int):
+        return _guarded_positional(outputs, outputs - 1 if error_index is None else error_index)
+    names = tuple(outputs)
+    if error not in names:
+        raise ValueError(f"the error output {error!r} is not one of the outputs {names}")
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            try:
+                given = fn(*args, **kwargs)
+                unknown = set(given) - set(names)
+                if unknown:
+                    raise KeyError(f"{fn.__name__} returned outputs it does not declare: {sorted(unknown)}")
+                return {name: given.get(name, no_update) for name in names}
+            except PreventUpdate:
+                raise
+            except Exception as e:  # noqa: BLE001 - every failure becomes a message (see _failure)
+                return {**dict.fromkeys(names, no_update), error: message(_failure(fn, e))}
+
+        return inner
+
+    return wrap
+
+
+def _failure(fn: Callable, e: Exception) -> str:
+    """What a user sees when ``fn`` raised ``e``: the message of an error meant for users, or a short
+    note for a bug (logged with its traceback)."""
+    if isinstance(e, USER_ERRORS):
+        return str(e)
+    if isinstance(e, MemoryError):
+        return "The analysis ran out of memory. Try a shorter input."
+    log.exception("callback %s failed", fn.__name__, exc_info=e)
+    return f"Something went wrong ({type(e).__name__}). The server log has the details."
+
+
+def _guarded_positional(outputs: int, index: int) -> Callable:
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def inner(*args, **kwargs):
@@ -41,16 +81,10 @@ def guarded(outputs: int, error_index: int | None = None) -> Callable:
                 return fn(*args, **kwargs)
             except PreventUpdate:
                 raise
-            except USER_ERRORS as e:
-                text = str(e)
-            except MemoryError:
-                text = "The analysis ran out of memory. Try a shorter input."
-            except Exception as e:  # a bug: log it with its traceback, show a short message
-                log.exception("callback %s failed", fn.__name__)
-                text = f"Something went wrong ({type(e).__name__}). The server log has the details."
-            result = [no_update] * outputs
-            result[index] = message(text)
-            return tuple(result) if outputs > 1 else result[0]
+            except Exception as e:  # noqa: BLE001 - every failure becomes a message (see _failure)
+                result = [no_update] * outputs
+                result[index] = message(_failure(fn, e))
+                return tuple(result) if outputs > 1 else result[0]
 
         return inner
 
