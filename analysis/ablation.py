@@ -755,7 +755,7 @@ def kl_metric(clean_logits: torch.Tensor) -> SweepMetric:
 
 
 def loss_metric_fn(text_or_ids: str | Sequence[int], model: LoadedModel) -> MetricFn:
-    """A ``metric_fn(model, hooks)`` for :func:`topk_curve`: mean next-token loss on one input."""
+    """A ``metric_fn(model, hooks)`` for :func:`headscope.analysis.ablation_curve.topk_curve`: mean next-token loss on one input."""
     ids = ablation_ids(model, text_or_ids)
     if len(ids) < 2:
         raise InputError("The loss needs at least two tokens.")

@@ -1,7 +1,7 @@
 """What a user can choose in an ablation, spelled once: the methods and what each removes, the
 metrics of single-head sweeps and of top-k curves, and the default size of the top-N the random
-control stays out of. (The per-head scores heads can be ranked by are
-:data:`headscope.analysis.head_summary.HEAD_METRICS`.)
+control stays out of. (The per-head scores heads can be ranked by are declared in
+:mod:`headscope.analysis.score_registry`.)
 
 This module imports nothing heavy, so the command line checks its arguments against these names
 before torch is loaded; the pages, the exports and :mod:`headscope.analysis.ablation` read the same names.

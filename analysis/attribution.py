@@ -751,8 +751,8 @@ def stored_evaluation(
     from headscope.analysis.stored_results import stored_record
 
     items = load_eval_set()
-    # "definition": 2 since raw attention takes the fusion and sink options (before, a head mean of
-    # the whole row), so a result stored under the old definition is never shown as the new one.
+    # "definition": 2 is raw attention with the fusion and sink options; definition 1 (a head mean of
+    # the whole row) has other keys, so a result stored under it is never shown as this one.
     settings = {"ablation": ablation, "fusion": fusion, "drop_sinks": sorted(int(s) for s in drop_sinks),
                 "definition": 2}
     key = content_key("faithfulness", model.digest, [(i.id, i.text, i.target) for i in items], settings, METHODS)

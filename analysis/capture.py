@@ -186,7 +186,7 @@ def capture(
         set to change it (the page passes ``HEADSCOPE_MAX_TOKENS`` with its value).
     before_store : called with a newly computed run before it is written to ``store`` (a run found
         in the store is not passed): the Attention page draws its grid from it while the patterns,
-        127 MB at 512 tokens, are written (#16's click → grid). What it raises stops the capture.
+        127 MB at 512 tokens, are written. What it raises stops the capture.
     """
     if pattern_dtype not in ("float16", "float32"):
         raise InputError("pattern_dtype must be float16 or float32")
@@ -241,7 +241,7 @@ def _forward(model: LoadedModel, ids: list[int], layers: list[int], dtype: np.dt
     k: dict[int, np.ndarray] = {}
 
     # rounded to the kept dtype by torch, then copied: numpy's own float32 → float16 cast is a scalar
-    # loop (175 ms a layer at 515 tokens against 4-8 ms; 30 layers were most of a page's Run), and
+    # loop (175 ms a layer at 515 tokens against 4-8 ms; over 30 layers, most of a page's Run), and
     # both round to nearest even, bit for bit
     kept_dtype = torch.float16 if dtype == np.float16 else torch.float32
 

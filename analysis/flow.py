@@ -138,7 +138,7 @@ def _pair_flow(caps, j, i, rf, rr, excess, label, cur, queue, bfs, inqueue):
 
 
 # The steps of _pair_flow are inlined into it by numba (``inline="always"``): compiled as separate
-# calls, the FIFO loop ran 30–60 % slower. For the same reason the FIFO append is written out where
+# calls, the FIFO loop runs 30–60 % slower. For the same reason the FIFO append is written out where
 # nodes join it instead of being a function.
 @njit(cache=True, nogil=True, inline="always")
 def _reset_pair(caps, j, i, rf, rr, excess, inqueue):

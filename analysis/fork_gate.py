@@ -6,7 +6,7 @@ The app's background jobs are processes forked from the multi-threaded server (D
 SQLite keeps its lock bookkeeping per process, shared by all connections to a file. A fork while
 another thread is inside a transaction copies that bookkeeping into the child, where the lock's owner
 no longer exists: every write the child then tries is refused as "busy" until its timeout
-(``diskcache.Timeout`` after 60 s: the job could not report progress or its result, and ended with
+(``diskcache.Timeout`` after 60 s: the job cannot report progress or its result, and ends with
 exit code 1). A fork while another thread is inside any SQLite call can likewise copy one of
 SQLite's own mutexes held, and the child waits on it for ever. SQLite's rule is to not carry its
 state across a fork; this gate makes the fork wait instead until no thread is inside SQLite.

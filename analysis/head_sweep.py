@@ -225,7 +225,7 @@ def resumable_head_sweep(
 
 
 def head_sweep_key(model: LoadedModel, run: Run, spec: AblationSpec, metric: str, source_id: str | None) -> str:
-    """The store key of :func:`ablation_head_sweep` (unchanged since the page first stored sweeps)."""
+    """The store key of :func:`ablation_head_sweep`: the key every stored sweep has, so none is computed again."""
     ref = spec.means.key[:16] if spec.means is not None else None
     return content_key("ablation_head_sweep", model.digest, run.key, spec.method, metric, ref, source_id)
 

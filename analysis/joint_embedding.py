@@ -191,7 +191,7 @@ def project(
       ``random_state=seed`` (single-threaded layout, reproducible), ``n_epochs`` epochs (200, UMAP's
       own default above 10,000 points; its 500 for smaller sets costs 2.5× for little visible change),
       initialised from PCA (Kobak & Linderman 2021: an informative start keeps global structure; the
-      spectral default's eigensolver alone took 6 s on 8,000 query/key points, whose kNN graph falls
+      spectral default's eigensolver alone takes 6 s on 8,000 query/key points, whose kNN graph falls
       apart into many components).
     - ``tsne``: van der Maaten & Hinton (2008), scikit-learn's Barnes-Hut t-SNE, PCA initialisation,
       ``random_state=seed``, one thread (reproducible), ``tsne_iter`` iterations (500: 250 with early

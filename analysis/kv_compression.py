@@ -668,7 +668,8 @@ def evaluate_policies(
         if mk in memo:
             e = memo[mk]
             return PolicyEvaluation(policy, e.memory, e.loss, e.agreement, e.niah_accuracy, 0.0)
-        # eager keys as before (stored results stay valid); the kernel's rounding differs slightly
+        # an eager evaluation's key names no backend (the key results stored before backends existed
+        # have, so they are found); the kernel's rounding differs slightly, so it is keyed apart
         key = content_key("kv_policy_eval", KV_COMPRESSION_VERSION, model.digest, inputs, mk,
                           *([backend] if backend != "eager" else []))
         record = stored_record(store, key, "kv_policy_eval") if store is not None else None

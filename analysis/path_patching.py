@@ -219,7 +219,7 @@ def patch_together(
     Parameters
     ----------
     units : ``(site, layer, head, position)`` (:data:`JointUnit`); may be empty.
-    direction, metric : as in :func:`activation_patching`.
+    direction, metric : as in :func:`headscope.analysis.patching.activation_patching`.
 
     Returns
     -------
@@ -304,7 +304,7 @@ def path_patching(
        ``site`` (``hook_q``; ``hook_k``/``hook_v`` per key-value head): s_R*;
     2. run x_r with the receivers' ``site`` set to s_R* and everything else recomputed; m* its metric.
 
-    value = (m* − m(x_corrupted)) / (m(x_clean) − m(x_corrupted)), as :func:`activation_patching`.
+    value = (m* − m(x_corrupted)) / (m(x_clean) − m(x_corrupted)), as :func:`headscope.analysis.patching.activation_patching`.
 
     Only the paths S → R → logits change: the receivers' other inputs, every head not in R
     downstream of S and the MLPs' direct paths to the logits see x_r. Receivers in layers at or

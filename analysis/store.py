@@ -104,8 +104,8 @@ class Record:
     _loaded: dict[str, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     def array(self, name: str, mmap: bool = True) -> np.ndarray:
-        """One array, from bytes that passed their sha256. Nothing is memory-mapped any more (the
-        name stays for callers): ``mmap=True`` gives the record's read-only array; ``mmap=False``
+        """One array, from bytes that passed their sha256. Nothing is memory-mapped (``mmap`` is
+        the name callers pass): ``mmap=True`` gives the record's read-only array; ``mmap=False``
         hands it over writable, without a copy (asked again, it is read and verified again).
         Raises ``CorruptRecord`` if the file is missing or fails its checksum, :class:`StoreReadError`
         if it could not be read right now (nothing is dropped for that).
@@ -420,7 +420,8 @@ class Store(StoreIndex, RecordWriter):
 
     def find(self, prefix: str) -> list[str]:
         """Keys starting with ``prefix`` (for short ids typed by users); none for anything but 1 to 64
-        hex digits (a key is a sha256; a longer "prefix" made SQLite refuse the LIKE pattern)."""
+        hex digits (a key is a sha256: a longer "prefix" is no key's, and one long enough makes SQLite
+        refuse the LIKE pattern)."""
         if not isinstance(prefix, str) or not 0 < len(prefix) <= 64 \
                 or not all(c in "0123456789abcdef" for c in prefix.lower()):
             return []

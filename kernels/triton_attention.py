@@ -11,7 +11,7 @@ Two passes, in the spirit of Triton's fused-attention tutorial (``06-fused-atten
 Pass 2 is one launch whatever the set of row statistics, and ``topk <= 16`` is part of it: each row
 keeps a running list of its K best (score, index) pairs packed into sortable int64 keys
 (``_order_key``), merged tile by tile by K steps of max-extraction (skipped for a block none of whose
-rows has a tile key above its K-th), so its cost does not grow with the number of statistics. ``topk > 16`` keeps the old way: ``topk - 1`` more launches of
+rows has a tile key above its K-th), so its cost does not grow with the number of statistics. ``topk > 16`` takes ``topk - 1`` more launches of
 ``_attn_topk_next``, each finding the next key below the previous one in (score, index) order.
 Column sums asked alone have their own pass (``_attn_colsum``, no atomics); with other statistics
 they are atomics inside pass 2. Decode rows (few queries, many keys) take the split-K kernel of
