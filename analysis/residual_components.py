@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -189,7 +190,11 @@ def check_sum(total: Tensor, own: Tensor, what: str) -> None:
 
 def check_tokens(model: LoadedModel, token_ids: Sequence[int]) -> list[int]:
     """The ids as ints, refused (InputError) when empty, outside the vocabulary or over the limit."""
-    ids = [int(t) for t in token_ids]
+    ids = list(token_ids)
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+    if bad:
+        raise InputError(f"Token ids must be whole numbers; got {bad[:3]!r}.")
+    ids = [int(t) for t in ids]
     if not ids:
         raise InputError("The text is empty: there are no tokens to explain.")
     outside = [t for t in ids if not 0 <= t < model.vocab_size]

@@ -81,6 +81,9 @@ def test_a_capture_is_reused_and_an_earlier_position_is_explained(embedded_token
     (IDS, 1, 2, len(IDS), "outside the text"),
     (IDS, 1, 2, -1, "outside the text"),
     ([1, -4, 3], 1, 2, None, "vocabulary"),
+    ([1, None, 3], 1, 2, None, "whole numbers"),
+    ([1, 2.5, 3], 1, 2, None, "whole numbers"),
+    ([1, "2", 3], 1, 2, None, "whole numbers"),
 ])
 def test_hostile_inputs_are_refused_with_a_message(ids, answer, wrong, position, message, embedded_tokenizer):
     model = _wrapped("llama", embedded_tokenizer)
