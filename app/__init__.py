@@ -1,4 +1,4 @@
-"""headscope's web app, command line and job wiring (over :mod:`analysis` and :mod:`kernels`)."""
+"""headscope's web app, command line and job wiring (over :mod:`headscope.analysis` and :mod:`headscope.kernels`)."""
 
 from headscope.app.fork_safety import sqlite_without_memory_mutex
 

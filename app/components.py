@@ -54,11 +54,11 @@ def url_id(prefix: str) -> str:
 
 def url_state_when_present(prefix: str) -> State:
     """The page's URL as the State of a callback whose Input is a pattern (``ALL``) over the page's own
-    components. Leaving the Attention page by a nav link removes its export buttons, and Dash fired
-    the export callback once more (the pattern's set changed) after the page's Location had gone with
-    them: a plain State raised "A nonexistent object was used in an `State`" in the browser console.
-    Optional, it arrives as None and the callback does nothing (no button was clicked). (The Flow
-    page's target callback, also a pattern, was not fired so when tested: its State stays plain.)"""
+    components. Leaving the Attention page by a nav link removes its export buttons, and Dash fires
+    the export callback once more (the pattern's set changes) after the page's Location has gone with
+    them: a plain State would raise "A nonexistent object was used in an `State`" in the browser
+    console. Optional, it arrives as None and the callback does nothing (no button was clicked). (The
+    Flow page's target callback, also a pattern, is not fired so: its State stays plain.)"""
     return State(url_id(prefix), "search", allow_optional=True)
 
 
@@ -68,7 +68,7 @@ def page_location(prefix: str) -> html.Div:
 
     ``refresh=False``: a page writing its state into the URL pushes history without telling Dash
     Pages' router, so the page is not rebuilt on every change (a rebuild while a background job
-    runs lost the job's result, and reset what the user had typed). Links and the back button
+    runs would lose the job's result, and reset what the user has typed). Links and the back button
     still go through the router.
     """
     return html.Div([dcc.Location(id=url_id(prefix), refresh=False), dcc.Store(id=url_patch_id(prefix))])
@@ -83,17 +83,17 @@ def url_patch(before: Any, after: str, on: tuple[str, ...] = (), what: str = "Th
     """What a background job answers into :func:`url_patch_id` instead of the page's URL: the URL it
     read when it started (``before``) and the one it made of it (``after``). The browser
     (assets/url_patch.js) puts the job's change into the URL as it is when the job ends, so what the
-    user chose while it ran (another score, a method, a new text) stays. Jobs that answered the whole
-    URL they had read put back what it was when they started: a new text run during an Apply went back
-    to the old text, a score chosen meanwhile to the old score.
+    user chose while it ran (another score, a method, a new text) stays. A job answering the whole URL
+    it read would put back what it was when the job started: a new text run during an Apply would
+    return to the text the Apply started on, a score chosen meanwhile to the score it started with.
 
     - By default the keys that differ between ``before`` and ``after`` are set or removed; ``before``
       is compared as :func:`headscope.app.url_state.parse` reads it (a default value written out, or an id in
       capitals, is no change). ``reset``: keys set to ``after``'s value (or removed) whatever
-      ``before`` held: what the result makes meaningless (a policy picked on the old curve).
+      ``before`` held: what the result makes meaningless (a policy picked on the curve it replaces).
     - ``keep``: ``after`` is a new page state (a new text), taken whole except the settings in
       ``keep``, which stay as the user changed them meanwhile (a score, a head); what belonged to the
-      old text (a query position, a flow target) goes, even if chosen meanwhile.
+      replaced text (a query position, a flow target) goes, even if chosen meanwhile.
     - ``on``: the URL keys the result was computed on (``"run"``). If the page shows another value of
       one of them by then, nothing is put in and the banner says so, naming the result by ``what``;
       ``status``, the id of the job's status line (an element with ``role="status"``: the only kind
@@ -128,7 +128,7 @@ def text_id(prefix: str) -> str:
 
 def text_fill_id(prefix: str) -> str:
     """The store a page's render writes its run's text to; :func:`fill_text_from_runs` puts it in the
-    text box without replacing what the user wrote (a render writing the box itself did)."""
+    text box without replacing what the user wrote (a render writing the box itself would)."""
     return f"{prefix}-{ids.TEXT}-fill"
 
 
@@ -167,9 +167,10 @@ def job_error(prefix: str) -> Output:
 
     Not the banner itself: a background callback that writes to the app shell is called by Dash
     whenever its page loads, ``prevent_initial_call`` or not, because its inputs and outputs are not in
-    one layout chunk (plotly/dash#2369). Each page load then forked a job, and the page's Run button
-    stayed disabled until it came back (7-12 s seen), so a click right after the page appeared was lost;
-    with Redis workers each page load queued a job per such callback (Run, export, sinks, ...).
+    one layout chunk (plotly/dash#2369). Each page load would then fork a job, and the page's Run
+    button would stay disabled until it came back (seconds on a loaded machine), so a click right after
+    the page appeared would be lost; with Redis workers each page load would queue a job per such
+    callback (Run, export, sinks, ...).
     The message goes into a store on the page (:func:`shell_stores`), and :func:`show_in_shell`
     copies it into the banner in the browser."""
     return Output(job_error_id(prefix), "data", allow_duplicate=True)
@@ -257,8 +258,8 @@ def run_info(run: Any, layer: int, head: int, policy: str = "") -> html.Div:
 
 def input_bar(prefix: str, placeholder: str = "Type or paste text to analyse…", model: Any = None) -> html.Div:
     """The text box, model menu and Run button. ``model``: the model the page's link names (its
-    ``model=`` query), chosen in the menu from the first frame when the server offers it. Set later by
-    the page's render, a Run pressed at once ran the default model although the link named another."""
+    ``model=`` query), chosen in the menu from the first frame when the server offers it. Set later, by
+    the page's render, a Run pressed at once would run the default model although the link names another."""
     context = get_context()
     chosen = model if isinstance(model, str) and model in context.allowed_models() else context.default_model
     return html.Div(

@@ -61,9 +61,9 @@ def _layout(fig: go.Figure, title: str, height: int | None = None) -> go.Figure:
 def wrap_title(fig: go.Figure, title: str | Sequence[str], width: int = 70, height: int | None = None) -> go.Figure:
     """``title`` (plain text, escaped here) wrapped at ``width`` characters on as many lines as it needs,
     each of several paragraphs starting a line of its own; anchored 20 px below the figure's top, with
-    the plot moved down to make room. A long title on one line ran past the figure's right edge and was
+    the plot moved down to make room. A long title on one line runs past the figure's right edge and is
     cut off (Patching maps at 1400 px; the Ablation grid and the Heads mass curve at 1280 px), and one
-    anchored 12 px down rose 2 px above the figure. ``height``: the figure's, when its layout has none."""
+    anchored 12 px down rises 2 px above the figure. ``height``: the figure's, when its layout has none."""
     height = height or fig.layout.height or 450
     paragraphs = [title] if isinstance(title, str) else list(title)
     lines = [line for text in paragraphs for line in (textwrap.wrap(text, width) or [""])]
@@ -179,8 +179,8 @@ def attention_heatmap(pattern: np.ndarray, tokens: Sequence[str], layer: int, he
 def _token_axes(fig: go.Figure, n: int, key_title: str) -> None:
     """Category axes of ``n`` key and query tokens. Up to 80 every token is labelled (dtick=1: plotly
     otherwise drops every other label when crowded); above that none is, and there is no tick or grid
-    line per token either: plotly still laid out 512 of each per axis, about a third of redrawing a
-    head's heatmap at 512 tokens in Chromium."""
+    line per token either: plotly would still lay out 512 of each per axis, about a third of redrawing
+    a head's heatmap at 512 tokens in Chromium."""
     show = n <= 80
     tick_font = {"size": 11 if n <= 40 else 9}
     fig.update_xaxes(title=key_title, showticklabels=show, tickangle=-60, type="category",
@@ -407,7 +407,7 @@ def _log_position_heatmap(values: np.ndarray, labels: list[str], title: str, val
     """The log-coloured map: its positions are category labels ``"pos token"`` (the hover names the
     token) and the exact values ride along as float32 ``customdata``, so the browser gets two binary
     blocks rather than a token and a value per cell (30 layers × 515 positions: 0.86 MB of JSON and
-    0.3 s to build, which held up a head click made while the sink map was on its way, #16)."""
+    0.3 s to build, which would hold up a head click made while the sink map is on its way)."""
     n_rows, n = values.shape
     z, bar = _log_colour(values, np.isfinite(values))
     fig = go.Figure(
@@ -428,8 +428,8 @@ def _log_position_heatmap(values: np.ndarray, labels: list[str], title: str, val
     fig.update_yaxes(title="layer", autorange="reversed")
     height = max(380, 14 * n_rows + 190)
     fig = _layout(fig, title, height=height)
-    # a two-line title whose top is 16 px below the figure's at any height (plotly's title pad did not
-    # move it: its first line was cut off); the modebar sits above the plot, right
+    # a two-line title whose top is 16 px below the figure's at any height (plotly's title pad does not
+    # move it, and its first line would be cut off); the modebar sits above the plot, right
     fig.update_layout(margin={"t": 80}, title={"y": 1 - 16 / height, "yref": "container", "yanchor": "top"})
     return fig
 

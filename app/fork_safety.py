@@ -3,11 +3,10 @@
 Background jobs are forked from the server's request threads (Dash's ``DiskcacheManager``) while other
 threads use SQLite (the job cache, the store's index). With SQLite's memory statistics on (its default),
 every ``sqlite3Malloc`` takes one process-wide mutex; a fork at the moment another thread holds it gives
-a child whose first SQLite call waits for ever (seen in CI: ten sessions ran at once, one job hung in
-``sqlite3Malloc`` under ``sqlite3.connect``, gdb stack in the #22 closing note). Turning the statistics
+a child whose first SQLite call waits for ever (in ``sqlite3Malloc`` under ``sqlite3.connect``). Turning the statistics
 off (``SQLITE_CONFIG_MEMSTATUS``, also SQLite's own advice for speed) removes that mutex from every
 allocation. It can only be set before SQLite initialises, which Python's ``sqlite3`` module does when it
-is imported, so :mod:`app` calls this first, before anything imports ``sqlite3``.
+is imported, so :mod:`headscope.app` calls this first, before anything imports ``sqlite3``.
 
 This only removes the one mutex every allocation takes. What makes a fork safe is
 :mod:`headscope.analysis.fork_gate`: no fork while any thread is inside SQLite.

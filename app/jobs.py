@@ -15,7 +15,7 @@ Forked children must run numba on its fork-safe ``workqueue`` threading layer (s
 numba is imported). Every job ends on its page with its result or a message in the banner: a job whose
 process dies, whose fork the system refuses, or whose result a full disk keeps out of the job cache says
 so (:func:`_watched_manager`). A job ends with the server that forked it, even one killed with SIGKILL
-(:func:`_end_with_server`), so it never computes on, orphaned, and stores what nobody asked for any more.
+(:func:`_end_with_server`), so it never computes on, orphaned, and stores what nobody is waiting for.
 
 A job is never forked while another server thread loads a model (a page's render does, for a model
 named in its link): the child would inherit the lock on a module the load was importing and wait for
@@ -32,12 +32,12 @@ Torch threads in forked children: GNU OpenMP's thread pool does not survive a fo
 process that ran torch on several threads hangs as soon as it uses more than one. ``headscope serve``
 therefore runs OpenMP on one thread in every thread of its own process from the start
 (:func:`prepare_server_threads`; it computes nothing heavy itself), and :func:`in_job` gives each job
-the threads the server would have had (on 2 cores a 400-token forward pass takes 1.0-1.2 s instead of
-1.8 s). Several jobs at once then share the cores: with OpenMP's default spin-waiting, three 2-thread
-jobs on 2 cores took 36 s, so the server sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads: 7.4 s,
-against 6.8 s for three one-thread jobs as before (about 10% more when jobs crowd the cores, 40%
+the threads the server would have had (on 2 cores a 400-token forward pass takes 1.0-1.2 s, against
+1.8 s on one thread). Several jobs at once then share the cores: with OpenMP's default spin-waiting,
+three 2-thread jobs on 2 cores take 36 s, so the server sets ``OMP_WAIT_POLICY=PASSIVE`` before torch
+loads: 7.4 s, against 6.8 s for three one-thread jobs (about 10% more when jobs crowd the cores, 40%
 less for one job alone). Anywhere else (a Celery worker's pool, a test forking its own process, a
-job's own children) a job runs on one thread, as before.
+job's own children) a job runs on one thread.
 """
 
 from __future__ import annotations
@@ -133,13 +133,13 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
 
     Dash stops a job only through the handle that the job's first answer brings back to the page, after
     the server forked the job (seconds on a loaded machine). A Cancel enabled the moment Run is pressed
-    (Dash's ``running``) could be clicked before that: the page said "Cancelled" while the job ran on,
-    Run stayed disabled until it ended, and its result then replaced the page's. Progress reaches the
+    (Dash's ``running``) could be clicked before that: the page would say "Cancelled" while the job
+    ran on, Run would stay disabled until it ended, and its result would then replace the page's. Progress reaches the
     page only by polling with that handle, so a Cancel that progress enables can always stop the job.
     (On Celery workers the handle is the queued task's id and comes back at once: Cancel is enabled
     when Run is pressed, so a job still waiting in the queue can be cancelled.)
 
-    The decorated function takes ``set_progress`` first, with (value, max, text) as before; it reports
+    The decorated function takes ``set_progress`` first, called with (value, max, text); it reports
     (0, 100, :data:`STARTING`) as soon as the job starts, so Cancel does not wait for its first real report. When the
     job ends or is cancelled the bar is empty again.
 
@@ -191,7 +191,7 @@ def cancellable_callback(*dependencies, run: str | None, cancel: str, progress: 
 def on_workers(interval_ms: int = 250) -> dict[str, Any]:
     """Keyword arguments for a callback that loads a model or reads analysis results: with
     ``HEADSCOPE_REDIS_URL`` set it becomes a background callback, run by a worker (polled every
-    ``interval_ms``); embedded, nothing changes and it runs in the server as before."""
+    ``interval_ms``); embedded, it is an ordinary callback, run in the server."""
     return {"background": True, "interval": interval_ms} if redis_url() else {}
 
 
@@ -271,8 +271,8 @@ def _watched_manager(base):
       read of its result and Dash's question whether it runs is reported by the next poll;
     - a job whose fork the system refused answers its first poll with why (:class:`NotStarted`);
     - a handle this server never gave out (one signed before a restart: the signing secret is kept in
-      the job cache) answers :data:`NO_LONGER_RUNNING`, and no process is ever ended by one. Dash's
-      own manager killed whatever process had that pid now;
+      the job cache) answers :data:`NO_LONGER_RUNNING`, and no process is ever ended by one (Dash's
+      own manager would kill whatever process has that pid now);
     - an error reading the job cache ends the job with a message, not a 204.
 
     A job's handle is its pid and a random suffix, so a pid the system gives again to a later job never
@@ -309,8 +309,8 @@ def _watched_manager(base):
             return job
 
         def get_progress(self, key):
-            # read and removed in one step: Dash reads, then deletes, and a report the job wrote between
-            # the two was lost (Run's grid preview is its last report: the page never saw it)
+            # read and removed in one step: Dash reads, then deletes, and a report the job writes between
+            # the two would be lost (Run's grid preview is its last report: the page would never see it)
             try:
                 return self.handle.pop(self._make_progress_key(key))
             except Exception as e:  # a poll must answer; the result's read says why
@@ -478,17 +478,18 @@ def _has_ancestor(process, pids: set[int]) -> bool:
 def end_jobs_with_server(grace_s: float = 5.0) -> None:
     """On SIGTERM, end this process's background jobs, then the process (call once, in the main thread).
 
-    Dash's ``DiskcacheManager`` starts every job as a forked, non-daemon process. A SIGTERM (systemd,
-    ``docker stop``, a test's teardown) ended only the server and left its jobs computing, orphaned and
-    holding the model's memory, as was a kaleido Chromium an export had started. The handler asks every
-    descendant to stop (the export browser aside, below), kills what is left after ``grace_s``, and then
-    ends the server with SIGTERM's own default action, so it still reads as "terminated by SIGTERM". A
-    forked job inherits the handler and ends its own children the same way. (SIGINT from a terminal reaches the whole process group already.)
+    Dash's ``DiskcacheManager`` starts every job as a forked, non-daemon process. Unhandled, a SIGTERM
+    (systemd, ``docker stop``, a test's teardown) ends only the server and leaves its jobs computing,
+    orphaned and holding the model's memory, and with them a kaleido Chromium an export started. The
+    handler asks every descendant to stop (the export browser aside, below), kills what is left after
+    ``grace_s``, and then ends the server with SIGTERM's own default action, so it still reads as
+    "terminated by SIGTERM". A forked job inherits the handler and ends its own children the same way.
+    (SIGINT from a terminal reaches the whole process group already.)
 
     The export browser's wrapper process (choreographer's, between kaleido and Chromium) is not sent
-    SIGTERM: its own handler waits 5 s on a lock its interrupted main thread holds, so every stop took
-    over 5 s. Its Chromium, a headless renderer with nothing to save, is killed at once (on SIGTERM it
-    took 1-3 s to end), and the wrapper then ends by itself.
+    SIGTERM: its own handler waits 5 s on a lock its interrupted main thread holds, so every stop would
+    take over 5 s. Its Chromium, a headless renderer with nothing to save, is killed at once (on SIGTERM
+    it takes 1-3 s to end), and the wrapper then ends by itself.
     """
     import signal
 

@@ -87,8 +87,8 @@ def close_sqlite_after_requests(server, context: AppContext) -> None:
     """Each request thread closes its SQLite connections (the store's index, the job cache) when its
     request ends, inside the fork gate (:mod:`headscope.analysis.fork_gate`).
 
-    The server runs one thread per request; a connection left open in a thread's local storage was
-    closed when the thread ended, by the interpreter, outside the gate: a job forked at that moment
+    The server runs one thread per request; a connection left open in a thread's local storage would be
+    closed when the thread ends, by the interpreter, outside the gate: a job forked at that moment
     could inherit one of SQLite's mutexes held, and wait on it for ever."""
     from headscope.app.jobs import GatedCache, background_manager
 

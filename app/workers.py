@@ -29,7 +29,7 @@ forks, after loading its models, one Celery worker per queue: ``--concurrency`` 
 Cancel: Dash's ``CeleryManager`` revokes the task with ``terminate=True``; the prefork pool sends
 SIGTERM to the process running it, which stops at once, and the pool forks a fresh one.
 
-Losing Redis: a job that cannot be queued, or whose progress or result cannot be read any more, ends on
+Losing Redis: a job that cannot be queued, or whose progress or result cannot be read back, ends on
 its page with :data:`QUEUE_UNREACHABLE` in the banner (:class:`NotStarted`, :func:`ended`). Inside Dash
 the error would end the page's wait with an empty answer (204) and no word.
 """
@@ -123,9 +123,9 @@ class OneKeyPerJob:
     """A background-callback manager mixin: every job its own result key.
 
     Dash keys a job's result and progress by its callback and arguments. Two sessions that start the
-    same callback with the same arguments at once (ten pages loading the same text) shared one key:
-    the first page to poll took the result and deleted it, the other job's result landed under a key
-    nobody waited for any more, and the second page waited for ever or was told its job had stopped.
+    same callback with the same arguments at once (ten pages loading the same text) would share one
+    key: the first page to poll takes the result and deletes it, the other job's result lands under a
+    key nobody waits on, and the second page waits for ever or is told its job has stopped.
     No callback here relies on Dash's memoisation (``cache_by`` is never set), so a random suffix
     costs nothing."""
 
@@ -254,8 +254,8 @@ def job_manager():
             return result
 
         def get_progress(self, key):
-            # read and removed in one step (MULTI/EXEC), as in app.jobs: Dash's get, then delete, lost a
-            # report the job wrote between the two. Redis down: no report (the result says why).
+            # read and removed in one step (MULTI/EXEC), as in app.jobs: Dash's get, then delete, would lose
+            # a report the job writes between the two. Redis down: no report (the result says why).
             progress_key = self._make_progress_key(key)
             try:
                 with self.handle.backend.client.pipeline() as pipe:

@@ -1,4 +1,5 @@
-"""Docstrings and comments in analysis/ and kernels/ say what is true now, and the names they cite exist.
+"""Docstrings and comments in analysis/, kernels/ and app/'s top-level modules say what is true now, and
+the names they cite exist.
 
 A bug's history (what the code used to do, which issue it was fixed in, how long it took before) belongs in
 the commit message or in docs/decisions.md; a docstring that narrates it misleads the next reader about
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCANNED = sorted(p for folder in ("analysis", "kernels") for p in (ROOT / folder).glob("*.py"))
+SCANNED = sorted(p for folder in ("analysis", "kernels", "app") for p in (ROOT / folder).glob("*.py"))
 
 #: Phrases that narrate history rather than state what is true.
 HISTORY = {
@@ -150,8 +151,8 @@ def _resolves(target: str, here: Path) -> bool:
         return True
     top, classes = _names(path)
     if rest[0] not in top:
-        # an unqualified method or attribute of a class of this module
-        return path == here and len(rest) == 1 and any(rest[0] in m for m in classes.values())
+        # an unqualified method or attribute of a class of this module, or a class defined inside a function
+        return path == here and len(rest) == 1 and (rest[0] in classes or any(rest[0] in m for m in classes.values()))
     return len(rest) == 1 or rest[0] not in classes or rest[1] in classes[rest[0]]
 
 
