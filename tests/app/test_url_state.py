@@ -107,7 +107,7 @@ def test_a_mangled_old_link_reports_the_same_problems():
 def test_each_page_has_its_own_part_and_the_shared_fields_are_few():
     state = parse("?model=smollm2-135m&run=0123456789abcdef&layer=3&head=5&metric=first_token&fusion=max"
                   "&agg=group_mean&method=umap&heads=1.2&ablate=mean")
-    assert (state.attention.metric, state.flow.fusion, state.sweeps.agg, state.qk.method) == (
+    assert (state.attention.metric, state.flow.fusion, state.part("heads").agg, state.qk.method) == (
         "first_token", "max", "group_mean", "umap")
     assert (state.ablation.heads, state.ablation.ablate) == ("1.2", "mean")
     state.fusion = "min"  # a page field by its name is its part's field
@@ -121,7 +121,7 @@ def test_each_page_has_its_own_part_and_the_shared_fields_are_few():
 
 def test_compress_fields_round_trip_and_bad_ones_are_dropped():
     state = parse("?model=smollm2-135m&sweep=0123456789abcdef&compress=fedcba9876543210&tol=10&pick=random:0.25:1")
-    assert (state.kv.compress, state.kv.tol, state.kv.pick, state.sweep) == (
+    assert (state.part("compress").compress, state.part("compress").tol, state.part("compress").pick, state.sweep) == (
         "fedcba9876543210", 10, "random:0.25:1", "0123456789abcdef")
     assert parse(state.to_search()) == state and state.problems == []
     bad = parse("?compress=zz&tol=101&pick=<b>:1")
