@@ -45,8 +45,8 @@ class LogitAttribution:
     ----------
     names : component names: ``embed``, heads ``L.H``, MLPs ``mlp.L``, ``bias``.
     values : float64 ``[C]``, each component's share of ``logit_diff`` (in logits).
-    logit_diff : the model's own ``logit[answer] − logit[wrong]`` at ``position`` (before any final
-        soft-capping).
+    logit_diff : the model's own ``logit[answer] − logit[wrong]`` at ``position``: the output of its final norm
+        (hooked) through the unembedding, before any final soft-capping.
     answer, wrong : the two token ids.
     position : the position explained.
     n_layers, n_heads : the model's sizes (for :meth:`heads`).
@@ -106,21 +106,19 @@ def direct_logit_attribution(model: LoadedModel, token_ids: Sequence[int], answe
     answer, wrong = int(answer), int(wrong)
     if capture is None or capture.token_ids != ids or position not in capture.positions:
         capture = capture_components(model, ids, [position])
-    names, vectors = capture.components(model.n_layers)
+    names, vectors = capture.components(model.n_layers, [position])
     p = capture.index(position)
     norm = frozen_norm(model.bridge.ln_final)
-    w_u = model.bridge.W_U.detach().double().cpu()  # [d_model, vocab]
-    u = w_u[:, answer] - w_u[:, wrong]
+    w_u = model.bridge.W_U.detach()[:, [answer, wrong]].double().cpu()  # [d_model, 2]: the two columns only
+    u = w_u[:, 0] - w_u[:, 1]
     direction = norm.gain * u  # P(γ ⊙ u): P is symmetric, so x · P(γ ⊙ u) = P(x) · (γ ⊙ u)
     if norm.centred:
         direction = direction - direction.mean()
-    values = (vectors[p] @ direction) / capture.final_sigma[p]
+    values = (vectors[0] @ direction) / capture.final_sigma[p].double()
     b_u = getattr(model.bridge, "b_U", None)
-    constant = float(norm.bias @ u)
-    if b_u is not None:
-        constant += float(b_u[answer] - b_u[wrong])
-    values[names.index(BIAS)] += constant
-    own = float(capture.logits[p, answer] - capture.logits[p, wrong])
+    unembedding_bias = 0.0 if b_u is None else float(b_u[answer] - b_u[wrong])
+    values[names.index(BIAS)] += float(norm.bias @ u) + unembedding_bias
+    own = float(capture.final_out[p].double() @ u) + unembedding_bias  # the model's own normalised stream, unembedded
     total = float(values.sum())
     size = max(float(values.abs().max()), abs(own), 1e-12)
     if abs(total - own) > TOLERANCE * size:

@@ -129,15 +129,14 @@ def qk_attribution(model: LoadedModel, token_ids: Sequence[int], layer: int, hea
     if capture is None or capture.token_ids != ids or not {query, key} <= set(capture.positions) \
             or layer not in capture.attention:
         capture = capture_components(model, ids, [query, key], attention_layers=[layer])
-    names, vectors = capture.components(layer)
+    names, vectors = capture.components(layer, [query, key])
     att = capture.attention[layer]
     group = model.kv_head(head)
-    i, j = capture.index(query), capture.index(key)
-    q_parts = _side(model, layer, att, vectors[i], i, "q", head)
-    k_parts = _side(model, layer, att, vectors[j], j, "k", group)
+    q_parts = _side(model, layer, att, vectors[0], capture.index(query), "q", head)
+    k_parts = _side(model, layer, att, vectors[1], capture.index(key), "k", group)
     scale = float(hf_attn.scaling)
     terms = scale * (q_parts @ k_parts.T)
-    score = scale * float(att.q[i, head] @ att.k[j, group])
+    score = scale * float(att.q[capture.index(query), head].double() @ att.k[capture.index(key), group].double())
     total = float(terms.sum())
     size = max(float(terms.abs().sum(1).max()) if terms.numel() else 0.0, abs(score), 1e-12)
     if abs(total - score) > TOLERANCE * size:
@@ -166,19 +165,19 @@ def _side(model: LoadedModel, layer: int, att: AttentionCapture, parts: Tensor, 
     block = model.bridge.blocks[layer]
     if hasattr(block, "ln1"):
         norm = frozen_norm(block.ln1)
-        normed, constant = norm.apply(parts, att.sigma[p]), norm.bias
+        normed, constant = norm.apply(parts, att.sigma[p].double()), norm.bias
     else:
         normed, constant = parts, torch.zeros(parts.shape[1], dtype=torch.float64)
     w, b = affine_map(getattr(attn, side))
     projected = torch.cat([normed @ w, (constant @ w + b)[None]])  # [C + 1, n · d_head]
-    own = att.q_proj if side == "q" else att.k_proj
+    own = (att.q_proj if side == "q" else att.k_proj).double()
     n_heads, d_head = own.shape[1], own.shape[2]
     check_sum(projected.sum(0), own[p].reshape(-1), f"layer {layer}'s {side} projection")
     projected = _qk_norm(attn, side, projected, own[p]).reshape(-1, n_heads, d_head)[:, head]
     if att.cos is not None:
-        projected = _rotate(attn, projected, att.cos[p], att.sin[p])
+        projected = _rotate(attn, projected, att.cos[p].double(), att.sin[p].double())
     final = att.q if side == "q" else att.k
-    check_sum(projected.sum(0), final[p, head], f"layer {layer}'s {side} of head {head} after QK-norm and RoPE")
+    check_sum(projected.sum(0), final[p, head].double(), f"layer {layer}'s {side} of head {head} after QK-norm and RoPE")
     return projected
 
 

@@ -112,8 +112,8 @@ def frozen_norm(norm: Any) -> FrozenNorm:
 
 @dataclass
 class AttentionCapture:
-    """What one attention layer computed at the captured positions (float64, ``[P, ...]``): its
-    q and k after their projections (biases included, before any QK-norm) ``q_proj [P, H, d_head]``,
+    """What one attention layer computed at the captured positions (``[P, ...]``, as the model computed
+    them): its q and k after their projections (biases included, before any QK-norm) ``q_proj [P, H, d_head]``,
     ``k_proj [P, H_kv, d_head]``; the rotary ``cos``/``sin [P, rot]`` (None without RoPE); the q and
     k the scores are made of, after QK-norm and RoPE, ``q [P, H, d_head]``, ``k [P, H_kv, d_head]``;
     the input norm's scale ``sigma [P]`` (None where the layer reads the residual stream as it is)."""
@@ -128,51 +128,81 @@ class AttentionCapture:
 
 
 @dataclass
+class OutputMap:
+    """How one layer's heads write into the residual stream: ``W_O [H, d_head, d_model]``, its bias
+    ``b_O [d_model]`` and, where the model normalises the attention output before adding it, the post-norm's
+    gain ``[d_model]`` and its scale at the captured positions ``[P]`` (else None)."""
+
+    w_o: Tensor
+    b_o: Tensor
+    post_gain: Tensor | None = None
+    post_sigma: Tensor | None = None
+
+    def heads(self, z: Tensor, rows: Tensor) -> Tensor:
+        """``[H, R, d_model]`` float64: each head's write at captured rows ``rows`` from ``z [P, H, d_head]``."""
+        out = torch.einsum("rhd,hdm->hrm", z[rows].double(), self.w_o.double())
+        return out if self.post_gain is None else out * self.post_gain / self.post_sigma[rows, None].double()
+
+    def bias(self, rows: Tensor) -> Tensor:
+        """``[R, d_model]`` float64: the output bias as written at captured rows ``rows``."""
+        out = self.b_o.double().expand(len(rows), -1)
+        return out if self.post_gain is None else out * self.post_gain / self.post_sigma[rows, None].double()
+
+
+@dataclass
 class ComponentCapture:
-    """One forward pass, kept at ``positions`` (float64 on the CPU).
+    """One forward pass, kept at ``positions`` (on the CPU, in the model's precision; the decompositions
+    compute in float64). Head writes are formed when asked, for the rows asked: a capture of every position
+    of a 512-token run of SmolLM2-135M holds about 40 MB per kind of tensor, not a ``[L, H, n, d_model]`` array.
 
     Attributes
     ----------
     token_ids, positions : what was run and where it was kept (``P`` positions).
     embed : ``[P, d_model]`` the residual stream the first block reads.
-    heads : ``[L, H, P, d_model]`` each head's write into the residual stream (post-norm frozen).
+    z : ``[L, P, H, d_head]`` each head's value mixture, the input of the output projection.
+    out_maps : per layer, the :class:`OutputMap` that turns ``z`` into the heads' writes.
     mlps : ``[L, P, d_model]`` each MLP's write (after its post-norm where the model has one).
-    biases : ``[L, P, d_model]`` each attention output projection's bias, as written (post-norm frozen).
     resid : ``[L + 1, P, d_model]`` the model's own residual stream at each layer's input; index ``L``
         is the final norm's input.
     final_sigma : ``[P]`` the final norm's scale.
-    logits : ``[P, vocab]`` the model's own logits (before any final soft-capping).
+    final_out : ``[P, d_model]`` the final norm's output (what the unembedding reads).
     attention : layer → :class:`AttentionCapture` for the layers asked for.
     """
 
     token_ids: list[int]
     positions: list[int]
     embed: Tensor
-    heads: Tensor
+    z: Tensor
+    out_maps: list[OutputMap]
     mlps: Tensor
-    biases: Tensor
     resid: Tensor
     final_sigma: Tensor
-    logits: Tensor
+    final_out: Tensor
     attention: dict[int, AttentionCapture] = field(default_factory=dict)
 
     def index(self, position: int) -> int:
         """Where ``position`` sits among the captured positions."""
         return self.positions.index(position)
 
-    def components(self, layer: int) -> tuple[list[str], Tensor]:
-        """Names and vectors ``[P, C, d_model]`` of the components of the residual stream at the input of
-        ``layer`` (``n_layers``: before the final norm): ``embed``, each head ``L.H`` and MLP ``mlp.L`` of
-        the earlier layers, and ``bias`` (the output biases of those layers together).
+    def components(self, layer: int, positions: Sequence[int]) -> tuple[list[str], Tensor]:
+        """Names and float64 vectors ``[len(positions), C, d_model]`` of the components of the residual stream at
+        the input of ``layer`` (``n_layers``: before the final norm) at captured ``positions``: ``embed``, each
+        head ``L.H`` and MLP ``mlp.L`` of the earlier layers, and ``bias`` (their output biases together).
 
         Raises :class:`InputError` when they do not add up to the model's own residual stream there."""
-        n_heads = self.heads.shape[1]
+        rows = torch.tensor([self.index(p) for p in positions], dtype=torch.long)
+        n_heads = self.z.shape[2]
         names = [EMBED] + [head_name(a, h) for a in range(layer) for h in range(n_heads)]
         names += [mlp_name(a) for a in range(layer)] + [BIAS]
-        parts = [self.embed[:, None], self.heads[:layer].permute(2, 0, 1, 3).flatten(1, 2),
-                 self.mlps[:layer].transpose(0, 1), self.biases[:layer].sum(0)[:, None]]
+        heads = [self.out_maps[a].heads(self.z[a], rows) for a in range(layer)]  # each [H, R, d]
+        bias = sum((self.out_maps[a].bias(rows) for a in range(layer)), torch.zeros(len(rows), self.embed.shape[1],
+                                                                                      dtype=torch.float64))
+        parts = [self.embed[rows, None].double()]
+        if heads:
+            parts.append(torch.cat(heads, 0).transpose(0, 1))
+        parts += [self.mlps[:layer, rows].transpose(0, 1).double(), bias[:, None]]
         vectors = torch.cat(parts, 1)
-        check_sum(vectors.sum(1), self.resid[layer], f"the residual stream at the input of layer {layer}")
+        check_sum(vectors.sum(1), self.resid[layer, rows].double(), f"the residual stream at the input of layer {layer}")
         return names, vectors
 
 
@@ -253,12 +283,12 @@ def capture_components(model: LoadedModel, token_ids: Sequence[int], positions: 
 
     def keep(name: str, dim: int = 1):
         def hook(tensor: Tensor, hook: Any = None) -> None:
-            kept[name] = tensor[0].detach().index_select(dim - 1, at.to(tensor.device)).double().cpu()
+            kept[name] = tensor[0].detach().index_select(dim - 1, at.to(tensor.device)).float().cpu()
 
         return hook
 
     hooks = [("blocks.0.hook_in", keep("embed")), ("ln_final.hook_in", keep("final")),
-             ("ln_final.hook_scale", keep("final_sigma")), ("unembed.hook_out", keep("logits"))]
+             ("ln_final.hook_scale", keep("final_sigma")), ("ln_final.hook_out", keep("final_out"))]
     for layer, block in enumerate(bridge.blocks):
         hooks += [(f"blocks.{layer}.hook_in", keep(f"resid{layer}")), (f"blocks.{layer}.attn.o.hook_in", keep(f"z{layer}"))]
         hooks.append((f"blocks.{layer}.{'ln2_post' if hasattr(block, 'ln2_post') else 'mlp'}.hook_out", keep(f"mlp{layer}")))
@@ -268,23 +298,20 @@ def capture_components(model: LoadedModel, token_ids: Sequence[int], positions: 
         hooks += attention_hooks(model, layer, keep)
     with model.lock, torch.inference_mode():
         bridge.run_with_hooks(torch.tensor([ids], device=model.device), fwd_hooks=hooks, return_type=None)
-    heads, biases, mlps = [], [], []
+    out_maps = []
     for layer, block in enumerate(bridge.blocks):
-        z = kept[f"z{layer}"]  # [P, H, d_head]
         w_o, b_o = affine_map(block.attn.o)  # [H · d_head, d_model]
-        per_head = torch.einsum("phd,hdm->hpm", z, w_o.reshape(model.n_heads, -1, w_o.shape[1]))
-        bias = b_o.expand(len(pos), -1)
+        out = OutputMap(w_o=w_o.reshape(model.n_heads, -1, w_o.shape[1]).float(), b_o=b_o)
         if hasattr(block, "ln1_post"):
-            post = frozen_norm(block.ln1_post)
-            per_head, bias = post.apply(per_head, kept[f"post{layer}"]), post.apply(bias, kept[f"post{layer}"])
-        heads.append(per_head)
-        biases.append(bias)
-        mlps.append(kept[f"mlp{layer}"])
-    resid = torch.stack([kept[f"resid{layer}"] for layer in range(model.n_layers)] + [kept["final"]])
+            out.post_gain, out.post_sigma = frozen_norm(block.ln1_post).gain, kept[f"post{layer}"][:, 0]
+        out_maps.append(out)
+    layers = range(model.n_layers)
+    resid = torch.stack([kept[f"resid{layer}"] for layer in layers] + [kept["final"]])
     attention = {layer: attention_capture(kept, layer) for layer in sorted(set(attention_layers))}
-    return ComponentCapture(token_ids=ids, positions=pos, embed=kept["embed"], heads=torch.stack(heads),
-                            mlps=torch.stack(mlps), biases=torch.stack(biases), resid=resid,
-                            final_sigma=kept["final_sigma"][:, 0], logits=kept["logits"], attention=attention)
+    return ComponentCapture(token_ids=ids, positions=pos, embed=kept["embed"],
+                            z=torch.stack([kept[f"z{layer}"] for layer in layers]), out_maps=out_maps,
+                            mlps=torch.stack([kept[f"mlp{layer}"] for layer in layers]), resid=resid,
+                            final_sigma=kept["final_sigma"][:, 0], final_out=kept["final_out"], attention=attention)
 
 
 def attention_hooks(model: LoadedModel, layer: int, keep: Any) -> list[tuple[str, Any]]:
