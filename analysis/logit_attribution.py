@@ -116,7 +116,7 @@ def direct_logit_attribution(model: LoadedModel, token_ids: Sequence[int], answe
         direction = direction - direction.mean()
     values = (vectors[0] @ direction) / capture.final_sigma[p].double()
     b_u = getattr(model.bridge, "b_U", None)
-    unembedding_bias = 0.0 if b_u is None else float(b_u[answer] - b_u[wrong])
+    unembedding_bias = 0.0 if b_u is None else float(b_u.detach()[answer] - b_u.detach()[wrong])
     values[names.index(BIAS)] += float(norm.bias @ u) + unembedding_bias
     own = float(capture.final_out[p].double() @ u) + unembedding_bias  # the model's own normalised stream, unembedded
     total = float(values.sum())

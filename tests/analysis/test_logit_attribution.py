@@ -118,3 +118,37 @@ def test_the_embedded_model_adds_up_and_matches_the_reference(real_model):
     assert abs(result.values.sum() - own) <= 1e-4 * abs(own)
     assert abs(result.logit_diff - own) <= 1e-4 * abs(own)
     np.testing.assert_allclose(result.heads(), reference.numpy(), rtol=1e-4, atol=1e-5 * abs(own))
+
+
+def test_a_write_the_components_do_not_name_is_refused_not_misattributed(embedded_tokenizer):
+    """A plain torch hook that adds a constant to layer 0's output projection changes the model's residual
+    stream without any head, MLP or bias writing it: the decomposition refuses instead of returning numbers
+    that do not add up."""
+    model = _wrapped("llama", embedded_tokenizer, seed=5)
+    o_proj = model.bridge.blocks[0].attn.o.original_component
+    handle = o_proj.register_forward_hook(lambda module, args, out: out + 0.5)
+    try:
+        with pytest.raises(InputError, match="cannot be written exactly"):
+            direct_logit_attribution(model, IDS, ANSWER, WRONG)
+    finally:
+        handle.remove()
+    assert direct_logit_attribution(model, IDS, ANSWER, WRONG).values.size
+
+
+def test_a_parallel_attention_and_mlp_block_is_exact_too(embedded_tokenizer):
+    """Phi-1/2 add attention and MLP side by side from one norm: the residual stream is still their sum."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    def phi():
+        torch.manual_seed(0)
+        hf = PhiForCausalLM(PhiConfig(vocab_size=len(embedded_tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4))
+        hf.config.architectures, hf.config._attn_implementation = ["PhiForCausalLM"], "eager"
+        return hf.eval()
+
+    result = direct_logit_attribution(wrap_model(phi(), embedded_tokenizer, name="tiny-phi", digest="tiny-phi"),
+                                      IDS, ANSWER, WRONG)
+    with torch.no_grad():
+        logits = phi()(torch.tensor([IDS])).logits[0, -1].double()
+    own = float(logits[ANSWER] - logits[WRONG])
+    assert abs(result.values.sum() - own) <= 1e-4 * abs(own)

@@ -144,3 +144,41 @@ def test_the_embedded_model_adds_up_and_matches_the_reference(real_model):
     e = result.query_names.index("embed")
     assert result.terms[e, e] == pytest.approx(embed_term, rel=1e-4)
     assert result.terms.shape == (2 + 12 * 10 + 1,) * 2
+
+
+def test_a_key_the_components_do_not_build_is_refused_not_misattributed(embedded_tokenizer):
+    """A plain torch hook that shifts layer 1's key projection makes the model's k differ from what the
+    components build: refused, never a matrix that does not add up to the score."""
+    model = _wrapped("qwen2", embedded_tokenizer, seed=5)
+    k_proj = model.bridge.blocks[1].attn.k.original_component
+    handle = k_proj.register_forward_hook(lambda module, args, out: out * 1.01)
+    try:
+        with pytest.raises(InputError, match="cannot be written exactly"):
+            qk_attribution(model, IDS, 1, 0, 11, 3)
+    finally:
+        handle.remove()
+    assert qk_attribution(model, IDS, 1, 0, 11, 3).terms.size
+
+
+def test_the_known_induction_circuit_shows_on_the_key_side(real_model):
+    """Olsson et al. 2022: on repeated random tokens the top induction head's key side is built mostly by an
+    earlier previous-token head (bench/induction_circuit.py prints the whole table)."""
+    g = torch.Generator().manual_seed(0)
+    r = torch.randint(1000, 20000, (40,), generator=g).tolist()
+    ids, n = r + r, 40
+    patterns = {}
+    hooks = [(f"blocks.{a}.attn.hook_pattern", lambda t, hook, a=a: patterns.__setitem__(a, t[0].detach()))
+             for a in range(real_model.n_layers)]
+    with real_model.lock, torch.inference_mode():
+        real_model.bridge.run_with_hooks(torch.tensor([ids]), fwd_hooks=hooks, return_type=None)
+    rows, every = torch.arange(n, 2 * n), torch.arange(1, 2 * n)
+    induction = torch.stack([patterns[a][:, rows, rows - n + 1].mean(-1) for a in range(real_model.n_layers)])
+    previous = torch.stack([patterns[a][:, every, every - 1].mean(-1) for a in range(real_model.n_layers)])
+    layer, head = divmod(int(induction.argmax()), real_model.n_heads)
+    assert induction[layer, head] > 0.5
+    query = 2 * n - 3
+    result = qk_attribution(real_model, ids, layer, head, query, query - n + 1)
+    top = result.key_names[int(np.argmax(result.key_sums))]
+    sender_layer, sender_head = (int(x) for x in top.split("."))
+    assert sender_layer < layer and previous[sender_layer, sender_head] > 0.5
+    assert result.key_sums.max() > 0.5 * result.score
