@@ -198,7 +198,7 @@ def _not_run_on_error(fn):
     State(model_id(PREFIX), "value"),
     State(url_id(PREFIX), "search"),
     interval=200,  # the browser asks for the job's progress and result this often: on average half of it is
-    # added to click → grid (400 ms before #16's measurements; a poll is a few ms of server time)
+    # added to click → grid, and a poll is a few ms of server time
     prevent_initial_call=True,
     run=run_id(PREFIX), cancel=CANCEL, progress=PROGRESS, status=STATUS, preview=PREVIEW,
 )
@@ -211,7 +211,7 @@ def run_text(set_progress, n_clicks, text, model_spec, search):
 
     A new pattern run's grid is sent to the page as soon as the forward pass ends
     (:func:`_grid_preview`), while the run is written to the store; the rest of the page follows
-    from the URL as before."""
+    from the URL, as for any link."""
     if not n_clicks:  # the page's layout arriving is not a click
         raise PreventUpdate
     in_job()
@@ -259,9 +259,10 @@ def _preview_mark(key: str, metric: str, layer: int, head: int) -> str:
 
 def _grid_preview(run, state: PageState):
     """The grid :func:`render` will draw for ``run`` in ``state`` (the state Run puts in the URL),
-    built by the job from the run in its memory, before the run is stored: at 512 tokens on 2 cores
-    writing the run took 0.3-0.5 s, and the page's render read and verified it again (0.15-0.4 s)
-    before it drew the grid (#16's click → grid). The heatmap, strip and sink map follow from the URL.
+    built by the job from the run in its memory, before the run is stored: the grid then does not
+    wait for the run to be written, nor for the render to read it back and verify it, which at a few
+    hundred tokens take about as long again as the forward pass. The heatmap, strip and sink map
+    follow from the URL.
     The figure carries its mark in ``layout.meta.preview``: the browser takes it back if the job then
     ends without its run (assets/attention.js ``withdrawPreview``)."""
     metric, layer, head = state.metric, state.layer or 0, state.head or 0
@@ -278,32 +279,33 @@ def _with(search: str | None, **changes) -> str:
 
 
 @callback(
-    Output(ids.GRID, "figure"),
-    Output(ids.HEATMAP, "figure"),
-    Output(ids.STRIP, "figure"),
-    Output(ids.STRIP, "style"),
-    Output(STRIP_DATA, "data"),
-    Output(ids.RUN_INFO, "children"),
-    Output(ids.ERROR, "children", allow_duplicate=True),
-    Output(text_fill_id(PREFIX), "data"),  # into the text box in the browser, never over an edit
-    Output(model_id(PREFIX), "value"),
-    Output(ids.METRIC, "value"),
-    Output(query_store_id(PREFIX), "data"),
-    Output(SINKS_RUN, "data"),
-    Output(DRAWN, "data"),
-    Input(url_id(PREFIX), "search"),
-    State(url_id(PREFIX), "pathname"),
-    State(SINKS_RUN, "data"),
-    State(DRAWN, "data"),
+    output=dict(
+        grid=Output(ids.GRID, "figure"),
+        heatmap=Output(ids.HEATMAP, "figure"),
+        strip=Output(ids.STRIP, "figure"),
+        strip_style=Output(ids.STRIP, "style"),
+        strip_data=Output(STRIP_DATA, "data"),
+        info=Output(ids.RUN_INFO, "children"),
+        error=Output(ids.ERROR, "children", allow_duplicate=True),
+        text=Output(text_fill_id(PREFIX), "data"),  # into the text box in the browser, never over an edit
+        model=Output(model_id(PREFIX), "value"),
+        metric=Output(ids.METRIC, "value"),
+        query=Output(query_store_id(PREFIX), "data"),
+        sinks_run=Output(SINKS_RUN, "data"),
+        drawn=Output(DRAWN, "data"),
+    ),
+    inputs=[Input(url_id(PREFIX), "search")],
+    state=[State(url_id(PREFIX), "pathname"), State(SINKS_RUN, "data"), State(DRAWN, "data")],
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=13, error_index=6)
+@guarded(outputs=("grid", "heatmap", "strip", "strip_style", "strip_data", "info", "error", "text", "model", "metric",
+                  "query", "sinks_run", "drawn"))
 def render(search, pathname=None, sinks_run=None, drawn=None):
     """Draw the page from its URL. The grid and heatmap of the run and metric already drawn are only
     patched for another head or query token (:func:`_head_changed`), and left alone when nothing they
     show changed; nothing is drawn for a page being left (:func:`headscope.app.components.leaving`): a patch
-    answered after the next page replaced this one was "Cannot patch undefined" in the console."""
+    answered after the next page replaced this one would find no figure to patch."""
     if leaving(pathname, PAGE_PATH):
         raise PreventUpdate
     state = parse(search)
@@ -311,14 +313,14 @@ def render(search, pathname=None, sinks_run=None, drawn=None):
     context = get_context()
     if state.model and state.run is None:
         load_model(state.model)  # a model named on its own: check it loads, so a bad link says so
+    blank = {"grid": EMPTY, "heatmap": EMPTY, "strip": EMPTY, "strip_style": {}, "strip_data": None, "info": "",
+             "metric": state.metric, "query": None, "sinks_run": None, "drawn": None}
     if state.run is None:
-        return (EMPTY, EMPTY, EMPTY, {}, None, "", message(problems), no_update, state.model or no_update,
-                state.metric, None, None, None)
+        return {**blank, "error": message(problems), **({"model": state.model} if state.model else {})}
     run = context.run(state.run)
     if run is None:
         problems.append(f"No stored run has the id {state.run!r}. Run the text again to recompute it.")
-        return (EMPTY, EMPTY, EMPTY, {}, None, "", message(problems), no_update, no_update, state.metric,
-                None, None, None)
+        return {**blank, "error": message(problems)}
     n_layers, n_heads = run.n_layers, run.n_heads
     if state.metric not in run.metrics:
         problems.append(f"{unavailable(HEAD_SCORES[state.metric], run)}; showing normalised entropy.")
@@ -366,8 +368,9 @@ def render(search, pathname=None, sinks_run=None, drawn=None):
             problems.append(str(e))
     info = run_info(run, layer, head, _run_policy(run))
     model = dropdown_model(run.model_name, problems)
-    return (grid, heat, strip, strip_style, strip_data, info, message(problems), run.text or no_update, model,
-            state.metric, query, run.key if fresh else no_update, shown)
+    return {"grid": grid, "heatmap": heat, "strip": strip, "strip_style": strip_style, "strip_data": strip_data,
+            "info": info, "error": message(problems), **({"text": run.text} if run.text else {}), "model": model,
+            "metric": state.metric, "query": query, **({"sinks_run": run.key} if fresh else {}), "drawn": shown}
 
 
 def _run_policy(run) -> str:
@@ -384,7 +387,7 @@ def _head_changed(run, layer: int, head: int) -> tuple[Patch, Patch]:
     """Another head of the run and metric the browser already shows: the grid's outline moves and the
     heatmap gets the head's weights and title, as patches to the drawn figures (the same values
     :func:`headscope.app.figures.head_grid` and :func:`headscope.app.figures.attention_heatmap` give, without building
-    and sending both figures again: #16's click → heatmap)."""
+    and sending both figures again, so a click on another head is answered sooner)."""
     grid, heat = Patch(), Patch()
     grid["layout"]["shapes"] = [figures.head_outline(layer, head)]
     z = figures.attention_heatmap_z(run.attention_overview(layer, head))

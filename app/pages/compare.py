@@ -146,19 +146,18 @@ def _change_summary(result) -> str:
 
 
 @callback(
-    Output(ids.CMP_FIRST, "options"),
-    Output(ids.CMP_FIRST, "value"),
-    Output(ids.CMP_SECOND, "options"),
-    Output(ids.CMP_SECOND, "value"),
-    Output(ids.CMP_PASTE_NOTE, "children"),
-    Input(url_id(PREFIX), "search"),
-    Input(ids.SEEN_RUNS, "data"),
-    Input(ids.CMP_PASTE, "value"),
-    State(ids.CMP_FIRST, "value"),
-    State(ids.CMP_SECOND, "value"),
+    output=dict(
+        first_options=Output(ids.CMP_FIRST, "options"),
+        first=Output(ids.CMP_FIRST, "value"),
+        second_options=Output(ids.CMP_SECOND, "options"),
+        second=Output(ids.CMP_SECOND, "value"),
+        paste_note=Output(ids.CMP_PASTE_NOTE, "children"),
+    ),
+    inputs=[Input(url_id(PREFIX), "search"), Input(ids.SEEN_RUNS, "data"), Input(ids.CMP_PASTE, "value")],
+    state=[State(ids.CMP_FIRST, "value"), State(ids.CMP_SECOND, "value")],
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker, beside the store it reads
 )
-@guarded(outputs=5)
+@guarded(outputs=("first_options", "first", "second_options", "second", "paste_note"), error="paste_note")
 def offer_runs(search, seen, pasted, shown_first=None, shown_second=None):
     """Fill both lists with the runs this browser was shown (``seen``, kept in the browser by
     :mod:`headscope.app.seen_runs`), those the URL names (its link was opened: in the list at once, before the
@@ -167,7 +166,7 @@ def offer_runs(search, seen, pasted, shown_first=None, shown_second=None):
 
     The lists' values are set from the URL only while empty (the page arriving, or a link or the back
     button, which rebuild it): afterwards the user's choices lead and :func:`choose` writes them into
-    the URL (setting them on every answer raced with a second choice made meanwhile). A value goes
+    the URL, so an answer on its way does not undo a second choice made before it arrives. A value goes
     out with its list's options, in one answer: a list shown a value that is not among its options
     empties it."""
     state = parse(search)
@@ -176,24 +175,30 @@ def offer_runs(search, seen, pasted, shown_first=None, shown_second=None):
     found = shown_run(store, pasted)
     named = [r.key for r in (found, first, second) if r is not None]
     keys = run_ids([*named, *(seen if isinstance(seen, list) else [])])
-    return (run_options(keys), first.key if first and shown_first is None else no_update,
-            run_options(keys, first.n_tokens if first else None),
-            second.key if second and shown_second is None else no_update, _paste_note(pasted, found))
+    out = {"first_options": run_options(keys), "second_options": run_options(keys, first.n_tokens if first else None),
+           "paste_note": _paste_note(pasted, found)}
+    if first and shown_first is None:
+        out["first"] = first.key
+    if second and shown_second is None:
+        out["second"] = second.key
+    return out
 
 
 @callback(
-    Output(ids.CMP_METRIC, "value"),
-    Output(ids.CMP_STATUS, "children"),
-    Output(ids.CMP_GRIDS, "figure"),
-    Output(ids.CMP_TOP, "children"),
-    Output(ids.CMP_DIFF, "figure"),
-    Output(ids.ERROR, "children", allow_duplicate=True),
-    Input(url_id(PREFIX), "search"),
-    State(ids.CMP_METRIC, "value"),
+    output=dict(
+        metric=Output(ids.CMP_METRIC, "value"),
+        status=Output(ids.CMP_STATUS, "children"),
+        grids=Output(ids.CMP_GRIDS, "figure"),
+        top=Output(ids.CMP_TOP, "children"),
+        difference=Output(ids.CMP_DIFF, "figure"),
+        error=Output(ids.ERROR, "children", allow_duplicate=True),
+    ),
+    inputs=[Input(url_id(PREFIX), "search")],
+    state=[State(ids.CMP_METRIC, "value")],
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker, beside the store it reads
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=6)
+@guarded(outputs=("metric", "status", "grids", "top", "difference", "error"))
 def render(search, shown_metric=None):
     """Draw the page from its URL: both runs read from the store, their comparison, the clicked head.
     The score's list is set from the URL only while empty, as :func:`offer_runs` sets the run lists."""
@@ -212,14 +217,16 @@ def render(search, shown_metric=None):
             second = stored_run(state.second, "second")
         except InputError as e:
             problems.append(str(e))
-    lists = (metric if shown_metric is None else no_update,)
+    lists = {"metric": metric} if shown_metric is None else {}
     if first is None or second is None:
         status = "Choose the second run." if first is not None else CHOOSE
-        return (*lists, status, NO_RUNS, "", NO_HEAD, message(problems))
+        return {**lists, "status": status, "grids": NO_RUNS, "top": "", "difference": NO_HEAD,
+                "error": message(problems)}
     try:
         result = compare_runs(first, second, metric)
     except InputError as e:  # unequal lengths, other tokenizers, a metric one run cannot give
-        return (*lists, str(e), NO_RUNS, "", NO_HEAD, message(problems))
+        return {**lists, "status": str(e), "grids": NO_RUNS, "top": "", "difference": NO_HEAD,
+                "error": message(problems)}
     params = comparison_params(state)
     params.update(first=first.key[:16], second=second.key[:16], metric=metric)
     if state.layer is not None and state.head is not None and not (
@@ -235,7 +242,8 @@ def render(search, shown_metric=None):
     status = (f"{result.kind.capitalize()}, {first.n_tokens} tokens"
               + (f"; the tokens differ at {where}{more}." if result.differ else "; the same tokens.")
               + (_change_summary(result) if np.isfinite(result.difference).any() else ""))
-    return (*lists, status, grids, _top_table(result), diff, message(problems))
+    return {**lists, "status": status, "grids": grids, "top": _top_table(result), "difference": diff,
+            "error": message(problems)}
 
 
 @callback(

@@ -207,33 +207,38 @@ show_in_shell(PREFIX)
 
 
 @callback(
-    Output(ids.KV_PARETO, "figure"),
-    Output(ids.KV_POLICY, "figure"),
-    Output(ids.KV_TABLE, "data"),
-    Output(ids.KV_PICK, "options"),
-    Output(ids.KV_PICK, "value"),
-    Output(ids.KV_INFO, "children"),
-    Output(ids.ERROR, "children", allow_duplicate=True),
-    Output(ids.KV_TOLERANCE, "value"),
-    Output(ids.KV_MODEL, "value"),
-    Output(ids.KV_SWEEP, "value"),
-    Output(ids.KV_RANKINGS, "value"),
-    Output(ids.KV_FRACTIONS, "value"),
-    Output(ids.KV_SEEDS, "value"),
-    Output(ids.KV_SINK, "value"),
-    Output(ids.KV_RECENT, "value"),
-    Input(url_id(PREFIX), "search"),
+    output=dict(
+        pareto=Output(ids.KV_PARETO, "figure"),
+        policy=Output(ids.KV_POLICY, "figure"),
+        table=Output(ids.KV_TABLE, "data"),
+        pick_options=Output(ids.KV_PICK, "options"),
+        pick=Output(ids.KV_PICK, "value"),
+        info=Output(ids.KV_INFO, "children"),
+        error=Output(ids.ERROR, "children", allow_duplicate=True),
+        tolerance=Output(ids.KV_TOLERANCE, "value"),
+        # the form shows the settings the stored curve was evaluated with, so Run reruns them
+        model=Output(ids.KV_MODEL, "value"),
+        sweep=Output(ids.KV_SWEEP, "value"),
+        rankings=Output(ids.KV_RANKINGS, "value"),
+        fractions=Output(ids.KV_FRACTIONS, "value"),
+        seeds=Output(ids.KV_SEEDS, "value"),
+        sink=Output(ids.KV_SINK, "value"),
+        recent=Output(ids.KV_RECENT, "value"),
+    ),
+    inputs=[Input(url_id(PREFIX), "search")],
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=15, error_index=6)
+@guarded(outputs=("pareto", "policy", "table", "pick_options", "pick", "info", "error", "tolerance", "model", "sweep",
+                  "rankings", "fractions", "seeds", "sink", "recent"))
 def render(search):
     """Draw the page from its URL: the stored curve it names, read back, never computed."""
     state = parse(search)
     problems = list(state.problems)
     tol_points = DEFAULT_TOL_POINTS if state.tol is None else state.tol
     if not state.compress:
-        return (EMPTY, NO_POLICY, [], [], None, "", message(problems), tol_points, *[no_update] * 7)
+        return {"pareto": EMPTY, "policy": NO_POLICY, "table": [], "pick_options": [], "pick": None, "info": "",
+                "error": message(problems), "tolerance": tol_points}
     _, curve = stored_curve(state.compress)
     params = compress_params(state)
     pareto, _ = VIEWS[names.COMPRESSION_PARETO].build(None, params)
@@ -246,12 +251,15 @@ def render(search):
     options = [{"label": f"{pick_text(e)}  (KV {e.memory.fraction:.3f}, NIAH {_num(e.niah_accuracy, '.3f')})",
                 "value": pick_text(e)} for e in curve.evaluations]
     meta = curve.meta
-    model_value = dropdown_model(meta["model_name"], problems) if meta.get("model_name") else no_update
-    form = [model_value, (meta.get("sweep") or "")[:16], list(meta.get("rankings", [])),
-            ",".join(f"{f:g}" for f in meta.get("fractions", [])), len(meta.get("seeds", [])) or no_update,
-            curve.sink_size, curve.recent_size]
-    return (pareto, policy, table_rows(curve), options, chosen, _info(curve, params["tolerance"]), message(problems),
-            tol_points, *form)
+    form = {"sweep": (meta.get("sweep") or "")[:16], "rankings": list(meta.get("rankings", [])),
+            "fractions": ",".join(f"{f:g}" for f in meta.get("fractions", [])),
+            "sink": curve.sink_size, "recent": curve.recent_size}
+    if meta.get("model_name"):
+        form["model"] = dropdown_model(meta["model_name"], problems)
+    if meta.get("seeds"):
+        form["seeds"] = len(meta["seeds"])
+    return {"pareto": pareto, "policy": policy, "table": table_rows(curve), "pick_options": options, "pick": chosen,
+            "info": _info(curve, params["tolerance"]), "error": message(problems), "tolerance": tol_points, **form}
 
 
 @callback(

@@ -151,51 +151,60 @@ register_export(PREFIX)
 fill_text_from_runs(PREFIX)
 
 
+STRIP = {m: f"strip_{m}" for m in RELEVANCE_METHODS}  # the render's output of each method's strip
+
+
 @callback(
-    *[Output({"type": ids.FLOW_STRIPS, "method": m}, "figure") for m in RELEVANCE_METHODS],
-    Output(ids.FLOW_LAYERS, "figure"),
-    Output(ids.FAITH_SET, "figure", allow_duplicate=True),
-    Output(ids.FLOW_INFO, "children"),
-    Output(ids.ERROR, "children", allow_duplicate=True),
-    Output(text_fill_id(PREFIX), "data"),  # into the text box in the browser, never over an edit
-    Output(model_id(PREFIX), "value"),
-    Output(ids.FLOW_TARGET, "value"),
-    Output(ids.FLOW_FUSION, "value"),
-    Output(ids.FLOW_SINK, "value"),
-    Output(ids.FLOW_TOKENS, "children"),
-    Input(url_id(PREFIX), "search"),
-    State(ids.FLOW_FUSION, "value"),
-    State(ids.FLOW_SINK, "value"),
+    output=dict(
+        **{STRIP[m]: Output({"type": ids.FLOW_STRIPS, "method": m}, "figure") for m in RELEVANCE_METHODS},
+        layers=Output(ids.FLOW_LAYERS, "figure"),
+        faith_set=Output(ids.FAITH_SET, "figure", allow_duplicate=True),
+        info=Output(ids.FLOW_INFO, "children"),
+        error=Output(ids.ERROR, "children", allow_duplicate=True),
+        text=Output(text_fill_id(PREFIX), "data"),  # into the text box in the browser, never over an edit
+        model=Output(model_id(PREFIX), "value"),
+        target=Output(ids.FLOW_TARGET, "value"),
+        fusion=Output(ids.FLOW_FUSION, "value"),
+        sink=Output(ids.FLOW_SINK, "value"),
+        tokens=Output(ids.FLOW_TOKENS, "children"),
+    ),
+    inputs=[Input(url_id(PREFIX), "search")],
+    state=[State(ids.FLOW_FUSION, "value"), State(ids.FLOW_SINK, "value")],
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=len(RELEVANCE_METHODS) + 10, error_index=len(RELEVANCE_METHODS) + 3)
+@guarded(outputs=(*STRIP.values(), "layers", "faith_set", "info", "error", "text", "model", "target", "fusion", "sink",
+                  "tokens"))
 def render(search, fusion_shown=None, sink_shown=None):
-    n = len(RELEVANCE_METHODS)
+    """Draw the page from its URL: one strip per relevance method (the output :data:`STRIP` names), the
+    rollout layers, the faithfulness chart already evaluated for these settings, and the token buttons."""
     state = parse(search)
     problems = list(state.problems)
     # The controls are written only where they differ from the URL as it was when this render
     # started: a box ticked while an earlier redraw is still running is not undone by it.
-    sink = ["sink"] if state.drop_sink else []
-    controls = (no_update if fusion_shown == state.fusion else state.fusion,
-                no_update if bool(sink_shown) == state.drop_sink else sink)
+    controls = {}
+    if fusion_shown != state.fusion:
+        controls["fusion"] = state.fusion
+    if bool(sink_shown) != state.drop_sink:
+        controls["sink"] = ["sink"] if state.drop_sink else []
+    blank = {**dict.fromkeys(STRIP.values(), EMPTY), "layers": EMPTY, "info": "", "target": None,
+             "tokens": [], **controls}
     if state.run is None:
-        return (*[EMPTY] * n, EMPTY, no_update, "", message(problems), no_update, no_update, None, *controls, [])
+        return {**blank, "error": message(problems)}
     run = get_context().run(state.run)
     if run is None:
         problems.append(f"No stored run has the id {state.run!r}. Run the text again to recompute it.")
-        return (*[EMPTY] * n, EMPTY, no_update, "", message(problems), no_update, no_update, None, *controls, [])
+        return {**blank, "error": message(problems)}
     target = check_target(run, state.target)
     params = {"target": target, "fusion": state.fusion, "drop_sink": state.drop_sink}
-    strips = []
+    strips = {}
     for method in RELEVANCE_METHODS:
         try:
-            fig, _ = VIEWS[names.RELEVANCE].build(run, {**params, "method": method})
+            strips[STRIP[method]], _ = VIEWS[names.RELEVANCE].build(run, {**params, "method": method})
         except ValueError as e:  # e.g. flow over its token limit: the other methods still show
             if str(e) not in problems:  # flow and corrected flow give the same reason: said once
                 problems.append(str(e))
-            fig = empty_figure(str(e))
-        strips.append(fig)
+            strips[STRIP[method]] = empty_figure(str(e))
     layers, _ = VIEWS[names.ROLLOUT_LAYERS].build(run, params)
     try:
         faith_set, _ = VIEWS[names.FAITHFULNESS_SET].build(run, {**params, "_compute": False})
@@ -210,8 +219,9 @@ def render(search, fusion_shown=None, sink_shown=None):
     # The target box keeps what the link says (empty = the last token), so filling it in here does
     # not itself change the URL and re-render.
     model = dropdown_model(run.model_name, problems)
-    return (*strips, layers, faith_set, info, message(problems), run.text or no_update, model, state.target,
-            *controls, token_buttons(run.tokens, target))
+    return {**strips, "layers": layers, "faith_set": faith_set, "info": info, "error": message(problems),
+            **({"text": run.text} if run.text else {}), "model": model, "target": state.target,
+            "tokens": token_buttons(run.tokens, target), **controls}
 
 
 def clicked_position(value) -> int | None:

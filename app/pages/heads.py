@@ -317,43 +317,46 @@ def _form_values(settings: SweepSettings) -> tuple[list[str], str, str, str, str
 
 
 @callback(
-    Output(ids.HEADS_NEEDLES, "value"),
-    Output(ids.HEADS_CUSTOM_NEEDLES, "value"),
-    Output(ids.HEADS_LENGTHS, "value"),
-    Output(ids.HEADS_DEPTHS, "value"),
-    Output(ids.HEADS_HAYSTACK, "value", allow_duplicate=True),
-    Output(ids.HEADS_SINK, "value"),
-    Output(ids.HEADS_WINDOW, "value"),
-    Output(ids.HEADS_DEPTH_RULE, "value"),
-    Output(ids.HEADS_STOP_NEWLINE, "value"),
-    Output(ids.HEADS_FORM_NOTE, "children"),
-    Output(ids.HEADS_FORM_SWEEP, "data"),
-    Input(KEYS["sweep"], "data"),  # not every change of the URL: a head or trial click leaves the form
-    State(url_id(PREFIX), "search"),
-    State(ids.HEADS_FORM_SWEEP, "data"),
-    State(ids.HEADS_CUSTOM_HAYSTACK, "value"),
+    output=dict(
+        needles=Output(ids.HEADS_NEEDLES, "value"),
+        own_needles=Output(ids.HEADS_CUSTOM_NEEDLES, "value"),
+        lengths=Output(ids.HEADS_LENGTHS, "value"),
+        depths=Output(ids.HEADS_DEPTHS, "value"),
+        haystack=Output(ids.HEADS_HAYSTACK, "value", allow_duplicate=True),
+        sink=Output(ids.HEADS_SINK, "value"),
+        window=Output(ids.HEADS_WINDOW, "value"),
+        depth_rule=Output(ids.HEADS_DEPTH_RULE, "value"),
+        stop_newline=Output(ids.HEADS_STOP_NEWLINE, "value"),
+        note=Output(ids.HEADS_FORM_NOTE, "children"),
+        filled=Output(ids.HEADS_FORM_SWEEP, "data"),
+    ),
+    # not every change of the URL: a head or trial click leaves the form
+    inputs=[Input(KEYS["sweep"], "data")],
+    state=[State(url_id(PREFIX), "search"), State(ids.HEADS_FORM_SWEEP, "data"),
+           State(ids.HEADS_CUSTOM_HAYSTACK, "value")],
     prevent_initial_call=True,
 )
 def form_from_sweep(_keys, search, filled, own_haystack):
     """A link with ``sweep=`` fills the form with that sweep's own settings
-    (:func:`headscope.analysis.retrieval.sweep_settings`), not the defaults, so Run reruns that sweep."""
+    (:func:`headscope.analysis.retrieval.sweep_settings`), not the defaults, so Run reruns that sweep.
+    A link without one, or naming no stored sweep (the page's render says so), leaves the form."""
     state = parse(search)
-    keep = (no_update,) * 11
     if state.sweep is None or state.sweep == filled:
-        return keep
+        raise PreventUpdate
     store = get_context().store
     keys = store.find(state.sweep)
     settings = sweep_settings(store, keys[0]) if len(keys) == 1 else None
-    if settings is None:  # the page's render says there is no such sweep
-        return keep
+    if settings is None:
+        raise PreventUpdate
     ticked, own, lengths, depths, haystack = _form_values(settings)
     note = f"Settings filled from sweep {state.sweep[:12]}: Run reruns them."
     if settings.haystack is None and not (own_haystack or "").strip():
         note += " It used its own haystack, which is not stored with it: paste or upload that text again."
-    return (ticked, own, lengths, depths, haystack,
-            DEFAULT_SINK if state.sink_size is None else state.sink_size,
-            DEFAULT_WINDOW if state.window is None else state.window,
-            settings.depth_rule, ["on"] if settings.stop_at_newline else [], note, state.sweep)
+    return {"needles": ticked, "own_needles": own, "lengths": lengths, "depths": depths, "haystack": haystack,
+            "sink": DEFAULT_SINK if state.sink_size is None else state.sink_size,
+            "window": DEFAULT_WINDOW if state.window is None else state.window,
+            "depth_rule": settings.depth_rule, "stop_newline": ["on"] if settings.stop_at_newline else [],
+            "note": note, "filled": state.sweep}
 
 
 @cancellable_callback(
@@ -414,32 +417,35 @@ def _whole(state) -> dict:
 
 
 @callback(
-    Output(ids.HEADS_GRID, "figure"),
-    Output(ids.HEADS_TOPK, "data"),
-    Output(ids.HEADS_HIST, "figure"),
-    Output(ids.HEADS_NIAH, "figure"),
-    Output(ids.HEADS_INFO, "children"),
-    Output(ids.HEADS_AGG, "value"),
-    Output(GRID_DRAWN, "data"),
-    job_error(PREFIX),  # with Redis this is a job: not the banner (components.job_error)
-    Input(KEYS["sweep"], "data"),
-    State(url_id(PREFIX), "search"),
+    output=dict(
+        grid=Output(ids.HEADS_GRID, "figure"),
+        top=Output(ids.HEADS_TOPK, "data"),
+        histogram=Output(ids.HEADS_HIST, "figure"),
+        niah=Output(ids.HEADS_NIAH, "figure"),
+        info=Output(ids.HEADS_INFO, "children"),
+        agg=Output(ids.HEADS_AGG, "value"),
+        grid_drawn=Output(GRID_DRAWN, "data"),
+        error=job_error(PREFIX),  # with Redis this is a job: not the banner (components.job_error)
+    ),
+    inputs=[Input(KEYS["sweep"], "data")],
+    state=[State(url_id(PREFIX), "search")],
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call=True,
 )
-@guarded(outputs=8)
+@guarded(outputs=("grid", "top", "histogram", "niah", "info", "agg", "grid_drawn", "error"))
 def draw_sweep(_keys, search):
     """The sweep's own figures (retrieval map, top 20, histogram, NIAH accuracy, its chips); the
     banner says what is wrong with the link."""
     state = parse(search)
     problems = list(state.problems)
-    blank = (EMPTY, [], EMPTY, EMPTY, "", state.agg, None)
+    blank = {"grid": EMPTY, "top": [], "histogram": EMPTY, "niah": EMPTY, "info": "", "agg": state.agg,
+             "grid_drawn": None}
     if state.sweep is None:
-        return (*blank, message(problems))
+        return {**blank, "error": message(problems)}
     try:
         sw = sweep_of({"sweep": state.sweep})
     except ValueError as e:
-        return (*blank, message([*problems, str(e)]))
+        return {**blank, "error": message([*problems, str(e)])}
     params = _whole(state)
     grid, grid_rows = VIEWS[names.RETRIEVAL_GRID].build(None, params)
     top = sorted(grid_rows, key=lambda r: -r["retrieval"] if r["retrieval"] == r["retrieval"] else 1)[:TOP_K]
@@ -460,17 +466,23 @@ def draw_sweep(_keys, search):
                  id=ids.HEADS_ABLATE_LINK, className="hs-chip"),
     ])
     shape = list(retrieval_table(sw, state.agg).shape)
-    return grid, top, hist, niah, info, state.agg, {"shape": shape, "sweep": sw.key}, message(problems)
+    return {"grid": grid, "top": top, "histogram": hist, "niah": niah, "info": info, "agg": state.agg,
+            "grid_drawn": {"shape": shape, "sweep": sw.key}, "error": message(problems)}
 
 
-def _in_place(n_figures: int, n_outputs: int):
-    """A callback whose problem is shown in its figures' place (its first ``n_figures`` outputs; the
-    others are left as they are), not in the banner, which :func:`draw_sweep` owns."""
+def _in_place(shown_in: tuple[str, ...], outputs: tuple[str, ...]):
+    """A callback with named ``outputs`` whose problem is shown in its figures' place (the outputs
+    named in ``shown_in``; the others are left as they are), not in the banner, which
+    :func:`draw_sweep` owns. Outputs the callback leaves out are left as they are too."""
     def wrap(fn):
         @functools.wraps(fn)
         def inner(*args):
             try:
-                return fn(*args)
+                given = fn(*args)
+                unknown = set(given) - set(outputs)
+                if unknown:
+                    raise KeyError(f"{fn.__name__} returned outputs it does not declare: {sorted(unknown)}")
+                return {name: given.get(name, no_update) for name in outputs}
             except PreventUpdate:
                 raise
             except USER_ERRORS as e:
@@ -478,41 +490,43 @@ def _in_place(n_figures: int, n_outputs: int):
             except Exception as e:  # a bug: logged with its traceback, a short message shown
                 log.exception("callback %s failed", fn.__name__)
                 text = f"Something went wrong ({type(e).__name__}). The server log has the details."
-            shown = empty_figure(text)
-            out = tuple(shown if i < n_figures else no_update for i in range(n_outputs))
-            return out if n_outputs > 1 else out[0]
+            return {name: empty_figure(text) if name in shown_in else no_update for name in outputs}
         return inner
     return wrap
 
 
 @callback(
-    Output(ids.HEADS_SCATTER, "figure"),
-    Output(ids.HEADS_SCORE_GRID, "figure"),
-    Output(ids.HEADS_MASS, "figure"),
-    Output(ids.HEADS_SCORE, "value"),
-    Output(ids.HEADS_STAT, "value"),
-    Output(SCORES_DRAWN, "data"),
-    Input(KEYS["scores"], "data"),
-    State(url_id(PREFIX), "search"),
+    output=dict(
+        scatter=Output(ids.HEADS_SCATTER, "figure"),
+        score_grid=Output(ids.HEADS_SCORE_GRID, "figure"),
+        mass=Output(ids.HEADS_MASS, "figure"),
+        score=Output(ids.HEADS_SCORE, "value"),
+        stat=Output(ids.HEADS_STAT, "value"),
+        scores_drawn=Output(SCORES_DRAWN, "data"),
+    ),
+    inputs=[Input(KEYS["scores"], "data")],
+    state=[State(url_id(PREFIX), "search")],
     **on_workers(),
     prevent_initial_call=True,
 )
-@_in_place(3, 6)
+@_in_place(("scatter", "score_grid", "mass"), ("scatter", "score_grid", "mass", "score", "stat", "scores_drawn"))
 def draw_scores(_keys, search):
     """The other per-head scores over the sweep's prompts: the score map, retrieval against the score,
     and its cumulative mass; a score this sweep does not have is said in their place."""
     state = parse(search)
+    blank = {"scatter": EMPTY, "score_grid": EMPTY, "mass": EMPTY, "score": state.score, "stat": state.stat,
+             "scores_drawn": None}
     if state.sweep is None:
-        return EMPTY, EMPTY, EMPTY, state.score, state.stat, None
+        return blank
     try:
         sw = sweep_of({"sweep": state.sweep})
     except ValueError:  # the banner says so (draw_sweep)
-        return EMPTY, EMPTY, EMPTY, state.score, state.stat, None
+        return blank
     params = _whole(state)
-    scatter, _ = VIEWS[names.RETRIEVAL_SCATTER].build(None, params)
-    score_grid, _ = VIEWS[names.HEAD_SCORE_GRID].build(None, params)
-    mass, _ = VIEWS[names.SCORE_MASS].build(None, params)
-    return scatter, score_grid, mass, state.score, state.stat, {"shape": list(sw.scores.shape), "sweep": sw.key}
+    return {"scatter": VIEWS[names.RETRIEVAL_SCATTER].build(None, params)[0],
+            "score_grid": VIEWS[names.HEAD_SCORE_GRID].build(None, params)[0],
+            "mass": VIEWS[names.SCORE_MASS].build(None, params)[0], "score": state.score, "stat": state.stat,
+            "scores_drawn": {"shape": list(sw.scores.shape), "sweep": sw.key}}
 
 
 def _outline(drawn, head: tuple[int, int] | None):
@@ -543,7 +557,7 @@ def _outline(drawn, head: tuple[int, int] | None):
 def draw_selection(_keys, grid_drawn, scores_drawn, search):
     """The selected head: its outline on both maps (on the retrieval map only under the query-head
     aggregation, whose cells are heads), and its trials when the head or sweep changed, none of them
-    chosen yet (a row chosen for the last head, kept, made a click on that row for this one do nothing)."""
+    chosen yet (a row still chosen from the last head would make a click on that row for this one do nothing)."""
     state = parse(search)
     head = (state.layer, state.head) if state.layer is not None and state.head is not None else None
     trials = chosen = no_update
@@ -559,19 +573,19 @@ def draw_selection(_keys, grid_drawn, scores_drawn, search):
 
 
 @callback(
-    Output(ids.HEADS_STEPS, "figure"),
-    Input(KEYS["steps"], "data"),
-    State(url_id(PREFIX), "search"),
+    output=dict(steps=Output(ids.HEADS_STEPS, "figure")),
+    inputs=[Input(KEYS["steps"], "data")],
+    state=[State(url_id(PREFIX), "search")],
     **on_workers(),
     prevent_initial_call=True,
 )
-@_in_place(1, 1)
+@_in_place(("steps",), ("steps",))
 def draw_steps(_keys, search):
     """The selected head's attention row at each decode step of the selected trial."""
     state = parse(search)
     if state.sweep is None or state.layer is None or state.head is None:
-        return NO_STEPS
-    return VIEWS[names.TRIAL_STEPS].build(None, sweep_params(state))[0]
+        return {"steps": NO_STEPS}
+    return {"steps": VIEWS[names.TRIAL_STEPS].build(None, sweep_params(state))[0]}
 
 
 @callback(
@@ -589,7 +603,8 @@ def draw_steps(_keys, search):
 def select(agg, score, stat, cell, top_cell, rows, top_rows, search):
     """What the user picked, into the URL: a head (a top-20 row: its trials and decode steps), the
     aggregation, the score and statistic, or a trial. A click on a map cell selects its head in the
-    browser (assets/grid_clicks.js), from the mouse press rather than plotly's click (#16)."""
+    browser (assets/grid_clicks.js), from the mouse press rather than plotly's click, so a click soon after
+    another is not read as the first one's head."""
     state = parse(search)
     trigger = dash.ctx.triggered_id
     if trigger == ids.HEADS_TOPK:

@@ -215,33 +215,37 @@ show_in_shell(PREFIX)
 
 
 @callback(
-    Output(ids.PAT_MAP, "figure"),
-    Output(ids.PAT_ATTRIBUTION, "figure"),
-    Output(ids.PAT_AGREEMENT, "figure"),
-    Output(ids.PAT_AGREEMENT_NUMBERS, "children"),
-    Output(ids.PAT_TOP, "children"),
-    Output(ids.PAT_POSITIONS, "figure"),
-    Output(ids.ERROR, "children", allow_duplicate=True),
-    Output(ids.PAT_CLEAN, "value"),
-    Output(ids.PAT_CORRUPTED, "value"),
-    Output(ids.PAT_ANSWER_CLEAN, "value"),
-    Output(ids.PAT_ANSWER_CORRUPTED, "value"),
-    Output(ids.PAT_MODEL, "value"),
-    Output(ids.PAT_SITE, "value"),
-    Output(ids.PAT_DIRECTION, "value"),
-    Output(ids.PAT_METRIC, "value"),
-    Input(url_id(PREFIX), "search"),
+    output=dict(
+        exact=Output(ids.PAT_MAP, "figure"),
+        attribution=Output(ids.PAT_ATTRIBUTION, "figure"),
+        agreement=Output(ids.PAT_AGREEMENT, "figure"),
+        numbers=Output(ids.PAT_AGREEMENT_NUMBERS, "children"),
+        top=Output(ids.PAT_TOP, "children"),
+        positions=Output(ids.PAT_POSITIONS, "figure"),
+        error=Output(ids.ERROR, "children", allow_duplicate=True),
+        # the form shows what the stored result was computed from, so Run recomputes it
+        clean=Output(ids.PAT_CLEAN, "value"),
+        corrupted=Output(ids.PAT_CORRUPTED, "value"),
+        answer_clean=Output(ids.PAT_ANSWER_CLEAN, "value"),
+        answer_corrupted=Output(ids.PAT_ANSWER_CORRUPTED, "value"),
+        model=Output(ids.PAT_MODEL, "value"),
+        site=Output(ids.PAT_SITE, "value"),
+        direction=Output(ids.PAT_DIRECTION, "value"),
+        metric=Output(ids.PAT_METRIC, "value"),
+    ),
+    inputs=[Input(url_id(PREFIX), "search")],
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker (the web process loads no model)
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=15, error_index=6)
+@guarded(outputs=("exact", "attribution", "agreement", "numbers", "top", "positions", "error", "clean", "corrupted",
+                  "answer_clean", "answer_corrupted", "model", "site", "direction", "metric"))
 def render(search):
     """Draw the page from its URL: the stored results it names, read back, never computed."""
     state = parse(search)
     problems = list(state.problems)
     if not state.patching:
-        return (EMPTY, EMPTY, empty_figure("No comparison yet."), "", "", NO_POSITIONS, message(problems),
-                *[no_update] * 8)
+        return {"exact": EMPTY, "attribution": EMPTY, "agreement": empty_figure("No comparison yet."), "numbers": "",
+                "top": "", "positions": NO_POSITIONS, "error": message(problems)}
     result = stored_patching(state.patching)
     params = patching_params(state)
     exact, _ = VIEWS[names.PATCHING_MAP].build(None, params)
@@ -258,10 +262,13 @@ def render(search):
             problems.append(str(e))
     model = load_model(state.model or get_context().default_model)
     pair = result.pair
-    form = [model.tokenizer.decode(list(pair.clean_ids)), model.tokenizer.decode(list(pair.corrupted_ids)),
-            *[model.tokenizer.decode([t]) for t in pair.answers], *([""] if len(pair.answers) == 1 else []),
-            model.name, result.site, result.direction, result.metric]
-    return (exact, approx, agree, numbers, _top_text(result), positions, message(problems), *form)
+    answers = [model.tokenizer.decode([t]) for t in pair.answers]
+    return {"exact": exact, "attribution": approx, "agreement": agree, "numbers": numbers, "top": _top_text(result),
+            "positions": positions, "error": message(problems),
+            "clean": model.tokenizer.decode(list(pair.clean_ids)),
+            "corrupted": model.tokenizer.decode(list(pair.corrupted_ids)),
+            "answer_clean": answers[0], "answer_corrupted": answers[1] if len(answers) > 1 else "",
+            "model": model.name, "site": result.site, "direction": result.direction, "metric": result.metric}
 
 
 @callback(

@@ -55,7 +55,7 @@ def _warm_umap(method) -> None:
     names it, or Show with it chosen); embedded only: with Redis the jobs run on workers. Jobs forked
     later inherit the compiled code. Not at the server's start: a job forked while it compiles waits
     for it (:func:`headscope.analysis.joint_embedding.start_umap_warmup`), so every new server's first Run on
-    the Attention page waited too (6.0 and 4.9 s against 1.6 s without it)."""
+    the Attention page would wait for a compile it does not need."""
     if method != "umap" or redis_url() or not flask.has_request_context():
         return
     from headscope.analysis.joint_embedding import start_umap_warmup
@@ -151,7 +151,8 @@ def show(n_clicks, layer, head, sentences, method, colour, feature, find, search
 )
 def find_tokens(find, search):
     """The token to find, into the URL. A click on the rank map selects its head in the browser
-    (assets/grid_clicks.js), from the mouse press rather than plotly's click (#16)."""
+    (assets/grid_clicks.js), from the mouse press rather than plotly's click, so a click soon after another is
+    not read as the first one's head."""
     state = parse(search)
     new = (find or "").strip()[:40] or None
     if new == state.qk.find or state.layer is None:
@@ -214,23 +215,28 @@ register_upload(ids.QK_TEXTS_UPLOAD)
 register_upload(ids.QK_LABELS_UPLOAD)
 
 
+CONTROLS = ("layer", "head", "sentences", "method", "colour", "find")
+
+
 @callback(
-    Output(ids.QK_LAYER, "value"),
-    Output(ids.QK_HEAD, "value"),
-    Output(ids.QK_SENTENCES, "value"),
-    Output(ids.QK_METHOD, "value"),
-    Output(ids.QK_COLOUR, "value"),
-    Output(ids.QK_FIND, "value"),
-    Input(url_id(PREFIX), "search"),
+    output=dict(
+        layer=Output(ids.QK_LAYER, "value"),
+        head=Output(ids.QK_HEAD, "value"),
+        sentences=Output(ids.QK_SENTENCES, "value"),
+        method=Output(ids.QK_METHOD, "value"),
+        colour=Output(ids.QK_COLOUR, "value"),
+        find=Output(ids.QK_FIND, "value"),
+    ),
+    inputs=[Input(url_id(PREFIX), "search")],
 )
 def controls_from_url(search):
     """The controls show what the link asks for (a link with ``method=umap`` shows UMAP, not PCA;
-    ``find=the`` fills the token search), so Show redraws the linked view, not the defaults."""
+    ``find=the`` fills the token search), so Show redraws the linked view, not the defaults. A control
+    the link leaves out keeps what it shows."""
     state = parse(search)
-    keep = dash.no_update
-    return (keep if state.layer is None else state.layer, keep if state.head is None else state.head,
-            keep if state.qk.sentences is None else state.qk.sentences, state.qk.method, state.qk.colour,
-            state.qk.find or "")
+    asked = {"layer": state.layer, "head": state.head, "sentences": state.qk.sentences, "method": state.qk.method,
+             "colour": state.qk.colour, "find": state.qk.find or ""}
+    return {name: no_update if asked[name] is None else asked[name] for name in CONTROLS}
 
 
 @callback(
@@ -267,15 +273,17 @@ def pick_query(click, search):
 
 
 @callback(
-    Output(ids.QK_SCATTER, "figure"),
-    Output(ids.QK_SPECTRUM, "figure"),
-    Output(ids.QK_HITS, "children"),
-    Output(ids.QK_ATTRIBUTION, "figure"),
-    Output(ids.QK_LAYER_VIEW, "figure"),
-    Output(ids.QK_RANK_MAP, "figure"),
-    Output(ids.QK_STATUS, "children"),
-    Output(ids.ERROR, "children", allow_duplicate=True),
-    Input(url_id(PREFIX), "search"),
+    output=dict(
+        scatter=Output(ids.QK_SCATTER, "figure"),
+        spectrum=Output(ids.QK_SPECTRUM, "figure"),
+        hits=Output(ids.QK_HITS, "children"),
+        attribution=Output(ids.QK_ATTRIBUTION, "figure"),
+        layer_view=Output(ids.QK_LAYER_VIEW, "figure"),
+        rank_map=Output(ids.QK_RANK_MAP, "figure"),
+        status=Output(ids.QK_STATUS, "children"),
+        error=Output(ids.ERROR, "children", allow_duplicate=True),
+    ),
+    inputs=[Input(url_id(PREFIX), "search")],
     background=True,
     progress=[Output(ids.QK_PROGRESS, "value"), Output(ids.QK_PROGRESS, "max"), Output(ids.QK_STATUS, "children")],
     running=[(Output(ids.QK_SHOW, "disabled"), True, False)],
@@ -287,13 +295,15 @@ def render(set_progress, search):
     problems = list(state.problems)
     params = qk_params(state)
     rank_map = _optional(names.QK_RANK_MAP, params)
+    blank = {"scatter": EMPTY, "spectrum": EMPTY, "hits": "", "attribution": NO_QUERY, "layer_view": EMPTY,
+             "rank_map": rank_map, "status": ""}
     if state.layer is None or state.head is None:
-        return EMPTY, EMPTY, "", NO_QUERY, EMPTY, rank_map, "", message(problems)
+        return {**blank, "error": message(problems)}
     try:
         scatter, rows = VIEWS[names.QK_SCATTER].build(None, {**params, "_progress": progress_reporter(set_progress,
                                                                                                   state.qk.method)})
     except ValueError as e:
-        return EMPTY, EMPTY, "", NO_QUERY, EMPTY, rank_map, "", message([*problems, str(e)])
+        return {**blank, "error": message([*problems, str(e)])}
     spectrum = _optional(names.QK_SPECTRUM, params)
     attribution = _optional(names.QK_ATTRIBUTION, params) if state.query is not None else NO_QUERY
     layer_view = _optional(names.QK_LAYER, params)
@@ -302,7 +312,8 @@ def render(set_progress, search):
         top = [r for r in rows if "key_token" in r]
         hits = html.Ul([html.Li(f"key {r['key']} {r['key_token']!r}: attention {r['weight']:.3f}, "
                                 f"distance {r['distance']:.2f}") for r in top], className="hs-hits")
-    return scatter, spectrum, hits, attribution, layer_view, rank_map, "ready", message(problems)
+    return {"scatter": scatter, "spectrum": spectrum, "hits": hits, "attribution": attribution,
+            "layer_view": layer_view, "rank_map": rank_map, "status": "ready", "error": message(problems)}
 
 
 NO_QUERY = empty_figure("Click a query to attribute its logits.")
