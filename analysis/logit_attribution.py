@@ -14,7 +14,8 @@ Gemma's ``1 +`` offset), so the logit difference of answer ``A`` over answer ``B
 
 is a sum of one term per component, ``DLA(c) = x_c · ũ / σ``; the constant terms (the final norm's bias,
 the unembedding bias) join the output-projection biases in the component ``bias``. The terms add up to
-the model's own logit difference at ``p`` (checked on every call, to 1e-4 of the size of the terms).
+the model's own logit difference at ``p`` (checked on every call, to 1e-4 of the terms' total absolute size:
+a difference near 0 is a cancellation of larger terms, known no better than their float32 rounding).
 A final logit soft-capping (Gemma 2) is not linear: LD here is the difference before it.
 """
 
@@ -120,7 +121,7 @@ def direct_logit_attribution(model: LoadedModel, token_ids: Sequence[int], answe
     values[names.index(BIAS)] += float(norm.bias @ u) + unembedding_bias
     own = float(capture.final_out[p].double() @ u) + unembedding_bias  # the model's own normalised stream, unembedded
     total = float(values.sum())
-    size = max(float(values.abs().max()), abs(own), 1e-12)
+    size = max(float(values.abs().sum()), abs(own), 1e-12)  # float32 rounding scales with the terms' total size
     if abs(total - own) > TOLERANCE * size:
         raise InputError(f"The direct logit attributions add up to {total:.6g}, not to the model's own logit difference "
                          f"{own:.6g}: this model's final norm or unembedding is not the linear map headscope freezes.")

@@ -30,8 +30,10 @@ logit soft-capping (Gemma 2) is applied after: ``s_ij`` is the score before it, 
 **The model's own score** is recomputed from the q and k the model itself produced in the same forward
 pass (hooked after QK-norm and RoPE: ``hook_rot_q``/``hook_rot_k``, or the projections' outputs for GPT-2),
 ``scale · q(i) · k(j)``: the bridge's ``hook_attn_scores`` is taken after soft-capping and masking. Every
-call checks that the terms add up to it (1e-4 of the size of the terms), and that the rebuilt q and k equal
-the model's, and refuses (:class:`InputError`) where they do not.
+call checks that the rebuilt q and k equal the model's (1e-4 of their largest entry) and that the terms add
+up to its score to 1e-4 of ``scale · |q(i)| |k(j)|`` (the bound of the score, and the scale of its float32
+rounding: a score near 0 is a cancellation, known no better than that), and refuses (:class:`InputError`)
+where they do not.
 """
 
 from __future__ import annotations
@@ -136,9 +138,11 @@ def qk_attribution(model: LoadedModel, token_ids: Sequence[int], layer: int, hea
     k_parts = _side(model, layer, att, vectors[1], capture.index(key), "k", group)
     scale = float(hf_attn.scaling)
     terms = scale * (q_parts @ k_parts.T)
-    score = scale * float(att.q[capture.index(query), head].double() @ att.k[capture.index(key), group].double())
+    q_own, k_own = att.q[capture.index(query), head].double(), att.k[capture.index(key), group].double()
+    score = scale * float(q_own @ k_own)
     total = float(terms.sum())
-    size = max(float(terms.abs().sum(1).max()) if terms.numel() else 0.0, abs(score), 1e-12)
+    # the model's own score carries float32 rounding of about 1e-7 · scale · |q| |k|, whatever its size
+    size = max(abs(scale) * float(q_own.norm() * k_own.norm()), 1e-12)
     if abs(total - score) > TOLERANCE * size:
         raise InputError(f"The QK terms add up to {total:.6g}, not to the model's own score {score:.6g}: this "
                          "model's attention is not the bilinear form headscope decomposes.")
