@@ -19,13 +19,27 @@ import os
 import sys
 
 from headscope import __version__  # the installed distribution's, read from its metadata
-from headscope.app.cli import ablate, compare, compress, figure, models, patch, run, runs, scan, serve, worker
+from headscope.app.cli import (
+    ablate,
+    circuits,
+    compare,
+    compress,
+    explain,
+    figure,
+    models,
+    patch,
+    run,
+    runs,
+    scan,
+    serve,
+    worker,
+)
 from headscope.app.cli.arguments import Parser, folder
 from headscope.app.cli.errors import EXIT_USER_ERROR, is_user_error
 from headscope.app.cli.terminal import one_line
 
 # the order of `headscope --help`'s list
-COMMANDS = (serve, worker, run, scan, ablate, compress, patch, compare, models, runs, figure)
+COMMANDS = (serve, worker, run, scan, ablate, compress, patch, circuits, explain, compare, models, runs, figure)
 
 
 def build_parser() -> Parser:

@@ -44,6 +44,11 @@ QK_SPECTRUM = "qk_spectrum"
 QK_ATTRIBUTION = "qk_attribution"
 QK_LAYER = "qk_layer"
 QK_RANK_MAP = "qk_rank_map"
+# Circuits page (and headscope circuits, headscope explain)
+CIRCUIT_DLA = "circuit_dla"
+CIRCUIT_DLA_OTHERS = "circuit_dla_others"
+CIRCUIT_COMPOSITION = "circuit_composition"
+QK_CELL = "qk_cell"
 
 
 def variant(name: str, which: str) -> str:

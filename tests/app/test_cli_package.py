@@ -25,8 +25,8 @@ def test_each_command_is_declared_and_run_by_its_own_module():
     from headscope.app.cli import COMMANDS
 
     commands = _commands()
-    assert list(commands) == ["serve", "worker", "run", "scan", "ablate", "compress", "patch", "compare", "models",
-                              "runs", "figure"]
+    assert list(commands) == ["serve", "worker", "run", "scan", "ablate", "compress", "patch", "circuits", "explain",
+                              "compare", "models", "runs", "figure"]
     assert [m.__name__.rsplit(".", 1)[1] for m in COMMANDS] == list(commands)
     for name, parser in commands.items():
         module = importlib.import_module(f"headscope.app.cli.{name}")

@@ -1,0 +1,219 @@
+"""Circuits over heads, as a user asks for them: a text and two answers → what each head writes towards the
+answer (direct logit attribution) and which earlier heads feed which (composition scores); one head's score
+at a (query, key) cell → what builds it (QK attribution). Stored, so a page, a link and ``headscope figure``
+read the same numbers back.
+
+The numbers are those of :mod:`headscope.analysis.logit_attribution` (Elhage et al. 2021; Wang et al. 2022,
+arXiv:2211.00593, §3.1), :mod:`headscope.analysis.composition` (Elhage et al. 2021, §"Composition") and
+:mod:`headscope.analysis.qk_attribution`; this module adds only the store and the checks of what a user types:
+
+- :func:`circuits`: the Circuits page's *Run* and ``headscope circuits``. Direct logit attribution at the
+  last position (one hooked forward pass) stored under a key of the model digest, the token ids and the two
+  answers; composition scores from the weights, stored once per model digest (:func:`stored_composition`:
+  about 20-40 s on the embedded model on two CPU cores, read back in milliseconds afterwards).
+- :func:`explain`: ``headscope explain``. The QK attribution of one cell, stored with its key.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from headscope.analysis.composition import KINDS, CompositionScores, composition_scores
+from headscope.analysis.errors import InputError
+from headscope.analysis.logit_attribution import LogitAttribution, direct_logit_attribution
+from headscope.analysis.models import LoadedModel
+from headscope.analysis.qk_attribution import QKAttribution, qk_attribution
+from headscope.analysis.residual_components import LIMIT
+from headscope.analysis.store import Store, content_key
+from headscope.analysis.stored_results import stored_record, stored_result
+
+CIRCUITS_VERSION = 1
+Progress = Callable[[float], None] | None
+
+
+@dataclass
+class CircuitResult:
+    """Direct logit attribution of a text's last position for two answers, and the key of the model's
+    composition scores (:func:`load_composition`)."""
+
+    key: str
+    attribution: LogitAttribution
+    token_ids: list[int]
+    tokens: list[str]
+    answer_tokens: tuple[str, str]
+    composition_key: str
+    seconds: float
+
+
+@dataclass
+class ExplainedCell:
+    """The QK attribution of one cell (:func:`headscope.analysis.qk_attribution.qk_attribution`) and its key."""
+
+    key: str
+    attribution: QKAttribution
+    token_ids: list[int]
+    tokens: list[str]
+
+
+def answer_token(model: LoadedModel, answer: str, which: str) -> int:
+    """The one token id of ``answer`` as it follows the text (``" Mary"`` keeps its space); an
+    :class:`InputError` that says what to type when it is empty or not one token."""
+    if not isinstance(answer, str) or not answer:
+        raise InputError(f"The {which} answer is empty: give the token that should follow the text.")
+    ids = model.encode(answer)
+    if len(ids) != 1:
+        shown = " + ".join(repr(s) for s in model.token_strings(ids))
+        hint = ""
+        if not answer[:1].isspace() and len(model.encode(" " + answer)) == 1:
+            hint = f" ({' ' + answer!r}, with its leading space, is one token.)"
+        raise InputError(f"The {which} answer {answer[:40]!r} is {len(ids)} tokens ({shown[:120]}); direct logit "
+                         f"attribution compares the logits of single next tokens. Give one token, e.g. a word with "
+                         f"the space before it.{hint}")
+    return ids[0]
+
+
+def text_ids(model: LoadedModel, text: str | Sequence[int]) -> list[int]:
+    """The ids the model sees for ``text`` (the BOS it expects added), within ``HEADSCOPE_MAX_TOKENS``."""
+    from headscope.analysis.capture import tokenize_input
+    from headscope.analysis.limits import limit
+
+    return tokenize_input(model, text, limit(LIMIT))
+
+
+def composition_key(model: LoadedModel) -> str:
+    """The store key of the model's composition scores: its digest alone (they depend on the weights only)."""
+    return content_key("composition", CIRCUITS_VERSION, model.digest)
+
+
+def load_composition(store: Store, key: str) -> CompositionScores | None:
+    """The stored composition scores under ``key``, or None."""
+    record = stored_record(store, key, "composition")
+    if record is None:
+        return None
+    return CompositionScores(**{kind: record.array(kind, mmap=False) for kind in KINDS})
+
+
+def stored_composition(model: LoadedModel, store: Store | None, progress: Progress = None) -> CompositionScores:
+    """:func:`headscope.analysis.composition.composition_scores` of ``model``, computed once per model digest
+    and kept in ``store`` (float32: the scores lie in [0, 1] and are compared with each other, not summed)."""
+    key = composition_key(model)
+    if (found := stored_result(store, key, load_composition, progress)) is not None:
+        return found
+    scores = composition_scores(model)
+    if store is not None:
+        store.put(key, "composition", {"model_digest": model.digest, "version": CIRCUITS_VERSION},
+                  {kind: scores.of(kind).astype(np.float32) for kind in KINDS})
+        found = load_composition(store, key)
+    if progress:
+        progress(1.0)
+    return found if found is not None else scores
+
+
+def circuits_key(model: LoadedModel, ids: Sequence[int], answer: int, wrong: int) -> str:
+    return content_key("circuits", CIRCUITS_VERSION, model.digest, list(ids), answer, wrong)
+
+
+def circuits(model: LoadedModel, text: str | Sequence[int], answers: Sequence[str], store: Store | None = None,
+             progress: Progress = None, composition: bool = True) -> CircuitResult:
+    """Direct logit attribution of ``answers[0]`` over ``answers[1]`` at the text's last position, stored, and
+    the model's composition scores, stored once per model (module docstring).
+
+    Parameters
+    ----------
+    model : the model.
+    text : the text (the BOS the model expects is added) or token ids as given.
+    answers : two answers, each one token as it follows the text (``" Mary"``, ``" John"``).
+    store : where the result is kept and looked up (None: computed, not kept).
+    progress : hears 0.1 once the attribution is done, 1.0 at the end.
+    composition : also the composition scores (``False``: the attribution alone).
+
+    Returns
+    -------
+    CircuitResult
+        ``attribution.values`` sum to ``attribution.logit_diff``, the model's own (else :class:`InputError`).
+    """
+    if isinstance(answers, str) or len(answers) != 2:
+        raise InputError("Give two answers: the one the text should lead to, then the one it is compared with.")
+    ids = text_ids(model, text)
+    answer, wrong = answer_token(model, answers[0], "first"), answer_token(model, answers[1], "second")
+    if answer == wrong:
+        raise InputError(f"The two answers are the same token {answers[0]!r}: their logit difference is 0. "
+                         "Give two different answers.")
+    key = circuits_key(model, ids, answer, wrong)
+    started = time.perf_counter()
+    result = load_circuits(store, key) if store is not None else None
+    if result is None:
+        attribution = direct_logit_attribution(model, ids, answer, wrong)
+        result = CircuitResult(key, attribution, ids, model.token_strings(ids),
+                               tuple(model.token_strings([answer, wrong])), composition_key(model),
+                               time.perf_counter() - started)
+        if store is not None:
+            save_circuits(store, result)
+    if progress:
+        progress(0.1)
+    if composition:
+        stored_composition(model, store)
+    if progress:
+        progress(1.0)
+    return result
+
+
+def save_circuits(store: Store, result: CircuitResult) -> None:
+    a = result.attribution
+    meta = {"names": a.names, "logit_diff": a.logit_diff, "answer": a.answer, "wrong": a.wrong,
+            "position": a.position, "n_layers": a.n_layers, "n_heads": a.n_heads, "token_ids": result.token_ids,
+            "tokens": result.tokens, "answer_tokens": list(result.answer_tokens),
+            "composition_key": result.composition_key, "seconds": result.seconds, "version": CIRCUITS_VERSION}
+    store.put(result.key, "circuits", meta, {"values": np.asarray(a.values, dtype=np.float64)})
+
+
+def load_circuits(store: Store, key: str) -> CircuitResult | None:
+    """The stored :class:`CircuitResult` under ``key``, or None."""
+    record = stored_record(store, key, "circuits")
+    if record is None:
+        return None
+    m = record.meta
+    attribution = LogitAttribution(names=list(m["names"]), values=record.array("values", mmap=False),
+                                   logit_diff=float(m["logit_diff"]), answer=int(m["answer"]), wrong=int(m["wrong"]),
+                                   position=int(m["position"]), n_layers=int(m["n_layers"]), n_heads=int(m["n_heads"]))
+    return CircuitResult(key, attribution, list(m["token_ids"]), list(m["tokens"]), tuple(m["answer_tokens"]),
+                         str(m["composition_key"]), float(m["seconds"]))
+
+
+def explain(model: LoadedModel, text: str | Sequence[int], layer: int, head: int, query: int, key: int,
+            store: Store | None = None) -> ExplainedCell:
+    """The QK attribution of head ``(layer, head)`` at ``(query, key)`` of the text's tokens
+    (:func:`headscope.analysis.qk_attribution.qk_attribution`), stored under a key of the model digest, the ids
+    and the cell. Positions count the tokens the model sees (a BOS it expects is position 0)."""
+    ids = text_ids(model, text)
+    cell_key = content_key("qk-cell", CIRCUITS_VERSION, model.digest, ids, layer, head, query, key)
+    found = load_explained(store, cell_key) if store is not None else None
+    if found is not None:
+        return found
+    attribution = qk_attribution(model, ids, layer, head, query, key)
+    cell = ExplainedCell(cell_key, attribution, ids, model.token_strings(ids))
+    if store is not None:
+        a = attribution
+        meta = {"layer": a.layer, "head": a.head, "query": a.query, "key": a.key, "query_names": a.query_names,
+                "key_names": a.key_names, "score": a.score, "capped_score": a.capped_score, "softcap": a.softcap,
+                "scale": a.scale, "token_ids": ids, "tokens": cell.tokens, "version": CIRCUITS_VERSION}
+        store.put(cell_key, "qk_cell", meta, {"terms": np.asarray(a.terms, dtype=np.float64)})
+    return cell
+
+
+def load_explained(store: Store, key: str) -> ExplainedCell | None:
+    """The stored :class:`ExplainedCell` under ``key``, or None."""
+    record = stored_record(store, key, "qk_cell")
+    if record is None:
+        return None
+    m = record.meta
+    a = QKAttribution(layer=int(m["layer"]), head=int(m["head"]), query=int(m["query"]), key=int(m["key"]),
+                      query_names=list(m["query_names"]), key_names=list(m["key_names"]),
+                      terms=record.array("terms", mmap=False), score=float(m["score"]),
+                      capped_score=float(m["capped_score"]), softcap=None if m["softcap"] is None else float(m["softcap"]),
+                      scale=float(m["scale"]))
+    return ExplainedCell(key, a, list(m["token_ids"]), list(m["tokens"]))
