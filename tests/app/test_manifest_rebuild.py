@@ -87,6 +87,9 @@ def exports(tmp_path_factory, real_model) -> dict[str, Path]:
          "--recent", "16", "--text", TEXT, "--out", str(out / "compress"), "--formats", "")
     _cli(home, "patch", "--pair", "ioi-mary-john", "--site", "z", "--attribution", "--out", str(out / "patch"),
          "--formats", "")
+    _cli(home, "circuits", "--text", TEXT, "--answers", " Mary, John", "--out", str(out / "circuits"), "--formats", "")
+    _cli(home, "explain", "--text", TEXT, "--head", "3.1", "--query", "13", "--key", "1", "--out", str(out / "explain"),
+         "--formats", "")
 
     found: dict[str, Path] = {}
     for path in sorted(out.rglob("*.manifest.json")):

@@ -1,0 +1,219 @@
+"""Page "Circuits": a text and two answers → what each head writes towards the first answer (direct logit
+attribution, a layer × head grid with the MLPs beside it) and which earlier heads feed a chosen head
+(composition scores into its Q, K and V). Everything is :func:`headscope.analysis.circuits.circuits`, run as a
+job (the composition scores take 20-40 s the first time a model is used, then come from the store); the URL
+names the stored result (``circ``) and the chosen head, so a link reopens the same view without computing.
+A click on a head of the grid chooses it.
+
+No ``from __future__ import annotations`` here: Dash imports a page module without entering it in
+``sys.modules``, and ``dataclass`` looks a string annotation up there (its URL part would not import)."""
+
+from dataclasses import dataclass
+
+import dash
+from dash import Input, Output, State, callback, dcc, html, no_update
+from dash.exceptions import PreventUpdate
+
+from headscope.analysis.circuits import circuits
+from headscope.analysis.errors import InputError
+from headscope.analysis.models import load_model
+from headscope.analysis.patching_pairs import pair_by_id
+from headscope.app import ids
+from headscope.app.components import (
+    GRAPH_CONFIG,
+    empty_figure,
+    export_bar,
+    head_clicks,
+    job_error,
+    page_location,
+    register_export,
+    select_head,
+    shell_stores,
+    show_in_shell,
+    url_id,
+    url_patch,
+    url_patch_id,
+)
+from headscope.app.context import dropdown_model, get_context, offered_model
+from headscope.app.errors import guarded, message
+from headscope.app.jobs import cancellable_callback, in_job, on_workers, progress_reporter
+from headscope.app.url_state import StoredId, page_part, parse, url_field
+from headscope.app.views import VIEWS, names
+from headscope.app.views.circuits import chosen_head, circuits_params, stored_circuits
+
+dash.register_page(__name__, path="/circuits", name="Circuits", title="headscope — circuits over heads", order=8)
+
+PREFIX = "circ"
+TEXT, FIRST, SECOND = f"{PREFIX}-text", f"{PREFIX}-answer-first", f"{PREFIX}-answer-second"
+MODEL, RUN, CANCEL = f"{PREFIX}-model", f"{PREFIX}-run", f"{PREFIX}-cancel"
+PROGRESS, STATUS, INFO = f"{PREFIX}-progress", f"{PREFIX}-status", f"{PREFIX}-info"
+DLA, OTHERS, COMPOSITION = f"{PREFIX}-dla", f"{PREFIX}-dla-others", f"{PREFIX}-composition"
+DEFAULT_PAIR = "ioi-mary-john"  # the built-in IOI prompt: its indirect object, then its subject (Wang et al. 2022)
+EMPTY = empty_figure("Run the text to see what each head writes towards the first answer.")
+NO_COMPOSITION = empty_figure("Run the text, then click a head to see which earlier heads feed it.")
+
+
+@page_part("circuits")
+@dataclass
+class CircuitsState:
+    """The Circuits page's own field: the stored result (:func:`headscope.analysis.circuits.circuits`). The
+    chosen head is the shared ``layer``/``head``."""
+
+    circ: str | None = url_field(StoredId())
+
+
+def _default_prompt() -> tuple[str, tuple[str, str]]:
+    """The built-in IOI pair's clean prompt and answers (:mod:`headscope.analysis.patching_pairs`); an empty
+    form when the pairs file cannot be read."""
+    try:
+        pair = pair_by_id(DEFAULT_PAIR)
+    except InputError:
+        return "", ("", "")
+    return pair.clean, pair.answers
+
+
+def layout(**_query) -> html.Div:
+    context = get_context()
+    text, answers = _default_prompt()
+    return html.Div([
+        page_location(PREFIX),
+        shell_stores(PREFIX),
+        html.Div([
+            html.Div([
+                html.Label("Text (its last token's logits are explained)", htmlFor=TEXT),
+                dcc.Textarea(id=TEXT, className="hs-textarea", value=text),
+                html.Label("Answers: one token each, as it follows the text (a word after a space keeps its space)",
+                           htmlFor=FIRST),
+                html.Div([
+                    html.Label("expected", htmlFor=FIRST),
+                    dcc.Input(id=FIRST, className="hs-text-input", value=answers[0]),
+                    html.Label("compared with", htmlFor=SECOND),
+                    dcc.Input(id=SECOND, className="hs-text-input", value=answers[1]),
+                ], className="hs-options"),
+                html.Label("Model", htmlFor=MODEL),
+                dcc.Dropdown(id=MODEL, options=context.model_options(), value=context.default_model, clearable=False,
+                             className="hs-model"),
+                html.Div([
+                    html.Button("Run", id=RUN, n_clicks=0, className="hs-run"),
+                    html.Button("Cancel", id=CANCEL, n_clicks=0, className="hs-button hs-cancel", disabled=True),
+                    html.Progress(id=PROGRESS, value="0", max="100", className="hs-progress"),
+                    html.Span(id=STATUS, className="hs-hint", role="status"),
+                ], className="hs-options"),
+            ], className="hs-panel hs-field"),
+            html.Div([
+                html.Div(id=INFO, className="hs-run-info"),
+                html.P("Each normalisation is frozen at its scale in this run (the standard linearisation), so "
+                       "the residual stream at the last token is a sum of components and each one's share of the "
+                       "logit difference adds up to it exactly. Composition scores come from the weights alone "
+                       "(Elhage et al. 2021): computed once per model, then read from the store.",
+                       className="hs-hint"),
+            ], className="hs-panel"),
+        ], className="hs-panels hs-even"),
+        html.Div([
+            html.Div([head_clicks(dcc.Graph(id=DLA, figure=EMPTY, config=GRAPH_CONFIG),
+                                  select_head(DLA, PREFIX)),
+                      html.P("Red: towards the expected answer; blue: towards the other. Click a head to see what "
+                             "feeds it.", className="hs-hint"),
+                      export_bar(PREFIX, names.CIRCUIT_DLA)], className="hs-panel"),
+            html.Div([dcc.Graph(id=OTHERS, figure=EMPTY, config=GRAPH_CONFIG),
+                      export_bar(PREFIX, names.CIRCUIT_DLA_OTHERS)], className="hs-panel"),
+        ], className="hs-panels"),
+        html.Div([dcc.Graph(id=COMPOSITION, figure=NO_COMPOSITION, config=GRAPH_CONFIG),
+                  export_bar(PREFIX, names.CIRCUIT_COMPOSITION)], className="hs-panel"),
+    ])
+
+
+register_export(PREFIX, run_of=lambda state: None)
+show_in_shell(PREFIX)
+
+
+def _info(result, head: tuple[int, int]) -> str:
+    a = result.attribution
+    first, second = result.answer_tokens
+    heads = a.heads()
+    return (f"logit[{first}] − logit[{second}] at the last token ({result.tokens[-1]}): {a.logit_diff:.3f}; the "
+            f"{len(a.names)} components sum to {float(a.values.sum()):.3f}. Head {head[0]}.{head[1]} writes "
+            f"{heads[head]:+.3f} of it. Attribution in {result.seconds:.2f} s.")
+
+
+@callback(
+    output=dict(
+        dla=Output(DLA, "figure"),
+        others=Output(OTHERS, "figure"),
+        composition=Output(COMPOSITION, "figure"),
+        info=Output(INFO, "children"),
+        error=Output(ids.ERROR, "children", allow_duplicate=True),
+        # the form shows what the stored result was computed from, so Run recomputes it
+        text=Output(TEXT, "value"),
+        first=Output(FIRST, "value"),
+        second=Output(SECOND, "value"),
+        model=Output(MODEL, "value"),
+    ),
+    inputs=[Input(url_id(PREFIX), "search")],
+    **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker (the web process loads no model)
+    prevent_initial_call="initial_duplicate",
+)
+@guarded(outputs=("dla", "others", "composition", "info", "error", "text", "first", "second", "model"))
+def render(search):
+    """Draw the page from its URL: the stored result it names, read back, never computed."""
+    state = parse(search)
+    problems = list(state.problems)
+    if not state.circ:
+        return {"dla": EMPTY, "others": EMPTY, "composition": NO_COMPOSITION, "info": "", "error": message(problems)}
+    result = stored_circuits(state.circ)
+    head = chosen_head(result, state.layer, state.head)
+    params = {**circuits_params(state), "layer": head[0], "head": head[1]}
+    dla, _ = VIEWS[names.CIRCUIT_DLA].build(None, params)
+    others, _ = VIEWS[names.CIRCUIT_DLA_OTHERS].build(None, params)
+    composition, _ = VIEWS[names.CIRCUIT_COMPOSITION].build(None, params)
+    model = load_model(offered_model(state.model))
+    a = result.attribution
+    answers = [model.tokenizer.decode([t]) for t in (a.answer, a.wrong)]
+    chosen_model = dropdown_model(model.name, problems)
+    return {"dla": dla, "others": others, "composition": composition, "info": _info(result, head),
+            "error": message(problems), "text": model.tokenizer.decode(result.token_ids, skip_special_tokens=True),
+            "first": answers[0], "second": answers[1], "model": chosen_model}
+
+
+@cancellable_callback(
+    Output(url_patch_id(PREFIX), "data", allow_duplicate=True),  # into the URL as it is then
+    job_error(PREFIX),
+    Output(STATUS, "children"),
+    Input(RUN, "n_clicks"),
+    State(TEXT, "value"),
+    State(FIRST, "value"),
+    State(SECOND, "value"),
+    State(MODEL, "value"),
+    State(url_id(PREFIX), "search"),
+    run=RUN, cancel=CANCEL, progress=PROGRESS, status=STATUS, stale=(DLA, OTHERS, COMPOSITION),
+    prevent_initial_call=True,
+)
+def run_circuits(set_progress, n_clicks, text, first, second, model_spec, search):
+    """Run: direct logit attribution of the text's last token and the model's composition scores, stored;
+    the result's key goes into the URL (the chosen head is reset to the largest direct effect)."""
+    in_job()
+    if not n_clicks:
+        raise PreventUpdate
+    report = progress_reporter(set_progress, "attribution, then composition scores (once per model)")
+    try:
+        model = load_model(offered_model(model_spec))
+        answers = [a if isinstance(a, str) else "" for a in (first, second)]
+        result = circuits(model, text if isinstance(text, str) else "", answers, store=get_context().store,
+                          progress=report)
+    except ValueError as e:
+        return no_update, message(str(e)), "Not run: see the message above."
+    state = parse(search)
+    state.model, state.circ, state.layer, state.head = model.name, result.key[:16], None, None
+    return (url_patch(search, state.to_search(), reset=("layer", "head")), "",
+            f"{len(result.attribution.names)} components attributed in {result.seconds:.2f} s")
+
+
+@callback(
+    Output(STATUS, "children", allow_duplicate=True),
+    Input(CANCEL, "n_clicks"),
+    prevent_initial_call=True,
+)
+def cancelled(n_clicks):
+    if not n_clicks:
+        raise PreventUpdate
+    return "Cancelled: the figures shown are the last finished run's."

@@ -1,0 +1,81 @@
+"""The Circuits page in Chromium: the built-in IOI prompt runs as a job, the grid shows the analysis's direct
+logit attribution of every head on a scale centred at 0, a click on a head chooses it (into the URL) and the
+composition panel then shows what feeds that head, and a link reopens the same view without computing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.app.browsing import click_cell, settle
+
+pytestmark = [pytest.mark.browser, pytest.mark.integration]
+
+DLA, OTHERS, COMPOSITION = "#circ-dla", "#circ-dla-others", "#circ-composition"
+
+
+def plot_data(page, selector: str) -> list:
+    return page.evaluate("s => document.querySelector(s + ' .js-plotly-plot').data", selector)
+
+
+def banner(page) -> str:
+    return page.locator("#hs-error").inner_text().strip()
+
+
+@pytest.mark.timeout(900)  # the first run computes the composition scores (20-40 s alone, more under load)
+def test_circuits_journey(server, page, real_model):
+    from headscope.analysis.circuits import circuits
+    from headscope.analysis.composition import composition_scores
+    from headscope.analysis.patching_pairs import pair_by_id
+
+    url, _, _ = server
+    pair = pair_by_id("ioi-mary-john")
+    page.goto(url + "circuits")
+    assert page.input_value("#circ-text", timeout=240_000) == pair.clean  # prefilled with the built-in IOI prompt
+    assert (page.input_value("#circ-answer-first"), page.input_value("#circ-answer-second")) == pair.answers
+
+    # a multi-token answer: the analysis's message in the banner, nothing run
+    page.fill("#circ-answer-first", " Maryland Johnson")
+    page.click("#circ-run")
+    page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('tokens')",
+                           timeout=240_000)
+    assert "Maryland" in banner(page) and "one token" in banner(page)
+    page.fill("#circ-answer-first", pair.answers[0])
+
+    page.click("#circ-run")
+    page.wait_for_function("new URLSearchParams(location.search).has('circ')", timeout=600_000)
+    page.wait_for_selector(DLA + " .heatmaplayer .hm", timeout=120_000)
+    assert banner(page) == ""
+    expected = circuits(real_model, pair.clean, list(pair.answers), composition=False).attribution
+    trace = plot_data(page, DLA)[0]
+    z = np.array(trace["z"], dtype=float)
+    np.testing.assert_allclose(z, expected.heads(), rtol=1e-6, atol=1e-9)  # the analysis's numbers, every head
+    assert trace["zmid"] == 0  # diverging, centred at 0
+    assert f"{expected.logit_diff:.3f}" in page.locator(DLA + " .gtitle").text_content()
+    others = plot_data(page, OTHERS)[0]
+    assert others["y"][0] == "embed" and others["y"][-1] == "bias" and len(others["y"]) == 32
+    np.testing.assert_allclose(others["x"][1:31], expected.mlps(), rtol=1e-6, atol=1e-9)
+    info = page.inner_text("#circ-info")
+    assert f"{expected.logit_diff:.3f}" in info and "components sum to" in info
+    top = np.unravel_index(int(np.argmax(np.abs(expected.heads()))), expected.heads().shape)
+    assert f"feed head {top[0]}.{top[1]}" in page.locator(COMPOSITION + " .gtitle").text_content()
+
+    # a click on head 18.6 chooses it: into the URL, and the composition panel shows what feeds it
+    click_cell(page, "circ-dla", 6, 18, 9, 30)
+    page.wait_for_function("location.search.includes('layer=18') && location.search.includes('head=6')")
+    page.wait_for_function("(document.querySelector('#circ-composition .gtitle')?.textContent || '')"
+                           ".includes('feed head 18.6')")
+    settle(page)
+    k_trace = plot_data(page, COMPOSITION)[1]  # Q, K, V: the K bars
+    scores = composition_scores(real_model).k[:18, :, 18, 6]
+    best = np.unravel_index(int(np.argmax(scores)), scores.shape)
+    assert k_trace["y"][0] == f"{best[0]}.{best[1]}"
+    assert k_trace["x"][0] == pytest.approx(scores[best], rel=1e-5)
+    assert "18.6" in page.inner_text("#circ-info")
+
+    # the link reopens the same view (the stored result, nothing computed)
+    link = page.evaluate("location.href")
+    page.goto(link)
+    page.wait_for_function("(document.querySelector('#circ-composition .gtitle')?.textContent || '')"
+                           ".includes('feed head 18.6')", timeout=120_000)
+    np.testing.assert_allclose(np.array(plot_data(page, DLA)[0]["z"], dtype=float), expected.heads(), rtol=1e-6)
