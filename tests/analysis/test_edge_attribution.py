@@ -1,0 +1,174 @@
+"""Edge attribution patching (Syed, Rager & Conmy 2023): with norms frozen, a sender → logits edge is the change
+of that sender's direct logit attribution; every edge's score is the first-order effect of patching that edge
+alone, checked by central differences with plain Hugging Face hooks on a float64 copy of the model; hostile
+pairs are refused with a message."""
+
+import numpy as np
+import pytest
+import torch
+
+from headscope.analysis.edge_attribution import SITES, edge_attribution
+from headscope.analysis.errors import InputError
+from headscope.analysis.logit_attribution import direct_logit_attribution
+from headscope.analysis.models import wrap_model
+from headscope.analysis.residual_components import capture_components
+from tests.tiny_families import tiny_family_model
+
+CLEAN = [1, 5, 9, 200, 7, 8, 9, 10, 300, 301, 7, 8]
+CORRUPTED = [1, 5, 9, 300, 7, 8, 9, 10, 200, 301, 7, 8]
+ANSWER, WRONG = 9, 300
+
+
+def _wrapped(family, tokenizer, seed=0, double=False):
+    hf = tiny_family_model(family, len(tokenizer), seed=seed)
+    if double:
+        hf = hf.double()
+    return wrap_model(hf, tokenizer, name=f"tiny-{family}", digest=f"tiny-{family}-seed{seed}-{double}")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "olmo2", "gemma3"])
+def test_sender_to_logits_edges_are_the_change_in_direct_logit_attribution_with_norms_frozen(family, embedded_tokenizer):
+    model = _wrapped(family, embedded_tokenizer)
+    result = edge_attribution(model, CLEAN, CORRUPTED, [ANSWER, WRONG], freeze_norms=True)
+    last = len(CLEAN) - 1
+    caps = [capture_components(model, ids, [last]) for ids in (CLEAN, CORRUPTED)]
+    clean, corrupted = (direct_logit_attribution(model, ids, ANSWER, WRONG, capture=cap)
+                        for ids, cap in zip((CLEAN, CORRUPTED), caps, strict=True))
+    ratio = float(caps[1].final_sigma[0] / caps[0].final_sigma[0])  # the corrupted write through the clean scale
+    size = np.abs(clean.values).sum()
+    compared = 0
+    for name in clean.names:
+        if name == "bias":
+            continue
+        expected = corrupted.value(name) * ratio - clean.value(name)
+        assert result.score(name, "logits", "logits") == pytest.approx(expected, abs=1e-5 * size), name
+        compared += 1
+    assert compared == 1 + model.n_layers * (model.n_heads + 1)
+    assert result.clean == pytest.approx(clean.logit_diff, rel=1e-4)
+    assert result.corrupted == pytest.approx(corrupted.logit_diff, rel=1e-4)
+
+
+def _hf_reference(hf, ids, *, sender=None, receiver=None, eps=0.0, delta=None):
+    """Plain-hook run of a Hugging Face Llama: returns (logit difference, the sender's write [n, d]); with
+    ``delta`` adds ``eps · delta`` to the copy of the residual stream read by ``receiver`` = (layer, head, site)
+    only (site 'logits': the final norm's input)."""
+    layers, n_heads = hf.model.layers, hf.config.num_attention_heads
+    d_head = hf.config.hidden_size // n_heads
+    seen, handles = {}, []
+    if sender == "embed":
+        handles.append(hf.model.embed_tokens.register_forward_hook(lambda m, a, out: seen.__setitem__("w", out[0])))
+    elif sender is not None and sender.startswith("mlp."):
+        mlp = layers[int(sender[4:])].mlp
+        handles.append(mlp.register_forward_hook(lambda m, a, out: seen.__setitem__("w", out[0])))
+    elif sender is not None:
+        la, h = map(int, sender.split("."))
+        o = layers[la].self_attn.o_proj
+        cols = slice(h * d_head, (h + 1) * d_head)
+        handles.append(o.register_forward_pre_hook(
+            lambda m, a: seen.__setitem__("w", a[0][0][:, cols] @ o.weight[:, cols].T)))
+    if delta is not None:
+        la, head, site = receiver
+        if site == "logits":
+            handles.append(hf.model.norm.register_forward_pre_hook(lambda m, a: (a[0] + eps * delta,)))
+        else:
+            norm = layers[la].input_layernorm
+            handles.append(norm.register_forward_pre_hook(lambda m, a: None if "x" in seen else seen.update(x=a[0])))
+            proj = getattr(layers[la].self_attn, f"{site}_proj")
+            cols = slice(head * d_head, (head + 1) * d_head)
+
+            def swap(m, a, out):
+                moved = torch.nn.functional.linear(norm(seen["x"] + eps * delta), m.weight, m.bias)
+                out = out.clone()
+                out[..., cols] = moved[..., cols]
+                return out
+
+            handles.append(proj.register_forward_hook(swap))
+    try:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return float(logits[ANSWER] - logits[WRONG]), seen.get("w")
+
+
+def _float64_throughout(hf):
+    """``hf`` in float64 with its RMSNorms and softmax computed in float64 too (Hugging Face's eager path upcasts
+    them to float32, whose rounding, divided by a small ε, would swamp a central difference)."""
+    hf = hf.double()
+    hf.config._attn_implementation = "sdpa"
+    for module in hf.modules():
+        if type(module).__name__ == "LlamaRMSNorm":
+            module.forward = (lambda x, m=module: m.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                                                              + m.variance_epsilon))
+    return hf
+
+
+EDGES = [("0.1", (1, 2, "q"), "1.2"), ("0.3", (1, 0, "k"), "1.0"), ("0.0", (1, 1, "v"), "1.1"),
+         ("embed", (0, 3, "q"), "0.3"), ("embed", (1, 1, "k"), "1.1"), ("mlp.0", (1, 0, "v"), "1.0"),
+         ("1.2", (2, 0, "logits"), "logits"), ("mlp.1", (2, 0, "logits"), "logits")]
+
+
+@pytest.mark.parametrize("sender,receiver,name", EDGES)
+def test_each_score_is_the_first_order_effect_of_patching_that_edge_alone(sender, receiver, name, embedded_tokenizer):
+    """Central differences on a float64 copy: d/dε m(clean, with ε (a_s^corrupt − a_s^clean) added to the one
+    input of the receiver) at ε = 0 equals the score; GQA: k/v receivers are key-value heads (1.0, 1.1)."""
+    model = _wrapped("llama", embedded_tokenizer, seed=2, double=True)
+    result = edge_attribution(model, CLEAN, CORRUPTED, [ANSWER, WRONG])
+    hf = _float64_throughout(tiny_family_model("llama", len(embedded_tokenizer), seed=2))
+    _, clean_write = _hf_reference(hf, CLEAN, sender=sender)
+    _, corrupted_write = _hf_reference(hf, CORRUPTED, sender=sender)
+    delta = corrupted_write - clean_write
+    eps = 1e-4
+    up, _ = _hf_reference(hf, CLEAN, receiver=receiver, eps=eps, delta=delta)
+    down, _ = _hf_reference(hf, CLEAN, receiver=receiver, eps=-eps, delta=delta)
+    slope = (up - down) / (2 * eps)
+    score = result.score(sender, name, receiver[2])
+    assert abs(score) > 1e-4, "an edge with no effect checks nothing"
+    assert score == pytest.approx(slope, rel=1e-5, abs=1e-9)
+
+
+def test_the_table_has_every_edge_once_sorted_and_swapping_the_answers_negates_it(embedded_tokenizer):
+    model = _wrapped("llama", embedded_tokenizer)
+    result = edge_attribution(model, CLEAN, CORRUPTED, [ANSWER, WRONG])
+    keys = list(zip(result.senders, result.receivers, result.sites, strict=True))
+    assert len(set(keys)) == len(keys)
+    senders = 1 + model.n_layers * (model.n_heads + 1)  # embed, heads, MLPs
+    into_heads = sum((1 + layer * (model.n_heads + 1)) * (model.n_heads + 2 * model.n_kv_heads)
+                     for layer in range(model.n_layers))
+    assert len(keys) == into_heads + senders
+    assert set(result.sites) == set(SITES)
+    assert {r for r, s in zip(result.receivers, result.sites, strict=True) if s == "k"} == {"0.0", "0.1", "1.0", "1.1"}
+    assert np.all(np.diff(np.abs(result.scores)) <= 0)
+    for s, r, site in keys:  # a sender writes before its receiver reads
+        if site != "logits":
+            assert s == "embed" or int(s.split(".")[-1 if s.startswith("mlp.") else 0]) < int(r.split(".")[0])
+    swapped = edge_attribution(model, CLEAN, CORRUPTED, [WRONG, ANSWER])
+    for s, r, site, v in result.rows(10):
+        assert swapped.score(s, r, site) == pytest.approx(-v, rel=1e-5, abs=1e-7)
+
+
+HOSTILE = [
+    ("texts of different token lengths", "When Mary and John went", "When Mary went", [" Mary", " John"]),
+    ("token ids of different lengths", CLEAN, CORRUPTED[:-1], [ANSWER, WRONG]),
+    ("an empty clean text", "", "When Mary and John went", [" Mary", " John"]),
+    ("an empty corrupted text", "When Mary and John went", "", [" Mary", " John"]),
+    ("a text of spaces", "   ", "   ", [" Mary", " John"]),
+    ("an answer of several tokens", "When Mary and John went", "When John and Mary went",
+     [" Mary Elizabeth Montgomery", " John"]),
+    ("an empty answer", "When Mary and John went", "When John and Mary went", ["", " John"]),
+    ("one answer only", CLEAN, CORRUPTED, [ANSWER]),
+    ("three answers", CLEAN, CORRUPTED, [ANSWER, WRONG, 7]),
+    ("the same answer twice", CLEAN, CORRUPTED, [ANSWER, ANSWER]),
+    ("identical prompts", CLEAN, CLEAN, [ANSWER, WRONG]),
+    ("an answer outside the vocabulary", CLEAN, CORRUPTED, [ANSWER, 10**9]),
+    ("a negative token id", [-1, *CLEAN[1:]], CORRUPTED, [ANSWER, WRONG]),
+    ("a token id past the vocabulary", [10**9, *CLEAN[1:]], CORRUPTED, [ANSWER, WRONG]),
+]
+
+
+@pytest.mark.parametrize("what,clean,corrupted,answers", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_pairs_are_refused_with_a_message(what, clean, corrupted, answers, tiny_model):
+    with pytest.raises(InputError) as e:
+        edge_attribution(tiny_model, clean, corrupted, answers)
+    assert "Traceback" not in str(e.value) and len(str(e.value)) > 20
