@@ -27,7 +27,8 @@ def cmd_circuits(args) -> int:
     """Direct logit attribution of every head, MLP, the embedding and the biases to the logit difference of
     the two answers at the last token, and the composition scores of every earlier head into every later
     one (:func:`headscope.analysis.circuits.circuits`); writes ``direct_logit_attribution.csv``,
-    ``composition.csv``, ``summary.json`` and the figures with their manifests."""
+    ``composition.csv``, ``summary.json`` and the figures with their manifests; with ``--corrupted`` also
+    ``edges.csv`` (:func:`headscope.analysis.edge_attribution.edge_attribution`)."""
     formats = check_formats(args.formats)
 
     import csv
@@ -43,6 +44,12 @@ def cmd_circuits(args) -> int:
     store, spec, model = open_store_and_model(args)
     with argument("--text"):
         text_ids(model, args.text)
+    edges = None
+    if args.corrupted is not None:
+        from headscope.analysis.edge_attribution import edge_attribution
+
+        with argument("--corrupted"):
+            edges = edge_attribution(model, args.text, args.corrupted, args.answers)
     with argument("--answers"), progress_bar("attribution and composition scores") as bar:
         result = circuits(model, args.text, args.answers, store=store, progress=bar)
     a = result.attribution
@@ -74,6 +81,13 @@ def cmd_circuits(args) -> int:
         "top_heads": [{"head": f"{la}.{h}", "value": float(heads[la, h])} for la, h in top],
         "result": result.key, "composition": result.composition_key,
     }
+    if edges is not None:
+        with open(out / "edges.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["sender", "receiver", "site", "score"])
+            writer.writerows([s, r, site, repr(v)] for s, r, site, v in edges.rows())
+        summary["edges"] = {"corrupted": args.corrupted, "corrupted_logit_diff": edges.corrupted, "count": len(edges.scores),
+                            "top": [{"sender": s, "receiver": r, "site": site, "score": v} for s, r, site, v in edges.rows(10)]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     params = {"model": spec, "circuits": result.key[:16], "layer": top[0][0], "head": top[0][1]}
     write_files(None, names.CIRCUIT_DLA, params, out, formats)
@@ -98,6 +112,9 @@ def add_parser(sub) -> None:
     p.add_argument("--answers", type=_two_answers, required=True,
                    help="two answer tokens, the expected one first, comma-separated and with their leading space, "
                         "e.g. \" Mary, John\"")
+    p.add_argument("--corrupted", type=text_arg,
+                   help="a corrupted text of the same token length (e.g. another name): also writes edges.csv, the "
+                        "edge attribution score of every sender -> receiver q/k/v/logits edge (Syed et al. 2023)")
     p.add_argument("--out", type=folder)
     p.add_argument("--formats", default="svg,html",
                    help="figure formats of circuit_dla, circuit_dla_others and circuit_composition (default svg,html; "
