@@ -57,6 +57,8 @@ def test_corrupted_writes_every_edges_score_as_the_python_function_gives_it(tmp_
 @pytest.mark.parametrize("corrupted,expected", [
     ("When Mary and John went to the store, Mary Elizabeth gave a drink to", "same number of tokens"),
     (CLEAN, "same tokens"),
+    ("", ""),  # refused by the argument parser, before the model loads
+    ("   ", ""),
 ])
 def test_a_pair_that_cannot_be_compared_is_one_line(corrupted, expected, tmp_path, monkeypatch, real_model):
     code, _, err = _circuits("--text", CLEAN, "--answers", " Mary, John", "--corrupted", corrupted,
