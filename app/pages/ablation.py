@@ -94,10 +94,10 @@ def layout(**query) -> html.Div:
             dcc.Store(id=query_store_id(PREFIX)),
             dcc.Store(id=ids.ABL_KEPT, storage_type="local", data=[]),
             dcc.Store(id=ids.ABL_PENDING, data=None),  # heads chosen on the map or typed, not yet applied
-            dcc.Store(id=ids.ABL_SHOWN, data=None),  # what the effects on the page were computed for
-            dcc.Store(id=ids.ABL_EFFECTS_WAIT, data=WAITING),
-            dcc.Store(id=ids.ABL_EFFECTS_ASKED, data=None),  # the render's effects, drawn by the browser
-            dcc.Store(id=ids.ABL_EFFECTS_FOR, data=None),  # the text and applied set a render last drew them for
+            # the effects panel: its state, and the two events its reducer takes (assets/ablation.js)
+            dcc.Store(id=ids.ABL_PANEL, data=None),
+            dcc.Store(id=ids.ABL_EFFECTS_ASKED, data=None),  # the render's figure for the panel
+            dcc.Store(id=ids.ABL_APPLIED, data=None),  # the Apply job's effects, or why there are none
             dcc.Store(id=ids.ABL_MAP, data=None),  # the run and score the map should show (render asks)
             dcc.Store(id=ids.ABL_DRAWN, data=None),  # the run and score the map shows
             dcc.Store(id=ids.ABL_FROM_LINK, data=None),  # a link's applied set, handed to the Apply job
@@ -219,122 +219,120 @@ register_export(PREFIX)
 fill_text_from_runs(PREFIX)
 # the line under the heads box, in the browser from the selection and the effects shown (assets/ablation.js)
 clientside_callback(ClientsideFunction(namespace="headscope_ablation", function_name="line"),
-                    Output(ids.ABL_CHOSEN, "children"), Input(ids.ABL_PENDING, "data"), Input(ids.ABL_SHOWN, "data"))
-# effects that Apply computed on a text the page no longer shows (a new text run meanwhile) do not stay
-clientside_callback(ClientsideFunction(namespace="headscope_ablation", function_name="on_this_text"),
-                    Output(ids.ABL_EFFECTS, "figure", allow_duplicate=True),
-                    Output(ids.ABL_SUMMARY, "children", allow_duplicate=True),
-                    Output(ids.ABL_SHOWN, "data", allow_duplicate=True),
-                    Input(ids.ABL_SHOWN, "data"), State(url_id(PREFIX), "search"), State(ids.ABL_EFFECTS_WAIT, "data"),
+                    Output(ids.ABL_CHOSEN, "children"), Input(ids.ABL_PENDING, "data"), Input(ids.ABL_PANEL, "data"))
+# the effects panel's one owner: the render's and Apply's figures and Cancel, each an event for the same
+# reducer, run in the browser in the order they arrive (assets/ablation.js reduce; its module comment
+# has the state × event table)
+PANEL = (Output(ids.ABL_EFFECTS, "figure", allow_duplicate=True), Output(ids.ABL_SUMMARY, "children", allow_duplicate=True),
+         Output(ids.ABL_PANEL, "data", allow_duplicate=True))
+clientside_callback(ClientsideFunction(namespace="headscope_ablation", function_name="asked"), *PANEL,
+                    Input(ids.ABL_EFFECTS_ASKED, "data"), State(url_id(PREFIX), "search"), State(ids.ABL_PANEL, "data"),
                     prevent_initial_call=True)
-# what the render asks of the effects panel, drawn in the browser against what the panel shows when the
-# answer arrives: effects an Apply job drew while the render ran stay (assets/ablation.js)
-clientside_callback(ClientsideFunction(namespace="headscope_ablation", function_name="effects"),
-                    Output(ids.ABL_EFFECTS, "figure"),
-                    Output(ids.ABL_SUMMARY, "children"),
-                    Output(ids.ABL_SHOWN, "data"),
-                    Output(ids.ABL_EFFECTS_FOR, "data"),
-                    Input(ids.ABL_EFFECTS_ASKED, "data"), State(url_id(PREFIX), "search"),
-                    State(ids.ABL_SHOWN, "data"), State(ids.ABL_EFFECTS_FOR, "data"), State(ids.ABL_APPLY, "disabled"),
+clientside_callback(ClientsideFunction(namespace="headscope_ablation", function_name="applied"), *PANEL,
+                    Input(ids.ABL_APPLIED, "data"), State(url_id(PREFIX), "search"), State(ids.ABL_PANEL, "data"),
                     prevent_initial_call=True)
+clientside_callback(ClientsideFunction(namespace="headscope_ablation", function_name="cancel"), *PANEL,
+                    Output(ids.ABL_APPLY_STATUS, "children", allow_duplicate=True),
+                    Input(ids.ABL_APPLY_CANCEL, "n_clicks"), State(ids.ABL_EFFECTS_ASKED, "data"),
+                    State(ids.ABL_PANEL, "data"), prevent_initial_call=True)
+
+RENDER = ("grid", "asked", "curve", "head_sweep", "info", "error", "text", "model", "heads", "method", "by", "sweep",
+          "map", "drawn", "pending", "from_link")
 
 
 @callback(
-    Output(ids.ABL_GRID, "figure"),
-    Output(ids.ABL_EFFECTS_ASKED, "data"),  # the effects panel: drawn by :func:`effects` in the browser
-    Output(ids.ABL_CURVE, "figure"),
-    Output(ids.ABL_HEAD_SWEEP, "figure"),
-    Output(ids.ABL_INFO, "children"),
-    Output(ids.ERROR, "children", allow_duplicate=True),
-    Output(text_fill_id(PREFIX), "data"),  # into the text box in the browser, never over an edit
-    Output(model_id(PREFIX), "value"),
-    Output(ids.ABL_HEADS, "value"),
-    Output(ids.ABL_METHOD, "value"),
-    Output(ids.ABL_BY, "value"),
-    Output(ids.ABL_SWEEP, "value"),
-    Output(ids.ABL_MAP, "data"),
-    Output(ids.ABL_DRAWN, "data"),
-    Output(ids.ABL_PENDING, "data"),
-    Output(ids.ABL_FROM_LINK, "data"),
-    Input(url_id(PREFIX), "search"),
-    State(ids.ABL_PENDING, "data"),
+    output=dict(
+        grid=Output(ids.ABL_GRID, "figure"),
+        asked=Output(ids.ABL_EFFECTS_ASKED, "data"),  # the effects panel's figure, an event (:func:`_asked`)
+        curve=Output(ids.ABL_CURVE, "figure"),
+        head_sweep=Output(ids.ABL_HEAD_SWEEP, "figure"),
+        info=Output(ids.ABL_INFO, "children"),
+        error=Output(ids.ERROR, "children", allow_duplicate=True),
+        text=Output(text_fill_id(PREFIX), "data"),  # into the text box in the browser, never over an edit
+        model=Output(model_id(PREFIX), "value"),
+        heads=Output(ids.ABL_HEADS, "value"),
+        method=Output(ids.ABL_METHOD, "value"),
+        by=Output(ids.ABL_BY, "value"),
+        sweep=Output(ids.ABL_SWEEP, "value"),
+        map=Output(ids.ABL_MAP, "data"),
+        drawn=Output(ids.ABL_DRAWN, "data"),
+        pending=Output(ids.ABL_PENDING, "data"),
+        from_link=Output(ids.ABL_FROM_LINK, "data"),
+    ),
+    inputs=[Input(url_id(PREFIX), "search")],
+    state=[State(ids.ABL_PENDING, "data")],
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=16, error_index=5)
+@guarded(outputs=RENDER)
 def render(search, pending):
     """Draw the page from its URL; never computes effects. A link opened afresh with an applied set
-    (its ``heads``) is drawn at once, and hands the set to the Apply job (:func:`apply`: progress,
-    Cancel), which computes and draws its effects, as Apply does for heads chosen on the page.
+    (its ``heads``) hands the set to the Apply job (:func:`apply`: progress, Cancel), as Apply does for
+    heads chosen on the page: a link reproduces its result, and a job can show progress and be stopped
+    where a render cannot. The effects panel's figure is an event for the panel's reducer
+    (:func:`_asked`), which decides whether it is shown.
 
-    Why not compute here, or wait for Apply: a link is a result someone shared, so it reproduces
-    itself as every headscope link does; but its effects take from seconds to most of a minute, and
-    computed here they held back the whole page (map, curve, sweep) with no sign of life and no way
-    to stop them."""
+    On the page's first draw (no pending selection yet) the map, the heads box, the Method and the
+    selection are the URL's; after it they are the user's (:func:`choose`, :func:`draw_map`): the
+    Method is what the next Apply uses, the URL's is the last one applied."""
     state = parse(search)
     pending = _pending(pending)
     problems = list(state.problems)
     params = ablation_params(state)
-    chosen = state.heads if pending is None else pending
-    controls = [chosen or "", state.ablate, state.by, state.sweep or ""]
     context = get_context()
     run = context.run(state.run) if state.run else None
     if state.run and run is None:
         problems.append(f"No stored run has the id {state.run!r}: run the text again.")
-    curve = head_sweep = None
-    for view, name in ((names.ABLATION_CURVE, "curve"), (names.ABLATION_HEAD_SWEEP, "hsweep")):
-        fig = None
-        if params[name]:
-            try:
-                fig, _ = VIEWS[view].build(None, params)
-            except ValueError as e:
-                problems.append(str(e))
-        if view == names.ABLATION_CURVE:
-            curve = fig or empty_figure("No curve yet.")
-        else:
-            head_sweep = fig or empty_figure("No single-head sweep yet.")
+    out = {"by": state.by, "sweep": state.sweep or "", "map": {"key": _map_key(state)},  # draw_map draws it
+           "curve": _stored_figure(names.ABLATION_CURVE, "curve", params, "No curve yet.", problems),
+           "head_sweep": _stored_figure(names.ABLATION_HEAD_SWEEP, "hsweep", params, "No single-head sweep yet.",
+                                        problems)}
     applied = None
     if state.heads:
         try:  # as the job writes it (a link may say kv:20.2 or 7.*)
             applied = format_heads(sorted(set(parse_heads(load_model(params["model"]), state.heads))))
         except ValueError as e:
             problems.append(str(e))
-    wanted = {"key": _map_key(state)}  # draw_map draws it if the map shows another run or score
-    if pending is not None:  # after the first draw the map and the box are choose()'s and draw_map's (the
-        # line under the box is the browser's), and the Method is the user's: what the next Apply uses
-        # (the URL's is the last one applied)
-        grid = controls[0] = controls[1] = drawn = no_update
-    else:  # the page's first draw
-        grid, drawn = _selection_map(run, {**params, "heads": chosen}, problems), _map_key(state)
-    key = _applied_key(state)  # of this text even with no set applied (a Cancel's message goes with its text)
-    if run is None:
-        return (grid, _asked(search, key, EMPTY), curve, head_sweep, "", message(problems), no_update, no_update,
-                *controls, wanted, drawn, (applied or "") if pending is None else no_update, no_update)
-    effects, from_link = EMPTY, no_update
-    if state.heads:
-        if pending is None:  # the first draw of a link with an applied set: the set runs as the Apply job
+    if pending is None:  # the page's first draw
+        out.update(grid=_selection_map(run, params, problems), drawn=_map_key(state), heads=state.heads or "",
+                   method=state.ablate, pending=applied or "")
+    key = _applied_key(state)
+    effects, computing = EMPTY, False
+    if run is not None:
+        out.update(text=run.text or "", model=run.model_name,
+                   info=html.Div([html.Span(f"run {run.short_id}", className="hs-chip"),
+                                  html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
+                                  html.Span(f"method: {state.ablate}", className="hs-chip")]))
+        if state.heads and pending is None:  # a link with an applied set: it runs as the Apply job
             if applied:
-                effects = empty_figure(f"Computing the effects of this link's {len(applied.split(','))} heads "
-                                       "(progress by Apply; Cancel stops it).")
-                from_link = key
-        else:  # a new text on this page (Back or Forward rebuild the page: a link): nothing heavy runs until
-            # Apply; effects of this set already on the page stay (the browser checks, assets/ablation.js)
+                effects, computing = empty_figure(f"Computing the effects of this link's {len(applied.split(','))} "
+                                                  "heads (progress by Apply; Cancel stops it)."), True
+                out["from_link"] = key
+        elif state.heads:  # a new text on this page: nothing heavy runs until Apply
             effects = WAITING
-    info = html.Div([html.Span(f"run {run.short_id}", className="hs-chip"),
-                     html.Span(f"{run.n_tokens} tokens", className="hs-chip"),
-                     html.Span(f"method: {state.ablate}", className="hs-chip")])
-    return (grid, _asked(search, key, effects), curve, head_sweep, info, message(problems), run.text or "",
-            run.model_name, *controls, wanted, drawn, (applied or "") if pending is None else no_update, from_link)
+    else:
+        out["info"] = ""
+    return {**out, "asked": _asked(search, key, effects, computing), "error": message(problems)}
 
 
-def _asked(search: str, key: list, figure) -> dict:
-    """What the render asks the effects panel to show: ``figure`` (and no summary), unless the panel
-    shows effects of ``key`` (the text and applied set) already, or, while the Apply job runs, a render
-    drew it for ``key`` before (a link's "computing" stays). Decided in the browser when the answer arrives
-    (assets/ablation.js ``effects``), not from the page as it was when the render started: an Apply
-    job that ended meanwhile drew its effects, and an answer decided here put "Apply computes the
-    effects" over them for good. ``search``: the URL the render drew; an answer for another is dropped."""
-    return {"search": search, "key": key, "figure": figure}
+def _stored_figure(view: str, param: str, params: dict, none: str, problems: list[str]):
+    """The figure of a stored result the URL names (the curve, the single-head sweep), or a note."""
+    if params[param]:
+        try:
+            return VIEWS[view].build(None, params)[0]
+        except ValueError as e:
+            problems.append(str(e))
+    return empty_figure(none)
+
+
+CANCELLED = empty_figure("Cancelled: Apply computes the effects of the chosen heads.")
+
+
+def _asked(search: str, key: list, figure, computing: bool) -> dict:
+    """The render's event for the effects panel (assets/ablation.js ``reduce``): ``figure`` for the URL
+    ``search`` and the text and applied set ``key``; ``computing`` when the render started a link's Apply
+    job, whose Cancel then shows ``cancelled``."""
+    return {"search": search, "key": key, "figure": figure, "computing": computing, "cancelled": CANCELLED}
 
 
 def _selection_map(run, params: dict, problems: list[str]):
@@ -371,10 +369,12 @@ def _applied_key(state: PageState) -> list:
     return [state.model, state.run, state.heads, state.ablate, state.ref, state.source]
 
 
-def _shown(key: list, run, state: PageState, applied: AppliedAblation) -> dict:
-    """The record of the effects on the page: their key, and the numbers *Keep* adds to the table."""
+def _applied_event(key: list, run, state: PageState, applied: AppliedAblation, model) -> dict:
+    """Apply's event for the effects panel (assets/ablation.js ``reduce``): the effects of ``key`` (the
+    text and applied set), their summary, and the numbers *Keep* adds to the table."""
     spec = applied.spec
-    return {"key": key, "row": {
+    effects, _ = VIEWS[names.ABLATION_EFFECTS].build(run, ablation_params(state))  # drawn from ``applied``
+    return {"key": key, "figure": effects, "summary": _summary(model, applied), "row": {
         "run": run.short_id, "heads": format_heads(spec.heads), "n_heads": len(spec.heads), "method": spec.method,
         "loss_clean": round(applied.loss_clean, 4), "loss_ablated": round(applied.loss_ablated, 4),
         "d_loss": round(applied.d_loss, 4),
@@ -407,26 +407,21 @@ def _summary(model, applied: AppliedAblation) -> html.Div:
 
 
 @callback(
-    Output(ids.ABL_PENDING, "data", allow_duplicate=True),
-    Output(ids.ABL_HEADS, "value", allow_duplicate=True),
-    Output(ids.ABL_GRID, "figure", allow_duplicate=True),
-    Output(ids.ABL_DRAWN, "data", allow_duplicate=True),
-    job_error(PREFIX),  # with Redis this is a job: not the banner (components.job_error)
-    Input(ids.ABL_PENDING, "data"),
-    Input(ids.ABL_HEADS, "value"),
-    Input(ids.ABL_TOPK, "n_clicks"),
-    Input(ids.ABL_RANDOM, "n_clicks"),
-    Input(ids.ABL_CLEAR, "n_clicks"),
-    State(ids.ABL_BY, "value"),
-    State(ids.ABL_SWEEP, "value"),
-    State(ids.ABL_K, "value"),
-    State(ids.ABL_SEED, "value"),
-    State(ids.ABL_CURVE_CONTROL, "value"),
-    State(url_id(PREFIX), "search"),
+    output=dict(
+        pending=Output(ids.ABL_PENDING, "data", allow_duplicate=True),
+        heads=Output(ids.ABL_HEADS, "value", allow_duplicate=True),
+        grid=Output(ids.ABL_GRID, "figure", allow_duplicate=True),
+        drawn=Output(ids.ABL_DRAWN, "data", allow_duplicate=True),
+        error=job_error(PREFIX),  # with Redis this is a job: not the banner (components.job_error)
+    ),
+    inputs=[Input(ids.ABL_PENDING, "data"), Input(ids.ABL_HEADS, "value"), Input(ids.ABL_TOPK, "n_clicks"),
+            Input(ids.ABL_RANDOM, "n_clicks"), Input(ids.ABL_CLEAR, "n_clicks")],
+    state=[State(ids.ABL_BY, "value"), State(ids.ABL_SWEEP, "value"), State(ids.ABL_K, "value"),
+           State(ids.ABL_SEED, "value"), State(ids.ABL_CURVE_CONTROL, "value"), State(url_id(PREFIX), "search")],
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call=True,
 )
-@guarded(outputs=5)
+@guarded(outputs=("pending", "heads", "grid", "drawn", "error"))
 def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, control_top, search):
     """Change the pending selection (the heads box, top k, random k, clear; map clicks change it in
     the browser): redrawn on the map and written in the box (the line under it follows in the browser,
@@ -434,9 +429,8 @@ def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, co
     changes: after the first draw it says what that draw found (a bad link).
 
     Dash holds this while :func:`render` is under way (its Inputs are render's outputs), then sends
-    one request for everything that happened meanwhile: a button clicked then is read first, before
-    the selection the render wrote (a top k clicked as the page loaded was read as that write, and
-    dropped without a word)."""
+    one request for everything that happened meanwhile, so a button clicked then is read first, before
+    the selection the render wrote: it is the user's action, the write is not."""
     state = parse(search)
     triggered = dash.ctx.triggered_prop_ids
     context = get_context()
@@ -466,7 +460,7 @@ def choose(pending, heads_text, _top, _random, _clear, by, sweep_id, k, seed, co
     heads = format_heads(sorted(chosen))
     problems: list[str] = []
     grid = _selection_map(run, {**ablation_params(state), "heads": heads or None}, problems)
-    return heads, heads, grid, _map_key(state), message(problems)
+    return {"pending": heads, "heads": heads, "grid": grid, "drawn": _map_key(state), "error": message(problems)}
 
 
 def random_rule(outside_top: int) -> str:
@@ -508,11 +502,10 @@ def draw_map(wanted, pending, drawn, search):
     """After the page's first draw: the map of the run and score the page's URL names, with the selection
     as it is now, when the map shows another run or score (:func:`render` asks after each redraw).
 
-    Why not in :func:`render` or :func:`choose`: each read the selection as it started, and Dash drops
-    the answer of a callback asked again while it runs. A render that read it while top k was under
-    way put the old selection back; a redraw in :func:`choose` was dropped for a map click, or threw
-    away the top k under way. This reads the selection as it is asked, and is asked again by every
-    change of it (map clicks too: then, the map showing its run and score already, it draws nothing)."""
+    Not in :func:`render` or :func:`choose`: each reads the selection as it starts, and Dash drops the
+    answer of a callback asked again while it runs, so either could put back an old selection or lose a
+    new one. This reads the selection as it is asked, and is asked again by every change of it (map
+    clicks too: then, the map showing its run and score already, it draws nothing)."""
     pending = _pending(pending)
     if pending is None or not isinstance(wanted, dict) or wanted.get("key") == drawn:
         raise PreventUpdate
@@ -581,9 +574,7 @@ def _step_reporter(set_progress):
 
 @cancellable_callback(
     Output(url_patch_id(PREFIX), "data", allow_duplicate=True),  # into the URL as it is then
-    Output(ids.ABL_EFFECTS, "figure", allow_duplicate=True),
-    Output(ids.ABL_SUMMARY, "children", allow_duplicate=True),
-    Output(ids.ABL_SHOWN, "data", allow_duplicate=True),
+    Output(ids.ABL_APPLIED, "data"),  # an event for the effects panel (:func:`_applied_event`)
     Output(ids.ABL_APPLY_STATUS, "children"),
     Input(ids.ABL_APPLY, "n_clicks"),
     Input(ids.ABL_FROM_LINK, "data"),
@@ -603,8 +594,9 @@ def apply(set_progress, n_clicks, from_link, pending, heads_text, method, source
     them, not the boxes' (a resample source or mean reference is not computed again).
 
     The heads are the heads box's: every choice (a click, top k, a list typed) is written there, and
-    the box is read as Apply is pressed, where the selection (:func:`choose`) was not yet updated for
-    a list typed without Enter: Apply computed the heads chosen before, and said they were applied."""
+    the box is read as Apply is pressed, so a list typed without Enter is the list applied. The result
+    is an event for the effects panel's reducer (:func:`_applied_event`), which shows it only if the
+    page still shows its text."""
     in_job()
     link = dash.ctx.triggered_id == ids.ABL_FROM_LINK
     if not (from_link if link else n_clicks):
@@ -647,35 +639,15 @@ def apply(set_progress, n_clicks, from_link, pending, heads_text, method, source
             state.source = applied.source_key[:16]
         if not link and applied.means_key:
             state.ref = applied.means_key[:16]
-        params = ablation_params(state)
-        remember_effects(run, params, applied)
-        effects, _ = VIEWS[names.ABLATION_EFFECTS].build(run, params)  # drawn from ``applied``, not computed again
-        summary = _summary(model, applied)
-    except USER_ERRORS as e:  # a link's set that cannot be computed or stored: its figure no longer says "computing"
-        figure = empty_figure(f"No effects: {e}") if link else no_update
-        return no_update, figure, no_update, no_update, str(e)
+        remember_effects(run, ablation_params(state), applied)
+        event = _applied_event(_applied_key(state), run, state, applied, model)
+    except USER_ERRORS as e:  # the panel shows why only where it says a link's set is computing
+        return no_update, {"failed": empty_figure(f"No effects: {e}")}, str(e)
     seconds = time.monotonic() - started
     # the set and how it was ablated are written whole: a link never names a method its effects did not use
     return (url_patch(search, state.to_search(), on=("run",), what="Apply's result", status=ids.ABL_APPLY_STATUS,
-                      reset=("heads", "ablate", "ref", "source")), effects, summary,
-            _shown(_applied_key(state), run, state, applied),
+                      reset=("heads", "ablate", "ref", "source")), event,
             f"{len(applied.spec.heads)} heads, {applied.spec.method} ablation: effects in {seconds:.1f} s")
-
-
-@callback(
-    Output(ids.ABL_APPLY_STATUS, "children", allow_duplicate=True),
-    Output(ids.ABL_EFFECTS, "figure", allow_duplicate=True),
-    Input(ids.ABL_APPLY_CANCEL, "n_clicks"),
-    State(ids.ABL_SHOWN, "data"),
-    prevent_initial_call=True,
-)
-def cancelled(n_clicks, shown):
-    if not n_clicks:
-        raise PreventUpdate
-    if shown is None:  # nothing computed yet (a link's set was cancelled): the figure no longer says "computing"
-        return ("Cancelled: no effects computed; Apply computes the chosen heads' effects.",
-                empty_figure("Cancelled: Apply computes the effects of the chosen heads."))
-    return "Cancelled: the effects shown are the last applied set's; Apply computes the chosen heads again.", no_update
 
 
 @callback(
@@ -683,7 +655,7 @@ def cancelled(n_clicks, shown):
     Input(ids.ABL_KEEP, "n_clicks"),
     Input(ids.ABL_KEPT_TABLE, "data"),
     State(ids.ABL_KEPT, "data"),
-    State(ids.ABL_SHOWN, "data"),
+    State(ids.ABL_PANEL, "data"),
     prevent_initial_call=True,
 )
 def keep(n_clicks, table, kept, shown):
@@ -694,8 +666,9 @@ def keep(n_clicks, table, kept, shown):
         if remaining == {r["set"] for r in kept}:
             raise PreventUpdate  # the table only echoed the store: no row was deleted
         return [r for r in kept if r["set"] in remaining]
-    if not n_clicks or not (isinstance(shown, dict) and isinstance(shown.get("row"), dict)):
-        raise PreventUpdate  # no effects on the page yet
+    if not n_clicks or not (isinstance(shown, dict) and shown.get("shows") == "effects"
+                            and isinstance(shown.get("row"), dict)):
+        raise PreventUpdate  # no effects on the page (the panel's state: assets/ablation.js)
     number = 1 if not kept else max(r["set"] for r in kept) + 1
     row = {k: v for k, v in shown["row"].items() if k in KEPT_COLUMNS or k == "link"}
     return [*kept, {"set": number, **row}]

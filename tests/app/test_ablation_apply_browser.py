@@ -27,15 +27,16 @@ pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
 
 def _watch_effects_requests(page) -> list[dict]:
-    """Every callback request the page sends whose outputs include the effects figure, as
-    {"url", "changed"} (a background job's polls carry its cache key in the url)."""
+    """Every callback request the page sends whose outputs are events for the effects panel (the
+    render's, the Apply job's), as {"url", "changed"} (a background job's polls carry its cache key in
+    the url)."""
     seen: list[dict] = []
 
     def on_request(request):
         if "_dash-update-component" not in request.url or request.method != "POST":
             return
         body = request.post_data or ""
-        if "hs-abl-effects" in body:
+        if "hs-abl-effects" in body or "hs-abl-applied" in body:
             try:
                 sent = json.loads(body)
             except ValueError:
@@ -52,6 +53,13 @@ def _watch_effects_requests(page) -> list[dict]:
 
 def _text(page, selector: str) -> str:
     return page.evaluate("(s) => document.querySelector(s)?.innerText || ''", selector)
+
+
+def _line_says(page, text: str) -> None:
+    """The line under the heads box says ``text`` within seconds: it follows the effects panel's state
+    (assets/ablation.js), one browser callback after the panel is drawn."""
+    page.wait_for_function("(t) => (document.querySelector('#hs-abl-chosen')?.innerText || '').includes(t)",
+                           arg=text, timeout=10_000)
 
 
 def test_clicked_heads_wait_for_apply_which_computes_once_and_can_be_cancelled(server, page):
@@ -87,7 +95,7 @@ def test_clicked_heads_wait_for_apply_which_computes_once_and_can_be_cancelled(s
     assert "zero ablation of 2 heads" in summary and "Continuation, ablated" in summary
     jobs = [r for r in requests if "cacheKey" not in r["url"] and "hs-abl-apply.n_clicks" in r["changed"]]
     assert len(jobs) == 1, requests  # one computation for both heads
-    assert "2 heads applied: L3H1, L5H0" in _text(page, "#hs-abl-chosen")  # the heads, named where they are chosen
+    _line_says(page, "2 heads applied: L3H1, L5H0")  # the heads, named where they are chosen
     print(f"Apply → result, 2 heads: {seconds:.1f} s")
 
     # typing stays possible and in sync: the map boxes what was typed; nothing runs until Apply
@@ -111,7 +119,7 @@ def test_clicked_heads_wait_for_apply_which_computes_once_and_can_be_cancelled(s
     page.goto(page.url)
     wait_title(page, "hs-abl-effects", "zero ablation of 2 heads: mean loss", timeout=240_000)
     wait_title(page, "hs-abl-grid", "2 heads chosen")
-    assert "2 heads applied: L3H1, L5H0" in _text(page, "#hs-abl-chosen")
+    _line_says(page, "2 heads applied: L3H1, L5H0")
     # mean ablation over the user's own reference texts: their means, then the effects, in the same job
     page.check("#hs-abl-method input[value='mean']")
     page.fill("#hs-abl-reference", "The cat sat on the mat.\nA dog ran to the park.")
@@ -162,7 +170,7 @@ def test_a_fresh_link_with_heads_draws_at_once_and_computes_its_effects_with_pro
     wait_title(fresh, "hs-abl-effects", "zero ablation of 2 heads: mean loss", timeout=240_000)
     fresh.wait_for_function(f"{STATUS}.includes('effects in')")
     assert "Continuation, ablated" in fresh.locator("#hs-abl-summary").inner_text()
-    assert "2 heads applied: L3H1, L5H0" in _text(fresh, "#hs-abl-chosen")
+    _line_says(fresh, "2 heads applied: L3H1, L5H0")
     assert decoded_heads(fresh) == "3.1,5.0"
     fresh.close()
 
@@ -258,7 +266,7 @@ def _map_says(page, count: str, score: str) -> None:
 @pytest.mark.parametrize("holds", [
     # the redraw starts at 1 s, while top k is under way, and answers last
     [['"changedPropIds":["hs-abl-by.value"]', 1000], ['"changedPropIds":["hs-abl-topk.n_clicks"]', 2000],
-     ["hs-abl-effects.figure", 3000]],
+     ["hs-abl-effects-asked.data", 3000]],
     # the redraw answers first, while top k is still under way
     [['"changedPropIds":["hs-abl-by.value"]', 300], ['"changedPropIds":["hs-abl-topk.n_clicks"]', 3000]],
 ], ids=["redraw-last", "redraw-first"])
@@ -305,7 +313,7 @@ def test_top_k_clicked_as_the_page_loads_is_not_lost(server, page):
     was read as the draw's write of the selection and dropped without a word (a quiet CI run with two
     workers, 2026-12-03). The first draw's answer is held 2 s here."""
     url, _, _ = server
-    page.add_init_script(f"({HOLD_ANSWERS})({json.dumps([['hs-abl-effects.figure', 2000]])})")
+    page.add_init_script(f"({HOLD_ANSWERS})({json.dumps([['hs-abl-effects-asked.data', 2000]])})")
     page.goto(url + "ablation")
     page.click("#hs-abl-topk")
     page.wait_for_function("(document.querySelector('#hs-error')?.innerText || '').includes('No retrieval scores')",
@@ -498,19 +506,20 @@ def test_the_line_says_applied_only_while_the_effects_shown_are_of_the_chosen_he
 
 
 # Holds the answer of the page's render (the one callback the URL triggers that draws the run line)
-# until the effects figure's title says ``until``, then ``extra_ms`` more: the render reaches the page
-# after the Apply job's result, as it does when a job ends while a render runs on a loaded server.
-HOLD_RENDER_UNTIL = """([until, extra_ms]) => {
+# until the Apply job has ended (its result has reached the page: Apply is enabled again), then
+# ``extra_ms`` more: the render reaches the page after the job's result, as it does when a job ends
+# while a render runs on a loaded server.
+HOLD_RENDER_UNTIL_APPLIED = """([extra_ms]) => {
     const fetch = window.fetch;
-    const title = () => document.querySelector('#hs-abl-effects .gtitle')?.textContent || '';
+    const ended = () => document.querySelector('#hs-abl-apply') && !document.querySelector('#hs-abl-apply').disabled;
     window.heldRenders = 0;
     window.fetch = async (url, options) => {
         const body = typeof options?.body === 'string' ? options.body : '';
         const render = body.includes('hs-abl-info.children') && body.includes('"changedPropIds":["abl-hs-url.search"]');
-        if (render && title().includes(until)) window.sentAfter = true;  // asked after the effects came
+        if (render && ended()) window.sentAfter = true;  // asked after the job ended
         const answer = await fetch(url, options);
         if (render) {
-            while (!title().includes(until)) await new Promise(done => setTimeout(done, 50));
+            while (!ended()) await new Promise(done => setTimeout(done, 50));
             await new Promise(done => setTimeout(done, extra_ms));
             window.heldRenders += 1;
         }
@@ -521,20 +530,19 @@ HOLD_RENDER_UNTIL = """([until, extra_ms]) => {
 
 def test_a_render_that_answers_after_apply_keeps_the_effects_apply_drew(server, page):
     """Choose another score while a link's effects compute, with the redraw that follows (the score is
-    written to the URL) answering after the effects are drawn: they stay, with their summary and the
-    "applied" line. The redraw read what the page showed when it started (no effects yet), and
-    answering last put "Apply computes the effects" over them for good: the job wrote no new URL, so
-    nothing drew them again."""
+    written to the URL) asked while the job runs and answering after the job's result reached the page:
+    the effects are shown, with their summary and the "applied" line, whichever the panel's reducer
+    takes first (assets/ablation.js: a render of the text and set shown keeps them)."""
     url, proc, _ = server
     run_on_ablation_page(page, url)
     page.goto(url + "ablation" + page.evaluate("location.search") + "&heads=3.1,7.2")
     page.wait_for_function(f"{STATUS}.includes(' steps done')", timeout=120_000)  # the link's job computes
-    page.evaluate(HOLD_RENDER_UNTIL, ["ablation of 2 heads", 1500])
+    page.evaluate(HOLD_RENDER_UNTIL_APPLIED, [1500])
     select_option(page, "hs-abl-by", "Attention on first token")
     page.wait_for_function("location.search.includes('by=first_token')")
-    wait_title(page, "hs-abl-effects", "zero ablation of 2 heads: mean loss", timeout=240_000)
-    page.wait_for_function("window.heldRenders >= 1", timeout=30_000)  # the held render has answered
+    page.wait_for_function("window.heldRenders >= 1", timeout=240_000)  # the held render has answered
     assert page.evaluate("window.sentAfter") is None  # it was asked while the job ran, as the race needs
+    wait_title(page, "hs-abl-effects", "zero ablation of 2 heads: mean loss", timeout=60_000)
     settle(page)
     effects = page.locator("#hs-abl-effects").inner_text()
     assert "zero ablation of 2 heads: mean loss" in effects and "Apply computes" not in effects, effects
