@@ -60,6 +60,7 @@ from headscope.analysis.residual_components import (
     affine_map,
     check_structure,
     check_sum,
+    check_tokens,
     frozen_norm,
     head_name,
     mlp_name,
@@ -263,6 +264,14 @@ def edge_attribution(model: LoadedModel, clean: str | Sequence[int], corrupted: 
         See :func:`~headscope.analysis.patching.prompt_pair` (unequal lengths, empty prompts, answers that
         are not single tokens); a single answer; a model whose blocks are not sums of components.
     """
+    for prompt in (clean, corrupted):
+        if not isinstance(prompt, str):
+            check_tokens(model, prompt)  # whole numbers only: prompt_pair would truncate 1.5 to 1
+    if isinstance(answers, str) or not isinstance(answers, Sequence):
+        raise InputError(f"Give the answers as a list of two (the clean one, then the corrupted one), got {answers!r}.")
+    wrong = [a for a in answers if isinstance(a, bool) or not isinstance(a, (str, int, np.integer))]
+    if wrong:
+        raise InputError(f"An answer is a text (\" Mary\") or a token id (a whole number); got {wrong[0]!r}.")
     pair = prompt_pair(model, clean, corrupted, answers)
     if len(pair.answers) != 2:
         raise InputError("Edge attribution explains a logit difference: give two answers (the clean one, "

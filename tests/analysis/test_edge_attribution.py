@@ -10,7 +10,7 @@ import torch
 from headscope.analysis.edge_attribution import SITES, edge_attribution
 from headscope.analysis.errors import InputError
 from headscope.analysis.logit_attribution import direct_logit_attribution
-from headscope.analysis.models import wrap_model
+from headscope.analysis.models import ModelError, wrap_model
 from headscope.analysis.residual_components import capture_components
 from tests.tiny_families import tiny_family_model
 
@@ -164,11 +164,19 @@ HOSTILE = [
     ("an answer outside the vocabulary", CLEAN, CORRUPTED, [ANSWER, 10**9]),
     ("a negative token id", [-1, *CLEAN[1:]], CORRUPTED, [ANSWER, WRONG]),
     ("a token id past the vocabulary", [10**9, *CLEAN[1:]], CORRUPTED, [ANSWER, WRONG]),
+    ("a token id that is not whole", [1.5, *CLEAN[1:]], CORRUPTED, [ANSWER, WRONG]),
+    ("a token id that is a bool", [True, *CLEAN[1:]], CORRUPTED, [ANSWER, WRONG]),
+    ("token ids nested in lists", [[1, 2]] * len(CLEAN), CORRUPTED, [ANSWER, WRONG]),
+    ("an answer that is a bool", CLEAN, CORRUPTED, [True, WRONG]),
+    ("an answer that is None", CLEAN, CORRUPTED, [None, WRONG]),
+    ("an answer that is not whole", CLEAN, CORRUPTED, [9.5, WRONG]),
+    ("the answers as one string", CLEAN, CORRUPTED, " Mary"),
+    ("a lone surrogate in the text", "When \ud800 Mary", "When \ud800 John", [" Mary", " John"]),
 ]
 
 
 @pytest.mark.parametrize("what,clean,corrupted,answers", HOSTILE, ids=[h[0] for h in HOSTILE])
 def test_hostile_pairs_are_refused_with_a_message(what, clean, corrupted, answers, tiny_model):
-    with pytest.raises(InputError) as e:
+    with pytest.raises((InputError, ModelError)) as e:
         edge_attribution(tiny_model, clean, corrupted, answers)
     assert "Traceback" not in str(e.value) and len(str(e.value)) > 20
