@@ -1,8 +1,8 @@
 /* headscope: the Ablation page's effects panel and the line under its heads box. Served locally by Dash.
 
    One owner decides what the effects panel shows: ``reduce(state, event)``, a pure function, run in
-   the browser as each event reaches the page (``panel`` below), so events are taken in the order they
-   arrive and against the panel as it is then. The server only produces figures: the page's render
+   the browser as each event reaches the page (``asked``, ``applied`` and ``cancel`` below, one Dash
+   callback per source), so events are taken in the order they arrive and against the panel as it is then. The server only produces figures: the page's render
    (app/pages/ablation.py ``render``) and the Apply job (``apply``) send them as events; neither
    decides whether they are shown.
 
