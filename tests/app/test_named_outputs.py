@@ -19,8 +19,6 @@ from headscope.app.context import AppContext, get_context, set_context
 from headscope.app.server import create_app
 
 MAX_POSITIONAL = 4  # wider than this, a callback names its outputs
-# Ablation's callbacks are rebuilt around one state owner (#40 item 5), by another hand
-NOT_CHECKED_HERE = {"ablation"}
 UPDATE = "/_dash-update-component"
 MISSING = "ffffffffffffffff"  # an id no record has
 
@@ -51,11 +49,9 @@ def page_callbacks(app) -> dict[str, list]:
 def test_no_page_callback_returns_more_than_four_positional_outputs(served):
     app, _, _ = served
     by_page = page_callbacks(app)
-    assert {"attention", "flow", "heads", "qk", "patching", "compare", "compress"} <= set(by_page)
+    assert {"attention", "flow", "heads", "qk", "patching", "compare", "compress", "ablation"} <= set(by_page)
     wide = []
     for page, callbacks in by_page.items():
-        if page in NOT_CHECKED_HERE:
-            continue
         assert callbacks or page == "not_found_404", f"no callbacks of page {page} were found: the check saw nothing"
         wide += [f"{page}.{name}: {len(grouping)} positional outputs" for name, grouping in callbacks
                  if isinstance(grouping, list) and len(grouping) > MAX_POSITIONAL]
