@@ -270,10 +270,22 @@ def compress(s: Shot) -> Path:
     return s.save("compress", bottom_of="#hs-kv-table")
 
 
+def circuits(s: Shot) -> Path:
+    """The built-in IOI prompt and its two names: direct logit attribution per head (the name mover 23.3
+    first), the MLPs beside it, and what feeds the head with the largest direct effect."""
+    s.goto("circuits")
+    s.page.wait_for_selector("#circ-run", timeout=LONG)
+    s.page.click("#circ-run")
+    s.has_param("circ", timeout=2 * LONG)
+    s.page.wait_for_selector("#circ-dla .heatmaplayer .hm", timeout=LONG)
+    s.titled("circ-composition", "feed head")
+    return s.save("circuits", bottom_of="#circ-composition")
+
+
 #: page (its module's name in the page registry) -> the recipe that shoots it
 RECIPES: dict[str, Callable[[Shot], Path]] = {
     "attention": attention, "flow": flow, "heads": heads, "qk": qk, "ablation": ablation,
-    "patching": patching, "compare": compare, "compress": compress,
+    "patching": patching, "compare": compare, "compress": compress, "circuits": circuits,
 }
 
 

@@ -3,12 +3,11 @@ attribution, a layer × head grid with the MLPs beside it) and which earlier hea
 (composition scores into its Q, K and V). Everything is :func:`headscope.analysis.circuits.circuits`, run as a
 job (the composition scores take 20-40 s the first time a model is used, then come from the store); the URL
 names the stored result (``circ``) and the chosen head, so a link reopens the same view without computing.
-A click on a head of the grid chooses it.
+A click on a head of the grid chooses it. The page's URL field is declared beside its views
+(:class:`headscope.app.views.circuits.CircuitsState`): Dash executes a page module again for every app it
+creates, and a part may be declared only once per process."""
 
-No ``from __future__ import annotations`` here: Dash imports a page module without entering it in
-``sys.modules``, and ``dataclass`` looks a string annotation up there (its URL part would not import)."""
-
-from dataclasses import dataclass
+from __future__ import annotations
 
 import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
@@ -37,7 +36,7 @@ from headscope.app.components import (
 from headscope.app.context import dropdown_model, get_context, offered_model
 from headscope.app.errors import guarded, message
 from headscope.app.jobs import cancellable_callback, in_job, on_workers, progress_reporter
-from headscope.app.url_state import StoredId, page_part, parse, url_field
+from headscope.app.url_state import parse
 from headscope.app.views import VIEWS, names
 from headscope.app.views.circuits import chosen_head, circuits_params, stored_circuits
 
@@ -51,15 +50,6 @@ DLA, OTHERS, COMPOSITION = f"{PREFIX}-dla", f"{PREFIX}-dla-others", f"{PREFIX}-c
 DEFAULT_PAIR = "ioi-mary-john"  # the built-in IOI prompt: its indirect object, then its subject (Wang et al. 2022)
 EMPTY = empty_figure("Run the text to see what each head writes towards the first answer.")
 NO_COMPOSITION = empty_figure("Run the text, then click a head to see which earlier heads feed it.")
-
-
-@page_part("circuits")
-@dataclass
-class CircuitsState:
-    """The Circuits page's own field: the stored result (:func:`headscope.analysis.circuits.circuits`). The
-    chosen head is the shared ``layer``/``head``."""
-
-    circ: str | None = url_field(StoredId())
 
 
 def _default_prompt() -> tuple[str, tuple[str, str]]:

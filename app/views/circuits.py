@@ -11,6 +11,7 @@ three; ``headscope circuits`` and ``headscope explain`` export them and ``headsc
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from headscope.analysis.circuits import (
 from headscope.analysis.composition import KINDS
 from headscope.analysis.errors import InputError, check_head_index
 from headscope.app import figures
+from headscope.app.url_state import StoredId, page_part, url_field
 from headscope.app.views import names
 from headscope.app.views.registry import Rows, register
 
@@ -34,6 +36,16 @@ TOP = 10  # senders per kind in the composition view; components per side in the
 KIND_LABELS = {"q": "Q-composition (feeds its queries)", "k": "K-composition (feeds its keys)",
                "v": "V-composition (feeds its values)"}
 SCALE = figures.PATCHING_SCALE
+
+
+@page_part("circuits")
+@dataclass
+class CircuitsState:
+    """The Circuits page's own URL field: the stored result (:func:`headscope.analysis.circuits.circuits`),
+    ``circ``. The chosen head is the shared ``layer``/``head``. Declared here, imported once per process,
+    rather than in the page module, which Dash executes again for every app it creates."""
+
+    circ: str | None = url_field(StoredId())
 
 
 def _context():
@@ -85,8 +97,7 @@ def dla_grid(heads: np.ndarray, title: str, selected: tuple[int, int] | None = N
     """Layer × head grid of direct logit attributions ``heads [L, H]`` on a diverging scale centred at 0
     (red: towards the first answer), the selected head outlined."""
     fig = figures.head_grid(heads, "DLA (logits)", selected=selected, signed=True)
-    fig.update_layout(title={"text": title})
-    return fig
+    return figures.wrap_title(fig, title, width=60)
 
 
 def dla_others(labels: Sequence[str], values: Sequence[float], title: str) -> go.Figure:
@@ -97,8 +108,9 @@ def dla_others(labels: Sequence[str], values: Sequence[float], title: str) -> go
                            hovertemplate="%{y}: %{x:.4f} logits<extra></extra>"))
     fig.update_yaxes(autorange="reversed", dtick=1, title="component")
     fig.update_xaxes(title="DLA (logits)", zeroline=True, zerolinecolor="#444")
-    fig.update_layout(template="plotly_white", margin={"t": 50, "l": 70, "r": 20, "b": 50})
-    return figures.wrap_title(fig, title, width=60, height=max(360, 14 * len(values) + 120))
+    fig.update_layout(template="plotly_white", margin={"t": 50, "l": 70, "r": 20, "b": 50},
+                      height=max(360, 16 * len(values) + 120))
+    return figures.wrap_title(fig, title, width=60)
 
 
 def composition_bars(scores: dict[str, np.ndarray], receiver: tuple[int, int], top: int = TOP) -> go.Figure:
@@ -117,9 +129,9 @@ def composition_bars(scores: dict[str, np.ndarray], receiver: tuple[int, int], t
                                            "%{x:.4f}<extra></extra>"), row=1, col=i)
         fig.update_yaxes(autorange="reversed", type="category", row=1, col=i)
         fig.update_xaxes(title="score", rangemode="tozero", row=1, col=i)
-    fig.update_layout(template="plotly_white", margin={"t": 90, "l": 60, "r": 20, "b": 50})
+    fig.update_layout(template="plotly_white", margin={"t": 90, "l": 60, "r": 20, "b": 50}, height=420)
     return figures.wrap_title(fig, f"Which earlier heads feed head {receiver[0]}.{receiver[1]} (composition scores "
-                                   "from the weights; RoPE and QK-norm left out)", width=110, height=420)
+                                   "from the weights; RoPE and QK-norm left out)", width=110)
 
 
 def qk_cell_figure(query_names: Sequence[str], key_names: Sequence[str], terms: np.ndarray, title: str,
@@ -145,8 +157,8 @@ def qk_cell_figure(query_names: Sequence[str], key_names: Sequence[str], terms: 
                              hovertemplate="query %{y} × key %{x}: %{z:.4f}<extra></extra>"), row=1, col=3)
     fig.update_yaxes(autorange="reversed", type="category", row=1, col=3)
     fig.update_xaxes(type="category", row=1, col=3)
-    fig.update_layout(template="plotly_white", margin={"t": 90, "l": 80, "r": 20, "b": 80})
-    return figures.wrap_title(fig, title, width=110, height=460)
+    fig.update_layout(template="plotly_white", margin={"t": 90, "l": 80, "r": 20, "b": 80}, height=460)
+    return figures.wrap_title(fig, title, width=110)
 
 
 # --- views ---------------------------------------------------------------------------------------------

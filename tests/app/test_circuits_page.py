@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.app.browsing import click_cell, settle
+from tests.app.browsing import click_cell, cut_off_titles, settle
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
@@ -59,6 +59,10 @@ def test_circuits_journey(server, page, real_model):
     assert f"{expected.logit_diff:.3f}" in info and "components sum to" in info
     top = np.unravel_index(int(np.argmax(np.abs(expected.heads()))), expected.heads().shape)
     assert f"feed head {top[0]}.{top[1]}" in page.locator(COMPOSITION + " .gtitle").text_content()
+
+    settle(page)
+    assert cut_off_titles(page) == []  # every title and colour bar fits at 1400 px
+    assert page.locator(OTHERS + " .main-svg").first.bounding_box()["height"] >= 16 * 32  # a readable bar each
 
     # a click on head 18.6 chooses it: into the URL, and the composition panel shows what feeds it
     click_cell(page, "circ-dla", 6, 18, 9, 30)
