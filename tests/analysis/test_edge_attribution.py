@@ -48,36 +48,57 @@ def test_sender_to_logits_edges_are_the_change_in_direct_logit_attribution_with_
     assert result.corrupted == pytest.approx(corrupted.logit_diff, rel=1e-4)
 
 
-def _hf_reference(hf, ids, *, sender=None, receiver=None, eps=0.0, delta=None):
-    """Plain-hook run of a Hugging Face Llama: returns (logit difference, the sender's write [n, d]); with
-    ``delta`` adds ``eps · delta`` to the copy of the residual stream read by ``receiver`` = (layer, head, site)
-    only (site 'logits': the final norm's input)."""
-    layers, n_heads = hf.model.layers, hf.config.num_attention_heads
+def _anatomy(hf):
+    """Where a Hugging Face Llama or GPT-2 keeps what the reference needs: its blocks, each block's input norm,
+    a head's write ``(z, layer, head) → [n, d]``, the projection of a site with that head's output columns,
+    and the final norm. Linear weights are ``[out, in]``; GPT-2's Conv1D ``[in, out]`` and one fused c_attn."""
+    n_heads = hf.config.num_attention_heads
     d_head = hf.config.hidden_size // n_heads
+    if hasattr(hf, "transformer"):  # GPT-2
+        blocks, d = hf.transformer.h, hf.config.hidden_size
+        return {"blocks": blocks, "norm": lambda la: blocks[la].ln_1, "final": hf.transformer.ln_f,
+                "o": lambda la: blocks[la].attn.c_proj,
+                "write": lambda z, w, cols: z[:, cols] @ w.weight[cols, :],
+                "proj": lambda la, site, head: (blocks[la].attn.c_attn, slice("qkv".index(site) * d + head * d_head,
+                                                                              "qkv".index(site) * d + (head + 1) * d_head)),
+                "apply": lambda m, x: x @ m.weight + m.bias, "d_head": d_head}
+    blocks = hf.model.layers
+    return {"blocks": blocks, "norm": lambda la: blocks[la].input_layernorm, "final": hf.model.norm,
+            "o": lambda la: blocks[la].self_attn.o_proj,
+            "write": lambda z, w, cols: z[:, cols] @ w.weight[:, cols].T,
+            "proj": lambda la, site, head: (getattr(blocks[la].self_attn, f"{site}_proj"),
+                                            slice(head * d_head, (head + 1) * d_head)),
+            "apply": lambda m, x: torch.nn.functional.linear(x, m.weight, m.bias), "d_head": d_head}
+
+
+def _hf_reference(hf, ids, *, sender=None, receiver=None, eps=0.0, delta=None):
+    """Plain-hook run of a Hugging Face Llama or GPT-2: returns (logit difference, the sender's write [n, d]);
+    with ``delta`` adds ``eps · delta`` to the copy of the residual stream read by ``receiver`` = (layer, head,
+    site) only (site 'logits': the final norm's input)."""
+    body = _anatomy(hf)
     seen, handles = {}, []
-    if sender == "embed":
-        handles.append(hf.model.embed_tokens.register_forward_hook(lambda m, a, out: seen.__setitem__("w", out[0])))
+    if sender == "embed":  # what the first block reads
+        handles.append(body["blocks"][0].register_forward_pre_hook(
+            lambda m, a, k: seen.__setitem__("w", (a[0] if a else k["hidden_states"])[0]), with_kwargs=True))
     elif sender is not None and sender.startswith("mlp."):
-        mlp = layers[int(sender[4:])].mlp
+        mlp = body["blocks"][int(sender[4:])].mlp
         handles.append(mlp.register_forward_hook(lambda m, a, out: seen.__setitem__("w", out[0])))
     elif sender is not None:
         la, h = map(int, sender.split("."))
-        o = layers[la].self_attn.o_proj
-        cols = slice(h * d_head, (h + 1) * d_head)
-        handles.append(o.register_forward_pre_hook(
-            lambda m, a: seen.__setitem__("w", a[0][0][:, cols] @ o.weight[:, cols].T)))
+        cols = slice(h * body["d_head"], (h + 1) * body["d_head"])
+        handles.append(body["o"](la).register_forward_pre_hook(
+            lambda m, a: seen.__setitem__("w", body["write"](a[0][0], m, cols))))
     if delta is not None:
         la, head, site = receiver
         if site == "logits":
-            handles.append(hf.model.norm.register_forward_pre_hook(lambda m, a: (a[0] + eps * delta,)))
+            handles.append(body["final"].register_forward_pre_hook(lambda m, a: (a[0] + eps * delta,)))
         else:
-            norm = layers[la].input_layernorm
+            norm = body["norm"](la)
             handles.append(norm.register_forward_pre_hook(lambda m, a: None if "x" in seen else seen.update(x=a[0])))
-            proj = getattr(layers[la].self_attn, f"{site}_proj")
-            cols = slice(head * d_head, (head + 1) * d_head)
+            proj, cols = body["proj"](la, site, head)
 
             def swap(m, a, out):
-                moved = torch.nn.functional.linear(norm(seen["x"] + eps * delta), m.weight, m.bias)
+                moved = body["apply"](m, norm(seen["x"] + eps * delta))
                 out = out.clone()
                 out[..., cols] = moved[..., cols]
                 return out
@@ -104,18 +125,24 @@ def _float64_throughout(hf):
     return hf
 
 
-EDGES = [("0.1", (1, 2, "q"), "1.2"), ("0.3", (1, 0, "k"), "1.0"), ("0.0", (1, 1, "v"), "1.1"),
-         ("embed", (0, 3, "q"), "0.3"), ("embed", (1, 1, "k"), "1.1"), ("mlp.0", (1, 0, "v"), "1.0"),
-         ("1.2", (2, 0, "logits"), "logits"), ("mlp.1", (2, 0, "logits"), "logits")]
+EDGES = [("llama", "0.1", (1, 2, "q"), "1.2"), ("llama", "0.3", (1, 0, "k"), "1.0"),
+         ("llama", "0.0", (1, 1, "v"), "1.1"), ("llama", "embed", (0, 3, "q"), "0.3"),
+         ("llama", "embed", (1, 1, "k"), "1.1"), ("llama", "mlp.0", (1, 0, "v"), "1.0"),
+         ("llama", "1.2", (2, 0, "logits"), "logits"), ("llama", "mlp.1", (2, 0, "logits"), "logits"),
+         ("gpt2", "0.2", (1, 2, "v"), "1.2"), ("gpt2", "0.0", (1, 1, "k"), "1.1"), ("gpt2", "embed", (0, 1, "q"), "0.1"),
+         ("gpt2", "embed", (0, 0, "k"), "0.0"), ("gpt2", "1.0", (2, 0, "logits"), "logits"),
+         ("gpt2", "mlp.1", (2, 0, "logits"), "logits")]
 
 
-@pytest.mark.parametrize("sender,receiver,name", EDGES)
-def test_each_score_is_the_first_order_effect_of_patching_that_edge_alone(sender, receiver, name, embedded_tokenizer):
+@pytest.mark.parametrize("family,sender,receiver,name", EDGES)
+def test_each_score_is_the_first_order_effect_of_patching_that_edge_alone(family, sender, receiver, name,
+                                                                           embedded_tokenizer):
     """Central differences on a float64 copy: d/dε m(clean, with ε (a_s^corrupt − a_s^clean) added to the one
-    input of the receiver) at ε = 0 equals the score; GQA: k/v receivers are key-value heads (1.0, 1.1)."""
-    model = _wrapped("llama", embedded_tokenizer, seed=2, double=True)
+    input of the receiver) at ε = 0 equals the score; Llama's RMSNorm and GQA (k/v receivers are key-value heads),
+    GPT-2's LayerNorm (centred) and fused c_attn."""
+    model = _wrapped(family, embedded_tokenizer, seed=2, double=True)
     result = edge_attribution(model, CLEAN, CORRUPTED, [ANSWER, WRONG])
-    hf = _float64_throughout(tiny_family_model("llama", len(embedded_tokenizer), seed=2))
+    hf = _float64_throughout(tiny_family_model(family, len(embedded_tokenizer), seed=2))
     _, clean_write = _hf_reference(hf, CLEAN, sender=sender)
     _, corrupted_write = _hf_reference(hf, CORRUPTED, sender=sender)
     delta = corrupted_write - clean_write
@@ -180,3 +207,36 @@ def test_hostile_pairs_are_refused_with_a_message(what, clean, corrupted, answer
     with pytest.raises((InputError, ModelError)) as e:
         edge_attribution(tiny_model, clean, corrupted, answers)
     assert "Traceback" not in str(e.value) and len(str(e.value)) > 20
+
+
+def test_the_model_is_left_as_it_was(embedded_tokenizer):
+    """No gradient is stored on the weights, no hook stays, and the frozen scales do not leak into the next run."""
+    model = _wrapped("gpt2", embedded_tokenizer, seed=4)
+    with torch.inference_mode():
+        before = model.bridge(torch.tensor([CLEAN]), return_type="logits")
+    edge_attribution(model, CLEAN, CORRUPTED, [ANSWER, WRONG], freeze_norms=True)
+    with torch.inference_mode():
+        after = model.bridge(torch.tensor([CLEAN]), return_type="logits")
+    assert torch.equal(before, after)
+    assert all(p.grad is None for p in model.bridge.parameters())
+    assert not any(h.fwd_hooks for h in model.bridge.hook_dict.values())
+
+
+@pytest.mark.integration
+def test_the_largest_edges_of_an_ioi_pair_agree_with_exact_path_patching(real_model):
+    """The five largest head → head edges on the embedded model's IOI pair: each has the sign of its exact path
+    patch (noising, MLPs frozen: that edge alone) and is within a factor of three of it (the full table:
+    bench/edge_attribution_vs_path_patching.py)."""
+    from headscope.analysis.patching_pairs import pair_by_id
+    from headscope.analysis.path_patching import path_patching
+
+    pair = pair_by_id("ioi-mary-john")
+    result = edge_attribution(real_model, pair.clean, pair.corrupted, list(pair.answers))
+    assert result.clean > 0 > result.corrupted
+    heads = [row for row in result.rows() if row[2] != "logits" and row[0] != "embed" and not row[0].startswith("mlp.")]
+    for sender, receiver, site, score in heads[:5]:
+        exact = path_patching(real_model, pair.clean, pair.corrupted, list(pair.answers),
+                              [tuple(map(int, sender.split(".")))], [tuple(map(int, receiver.split(".")))], site=site,
+                              direction="noise", freeze_mlps=True)
+        effect = exact.raw - exact.clean
+        assert np.sign(effect) == np.sign(score) and 1 / 3 < score / effect < 3, (sender, receiver, site, score, effect)
