@@ -28,7 +28,7 @@ def test_circuits_journey(server, page, real_model):
     from headscope.analysis.composition import composition_scores
     from headscope.analysis.patching_pairs import pair_by_id
 
-    url, _, _ = server
+    url, _, home = server
     pair = pair_by_id("ioi-mary-john")
     page.goto(url + "circuits")
     assert page.input_value("#circ-text", timeout=240_000) == pair.clean  # prefilled with the built-in IOI prompt
@@ -83,3 +83,13 @@ def test_circuits_journey(server, page, real_model):
     page.wait_for_function("(document.querySelector('#circ-composition .gtitle')?.textContent || '')"
                            ".includes('feed head 18.6')", timeout=120_000)
     np.testing.assert_allclose(np.array(plot_data(page, DLA)[0]["z"], dtype=float), expected.heads(), rtol=1e-6)
+
+    # hostile links: each is a message in the banner, never a traceback, and the page stays usable
+    key = page.evaluate("new URLSearchParams(location.search).get('circ')")
+    for search, said in ((f"?circ={key}&layer=99&head=0", "Layer 99"), (f"?circ={key}&layer=3&head=42", "Head 42"),
+                         ("?circ=deadbeef00", "No stored circuit result"), ("?circ=../../etc", "not valid"),
+                         (f"?circ={key}&layer=-1&head=0", "layer")):
+        page.goto(url + "circuits" + search)
+        page.wait_for_function("t => (document.querySelector('#hs-error')?.innerText || '').includes(t)", arg=said,
+                               timeout=120_000)
+        assert "Traceback" not in banner(page) and str(home) not in banner(page), banner(page)  # no server path
