@@ -286,31 +286,25 @@ def edge_attribution(model: LoadedModel, clean: str | Sequence[int], corrupted: 
             kept, metric = _forward(model, pair.clean_ids, pair.answers, live, freeze_norms)
             gradients = _receiver_gradients(model, kept, live, metric, freeze_norms)
         good = _Pass(*_sender_writes(model, kept), float(metric.detach()))
-    return _table(model, good, bad, gradients, pair, freeze_norms)
+    return _table(good, bad, gradients, pair, freeze_norms)
 
 
-def _table(model: LoadedModel, good: _Pass, bad: _Pass, gradients: dict[tuple[int, str], Tensor],
+def _table(good: _Pass, bad: _Pass, gradients: dict[tuple[int, str], Tensor],
            pair: PromptPair, freeze_norms: bool) -> EdgeAttribution:
-    """Every edge's score from the sender differences and the receiver gradients, sorted by ``|score|``."""
-    delta = bad.writes - good.writes  # [S, n, d]: corrupted − clean
-    layers = np.array(good.layers)
-    senders: list[str] = []
-    receivers: list[str] = []
-    sites: list[str] = []
-    values: list[np.ndarray] = []
+    """Every edge's score from the sender differences and the receiver gradients (one product of all senders
+    with all receivers, kept where the sender writes before the receiver reads), sorted by ``|score|``."""
+    delta = (bad.writes - good.writes).flatten(1)  # [S, n · d]: corrupted − clean
+    names, layers, sites = [], [], []
     for (layer, site), g in gradients.items():
-        earlier = np.flatnonzero(layers < layer)
-        if not len(earlier):
-            continue
-        block = torch.einsum("snd,rnd->sr", delta[earlier], g).numpy()  # [S_l, R]
-        names = [LOGITS] if site == LOGITS else [head_name(layer, r) for r in range(g.shape[0])]
-        for j, receiver in enumerate(names):
-            senders += [good.names[i] for i in earlier]
-            receivers += [receiver] * len(earlier)
-            sites += [site] * len(earlier)
-            values.append(block[:, j])
-    scores = np.concatenate(values)
+        names += [LOGITS] if site == LOGITS else [head_name(layer, r) for r in range(g.shape[0])]
+        layers += [layer] * g.shape[0]
+        sites += [site] * g.shape[0]
+    products = (delta @ torch.cat([g.flatten(1) for g in gradients.values()]).T).numpy()  # [S, R]
+    s, r = np.nonzero(np.array(good.layers)[:, None] < np.array(layers)[None, :])
+    scores = products[s, r]
     order = np.argsort(-np.abs(scores), kind="stable")
-    return EdgeAttribution(senders=[senders[i] for i in order], receivers=[receivers[i] for i in order],
-                           sites=[sites[i] for i in order], scores=scores[order], clean=good.metric,
+    s, r = s[order], r[order]
+    return EdgeAttribution(senders=np.array(good.names, dtype=object)[s].tolist(),
+                           receivers=np.array(names, dtype=object)[r].tolist(),
+                           sites=np.array(sites, dtype=object)[r].tolist(), scores=scores[order], clean=good.metric,
                            corrupted=bad.metric, freeze_norms=freeze_norms, pair=pair)
