@@ -256,11 +256,13 @@ _HEAD_LIST = re.compile(r"[\w.:*,; ]{1,2000}", re.ASCII)  # digits 0-9 only: not
 @page_part("attention")
 @dataclass
 class AttentionState:
-    """The Attention page's own fields: the grid's per-head metric, a zoomed region of a long run."""
+    """The Attention page's own fields: the grid's per-head metric, a zoomed region of a long run, and the
+    key position of the heatmap cell (``query``, ``key``) whose "why" panel is open."""
 
     metric: str = url_field(OneOf(RUN_SCORES, "Unknown metric {text}; showing entropy."), "entropy")
     region: str | None = url_field(Pattern(re.compile(r"[0-9]{1,7}-[0-9]{1,7},[0-9]{1,7}-[0-9]{1,7}"),
                                            "The link's region must be written q0-q1,k0-k1 (token positions)."))
+    key: int | None = url_field(WholeNumber())
 
 
 @page_part("flow")

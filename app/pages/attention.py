@@ -12,6 +12,7 @@ import logging
 
 import dash
 import numpy as np
+import plotly.graph_objects as go
 from _plotly_utils.utils import to_typed_array_spec
 from dash import (
     ClientsideFunction,
@@ -29,6 +30,7 @@ from dash.exceptions import PreventUpdate
 
 from headscope.analysis.errors import InputError
 from headscope.analysis.models import ModelError, load_model
+from headscope.analysis.qk_cell import cell_attribution, grouped_by_layer
 from headscope.analysis.score_registry import HEAD_SCORES, RUN_SCORES, unavailable
 from headscope.analysis.statistics_run import capture_for_page
 from headscope.app import figures, ids
@@ -57,10 +59,11 @@ from headscope.app.components import (
     url_patch_id,
 )
 from headscope.app.context import dropdown_model, get_context, offered_model
-from headscope.app.errors import guarded, message
+from headscope.app.errors import USER_ERRORS, guarded, message
 from headscope.app.jobs import cancellable_callback, in_job, on_workers, progress_reporter
 from headscope.app.url_state import AttentionState, PageState, parse
 from headscope.app.views import VIEWS, names
+from headscope.app.views.circuits import qk_cell_figure
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,12 @@ STRIP_DATA = f"{PREFIX}-hs-strip-data"  # the token-strip figure the HTML strip 
 DRAWN = f"{PREFIX}-hs-drawn"
 PREVIEW = f"{PREFIX}-hs-grid-preview"  # Run's grid figure, sent by its job while the run is being stored (_grid_preview)
 HIDDEN = {"display": "none"}
+WHY = f"{PREFIX}-hs-why"  # the "why" panel of the clicked heatmap cell (hidden while no cell is open)
+WHY_GRAPH = f"{PREFIX}-hs-why-graph"
+WHY_CHECK = f"{PREFIX}-hs-why-check"  # "terms sum to s_ij = … (the model's own score …)"
+WHY_MESSAGE = f"{PREFIX}-hs-why-message"  # what was wrong with the cell asked for (outside the hidden panel)
+WHY_GROUP = f"{PREFIX}-hs-why-group"
+WHY_SHOWN = f"{PREFIX}-hs-why-shown"  # "run|layer|head|query|key|group" the panel shows
 
 
 def layout(**query) -> html.Div:
@@ -131,6 +140,7 @@ def layout(**query) -> html.Div:
                 ],
                 className="hs-panels",
             ),
+            _why_panel(),
             html.Div(
                 [
                     html.P("Hover a token (or click a heatmap row) to see where the selected head attends from it.",
@@ -147,6 +157,33 @@ def layout(**query) -> html.Div:
             html.Div([_busy(dcc.Graph(id=ids.SINKS, figure=EMPTY, config=GRAPH_CONFIG)), export_bar(PREFIX, names.SINK_MAP)],
                      className="hs-panel"),
         ]
+    )
+
+
+def _why_panel() -> html.Div:
+    """The "why" panel of a clicked heatmap cell (:func:`explain_cell`), and the line saying what was wrong
+    with a cell asked for."""
+    return html.Div(
+        [
+            html.Div(id=WHY_MESSAGE, className="hs-hint", role="status"),
+            dcc.Store(id=WHY_SHOWN),
+            html.Div(
+                [
+                    html.P("Why the head scores this cell: its score before softmax written as a sum over pairs "
+                           "of residual-stream components, query side × key side (embedding, each earlier head "
+                           "L.H, each MLP, biases), with normalisation scales frozen at this run (the standard "
+                           "linearisation). The first cell of a run runs the model once; later cells reuse it. "
+                           "Click a head's bar to open that head.", className="hs-hint"),
+                    dcc.RadioItems(id=WHY_GROUP, value="layer", inline=True, className="hs-options",
+                                   options=[{"label": "terms grouped by layer", "value": "layer"},
+                                            {"label": "terms of the top heads", "value": "head"}]),
+                    html.P(id=WHY_CHECK, className="hs-why-check"),
+                    _busy(dcc.Graph(id=WHY_GRAPH, figure=EMPTY, config=GRAPH_CONFIG)),
+                ],
+                id=WHY, style=HIDDEN,
+            ),
+        ],
+        className="hs-panel hs-why-panel",
     )
 
 
@@ -514,3 +551,116 @@ def zoom_long_run(relayout, search):
     if q1 <= q0 or k1 <= k0:
         return no_update
     return _with(search, region=f"{q0}-{q1},{k0}-{k1}")
+
+
+# --- the "why" panel of one heatmap cell (issue 41: QK attribution) ---------------------------------------
+
+def _clicked_cell(click) -> tuple[int, int] | None:
+    """``(query, key)`` of a click on the heatmap (its labels are ``"pos token"``), None for anything else."""
+    point = click.get("points") if isinstance(click, dict) else None
+    point = point[0] if isinstance(point, list) and point and isinstance(point[0], dict) else {}
+    found = []
+    for axis in ("y", "x"):
+        head = str(point.get(axis, "")).split(" ", 1)[0]
+        if not head.isascii() or not head.isdigit() or len(head) > 7:
+            return None
+        found.append(int(head))
+    return found[0], found[1]
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Input(ids.HEATMAP, "clickData"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+def open_why(click, search):
+    """A click on a cell of a run's heatmap opens its "why" panel: the cell goes into the URL (``query``,
+    ``key``), so the link reopens it. Not on a long run's pooled map, whose cells are blocks."""
+    cell = _clicked_cell(click)
+    state = parse(search if isinstance(search, str) else None)
+    if cell is None or state.run is None:
+        return no_update
+    run = get_context().run(state.run)
+    if run is None or run.block_size != 1 or (state.query, state.key) == cell:
+        return no_update
+    return _with(search, query=cell[0], key=cell[1])
+
+
+def _why(run, layer: int, head: int, query: int, key: int, group: str) -> tuple[go.Figure, str]:
+    """The panel's figure and check line: :func:`headscope.analysis.qk_cell.cell_attribution` drawn by the
+    ``qk_cell`` view's figure builder (bars of the top query-side and key-side components; its heatmap of
+    the top heads' terms, or with ``group="layer"`` every term summed over each layer's heads)."""
+    if run.block_size != 1:
+        raise InputError("This run's heatmap pools several tokens per cell: the why panel explains one cell of a "
+                         "run shown token by token. Run a shorter text.")
+    model = load_model(offered_model(run.model_name))
+    if model.digest != run.model_digest:
+        raise InputError("The model this server loads is not the one that made this run: run the text again.")
+    a = cell_attribution(model, run.token_ids, layer, head, query, key)
+    q, k = (figures.shown_token(run.tokens[p]) for p in (query, key))
+    fig = qk_cell_figure(a.query_names, a.key_names, a.terms,
+                         f"Why head {layer}.{head} scores query {query} {q} on key {key} {k}")
+    if group == "layer":
+        groups, terms = grouped_by_layer(a.query_names, a.terms)
+        span = float(np.abs(terms).max()) or 1.0
+        fig.data[2].update(z=terms.tolist(), x=groups, y=groups, zmin=-span, zmax=span)
+        fig.layout.annotations[2].text = "query × key terms, heads summed by layer"
+    check = (f"The {a.terms.shape[0]} × {a.terms.shape[1]} terms sum to s_ij = {float(a.terms.sum()):.6f} "
+             f"(the model's own score before softmax: {a.score:.6f}")
+    if a.softcap is not None:
+        check += f"; after soft-capping at {a.softcap:g}: {a.capped_score:.6f}"
+    return fig, check + "). Normalisation scales frozen at this run."
+
+
+@callback(
+    output=dict(panel=Output(WHY, "style"), figure=Output(WHY_GRAPH, "figure"), check=Output(WHY_CHECK, "children"),
+                message=Output(WHY_MESSAGE, "children"), shown=Output(WHY_SHOWN, "data")),
+    inputs=[Input(url_id(PREFIX), "search"), Input(WHY_GROUP, "value")],
+    state=[State(url_id(PREFIX), "pathname"), State(WHY_SHOWN, "data")],
+    **on_workers(),
+    prevent_initial_call="initial_duplicate",
+)
+@guarded(outputs=("panel", "figure", "check", "message", "shown"), error="message")
+def explain_cell(search, group, pathname=None, shown=None):
+    """The "why" panel of the cell the URL names (``query``, ``key`` of the selected head), or none. The
+    run's components come from one cached forward pass (:mod:`headscope.analysis.qk_cell`): the first cell
+    of a run takes a forward pass, later ones tens of milliseconds."""
+    if leaving(pathname if isinstance(pathname, str) else None, PAGE_PATH):
+        raise PreventUpdate
+    state = parse(search if isinstance(search, str) else None)
+    group = group if group in ("layer", "head") else "layer"
+    if state.run is None or state.key is None or state.query is None:
+        return {"panel": HIDDEN, "message": "", "shown": None}
+    layer, head = state.layer or 0, state.head or 0
+    mark = f"{state.run}|{layer}|{head}|{state.query}|{state.key}|{group}"
+    if mark == shown:
+        raise PreventUpdate
+    run = get_context().run(state.run)
+    if run is None:
+        return {"panel": HIDDEN, "shown": None,
+                "message": f"No stored run has the id {state.run!r}: run the text again to explain its cells."}
+    try:
+        fig, check = _why(run, layer, head, state.query, state.key, group)
+    except USER_ERRORS as e:  # a cell the head never scores, a position past the text: say so, hide the panel
+        return {"panel": HIDDEN, "message": str(e), "shown": None}
+    return {"panel": {}, "figure": fig, "check": check, "message": "", "shown": mark}
+
+
+@callback(
+    Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Input(WHY_GRAPH, "clickData"),
+    State(url_id(PREFIX), "search"),
+    prevent_initial_call=True,
+)
+def open_component_head(click, search):
+    """A click on a head's bar (``L.H``) in the why panel opens that head, as a click on the grid does
+    (:func:`headscope.app.components.select_head`: layer and head into the URL, the query token dropped),
+    and closes the panel."""
+    point = click.get("points") if isinstance(click, dict) else None
+    point = point[0] if isinstance(point, list) and point and isinstance(point[0], dict) else {}
+    layer, dot, head = str(point.get("y", "")).partition(".")
+    if not (dot and layer.isascii() and layer.isdigit() and head.isascii() and head.isdigit()) \
+            or len(layer) > 6 or len(head) > 6 or not isinstance(search, str):
+        return no_update
+    return _with(search, layer=int(layer), head=int(head), query=None, key=None)

@@ -1,0 +1,87 @@
+"""The QK attribution of one clicked cell of a run, fast after the first: one cached capture per run.
+
+:func:`headscope.analysis.qk_attribution.qk_attribution` runs the model once per call (its forward pass is
+most of its time). A page that explains cell after cell of the same run keeps one
+:func:`headscope.analysis.residual_components.capture_components` of every position and every layer's
+attention per (model, token ids) in a small in-process LRU (:data:`CACHED` captures, about 200 MB each at
+512 tokens of SmolLM2-135M), so every later cell is a few matrix products (tens of ms). The numbers are those
+of ``qk_attribution`` (same function, same checks); only where its capture comes from differs.
+
+:func:`grouped_by_layer` sums the ``[C_q, C_k]`` terms over the heads of each layer (Elhage et al. 2021,
+"A Mathematical Framework for Transformer Circuits": the heads of a layer write into the residual stream
+side by side, so their parts of the score add), for a readable whole-matrix view.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from headscope.analysis.models import LoadedModel
+from headscope.analysis.qk_attribution import QKAttribution, qk_attribution
+from headscope.analysis.residual_components import ComponentCapture, capture_components, check_tokens
+
+CACHED = 1  # captures kept (each ~200 MB at 512 tokens): the run a page explains now
+
+_captures: OrderedDict[tuple[str, tuple[int, ...]], ComponentCapture] = OrderedDict()
+_lock = threading.Lock()  # one capture at a time: a second click on the same run waits for the first's
+
+
+def run_capture(model: LoadedModel, token_ids: Sequence[int]) -> ComponentCapture:
+    """Every position's components and every layer's attention for ``token_ids``, from the cache when the same
+    model (by digest) ran the same ids last; else one hooked forward pass, then kept (the oldest dropped)."""
+    ids = check_tokens(model, token_ids)
+    key = (model.digest, tuple(ids))
+    with _lock:
+        found = _captures.get(key)
+        if found is not None:
+            _captures.move_to_end(key)
+            return found
+        while len(_captures) >= CACHED:  # drop before capturing: two would not fit beside each other
+            _captures.popitem(last=False)
+        capture = capture_components(model, ids, range(len(ids)), attention_layers=range(model.n_layers))
+        _captures[key] = capture
+        return capture
+
+
+def is_cached(model: LoadedModel, token_ids: Sequence[int]) -> bool:
+    """Whether :func:`run_capture` of these ids would be answered from the cache."""
+    return (model.digest, tuple(int(t) for t in token_ids)) in _captures
+
+
+def cell_attribution(model: LoadedModel, token_ids: Sequence[int], layer: int, head: int, query: int,
+                     key: int) -> QKAttribution:
+    """:func:`headscope.analysis.qk_attribution.qk_attribution` of head ``(layer, head)`` at ``(query, key)``
+    with the run's cached capture (:func:`run_capture`). Positions and head are checked before any capture
+    is made, so a bad request costs no forward pass."""
+    from headscope.analysis.errors import InputError, check_head_index
+
+    ids = check_tokens(model, token_ids)
+    check_head_index(model.n_layers, model.n_heads, layer, head)
+    for value, what in ((query, "query"), (key, "key")):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) < len(ids):
+            raise InputError(f"The {what} position {value!r} is outside the text: pick one in 0..{len(ids) - 1}.")
+    if key > query:
+        raise InputError(f"Key {key} comes after query {query}: a causal head never scores it. Pick a key ≤ the query.")
+    return qk_attribution(model, ids, layer, head, query, key, capture=run_capture(model, ids))
+
+
+def layer_group(name: str) -> str:
+    """The group of component ``name`` by layer: a head ``L.H`` is ``attn L``; the others are their own."""
+    first, _, rest = name.partition(".")
+    return f"attn {first}" if first.isdigit() and rest.isdigit() else name
+
+
+def grouped_by_layer(names: Sequence[str], terms: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """``terms [C, C']`` with query-side and key-side components ``names`` (the same on both sides) summed
+    over each layer's heads (:func:`layer_group`): ``(group names in first-seen order, [G, G] terms)``.
+    The sum of the grouped terms is the sum of the terms."""
+    groups = list(dict.fromkeys(layer_group(n) for n in names))
+    index = {g: i for i, g in enumerate(groups)}
+    member = np.zeros((len(groups), len(names)))
+    for j, n in enumerate(names):
+        member[index[layer_group(n)], j] = 1.0
+    return groups, member @ np.asarray(terms, dtype=np.float64) @ member.T
