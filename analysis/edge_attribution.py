@@ -1,9 +1,10 @@
 """Edge attribution patching: a first-order estimate of patching each sender → receiver edge.
 
-Syed, Rager & Conmy 2023, "Attribution Patching Outperforms Automated Circuit Discovery" (arXiv:2310.10348,
-§2, eq. 2). The residual stream at the input of layer ``l`` is a sum of what earlier components wrote into it
+Syed, Rager & Conmy 2023, "Attribution Patching Outperforms Automated Circuit Discovery" (arXiv:2310.10348),
+after Nanda 2023, "Attribution Patching: Activation Patching At Industrial Scale". The residual stream at the input of layer ``l`` is a sum of what earlier components wrote into it
 (:mod:`headscope.analysis.residual_components`): the embedding ``e``, each head's output ``r_h = z_h W_O^h``
-and each MLP's output. An *edge* ``s → (r, site)`` is the path from sender ``s`` (the embedding, a head or an
+and each MLP's output (a post-norm, as Gemma's, frozen at each run's own scale; the output biases are no sender).
+An *edge* ``s → (r, site)`` is the path from sender ``s`` (the embedding, a head or an
 MLP) into one input of receiver ``r``: the query (site ``q``), key (``k``) or value (``v``) input of a later
 head, or the final norm, i.e. the logits (site ``logits``). Patching that edge alone replaces ``a_s`` by its
 corrupted value in that one input and nowhere else. Its first-order effect on the metric

@@ -12,7 +12,7 @@ from headscope.analysis.errors import InputError
 from headscope.analysis.logit_attribution import direct_logit_attribution
 from headscope.analysis.models import ModelError, wrap_model
 from headscope.analysis.residual_components import capture_components
-from tests.tiny_families import tiny_family_model
+from tests.tiny_families import FAMILIES, tiny_family_model
 
 CLEAN = [1, 5, 9, 200, 7, 8, 9, 10, 300, 301, 7, 8]
 CORRUPTED = [1, 5, 9, 300, 7, 8, 9, 10, 200, 301, 7, 8]
@@ -240,3 +240,53 @@ def test_the_largest_edges_of_an_ioi_pair_agree_with_exact_path_patching(real_mo
                               direction="noise", freeze_mlps=True)
         effect = exact.raw - exact.clean
         assert np.sign(effect) == np.sign(score) and 1 / 3 < score / effect < 3, (sender, receiver, site, score, effect)
+
+
+def _bridge_slope(model, sender, layer, head, site, eps=3e-2):
+    """Central difference through the bridge itself: the sender's write difference (from
+    :func:`capture_components`, corrupted − clean) moved by ±ε into the input of one head's ``site`` projection
+    only (recomputed from the block's own input norm module and the projection's weights)."""
+    from headscope.analysis.residual_components import affine_map
+
+    n = len(CLEAN)
+    writes = []
+    for ids in (CLEAN, CORRUPTED):
+        names, vectors = capture_components(model, ids, range(n)).components(model.n_layers, range(n))
+        writes.append(vectors[:, names.index(sender)])
+    delta = writes[1] - writes[0]
+    block = model.bridge.blocks[layer]
+    norm = getattr(block, "ln1", None)
+    w, b = affine_map(getattr(block.attn, site))
+
+    def run(e):
+        seen = {}
+
+        def grab(t, hook=None):
+            seen["x"] = t[0].detach().double()
+
+        def swap(t, hook=None):
+            x = seen["x"] + e * delta
+            y = norm.original_component(x).double() if norm is not None else x
+            t = t.clone()
+            t[0, :, head] = (y @ w + b).reshape(n, -1, model.d_head)[:, head].to(t.dtype)
+            return t
+
+        where = f"blocks.{layer}.ln1.hook_in" if norm is not None else f"blocks.{layer}.attn.hook_in"
+        with torch.no_grad():
+            logits = model.bridge.run_with_hooks(torch.tensor([CLEAN]), return_type="logits",
+                                                 fwd_hooks=[(where, grab), (f"blocks.{layer}.attn.{site}.hook_out", swap)])
+        return float(logits[0, -1, ANSWER] - logits[0, -1, WRONG])
+
+    return (run(eps) - run(-eps)) / (2 * eps)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_familys_largest_edges_are_first_order_patching_effects(family, embedded_tokenizer):
+    """The three largest q/k/v edges of each family (Gemma's offset norms and post-norms, QK-norm, partial RoPE,
+    OLMo 2 without an input norm) against a central difference through the bridge, on a float64 copy (the
+    bridge's norms and softmax round in float32, hence 1 %)."""
+    model = _wrapped(family, embedded_tokenizer, seed=2, double=True)
+    result = edge_attribution(model, CLEAN, CORRUPTED, [ANSWER, WRONG])
+    for sender, receiver, site, score in [row for row in result.rows() if row[2] != "logits"][:3]:
+        layer, head = map(int, receiver.split("."))
+        assert score == pytest.approx(_bridge_slope(model, sender, layer, head, site), rel=1e-2), (sender, receiver, site)
