@@ -75,11 +75,24 @@ def layer_group(name: str) -> str:
     return f"attn {first}" if first.isdigit() and rest.isdigit() else name
 
 
+def _in_order(group: str, seen: int) -> tuple[float, int, int]:
+    """Where ``group`` sits when the groups follow the residual stream: ``embed``; each layer's heads, then
+    its MLP; then the biases (in the order first seen)."""
+    kind, _, layer = group.replace("mlp.", "mlp ").partition(" ")
+    if group == "embed":
+        return (-1, 0, 0)
+    if kind in ("attn", "mlp") and layer.isdigit():
+        return (int(layer), 0 if kind == "attn" else 1, 0)
+    return (float("inf"), 0, seen)
+
+
 def grouped_by_layer(names: Sequence[str], terms: np.ndarray) -> tuple[list[str], np.ndarray]:
     """``terms [C, C']`` with query-side and key-side components ``names`` (the same on both sides) summed
-    over each layer's heads (:func:`layer_group`): ``(group names in first-seen order, [G, G] terms)``.
-    The sum of the grouped terms is the sum of the terms."""
-    groups = list(dict.fromkeys(layer_group(n) for n in names))
+    over each layer's heads (:func:`layer_group`): ``(group names, [G, G] terms)``, the groups in the order
+    the residual stream receives them (``embed``, ``attn 0``, ``mlp.0``, ``attn 1``, …, the biases). The sum
+    of the grouped terms is the sum of the terms."""
+    seen = list(dict.fromkeys(layer_group(n) for n in names))
+    groups = sorted(seen, key=lambda g: _in_order(g, seen.index(g)))
     index = {g: i for i, g in enumerate(groups)}
     member = np.zeros((len(groups), len(names)))
     for j, n in enumerate(names):

@@ -57,6 +57,8 @@ def test_grouping_by_layer_sums_each_layers_heads_and_keeps_the_total(model):
     assert terms.sum() == pytest.approx(a.terms.sum(), rel=1e-12)
     heads = [i for i, n in enumerate(a.query_names) if n.startswith("0.")]
     assert len(heads) == model.n_heads
+    assert qk_cell.grouped_by_layer(["embed", "0.0", "1.1", "mlp.0", "mlp.1", "bias"], np.eye(6))[0] == [
+        "embed", "attn 0", "mlp.0", "attn 1", "mlp.1", "bias"]
     mlp = a.query_names.index("mlp.0")
     assert terms[groups.index("attn 0"), groups.index("mlp.0")] == pytest.approx(a.terms[heads, mlp].sum(), rel=1e-12)
     assert terms[0, 0] == a.terms[0, 0]
