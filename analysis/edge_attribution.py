@@ -109,14 +109,17 @@ class EdgeAttribution:
         raise KeyError((sender, receiver, site))
 
 
+CHUNK_BYTES = 64 * 2**20
+"""Bytes of float64 sender writes (and as many of receiver gradients) formed at once: positions go in chunks of
+this size, so memory grows with the text only through what the passes keep (per layer, float32), never as
+senders × positions × d_model."""
+
+
 @dataclass
 class _Pass:
-    """What one pass kept, all positions, float64 on the CPU: each sender's write ``writes [S, n, d]``
-    (``names`` in order, ``layers`` the layer each writes from, −1 for the embedding); the metric."""
+    """What one pass kept (``[n, …]`` on the CPU, by hook name) and its metric."""
 
-    names: list[str]
-    layers: list[int]
-    writes: Tensor
+    kept: dict[str, Tensor]
     metric: float
 
 
@@ -131,12 +134,19 @@ def _hook_names(model: LoadedModel) -> list[str]:
     return names
 
 
-def _sender_writes(model: LoadedModel, kept: dict[str, Tensor]) -> tuple[list[str], list[int], Tensor]:
-    """Each sender's write into the residual stream at every position, checked to add up (with the output
-    biases) to the model's own stream before the final norm."""
+def _senders(model: LoadedModel) -> tuple[list[str], list[int]]:
+    """The senders' names (the embedding, every head, every MLP) and the layer each writes from (−1: the embedding)."""
+    names = [EMBED] + [head_name(a, h) for a in range(model.n_layers) for h in range(model.n_heads)]
+    names += [mlp_name(a) for a in range(model.n_layers)]
+    layers = [-1] + [a for a in range(model.n_layers) for _ in range(model.n_heads)] + list(range(model.n_layers))
+    return names, layers
+
+
+def _sender_writes(model: LoadedModel, kept: dict[str, Tensor], rows: Tensor) -> Tensor:
+    """``[S, len(rows), d_model]`` float64: each sender's write (:func:`_senders`' order) at positions ``rows``,
+    checked to add up (with the output biases) to the model's own stream before the final norm there."""
     n_heads = model.n_heads
-    names, layers, parts = [EMBED], [-1], [kept["blocks.0.hook_in"].double()[None]]
-    rows = torch.arange(parts[0].shape[1])
+    parts = [kept["blocks.0.hook_in"][rows].double()[None]]
     bias = torch.zeros_like(parts[0][0])
     for layer, block in enumerate(model.bridge.blocks):
         w_o, b_o = affine_map(block.attn.o)
@@ -147,15 +157,12 @@ def _sender_writes(model: LoadedModel, kept: dict[str, Tensor]) -> tuple[list[st
         z = kept[f"blocks.{layer}.attn.o.hook_in"]
         parts.append(out.heads(z.reshape(z.shape[0], n_heads, -1), rows))
         bias = bias + out.bias(rows)
-        names += [head_name(layer, h) for h in range(n_heads)]
-        layers += [layer] * n_heads
     for layer, block in enumerate(model.bridge.blocks):
-        parts.append(kept[f"blocks.{layer}.{'ln2_post' if hasattr(block, 'ln2_post') else 'mlp'}.hook_out"].double()[None])
-        names.append(mlp_name(layer))
-        layers.append(layer)
+        parts.append(kept[f"blocks.{layer}.{'ln2_post' if hasattr(block, 'ln2_post') else 'mlp'}.hook_out"][rows]
+                     .double()[None])
     writes = torch.cat(parts)
-    check_sum(writes.sum(0) + bias, kept["ln_final.hook_in"].double(), "the residual stream before the final norm")
-    return names, layers, writes
+    check_sum(writes.sum(0) + bias, kept["ln_final.hook_in"][rows].double(), "the residual stream before the final norm")
+    return writes
 
 
 def _forward(model: LoadedModel, ids: Sequence[int], answers: tuple[int, int], grads: dict[str, Tensor] | None,
@@ -213,30 +220,56 @@ def _norm_vjp(norm: FrozenNorm, x: Tensor, sigma: Tensor, g: Tensor, frozen: boo
     return out - out.mean(-1, keepdim=True) if norm.centred else out
 
 
+@dataclass
+class _Receivers:
+    """Every receiver's ``∂m/∂x_{r,site}``, formed for the positions asked (:meth:`at`): per receiver its name,
+    layer (``n_layers`` for the logits) and site; per (layer, site) the gradient at the projection output
+    ``[n, R, d_head]``, the projection ``[d_model, R, d_head]``, the input norm (None where there is none) with
+    its input ``[n, d_model]`` and scale ``[n]``; the logits' gradient at the final norm's input ``[n, d_model]``."""
+
+    names: list[str]
+    layers: list[int]
+    sites: list[str]
+    parts: list[tuple[Tensor, Tensor, FrozenNorm | None, Tensor | None, Tensor | None]]
+    logits: Tensor
+    frozen: bool
+
+    def at(self, rows: Tensor) -> Tensor:
+        """``[R, len(rows), d_model]`` float64, in the order of ``names``."""
+        out = []
+        for g, w, norm, x, sigma in self.parts:
+            into = torch.einsum("nhe,dhe->hnd", g[rows].double(), w)
+            if norm is not None:
+                into = _norm_vjp(norm, x[rows].double(), sigma[rows].double(), into, self.frozen)
+            out.append(into)
+        return torch.cat(out + [self.logits[rows].double()[None]])
+
+
 def _receiver_gradients(model: LoadedModel, kept: dict[str, Tensor], live: dict[str, Tensor],
-                        metric: Tensor, freeze_norms: bool) -> dict[tuple[int, str], Tensor]:
-    """``(layer, site) → [R, n, d_model]`` float64: ``∂m/∂x_{r,site}`` for every head ``r`` of ``layer`` at
-    q (query heads), k and v (key-value heads), and ``(n_layers, "logits") → [1, n, d_model]``."""
+                        metric: Tensor, freeze_norms: bool) -> _Receivers:
+    """The backward pass: the gradient at every layer's q (query heads), k and v (key-value heads) projection
+    outputs and at the final norm's input, with what :class:`_Receivers` needs to carry it to each input."""
     order = [LOGITS] + [f"{s}{layer}" for layer in range(model.n_layers) for s in "qkv"]
     missing = [n for n in order if n not in live or not live[n].requires_grad]
     if missing:
         raise InputError("No gradient reaches this model's query, key or value projections; edge attribution "
                          "needs a model whose weights are differentiable.")
     grads = dict(zip(order, torch.autograd.grad(metric, [live[n] for n in order]), strict=True))
-    out = {(model.n_layers, LOGITS): grads[LOGITS][0].detach().double().cpu()[None]}
+    names, layers, sites, parts = [], [], [], []
     for layer, block in enumerate(model.bridge.blocks):
         norm = frozen_norm(block.ln1) if hasattr(block, "ln1") else None
+        x, sigma = (kept[f"x{layer}"], kept[f"sigma{layer}"][:, 0]) if norm is not None else (None, None)
         for site in "qkv":
-            g = grads[f"{site}{layer}"][0].detach().double().cpu()  # [n, heads · d_head]
             w = affine_map(getattr(block.attn, site))[0]  # [d_model, heads · d_head]
             n_heads = w.shape[1] // model.d_head
-            g = g.reshape(g.shape[0], n_heads, model.d_head)
-            into = torch.einsum("nhe,dhe->hnd", g, w.reshape(w.shape[0], n_heads, model.d_head))
-            if norm is not None:
-                into = _norm_vjp(norm, kept[f"x{layer}"].double(), kept[f"sigma{layer}"][:, 0].double(), into,
-                                 freeze_norms)
-            out[(layer, site)] = into
-    return out
+            g = grads[f"{site}{layer}"][0].detach().cpu()
+            parts.append((g.reshape(g.shape[0], n_heads, model.d_head), w.reshape(w.shape[0], n_heads, model.d_head),
+                          norm, x, sigma))
+            names += [head_name(layer, r) for r in range(n_heads)]
+            layers += [layer] * n_heads
+            sites += [site] * n_heads
+    return _Receivers(names=names + [LOGITS], layers=layers + [model.n_layers], sites=sites + [LOGITS], parts=parts,
+                      logits=grads[LOGITS][0].detach().cpu(), frozen=freeze_norms)
 
 
 def edge_attribution(model: LoadedModel, clean: str | Sequence[int], corrupted: str | Sequence[int],
@@ -281,31 +314,34 @@ def edge_attribution(model: LoadedModel, clean: str | Sequence[int], corrupted: 
     with model.lock:
         with torch.inference_mode():
             kept, metric = _forward(model, pair.corrupted_ids, pair.answers, None, False)
-            bad = _Pass(*_sender_writes(model, kept), float(metric))
+            bad = _Pass(kept, float(metric))
         live: dict[str, Tensor] = {}
         with torch.enable_grad():
             kept, metric = _forward(model, pair.clean_ids, pair.answers, live, freeze_norms)
-            gradients = _receiver_gradients(model, kept, live, metric, freeze_norms)
-        good = _Pass(*_sender_writes(model, kept), float(metric.detach()))
-    return _table(good, bad, gradients, pair, freeze_norms)
+            receivers = _receiver_gradients(model, kept, live, metric, freeze_norms)
+        good = _Pass(kept, float(metric.detach()))
+        del live
+    return _table(model, good, bad, receivers, pair, freeze_norms)
 
 
-def _table(good: _Pass, bad: _Pass, gradients: dict[tuple[int, str], Tensor],
-           pair: PromptPair, freeze_norms: bool) -> EdgeAttribution:
-    """Every edge's score from the sender differences and the receiver gradients (one product of all senders
-    with all receivers, kept where the sender writes before the receiver reads), sorted by ``|score|``."""
-    delta = (bad.writes - good.writes).flatten(1)  # [S, n · d]: corrupted − clean
-    names, layers, sites = [], [], []
-    for (layer, site), g in gradients.items():
-        names += [LOGITS] if site == LOGITS else [head_name(layer, r) for r in range(g.shape[0])]
-        layers += [layer] * g.shape[0]
-        sites += [site] * g.shape[0]
-    products = (delta @ torch.cat([g.flatten(1) for g in gradients.values()]).T).numpy()  # [S, R]
-    s, r = np.nonzero(np.array(good.layers)[:, None] < np.array(layers)[None, :])
-    scores = products[s, r]
+def _table(model: LoadedModel, good: _Pass, bad: _Pass, receivers: _Receivers, pair: PromptPair,
+           freeze_norms: bool) -> EdgeAttribution:
+    """Every edge's score: the product of all sender differences with all receiver gradients, summed over
+    positions in chunks of :data:`CHUNK_BYTES`, kept where the sender writes before the receiver reads, sorted
+    by ``|score|``."""
+    names, layers = _senders(model)
+    n, d = good.kept["blocks.0.hook_in"].shape
+    chunk = max(1, CHUNK_BYTES // (8 * d * max(len(names), len(receivers.names))))
+    products = torch.zeros(len(names), len(receivers.names), dtype=torch.float64)
+    for start in range(0, n, chunk):
+        rows = torch.arange(start, min(n, start + chunk))
+        delta = _sender_writes(model, bad.kept, rows) - _sender_writes(model, good.kept, rows)  # corrupted − clean
+        products += delta.flatten(1) @ receivers.at(rows).flatten(1).T
+    s, r = np.nonzero(np.array(layers)[:, None] < np.array(receivers.layers)[None, :])
+    scores = products.numpy()[s, r]
     order = np.argsort(-np.abs(scores), kind="stable")
     s, r = s[order], r[order]
-    return EdgeAttribution(senders=np.array(good.names, dtype=object)[s].tolist(),
-                           receivers=np.array(names, dtype=object)[r].tolist(),
-                           sites=np.array(sites, dtype=object)[r].tolist(), scores=scores[order], clean=good.metric,
-                           corrupted=bad.metric, freeze_norms=freeze_norms, pair=pair)
+    return EdgeAttribution(senders=np.array(names, dtype=object)[s].tolist(),
+                           receivers=np.array(receivers.names, dtype=object)[r].tolist(),
+                           sites=np.array(receivers.sites, dtype=object)[r].tolist(), scores=scores[order],
+                           clean=good.metric, corrupted=bad.metric, freeze_norms=freeze_norms, pair=pair)

@@ -290,3 +290,17 @@ def test_every_familys_largest_edges_are_first_order_patching_effects(family, em
     for sender, receiver, site, score in [row for row in result.rows() if row[2] != "logits"][:3]:
         layer, head = map(int, receiver.split("."))
         assert score == pytest.approx(_bridge_slope(model, sender, layer, head, site), rel=1e-2), (sender, receiver, site)
+
+
+def test_scores_summed_over_chunks_of_positions_equal_one_chunk(embedded_tokenizer, monkeypatch):
+    """Memory stays bounded on long texts: positions go in chunks; a chunk of one position gives the same table."""
+    from headscope.analysis import edge_attribution as module
+
+    model = _wrapped("gemma2", embedded_tokenizer)
+    whole = edge_attribution(model, CLEAN, CORRUPTED, [ANSWER, WRONG])
+    monkeypatch.setattr(module, "CHUNK_BYTES", 1)
+    chunked = edge_attribution(model, CLEAN, CORRUPTED, [ANSWER, WRONG])
+    one = {(s, r, site): v for s, r, site, v in whole.rows()}
+    many = {(s, r, site): v for s, r, site, v in chunked.rows()}
+    assert one.keys() == many.keys()
+    np.testing.assert_allclose([many[k] for k in one], list(one.values()), rtol=1e-9, atol=1e-12)
