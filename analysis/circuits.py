@@ -11,6 +11,10 @@ arXiv:2211.00593, §3.1), :mod:`headscope.analysis.composition` (Elhage et al. 2
   last position (one hooked forward pass) stored under a key of the model digest, the token ids and the two
   answers; composition scores from the weights, stored once per model digest (:func:`stored_composition`:
   about 20-40 s on the embedded model on two CPU cores, read back in milliseconds afterwards).
+- with a corrupted text (the Circuits page's *corrupted* field, ``headscope circuits --corrupted``),
+  :func:`circuits` also runs edge attribution patching (:mod:`headscope.analysis.edge_attribution`, Syed et
+  al. 2023: one forward and one backward pass on the clean text, one forward pass on the corrupted one) and
+  stores every edge's score beside the attribution (:func:`load_edges`: names once, edges as index arrays).
 - :func:`explain`: ``headscope explain``. The QK attribution of one cell, stored with its key.
 """
 
@@ -27,7 +31,7 @@ from headscope.analysis.errors import InputError
 from headscope.analysis.logit_attribution import LogitAttribution, direct_logit_attribution
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.qk_attribution import QKAttribution, qk_attribution
-from headscope.analysis.residual_components import LIMIT
+from headscope.analysis.residual_components import LIMIT, check_tokens
 from headscope.analysis.store import Store, content_key
 from headscope.analysis.stored_results import stored_record, stored_result
 
@@ -47,6 +51,27 @@ class CircuitResult:
     answer_tokens: tuple[str, str]
     composition_key: str
     seconds: float
+    edges_key: str | None = None
+    """The key of the stored edge attribution (:func:`load_edges`), when a corrupted text was given."""
+
+
+@dataclass
+class StoredEdges:
+    """Every edge of an edge attribution (:class:`headscope.analysis.edge_attribution.EdgeAttribution`) as
+    stored, sorted by ``|score|``, largest first."""
+
+    senders: list[str]
+    receivers: list[str]
+    sites: list[str]
+    scores: np.ndarray
+    clean: float
+    corrupted: float
+    corrupted_ids: list[int]
+    seconds: float
+
+    def rows(self, top: int | None = None) -> list[tuple[str, str, str, float]]:
+        n = len(self.scores) if top is None else min(top, len(self.scores))
+        return [(self.senders[i], self.receivers[i], self.sites[i], float(self.scores[i])) for i in range(n)]
 
 
 @dataclass
@@ -113,12 +138,71 @@ def stored_composition(model: LoadedModel, store: Store | None, progress: Progre
     return found if found is not None else scores
 
 
-def circuits_key(model: LoadedModel, ids: Sequence[int], answer: int, wrong: int) -> str:
-    return content_key("circuits", CIRCUITS_VERSION, model.digest, list(ids), answer, wrong)
+def circuits_key(model: LoadedModel, ids: Sequence[int], answer: int, wrong: int,
+                 corrupted: Sequence[int] | None = None) -> str:
+    extra = [] if corrupted is None else [list(corrupted)]  # the key of a run without edges is as it always was
+    return content_key("circuits", CIRCUITS_VERSION, model.digest, list(ids), answer, wrong, *extra)
+
+
+def corrupted_ids(model: LoadedModel, ids: Sequence[int], corrupted: str | Sequence[int] | None) -> list[int] | None:
+    """The corrupted text's ids (None when none is given); an :class:`InputError` that says what to change when
+    it is not as long as the clean text in tokens, or is the clean text itself (every edge would score 0)."""
+    if corrupted is None or (isinstance(corrupted, str) and not corrupted.strip()):
+        return None
+    try:
+        if not isinstance(corrupted, str):
+            check_tokens(model, corrupted)  # whole numbers only: the tokenizer's path would truncate 1.5 to 1
+        bad = text_ids(model, corrupted)
+    except InputError as e:
+        raise InputError(f"The corrupted text: {e}") from None
+    if len(bad) != len(ids):
+        raise InputError(f"The corrupted text is {len(bad)} token{'s' * (len(bad) != 1)} and the text is {len(ids)}: "
+                         "edge attribution "
+                         "compares the two position by position, so they need the same number of tokens. Change "
+                         "only words of the same token length (e.g. one name for another).")
+    if list(bad) == list(ids):
+        raise InputError("The corrupted text has the same tokens as the text: every edge would score 0. Change "
+                         "a word that decides the answer (e.g. the repeated name).")
+    return bad
+
+
+def stored_edges(model: LoadedModel, ids: Sequence[int], bad: Sequence[int], answers: tuple[int, int],
+                 store: Store | None) -> str:
+    """Edge attribution of the pair ``(ids, bad)`` for ``answers`` (token ids), stored; returns its key
+    (computed only when the store lacks it)."""
+    from headscope.analysis.edge_attribution import edge_attribution
+
+    key = content_key("circuit-edges", CIRCUITS_VERSION, model.digest, list(ids), list(bad), *answers)
+    if store is not None and load_edges(store, key) is not None:
+        return key
+    started = time.perf_counter()
+    edges = edge_attribution(model, list(ids), list(bad), list(answers))
+    if store is not None:
+        arrays, meta = {"scores": np.asarray(edges.scores, dtype=np.float64)}, {}
+        for field in ("senders", "receivers", "sites"):
+            names, index = np.unique(np.array(getattr(edges, field), dtype=object).astype(str), return_inverse=True)
+            meta[field] = names.tolist()
+            arrays[field] = index.astype(np.int32)
+        meta.update({"clean": edges.clean, "corrupted": edges.corrupted, "corrupted_ids": list(bad),
+                     "seconds": time.perf_counter() - started, "version": CIRCUITS_VERSION})
+        store.put(key, "circuit_edges", meta, arrays)
+    return key
+
+
+def load_edges(store: Store, key: str) -> StoredEdges | None:
+    """The stored edges under ``key``, or None."""
+    record = stored_record(store, key, "circuit_edges")
+    if record is None:
+        return None
+    m = record.meta
+    named = [np.array(m[f], dtype=object)[record.array(f, mmap=False)].tolist() for f in ("senders", "receivers", "sites")]
+    return StoredEdges(*named, record.array("scores", mmap=False), float(m["clean"]), float(m["corrupted"]),
+                       list(m["corrupted_ids"]), float(m["seconds"]))
 
 
 def circuits(model: LoadedModel, text: str | Sequence[int], answers: Sequence[str], store: Store | None = None,
-             progress: Progress = None, composition: bool = True) -> CircuitResult:
+             progress: Progress = None, composition: bool = True,
+             corrupted: str | Sequence[int] | None = None) -> CircuitResult:
     """Direct logit attribution of ``answers[0]`` over ``answers[1]`` at the text's last position, stored, and
     the model's composition scores, stored once per model (module docstring).
 
@@ -130,6 +214,8 @@ def circuits(model: LoadedModel, text: str | Sequence[int], answers: Sequence[st
     store : where the result is kept and looked up (None: computed, not kept).
     progress : hears 0.1 once the attribution is done, 1.0 at the end.
     composition : also the composition scores (``False``: the attribution alone).
+    corrupted : a corrupted text of the same token length (None or empty: no edges): also the edge
+        attribution of every sender → receiver edge on the pair (``edges_key``, :func:`load_edges`).
 
     Returns
     -------
@@ -143,7 +229,8 @@ def circuits(model: LoadedModel, text: str | Sequence[int], answers: Sequence[st
     if answer == wrong:
         raise InputError(f"The two answers are the same token {answers[0]!r}: their logit difference is 0. "
                          "Give two different answers.")
-    key = circuits_key(model, ids, answer, wrong)
+    bad = corrupted_ids(model, ids, corrupted)
+    key = circuits_key(model, ids, answer, wrong, bad)
     started = time.perf_counter()
     result = load_circuits(store, key) if store is not None else None
     if result is None:
@@ -151,6 +238,9 @@ def circuits(model: LoadedModel, text: str | Sequence[int], answers: Sequence[st
         result = CircuitResult(key, attribution, ids, model.token_strings(ids),
                                tuple(model.token_strings([answer, wrong])), composition_key(model),
                                time.perf_counter() - started)
+        if bad is not None:
+            result.edges_key = stored_edges(model, ids, bad, (answer, wrong), store)
+            result.seconds = time.perf_counter() - started
         if store is not None:
             save_circuits(store, result)
     if progress:
@@ -167,7 +257,8 @@ def save_circuits(store: Store, result: CircuitResult) -> None:
     meta = {"names": a.names, "logit_diff": a.logit_diff, "answer": a.answer, "wrong": a.wrong,
             "position": a.position, "n_layers": a.n_layers, "n_heads": a.n_heads, "token_ids": result.token_ids,
             "tokens": result.tokens, "answer_tokens": list(result.answer_tokens),
-            "composition_key": result.composition_key, "seconds": result.seconds, "version": CIRCUITS_VERSION}
+            "composition_key": result.composition_key, "seconds": result.seconds, "edges_key": result.edges_key,
+            "version": CIRCUITS_VERSION}
     store.put(result.key, "circuits", meta, {"values": np.asarray(a.values, dtype=np.float64)})
 
 
@@ -181,7 +272,7 @@ def load_circuits(store: Store, key: str) -> CircuitResult | None:
                                    logit_diff=float(m["logit_diff"]), answer=int(m["answer"]), wrong=int(m["wrong"]),
                                    position=int(m["position"]), n_layers=int(m["n_layers"]), n_heads=int(m["n_heads"]))
     return CircuitResult(key, attribution, list(m["token_ids"]), list(m["tokens"]), tuple(m["answer_tokens"]),
-                         str(m["composition_key"]), float(m["seconds"]))
+                         str(m["composition_key"]), float(m["seconds"]), m.get("edges_key"))
 
 
 def explain(model: LoadedModel, text: str | Sequence[int], layer: int, head: int, query: int, key: int,

@@ -28,7 +28,8 @@ def cmd_circuits(args) -> int:
     the two answers at the last token, and the composition scores of every earlier head into every later
     one (:func:`headscope.analysis.circuits.circuits`); writes ``direct_logit_attribution.csv``,
     ``composition.csv``, ``summary.json`` and the figures with their manifests; with ``--corrupted`` also
-    ``edges.csv`` (:func:`headscope.analysis.edge_attribution.edge_attribution`)."""
+    ``edges.csv`` (:func:`headscope.analysis.edge_attribution.edge_attribution`, stored with the result) and
+    the ``circuit_edges`` graph."""
     formats = check_formats(args.formats)
 
     import csv
@@ -36,22 +37,19 @@ def cmd_circuits(args) -> int:
 
     import numpy as np
 
-    from headscope.analysis.circuits import circuits, load_composition, text_ids
+    from headscope.analysis.circuits import circuits, corrupted_ids, load_composition, load_edges, text_ids
     from headscope.analysis.composition import KINDS
     from headscope.app.export import write_files
     from headscope.app.views import names
 
     store, spec, model = open_store_and_model(args)
     with argument("--text"):
-        text_ids(model, args.text)
-    edges = None
-    if args.corrupted is not None:
-        from headscope.analysis.edge_attribution import edge_attribution
-
-        with argument("--corrupted"):
-            edges = edge_attribution(model, args.text, args.corrupted, args.answers)
+        ids = text_ids(model, args.text)
+    with argument("--corrupted"):
+        corrupted_ids(model, ids, args.corrupted)
     with argument("--answers"), progress_bar("attribution and composition scores") as bar:
-        result = circuits(model, args.text, args.answers, store=store, progress=bar)
+        result = circuits(model, args.text, args.answers, store=store, progress=bar, corrupted=args.corrupted)
+    edges = load_edges(store, result.edges_key) if result.edges_key else None
     a = result.attribution
     composition = load_composition(store, result.composition_key)
     out = Path(args.out) if args.out else store.root / "exports" / f"circuits-{result.key[:12]}"
@@ -87,12 +85,15 @@ def cmd_circuits(args) -> int:
             writer.writerow(["sender", "receiver", "site", "score"])
             writer.writerows([s, r, site, repr(v)] for s, r, site, v in edges.rows())
         summary["edges"] = {"corrupted": args.corrupted, "corrupted_logit_diff": edges.corrupted, "count": len(edges.scores),
+                            "result": result.edges_key,
                             "top": [{"sender": s, "receiver": r, "site": site, "score": v} for s, r, site, v in edges.rows(10)]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     params = {"model": spec, "circuits": result.key[:16], "layer": top[0][0], "head": top[0][1]}
     write_files(None, names.CIRCUIT_DLA, params, out, formats)
     write_files(None, names.CIRCUIT_DLA_OTHERS, params, out, formats)
     write_files(None, names.CIRCUIT_COMPOSITION, params, out, formats)
+    if edges is not None:
+        write_files(None, names.CIRCUIT_EDGES, params, out, formats)
     first, second = result.answer_tokens
     print(f"logit[{first!r}] - logit[{second!r}] at the last token: {a.logit_diff:.4f}; the "
           f"{len(a.names)} components sum to {total:.4f}")
@@ -117,6 +118,6 @@ def add_parser(sub) -> None:
                         "edge attribution score of every sender -> receiver q/k/v/logits edge (Syed et al. 2023)")
     p.add_argument("--out", type=folder)
     p.add_argument("--formats", default="svg,html",
-                   help="figure formats of circuit_dla, circuit_dla_others and circuit_composition (default svg,html; "
-                        "none: '')")
+                   help="figure formats of circuit_dla, circuit_dla_others, circuit_composition and (with "
+                        "--corrupted) circuit_edges (default svg,html; none: '')")
     p.set_defaults(func=cmd_circuits)
