@@ -1,11 +1,11 @@
 """Views of circuits over heads (:mod:`headscope.analysis.circuits`), drawn from stored results named by key:
 direct logit attribution per head as a layer × head grid (``circuit_dla``) and of the MLPs, embedding and
 biases beside it (``circuit_dla_others``), the composition of earlier heads into one chosen head
-(``circuit_composition``: who feeds its Q, K and V), and the QK attribution of one cell (``qk_cell``,
-``headscope explain``).
+(``circuit_composition``: who feeds its Q, K and V), the top edges of an edge attribution on a clean/corrupted
+pair as a graph (``circuit_edges``), and the QK attribution of one cell (``qk_cell``, ``headscope explain``).
 
 The figure builders here are pure (arrays in, figure out). The Circuits page (``/circuits``) shows the first
-three; ``headscope circuits`` and ``headscope explain`` export them and ``headscope figure`` rebuilds them.
+four; ``headscope circuits`` and ``headscope explain`` export them and ``headscope figure`` rebuilds them.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from plotly.subplots import make_subplots
 from headscope.analysis.circuits import (
     CircuitResult,
     ExplainedCell,
+    StoredEdges,
     load_circuits,
     load_composition,
+    load_edges,
     load_explained,
 )
 from headscope.analysis.composition import KINDS
@@ -36,6 +38,9 @@ TOP = 10  # senders per kind in the composition view; components per side in the
 KIND_LABELS = {"q": "Q-composition (feeds its queries)", "k": "K-composition (feeds its keys)",
                "v": "V-composition (feeds its values)"}
 SCALE = figures.PATCHING_SCALE
+EDGES_SHOWN = 30  # edges in the graph: enough for the circuit's backbone, few enough to follow each line
+SITE_COLOURS = {"q": "#0072b2", "k": "#009e73", "v": "#e69f00", "logits": "#cc79a7"}  # Okabe-Ito, colour-blind safe
+SITE_LABELS = {"q": "into a query", "k": "into a key", "v": "into a value", "logits": "into the logits"}
 
 
 @page_part("circuits")
@@ -74,6 +79,11 @@ def _stored(key: Any, load, what: str):
 def stored_circuits(key: Any) -> CircuitResult:
     """The stored result whose key starts with ``key``; an ``InputError`` when none (or several) do."""
     return _stored(key, load_circuits, "circuit result")
+
+
+def stored_edges(key: Any) -> StoredEdges:
+    """The stored edge attribution under ``key`` (a result's ``edges_key``)."""
+    return _stored(key, load_edges, "edge attribution")
 
 
 def chosen_head(result: CircuitResult, layer: Any, head: Any) -> tuple[int, int]:
@@ -161,6 +171,59 @@ def qk_cell_figure(query_names: Sequence[str], key_names: Sequence[str], terms: 
     return figures.wrap_title(fig, title, width=110)
 
 
+def _node(name: str, n_layers: int, n_heads: int) -> tuple[float, float]:
+    """Where a component sits in the edge graph: head ``L.H`` at (L, H), ``mlp.L`` just after layer L's heads
+    on a row below them, the embedding before layer 0 and the logits after the last layer, both mid-height."""
+    if name == "embed":
+        return -1.0, (n_heads - 1) / 2
+    if name == "logits":
+        return float(n_layers), (n_heads - 1) / 2
+    if name.startswith("mlp."):
+        return int(name[4:]) + 0.35, -1.5
+    layer, head = name.split(".")
+    return float(layer), float(head)
+
+
+def edge_graph(edges: Sequence[tuple[str, str, str, float]], n_layers: int, n_heads: int, title: str) -> go.Figure:
+    """The graph of ``edges`` ``(sender, receiver, site, score)``, in rank order: every head a faint dot at
+    (layer, head), the components an edge touches labelled, each edge a line from sender to receiver coloured
+    by site (``SITE_COLOURS``) with width by ``|score|`` relative to the largest, and a marker at its middle
+    whose hover (and click) names sender → receiver, site and score. One trace per edge, ``customdata`` on
+    each point ``[sender, receiver, site, score, rank]``; the nodes are the last two traces."""
+    fig = go.Figure()
+    span = max((abs(e[3]) for e in edges), default=1.0) or 1.0
+    shown_sites: set[str] = set()
+    for rank, (sender, receiver, site, score) in enumerate(edges, start=1):
+        (x0, y0), (x1, y1) = _node(sender, n_layers, n_heads), _node(receiver, n_layers, n_heads)
+        where = "key-value head " if site in ("k", "v") else ""
+        hover = (f"#{rank}: {sender} → {where}{receiver} ({site})<br>score {score:+.4f} "
+                 f"(≈ change in the logit difference when this edge alone is corrupted)")
+        fig.add_trace(go.Scatter(
+            x=[x0, (x0 + x1) / 2, x1], y=[y0, (y0 + y1) / 2, y1], mode="lines+markers", name=SITE_LABELS[site],
+            legendgroup=site, showlegend=site not in shown_sites, opacity=0.85,
+            line={"color": SITE_COLOURS[site], "width": 1 + 7 * abs(score) / span},
+            marker={"size": [0, 9, 0], "color": SITE_COLOURS[site]}, text=[hover] * 3, hoverinfo="text",
+            customdata=[[sender, receiver, site, score, rank]] * 3))
+        shown_sites.add(site)
+    layers, heads = np.meshgrid(np.arange(n_layers), np.arange(n_heads), indexing="ij")
+    fig.add_trace(go.Scatter(x=layers.ravel(), y=heads.ravel(), mode="markers", hoverinfo="skip", showlegend=False,
+                             marker={"size": 4, "color": "#d0d0d0"}, name="heads"))
+    touched = sorted({n for e in edges for n in e[:2]}, key=lambda n: _node(n, n_layers, n_heads))
+    points = [_node(n, n_layers, n_heads) for n in touched]
+    fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="markers+text", text=touched,
+                             textposition="top center", textfont={"size": 10}, hovertext=touched, hoverinfo="text",
+                             showlegend=False, name="components",
+                             marker={"size": 9, "color": "#333", "line": {"color": "white", "width": 1}}))
+    fig.update_xaxes(title="layer", range=[-1.6, n_layers + 0.6], showgrid=False, zeroline=False,
+                     tickvals=[-1, *range(n_layers), n_layers], ticktext=["embed", *map(str, range(n_layers)), "logits"])
+    fig.update_yaxes(title="head", range=[-2.2, n_heads], showgrid=False, zeroline=False,
+                     tickvals=[-1.5, *range(n_heads)], ticktext=["MLP", *map(str, range(n_heads))])
+    fig.update_layout(template="plotly_white", height=max(460, 40 * n_heads + 160),
+                      margin={"t": 90, "l": 60, "r": 20, "b": 50}, hovermode="closest",
+                      legend={"orientation": "h", "y": -0.15, "x": 0})
+    return figures.wrap_title(fig, title, width=110)
+
+
 # --- views ---------------------------------------------------------------------------------------------
 
 @register(names.CIRCUIT_DLA, "Direct logit attribution per head", ("circuits", "layer", "head"),
@@ -198,6 +261,21 @@ def composition_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows
     if layer == 0:
         return figures.message_figure(f"Head 0.{head} is in the first layer: no earlier head feeds it."), rows
     return composition_bars(into, (layer, head)), rows
+
+
+@register(names.CIRCUIT_EDGES, "Edge attribution graph", ("circuits",),
+          lambda state, query, _: circuits_params(state), needs_run=False)
+def edges_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    result = stored_circuits(params.get("circuits"))
+    if not result.edges_key:
+        return figures.message_figure("Give a corrupted text and run again to see the edges between heads."), []
+    edges = stored_edges(result.edges_key)
+    a = result.attribution
+    top = edges.rows(EDGES_SHOWN)
+    title = (f"Top {len(top)} of {len(edges.scores)} edges by |edge attribution| on {_answers(result)} "
+             f"(clean {edges.clean:.3f}, corrupted {edges.corrupted:.3f}; Syed et al. 2023)")
+    rows = [{"sender": s, "receiver": r, "site": t, "score": v} for s, r, t, v in top]
+    return edge_graph(top, a.n_layers, a.n_heads, title), rows
 
 
 @register(names.QK_CELL, "QK attribution of one cell", ("cell",), lambda state, query, _: {}, needs_run=False)

@@ -48,6 +48,7 @@ QK_RANK_MAP = "qk_rank_map"
 CIRCUIT_DLA = "circuit_dla"
 CIRCUIT_DLA_OTHERS = "circuit_dla_others"
 CIRCUIT_COMPOSITION = "circuit_composition"
+CIRCUIT_EDGES = "circuit_edges"
 QK_CELL = "qk_cell"
 
 

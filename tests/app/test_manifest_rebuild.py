@@ -87,7 +87,8 @@ def exports(tmp_path_factory, real_model) -> dict[str, Path]:
          "--recent", "16", "--text", TEXT, "--out", str(out / "compress"), "--formats", "")
     _cli(home, "patch", "--pair", "ioi-mary-john", "--site", "z", "--attribution", "--out", str(out / "patch"),
          "--formats", "")
-    _cli(home, "circuits", "--text", TEXT, "--answers", " Mary, John", "--out", str(out / "circuits"), "--formats", "")
+    _cli(home, "circuits", "--text", TEXT, "--answers", " Mary, John", "--corrupted", OTHER, "--out",
+         str(out / "circuits"), "--formats", "")  # with --corrupted: also the edge graph
     _cli(home, "explain", "--text", TEXT, "--head", "3.1", "--query", "13", "--key", "1", "--out", str(out / "explain"),
          "--formats", "")
 
