@@ -106,6 +106,8 @@ def text_ids(model: LoadedModel, text: str | Sequence[int]) -> list[int]:
     from headscope.analysis.capture import tokenize_input
     from headscope.analysis.limits import limit
 
+    if not isinstance(text, str):
+        check_tokens(model, text)  # whole numbers only: the tokenizer's path would truncate 1.5 to 1
     return tokenize_input(model, text, limit(LIMIT))
 
 
@@ -150,8 +152,6 @@ def corrupted_ids(model: LoadedModel, ids: Sequence[int], corrupted: str | Seque
     if corrupted is None or (isinstance(corrupted, str) and not corrupted.strip()):
         return None
     try:
-        if not isinstance(corrupted, str):
-            check_tokens(model, corrupted)  # whole numbers only: the tokenizer's path would truncate 1.5 to 1
         bad = text_ids(model, corrupted)
     except InputError as e:
         raise InputError(f"The corrupted text: {e}") from None

@@ -45,3 +45,8 @@ def test_a_corrupted_text_that_cannot_be_compared_is_refused(tiny_model, store, 
     with pytest.raises(InputError, match=said):
         circuits(tiny_model, TEXT, _answers(tiny_model), store=store, composition=False, corrupted=corrupted)
     assert store.find("") == [] or all(store.get(k).kind != "circuit_edges" for k in store.find(""))
+
+
+def test_token_ids_of_the_text_must_be_whole_numbers(tiny_model, store):
+    with pytest.raises(InputError, match="whole numbers"):
+        circuits(tiny_model, [1.5, 2.7, 300.2], _answers(tiny_model), store=store, composition=False)
