@@ -1,6 +1,7 @@
 """Page "Circuits": a text and two answers → what each head writes towards the first answer (direct logit
 attribution, a layer × head grid with the MLPs beside it) and which earlier heads feed a chosen head
-(composition scores into its Q, K and V). Everything is :func:`headscope.analysis.circuits.circuits`, run as a
+(composition scores into its Q, K and V); with a corrupted text, the edges between heads that carry the
+difference (edge attribution patching, drawn as a graph of the top edges). Everything is :func:`headscope.analysis.circuits.circuits`, run as a
 job (the composition scores take 20-40 s the first time a model is used, then come from the store); the URL
 names the stored result (``circ``) and the chosen head, so a link reopens the same view without computing.
 A click on a head of the grid chooses it. The page's URL field is declared beside its views
@@ -18,27 +19,25 @@ from headscope.analysis.errors import InputError
 from headscope.analysis.models import load_model
 from headscope.analysis.patching_pairs import pair_by_id
 from headscope.app import ids
-from headscope.app.components import (
+from headscope.app.context import dropdown_model, get_context, offered_model
+from headscope.app.errors import guarded, message
+from headscope.app.export_bar import export_bar, register_export
+from headscope.app.grid_clicks import head_clicks, select_head
+from headscope.app.jobs import cancellable_callback, in_job, on_workers, progress_reporter
+from headscope.app.page_shell import (
     GRAPH_CONFIG,
     empty_figure,
-    export_bar,
-    head_clicks,
     job_error,
     page_location,
-    register_export,
-    select_head,
     shell_stores,
     show_in_shell,
     url_id,
     url_patch,
     url_patch_id,
 )
-from headscope.app.context import dropdown_model, get_context, offered_model
-from headscope.app.errors import guarded, message
-from headscope.app.jobs import cancellable_callback, in_job, on_workers, progress_reporter
 from headscope.app.url_state import parse
 from headscope.app.views import VIEWS, names
-from headscope.app.views.circuits import chosen_head, circuits_params, stored_circuits
+from headscope.app.views.circuits import chosen_head, circuits_params, stored_circuits, stored_edges
 
 dash.register_page(__name__, path="/circuits", name="Circuits", title="headscope — circuits over heads", order=8)
 
@@ -47,24 +46,26 @@ TEXT, FIRST, SECOND = f"{PREFIX}-text", f"{PREFIX}-answer-first", f"{PREFIX}-ans
 MODEL, RUN, CANCEL = f"{PREFIX}-model", f"{PREFIX}-run", f"{PREFIX}-cancel"
 PROGRESS, STATUS, INFO = f"{PREFIX}-progress", f"{PREFIX}-status", f"{PREFIX}-info"
 DLA, OTHERS, COMPOSITION = f"{PREFIX}-dla", f"{PREFIX}-dla-others", f"{PREFIX}-composition"
+CORRUPTED, EDGES = f"{PREFIX}-corrupted", f"{PREFIX}-edges"
 DEFAULT_PAIR = "ioi-mary-john"  # the built-in IOI prompt: its indirect object, then its subject (Wang et al. 2022)
 EMPTY = empty_figure("Run the text to see what each head writes towards the first answer.")
 NO_COMPOSITION = empty_figure("Run the text, then click a head to see which earlier heads feed it.")
+NO_EDGES = empty_figure("Run the text with a corrupted text to see the edges between heads that carry the difference.")
 
 
-def _default_prompt() -> tuple[str, tuple[str, str]]:
-    """The built-in IOI pair's clean prompt and answers (:mod:`headscope.analysis.patching_pairs`); an empty
-    form when the pairs file cannot be read."""
+def _default_prompt() -> tuple[str, tuple[str, str], str]:
+    """The built-in IOI pair's clean prompt, answers and corrupted prompt
+    (:mod:`headscope.analysis.patching_pairs`); an empty form when the pairs file cannot be read."""
     try:
         pair = pair_by_id(DEFAULT_PAIR)
     except InputError:
-        return "", ("", "")
-    return pair.clean, pair.answers
+        return "", ("", ""), ""
+    return pair.clean, pair.answers, pair.corrupted
 
 
 def layout(**_query) -> html.Div:
     context = get_context()
-    text, answers = _default_prompt()
+    text, answers, corrupted = _default_prompt()
     return html.Div([
         page_location(PREFIX),
         shell_stores(PREFIX),
@@ -80,6 +81,9 @@ def layout(**_query) -> html.Div:
                     html.Label("compared with", htmlFor=SECOND),
                     dcc.Input(id=SECOND, className="hs-text-input", value=answers[1]),
                 ], className="hs-options"),
+                html.Label("Corrupted text, as many tokens (optional: also the edges between heads that carry "
+                           "the difference)", htmlFor=CORRUPTED),
+                dcc.Textarea(id=CORRUPTED, className="hs-textarea", value=corrupted),
                 html.Label("Model", htmlFor=MODEL),
                 dcc.Dropdown(id=MODEL, options=context.model_options(), value=context.default_model, clearable=False,
                              className="hs-model"),
@@ -110,6 +114,13 @@ def layout(**_query) -> html.Div:
         ], className="hs-panels"),
         html.Div([dcc.Graph(id=COMPOSITION, figure=NO_COMPOSITION, config=GRAPH_CONFIG),
                   export_bar(PREFIX, names.CIRCUIT_COMPOSITION)], className="hs-panel"),
+        html.Div([dcc.Graph(id=EDGES, figure=NO_EDGES, config=GRAPH_CONFIG),
+                  html.P("Each line is one edge: a sender (embedding, head or MLP) into a later head's query, key or "
+                         "value, or into the logits; colour by where it ends, width by |score|. The score "
+                         "estimates how the logit difference changes when that edge alone carries the corrupted "
+                         "text's activations (one forward and one backward pass; Syed et al. 2023). Hover a line's "
+                         "middle for its numbers.", className="hs-hint"),
+                  export_bar(PREFIX, names.CIRCUIT_EDGES)], className="hs-panel"),
     ])
 
 
@@ -131,38 +142,45 @@ def _info(result, head: tuple[int, int]) -> str:
         dla=Output(DLA, "figure"),
         others=Output(OTHERS, "figure"),
         composition=Output(COMPOSITION, "figure"),
+        edges=Output(EDGES, "figure"),
         info=Output(INFO, "children"),
         error=Output(ids.ERROR, "children", allow_duplicate=True),
         # the form shows what the stored result was computed from, so Run recomputes it
         text=Output(TEXT, "value"),
         first=Output(FIRST, "value"),
         second=Output(SECOND, "value"),
+        corrupted=Output(CORRUPTED, "value"),
         model=Output(MODEL, "value"),
     ),
     inputs=[Input(url_id(PREFIX), "search")],
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker (the web process loads no model)
     prevent_initial_call="initial_duplicate",
 )
-@guarded(outputs=("dla", "others", "composition", "info", "error", "text", "first", "second", "model"))
+@guarded(outputs=("dla", "others", "composition", "edges", "info", "error", "text", "first", "second", "corrupted",
+                  "model"))
 def render(search):
     """Draw the page from its URL: the stored result it names, read back, never computed."""
     state = parse(search)
     problems = list(state.problems)
     if not state.circ:
-        return {"dla": EMPTY, "others": EMPTY, "composition": NO_COMPOSITION, "info": "", "error": message(problems)}
+        return {"dla": EMPTY, "others": EMPTY, "composition": NO_COMPOSITION, "edges": NO_EDGES, "info": "",
+                "error": message(problems)}
     result = stored_circuits(state.circ)
     head = chosen_head(result, state.layer, state.head)
     params = {**circuits_params(state), "layer": head[0], "head": head[1]}
     dla, _ = VIEWS[names.CIRCUIT_DLA].build(None, params)
     others, _ = VIEWS[names.CIRCUIT_DLA_OTHERS].build(None, params)
     composition, _ = VIEWS[names.CIRCUIT_COMPOSITION].build(None, params)
+    edges, _ = VIEWS[names.CIRCUIT_EDGES].build(None, params)
     model = load_model(offered_model(state.model))
     a = result.attribution
     answers = [model.tokenizer.decode([t]) for t in (a.answer, a.wrong)]
     chosen_model = dropdown_model(model.name, problems)
-    return {"dla": dla, "others": others, "composition": composition, "info": _info(result, head),
+    stored = stored_edges(result.edges_key) if result.edges_key else None
+    corrupted = model.tokenizer.decode(stored.corrupted_ids, skip_special_tokens=True) if stored else ""
+    return {"dla": dla, "others": others, "composition": composition, "edges": edges, "info": _info(result, head),
             "error": message(problems), "text": model.tokenizer.decode(result.token_ids, skip_special_tokens=True),
-            "first": answers[0], "second": answers[1], "model": chosen_model}
+            "first": answers[0], "second": answers[1], "corrupted": corrupted, "model": chosen_model}
 
 
 @cancellable_callback(
@@ -173,14 +191,16 @@ def render(search):
     State(TEXT, "value"),
     State(FIRST, "value"),
     State(SECOND, "value"),
+    State(CORRUPTED, "value"),
     State(MODEL, "value"),
     State(url_id(PREFIX), "search"),
-    run=RUN, cancel=CANCEL, progress=PROGRESS, status=STATUS, stale=(DLA, OTHERS, COMPOSITION),
+    run=RUN, cancel=CANCEL, progress=PROGRESS, status=STATUS, stale=(DLA, OTHERS, COMPOSITION, EDGES),
     prevent_initial_call=True,
 )
-def run_circuits(set_progress, n_clicks, text, first, second, model_spec, search):
-    """Run: direct logit attribution of the text's last token and the model's composition scores, stored;
-    the result's key goes into the URL (the chosen head is reset to the largest direct effect)."""
+def run_circuits(set_progress, n_clicks, text, first, second, corrupted, model_spec, search):
+    """Run: direct logit attribution of the text's last token, the edge attribution on the corrupted text when
+    one is given, and the model's composition scores, all stored; the result's key goes into the URL (the
+    chosen head is reset to the largest direct effect)."""
     in_job()
     if not n_clicks:
         raise PreventUpdate
@@ -189,13 +209,14 @@ def run_circuits(set_progress, n_clicks, text, first, second, model_spec, search
         model = load_model(offered_model(model_spec))
         answers = [a if isinstance(a, str) else "" for a in (first, second)]
         result = circuits(model, text if isinstance(text, str) else "", answers, store=get_context().store,
-                          progress=report)
+                          progress=report, corrupted=corrupted if isinstance(corrupted, str) else None)
     except ValueError as e:
         return no_update, message(str(e)), "Not run: see the message above."
     state = parse(search)
     state.model, state.circ, state.layer, state.head = model.name, result.key[:16], None, None
+    edges = " with the edges of the corrupted text" if result.edges_key else ""
     return (url_patch(search, state.to_search(), reset=("layer", "head")), "",
-            f"{len(result.attribution.names)} components attributed in {result.seconds:.2f} s")
+            f"{len(result.attribution.names)} components attributed{edges} in {result.seconds:.2f} s")
 
 
 @callback(

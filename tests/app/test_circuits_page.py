@@ -93,3 +93,69 @@ def test_circuits_journey(server, page, real_model):
         page.wait_for_function("t => (document.querySelector('#hs-error')?.innerText || '').includes(t)", arg=said,
                                timeout=120_000)
         assert "Traceback" not in banner(page) and str(home) not in banner(page), banner(page)  # no server path
+
+
+EDGES = "#circ-edges"
+EDGE_TRACES = ("s => [...document.querySelector(s + ' .js-plotly-plot').data].filter(t => t.customdata)"
+               ".map(t => ({edge: t.customdata[0], colour: t.line.color, width: t.line.width}))")
+
+
+@pytest.mark.timeout(900)  # the first run of a module computes the composition scores (20-40 s, more under load)
+def test_circuits_edge_graph(server, browser, real_model):
+    """The default pair with its prefilled corrupted text: the graph draws the analysis's top 30 edges, the
+    first one the analysis's first, at 1280 px with nothing cut off; a pair that cannot be compared is a
+    message in the banner and no edges."""
+    from headscope.analysis.edge_attribution import edge_attribution
+    from headscope.analysis.patching_pairs import pair_by_id
+    from headscope.app.views.circuits import EDGES_SHOWN, SITE_COLOURS
+    from tests.app.browsing import open_page
+
+    url, _, home = server
+    pair = pair_by_id("ioi-mary-john")
+    for page in open_page(browser, 1280, 1000):
+        page.goto(url + "circuits")
+        assert page.input_value("#circ-corrupted", timeout=240_000) == pair.corrupted  # prefilled
+        page.click("#circ-run")
+        page.wait_for_function("new URLSearchParams(location.search).has('circ')", timeout=600_000)
+        page.wait_for_function("s => (document.querySelector(s + ' .gtitle')?.textContent || '').includes('edges')",
+                               arg=EDGES, timeout=120_000)
+        settle(page)
+        assert banner(page) == ""
+        assert "with the edges" in page.inner_text("#circ-status")
+        expected = edge_attribution(real_model, pair.clean, pair.corrupted, list(pair.answers))
+        drawn = page.evaluate(EDGE_TRACES, EDGES)
+        assert len(drawn) == EDGES_SHOWN
+        assert tuple(drawn[0]["edge"][:3]) == expected.rows(1)[0][:3]  # the top edge shown is the analysis's top
+        assert drawn[0]["edge"][3] == pytest.approx(expected.rows(1)[0][3], rel=1e-6)
+        assert [tuple(d["edge"][:3]) for d in drawn] == [r[:3] for r in expected.rows(EDGES_SHOWN)]
+        assert all(d["colour"] == SITE_COLOURS[d["edge"][2]] for d in drawn)
+        title = page.locator(EDGES + " .gtitle").text_content()
+        assert f"Top {EDGES_SHOWN} of {len(expected.scores)} edges" in title
+        assert cut_off_titles(page) == []  # readable at 1280 px: every title fits
+        assert page.locator(EDGES + " .main-svg").first.bounding_box()["width"] >= 1100
+
+        # the link reopens the graph and refills the corrupted field from the stored result
+        page.goto(page.evaluate("location.href"))
+        page.wait_for_function("s => (document.querySelector(s + ' .gtitle')?.textContent || '').includes('edges')",
+                               arg=EDGES, timeout=120_000)
+        assert page.input_value("#circ-corrupted") == pair.corrupted
+        assert tuple(page.evaluate(EDGE_TRACES, EDGES)[0]["edge"][:3]) == expected.rows(1)[0][:3]
+
+        # hostile corrupted texts: each a message in the banner (nothing run), the page still usable
+        hostile = (("When Mary and John went to the store, Mary Elizabeth gave a drink to", "is 15 tokens"),
+                   (pair.clean, "same tokens"),
+                   ("Mary", "is 1 token "), ("\u202eWhen Mary and John went to the store, Mary gave a drink to",
+                                             "is 16 tokens"),
+                   ("<script>alert(1)</script>", "is 10 tokens"), ("word " * 20_000, "The corrupted text: "))
+        for corrupted, said in hostile:
+            page.fill("#circ-corrupted", corrupted)
+            page.click("#circ-run")
+            page.wait_for_function("t => (document.querySelector('#hs-error')?.innerText || '').includes(t)",
+                                   arg=said, timeout=240_000)
+            assert "Traceback" not in banner(page) and str(home) not in banner(page), banner(page)
+        # an empty corrupted text: no edges asked for, the run succeeds and the graph says how to get them
+        page.fill("#circ-corrupted", "   ")
+        page.click("#circ-run")
+        page.wait_for_function("s => (document.querySelector(s)?.innerText || '').includes('Give a corrupted text')",
+                               arg=EDGES, timeout=240_000)
+        assert banner(page) == ""
