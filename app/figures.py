@@ -588,7 +588,7 @@ def decode_rows_heatmap(rows: np.ndarray, span: tuple[int, int], argmax: np.ndar
     return fig
 
 
-CHOSEN_TRACE = "chosen"  # the uid of the chosen heads' markers on a selection map (app/components.py toggle_head)
+CHOSEN_TRACE = "chosen"  # the uid of the chosen heads' markers on a selection map (app/grid_clicks.py toggle_head)
 
 
 def head_selection(scores: np.ndarray, label: str, chosen: Sequence[tuple[int, int]],

@@ -11,7 +11,7 @@ table cells, stores) get a type check here and their content checked by their ca
 
 Other kinds of value each have one check of their own: models (:func:`headscope.app.context.offered_model`),
 the page state in the URL (:func:`headscope.app.url_state.parse`), heads and layers
-(:func:`headscope.analysis.errors.check_head_index`), uploads as content (:func:`headscope.app.components.upload_text`).
+(:func:`headscope.analysis.errors.check_head_index`), uploads as content (:func:`headscope.app.uploads.upload_text`).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def remember_runs_shown(app: Dash) -> None:
     adds the runs its URL names to :func:`seen_runs_store`: a page added later is covered unedited."""
     import dash
 
-    from headscope.app.components import url_id
+    from headscope.app.page_shell import url_id
 
     source = _REMEMBER.format(pattern=RUN_ID.pattern, keys=json.dumps(list(RUN_KEYS)), most=MAX_KEPT)
     for page in dash.page_registry.values():

@@ -113,7 +113,7 @@ def carry_shared_state_in_nav(app: Dash) -> None:
     import json
     import sys
 
-    from headscope.app.components import url_id
+    from headscope.app.page_shell import url_id
     from headscope.app.url_state import SHARED_KEYS
 
     pages = [page for page in dash.page_registry.values() if page.get("nav", True)]  # the 404 page has no link

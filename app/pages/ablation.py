@@ -43,29 +43,23 @@ from headscope.analysis.ablation_effects import apply as apply_ablation
 from headscope.analysis.head_sweep import ablation_head_sweep
 from headscope.analysis.models import load_model
 from headscope.app import ids
-from headscope.app.components import (
+from headscope.app.context import get_context
+from headscope.app.errors import USER_ERRORS, guarded, message
+from headscope.app.export_bar import export_bar, register_export
+from headscope.app.grid_clicks import head_clicks, toggle_head
+from headscope.app.jobs import cancellable_callback, count_progress, in_job, on_workers
+from headscope.app.page_shell import (
     GRAPH_CONFIG,
     empty_figure,
-    export_bar,
-    fill_text_from_runs,
-    head_clicks,
-    input_bar,
     job_error,
-    model_id,
     page_location,
     query_store_id,
-    register_export,
-    register_run,
     shell_stores,
-    text_fill_id,
-    toggle_head,
     url_id,
     url_patch,
     url_patch_id,
 )
-from headscope.app.context import get_context
-from headscope.app.errors import USER_ERRORS, guarded, message
-from headscope.app.jobs import cancellable_callback, count_progress, in_job, on_workers
+from headscope.app.run_bar import fill_text_from_runs, input_bar, model_id, register_run, text_fill_id
 from headscope.app.url_state import PageState, parse
 from headscope.app.views import VIEWS, names
 from headscope.app.views.ablation import (
@@ -412,7 +406,7 @@ def _summary(model, applied: AppliedAblation) -> html.Div:
         heads=Output(ids.ABL_HEADS, "value", allow_duplicate=True),
         grid=Output(ids.ABL_GRID, "figure", allow_duplicate=True),
         drawn=Output(ids.ABL_DRAWN, "data", allow_duplicate=True),
-        error=job_error(PREFIX),  # with Redis this is a job: not the banner (components.job_error)
+        error=job_error(PREFIX),  # with Redis this is a job: not the banner (page_shell.job_error)
     ),
     inputs=[Input(ids.ABL_PENDING, "data"), Input(ids.ABL_HEADS, "value"), Input(ids.ABL_TOPK, "n_clicks"),
             Input(ids.ABL_RANDOM, "n_clicks"), Input(ids.ABL_CLEAR, "n_clicks")],

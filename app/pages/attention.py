@@ -34,33 +34,33 @@ from headscope.analysis.qk_cell import cell_attribution, grouped_by_layer
 from headscope.analysis.score_registry import HEAD_SCORES, RUN_SCORES, unavailable
 from headscope.analysis.statistics_run import capture_for_page
 from headscope.app import figures, ids
-from headscope.app.components import (
+from headscope.app.context import dropdown_model, get_context, offered_model
+from headscope.app.errors import USER_ERRORS, guarded, message
+from headscope.app.export_bar import export_bar, register_export
+from headscope.app.grid_clicks import head_clicks, select_head
+from headscope.app.jobs import cancellable_callback, in_job, on_workers, progress_reporter
+from headscope.app.page_shell import (
     GRAPH_CONFIG,
     empty_figure,
-    export_bar,
-    fill_text_from_runs,
-    head_clicks,
-    input_bar,
     job_error,
     leaving,
-    model_id,
     page_location,
     query_store_id,
-    register_export,
-    run_id,
-    run_info,
-    select_head,
     shell_stores,
     show_in_shell,
-    text_fill_id,
-    text_id,
     url_id,
     url_patch,
     url_patch_id,
 )
-from headscope.app.context import dropdown_model, get_context, offered_model
-from headscope.app.errors import USER_ERRORS, guarded, message
-from headscope.app.jobs import cancellable_callback, in_job, on_workers, progress_reporter
+from headscope.app.run_bar import (
+    fill_text_from_runs,
+    input_bar,
+    model_id,
+    run_id,
+    run_info,
+    text_fill_id,
+    text_id,
+)
 from headscope.app.url_state import AttentionState, PageState, parse
 from headscope.app.views import VIEWS, names
 from headscope.app.views.circuits import qk_cell_figure
@@ -341,7 +341,7 @@ def _with(search: str | None, **changes) -> str:
 def render(search, pathname=None, sinks_run=None, drawn=None):
     """Draw the page from its URL. The grid and heatmap of the run and metric already drawn are only
     patched for another head or query token (:func:`_head_changed`), and left alone when nothing they
-    show changed; nothing is drawn for a page being left (:func:`headscope.app.components.leaving`): a patch
+    show changed; nothing is drawn for a page being left (:func:`headscope.app.page_shell.leaving`): a patch
     answered after the next page replaced this one would find no figure to patch."""
     if leaving(pathname, PAGE_PATH):
         raise PreventUpdate
@@ -436,7 +436,7 @@ def _head_changed(run, layer: int, head: int) -> tuple[Patch, Patch]:
 
 @callback(
     Output(ids.SINKS, "figure"),
-    job_error(PREFIX),  # with Redis this is a job: not the banner (components.job_error)
+    job_error(PREFIX),  # with Redis this is a job: not the banner (page_shell.job_error)
     Input(SINKS_RUN, "data"),
     **on_workers(),
     prevent_initial_call=True,
@@ -655,7 +655,7 @@ def explain_cell(search, group, pathname=None, shown=None):
 )
 def open_component_head(click, search):
     """A click on a head's bar (``L.H``) in the why panel opens that head, as a click on the grid does
-    (:func:`headscope.app.components.select_head`: layer and head into the URL, the query token dropped),
+    (:func:`headscope.app.grid_clicks.select_head`: layer and head into the URL, the query token dropped),
     and closes the panel."""
     point = click.get("points") if isinstance(click, dict) else None
     point = point[0] if isinstance(point, list) and point and isinstance(point[0], dict) else {}

@@ -21,20 +21,12 @@ from headscope.analysis.errors import InputError
 from headscope.analysis.run_comparison import compare_runs, shown_decimals
 from headscope.analysis.score_registry import HEAD_SCORES, RUN_SCORES
 from headscope.app import ids
-from headscope.app.components import (
-    GRAPH_CONFIG,
-    empty_figure,
-    export_bar,
-    head_clicks,
-    page_location,
-    register_export,
-    select_head,
-    shell_stores,
-    url_id,
-)
 from headscope.app.context import get_context
 from headscope.app.errors import guarded, message
+from headscope.app.export_bar import export_bar, register_export
+from headscope.app.grid_clicks import head_clicks, select_head
 from headscope.app.jobs import on_workers
+from headscope.app.page_shell import GRAPH_CONFIG, empty_figure, page_location, shell_stores, url_id
 from headscope.app.seen_runs import run_id, run_ids, shown_run, shown_runs
 from headscope.app.url_state import parse
 from headscope.app.views import VIEWS, names

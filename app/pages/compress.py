@@ -32,25 +32,24 @@ from headscope.analysis.kv_compression_choices import (
 from headscope.analysis.models import load_model
 from headscope.analysis.niah import MAX_LENGTH, check_lengths, load_needles, named_haystack
 from headscope.app import ids
-from headscope.app.components import (
+from headscope.app.context import dropdown_model, get_context, offered_model
+from headscope.app.errors import guarded, message
+from headscope.app.export_bar import export_bar, register_export
+from headscope.app.form_values import number_list, whole_number
+from headscope.app.jobs import cancellable_callback, in_job, on_workers, progress_reporter, trial_progress
+from headscope.app.page_shell import (
     GRAPH_CONFIG,
     empty_figure,
-    export_bar,
     job_error,
     page_download,
     page_location,
     query_store_id,
-    register_export,
     shell_stores,
     show_in_shell,
     url_id,
     url_patch,
     url_patch_id,
 )
-from headscope.app.context import dropdown_model, get_context, offered_model
-from headscope.app.errors import guarded, message
-from headscope.app.form_values import number_list, whole_number
-from headscope.app.jobs import cancellable_callback, in_job, on_workers, progress_reporter, trial_progress
 from headscope.app.url_state import parse
 from headscope.app.views import VIEWS, names
 from headscope.app.views.compress import (
@@ -404,7 +403,7 @@ def cancelled(n_clicks):
 
 
 @callback(
-    page_download(PREFIX),  # with Redis this is a job: not the shell (components.job_error)
+    page_download(PREFIX),  # with Redis this is a job: not the shell (page_shell.job_error)
     job_error(PREFIX),
     Input(ids.KV_DOWNLOAD, "n_clicks"),
     State(url_id(PREFIX), "search"),

@@ -9,25 +9,20 @@ from dash.exceptions import PreventUpdate
 
 from headscope.analysis.rollout import FUSIONS
 from headscope.app import figures, ids
-from headscope.app.components import (
-    GRAPH_CONFIG,
-    empty_figure,
-    export_bar,
-    fill_text_from_runs,
-    input_bar,
-    job_error,
-    model_id,
-    page_location,
-    query_store_id,
-    register_export,
-    register_run,
-    shell_stores,
-    text_fill_id,
-    url_id,
-)
 from headscope.app.context import dropdown_model, get_context
 from headscope.app.errors import guarded, message
+from headscope.app.export_bar import export_bar, register_export
 from headscope.app.jobs import cancellable_callback, in_job, on_workers, progress_reporter
+from headscope.app.page_shell import (
+    GRAPH_CONFIG,
+    empty_figure,
+    job_error,
+    page_location,
+    query_store_id,
+    shell_stores,
+    url_id,
+)
+from headscope.app.run_bar import fill_text_from_runs, input_bar, model_id, register_run, text_fill_id
 from headscope.app.url_state import FlowState, PageState, parse
 from headscope.app.views import VIEWS, names
 from headscope.app.views.flow import (
@@ -274,7 +269,7 @@ def change_options(target, fusion, sink, search):
 
 @callback(
     Output(ids.FAITH_INPUT, "children"),
-    job_error(PREFIX),  # with Redis this is a job: not the banner (components.job_error)
+    job_error(PREFIX),  # with Redis this is a job: not the banner (page_shell.job_error)
     Input(ids.FAITH_INPUT_BUTTON, "n_clicks"),
     State(url_id(PREFIX), "search"),
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker

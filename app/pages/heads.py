@@ -28,33 +28,27 @@ from headscope.analysis.retrieval import SweepSettings, sweep_settings
 from headscope.analysis.score_registry import HEAD_SCORES
 from headscope.analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 from headscope.app import figures, ids
-from headscope.app.components import (
+from headscope.app.context import get_context
+from headscope.app.errors import USER_ERRORS, guarded, message
+from headscope.app.export_bar import export_bar, register_export
+from headscope.app.form_values import number_list, whole_number
+from headscope.app.grid_clicks import head_clicks, select_head
+from headscope.app.jobs import cancellable_callback, in_job, on_workers, progress_reporter, trial_progress
+from headscope.app.page_shell import (
     GRAPH_CONFIG,
-    PROMPT_POLICY_TITLE,
     empty_figure,
-    export_bar,
-    head_clicks,
     job_error,
     page_location,
-    prompt_policy,
     query_store_id,
-    register_export,
-    register_upload,
     register_url_keys,
-    select_head,
     shell_stores,
     show_in_shell,
-    upload_field,
-    upload_file,
-    upload_file_id,
     url_id,
     url_patch,
     url_patch_id,
 )
-from headscope.app.context import get_context
-from headscope.app.errors import USER_ERRORS, guarded, message
-from headscope.app.form_values import number_list, whole_number
-from headscope.app.jobs import cancellable_callback, in_job, on_workers, progress_reporter, trial_progress
+from headscope.app.run_bar import PROMPT_POLICY_TITLE, prompt_policy
+from headscope.app.uploads import register_upload, upload_field, upload_file, upload_file_id
 from headscope.app.url_state import parse
 from headscope.app.views import VIEWS, names
 from headscope.app.views.heads import (
@@ -81,7 +75,7 @@ NEEDLES_HINT = ("Your own needles, one per line: needle | question | answer — 
 
 
 # The page's figures in four groups, each drawn from the URL keys its figures show (a store per group,
-# changed only when those keys change: headscope.app.components.register_url_keys). A click on a head redraws its
+# changed only when those keys change: headscope.app.page_shell.register_url_keys). A click on a head redraws its
 # trials and decode steps and moves the outline on both maps; a trial redraws its decode steps only.
 SELECTION = ("layer", "head")  # drawn as an outline patched onto the maps (draw_selection), not by redrawing them
 
@@ -425,7 +419,7 @@ def _whole(state) -> dict:
         info=Output(ids.HEADS_INFO, "children"),
         agg=Output(ids.HEADS_AGG, "value"),
         grid_drawn=Output(GRID_DRAWN, "data"),
-        error=job_error(PREFIX),  # with Redis this is a job: not the banner (components.job_error)
+        error=job_error(PREFIX),  # with Redis this is a job: not the banner (page_shell.job_error)
     ),
     inputs=[Input(KEYS["sweep"], "data")],
     state=[State(url_id(PREFIX), "search")],

@@ -29,25 +29,23 @@ from headscope.analysis.patching_choices import (
 )
 from headscope.analysis.patching_pairs import load_pairs, pair_by_id
 from headscope.app import ids
-from headscope.app.components import (
+from headscope.app.context import get_context, offered_model
+from headscope.app.errors import guarded, message
+from headscope.app.export_bar import export_bar, register_export
+from headscope.app.grid_clicks import ask_for_head, head_clicks
+from headscope.app.jobs import cancellable_callback, count_progress, in_job, on_workers
+from headscope.app.page_shell import (
     GRAPH_CONFIG,
-    ask_for_head,
     empty_figure,
-    export_bar,
-    head_clicks,
     job_error,
     page_location,
     query_store_id,
-    register_export,
     shell_stores,
     show_in_shell,
     url_id,
     url_patch,
     url_patch_id,
 )
-from headscope.app.context import get_context, offered_model
-from headscope.app.errors import guarded, message
-from headscope.app.jobs import cancellable_callback, count_progress, in_job, on_workers
 from headscope.app.url_state import parse
 from headscope.app.views import VIEWS, names
 from headscope.app.views.patching import patching_params, stored_patching, unit_names

@@ -13,25 +13,20 @@ from headscope.analysis.qk_collect import load_probe_tasks, store_sentences
 from headscope.analysis.qk_decomposition import store_labels
 from headscope.app import ids
 from headscope.app.busy import show_busy
-from headscope.app.components import (
-    GRAPH_CONFIG,
-    empty_figure,
-    export_bar,
-    head_clicks,
-    page_location,
-    query_store_id,
-    register_export,
-    register_upload,
-    select_head,
-    shell_stores,
-    upload_field,
-    upload_file,
-    upload_file_id,
-    url_id,
-)
 from headscope.app.context import get_context
 from headscope.app.errors import guarded, message
+from headscope.app.export_bar import export_bar, register_export
+from headscope.app.grid_clicks import head_clicks, select_head
 from headscope.app.jobs import in_job, progress_reporter
+from headscope.app.page_shell import (
+    GRAPH_CONFIG,
+    empty_figure,
+    page_location,
+    query_store_id,
+    shell_stores,
+    url_id,
+)
+from headscope.app.uploads import register_upload, upload_field, upload_file, upload_file_id
 from headscope.app.url_state import parse
 from headscope.app.views import VIEWS, names
 from headscope.app.views.qk import (

@@ -28,7 +28,7 @@ def test_a_sweep_over_the_trial_limit_is_refused_before_any_work(tiny_model, mon
 
 
 def test_uploads_over_the_limit_or_not_text_say_why(monkeypatch):
-    from headscope.app.components import upload_text
+    from headscope.app.uploads import upload_text
 
     def url(data: bytes) -> str:
         return "data:text/plain;base64," + base64.b64encode(data).decode()

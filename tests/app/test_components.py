@@ -1,9 +1,9 @@
-"""app/components.py: the pieces every page shares (here: the run's info line)."""
+"""The pieces every page shares: the run bar (app/run_bar.py), the page shell (app/page_shell.py)."""
 
 import pytest
 
 from headscope.analysis.capture import capture
-from headscope.app import components
+from headscope.app import run_bar
 
 
 def _texts(div) -> list[str]:
@@ -13,14 +13,14 @@ def _texts(div) -> list[str]:
 def test_run_info_says_the_models_bos_and_template_policy(tiny_model):
     run = capture(tiny_model, "The cat sat on the mat.", pattern_dtype="float32")
     policy = tiny_model.facts.prompt_policy
-    texts = _texts(components.run_info(run, 1, 2, policy))
+    texts = _texts(run_bar.run_info(run, 1, 2, policy))
     assert policy in texts and f"run {run.short_id}" in texts and "selected: layer 1, head 2" in texts
     assert f"{run.n_tokens} tokens" in texts
-    assert not any("BOS" in t for t in _texts(components.run_info(run, 0, 0, "")))  # unknown: not claimed
+    assert not any("BOS" in t for t in _texts(run_bar.run_info(run, 0, 0, "")))  # unknown: not claimed
 
 
 def test_prompt_policy_of_a_model_this_server_does_not_offer_is_not_claimed():
-    assert components.prompt_policy("/nowhere/not-a-model") == ""
+    assert run_bar.prompt_policy("/nowhere/not-a-model") == ""
 
 
 def _into_shell_on_page_load(deps: list[dict]) -> list[list[str]]:
@@ -81,7 +81,7 @@ def test_no_job_is_queued_when_a_page_loads_with_redis_workers(tmp_path):
     model or reads results) is a Celery task too: one that wrote to the app shell was queued on every
     page load, as above (each page's export, Run on the Ablation and Flow pages, the sink map, the
     heads chosen, the faithfulness input, the KV pattern download). They write into their page
-    (:func:`headscope.app.components.job_error`, :func:`headscope.app.components.page_download`). The app is made as the
+    (:func:`headscope.app.page_shell.job_error`, :func:`headscope.app.page_shell.page_download`). The app is made as the
     web process makes it (Redis is not reached until a job runs)."""
     import json
     import os
@@ -122,7 +122,7 @@ def test_a_link_naming_a_model_has_it_chosen_from_the_first_frame(tmp_path, monk
         found = []
 
         def walk(node):
-            if getattr(node, "id", None) == components.model_id(prefix):
+            if getattr(node, "id", None) == run_bar.model_id(prefix):
                 found.append(node.value)
             children = getattr(node, "children", None)
             for child in children if isinstance(children, list) else [children]:
@@ -140,9 +140,9 @@ def test_a_link_naming_a_model_has_it_chosen_from_the_first_frame(tmp_path, monk
 
 def test_a_page_knows_it_is_being_left_from_its_own_location_path():
     """Every page's Location hears a nav link, so the page being left sees another page's path there
-    while the router fetches that page (headscope.app.components.leaving); its own path, with or without a
+    while the router fetches that page (headscope.app.page_shell.leaving); its own path, with or without a
     trailing slash, and no path yet, are not leaving."""
-    from headscope.app.components import leaving
+    from headscope.app.page_shell import leaving
 
     assert leaving("/flow", "/") and leaving("/ablation", "/flow") and leaving("/", "/flow")
     assert not leaving("/", "/") and not leaving("/flow/", "/flow") and not leaving("/flow", "/flow")

@@ -14,8 +14,8 @@ import pytest
 
 from headscope.analysis.store import Store
 from headscope.app import ids
-from headscope.app.components import job_error_id
 from headscope.app.context import AppContext, get_context, set_context
+from headscope.app.page_shell import job_error_id
 from headscope.app.server import create_app
 
 MAX_POSITIONAL = 4  # wider than this, a callback names its outputs
@@ -97,7 +97,7 @@ RENDERS = {
 
 def banner_lines(answer: dict, prefix: str) -> list[str]:
     """The lines the answer puts in the error banner: the banner itself, or the page's store that the
-    browser copies into it (a job's error: :func:`headscope.app.components.job_error`)."""
+    browser copies into it (a job's error: :func:`headscope.app.page_shell.job_error`)."""
     response = answer["response"]
     children = (response[ids.ERROR]["children"] if ids.ERROR in response
                 else response[job_error_id(prefix)]["data"])

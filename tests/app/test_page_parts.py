@@ -1,6 +1,6 @@
 """A page's parts come from its own modules, not from lists kept elsewhere: its views from its module in
 ``app/views/`` (the package imports every module it holds), its clickable grids from its layout
-(``data-hs-click``, :func:`headscope.app.components.head_clicks`). Its URL fields:
+(``data-hs-click``, :func:`headscope.app.grid_clicks.head_clicks`). Its URL fields:
 tests/app/test_url_state_parts.py; its fuzzing: tests/app/test_fuzz_callbacks.py; its ids in the browser:
 tests/assets/test_js_ids.py."""
 

@@ -59,7 +59,7 @@ def stop(proc: subprocess.Popen) -> None:
 def render_attention(url: str, search: str) -> dict:
     """What the Attention page's ``render`` callback answers for ``search``, as the browser asks it."""
     from headscope.app import ids
-    from headscope.app.components import url_id
+    from headscope.app.page_shell import url_id
 
     location = url_id("attn")
     deps = json.load(urllib.request.urlopen(url + "_dash-dependencies", timeout=30))

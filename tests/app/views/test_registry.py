@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from dash.exceptions import PreventUpdate
 
-from headscope.app.components import view_params
+from headscope.app.export_bar import view_params
 from headscope.app.url_state import PageState, parse
 from headscope.app.views import VIEWS, names
 
