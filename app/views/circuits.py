@@ -278,7 +278,10 @@ def edges_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     return edge_graph(top, a.n_layers, a.n_heads, title), rows
 
 
-@register(names.QK_CELL, "QK attribution of one cell", ("cell",), lambda state, query, _: {}, needs_run=False)
+# The cell is a stored result of ``headscope explain``; the Attention page's why panel draws its cell from
+# the run's capture (qk_cell_figure) and stores none, so a page state names no cell.
+@register(names.QK_CELL, "QK attribution of one cell", ("cell",), lambda state, query, _: {"cell": None},
+          needs_run=False)
 def qk_cell_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     cell: ExplainedCell = _stored(params.get("cell"), load_explained, "QK attribution")
     a = cell.attribution
