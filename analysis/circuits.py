@@ -15,14 +15,20 @@ arXiv:2211.00593, §3.1), :mod:`headscope.analysis.composition` (Elhage et al. 2
   :func:`circuits` also runs edge attribution patching (:mod:`headscope.analysis.edge_attribution`, Syed et
   al. 2023: one forward and one backward pass on the clean text, one forward pass on the corrupted one) and
   stores every edge's score beside the attribution (:func:`load_edges`: names once, edges as index arrays).
+- :func:`patch_edge`: a click on an edge of the Circuits page's graph. The exact effect of one head → head
+  edge on the stored pair by path patching (:func:`headscope.analysis.path_patching.path_patching`, Wang et
+  al. 2022), in the sign of edge attribution, beside the edge's stored estimate; stored under a key of the
+  result and the edge.
 - :func:`explain`: ``headscope explain``. The QK attribution of one cell, stored with its key.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -72,6 +78,25 @@ class StoredEdges:
     def rows(self, top: int | None = None) -> list[tuple[str, str, str, float]]:
         n = len(self.scores) if top is None else min(top, len(self.scores))
         return [(self.senders[i], self.receivers[i], self.sites[i], float(self.scores[i])) for i in range(n)]
+
+
+@dataclass
+class EdgePatch:
+    """One edge of a stored edge attribution, path-patched exactly (:func:`patch_edge`).
+
+    ``exact`` is ``m(clean with the edge corrupted) − m(clean)`` (logit difference, the sign of edge attribution),
+    ``estimate`` the edge's stored edge-attribution score (None when the edge is not among the stored ones),
+    ``clean`` and ``patched`` the metric on the clean prompt and with the edge corrupted."""
+
+    key: str
+    sender: str
+    receiver: str
+    site: str
+    exact: float
+    estimate: float | None
+    clean: float
+    patched: float
+    seconds: float
 
 
 @dataclass
@@ -273,6 +298,101 @@ def load_circuits(store: Store, key: str) -> CircuitResult | None:
                                    position=int(m["position"]), n_layers=int(m["n_layers"]), n_heads=int(m["n_heads"]))
     return CircuitResult(key, attribution, list(m["token_ids"]), list(m["tokens"]), tuple(m["answer_tokens"]),
                          str(m["composition_key"]), float(m["seconds"]), m.get("edges_key"))
+
+
+EDGE_NAME = re.compile(r"(0|[1-9]\d{0,3})\.(0|[1-9]\d{0,3})")  # as edges name heads: no sign, no leading 0
+EXACT_SITES = ("q", "k", "v")
+
+
+def not_exact(sender: str, receiver: str, site: str) -> str | None:
+    """Why the edge ``sender → receiver (site)`` of an edge attribution has no exact path patch (one line), or
+    None when it has one: :func:`headscope.analysis.path_patching.path_patching` patches head outputs into a
+    later head's query, key or value, so the embedding and MLP senders and the logits receiver are left out."""
+    if sender == "embed" or sender.startswith("mlp.") or receiver == "logits" or site == "logits":
+        return (f"The edge {sender} → {receiver} ({site}) cannot be patched exactly: path patching sends from a "
+                "head into a later head's query, key or value, not from the embedding or an MLP, nor into the "
+                "logits. Its edge-attribution estimate is the score in the graph.")
+    return None
+
+
+def _edge_head(name: Any, what: str) -> tuple[int, int]:
+    match = EDGE_NAME.fullmatch(name) if isinstance(name, str) else None
+    if match is None:
+        raise InputError(f"The {what} {str(name)[:40]!r} is not a head: an edge joins heads named layer.head "
+                         "(e.g. 3.7). Click an edge of the graph.")
+    return int(match[1]), int(match[2])
+
+
+def edge_patch_key(result: CircuitResult, sender: str, receiver: str, site: str) -> str:
+    return content_key("edge-patch", CIRCUITS_VERSION, result.key, result.edges_key, sender, receiver, site)
+
+
+def patch_edge(model: LoadedModel, result: CircuitResult, sender: str, receiver: str, site: str,
+               store: Store | None, progress: Progress = None) -> EdgePatch:
+    """The exact effect of the edge ``sender → receiver (site)`` on the pair of ``result``'s edge attribution,
+    stored under a key of the result and the edge (a second call reads it back).
+
+    Path patching (Wang et al. 2022, arXiv:2211.00593, :func:`headscope.analysis.path_patching.path_patching`)
+    noising, with the MLPs frozen: the clean prompt receives, the sender's output on the corrupted prompt
+    reaches only the receiver's ``site`` input, directly. ``exact = raw − clean`` is then the quantity edge
+    attribution estimates to first order (:mod:`headscope.analysis.edge_attribution`: ``m(clean with the edge
+    corrupted) − m(clean)``), as ``bench/edge_attribution_vs_path_patching.py`` compares them.
+
+    Parameters
+    ----------
+    result : a stored :class:`CircuitResult` with edges (``edges_key``: it was run with a corrupted text).
+    sender : a head ``L.H`` (a query head).
+    receiver : a later head ``L.H``: a query head for ``q``, a key-value head for ``k``/``v`` (as edges name it).
+    site : ``q``, ``k`` or ``v``.
+    store : where the stored edges are read and the patch is kept.
+
+    Raises
+    ------
+    InputError
+        No stored edges; an edge :func:`not_exact` names (its one-line reason); a name that is no head; a layer or
+        head out of range; a receiver not after the sender (:func:`headscope.analysis.path_patching.path_patching`).
+    """
+    from headscope.analysis.path_patching import path_patching
+
+    if not all(isinstance(v, str) for v in (sender, receiver, site)):
+        raise InputError("An edge is named by three strings: sender, receiver and site. Click an edge of the graph.")
+    if site not in (*EXACT_SITES, "logits"):
+        raise InputError(f"Unknown site {site[:20]!r}: an edge ends in a head's q, k or v, or in the logits.")
+    if (reason := not_exact(sender[:40], receiver[:40], site)) is not None:
+        raise InputError(reason)
+    sends, receives = _edge_head(sender, "sender"), _edge_head(receiver, "receiver")
+    edges = load_edges(store, result.edges_key) if store is not None and result.edges_key else None
+    if edges is None:
+        raise InputError("This result has no stored edges: give a corrupted text and run again.")
+    key = edge_patch_key(result, sender, receiver, site)
+    if (found := stored_result(store, key, load_edge_patch, progress)) is not None:
+        return found
+    started = time.perf_counter()
+    a = result.attribution
+    patched = path_patching(model, result.token_ids, edges.corrupted_ids, [a.answer, a.wrong], [sends], [receives],
+                            site=site, direction="noise", freeze_mlps=True)
+    estimate = next((float(edges.scores[i]) for i in range(len(edges.scores))
+                     if (edges.senders[i], edges.receivers[i], edges.sites[i]) == (sender, receiver, site)), None)
+    patch = EdgePatch(key, sender, receiver, site, patched.raw - patched.clean, estimate, patched.clean, patched.raw,
+                      time.perf_counter() - started)
+    if store is not None:
+        meta = {f: getattr(patch, f) for f in ("sender", "receiver", "site", "exact", "estimate", "clean", "patched",
+                                               "seconds")}
+        store.put(key, "edge_patch", {**meta, "version": CIRCUITS_VERSION}, {})
+    if progress:
+        progress(1.0)
+    return patch
+
+
+def load_edge_patch(store: Store, key: str) -> EdgePatch | None:
+    """The stored :class:`EdgePatch` under ``key``, or None."""
+    record = stored_record(store, key, "edge_patch")
+    if record is None:
+        return None
+    m = record.meta
+    return EdgePatch(key, m["sender"], m["receiver"], m["site"], float(m["exact"]),
+                     None if m["estimate"] is None else float(m["estimate"]), float(m["clean"]), float(m["patched"]),
+                     float(m["seconds"]))
 
 
 def explain(model: LoadedModel, text: str | Sequence[int], layer: int, head: int, query: int, key: int,

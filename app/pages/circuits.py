@@ -4,17 +4,20 @@ attribution, a layer × head grid with the MLPs beside it) and which earlier hea
 difference (edge attribution patching, drawn as a graph of the top edges). Everything is :func:`headscope.analysis.circuits.circuits`, run as a
 job (the composition scores take 20-40 s the first time a model is used, then come from the store); the URL
 names the stored result (``circ``) and the chosen head, so a link reopens the same view without computing.
-A click on a head of the grid chooses it. The page's URL field is declared beside its views
+A click on a head of the grid chooses it; a click on an edge of the graph path-patches that edge exactly
+(:func:`headscope.analysis.circuits.patch_edge`, a job) and shows the exact effect beside its estimate. The page's URL field is declared beside its views
 (:class:`headscope.app.views.circuits.CircuitsState`): Dash executes a page module again for every app it
 creates, and a part may be declared only once per process."""
 
 from __future__ import annotations
 
+import time
+
 import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
-from headscope.analysis.circuits import circuits
+from headscope.analysis.circuits import circuits, not_exact, patch_edge
 from headscope.analysis.errors import InputError
 from headscope.analysis.models import load_model
 from headscope.analysis.patching_pairs import pair_by_id
@@ -47,6 +50,8 @@ MODEL, RUN, CANCEL = f"{PREFIX}-model", f"{PREFIX}-run", f"{PREFIX}-cancel"
 PROGRESS, STATUS, INFO = f"{PREFIX}-progress", f"{PREFIX}-status", f"{PREFIX}-info"
 DLA, OTHERS, COMPOSITION = f"{PREFIX}-dla", f"{PREFIX}-dla-others", f"{PREFIX}-composition"
 CORRUPTED, EDGES = f"{PREFIX}-corrupted", f"{PREFIX}-edges"
+EDGE_PATCH, EDGE_CANCEL = f"{PREFIX}-edge-patch", f"{PREFIX}-edge-cancel"
+EDGE_PROGRESS, EDGE_STATUS = f"{PREFIX}-edge-progress", f"{PREFIX}-edge-status"
 DEFAULT_PAIR = "ioi-mary-john"  # the built-in IOI prompt: its indirect object, then its subject (Wang et al. 2022)
 EMPTY = empty_figure("Run the text to see what each head writes towards the first answer.")
 NO_COMPOSITION = empty_figure("Run the text, then click a head to see which earlier heads feed it.")
@@ -119,7 +124,14 @@ def layout(**_query) -> html.Div:
                          "value, or into the logits; colour by where it ends, width by |score|. The score "
                          "estimates how the logit difference changes when that edge alone carries the corrupted "
                          "text's activations (one forward and one backward pass; Syed et al. 2023). Hover a line's "
-                         "middle for its numbers.", className="hs-hint"),
+                         "middle for its numbers; click it to path-patch that edge exactly (Wang et al. 2022).",
+                         className="hs-hint"),
+                  html.Div([
+                      html.Button("Cancel", id=EDGE_CANCEL, n_clicks=0, className="hs-button hs-cancel", disabled=True),
+                      html.Progress(id=EDGE_PROGRESS, value="0", max="100", className="hs-progress"),
+                      html.Span(id=EDGE_STATUS, className="hs-hint", role="status"),
+                  ], className="hs-options"),
+                  html.Div(id=EDGE_PATCH, className="hs-run-info"),
                   export_bar(PREFIX, names.CIRCUIT_EDGES)], className="hs-panel"),
     ])
 
@@ -151,20 +163,21 @@ def _info(result, head: tuple[int, int]) -> str:
         second=Output(SECOND, "value"),
         corrupted=Output(CORRUPTED, "value"),
         model=Output(MODEL, "value"),
+        edge_patch=Output(EDGE_PATCH, "children", allow_duplicate=True),  # a new result's edges are new edges
     ),
     inputs=[Input(url_id(PREFIX), "search")],
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker (the web process loads no model)
     prevent_initial_call="initial_duplicate",
 )
 @guarded(outputs=("dla", "others", "composition", "edges", "info", "error", "text", "first", "second", "corrupted",
-                  "model"))
+                  "model", "edge_patch"))
 def render(search):
     """Draw the page from its URL: the stored result it names, read back, never computed."""
     state = parse(search)
     problems = list(state.problems)
     if not state.circ:
         return {"dla": EMPTY, "others": EMPTY, "composition": NO_COMPOSITION, "edges": NO_EDGES, "info": "",
-                "error": message(problems)}
+                "error": message(problems), "edge_patch": ""}
     result = stored_circuits(state.circ)
     head = chosen_head(result, state.layer, state.head)
     params = {**circuits_params(state), "layer": head[0], "head": head[1]}
@@ -180,7 +193,8 @@ def render(search):
     corrupted = model.tokenizer.decode(stored.corrupted_ids, skip_special_tokens=True) if stored else ""
     return {"dla": dla, "others": others, "composition": composition, "edges": edges, "info": _info(result, head),
             "error": message(problems), "text": model.tokenizer.decode(result.token_ids, skip_special_tokens=True),
-            "first": answers[0], "second": answers[1], "corrupted": corrupted, "model": chosen_model}
+            "first": answers[0], "second": answers[1], "corrupted": corrupted, "model": chosen_model,
+            "edge_patch": ""}
 
 
 @cancellable_callback(
@@ -228,3 +242,54 @@ def cancelled(n_clicks):
     if not n_clicks:
         raise PreventUpdate
     return "Cancelled: the figures shown are the last finished run's."
+
+
+def _clicked_edge(click) -> tuple[str, str, str] | None:
+    """``(sender, receiver, site)`` of a click on an edge of the graph (its points' ``customdata``,
+    :func:`headscope.app.views.circuits.edge_graph`); None for a click on a node (no customdata); an
+    :class:`InputError` for anything else."""
+    points = click.get("points") if isinstance(click, dict) else None
+    point = points[0] if isinstance(points, list) and points and isinstance(points[0], dict) else None
+    if point is not None and "customdata" not in point:
+        return None
+    edge = point.get("customdata") if point is not None else None
+    if not isinstance(edge, list) or len(edge) < 3 or not all(isinstance(v, str) and len(v) <= 40 for v in edge[:3]):
+        raise InputError("That click names no edge: click a line of the edge graph.")
+    return edge[0], edge[1], edge[2]
+
+
+@cancellable_callback(
+    output=dict(panel=Output(EDGE_PATCH, "children"), error=job_error(PREFIX)),
+    inputs=[Input(EDGES, "clickData")],
+    state=[State(url_id(PREFIX), "search")],
+    run=None, cancel=EDGE_CANCEL, progress=EDGE_PROGRESS, status=EDGE_STATUS,
+    prevent_initial_call=True,
+)
+@guarded(outputs=("panel", "error"))
+def patch_clicked_edge(set_progress, click, search):
+    """A click on an edge: its exact path patch on the stored pair (:func:`headscope.analysis.circuits.patch_edge`,
+    a job; read back from the store when done before), beside its edge-attribution estimate. An edge path
+    patching cannot patch (from the embedding or an MLP, into the logits) is one line, and nothing runs."""
+    in_job()
+    edge = _clicked_edge(click) if click is not None else None
+    if edge is None:
+        raise PreventUpdate
+    if (reason := not_exact(*edge)) is not None:
+        set_progress((100, 100, ""))
+        return {"panel": reason, "error": ""}
+    state = parse(search)
+    result = stored_circuits(state.circ)
+    sender, receiver, site = edge
+    set_progress((0, 100, f"Path-patching {sender} → {receiver} ({site})…"))
+    started = time.perf_counter()
+    model = load_model(offered_model(state.model))
+    patch = patch_edge(model, result, sender, receiver, site, get_context().store)
+    where = "key-value head " if site in ("k", "v") else ""
+    estimate = "not among the stored edges" if patch.estimate is None else f"{patch.estimate:+.6f}"
+    set_progress((100, 100, f"Edge {sender} → {receiver} ({site}): {time.perf_counter() - started:.2f} s (the patch "
+                            f"took {patch.seconds:.2f} s once; it is stored and read back)."))
+    return {"panel": html.Span(
+        f"Exact path patch of {sender} → {where}{receiver} ({site}): Δ logit diff = {patch.exact:+.6f}; edge "
+        f"attribution estimated {estimate} (logit diff clean {patch.clean:.4f}, with the edge corrupted "
+        f"{patch.patched:.4f}; MLPs frozen, so only the direct path changes).", className="hs-edge-patch"),
+        "error": ""}
