@@ -18,7 +18,7 @@ it owns the store key, reuses every metric value already measured for the same h
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ from headscope.analysis.ablation import (
 from headscope.analysis.ablation_choices import CONTROL_TOP_N, CURVE_METRICS, MAX_SEEDS
 from headscope.analysis.capture import Run
 from headscope.analysis.errors import InputError
+from headscope.analysis.intervals import Proportion, SeedBand, from_accuracy, seed_band, wilson
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.niah import NiahPrompt
 from headscope.analysis.retrieval import (
@@ -70,6 +71,8 @@ class TopkCurve:
     order : the heads ranked by score, best first (the first K are the ones ablated by ``top``).
     outside_top : the random control's heads come from outside ``order[:outside_top]``; None in
         curves stored before this was a setting, where it was the largest k.
+    n_prompts : the needle-in-a-haystack prompts each value is the accuracy on (one per trial of the
+        sweep); None when the metric is a loss.
     Entries not reached before a cancel are nan; ``complete`` says whether all were.
     """
 
@@ -81,6 +84,31 @@ class TopkCurve:
     method: str
     complete: bool
     outside_top: int | None = None
+    n_prompts: int | None = None
+
+    def top_accuracy(self) -> list[Proportion]:
+        """Per k, the top-k accuracy as answered of ``n_prompts`` with its 95 % Wilson interval
+        (:mod:`headscope.analysis.intervals`); empty for a loss curve."""
+        if self.n_prompts is None:
+            return []
+        return [from_accuracy(float(v), self.n_prompts) for v in self.top]
+
+    def random_pooled(self) -> list[Proportion]:
+        """Per k, the random control's prompts of every seed that reached k pooled: ``Σ answered`` of
+        ``seeds × n_prompts``, with its Wilson interval (the seeds share their prompts, so this is the
+        prompts' spread; :meth:`random_band` is the draws'). Empty for a loss curve."""
+        if self.n_prompts is None:
+            return []
+        out = []
+        for j in range(len(self.k_values)):
+            column = self.random[:, j] if self.random.size else np.zeros(0)
+            done = column[np.isfinite(column)]
+            out.append(from_accuracy(float(done.mean()) if done.size else float("nan"), self.n_prompts * done.size))
+        return out
+
+    def random_band(self) -> list[SeedBand]:
+        """Per k, the random control's seed band: mean, lowest and highest seed's value."""
+        return [seed_band(self.random[:, j] if self.random.size else []) for j in range(len(self.k_values))]
 
     @property
     def random_mean(self) -> np.ndarray:
@@ -243,7 +271,7 @@ def topk_curve(
         if progress:
             progress((done + 1) / len(jobs))
     return TopkCurve(ks, top, rand, seeds, order, template.method, complete,
-                     n_out if outside_top is not None else None)
+                     n_out if outside_top is not None else None, getattr(metric_fn, "n_prompts", None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,6 +288,20 @@ class RetrievalAccuracy:
     recalls: list[float]
     responses: list[str]
 
+    @property
+    def n(self) -> int:
+        """The prompts the accuracy is measured on."""
+        return len(self.recalls)
+
+    @property
+    def answered(self) -> int:
+        """The prompts answered (ROUGE-1 recall > 0.5)."""
+        return sum(r > ROUGE_GATE for r in self.recalls)
+
+    def proportion(self) -> Proportion:
+        """``answered`` of ``n`` with its 95 % Wilson interval."""
+        return wilson(self.answered, self.n)
+
 
 def retrieval_accuracy(
     model: LoadedModel,
@@ -268,9 +310,12 @@ def retrieval_accuracy(
     *,
     max_new_tokens: int = 24,
     cancel: Cancel | None = None,
+    continuation: Callable[[Sequence[int], int], list[int]] | None = None,
 ) -> RetrievalAccuracy:
     """Greedy-decode every prompt with ``hooks`` active and score its answer (Wu et al. 2024, §4:
-    masking retrieval heads breaks needle-in-a-haystack retrieval)."""
+    masking retrieval heads breaks needle-in-a-haystack retrieval). ``continuation(ids, max_new_tokens)``
+    decodes instead of :func:`headscope.analysis.ablation.greedy_continuation` (the KV-cache policy
+    backend's own decoding), scored the same way."""
     if not prompts:
         raise InputError("No needle-in-a-haystack prompts to measure retrieval accuracy on.")
     stops = stop_ids(model)
@@ -278,7 +323,10 @@ def retrieval_accuracy(
     for prompt in prompts:
         if cancel_requested(cancel):
             raise Cancelled("cancelled")
-        out = greedy_continuation(model, prompt.token_ids, hooks, max_new_tokens)
+        if continuation is not None:
+            out = continuation(prompt.token_ids, max_new_tokens)
+        else:
+            out = greedy_continuation(model, prompt.token_ids, hooks, max_new_tokens)
         text = model.tokenizer.decode([t for t in out if t not in stops], skip_special_tokens=True)
         responses.append(text)
         recalls.append(rouge1_recall(prompt.needle.answer, text))
@@ -294,6 +342,7 @@ def retrieval_accuracy_fn(prompts: Sequence[NiahPrompt], max_new_tokens: int = 2
     def metric_fn(m: LoadedModel, hooks: list[Hook]) -> float:
         return retrieval_accuracy(m, prompts, hooks, max_new_tokens=max_new_tokens).accuracy
 
+    metric_fn.n_prompts = len(prompts)  # type: ignore[attr-defined]  # the n of every value (TopkCurve)
     return metric_fn
 
 
@@ -343,6 +392,7 @@ def save_curve(store: Store, key: str, curve: TopkCurve, meta: dict[str, Any]) -
         **meta, "k_values": curve.k_values, "seeds": curve.seeds, "order": [list(h) for h in curve.order],
         "method": curve.method, "complete": curve.complete, "version": ABLATION_VERSION,
         **({"random_outside_top": curve.outside_top} if curve.outside_top is not None else {}),
+        **({"n_prompts": curve.n_prompts} if curve.n_prompts is not None else {}),
     }, {"top": np.asarray(curve.top, dtype=np.float64), "random": np.asarray(curve.random, dtype=np.float64)})
 
 
@@ -353,8 +403,21 @@ def load_curve(store: Store, key: str) -> tuple[TopkCurve, dict[str, Any]] | Non
     m = record.meta
     curve = TopkCurve(list(m["k_values"]), record.array("top", mmap=False), record.array("random", mmap=False),
                       list(m["seeds"]), [tuple(h) for h in m["order"]], m["method"], bool(m["complete"]),
-                      m.get("random_outside_top"))
+                      m.get("random_outside_top"), _n_prompts(store, m))
     return curve, m
+
+
+def _n_prompts(store: Store, meta: dict[str, Any]) -> int | None:
+    """A stored curve's ``n_prompts``; for a NIAH curve stored before curves kept it, the trials of
+    the sweep it was measured on (its prompts, one per trial), when that sweep is still stored."""
+    if isinstance(meta.get("n_prompts"), int) and not isinstance(meta["n_prompts"], bool):
+        return int(meta["n_prompts"])
+    subject = meta.get("subject")
+    if not (isinstance(subject, list) and len(subject) == 2 and subject[0] == "sweep" and isinstance(subject[1], str)):
+        return None
+    record = stored_record(store, subject[1], "retrieval_sweep")
+    keys = record.meta.get("trial_keys") if record is not None else None
+    return len(keys) if isinstance(keys, list) and keys else None
 
 
 def check_curve(model: LoadedModel, k_values: Sequence[int], n_seeds: int, outside_top: int) -> list[int]:
@@ -448,4 +511,5 @@ def ablation_curve(
     meta = {"metric_label": CURVE_METRICS[metric], "by_label": by_label, "subject": list(subject),
             "model_digest": model.digest}
     save_curve(store, key, curve, meta)
-    return key, curve, {**meta, "random_outside_top": curve.outside_top}
+    return key, curve, {**meta, "random_outside_top": curve.outside_top,
+                        **({"n_prompts": curve.n_prompts} if curve.n_prompts is not None else {})}

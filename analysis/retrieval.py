@@ -51,6 +51,7 @@ from headscope.analysis.greedy_decoding import (
     greedy_decode,
     stop_ids,
 )
+from headscope.analysis.intervals import Proportion, wilson
 from headscope.analysis.limits import hint, limit
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.niah import DEFAULT_DEPTH_RULE, DEFAULT_TEMPLATE, Needle, NiahPrompt, build_prompt
@@ -426,6 +427,48 @@ class RetrievalSweep(RetrievalScores):
         """The sweep's needle placement and decode stop, in words (shown with the sweep)."""
         stop = "stops at EOS or the first newline" if self.stop_at_newline else "stops at EOS"
         return f"needle at the {self.depth_rule} sentence boundary; decoding {stop}"
+
+    def cell_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(answered, n)``, each ``[length, depth]``: the counts behind :attr:`accuracy` (see :func:`cell_counts`)."""
+        return cell_counts(self.trials, self.lengths, self.depths)
+
+    def accuracy_intervals(self) -> list[list[Proportion]]:
+        """``[length][depth]`` each cell's accuracy as answered of n with its 95 % Wilson interval
+        (:mod:`headscope.analysis.intervals`); ``n = 0`` where no trial finished."""
+        answered, n = self.cell_counts()
+        return [[wilson(answered[i, j], n[i, j]) for j in range(n.shape[1])] for i in range(n.shape[0])]
+
+    def overall_accuracy(self) -> Proportion:
+        """The whole sweep's accuracy: trials answered of trials finished, with its Wilson interval."""
+        return wilson(self.n_counted, self.n_trials)
+
+
+def cell_counts(trials: Sequence[Trial], lengths: Sequence[int], depths: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """Trials answered (ROUGE-1 recall > 0.5) and trials finished per ``[length, depth]`` cell.
+
+    A sweep decodes every needle once per cell (greedy decoding is deterministic, so a repeat would
+    give the same answer): a cell's accuracy is ``answered / n`` with ``n`` the needles whose trial
+    finished there (all of them, unless the sweep was cancelled; a needle given twice counts twice).
+
+    Returns
+    -------
+    ``(answered, n)``, int ``[length, depth]``.
+
+    Raises
+    ------
+    ValueError
+        A trial whose length or depth is not one of the sweep's.
+    """
+    row = {int(x): i for i, x in enumerate(lengths)}
+    col = {float(x): j for j, x in enumerate(depths)}
+    answered = np.zeros((len(row), len(col)), dtype=np.int64)
+    n = np.zeros_like(answered)
+    for t in trials:
+        if t.length not in row or t.depth not in col:
+            raise ValueError(f"A trial at length {t.length}, depth {t.depth:g} is not in this sweep's grid.")
+        n[row[t.length], col[t.depth]] += 1
+        answered[row[t.length], col[t.depth]] += bool(t.counted)
+    return answered, n
 
 
 def sweep(

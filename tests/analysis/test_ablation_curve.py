@@ -155,3 +155,46 @@ def test_random_control_refuses_what_it_cannot_draw(k, outside, seed, message):
 
     with pytest.raises(InputError, match=message):
         random_control(np.zeros((30, 9)), k, seed, outside_top=outside)
+
+
+# n and the 95 % interval of every accuracy a curve shows (#42 item 4)
+
+
+def test_a_niah_curve_point_rests_on_the_sweeps_prompts_and_its_intervals_are_wilsons():
+    from headscope.analysis.ablation_curve import TopkCurve
+    from headscope.analysis.intervals import seed_band, wilson
+
+    curve = TopkCurve([0, 2], np.array([1.0, 0.5]), np.array([[1.0, 0.25], [1.0, 0.5], [np.nan, np.nan]]),
+                      [0, 1, 2], [(0, 0), (0, 1)], "zero", False, 20, n_prompts=4)
+    assert curve.top_accuracy() == [wilson(4, 4), wilson(2, 4)]
+    # pooled over the seeds that reached k: 2 seeds × 4 prompts; 1 + 2 of 8 answered at k = 2
+    assert curve.random_pooled() == [wilson(8, 8), wilson(3, 8)]
+    assert curve.random_band()[1] == seed_band([0.25, 0.5]) and curve.random_band()[1].n_seeds == 2
+    loss = TopkCurve([0], np.array([3.2]), np.array([[3.2]]), [0], [], "zero", True)
+    assert loss.n_prompts is None and loss.top_accuracy() == [] and loss.random_pooled() == []
+
+
+def test_a_niah_curve_counts_its_prompts_stored_and_in_an_old_record(tiny_model, store):
+    from headscope.analysis.ablation_curve import save_curve
+    from headscope.analysis.intervals import wilson
+    from headscope.analysis.niah import load_haystack, load_needles
+    from headscope.analysis.retrieval import sweep
+
+    swept = sweep(tiny_model, load_needles()[:2], [96], [25, 75], load_haystack("prose"), store=store,
+                  max_new_tokens=2)
+    scores = np.arange(8, dtype=float).reshape(2, 4)
+    key, curve, meta = ablation_curve(tiny_model, scores, [0, 1], AblationSpec((), "zero"), store, on=swept,
+                                      by_label="a score", seeds=[0, 1], outside_top=2)
+    assert curve.n_prompts == 4 and meta["n_prompts"] == 4
+    loaded, _ = load_curve(store, key)
+    assert loaded.n_prompts == 4
+    assert loaded.top_accuracy() == [wilson(round(v * 4), 4) for v in curve.top]
+    # a NIAH curve stored before curves kept their n: counted from the sweep it was measured on
+    curve.n_prompts = None
+    save_curve(store, "old-curve", curve, {"subject": ["sweep", swept.key], "metric_label": "NIAH accuracy"})
+    assert load_curve(store, "old-curve")[0].n_prompts == 4
+    # a loss curve has no n
+    run = capture(tiny_model, TEXT, store=store)
+    _, on_run, meta = ablation_curve(tiny_model, scores, [0, 1], AblationSpec((), "zero"), store, on=run,
+                                     by_label="a score", seeds=[0], outside_top=2)
+    assert on_run.n_prompts is None and "n_prompts" not in meta

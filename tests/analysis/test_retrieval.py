@@ -400,3 +400,53 @@ def test_stored_sweep_settings_run_the_same_sweep_again(tiny, tmp_path):
     mine = sweep(tiny, [NEEDLE], [160], [50], "My own words. " * 200, store=store, max_new_tokens=2)
     assert sweep_settings(store, mine.key).haystack is None  # own text is stored only as its digest
     assert sweep_settings(store, "0" * 64) is None
+
+
+# -- n and the 95 % interval of every accuracy shown (#42 item 4) -----------------------------
+
+
+def counted_trial(length, depth, counted):
+    trial = make_trial(np.zeros((2, 4)), counted)
+    trial.settings = {"length": length, "depth": depth}
+    return trial
+
+
+def test_cell_counts_are_the_trials_finished_in_each_cell_one_per_needle():
+    from headscope.analysis.intervals import wilson
+    from headscope.analysis.retrieval import cell_counts
+
+    trials = [counted_trial(160, 25.0, True), counted_trial(160, 25.0, False), counted_trial(160, 25.0, True),
+              counted_trial(160, 75.0, False), counted_trial(320, 75.0, True)]
+    answered, n = cell_counts(trials, [160, 320], [25.0, 75.0])
+    assert n.tolist() == [[3, 1], [0, 1]] and answered.tolist() == [[2, 0], [0, 1]]
+    assert n.dtype.kind == "i" and answered.dtype.kind == "i"
+    with pytest.raises(ValueError, match="length 512"):
+        cell_counts([counted_trial(512, 25.0, True)], [160], [25.0])
+    # the whole sweep's proportion and its cells', from the same counts
+    swept = retrieval_scores(trials, 2)
+    assert (swept.n_counted, swept.n_trials) == (3, 5)
+    assert wilson(3, 5).text() == "0.60 [0.23, 0.88] n=5"
+
+
+def test_a_sweeps_cells_carry_n_and_a_wilson_interval_partial_and_reloaded(tiny, tmp_path):
+    from headscope.analysis.intervals import wilson
+
+    store = Store(tmp_path)
+    needles = [NEEDLE, load_needles()[0], NEEDLE]  # a needle given twice is decoded (and counted) twice
+    hay = load_haystack("prose")
+    stop = threading.Event()
+    part = sweep(tiny, needles, [160], [0, 100], hay, store=store, max_new_tokens=2,
+                 progress=lambda f: stop.set() if f >= 4 / 6 - 1e-9 else None, cancel=stop)
+    answered, n = part.cell_counts()
+    assert part.cancelled and n.tolist() == [[3, 1]]  # the partial cell rests on the one trial that finished
+    cells = part.accuracy_intervals()
+    for j in range(2):
+        k = int(answered[0, j])
+        assert cells[0][j] == wilson(k, int(n[0, j]))
+        assert part.accuracy[0, j] == pytest.approx(k / n[0, j])
+    assert part.overall_accuracy() == wilson(part.n_counted, part.n_trials)
+    full = sweep(tiny, needles, [160], [0, 100], hay, store=store, max_new_tokens=2)
+    loaded = load_sweep(store, full.key)
+    assert loaded.cell_counts()[1].tolist() == full.cell_counts()[1].tolist() == [[3, 3]]
+    assert loaded.accuracy_intervals() == full.accuracy_intervals()
+    assert loaded.overall_accuracy().n == 6
