@@ -32,7 +32,7 @@ KV memory kept (:func:`kv_memory`), exact for the model's layout, for a cache of
 reported with the fraction of the full cache (every group full).
 
 Evaluation (:func:`evaluate_policies`) runs the model with the policy's mask in the prefill and at
-every KV-cached decode step, on one of two backends (:data:`BACKENDS`):
+every KV-cached decode step, on one of three backends (:data:`BACKENDS`):
 
 - ``eager``: the model's eager path with a hook on ``hook_attn_scores`` that sets the scores of keys
   a streaming group cannot see to −inf before the softmax (:func:`policy_hooks`); O(n²) memory per layer;
@@ -40,6 +40,9 @@ every KV-cached decode step, on one of two backends (:data:`BACKENDS`):
   pass with its attention in :func:`headscope.kernels.attention.attention`, the mask given to the kernel as
   per-query-head ``key_sink``/``key_window`` (:func:`policy_key_masks`; intersected with a
   sliding-window model's own window); O(n) memory;
+- ``cache``: no mask: each KV group keeps the cache the policy says, physically (a streaming group
+  its S sinks and last W keys), through :mod:`headscope.analysis.kv_cache`; the same tokens and losses
+  as the masks, with the memory the policy saves;
 - ``auto`` (default): statistics mode where the model supports it and the longest input is over
   ``HEADSCOPE_MAX_TOKENS`` (the Attention page's rule for full patterns) or the model is on CUDA,
   else eager; and statistics mode where prompts with sinks decode past a sliding window, which the
@@ -73,11 +76,13 @@ import numpy as np
 import torch
 from transformer_lens.utilities import get_act_name
 
+from headscope.analysis import kv_cache
 from headscope.analysis.ablation import Cancel, Hook, Progress, loss_metric
 from headscope.analysis.ablation_curve import retrieval_accuracy
 from headscope.analysis.attention_statistics import HeadKeyMask, statistics_mode, statistics_supported
 from headscope.analysis.detectors import group_heads
 from headscope.analysis.errors import InputError
+from headscope.analysis.kv_cache import check_cache_backend
 from headscope.analysis.kv_compression_choices import (
     BACKENDS,
     DEFAULT_RANKINGS,
@@ -361,6 +366,8 @@ def choose_backend(model: LoadedModel, backend: str, n_tokens: int) -> str:
     if backend == "statistics" and not statistics_supported(model):
         raise InputError(f"{model.name} cannot run in statistics mode (its attention is not supported by the "
                          "kernels, or a hook edits its patterns): use the eager backend.")
+    if backend == "cache":
+        check_cache_backend(model)
     if backend != "auto":
         return backend
     long = n_tokens > limit("HEADSCOPE_MAX_TOKENS") or str(model.device).startswith("cuda")
@@ -505,15 +512,35 @@ class CompressionCurve:
         return max(best, key=lambda e: e.memory.fraction)
 
 
-def _evaluate_one(model: LoadedModel, policy: Policy, texts: Sequence[Sequence[int]],
-                  prompts: Sequence[NiahPrompt], clean_argmax: list[np.ndarray], n_tokens: int,
-                  max_new_tokens: int, cancel: Cancel | None, backend: str = "eager") -> PolicyEvaluation:
-    t0 = time.perf_counter()
+def _measured(model: LoadedModel, policy: Policy | None, texts: Sequence[Sequence[int]],
+              prompts: Sequence[NiahPrompt], max_new_tokens: int, cancel: Cancel | None, backend: str
+              ) -> tuple[TextMetrics, float]:
+    """Loss and argmax on ``texts`` and NIAH accuracy on ``prompts`` (nan without) under ``policy``
+    (None: uncompressed) on ``backend``: masks (eager, statistics) or the policy's own cache (cache)."""
     acc = math.nan
+    if backend == "cache":
+        policy = policy or build_policy(model, "all_full", 1.0)
+        size = (policy.sink_size, policy.recent_size)
+        tm = kv_cache.text_metrics(model, policy.full, texts, *size, cancel=cancel)
+        if prompts:
+            def decode(ids: Sequence[int], n: int) -> list[int]:
+                return kv_cache.greedy_continuation(model, policy.full, ids, n, *size, cancel=cancel).generated
+
+            acc = retrieval_accuracy(model, prompts, (), max_new_tokens=max_new_tokens, cancel=cancel,
+                                     continuation=decode).accuracy
+        return TextMetrics(tm.loss, tm.argmax), acc
     with policy_applied(model, policy, backend) as hooks:
         tm = text_metrics(model, texts, hooks, cancel)
         if prompts:
             acc = retrieval_accuracy(model, prompts, hooks, max_new_tokens=max_new_tokens, cancel=cancel).accuracy
+    return tm, acc
+
+
+def _evaluate_one(model: LoadedModel, policy: Policy, texts: Sequence[Sequence[int]],
+                  prompts: Sequence[NiahPrompt], clean_argmax: list[np.ndarray], n_tokens: int,
+                  max_new_tokens: int, cancel: Cancel | None, backend: str = "eager") -> PolicyEvaluation:
+    t0 = time.perf_counter()
+    tm, acc = _measured(model, policy, texts, prompts, max_new_tokens, cancel, backend)
     same = sum(int((a == b).sum()) for a, b in zip(tm.argmax, clean_argmax, strict=True))
     positions = sum(len(a) for a in clean_argmax)
     memory = kv_memory(policy, n_tokens, model.d_head, dtype_bytes(model))
@@ -638,7 +665,8 @@ def evaluate_policies(
     texts : token-id lists for loss and agreement (at least one, or ``prompts``).
     prompts : needle-in-a-haystack prompts (e.g. a sweep's, :func:`headscope.analysis.retrieval.trial_prompt`).
     seeds : one random policy per seed and fraction.
-    backend : ``eager`` (masked scores, O(n²) memory), ``statistics`` (the kernels' key mask, O(n)) or
+    backend : ``eager`` (masked scores, O(n²) memory), ``statistics`` (the kernels' key mask, O(n)),
+        ``cache`` (each group's cache as the policy keeps it, :mod:`headscope.analysis.kv_cache`) or
         ``auto`` (statistics mode above ``HEADSCOPE_MAX_TOKENS`` tokens or on CUDA where the model
         supports it); the uncompressed baseline runs on the same backend. Recorded in ``meta``.
     store : each policy's numbers are stored as they finish, under the model, the inputs and the
@@ -659,8 +687,7 @@ def evaluate_policies(
     inputs = content_key(texts, [p.token_ids for p in prompts], max_new_tokens)
     full_policy = build_policy(model, "all_full", 1.0, sink_size=sink_size, recent_size=recent_size)
 
-    with policy_applied(model, None, backend):
-        clean = text_metrics(model, texts, (), cancel)
+    clean, _ = _measured(model, None, texts, (), max_new_tokens, cancel, backend)
     memo: dict[str, PolicyEvaluation] = {}
 
     def evaluate(policy: Policy) -> PolicyEvaluation:

@@ -22,10 +22,11 @@ orders the groups."""
 RANKINGS = tuple(RANKING_LABELS)
 DEFAULT_RANKINGS = ("retrieval", "streaming", "random", "all_full", "all_streaming")
 
-BACKENDS = ("auto", "eager", "statistics")
+BACKENDS = ("auto", "eager", "statistics", "cache")
 """How a policy is evaluated (:func:`headscope.analysis.kv_compression.evaluate_policies`): ``eager`` masks the
-scores (O(n²) memory), ``statistics`` gives the mask to the kernels (O(n)), ``auto`` picks statistics
-mode above ``HEADSCOPE_MAX_TOKENS`` tokens or on CUDA where the model supports it."""
+scores (O(n²) memory), ``statistics`` gives the mask to the kernels (O(n)), ``cache`` keeps each KV
+group's cache as the policy says, physically smaller (:mod:`headscope.analysis.kv_cache`); ``auto`` picks
+statistics mode above ``HEADSCOPE_MAX_TOKENS`` tokens or on CUDA where the model supports it."""
 
 DEFAULT_SINK_SIZE = 128
 """S: ``sink_size`` of DuoAttention's shipped patterns (mit-han-lab/duo-attention,

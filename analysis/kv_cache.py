@@ -1,0 +1,364 @@
+"""A KV cache that keeps what a compression policy says, and no more: the ``cache`` backend.
+
+The ``eager`` and ``statistics`` backends of :func:`headscope.analysis.kv_compression.evaluate_policies`
+apply a policy as a mask over a cache as large as ever, so the memory they report is accounting. Here
+each (layer, KV group) physically keeps the cache its :class:`~headscope.analysis.kv_compression.Policy`
+says, as DuoAttention's decoding does (Xiao et al. 2024, arXiv:2410.10819, §3.3: retrieval heads keep
+the full cache, streaming heads "a constant-length" one of attention sinks and recent tokens):
+
+- a full group keeps every key and value (on a layer with the model's own sliding window of W_m keys,
+  the last W_m, as transformers' ``DynamicSlidingWindowLayer`` does);
+- a streaming group keeps its first S keys (the sinks) and the last W (intersected with W_m), and
+  forgets the rest after each pass. Positions stay those the model saw (RoPE was applied before the
+  cache), as in the masking backends.
+
+A query at position p of a streaming group sees key j iff ``j ≤ p`` and ``(j < S or j > p − W)``
+(and ``j > p − W_m`` on a window layer): :func:`headscope.analysis.kv_compression.streaming_key_mask`'s
+visible keys, which is why this backend produces the masking backends' tokens and losses. Between
+passes a streaming group holds ``min(n, S + W)`` keys, so the bytes it allocates are those
+:func:`headscope.analysis.kv_compression.kv_memory` counts (:meth:`PolicyCache.nbytes`, the sum of
+the cache tensors' storage sizes).
+
+Prompts run in chunks of ``chunk`` tokens (DuoAttention's chunked pre-filling, §3.3): a chunk's
+queries read the cache as it stands plus the chunk itself, so a streaming group's window never needs
+keys it has already forgotten, and no pass builds more than a ``chunk × (kept keys)`` score block.
+The full groups' attention runs in :func:`headscope.kernels.attention.attention` (their keys are
+contiguous positions ending at the chunk), the streaming groups' on their S + W + chunk keys.
+
+The passes run on the Hugging Face modules under the bridge (:func:`headscope.analysis.bare_model.bare_twin`)
+with :data:`ATTENTION` as the attention implementation and a :class:`PolicyCache` as transformers'
+``past_key_values``: the cache's ``update`` stores the new keys and values, the attention function
+reads them back by layer. Hooks on the bridge do not fire here; :func:`check_cache_backend` refuses a
+model with hooks attached or outside statistics mode's families.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from headscope.analysis.attention_statistics import LayerMask, layer_mask, statistics_supported
+from headscope.analysis.bare_model import bare_supported, bare_twin
+from headscope.analysis.errors import InputError
+from headscope.analysis.greedy_decoding import Cancelled, cancel_requested, stop_ids
+from headscope.kernels.attention import attention
+
+ATTENTION = "headscope_policy_cache"
+"""The twin's attention implementation in transformers' ``AttentionInterface`` (no mask function is
+registered under it, so Hugging Face builds no mask: :func:`_attention` masks by positions)."""
+
+DEFAULT_CHUNK = 512
+"""Tokens per pre-filling pass: bounds the transient score block, not the result."""
+
+_state = threading.local()  # the PolicyCache the current thread's passes read, set by policy_cache()
+
+
+class _Part:
+    """The keys and values of one layer's groups of one kind (full or streaming), their positions,
+    and which positions a later query can still see."""
+
+    def __init__(self, groups: list[int], streaming: bool, sink: int, window: int) -> None:
+        # window 0: every key (a full group on a layer without the model's own window)
+        self.groups, self.streaming, self.sink, self.window = groups, streaming, sink, window
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+        self.positions: Tensor | None = None
+
+    def append(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
+        idx = torch.tensor(self.groups, device=k.device)
+        k, v = k.index_select(1, idx), v.index_select(1, idx)
+        if self.keys is None:
+            self.keys, self.values, self.positions = k, v, positions
+        else:
+            self.keys = torch.cat([self.keys, k], 2)
+            self.values = torch.cat([self.values, v], 2)
+            self.positions = torch.cat([self.positions, positions])
+
+    def forget(self, last: int) -> None:
+        """Keep the keys a query after position ``last`` may see, plus the key at ``last − W + 1``
+        (the cache holds S + W keys between passes, as DuoAttention's does): j < S or j > last − W."""
+        if self.keys is None or not self.window:
+            return
+        keep = (self.positions < self.sink) | (self.positions > last - self.window)
+        if bool(keep.all()):
+            return
+        idx = keep.nonzero().reshape(-1)
+        # index_select copies into new storage: the forgotten keys' memory is freed, not kept under a view
+        self.keys = self.keys.index_select(2, idx)
+        self.values = self.values.index_select(2, idx)
+        self.positions = self.positions.index_select(0, idx)
+
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in (self.keys, self.values) if t is not None)
+
+    def n_kept(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[2])
+
+
+class PolicyLayer(CacheLayerMixin):
+    """One layer's cache under a policy: its full groups and its streaming groups kept apart."""
+
+    is_sliding = False
+
+    def __init__(self, full: Sequence[bool], sink: int, recent: int, mask: LayerMask) -> None:
+        super().__init__()
+        self.mask = mask
+        model_window = mask.window
+        stream_window = min(recent, model_window) if model_window else recent
+        self.parts = [p for p in (_Part([g for g, f in enumerate(full) if f], False, 0, model_window),
+                                  _Part([g for g, f in enumerate(full) if not f], True, sink, stream_window))
+                      if p.groups]
+        self.n_groups = len(full)
+        self.seen = 0
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        n = key_states.shape[2]
+        positions = torch.arange(self.seen, self.seen + n, device=key_states.device)
+        for part in self.parts:
+            part.append(key_states, value_states, positions)
+        self.seen += n
+        self.is_initialized = True
+        return key_states, value_states
+
+    def forget(self) -> None:
+        """After a pass: a streaming part keeps its sinks and last W keys, a full part on a window layer
+        its last W_m, any other full part everything."""
+        for part in self.parts:
+            part.forget(self.seen - 1)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+
+class PolicyCache(Cache):
+    """transformers' ``past_key_values`` for a model under a policy: one :class:`PolicyLayer` per layer."""
+
+    def __init__(self, layers: list[PolicyLayer]) -> None:
+        super().__init__(layers=layers)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].seen
+
+    def nbytes(self) -> int:
+        """Bytes the cache's key and value tensors allocate (their storages' sizes)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def kept(self) -> np.ndarray:
+        """``[layer, kv_head]`` keys each group holds now."""
+        out = np.zeros((len(self.layers), self.layers[0].n_groups), dtype=np.int64)
+        for i, layer in enumerate(self.layers):
+            for part in layer.parts:
+                out[i, part.groups] = part.n_kept()
+        return out
+
+
+def check_cache_backend(model: Any) -> None:
+    """An ``InputError`` unless ``model`` can run the cache backend: a family statistics mode supports
+    and no hook attached to the bridge (the passes run on the modules under it, where hooks do not fire)."""
+    if not statistics_supported(model):
+        raise InputError(f"The cache backend does not run {getattr(model, 'architecture', 'this model')}: it needs "
+                         "an architecture statistics mode supports. Use the eager backend.")
+    if not bare_supported(model):
+        raise InputError("The cache backend runs the model without the bridge's hooks, and hooks are attached "
+                         "(an ablation or a capture): remove them, or use the eager or statistics backend.")
+
+
+def new_cache(model: Any, full: np.ndarray, sink_size: int, recent_size: int) -> PolicyCache:
+    """An empty :class:`PolicyCache` for ``full`` (``[layer, kv_head]``, True = full) with S and W."""
+    full = np.asarray(full, dtype=bool)
+    if full.shape != (model.n_layers, model.n_kv_heads):
+        raise InputError(f"The policy has shape {full.shape}, the model's layers × KV heads are "
+                         f"{(model.n_layers, model.n_kv_heads)}.")
+    twin = bare_twin(model, ATTENTION)
+    attns = [m for m in twin.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+    masks = {int(m.layer_idx): layer_mask(m) for m in attns}
+    return PolicyCache([PolicyLayer(full[layer].tolist(), int(sink_size), int(recent_size), masks[layer])
+                        for layer in range(model.n_layers)])
+
+
+@contextlib.contextmanager
+def policy_cache(model: Any, full: np.ndarray, sink_size: int, recent_size: int) -> Iterator[tuple[Any, PolicyCache]]:
+    """``(twin, cache)``: passes of ``twin(input_ids=..., past_key_values=cache, use_cache=True)`` inside
+    the block keep ``cache`` as the policy says. Holds ``model.lock``."""
+    check_cache_backend(model)
+    cache = new_cache(model, full, sink_size, recent_size)
+    twin = bare_twin(model, ATTENTION)
+    with model.lock, torch.inference_mode():
+        outer = getattr(_state, "cache", None)
+        _state.cache = cache
+        try:
+            yield twin, cache
+        finally:
+            _state.cache = outer
+
+
+def run_chunks(twin: Any, cache: PolicyCache, ids: Sequence[int], device: Any, chunk: int = DEFAULT_CHUNK,
+               on_logits: Callable[[int, Tensor], None] | None = None, cancel: Any = None) -> Tensor:
+    """Feed ``ids`` through ``twin`` in passes of ``chunk`` tokens; ``on_logits(start, logits [n, vocab])``
+    receives every position's logits when given, else only the last position's are computed. Returns
+    the last position's logits ``[vocab]``."""
+    if chunk < 1:
+        raise InputError(f"A pre-filling chunk needs at least one token; got {chunk}.")
+    last = None
+    for start in range(0, len(ids), chunk):
+        if cancel_requested(cancel):
+            raise Cancelled("cancelled")
+        x = torch.tensor([list(ids[start:start + chunk])], dtype=torch.long, device=device)
+        out = twin(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=0 if on_logits else 1)
+        logits = out.logits[0]
+        if on_logits is not None:
+            on_logits(start, logits)
+        last = logits[-1]
+        del out
+    return last
+
+
+@dataclass
+class CachedText:
+    """Mean next-token loss and each position's most likely next token, through the cache."""
+
+    loss: float
+    argmax: list[np.ndarray]
+
+
+def text_metrics(model: Any, full: np.ndarray, texts: Sequence[Sequence[int]], sink_size: int, recent_size: int,
+                 chunk: int = DEFAULT_CHUNK, cancel: Any = None) -> CachedText:
+    """:func:`headscope.analysis.kv_compression.text_metrics` through a :class:`PolicyCache`: each text
+    pre-filled in chunks, every position's logits kept. Same definition: ``(1/Σ(n−1)) Σ −log p(t_i | t_<i)``."""
+    total, count, argmax = 0.0, 0, []
+    for ids in texts:
+        ids = list(ids)
+        losses: list[Tensor] = []
+        best: list[Tensor] = []
+        target = torch.tensor(ids[1:] + [0], dtype=torch.long)
+
+        def keep(start: int, logits: Tensor, target: Tensor = target, losses: list = losses, best: list = best) -> None:
+            t = target[start:start + logits.shape[0]].to(logits.device)
+            logp = torch.log_softmax(logits.float(), -1)
+            losses.append(-logp.gather(-1, t[:, None])[:, 0].cpu())
+            best.append(logits.argmax(-1).cpu())
+
+        with policy_cache(model, full, sink_size, recent_size) as (twin, cache):
+            run_chunks(twin, cache, ids, model.device, chunk, keep, cancel)
+        nll = torch.cat(losses)[:-1]
+        total += float(nll.double().sum())
+        count += len(ids) - 1
+        argmax.append(torch.cat(best).numpy())
+    return CachedText(total / count if count else math.nan, argmax)
+
+
+@dataclass
+class CachedDecode:
+    """A greedy continuation through the cache, and the cache's bytes after the prefill and at the end."""
+
+    generated: list[int]
+    prefill_bytes: int
+    final_bytes: int
+    kept: np.ndarray
+
+
+def greedy_continuation(model: Any, full: np.ndarray, ids: Sequence[int], max_new_tokens: int, sink_size: int,
+                        recent_size: int, chunk: int = DEFAULT_CHUNK, cancel: Any = None,
+                        on_step: Callable[[int, PolicyCache], None] | None = None) -> CachedDecode:
+    """:func:`headscope.analysis.ablation.greedy_continuation` (prefill, then one token per step, stop
+    after an EOS, kept) through a :class:`PolicyCache`; ``on_step(step, cache)`` after each pass."""
+    if not ids:
+        raise InputError("The prompt is empty.")
+    if max_new_tokens < 0:
+        raise InputError("max_new_tokens must be at least 0.")
+    stops = stop_ids(model)
+    out: list[int] = []
+    with policy_cache(model, full, sink_size, recent_size) as (twin, cache):
+        logits = run_chunks(twin, cache, ids, model.device, chunk, cancel=cancel)
+        prefill_bytes = cache.nbytes()
+        for step in range(max_new_tokens):
+            token = int(logits.argmax())
+            out.append(token)
+            if token in stops or step == max_new_tokens - 1 or cancel_requested(cancel):
+                break
+            x = torch.tensor([[token]], dtype=torch.long, device=model.device)
+            logits = twin(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            if on_step is not None:
+                on_step(step, cache)
+        return CachedDecode(out, prefill_bytes, cache.nbytes(), cache.kept())
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function
+
+
+def _attention(module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+               dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
+    """transformers' attention-function signature; reads the layer's kept keys from the thread's
+    :class:`PolicyCache` (``key``/``value`` are the pass's new ones, already stored) → ``[b, n_q, h, d_v]``."""
+    cache: PolicyCache | None = getattr(_state, "cache", None)
+    if cache is None:
+        raise RuntimeError("The policy-cache attention ran outside policy_cache().")
+    layer: PolicyLayer = cache.layers[module.layer_idx]
+    b, n_heads, n_q, _ = query.shape
+    group = n_heads // layer.n_groups
+    out = query.new_empty(b, n_heads, n_q, value.shape[-1])
+    q_pos = torch.arange(layer.seen - n_q, layer.seen, device=query.device)
+    mask = layer.mask
+    for part in layer.parts:
+        heads = torch.tensor([g * group + i for g in part.groups for i in range(group)], device=query.device)
+        q = query.index_select(1, heads)
+        if not part.streaming:
+            # a full part's keys are contiguous positions ending at the pass (all of them, or the model's
+            # window's): the kernel's causal positions, counted from the last key, are the model's
+            out[:, heads] = attention(q, part.keys, part.values, causal=True, **mask.kernel).out
+        else:
+            out[:, heads] = _attend_positions(q, part, q_pos, mask)
+    layer.forget()
+    return out.transpose(1, 2), None
+
+
+def _attend_positions(q: Tensor, part: _Part, q_pos: Tensor, mask: LayerMask) -> Tensor:
+    """Softmax attention of ``q`` ``[b, h, n_q, d]`` over a part's kept keys by their positions:
+    key j visible from query p iff j ≤ p, (j < S or j > p − W) and, on a window layer, j > p − W_m."""
+    b, h, n_q, d = q.shape
+    g = part.keys.shape[1]
+    r = h // g
+    qg = q.reshape(b, g, r * n_q, d)
+    scores = torch.matmul(qg, part.keys.transpose(-1, -2)).float() * mask.scale
+    if mask.softcap:
+        scores = mask.softcap * torch.tanh(scores / mask.softcap)
+    kp, qp = part.positions[None, :], q_pos.repeat(r)[:, None]
+    visible = kp <= qp
+    if part.window:
+        visible &= (kp < part.sink) | (kp > qp - part.window)
+    if mask.window:
+        visible &= kp > qp - mask.window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    weights = torch.softmax(scores, -1).to(part.values.dtype)
+    return torch.matmul(weights, part.values).reshape(b, h, n_q, -1)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, _attention)
+
+
+_register()

@@ -1,0 +1,183 @@
+"""The ``cache`` backend (analysis/kv_cache.py): a KV cache physically as small as the policy says, giving
+the masking backends' tokens and losses, on every tiny family and the embedded model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from headscope.analysis import kv_cache
+from headscope.analysis.ablation import greedy_continuation
+from headscope.analysis.errors import InputError
+from headscope.analysis.kv_compression import (
+    Policy,
+    build_policy,
+    dtype_bytes,
+    evaluate_policies,
+    kv_memory,
+    policy_applied,
+    smallest_model_window,
+    text_metrics,
+)
+from headscope.analysis.models import wrap_model
+from tests.tiny_families import FAMILIES, tiny_family_model
+
+RNG_SEED = 11
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, embedded_tokenizer):
+    hf = tiny_family_model(request.param, len(embedded_tokenizer))
+    return wrap_model(hf, embedded_tokenizer, name=f"tiny-{request.param}", digest=f"tiny-{request.param}-kv-cache")
+
+
+def _policy(model, sink: int, recent: int, seed: int = 0) -> Policy:
+    """A policy with both kinds of group on every layer where the layout allows."""
+    rng = np.random.default_rng(seed)
+    full = rng.random((model.n_layers, model.n_kv_heads)) < 0.5
+    full[:, 0] = True
+    full[:, -1] = False
+    return Policy(full, sink, recent)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(5, 2000, size=n).tolist()
+
+
+def _masked_continuation(model, policy: Policy, ids: list[int], n: int) -> list[int]:
+    """The masking backends' greedy tokens: eager, except where eager cannot place the sinks in a
+    sliding-window layer's shortened cache (statistics mode knows the positions there)."""
+    window = smallest_model_window(model)
+    backend = "statistics" if window and policy.sink_size and len(ids) + n > window else "eager"
+    with policy_applied(model, policy, backend) as hooks:
+        return greedy_continuation(model, ids, hooks, n, stop_at_eos=False)
+
+
+def test_loss_and_argmax_equal_eager_on_every_family(family):
+    for seed, (sink, recent, chunk) in enumerate([(3, 5, 7), (0, 4, 64), (2, 9, 1)]):
+        policy = _policy(family, sink, recent, seed)
+        ids = _ids(40, seed)
+        with policy_applied(family, policy, "eager") as hooks:
+            ref = text_metrics(family, [ids], hooks)
+        got = kv_cache.text_metrics(family, policy.full, [ids], sink, recent, chunk=chunk)
+        assert abs(got.loss - ref.loss) < 1e-5
+        assert np.array_equal(got.argmax[0], ref.argmax[0])
+
+
+def test_greedy_tokens_equal_the_masking_backends_on_every_family(family):
+    for seed, (sink, recent, chunk) in enumerate([(3, 5, 8), (0, 4, 3), (2, 20, 512)]):
+        policy = _policy(family, sink, recent, seed)
+        ids = _ids(30, 100 + seed)
+        want = _masked_continuation(family, policy, ids, 12)
+        got = kv_cache.greedy_continuation(family, policy.full, ids, 12, sink, recent, chunk=chunk)
+        assert got.generated == want
+
+
+def test_eager_with_no_sinks_decodes_the_same_tokens_on_the_window_families(family):
+    """With S = 0 eager can decode past a model's sliding window: the comparison is against eager itself."""
+    policy = _policy(family, 0, 3, 5)
+    ids = _ids(30, 7)
+    with policy_applied(family, policy, "eager") as hooks:
+        want = greedy_continuation(family, ids, hooks, 10, stop_at_eos=False)
+    assert kv_cache.greedy_continuation(family, policy.full, ids, 10, 0, 3, chunk=4).generated == want
+
+
+def test_the_cache_holds_exactly_what_the_policy_keeps(tiny_model):
+    """Between passes a streaming group holds min(n, S + W) keys and a full group n; the storage the
+    tensors allocate is kv_memory's count, after the prefill and at every decode step."""
+    sink, recent = 4, 6
+    policy = _policy(tiny_model, sink, recent)
+    ids = _ids(37, 3)
+    per = []
+    out = kv_cache.greedy_continuation(tiny_model, policy.full, ids, 8, sink, recent, chunk=5,
+                                       on_step=lambda step, cache: per.append((cache.get_seq_length(), cache.nbytes(),
+                                                                               cache.kept())))
+    element = dtype_bytes(tiny_model)
+    assert out.prefill_bytes == kv_memory(policy, len(ids), tiny_model.d_head, element).bytes
+    assert len(per) == len(out.generated) - 1
+    for n, nbytes, kept in per:
+        assert nbytes == kv_memory(policy, n, tiny_model.d_head, element).bytes
+        assert (kept[policy.full] == n).all() and (kept[~policy.full] == sink + recent).all()
+    full_bytes = kv_memory(policy, per[-1][0], tiny_model.d_head, element).full_bytes
+    assert per[-1][1] < full_bytes  # physically smaller, not accounting
+
+
+def test_all_streaming_on_the_embedded_layout_keeps_a_constant_cache(real_model):
+    """On SmolLM2 (30 layers × 3 KV groups, d_head 64, float32) an all-streaming cache of S=8, W=16 is
+    30·3·24·2·64·4 = 1,105,920 bytes however long the prompt."""
+    policy = build_policy(real_model, "all_streaming", 0.0, sink_size=8, recent_size=16)
+    for n in (40, 90):
+        out = kv_cache.greedy_continuation(real_model, policy.full, _ids(n, n), 1, 8, 16, chunk=32)
+        assert out.prefill_bytes == 30 * 3 * 24 * 2 * 64 * 4 == 1_105_920
+
+
+def test_the_embedded_model_gives_eagers_tokens_and_loss_on_a_needle_prompt(real_model, one_thread):
+    from headscope.analysis.niah import build_prompt, load_haystack, load_needles
+
+    prompt = build_prompt(real_model, load_needles()[0], load_haystack("prose"), 300, 50)
+    rng = np.random.default_rng(RNG_SEED)
+    full = rng.random((real_model.n_layers, real_model.n_kv_heads)) < 0.5
+    policy = Policy(full, 16, 48)
+    with policy_applied(real_model, policy, "eager") as hooks:
+        ref = text_metrics(real_model, [prompt.token_ids], hooks)
+        want = greedy_continuation(real_model, prompt.token_ids, hooks, 16)
+    got = kv_cache.text_metrics(real_model, full, [prompt.token_ids], 16, 48, chunk=128)
+    assert abs(got.loss - ref.loss) < 1e-5
+    assert np.array_equal(got.argmax[0], ref.argmax[0])
+    decoded = kv_cache.greedy_continuation(real_model, full, prompt.token_ids, 16, 16, 48, chunk=100)
+    assert decoded.generated == want
+
+
+def test_evaluate_policies_on_the_cache_backend_equals_eager(tiny_model):
+    from headscope.analysis.niah import Needle, NiahPrompt
+
+    texts = [_ids(30, 1), _ids(25, 2)]
+    needle = Needle("The code is 4417.", "What is the code?", "4417")
+    ids = _ids(28, 9)
+    prompts = [NiahPrompt(ids, (3, 6), (20, 24), needle, 28, 50.0, 50.0, 20, "x")]
+    kw = dict(texts=texts, prompts=prompts, sink_size=2, recent_size=5, max_new_tokens=6, seeds=[0, 1])
+    eager = evaluate_policies(tiny_model, None, ["random", "all_full", "all_streaming"], [0.5], backend="eager", **kw)
+    cache = evaluate_policies(tiny_model, None, ["random", "all_full", "all_streaming"], [0.5], backend="cache", **kw)
+    assert cache.meta["backend"] == "cache"
+    for a, b in zip(eager.evaluations + [eager.baseline], cache.evaluations + [cache.baseline], strict=True):
+        assert a.policy.mask_key() == b.policy.mask_key()
+        assert abs(a.loss - b.loss) < 1e-5 and a.agreement == b.agreement
+        assert a.niah_accuracy == b.niah_accuracy or (np.isnan(a.niah_accuracy) and np.isnan(b.niah_accuracy))
+
+
+@pytest.mark.parametrize("chunk", [0, -3])
+def test_a_chunk_without_tokens_is_refused(tiny_model, chunk):
+    with pytest.raises(InputError, match="at least one token"):
+        kv_cache.text_metrics(tiny_model, np.ones((2, 2), bool), [_ids(5, 0)], 1, 2, chunk=chunk)
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (2, 3), (3, 2)])
+def test_a_policy_of_another_layout_is_refused(tiny_model, shape):
+    with pytest.raises(InputError, match="layers × KV heads"):
+        kv_cache.greedy_continuation(tiny_model, np.ones(shape, bool), _ids(5, 0), 2, 1, 2)
+
+
+def test_an_empty_prompt_and_negative_lengths_are_refused(tiny_model):
+    with pytest.raises(InputError, match="empty"):
+        kv_cache.greedy_continuation(tiny_model, np.ones((2, 2), bool), [], 2, 1, 2)
+    with pytest.raises(InputError, match="at least 0"):
+        kv_cache.greedy_continuation(tiny_model, np.ones((2, 2), bool), [1, 2], -1, 1, 2)
+
+
+def test_hooks_on_the_bridge_are_refused_not_ignored(tiny_model):
+    """The passes run on the modules under the bridge: a user's hook would silently not fire."""
+    def hook(x, hook=None):
+        return x
+
+    with tiny_model.bridge.hooks(fwd_hooks=[("blocks.0.hook_resid_pre", hook)]):
+        with pytest.raises(InputError, match="hooks are attached"):
+            kv_cache.greedy_continuation(tiny_model, np.ones((2, 2), bool), [1, 2, 3], 2, 1, 2)
+        with pytest.raises(InputError, match="hooks are attached"):
+            evaluate_policies(tiny_model, None, ["all_streaming"], [0.0], texts=[[1, 2, 3]], backend="cache")
+
+
+def test_the_attention_outside_a_policy_cache_is_an_error_not_a_wrong_answer(tiny_model):
+    twin = kv_cache.bare_twin(tiny_model, kv_cache.ATTENTION)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="outside policy_cache"):
+        twin(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
