@@ -256,8 +256,9 @@ def add_parser(sub) -> None:
     add_niah_options(p, "sweep: ")
     p.add_argument("--backend", choices=COMPRESS_BACKENDS, default="auto",
                    help="eager: mask the attention scores (N × N per layer); statistics: the kernels' per-head key "
-                        "mask (O(N) memory); auto (default): statistics mode above HEADSCOPE_MAX_TOKENS tokens or "
-                        "on CUDA, where the model supports it")
+                        "mask (O(N) memory); cache: each KV group keeps only what the policy keeps (the memory is "
+                        "really freed; same tokens as the masks); auto (default): statistics mode above "
+                        "HEADSCOPE_MAX_TOKENS tokens or on CUDA, where the model supports it")
     p.add_argument("--tolerance", type=share, default=DEFAULT_TOLERANCE,
                    help="report the smallest KV fraction whose NIAH accuracy is within this of full (default 0.05)")
     p.add_argument("--export", type=export_choice,
