@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,13 +36,18 @@ from headscope.analysis.kv_compression_choices import (
     DEFAULT_SINK_SIZE,
 )
 from headscope.analysis.models import LoadedModel
+from headscope.analysis.niah import NiahPrompt
 from headscope.analysis.retrieval import RetrievalSweep, trial_prompt
 from headscope.analysis.score_registry import KV_SCORES
 from headscope.analysis.store import Store, content_key
 from headscope.analysis.stored_results import loaded_by_prefix, stored_record, stored_result
 
+if TYPE_CHECKING:
+    from headscope.analysis.long_context_tasks import MeasuredSuite, TaskSuite
+
 CURVE_KIND = "kv_compression_curve"
 SCORES_SHARE = 0.2  # of the progress bar, for the head scores over the prompts when they are computed
+TASKS_SHARE = 0.3  # of the progress bar, for the task suite's uncompressed answers when a suite is scored
 
 
 @dataclass
@@ -56,13 +61,15 @@ class StoredCurve:
 
 def curve_key(model: LoadedModel, sweep_key: str, rankings: Sequence[str], fractions: Sequence[float],
               seeds: Sequence[int], sink_size: int, recent_size: int,
-              texts: Sequence[Sequence[int]] | None = None, backend: str = "auto") -> str:
-    """The content key of a curve: model, sweep, every choice, the loss text (None: the sweep's prompts)
-    and the backend asked for."""
+              texts: Sequence[Sequence[int]] | None = None, backend: str = "auto",
+              suite: TaskSuite | None = None) -> str:
+    """The content key of a curve: model, sweep, every choice, the loss text (None: the sweep's prompts),
+    the backend asked for and the task suite scored (None: the sweep's prompts)."""
     return content_key(CURVE_KIND, KV_COMPRESSION_VERSION, model.digest, sweep_key, list(rankings),
                        sorted({float(f) for f in fractions}), [int(s) for s in seeds], int(sink_size),
                        int(recent_size), None if texts is None else [[int(t) for t in ids] for ids in texts],
-                       *([backend] if backend != "auto" else []))
+                       *([backend] if backend != "auto" or suite is not None else []),
+                       *([suite.key()] if suite is not None else []))
 
 
 def sweep_scores(model: LoadedModel, sweep: RetrievalSweep, rankings: Sequence[str], sink_size: int,
@@ -92,12 +99,20 @@ def compress_sweep(
     recent_size: int = DEFAULT_RECENT_SIZE,
     texts: Sequence[Sequence[int]] | None = None,
     backend: str = "auto",
+    suite: TaskSuite | None = None,
     store: Store | None = None,
     progress: Progress | None = None,
     cancel: Cancel | None = None,
 ) -> StoredCurve:
     """Evaluate KV-cache policies on ``sweep``'s prompts (NIAH accuracy; loss and agreement on ``texts``,
     default the sweep's distinct prompts) and store the finished curve as one record.
+
+    With a task ``suite`` (:class:`headscope.analysis.long_context_tasks.TaskSuite`) the accuracy is
+    measured on the suite's prompts instead, those of the tasks the uncompressed model can do
+    (:func:`headscope.analysis.long_context_tasks.measured_suite`: every task's answer rate is in
+    ``curve.meta["tasks"]``, a task below ``suite.min_rate`` is dropped); the sweep still ranks the heads
+    (its retrieval scores, and the scores over its prompts) and gives the loss texts, so the policies are
+    chosen on one set of prompts and scored on another.
 
     A curve already stored under the same inputs is read back, not computed. A cancelled evaluation
     returns the finished policies (``curve.complete`` False) and stores no curve record. ``backend``
@@ -110,29 +125,55 @@ def compress_sweep(
     rankings = list(dict.fromkeys(rankings))
     seeds = [int(s) for s in seeds] or [0]
     prompts = [trial_prompt(t) for t in sweep.trials]
-    shortest = min(p.n_tokens for p in prompts)
-    if sink_size + recent_size >= shortest:
-        raise InputError(f"S + W = {sink_size + recent_size} keeps every key of the sweep's {shortest}-token "
-                         "prompts: nothing to compress. Lower S or W, or use a sweep with longer contexts.")
-    key = curve_key(model, sweep.key, rankings, fractions, seeds, sink_size, recent_size, texts, backend)
+    _check_window(prompts, sink_size, recent_size, "sweep's")
+    key = curve_key(model, sweep.key, rankings, fractions, seeds, sink_size, recent_size, texts, backend, suite)
     if (found := stored_result(store, key, load_curve)) is not None:
         return StoredCurve(key, found, sweep.key)
     needs_scores = any(r in KV_SCORES for r in rankings)
-    share = SCORES_SHARE if needs_scores else 0.0
+    tasks_share = TASKS_SHARE if suite is not None else 0.0
+    share = tasks_share + (SCORES_SHARE if needs_scores else 0.0)
 
     def part(lo: float, hi: float) -> Progress | None:
         return None if progress is None else (lambda f: progress(lo + (hi - lo) * float(f)))
 
-    scores = sweep_scores(model, sweep, rankings, sink_size, recent_size, store, part(0.0, share))
+    measured = None
+    if suite is not None:
+        measured = _measured(model, suite, store, part(0.0, tasks_share), cancel)
+        _check_window(measured.kept, sink_size, recent_size, "task suite's")
+    scores = sweep_scores(model, sweep, rankings, sink_size, recent_size, store, part(tasks_share, share))
     loss_texts = [list(t) for t in texts] if texts is not None else [p.token_ids for p in trial_prompts(sweep.trials)]
-    curve = evaluate_policies(model, scores, rankings, fractions, texts=loss_texts, prompts=prompts, seeds=seeds,
-                              sink_size=sink_size, recent_size=recent_size, backend=backend, store=store,
-                              progress=part(share, 1.0), cancel=cancel)
+    curve = evaluate_policies(model, scores, rankings, fractions, texts=loss_texts,
+                              prompts=measured.kept if measured else prompts, seeds=seeds,
+                              sink_size=sink_size, recent_size=recent_size,
+                              max_new_tokens=measured.max_new_tokens if measured else 24, backend=backend,
+                              store=store, progress=part(share, 1.0), cancel=cancel)
     curve.meta.setdefault("sweep", sweep.key)
+    if measured is not None:
+        curve.meta["tasks"] = measured.summary()
     if store is not None and curve.complete:
         save_curve(store, key, curve)
         return StoredCurve(key, curve, sweep.key)
     return StoredCurve("" if not curve.complete else key, curve, sweep.key)
+
+
+def _check_window(prompts: Sequence[NiahPrompt], sink_size: int, recent_size: int, whose: str) -> None:
+    shortest = min(p.n_tokens for p in prompts)
+    if sink_size + recent_size >= shortest:
+        raise InputError(f"S + W = {sink_size + recent_size} keeps every key of the {whose} {shortest}-token "
+                         "prompts: nothing to compress. Lower S or W, or use longer contexts.")
+
+
+def _measured(model: LoadedModel, suite: TaskSuite, store: Store | None, progress: Progress | None,
+              cancel: Cancel | None) -> MeasuredSuite:
+    """:func:`headscope.analysis.long_context_tasks.measured_suite`; a cancel while it decodes is said as such."""
+    from headscope.analysis.long_context_tasks import measured_suite
+    from headscope.analysis.retrieval import Cancelled
+
+    try:
+        return measured_suite(model, suite, store, progress=progress, cancel=cancel)
+    except Cancelled:
+        raise InputError("Cancelled while the uncompressed model answered the task suite's prompts: no policy "
+                         "was evaluated. Run starts again.") from None
 
 
 # ---------------------------------------------------------------------------------------------

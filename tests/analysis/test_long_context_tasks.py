@@ -1,0 +1,204 @@
+"""The long-context task suite (analysis/long_context_tasks.py): RULER-style prompts from shipped text.
+
+Unit tests build prompts with the embedded tokenizer on a tiny random Llama with 8,192 positions (the
+builders read only the tokenizer, the chat template and the context); the integration test measures
+the embedded model's uncompressed answer rate on two tasks at 1k tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import pytest
+
+from headscope.analysis.errors import InputError
+from headscope.analysis.intervals import wilson
+from headscope.analysis.long_context_tasks import (
+    MAX_LENGTH,
+    MIN_LENGTH,
+    TASKS,
+    answer_rates,
+    doable,
+    task_of,
+    task_prompts,
+)
+from headscope.analysis.niah import Needle
+
+
+@pytest.fixture(scope="module")
+def model8k(make_tiny_model):
+    return make_tiny_model(max_positions=8192, name="tiny-8k")
+
+
+@pytest.fixture(scope="module")
+def suite(model8k):
+    return task_prompts(model8k, list(TASKS), [1024, 2048], 3, seed=7)
+
+
+def _span_text(model, prompt):
+    start, end = prompt.needle_span
+    return model.tokenizer.decode(prompt.token_ids[start:end]).strip()
+
+
+def test_the_same_seed_gives_the_same_prompts_and_another_seed_others(model8k, suite):
+    again = task_prompts(model8k, list(TASKS), [1024, 2048], 3, seed=7)
+    assert [p.token_ids for p in again] == [p.token_ids for p in suite]
+    assert [p.needle for p in again] == [p.needle for p in suite]
+    other = task_prompts(model8k, list(TASKS), [1024, 2048], 3, seed=8)
+    for a, b in zip(suite, other, strict=True):
+        assert a.needle.answer != b.needle.answer and a.token_ids != b.token_ids
+    # prompts of one task differ from each other
+    for task in TASKS:
+        answers = [p.needle.answer for p in suite if task_of(p) == task]
+        assert len(set(answers)) == len(answers), task
+
+
+def test_every_task_and_length_is_there_in_order(suite):
+    assert [task_of(p) for p in suite] == [t for t in TASKS for _ in range(6)]
+    assert [p.length for p in suite] == [n for _ in TASKS for n in (1024, 1024, 1024, 2048, 2048, 2048)]
+    assert len({p.needle.id for p in suite}) == len(suite)
+
+
+def test_the_needle_span_spells_the_asked_sentence_and_the_answer_is_in_the_prompt(model8k, suite):
+    for p in suite:
+        assert _span_text(model8k, p) == p.needle.needle.strip(), p.needle.id
+        qs, qe = p.question_span
+        assert model8k.tokenizer.decode(p.token_ids[qs:qe]).strip() == p.needle.question, p.needle.id
+        context = model8k.tokenizer.decode(p.token_ids[: p.question_span[0]])
+        for word in p.needle.answer.split():
+            assert word in context, (p.needle.id, word)
+        assert p.needle.needle.strip() in p.text
+
+
+def test_lengths_are_respected_and_filled(model8k, suite):
+    for p in suite:
+        assert p.n_tokens <= p.length
+        assert p.n_tokens >= p.length - 64, (p.needle.id, p.n_tokens)
+    long = task_prompts(model8k, list(TASKS), [MAX_LENGTH], 1, seed=1)
+    assert all(MAX_LENGTH - 64 <= p.n_tokens <= MAX_LENGTH for p in long)
+
+
+def test_multi_key_hides_four_keys_and_asks_one(suite):
+    for p in (p for p in suite if task_of(p) == "multi_key"):
+        keys = re.findall(r"special magic numbers for (\S+) is (\d+)\.", p.text)
+        assert len(keys) == 4 and len({k for k, _ in keys}) == 4
+        asked = re.search(r"number for (\S+) mentioned", p.needle.question).group(1)
+        assert dict(keys)[asked] == p.needle.answer
+
+
+def test_multi_value_lists_four_values_of_one_key(suite):
+    for p in (p for p in suite if task_of(p) == "multi_value"):
+        found = re.findall(r"special magic numbers for (\S+) is (\d+)\.", p.text)
+        assert len(found) == 4 and len({k for k, _ in found}) == 1
+        assert sorted(v for _, v in found) == sorted(p.needle.answer.split())
+
+
+def test_variable_tracking_keeps_the_chain_in_order(suite):
+    for p in (p for p in suite if task_of(p) == "variable_tracking"):
+        names = p.needle.answer.split()
+        value = re.search(r"VAR \w+ = (\d+)\.", p.needle.needle).group(1)
+        assert p.needle.needle == f"VAR {names[0]} = {value}."
+        where = [p.text.index(f"VAR {b} = VAR {a}.") for a, b in zip(names, names[1:], strict=False)]
+        assert p.text.index(p.needle.needle) < where[0] and where == sorted(where)
+        assert value in p.needle.question
+
+
+def test_common_words_asks_the_words_that_recur_most(suite):
+    for p in (p for p in suite if task_of(p) == "common_words"):
+        counts = Counter(p.needle.needle.rstrip(".").split())
+        top = [w for w, _ in counts.most_common(3)]
+        assert sorted(top) == sorted(p.needle.answer.split())
+        assert min(counts[w] for w in top) > 2 * max(c for w, c in counts.items() if w not in top)
+
+
+def test_a_prompt_round_trips_through_its_stored_settings(suite):
+    for p in suite[::3]:
+        settings = json.loads(json.dumps(p.settings()))
+        assert Needle(**settings["needle"]) == p.needle and task_of(p) in TASKS
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tasks": ["no_such_task"]}, "Unknown task"),
+    ({"tasks": []}, "at least one task"),
+    ({"tasks": "passkey"}, "list of names"),
+    ({"tasks": [None]}, "Unknown task"),
+    ({"tasks": ["passkey", "../../etc/passwd"]}, "Unknown task"),
+    ({"lengths": [0]}, "Context lengths"),
+    ({"lengths": [MIN_LENGTH - 1]}, "from 1,024"),
+    ({"lengths": [10**12]}, "Context lengths"),
+    ({"lengths": [10**400]}, "Context lengths"),
+    ({"lengths": [1024.5]}, "whole number"),
+    ({"lengths": ["1024"]}, "whole number"),
+    ({"lengths": [True]}, "whole number"),
+    ({"lengths": []}, "context lengths"),
+    ({"lengths": "1024"}, "context lengths"),
+    ({"n_per_task": 0}, "prompts per task"),
+    ({"n_per_task": 10**9}, "prompts per task"),
+    ({"n_per_task": -1}, "prompts per task"),
+    ({"n_per_task": 2.0}, "prompts per task"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 1.5}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": None}, "seed"),
+])
+def test_hostile_requests_get_a_clear_message(model8k, kwargs, message):
+    args = {"tasks": ["passkey"], "lengths": [1024], "n_per_task": 1, "seed": 0, **kwargs}
+    with pytest.raises(InputError, match=message):
+        task_prompts(model8k, **args)
+
+
+def test_a_length_past_the_models_context_is_refused(tiny_model):
+    with pytest.raises(InputError, match="above the model's context"):
+        task_prompts(tiny_model, ["passkey"], [1024], 1)
+
+
+def test_doable_drops_the_tasks_the_model_cannot_do_and_keeps_their_rate(suite):
+    rates = {t: wilson(k, 6) for t, k in zip(TASKS, (6, 3, 2, 0, 1, 5), strict=True)}
+    kept, dropped = doable(suite, rates, min_rate=0.5)
+    assert set(dropped) == {"multi_value", "variable_tracking", "common_words"}
+    assert dropped["multi_value"].successes == 2 and dropped["multi_value"].n == 6
+    assert {task_of(p) for p in kept} == {"single_needle", "multi_key", "passkey"}
+    assert kept == [p for p in suite if task_of(p) in {"single_needle", "multi_key", "passkey"}]
+    assert doable(suite, rates, min_rate=0.0)[1] == {}
+    for bad in (-0.1, 1.5, float("nan"), "0.5", None):
+        with pytest.raises(InputError, match="lowest answer rate"):
+            doable(suite, rates, min_rate=bad)
+    with pytest.raises(InputError, match="No answer rate"):
+        doable(suite, {"passkey": wilson(1, 1)})
+
+
+def test_the_embedded_model_answers_single_needle_and_passkey_at_1k(real_model, one_thread):
+    prompts = task_prompts(real_model, ["single_needle", "passkey"], [1024], 2, seed=0)
+    rates = answer_rates(real_model, prompts)
+    assert set(rates) == {"single_needle", "passkey"}
+    for task, rate in rates.items():
+        assert rate.n == 2 and rate.successes > 0, (task, rate)
+        assert 0 <= rate.low <= rate.value <= rate.high <= 1
+
+
+def test_compress_sweep_scores_the_suite_and_refuses_a_suite_the_model_cannot_do(model8k, store, one_thread):
+    """On a tiny random model (it answers nothing): with min_rate 0 every task is kept, the curve's accuracy
+    rests on the suite's prompts and carries each task's rate, and it reopens from the store; with the
+    default min_rate no task is doable, which is said with every task's rate."""
+    from headscope.analysis import kv_compression_sweep as kvs
+    from headscope.analysis.long_context_tasks import TaskSuite
+    from headscope.analysis.niah import load_haystack, load_needles
+    from headscope.analysis.retrieval import sweep
+
+    swept = sweep(model8k, load_needles()[:1], [1024], [50], load_haystack("prose"), store=store, max_new_tokens=4)
+    suite = TaskSuite(("passkey", "single_needle"), (1024,), 1, seed=3, min_rate=0.0)
+    args = dict(rankings=["retrieval"], fractions=[0.5], seeds=[0], sink_size=16, recent_size=64, store=store)
+    stored = kvs.compress_sweep(model8k, swept, suite=suite, **args)
+    curve = stored.curve
+    assert curve.n_prompts == 2 and stored.key
+    assert set(curve.meta["tasks"]) == {"passkey", "single_needle"}
+    assert all(t["n"] == 1 and not t["dropped"] for t in curve.meta["tasks"].values())
+    plain = kvs.compress_sweep(model8k, swept, **args)
+    assert plain.key != stored.key and plain.curve.n_prompts == 1 and "tasks" not in plain.curve.meta
+    again = kvs.compress_sweep(model8k, swept, suite=suite, **args)
+    assert again.key == stored.key and again.curve.meta["tasks"] == curve.meta["tasks"]
+    strict = TaskSuite(("passkey", "single_needle"), (1024,), 1, seed=3)
+    with pytest.raises(InputError, match=r"answers no task of the suite.*passkey 0\.00 \[0\.00, 0\.\d+\] n=1"):
+        kvs.compress_sweep(model8k, swept, suite=strict, **args)
