@@ -52,7 +52,7 @@ Both measure mean next-token loss and
 next-token agreement with the uncompressed model on texts, and needle-in-a-haystack accuracy on a
 sweep's prompts (:func:`headscope.analysis.ablation_curve.retrieval_accuracy`, the same decoding and answer
 scoring as the ablation curves). The policy can be exported as the pattern folder DuoAttention ships
-and NVIDIA kvpress' ``DuoAttentionPress`` reads (:func:`export_policy`).
+and NVIDIA kvpress' ``DuoAttentionPress`` reads (:func:`headscope.analysis.pattern_folder.export_policy`).
 
 Defaults S = 128 sinks and W = 256 recent tokens are those of DuoAttention's shipped patterns
 (``attn_patterns/*/config.json`` in mit-han-lab/duo-attention: ``"sink_size": 128, "recent_size":
@@ -63,13 +63,11 @@ kvpress' ``DuoAttentionPress`` uses for its on-the-fly scores.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -98,9 +96,6 @@ from headscope.analysis.store import Store, content_key
 from headscope.analysis.stored_results import stored_record
 
 KV_COMPRESSION_VERSION = 1
-PATTERN_CONFIG = "config.json"
-PATTERN_TSV = "full_attention_heads.tsv"
-POLICY_JSON = "policy.json"
 
 
 @dataclass(frozen=True)
@@ -154,6 +149,19 @@ def group_priority(model: LoadedModel, ranking: str, scores: Mapping[str, np.nda
     if r.invert:
         table = 1.0 - table
     return group_heads(np.nan_to_num(table, nan=0.0), model.n_kv_heads, "max")
+
+
+def priority_name(ranking: str, seed: int | None) -> str:
+    """``RANKING``, or ``RANKING:SEED`` for a seeded ranking's policy: how a curve names a priority."""
+    return ranking if seed is None else f"{ranking}:{seed}"
+
+
+def group_priorities(model: LoadedModel, rankings: Sequence[str], seeds: Sequence[int],
+                     scores: Mapping[str, np.ndarray] | None) -> dict[str, list[list[float]]]:
+    """Each ranking's :func:`group_priority` (a seeded one's per seed) as JSON lists, by ``RANKING`` or
+    ``RANKING:SEED``: what a curve keeps so an export from it writes the ranking's scores."""
+    return {priority_name(r, s if RANKINGS[r].seeded else None): group_priority(model, r, scores, s).tolist()
+            for r in rankings for s in (seeds if RANKINGS[r].seeded else [0])}
 
 
 @dataclass(frozen=True)
@@ -716,47 +724,6 @@ def evaluate_policies(
     meta = {"model_name": model.name, "model_digest": model.digest, "rankings": rankings, "fractions": fractions,
             "seeds": seeds, "n_tokens": n_tokens, "dtype_bytes": dtype_bytes(model), "backend": backend,
             "layout": {"n_layers": model.n_layers, "n_kv_heads": model.n_kv_heads, "d_head": model.d_head},
-            "version": KV_COMPRESSION_VERSION}
+            "priorities": group_priorities(model, rankings, seeds, scores), "version": KV_COMPRESSION_VERSION}
     return CompressionCurve(evaluations, baseline, sink_size, recent_size, len(texts), len(prompts), complete, meta)
-
-
-# ---------------------------------------------------------------------------------------------
-# Export
-
-
-def export_policy(policy: Policy, folder: str | Path, *, model_name: str = "") -> list[Path]:
-    """Write ``policy`` as DuoAttention's pattern folder: what ``duo_attn.utils.load_attn_pattern(folder)``
-    reads, and the files kvpress' ``DuoAttentionPress.load_attention_pattern`` parses (it fetches them
-    from DuoAttention's repository for the models it knows, with the same ``np.loadtxt`` call).
-
-    - ``config.json``: ``sink_size`` and ``recent_size`` (plus how the policy was built);
-    - ``full_attention_heads.tsv``: one row per layer, one tab-separated column per KV head, 1.0 for a
-      full group and 0.0 for a streaming one; ``np.loadtxt(path, delimiter="\\t")`` reads it back
-      (DuoAttention's ``load_attn_pattern``; its threshold 0.5, or kvpress' ``head_compression_ratio``
-      = share of streaming groups, recovers this policy exactly);
-    - ``policy.json``: the policy as JSON.
-    """
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    config = {"sink_size": policy.sink_size, "recent_size": policy.recent_size, "model_name": model_name,
-              "ranking": policy.ranking, "fraction_full": policy.fraction, "seed": policy.seed,
-              "head_compression_ratio": 1.0 - policy.full_share, "source": "headscope"}
-    paths = [out / PATTERN_CONFIG, out / PATTERN_TSV, out / POLICY_JSON]
-    paths[0].write_text(json.dumps(config, indent=2))
-    np.savetxt(paths[1], policy.full.astype(np.float64), delimiter="\t", fmt="%.1f")
-    paths[2].write_text(json.dumps({**policy.to_json(), "model_name": model_name}, indent=2))
-    return paths
-
-
-def load_policy(folder: str | Path) -> Policy:
-    """Read a pattern folder back (``config.json`` + ``full_attention_heads.tsv``): groups scoring
-    above 0.5 are full (DuoAttention's default threshold)."""
-    folder = Path(folder)
-    try:
-        config = json.loads((folder / PATTERN_CONFIG).read_text())
-        table = np.atleast_2d(np.loadtxt(folder / PATTERN_TSV, delimiter="\t", dtype=np.float64))
-    except (OSError, ValueError) as e:
-        raise InputError(f"Cannot read a pattern folder at {folder}: {e}") from None
-    return Policy(np.clip(table, 0, 1) > 0.5, int(config["sink_size"]), int(config["recent_size"]),
-                  str(config.get("ranking", "")), float(config.get("fraction_full", float((table > 0.5).mean()))))
 

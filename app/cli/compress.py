@@ -150,8 +150,8 @@ def cmd_compress(args) -> int:
     import numpy as np
 
     from headscope.analysis.capture import tokenize_input
-    from headscope.analysis.kv_compression import export_policy
     from headscope.analysis.kv_compression_sweep import compress_sweep
+    from headscope.analysis.pattern_folder import curve_priority, export_policy
     from headscope.analysis.store import content_key
     from headscope.app.export import write_files
     from headscope.app.views import names
@@ -194,7 +194,8 @@ def cmd_compress(args) -> int:
     pattern = None
     if chosen is not None:
         pattern = out / "pattern"
-        export_policy(chosen.policy, pattern, model_name=model.name)
+        exported = export_policy(chosen.policy, pattern, model_name=model.name,
+                                 priority=curve_priority(curve, chosen.policy))
 
     def finite(x):
         return None if x is None or x != x else x
@@ -227,6 +228,8 @@ def cmd_compress(args) -> int:
         p = chosen.policy
         print(f"pattern folder ({p.ranking}{'' if p.seed is None else f' seed {p.seed}'}, fraction full "
               f"{p.fraction:g}, KV fraction {chosen.memory.fraction:.3f}): {pattern}")
+        print(f"  {', '.join(path.name for path in exported)} (head_scores.npy: kvpress DuoAttentionPress' scores, "
+              f"head_compression_ratio {1 - p.full_share:.6g})")
     print(f"results in {out}")
     return 0
 

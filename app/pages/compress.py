@@ -3,7 +3,7 @@ group keeps its full cache or only S sinks + W recent tokens; the groups ranked 
 stay full. Run evaluates every (ranking, fraction) policy on a needle-in-a-haystack sweep's prompts as a
 background job (:func:`headscope.analysis.kv_compression_sweep.compress_sweep`, which ``headscope compress`` calls
 too); the URL names the stored curve, so a link reopens it without computing. A chosen policy downloads
-as DuoAttention's pattern folder (:func:`headscope.analysis.kv_compression.export_policy`)."""
+as DuoAttention's pattern folder (:func:`headscope.analysis.pattern_folder.export_policy`)."""
 
 from __future__ import annotations
 
@@ -412,9 +412,9 @@ def cancelled(n_clicks):
 )
 @guarded(outputs=2, error_index=1)
 def download_pattern(n_clicks, search):
-    """The chosen policy as DuoAttention's pattern folder (:func:`headscope.analysis.kv_compression.export_policy`),
+    """The chosen policy as DuoAttention's pattern folder (:func:`headscope.analysis.pattern_folder.export_policy`),
     zipped under ``pattern/``."""
-    from headscope.analysis.kv_compression import export_policy
+    from headscope.analysis.pattern_folder import curve_priority, export_policy
 
     if not n_clicks:
         raise PreventUpdate
@@ -424,7 +424,8 @@ def download_pattern(n_clicks, search):
     e = chosen_evaluation(curve, state.pick, tolerance)
     buf = io.BytesIO()
     with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-        for path in export_policy(e.policy, Path(tmp) / "pattern", model_name=curve.meta.get("model_name", "")):
+        for path in export_policy(e.policy, Path(tmp) / "pattern", model_name=curve.meta.get("model_name", ""),
+                                  priority=curve_priority(curve, e.policy)):
             z.write(path, f"pattern/{path.name}")
     name = f"headscope-pattern-{pick_text(e).replace(':', '-')}.zip"
     return dcc.send_bytes(buf.getvalue(), name), ""

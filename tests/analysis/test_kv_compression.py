@@ -1,9 +1,8 @@
 """KV-cache policies: the mask against a hand-written Llama forward with the same per-head mask (tiny
-GQA model, prefill and KV-cached decode), the two ends, memory by hand, the pattern-folder export."""
+GQA model, prefill and KV-cached decode), the two ends, memory by hand (the pattern folder: test_pattern_folder)."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
@@ -11,15 +10,11 @@ import pytest
 import torch
 
 from headscope.analysis.kv_compression import (
-    PATTERN_CONFIG,
-    PATTERN_TSV,
     Policy,
     build_policy,
     evaluate_policies,
-    export_policy,
     group_priority,
     kv_memory,
-    load_policy,
     policy_hooks,
     smallest_model_window,
     streaming_key_mask,
@@ -172,26 +167,6 @@ def test_kv_memory_by_hand_for_the_embedded_layout():
     assert short.bytes == short.full_bytes and short.fraction == 1.0
     none_full = kv_memory(Policy(np.zeros((30, 3), bool), 128, 256), 2048, 64, 2)
     assert none_full.fraction == pytest.approx(384 / 2048)
-
-
-def test_exported_pattern_folder_round_trips_with_layers_by_kv_heads(tmp_path):
-    full = np.random.default_rng(1).random((30, 3)) > 0.6
-    policy = Policy(full, 128, 256, "retrieval", 0.4)
-    export_policy(policy, tmp_path / "pattern", model_name="smollm2-135m")
-    table = np.loadtxt(tmp_path / "pattern" / PATTERN_TSV, delimiter="\t")
-    assert table.shape == (30, 3)
-    assert ((table >= 0) & (table <= 1)).all()
-    assert np.array_equal(table > 0.5, full)
-    config = json.loads((tmp_path / "pattern" / PATTERN_CONFIG).read_text())
-    assert (config["sink_size"], config["recent_size"]) == (128, 256)
-    assert config["head_compression_ratio"] == pytest.approx(1 - full.mean())
-    back = load_policy(tmp_path / "pattern")
-    assert np.array_equal(back.full, full) and (back.sink_size, back.recent_size) == (128, 256)
-    # kvpress' DuoAttentionPress rule: the lowest head_compression_ratio share of scores stream
-    n_pruned = round(table.size * config["head_compression_ratio"])
-    streaming = np.zeros(table.size, bool)
-    streaming[np.argsort(table, axis=None, kind="stable")[:n_pruned]] = True
-    assert np.array_equal(~streaming.reshape(table.shape), full)
 
 
 def test_evaluate_policies_on_texts_baseline_ends_and_resume(model, store):
