@@ -80,6 +80,7 @@ from headscope.analysis.ablation_curve import retrieval_accuracy
 from headscope.analysis.attention_statistics import HeadKeyMask, statistics_mode, statistics_supported
 from headscope.analysis.detectors import group_heads
 from headscope.analysis.errors import InputError
+from headscope.analysis.intervals import Proportion, from_accuracy, seed_band, wilson
 from headscope.analysis.kv_cache import check_cache_backend
 from headscope.analysis.kv_compression_choices import (
     BACKENDS,
@@ -448,7 +449,9 @@ def text_metrics(model: LoadedModel, texts: Sequence[Sequence[int]], hooks: Sequ
 @dataclass
 class PolicyEvaluation:
     """One policy's numbers; ``agreement`` = share of positions whose most likely next token is the
-    uncompressed model's; ``niah_accuracy`` nan without prompts."""
+    uncompressed model's; ``niah_accuracy`` nan without prompts, else the share of ``niah_n`` prompts
+    answered, with its 95 % Wilson interval (:attr:`niah`). Loss and agreement are points: they are
+    means over token positions, not proportions of independent prompts."""
 
     policy: Policy
     memory: KVMemory
@@ -456,20 +459,30 @@ class PolicyEvaluation:
     agreement: float
     niah_accuracy: float
     seconds: float = 0.0
+    niah_n: int = 0
+
+    @property
+    def niah(self) -> Proportion:
+        """The NIAH accuracy as answered prompts of ``niah_n`` with its Wilson interval
+        (:func:`headscope.analysis.intervals.from_accuracy`); empty (nan) without prompts."""
+        return from_accuracy(self.niah_accuracy, self.niah_n)
 
     def row(self) -> dict[str, Any]:
-        p = self.policy
+        p, niah = self.policy, self.niah
         return {"ranking": p.ranking, "seed": p.seed, "fraction_full": p.fraction, "n_full_groups": p.n_full,
                 "kv_tokens": self.memory.n_tokens, "kv_bytes": self.memory.bytes,
                 "kv_full_bytes": self.memory.full_bytes, "kv_fraction": self.memory.fraction,
-                "loss": self.loss, "agreement": self.agreement, "niah_accuracy": self.niah_accuracy}
+                "loss": self.loss, "agreement": self.agreement, "niah_accuracy": self.niah_accuracy,
+                "niah_accuracy_n": niah.n, "niah_accuracy_low": niah.low, "niah_accuracy_high": niah.high}
 
 
 @dataclass
 class CompressionCurve:
     """Every evaluated policy, the uncompressed baseline, and how they were measured.
 
-    ``complete`` is False when ``cancel`` stopped the evaluation (finished policies are kept).
+    ``complete`` is False when ``cancel`` stopped the evaluation (finished policies are kept). Every
+    policy's NIAH accuracy rests on the curve's ``n_prompts`` prompts: an evaluation built without its
+    ``niah_n`` (a record stored before evaluations carried it) gets ``n_prompts``.
     """
 
     evaluations: list[PolicyEvaluation]
@@ -480,6 +493,11 @@ class CompressionCurve:
     n_prompts: int
     complete: bool = True
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for e in [self.baseline, *self.evaluations]:
+            if not e.niah_n and math.isfinite(e.niah_accuracy):
+                e.niah_n = int(self.n_prompts)
 
     def rows(self) -> list[dict[str, Any]]:
         return [e.row() for e in self.evaluations]
@@ -498,26 +516,65 @@ class CompressionCurve:
             return e
         return None
 
+    def within_tolerance(self, e: PolicyEvaluation, tolerance: float, metric: str = "niah_accuracy") -> bool:
+        """Whether ``e`` is within ``tolerance`` of the uncompressed model on ``metric``.
+
+        NIAH accuracy is decided on the 95 % Wilson intervals (:mod:`headscope.analysis.intervals`), not
+        the points: ``e`` passes when its upper bound reaches the uncompressed accuracy's lower bound less
+        the tolerance,
+
+            high(e) ≥ low(uncompressed) − tolerance,
+
+        i.e. its interval overlaps ``[low(uncompressed) − tolerance, 1]``. A policy fails only when the
+        prompts show it worse than the uncompressed model by more than the tolerance: two accuracies whose
+        intervals overlap are not told apart (0.75 against 0.50 on n = 4 is no difference either way), and
+        a policy above the uncompressed one passes. With few prompts the intervals are wide and the rule
+        passes small caches, which is why every decision states its n. At tolerance 0 it is the overlap of
+        the two intervals (item 5 of issue #42). Loss has no interval here (a mean over token positions of
+        a few texts, not independent trials) and keeps the point rule ``loss ≤ uncompressed + tolerance``;
+        any other metric ``≥ uncompressed − tolerance``. Without prompts (n = 0) no accuracy passes.
+        """
+        if metric == "niah_accuracy":
+            base, mine = self.baseline.niah, e.niah
+            return bool(base.n and mine.n and mine.high >= base.low - tolerance - 1e-12)
+        v, base_value = getattr(e, metric), getattr(self.baseline, metric)
+        return v <= base_value + tolerance if metric == "loss" else v >= base_value - tolerance - 1e-12
+
     def smallest_within(self, ranking: str, tolerance: float = 0.05, metric: str = "niah_accuracy"
                         ) -> PolicyEvaluation | None:
-        """The policy of ``ranking`` with the smallest KV fraction whose ``metric`` is within ``tolerance``
-        of the uncompressed value (accuracy: ``≥ full − tolerance``; loss: ``≤ full + tolerance``); for
-        ``random`` every seed must pass. None when none does."""
-        base = getattr(self.baseline, metric)
+        """The policy of ``ranking`` with the smallest KV fraction within ``tolerance`` of the uncompressed
+        model (:meth:`within_tolerance`: NIAH accuracy on the intervals, loss on the points); for
+        ``random`` every seed must pass, and the seed with the largest KV fraction is returned. None when
+        none passes. The decision rests on ``n_prompts`` prompts."""
         by_fraction: dict[float, list[PolicyEvaluation]] = {}
         for e in self.evaluations:
             if e.policy.ranking == ranking:
                 by_fraction.setdefault(e.policy.fraction, []).append(e)
-
-        def ok(e: PolicyEvaluation) -> bool:
-            v = getattr(e, metric)
-            return v <= base + tolerance if metric == "loss" else v >= base - tolerance - 1e-12
-
-        passing = [es for es in by_fraction.values() if all(ok(e) for e in es)]
+        passing = [es for es in by_fraction.values() if all(self.within_tolerance(e, tolerance, metric) for e in es)]
         if not passing:
             return None
         best = min(passing, key=lambda es: np.mean([e.memory.fraction for e in es]))
         return max(best, key=lambda e: e.memory.fraction)
+
+    def seed_bands(self, ranking: str = "random") -> list[dict[str, Any]]:
+        """Per fraction of a seeded ranking, the spread over seeds (:func:`headscope.analysis.intervals.seed_band`:
+        mean, lowest and highest seed) of NIAH accuracy and loss, beside the pooled Wilson interval of all
+        the seeds' prompts (``niah_accuracy_pooled*``). Empty for a ranking with no seeds."""
+        by_fraction: dict[float, list[PolicyEvaluation]] = {}
+        for e in self.evaluations:
+            if e.policy.ranking == ranking and e.policy.seed is not None:
+                by_fraction.setdefault(e.policy.fraction, []).append(e)
+        out = []
+        for fraction, es in sorted(by_fraction.items()):
+            accuracy, loss = seed_band([e.niah_accuracy for e in es]), seed_band([e.loss for e in es])
+            counted = [e.niah for e in es if e.niah.n]
+            pooled = wilson(sum(p.successes for p in counted), sum(p.n for p in counted))
+            out.append({"ranking": ranking, "fraction_full": fraction,
+                        "kv_fraction": float(np.mean([e.memory.fraction for e in es])), "n_seeds": len(es),
+                        "niah_accuracy_seed_mean": accuracy.mean, "niah_accuracy_seed_low": accuracy.low,
+                        "niah_accuracy_seed_high": accuracy.high, **pooled.columns("niah_accuracy_pooled"),
+                        "loss_seed_mean": loss.mean, "loss_seed_low": loss.low, "loss_seed_high": loss.high})
+        return out
 
 
 def _measured(model: LoadedModel, policy: Policy | None, texts: Sequence[Sequence[int]],
@@ -553,7 +610,7 @@ def _evaluate_one(model: LoadedModel, policy: Policy, texts: Sequence[Sequence[i
     positions = sum(len(a) for a in clean_argmax)
     memory = kv_memory(policy, n_tokens, model.d_head, dtype_bytes(model))
     return PolicyEvaluation(policy, memory, tm.loss, same / positions if positions else math.nan, acc,
-                            time.perf_counter() - t0)
+                            time.perf_counter() - t0, len(prompts))
 
 
 def _checked_choices(rankings: Sequence[str], fractions: Sequence[float], texts: Sequence[Sequence[int]],
@@ -702,7 +759,7 @@ def evaluate_policies(
         mk = policy.mask_key()
         if mk in memo:
             e = memo[mk]
-            return PolicyEvaluation(policy, e.memory, e.loss, e.agreement, e.niah_accuracy, 0.0)
+            return PolicyEvaluation(policy, e.memory, e.loss, e.agreement, e.niah_accuracy, 0.0, e.niah_n)
         # an eager evaluation's key names no backend (the key results stored before backends existed
         # have, so they are found); the kernel's rounding differs slightly, so it is keyed apart
         key = content_key("kv_policy_eval", KV_COMPRESSION_VERSION, model.digest, inputs, mk,
@@ -711,7 +768,8 @@ def evaluate_policies(
         if record is not None:
             m = record.meta
             e = PolicyEvaluation(policy, kv_memory(policy, n_tokens, model.d_head, dtype_bytes(model)),
-                                 float(m["loss"]), float(m["agreement"]), float(m["niah_accuracy"]), 0.0)
+                                 float(m["loss"]), float(m["agreement"]), float(m["niah_accuracy"]), 0.0,
+                                 len(prompts))  # the key names the prompts, so n is theirs
         else:
             e = _evaluate_one(model, policy, texts, prompts, clean.argmax, n_tokens, max_new_tokens, cancel, backend)
             if store is not None:
@@ -726,4 +784,3 @@ def evaluate_policies(
             "layout": {"n_layers": model.n_layers, "n_kv_heads": model.n_kv_heads, "d_head": model.d_head},
             "priorities": group_priorities(model, rankings, seeds, scores), "version": KV_COMPRESSION_VERSION}
     return CompressionCurve(evaluations, baseline, sink_size, recent_size, len(texts), len(prompts), complete, meta)
-

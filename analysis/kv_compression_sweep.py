@@ -183,17 +183,23 @@ def _measured(model: LoadedModel, suite: TaskSuite, store: Store | None, progres
 def _evaluation_json(e: PolicyEvaluation) -> dict[str, Any]:
     m = e.memory
     return {"policy": e.policy.to_json(), "n_tokens": m.n_tokens, "bytes": m.bytes, "full_bytes": m.full_bytes,
-            "loss": e.loss, "agreement": e.agreement, "niah_accuracy": e.niah_accuracy, "seconds": e.seconds}
+            "loss": e.loss, "agreement": e.agreement, "niah_accuracy": e.niah_accuracy, "niah_n": e.niah_n,
+            "seconds": e.seconds}
 
 
-def _evaluation(d: dict[str, Any]) -> PolicyEvaluation:
+def _evaluation(d: dict[str, Any], n_prompts: int) -> PolicyEvaluation:
+    """One evaluation of a curve record; a record stored before evaluations carried ``niah_n`` has the
+    curve's ``n_prompts`` (every policy is evaluated on all of the curve's prompts)."""
     p = d["policy"]
     if p["ranking"] not in RANKINGS:
         raise ValueError(f"unknown ranking {p['ranking']!r}")
     policy = Policy(np.asarray(p["full"], dtype=bool), int(p["sink_size"]), int(p["recent_size"]), str(p["ranking"]),
                     float(p["fraction"]), None if p["seed"] is None else int(p["seed"]))
+    accuracy, n = float(d["niah_accuracy"]), d.get("niah_n", n_prompts)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0 or not (accuracy != accuracy or 0 <= accuracy <= 1):
+        raise ValueError(f"a NIAH accuracy of {accuracy!r} on {n!r} prompts")
     return PolicyEvaluation(policy, KVMemory(int(d["n_tokens"]), int(d["bytes"]), int(d["full_bytes"])),
-                            float(d["loss"]), float(d["agreement"]), float(d["niah_accuracy"]), float(d["seconds"]))
+                            float(d["loss"]), float(d["agreement"]), accuracy, float(d["seconds"]), n)
 
 
 def save_curve(store: Store, key: str, curve: CompressionCurve) -> None:
@@ -211,7 +217,8 @@ def load_curve(store: Store, key: str) -> CompressionCurve | None:
         return None
     m = record.meta
     try:
-        return CompressionCurve([_evaluation(d) for d in m["evaluations"]], _evaluation(m["baseline"]),
+        n = int(m["n_prompts"])
+        return CompressionCurve([_evaluation(d, n) for d in m["evaluations"]], _evaluation(m["baseline"], n),
                                 int(m["sink_size"]), int(m["recent_size"]), int(m["n_texts"]), int(m["n_prompts"]),
                                 bool(m["complete"]), dict(m["meta"]))
     except (KeyError, TypeError, ValueError, InputError):

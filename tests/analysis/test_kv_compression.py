@@ -400,3 +400,136 @@ def test_eager_decode_past_a_sliding_window_with_sinks_is_refused_and_auto_uses_
     with pytest.raises(InputError, match="statistics backend"):
         evaluate_policies(windowed, None, ["all_streaming"], [0.0], backend="eager", **kw)
     assert evaluate_policies(windowed, None, ["all_streaming"], [0.0], **kw).meta["backend"] == "statistics"
+
+
+# ---------------------------------------------------------------------------------------------
+# Intervals (#42 item 4): every NIAH accuracy carries its n and its 95 % Wilson interval
+
+
+def wilson_by_hand(k: int, n: int) -> tuple[float, float]:
+    """Wilson 1927 with z = 1.959964 (Φ⁻¹(0.975)), written out: an independent check of scipy's."""
+    z, p = 1.959963984540054, k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return centre - half, centre + half
+
+
+def _made(ranking: str, fraction: float, accuracy: float, n: int, seed: int | None = None, loss: float = 2.0):
+    from headscope.analysis.kv_compression import KVMemory, PolicyEvaluation
+
+    full = np.zeros((2, 2), dtype=bool)
+    full.reshape(-1)[:round(fraction * 4)] = True
+    return PolicyEvaluation(Policy(full, 4, 8, ranking, fraction, seed), KVMemory(100, int(100 * fraction), 100),
+                            loss, 0.9, accuracy, 0.0, n)
+
+
+def _curve(baseline_accuracy: float, n: int, points: list[tuple], n_prompts: int | None = None):
+    from headscope.analysis.kv_compression import CompressionCurve
+
+    return CompressionCurve([_made(*p[:3], n, *p[3:]) for p in points], _made("all_full", 1.0, baseline_accuracy, n),
+                            4, 8, 1, n if n_prompts is None else n_prompts)
+
+
+def test_rows_carry_n_and_the_wilson_interval_of_the_niah_accuracy():
+    e = _made("retrieval", 0.5, 0.5, 4)
+    row = e.row()
+    low, high = wilson_by_hand(2, 4)
+    assert row["niah_accuracy"] == 0.5 and row["niah_accuracy_n"] == 4
+    assert row["niah_accuracy_low"] == pytest.approx(low, abs=1e-9) and row["niah_accuracy_high"] == pytest.approx(high)
+    assert e.niah.text() == "0.50 [0.15, 0.85] n=4"
+    # loss and agreement stay points; no prompts: no interval
+    assert not any(k.startswith(("loss_", "agreement_")) for k in row)
+    empty = _made("retrieval", 0.5, math.nan, 0).row()
+    assert empty["niah_accuracy_n"] == 0 and math.isnan(empty["niah_accuracy_low"])
+
+
+def test_smallest_within_decides_on_the_interval_where_the_point_rule_disagrees():
+    # uncompressed 2/4; retrieval at 0.25 answers 1/4: 0.25 < 0.5 − 0.05 as points, but its interval
+    # [0.05, 0.70] reaches the uncompressed one's lower bound 0.15 − 0.05: on 4 prompts they are not told apart
+    curve = _curve(0.5, 4, [("retrieval", 0.25, 0.25), ("retrieval", 0.5, 0.75)])
+    best = curve.smallest_within("retrieval", 0.05)
+    assert best is not None and best.policy.fraction == 0.25
+    # 3/4 against 2/4 on n = 4 is no difference either: both pass, neither is "better"
+    assert curve.within_tolerance(curve.find("retrieval", 0.5), 0.0)
+    assert curve.within_tolerance(curve.find("retrieval", 0.25), 0.0)
+    # with 100 prompts the same points are told apart: 25/100 is well below 50/100
+    big = _curve(0.5, 100, [("retrieval", 0.25, 0.25), ("retrieval", 0.5, 0.46)])
+    assert not big.within_tolerance(big.find("retrieval", 0.25), 0.05)
+    assert big.smallest_within("retrieval", 0.0).policy.fraction == 0.5  # 0.46 [0.37, 0.56] reaches 0.40
+    # the rule by hand: upper bound of the policy ≥ lower bound of the uncompressed − tolerance
+    for k in range(0, 101, 5):
+        e = _made("retrieval", 0.1, k / 100, 100)
+        want = wilson_by_hand(k, 100)[1] >= wilson_by_hand(50, 100)[0] - 0.05 if k else \
+            wilson_by_hand(0, 100)[1] >= wilson_by_hand(50, 100)[0] - 0.05
+        assert big.within_tolerance(e, 0.05) == want, k
+    # random: every seed must pass; one seed at 10/100 fails the fraction
+    rnd = _curve(0.5, 100, [("random", 0.25, 0.45, 0), ("random", 0.25, 0.10, 1),
+                            ("random", 0.5, 0.48, 0), ("random", 0.5, 0.44, 1)])
+    assert rnd.smallest_within("random", 0.05).policy.fraction == 0.5
+    # loss keeps the point rule (it has no interval here)
+    loss = _curve(0.5, 4, [("retrieval", 0.25, 0.5, None, 2.2), ("retrieval", 0.5, 0.5, None, 2.04)])
+    assert loss.smallest_within("retrieval", 0.05, metric="loss").policy.fraction == 0.5
+    # no prompts: no accuracy decision
+    assert _curve(math.nan, 0, [("retrieval", 0.25, math.nan)]).smallest_within("retrieval", 1.0) is None
+
+
+def test_seed_bands_of_the_random_ranking_per_fraction():
+    curve = _curve(0.5, 4, [("random", 0.25, 0.25, 0), ("random", 0.25, 0.75, 1), ("random", 0.25, 0.5, 2),
+                            ("random", 0.5, 1.0, 0), ("random", 0.5, 0.5, 1), ("random", 0.5, 0.5, 2)])
+    bands = curve.seed_bands()
+    assert [b["fraction_full"] for b in bands] == [0.25, 0.5]
+    first = bands[0]
+    assert (first["n_seeds"], first["niah_accuracy_seed_mean"], first["niah_accuracy_seed_low"],
+            first["niah_accuracy_seed_high"]) == (3, pytest.approx(0.5), 0.25, 0.75)
+    # beside it, the pooled Wilson interval of the seeds' 12 prompts (6 answered)
+    assert first["niah_accuracy_pooled_n"] == 12
+    assert (first["niah_accuracy_pooled_low"], first["niah_accuracy_pooled_high"]) == pytest.approx(wilson_by_hand(6, 12))
+    assert _curve(0.5, 4, [("retrieval", 0.25, 0.25)]).seed_bands() == []
+
+
+def test_a_stored_curve_without_n_loads_with_the_curves_n_prompts(tmp_path):
+    """A curve record written before evaluations carried n: n comes from the curve's n_prompts."""
+    import headscope.analysis.kv_compression_sweep as kvs
+    from headscope.analysis.store import Store
+
+    store = Store(tmp_path / "store")
+    policy = {"sink_size": 4, "recent_size": 8, "ranking": "retrieval", "fraction": 0.5, "seed": None, "n_full": 2,
+              "full_share": 0.5, "full": [[1, 0], [1, 0]]}
+    old = {"policy": policy, "n_tokens": 100, "bytes": 60, "full_bytes": 100, "loss": 2.0, "agreement": 0.9,
+           "niah_accuracy": 0.25, "seconds": 1.0}
+    base = {**old, "policy": {**policy, "ranking": "all_full", "fraction": 1.0, "full": [[1, 1], [1, 1]]},
+            "niah_accuracy": 0.5}
+    store.put("c" * 64, kvs.CURVE_KIND, {"baseline": base, "evaluations": [old], "sink_size": 4, "recent_size": 8,
+                                         "n_texts": 1, "n_prompts": 4, "complete": True, "meta": {}}, {})
+    curve = kvs.load_curve(store, "c" * 64)
+    assert curve is not None and curve.evaluations[0].niah_n == 4 and curve.baseline.niah_n == 4
+    row = curve.rows()[0]
+    assert (row["niah_accuracy_n"], row["niah_accuracy_low"]) == (4, pytest.approx(wilson_by_hand(1, 4)[0]))
+    # saved again, n is in the record
+    kvs.save_curve(store, "d" * 64, curve)
+    assert store.get("d" * 64).meta["evaluations"][0]["niah_n"] == 4
+
+
+
+@pytest.mark.parametrize("forged", [{"niah_n": -1}, {"niah_n": "4"}, {"niah_n": True}, {"niah_n": 2.5},
+                                    {"niah_accuracy": 1.5}, {"niah_accuracy": -0.25}, {"n_prompts": -3}])
+def test_a_curve_record_with_a_forged_n_or_accuracy_is_no_curve(tmp_path, forged):
+    """A record whose n or accuracy cannot be a proportion is not read as a curve (the page says no curve
+    has that id) rather than failing when its interval is drawn."""
+    import headscope.analysis.kv_compression_sweep as kvs
+    from headscope.analysis.store import Store
+
+    store = Store(tmp_path / "store")
+    policy = {"sink_size": 4, "recent_size": 8, "ranking": "retrieval", "fraction": 0.5, "seed": None, "n_full": 2,
+              "full_share": 0.5, "full": [[1, 0], [1, 0]]}
+    evaluation = {"policy": policy, "n_tokens": 100, "bytes": 60, "full_bytes": 100, "loss": 2.0, "agreement": 0.9,
+                  "niah_accuracy": 0.25, "seconds": 1.0, "niah_n": 4}
+    meta = {"baseline": {**evaluation, "policy": {**policy, "ranking": "all_full"}},
+            "evaluations": [{**evaluation, **{k: v for k, v in forged.items() if k != "n_prompts"}}],
+            "sink_size": 4, "recent_size": 8, "n_texts": 1, "n_prompts": forged.get("n_prompts", 4),
+            "complete": True, "meta": {}}
+    if "n_prompts" in forged:
+        for e in (meta["baseline"], *meta["evaluations"]):
+            del e["niah_n"]
+    store.put("e" * 64, kvs.CURVE_KIND, meta, {})
+    assert kvs.load_curve(store, "e" * 64) is None

@@ -120,3 +120,19 @@ def test_pareto_figure_band_and_marks_are_the_curves_numbers(model, swept):
     stars = next(t for t in traces if t.name.startswith("smallest KV within"))
     assert sorted(stars.x) == sorted(e.memory.fraction for e in best.values())
     assert min(stars.x) == min(r["kv_fraction"] for r in rows if r["ranking"] in ("retrieval", "random"))
+
+
+def test_every_accuracy_of_a_stored_curve_rests_on_the_sweeps_prompts(model, swept):
+    """Each evaluation's NIAH accuracy carries n = the sweep's prompts, computed and read back alike."""
+    from headscope.analysis.intervals import wilson
+
+    store, result = swept
+    stored = kvs.compress_sweep(model, result, RANKINGS, [0.25, 0.5], seeds=[0, 1], sink_size=SINK,
+                                recent_size=RECENT, store=store)
+    n = len(result.trials)
+    back = kvs.load_curve(store, stored.key)
+    for curve in (stored.curve, back):
+        assert curve.n_prompts == n
+        for e in [curve.baseline, *curve.evaluations]:
+            want = wilson(round(e.niah_accuracy * n), n)
+            assert (e.niah_n, e.row()["niah_accuracy_low"], e.row()["niah_accuracy_high"]) == (n, want.low, want.high)
