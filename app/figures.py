@@ -847,15 +847,44 @@ COMPRESSION_COLOURS = {"retrieval": "#e4572e", "streaming": "#17bebb", "evidence
 COMPRESSION_METRICS = (("niah_accuracy", "NIAH accuracy"), ("loss", "mean loss"))
 
 
+def _accuracy_interval(row: dict[str, Any], name: str = "niah_accuracy") -> tuple[float | None, float | None, str]:
+    """``(minus, plus, text)`` of a row's accuracy interval columns (``name``, ``name_n``, ``_low``,
+    ``_high``): the error bar's lengths below and above the point and
+    :meth:`headscope.analysis.intervals.Proportion.text`; None and ``""`` where the row has no interval."""
+    from headscope.analysis.intervals import Proportion
+
+    value, n = row.get(name), row.get(f"{name}_n") or 0
+    low, high = row.get(f"{name}_low"), row.get(f"{name}_high")
+    if not n or any(v is None or not np.isfinite(v) for v in (value, low, high)):
+        return None, None, ""
+    return float(value) - float(low), float(high) - float(value), Proportion(round(value * n), n, low, high).text()
+
+
+def _error_bars(rows: Sequence[dict[str, Any]], name: str = "niah_accuracy") -> tuple[dict, list[str]]:
+    """Plotly ``error_y`` (asymmetric, from each row's interval columns) and each row's interval text."""
+    bars = [_accuracy_interval(r, name) for r in rows]
+    return ({"type": "data", "symmetric": False, "array": [b[1] for b in bars], "arrayminus": [b[0] for b in bars],
+             "thickness": 1.5, "width": 4}, [b[2] for b in bars])
+
+
 def compression_pareto(points: Sequence[dict[str, Any]], baseline: dict[str, Any], labels: dict[str, str],
-                       tolerance: float, best: dict[str, float | None], title: str) -> go.Figure:
+                       tolerance: float, best: dict[str, float | None], title: str,
+                       bands: Sequence[dict[str, Any]] = ()) -> go.Figure:
     """NIAH accuracy (top) and mean loss (bottom) against the share of the KV cache kept, one curve per
     ranking; random policies as a band (lowest to highest seed) around their mean; the uncompressed
-    model as a dashed line, the accuracy within ``tolerance`` of it shaded; per ranking, the smallest KV
-    fraction within the tolerance (``best[ranking]``, a KV fraction, or None) marked with a star.
+    model as a dashed line; per ranking, the smallest KV fraction within the tolerance (``best[ranking]``,
+    a KV fraction, or None) marked with a star.
+
+    Every NIAH accuracy has an error bar, its 95 % Wilson interval (the rows' ``niah_accuracy_low`` and
+    ``_high``; the hover text says it with its n); the random mean's bar is the pooled interval of its
+    seeds' prompts (``bands``: :meth:`headscope.analysis.kv_compression.CompressionCurve.seed_bands`). The
+    shading runs from the uncompressed interval's lower bound less ``tolerance`` to its upper bound: a
+    policy passes when its error bar reaches it or lies above it
+    (:meth:`headscope.analysis.kv_compression.CompressionCurve.within_tolerance`).
 
     ``points``: one dict per evaluated policy with ``ranking``, ``seed``, ``kv_fraction``,
-    ``niah_accuracy`` and ``loss``; ``baseline``: the uncompressed ``niah_accuracy`` and ``loss``.
+    ``niah_accuracy`` (and its ``_n``, ``_low``, ``_high``) and ``loss``; ``baseline``: the uncompressed
+    row.
     """
     from plotly.subplots import make_subplots
 
@@ -867,48 +896,39 @@ def compression_pareto(points: Sequence[dict[str, Any]], baseline: dict[str, Any
 
     rankings = list(dict.fromkeys(p["ranking"] for p in points))
     for row, (metric, label) in enumerate(COMPRESSION_METRICS, start=1):
+        accuracy = metric == "niah_accuracy"
         base = baseline.get(metric)
         if base is not None and np.isfinite(base):
-            if metric == "niah_accuracy" and tolerance > 0:
-                fig.add_hrect(y0=base - tolerance, y1=base, fillcolor="rgba(46,40,42,0.08)", line_width=0,
-                              row=row, col=1)
+            bars, texts = _error_bars([baseline]) if accuracy else (None, [""])
+            if accuracy:
+                low, high = baseline.get("niah_accuracy_low"), baseline.get("niah_accuracy_high")
+                low, high = (base, base) if low is None or not np.isfinite(low) else (low, high)
+                if tolerance > 0 or high > low:
+                    fig.add_hrect(y0=low - tolerance, y1=high, fillcolor="rgba(46,40,42,0.08)", line_width=0,
+                                  row=row, col=1)
             fig.add_hline(y=base, line={"color": "#2e282a", "dash": "dash", "width": 1}, row=row, col=1)
             # the uncompressed model as the curve's point at KV 1.0: a trace, so the axis range includes it
             # (a line alone does not, and a loss below every policy's fell outside the plot)
             fig.add_trace(go.Scatter(x=[1.0], y=[float(base)], mode="markers", name="uncompressed",
-                                     legendgroup="uncompressed", showlegend=row == 1,
+                                     legendgroup="uncompressed", showlegend=row == 1, error_y=bars,
+                                     text=[safe_text(t) for t in texts],
                                      marker={"symbol": "diamond", "size": 10, "color": "#2e282a"},
-                                     hovertemplate="uncompressed: %{y:.4f}<extra></extra>"), row, 1)
+                                     hovertemplate="uncompressed: %{y:.4f} %{text}<extra></extra>"), row, 1)
         for ranking in rankings:
             mine = sorted((p for p in points if p["ranking"] == ranking), key=lambda p: p["kv_fraction"])
             name = labels.get(ranking, ranking)
             if ranking == "random":
-                fractions = sorted({round(p["kv_fraction"], 12) for p in mine})
-                groups = [[p[metric] for p in mine if round(p["kv_fraction"], 12) == f] for f in fractions]
-                with np.errstate(all="ignore"):
-                    arrays = [np.asarray(g, dtype=float) for g in groups]
-                    lo = [float(np.nanmin(a)) if np.isfinite(a).any() else None for a in arrays]
-                    hi = [float(np.nanmax(a)) if np.isfinite(a).any() else None for a in arrays]
-                    mean = [float(np.nanmean(a)) if np.isfinite(a).any() else None for a in arrays]
-                n_seeds = max((len(g) for g in groups), default=0)
-                fig.add_trace(go.Scatter(x=fractions + fractions[::-1], y=hi + lo[::-1], fill="toself",
-                                         fillcolor="rgba(120,120,120,0.2)", line={"width": 0}, mode="lines",
-                                         name=f"{name}: {n_seeds} seeds, lowest to highest", legendgroup=ranking,
-                                         showlegend=row == 1, hoverinfo="skip"), row, 1)
-                fig.add_trace(go.Scatter(x=fractions, y=mean, mode="lines+markers", name=f"{name} (mean)",
-                                         legendgroup=ranking, showlegend=row == 1,
-                                         line={"color": "#555", "dash": "dot"},
-                                         hovertemplate=f"KV %{{x:.3f}}: %{{y:.4f}} ({safe_text(name)}, mean)"
-                                                       "<extra></extra>"), row, 1)
+                _random_band(fig, row, metric, mine, name, [b for b in bands if b.get("ranking") == ranking])
                 continue
             colour = COMPRESSION_COLOURS.get(ranking, "#444")
+            bars, texts = _error_bars(mine) if accuracy else (None, [""] * len(mine))
             fig.add_trace(go.Scatter(
                 x=[p["kv_fraction"] for p in mine], y=finite(p[metric] for p in mine), name=name,
                 mode="lines+markers" if len(mine) > 1 else "markers", legendgroup=ranking, showlegend=row == 1,
-                line={"color": colour, "width": 2.5}, marker={"color": colour, "size": 8},
-                customdata=[p.get("fraction_full") for p in mine],
-                hovertemplate=f"KV %{{x:.3f}} (groups full %{{customdata}}): %{{y:.4f}} ({safe_text(name)})"
-                              "<extra></extra>"), row, 1)
+                line={"color": colour, "width": 2.5}, marker={"color": colour, "size": 8}, error_y=bars,
+                customdata=[[p.get("fraction_full"), safe_text(t)] for p, t in zip(mine, texts, strict=True)],
+                hovertemplate=f"KV %{{x:.3f}} (groups full %{{customdata[0]}}): %{{y:.4f}} %{{customdata[1]}} "
+                              f"({safe_text(name)})<extra></extra>"), row, 1)
         stars = [(r, f) for r, f in best.items() if f is not None and r in rankings]
         if stars:
             ys = []
@@ -922,12 +942,45 @@ def compression_pareto(points: Sequence[dict[str, Any]], baseline: dict[str, Any
                 marker={"symbol": "star", "size": 16, "color": [COMPRESSION_COLOURS.get(r, "#555") for r, _ in stars],
                         "line": {"color": "#000", "width": 1}},
                 hovertemplate="%{text}: smallest KV within tolerance, %{x:.3f}<extra></extra>"), row, 1)
-        fig.update_yaxes(title=label, row=row, col=1, **({"range": [-0.05, 1.05]} if metric == "niah_accuracy" else {}))
+        fig.update_yaxes(title=label, row=row, col=1, **({"range": [-0.05, 1.05]} if accuracy else {}))
     fig.update_xaxes(title="KV cache kept (fraction of full)", range=[-0.02, 1.02], row=2, col=1)
     fig.update_layout(legend={"orientation": "h", "y": -0.18})
     fig = _layout(fig, safe_text(title), height=640)
     fig.update_layout(margin={"b": 120})
     return fig
+
+
+def _random_band(fig: go.Figure, row: int, metric: str, mine: Sequence[dict[str, Any]], name: str,
+                 bands: Sequence[dict[str, Any]]) -> None:
+    """The random ranking in one panel: the seed band (lowest to highest seed) at each KV fraction and the
+    seeds' mean, whose NIAH error bar is the pooled Wilson interval of ``bands`` (by KV fraction)."""
+    fractions = sorted({round(p["kv_fraction"], 12) for p in mine})
+    groups = [[p[metric] for p in mine if round(p["kv_fraction"], 12) == f] for f in fractions]
+    with np.errstate(all="ignore"):
+        arrays = [np.asarray(g, dtype=float) for g in groups]
+        lo = [float(np.nanmin(a)) if np.isfinite(a).any() else None for a in arrays]
+        hi = [float(np.nanmax(a)) if np.isfinite(a).any() else None for a in arrays]
+        mean = [float(np.nanmean(a)) if np.isfinite(a).any() else None for a in arrays]
+    n_seeds = max((len(g) for g in groups), default=0)
+    fig.add_trace(go.Scatter(x=fractions + fractions[::-1], y=hi + lo[::-1], fill="toself",
+                             fillcolor="rgba(120,120,120,0.2)", line={"width": 0}, mode="lines",
+                             name=f"{name}: {n_seeds} seeds, lowest to highest", legendgroup="random",
+                             showlegend=row == 1, hoverinfo="skip"), row, 1)
+    bars, texts = None, [""] * len(fractions)
+    if metric == "niah_accuracy" and bands:
+        by_x = {round(b["kv_fraction"], 12): b for b in bands}
+        pooled = [{k.replace("_pooled", ""): v for k, v in by_x.get(f, {}).items()} for f in fractions]
+        bars, texts = _error_bars(pooled)
+        texts = [f"seeds {_span(low, high)}; pooled {t}" if t else "" for t, low, high in zip(texts, lo, hi, strict=True)]
+    fig.add_trace(go.Scatter(x=fractions, y=mean, mode="lines+markers", name=f"{name} (mean)",
+                             legendgroup="random", showlegend=row == 1, error_y=bars,
+                             line={"color": "#555", "dash": "dot"}, text=[safe_text(t) for t in texts],
+                             hovertemplate=f"KV %{{x:.3f}}: %{{y:.4f}} ({safe_text(name)}, mean) %{{text}}"
+                                           "<extra></extra>"), row, 1)
+
+
+def _span(low: float | None, high: float | None) -> str:
+    return "—" if low is None or high is None else f"{low:.2f}–{high:.2f}"
 
 
 def policy_map(full: np.ndarray, title: str) -> go.Figure:

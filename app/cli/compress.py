@@ -104,31 +104,44 @@ def _check_compress_args(args) -> None:
 
 
 def compression_table(summary: dict) -> list[str]:
-    """The rows of a compression evaluation's ``summary.json`` as a readable table."""
+    """The rows of a compression evaluation's ``summary.json`` as a readable table: each NIAH accuracy with
+    its 95 % Wilson interval and n, the random ranking's seed band per fraction, and per ranking the
+    smallest KV fraction within the tolerance (decided on the intervals) with the n it rests on."""
+    from headscope.app.views.compress import decision_text
+
     def num(x, fmt):
         return "—" if x is None or x != x else format(x, fmt)
+
+    def niah(r):
+        if not r.get("niah_accuracy_n"):
+            return num(r["niah_accuracy"], ".2f")
+        return f"{r['niah_accuracy']:.2f} [{r['niah_accuracy_low']:.2f}, {r['niah_accuracy_high']:.2f}]"
 
     b = summary["baseline"]
     lines = [f"KV cache policies on {summary['model']}: streaming groups keep S={summary['sink_size']} sinks + "
              f"W={summary['recent_size']} recent tokens; KV memory for {b['kv_tokens']:,} tokens "
              f"(full: {b['kv_full_bytes'] / 2**20:.1f} MiB); loss and agreement on {summary['n_texts']} text(s), "
              f"NIAH accuracy on {summary['n_prompts']} prompt(s)"]
-    head = ("ranking", "seed", "full", "KV frac", "KV MiB", "loss", "agree", "NIAH")
+    head = ("ranking", "seed", "full", "KV frac", "KV MiB", "loss", "agree", "NIAH [95% CI]", "n")
     rows = [("uncompressed", "", "1.00", "1.000", f"{b['kv_bytes'] / 2**20:.1f}", num(b["loss"], ".4f"),
-             num(b["agreement"], ".3f"), num(b["niah_accuracy"], ".3f"))]
+             num(b["agreement"], ".3f"), niah(b), str(b.get("niah_accuracy_n") or 0))]
     for r in summary["rows"]:
         rows.append((r["ranking"], "" if r["seed"] is None else str(r["seed"]), f"{r['fraction_full']:.2f}",
                      f"{r['kv_fraction']:.3f}", f"{r['kv_bytes'] / 2**20:.1f}", num(r["loss"], ".4f"),
-                     num(r["agreement"], ".3f"), num(r["niah_accuracy"], ".3f")))
+                     num(r["agreement"], ".3f"), niah(r), str(r.get("niah_accuracy_n") or 0)))
     widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
     for row in [head, *rows]:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths,
                                                                                                     strict=True))))
+    for band in summary.get("seed_bands", []):
+        lines.append(f"{band['ranking']} at fraction full {band['fraction_full']:.2f}: NIAH over {band['n_seeds']} "
+                     f"seeds mean {num(band['niah_accuracy_seed_mean'], '.2f')}, lowest "
+                     f"{num(band['niah_accuracy_seed_low'], '.2f')}, highest {num(band['niah_accuracy_seed_high'], '.2f')}")
     tol = summary["tolerance"]
     for ranking, best in summary["smallest_within_tolerance"].items():
-        where = "none" if best is None else (f"KV fraction {best['kv_fraction']:.3f} (fraction full "
-                                             f"{best['fraction_full']:.2f})")
-        lines.append(f"smallest KV within {tol * 100:g} NIAH points of full, {ranking}: {where}")
+        lines.append(decision_text(ranking, tol, best, summary["n_prompts"]))
+    lines.append("within tolerance: a policy's 95 % interval reaches the uncompressed one's lower bound less the "
+                 "tolerance (random: every seed's)")
     if not summary["complete"]:
         lines.append("cancelled: the table holds the policies that finished")
     return lines
@@ -211,6 +224,9 @@ def cmd_compress(args) -> int:
         "rows": [{k: finite(v) for k, v in r.items()} for r in rows],
         "smallest_within_tolerance": {r: (None if e is None else {k: finite(v) for k, v in e.row().items()})
                                       for r, e in best.items()},
+        "tolerance_rule": "niah_accuracy_high >= uncompressed niah_accuracy_low - tolerance (95 % Wilson "
+                          "intervals; random: every seed)",
+        "seed_bands": [{k: finite(v) for k, v in band.items()} for band in curve.seed_bands()],
         "exported": None if chosen is None else {"folder": str(pattern), **chosen.row()},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -56,6 +56,7 @@ from headscope.app.views.compress import (
     chosen_evaluation,
     compress_params,
     curve_rows,
+    decision_text,
     parse_pick,
     pick_text,
     smallest_within,
@@ -70,7 +71,9 @@ NO_POLICY = empty_figure("The chosen policy's map appears here.")
 DEFAULT_TOL_POINTS = round(DEFAULT_TOLERANCE * 100)
 TABLE_COLUMNS = [("ranking", "ranking"), ("seed", "seed"), ("fraction_full", "groups full"),
                  ("n_full_groups", "full groups"), ("kv_fraction", "KV kept"), ("kv_mib", "KV MiB"),
-                 ("loss", "mean loss"), ("agreement", "next-token agreement"), ("niah_accuracy", "NIAH accuracy")]
+                 ("loss", "mean loss"), ("agreement", "next-token agreement"), ("niah_accuracy", "NIAH accuracy"),
+                 ("niah_interval", "NIAH 95 % interval (Wilson)"), ("niah_n", "NIAH n (prompts)"),
+                 ("niah_seed_band", "random: seeds' mean, lowest–highest")]
 MAX_FRACTIONS = 12
 
 
@@ -141,8 +144,8 @@ def layout(**_query) -> html.Div:
         html.Div(id=ids.KV_INFO, className="hs-run-info"),
         html.Div([
             html.Div([
-                html.Label("Tolerance (NIAH points below full): the smallest KV fraction within it is starred",
-                           htmlFor=ids.KV_TOLERANCE),
+                html.Label("Tolerance (NIAH points below full): the smallest KV fraction whose 95 % interval reaches "
+                           "the uncompressed interval's lower bound less this is starred", htmlFor=ids.KV_TOLERANCE),
                 dcc.Input(id=ids.KV_TOLERANCE, type="number", min=0, max=100, step=1, value=DEFAULT_TOL_POINTS,
                           debounce=True, className="hs-number"),
             ], className="hs-options"),
@@ -176,14 +179,23 @@ def _num(value, fmt: str) -> str:
 
 
 def table_rows(curve) -> list[dict]:
-    """The table's cells as the page shows them (the export's data.csv has every digit)."""
+    """The table's cells as the page shows them (the export's data.csv has every digit): each NIAH accuracy
+    with its Wilson interval and n, and each random row with its fraction's seed band."""
+    bands = {b["fraction_full"]: b for b in curve.seed_bands()}
     out = []
     for r in curve_rows(curve):
+        band = bands.get(r["fraction_full"]) if r["ranking"] == "random" else None
         out.append({"ranking": r["ranking"], "seed": "" if r["seed"] is None else str(r["seed"]),
                     "fraction_full": _num(r["fraction_full"], ".2f"), "n_full_groups": r["n_full_groups"],
                     "kv_fraction": _num(r["kv_fraction"], ".4f"), "kv_mib": _num(r["kv_bytes"] / 2**20, ".2f"),
                     "loss": _num(r["loss"], ".4f"), "agreement": _num(r["agreement"], ".4f"),
-                    "niah_accuracy": _num(r["niah_accuracy"], ".3f")})
+                    "niah_accuracy": _num(r["niah_accuracy"], ".3f"),
+                    "niah_interval": "—" if not r["niah_accuracy_n"] else
+                    f"[{r['niah_accuracy_low']:.2f}, {r['niah_accuracy_high']:.2f}]",
+                    "niah_n": r["niah_accuracy_n"],
+                    "niah_seed_band": "" if band is None else
+                    f"{_num(band['niah_accuracy_seed_mean'], '.2f')}, {_num(band['niah_accuracy_seed_low'], '.2f')}–"
+                    f"{_num(band['niah_accuracy_seed_high'], '.2f')} ({band['n_seeds']} seeds)"})
     return out
 
 
@@ -191,12 +203,14 @@ def _info(curve, tolerance: float) -> list:
     b = curve.baseline
     parts = [html.Span(f"{curve.meta.get('model_name', '')}: {curve.n_prompts} NIAH prompt(s), loss on "
                        f"{curve.n_texts} text(s); KV for {b.memory.n_tokens:,} tokens, full "
-                       f"{b.memory.full_bytes / 2**20:.2f} MiB; uncompressed NIAH {_num(b.niah_accuracy, '.3f')}, "
-                       f"loss {_num(b.loss, '.4f')}.")]
+                       f"{b.memory.full_bytes / 2**20:.2f} MiB; uncompressed NIAH "
+                       f"{b.niah.text() if b.niah.n else '—'}, loss {_num(b.loss, '.4f')}.")]
     for r, e in smallest_within(curve, tolerance).items():
-        where = "none" if e is None else f"KV {e.memory.fraction:.3f} (groups full {e.policy.fraction:g})"
-        parts.append(html.Div(f"Smallest KV within {tolerance * 100:g} NIAH points of full, {RANKING_LABELS[r]}: "
-                              f"{where}", className="hs-kv-best"))
+        parts.append(html.Div(decision_text(RANKING_LABELS[r], tolerance, None if e is None else e.row(),
+                                            curve.n_prompts), className="hs-kv-best"))
+    parts.append(html.Div("Within tolerance: the policy's 95 % interval reaches the uncompressed one's lower bound "
+                          "less the tolerance (for random, every seed's); loss is compared as points.",
+                          className="hs-hint"))
     if not curve.complete:
         parts.append(html.Div("Cancelled: the curve holds the policies that finished.", className="hs-hint"))
     return parts
@@ -247,7 +261,7 @@ def render(search):
     except InputError as e:
         problems.append(str(e))
         policy, chosen = NO_POLICY, None
-    options = [{"label": f"{pick_text(e)}  (KV {e.memory.fraction:.3f}, NIAH {_num(e.niah_accuracy, '.3f')})",
+    options = [{"label": f"{pick_text(e)}  (KV {e.memory.fraction:.3f}, NIAH {e.niah.text() if e.niah.n else '—'})",
                 "value": pick_text(e)} for e in curve.evaluations]
     meta = curve.meta
     form = {"sweep": (meta.get("sweep") or "")[:16], "rankings": list(meta.get("rankings", [])),
@@ -263,20 +277,26 @@ def render(search):
 
 @callback(
     Output(url_id(PREFIX), "search", allow_duplicate=True),
+    Output(ids.ERROR, "children", allow_duplicate=True),
     Input(ids.KV_TOLERANCE, "value"),
     State(url_id(PREFIX), "search"),
     prevent_initial_call=True,
 )
 def set_tolerance(points, search):
-    """A new tolerance (whole NIAH points, 0–100; the box's range is checked at the request) redraws the marks."""
+    """A new tolerance (whole NIAH points, 0–100, checked here: a request need not come from the box)
+    redraws the marks; anything else is a message and the URL stays."""
     if points is None:
         raise PreventUpdate  # an empty box, or a value the browser refused
+    try:
+        points = whole_number(points, "The tolerance (NIAH points below full)", 0, 100)
+    except InputError as e:
+        return no_update, message(str(e))
     state = parse(search)
-    new = None if int(points) == DEFAULT_TOL_POINTS else int(points)
+    new = None if points == DEFAULT_TOL_POINTS else points
     if new == state.tol:
         raise PreventUpdate
     state.tol = new
-    return state.to_search()
+    return state.to_search(), ""
 
 
 @callback(

@@ -75,7 +75,8 @@ def parse_pick(text: Any) -> tuple[str, float | None, int | None]:
 
 def default_pick(curve: CompressionCurve, tolerance: float) -> PolicyEvaluation | None:
     """The policy shown when none is chosen, as ``headscope compress`` exports it: the first score
-    ranking's smallest policy within the tolerance, else its largest."""
+    ranking's smallest policy within the tolerance (decided on the NIAH intervals:
+    :meth:`headscope.analysis.kv_compression.CompressionCurve.within_tolerance`), else its largest."""
     rankings = curve.meta.get("rankings") or list(dict.fromkeys(e.policy.ranking for e in curve.evaluations))
     named = [r for r in rankings if r not in ("random", *ENDS)] or list(rankings)
     if not named:
@@ -99,9 +100,29 @@ def chosen_evaluation(curve: CompressionCurve, pick: Any, tolerance: float) -> P
 
 
 def smallest_within(curve: CompressionCurve, tolerance: float) -> dict[str, PolicyEvaluation | None]:
-    """Per ranking of the curve (but all full), the smallest-KV policy within ``tolerance`` NIAH accuracy of full."""
+    """Per ranking of the curve (but all full), the smallest-KV policy within ``tolerance`` NIAH accuracy of
+    full, decided on the 95 % intervals
+    (:meth:`headscope.analysis.kv_compression.CompressionCurve.within_tolerance`)."""
     rankings = list(dict.fromkeys(e.policy.ranking for e in curve.evaluations))
     return {r: curve.smallest_within(r, tolerance) for r in rankings if r != "all_full"}
+
+
+def decision_text(label: str, tolerance: float, best: dict[str, Any] | None, n_prompts: int) -> str:
+    """The sentence that states one ranking's smallest KV fraction within ``tolerance`` and the n it rests
+    on, from the policy's row (:meth:`headscope.analysis.kv_compression.PolicyEvaluation.row`; None: no
+    policy passes). The page and ``headscope compress`` print it."""
+    head = f"Smallest KV within {tolerance * 100:g} NIAH points of full, {label}: "
+    tail = f" on n = {n_prompts} prompt{'' if n_prompts == 1 else 's'}"
+    if best is None:
+        return head + "none" + tail
+    from headscope.analysis.intervals import Proportion
+
+    n = best.get("niah_accuracy_n") or 0
+    accuracy = "—" if not n else Proportion(round(best["niah_accuracy"] * n), n, best["niah_accuracy_low"],
+                                            best["niah_accuracy_high"]).text().rsplit(" n=", 1)[0]
+    seeds = "" if best.get("seed") is None else ", every seed"
+    return (head + f"KV {best['kv_fraction']:.3f} (groups full {best['fraction_full']:g}), NIAH {accuracy}{seeds}"
+            + tail)
 
 
 def curve_rows(curve: CompressionCurve) -> Rows:
@@ -124,14 +145,18 @@ def compression_pareto_view(run: None, params: dict[str, Any]) -> tuple[go.Figur
     tolerance = check_tolerance(params.get("tolerance", DEFAULT_TOLERANCE))
     rows = curve.rows()
     best = smallest_within(curve, tolerance)
+    bands = curve.seed_bands()
     fig = figures.compression_pareto(rows, curve.baseline.row(), RANKING_LABELS, tolerance,
                                      {r: None if e is None else e.memory.fraction for r, e in best.items()},
-                                     _title(curve, "KV cache kept against accuracy"))
+                                     _title(curve, "KV cache kept against accuracy"), bands)
     out = curve_rows(curve)
+    out.extend({**b, "seed": "seed band"} for b in bands)
     for r, e in best.items():
+        niah = {} if e is None else {k: v for k, v in e.row().items() if k.startswith("niah_accuracy")}
         out.append({"ranking": r, "seed": "smallest within tolerance", "tolerance": tolerance,
                     "kv_fraction": None if e is None else e.memory.fraction,
-                    "fraction_full": None if e is None else e.policy.fraction})
+                    "fraction_full": None if e is None else e.policy.fraction, **niah,
+                    "n_prompts": curve.n_prompts})
     return fig, out
 
 
@@ -144,7 +169,7 @@ def compression_policy_view(run: None, params: dict[str, Any]) -> tuple[go.Figur
     p = e.policy
     seed = "" if p.seed is None else f" seed {p.seed}"
     title = (f"{RANKING_LABELS[p.ranking]}{seed}: {p.n_full} of {p.full.size} KV groups full, KV kept "
-             f"{e.memory.fraction:.3f}, NIAH {e.niah_accuracy:.3f}, loss {e.loss:.4f}")
+             f"{e.memory.fraction:.3f}, NIAH {e.niah.text() if e.niah.n else 'none'}, loss {e.loss:.4f}")
     fig = figures.policy_map(p.full, title)
     rows: Rows = [{"layer": la, "kv_head": g, "full": int(p.full[la, g]), "ranking": p.ranking, "seed": p.seed,
                    "fraction_full": p.fraction, "sink_size": p.sink_size, "recent_size": p.recent_size}

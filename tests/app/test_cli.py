@@ -741,7 +741,7 @@ def test_compress_prints_the_policy_table_and_writes_a_pattern_folder(tmp_path, 
     assert rows["retrieval"]["kv_fraction"] == pytest.approx((45 * n + 45 * 80) / (90 * n))
     assert rows["all_streaming"]["loss"] > base["loss"] and rows["all_streaming"]["agreement"] < 1.0
     lines = printed.splitlines()
-    assert lines[1].split() == ["ranking", "seed", "full", "KV", "frac", "KV", "MiB", "loss", "agree", "NIAH"]
+    assert lines[1].split() == ["ranking", "seed", "full", "KV", "frac", "KV", "MiB", "loss", "agree", "NIAH", "[95%", "CI]", "n"]
     assert lines[2].split()[0] == "uncompressed" and f"{base['loss']:.4f}" in lines[2]
     assert any(line.startswith("retrieval ") and f"{rows['retrieval']['kv_fraction']:.3f}" in line for line in lines)
     assert lines[-1] == f"results in {out}"
