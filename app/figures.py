@@ -905,8 +905,10 @@ def compression_pareto(points: Sequence[dict[str, Any]], baseline: dict[str, Any
                 low, high = (base, base) if low is None or not np.isfinite(low) else (low, high)
                 if tolerance > 0 or high > low:
                     fig.add_hrect(y0=low - tolerance, y1=high, fillcolor="rgba(46,40,42,0.08)", line_width=0,
-                                  row=row, col=1)
-            fig.add_hline(y=base, line={"color": "#2e282a", "dash": "dash", "width": 1}, row=row, col=1)
+                                  row=row, col=1, exclude_empty_subplots=False)
+            # drawn before the panel has traces: plotly skips an empty subplot unless told not to
+            fig.add_hline(y=base, line={"color": "#2e282a", "dash": "dash", "width": 1}, row=row, col=1,
+                          exclude_empty_subplots=False)
             # the uncompressed model as the curve's point at KV 1.0: a trace, so the axis range includes it
             # (a line alone does not, and a loss below every policy's fell outside the plot)
             fig.add_trace(go.Scatter(x=[1.0], y=[float(base)], mode="markers", name="uncompressed",

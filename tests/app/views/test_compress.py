@@ -68,3 +68,17 @@ def test_the_pareto_figure_draws_each_accuracys_wilson_interval_and_the_decision
         "Smallest KV within 5 NIAH points of full, Retrieval: KV 0.250 (groups full 0.25), NIAH 0.25 [0.05, 0.70] on "
         "n = 4 prompts")
     assert decision_text("Retrieval", 0.05, None, 1) == "Smallest KV within 5 NIAH points of full, Retrieval: none on n = 1 prompt"
+
+
+def test_the_pareto_figure_shades_the_uncompressed_interval_less_the_tolerance_and_draws_its_line():
+    from headscope.analysis.intervals import wilson
+    from headscope.analysis.kv_compression_choices import RANKING_LABELS
+    from headscope.app.figures import compression_pareto
+
+    curve = CompressionCurve([_with_accuracy("retrieval", 0.25, 1, 4)], _with_accuracy("all_full", 1.0, 2, 4), 4, 8, 1, 4)
+    fig = compression_pareto(curve.rows(), curve.baseline.row(), RANKING_LABELS, 0.05, {}, "t")
+    rects = [s for s in fig.layout.shapes if s.type == "rect"]
+    lines = [s for s in fig.layout.shapes if s.type == "line"]
+    base = wilson(2, 4)
+    assert len(rects) == 1 and (rects[0].y0, rects[0].y1) == pytest.approx((base.low - 0.05, base.high))
+    assert sorted(s.y0 for s in lines) == pytest.approx(sorted([0.5, curve.baseline.loss]))  # both panels
