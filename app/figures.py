@@ -10,10 +10,13 @@ from __future__ import annotations
 import html
 import textwrap
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import plotly.graph_objects as go
+
+if TYPE_CHECKING:
+    from headscope.analysis.intervals import Proportion, SeedBand
 
 FONT = "Inter, system-ui, -apple-system, Segoe UI, sans-serif"
 COLORSCALE = "Viridis"
@@ -469,18 +472,31 @@ def head_scatter(x: np.ndarray, y: np.ndarray, x_label: str, y_label: str) -> go
     return _layout(fig, f"{y_label} vs {x_label}, one dot per head", height=420)
 
 
-def niah_grid(accuracy: np.ndarray, lengths: Sequence[int], depths: Sequence[float]) -> go.Figure:
-    """Needle-in-a-haystack accuracy, context length × needle depth (blank where no trial finished)."""
+def niah_grid(accuracy: np.ndarray, lengths: Sequence[int], depths: Sequence[float],
+              cells: Sequence[Sequence[Proportion]] | None = None) -> go.Figure:
+    """Needle-in-a-haystack accuracy, context length × needle depth (blank where no trial finished).
+
+    ``cells`` (``[length][depth]``, e.g. :meth:`~headscope.analysis.retrieval.RetrievalSweep.accuracy_intervals`):
+    each cell's answered of n and 95 % Wilson interval, written in the cell and its hover text."""
     acc = np.asarray(accuracy, dtype=float)
+    text = [[("" if not np.isfinite(v) else f"{v:.0%}") for v in row] for row in acc]
+    hover = "accuracy %{z:.2f}"
+    custom = None
+    if cells is not None:
+        text = [[t + (f"<br>{p.successes}/{p.n}" if t and p.n else "") for t, p in zip(trow, prow, strict=True)]
+                for trow, prow in zip(text, cells, strict=True)]
+        custom = [[f"{p.successes} of {p.n} answered: {p.text()} (95 % Wilson)" if p.n else "no trial finished"
+                   for p in prow] for prow in cells]
+        hover = "%{customdata}"
     fig = go.Figure(
         go.Heatmap(
             z=np.where(np.isfinite(acc), acc, None).tolist(),
             x=[f"{d:g}%" for d in depths], y=[str(n) for n in lengths],
             colorscale="RdYlGn", zmin=0, zmax=1,
-            text=[[("" if not np.isfinite(v) else f"{v:.0%}") for v in row] for row in acc],
+            text=text, customdata=custom,
             texttemplate="%{text}",
             colorbar={"title": {"text": "accuracy", "side": "right"}, "thickness": 12},
-            hovertemplate="length %{y} tokens, depth %{x}<br>accuracy %{z:.2f}<extra></extra>",
+            hovertemplate="length %{y} tokens, depth %{x}<br>" + hover + "<extra></extra>",
         )
     )
     fig.update_xaxes(title="needle depth", type="category")
@@ -625,9 +641,14 @@ def loss_change(tokens: Sequence[str], clean: np.ndarray, ablated: np.ndarray, t
 
 
 def topk_curve(k_values: Sequence[int], top: np.ndarray, random: np.ndarray, metric_label: str,
-               title: str, outside_top: int | None = None) -> go.Figure:
-    """Metric against k: the top-k heads by a score, and k random heads (each seed faint, mean ± std).
+               title: str, outside_top: int | None = None, *, top_ci: Sequence[Proportion] = (),
+               random_ci: Sequence[Proportion] = (), random_band: Sequence[SeedBand] = ()) -> go.Figure:
+    """Metric against k: the top-k heads by a score, and k random heads (each seed faint).
 
+    A loss curve's random control is drawn as its mean ± std over seeds. An accuracy curve passes its
+    intervals (:meth:`~headscope.analysis.ablation_curve.TopkCurve.top_accuracy`, ``random_pooled``,
+    ``random_band``): the top-k line gets 95 % Wilson error bars over its prompts, the random mean the
+    pooled Wilson interval of all seeds' prompts, and the shaded band is the lowest to the highest seed.
     ``outside_top``: the random heads were drawn from outside the top N by the score; the legend
     says so (None: a curve stored before the control's N was a setting, drawn as it was)."""
     k = list(k_values)
@@ -641,19 +662,43 @@ def topk_curve(k_values: Sequence[int], top: np.ndarray, random: np.ndarray, met
     if len(random):
         with np.errstate(all="ignore"):
             mean, std = np.nanmean(random, 0), np.nanstd(random, 0)
-        fig.add_trace(go.Scatter(x=k + k[::-1], y=np.concatenate([mean + std, (mean - std)[::-1]]).tolist(),
+        if random_band:
+            low, high = np.array([b.low for b in random_band]), np.array([b.high for b in random_band])
+            band_name = f"random: lowest to highest of {len(random)} seeds"
+        else:
+            low, high, band_name = mean - std, mean + std, "random ± std"
+        fig.add_trace(go.Scatter(x=k + k[::-1], y=_finite(np.concatenate([high, low[::-1]])),
                                  fill="toself", fillcolor="rgba(120,120,120,0.15)", line={"width": 0}, mode="lines",
-                                 name="random ± std", hoverinfo="skip"))
-        fig.add_trace(go.Scatter(x=k, y=np.where(np.isfinite(mean), mean, None).tolist(), mode="lines+markers",
-                                 line={"color": "#555", "dash": "dash"}, name=f"{rand} (mean)",
-                                 hovertemplate="k=%{x}: %{y:.3f} (random, mean)<extra></extra>"))
-    fig.add_trace(go.Scatter(x=k, y=np.where(np.isfinite(top), top, None).tolist(), mode="lines+markers",
+                                 name=band_name, hoverinfo="skip"))
+        fig.add_trace(go.Scatter(x=k, y=_finite(mean), mode="lines+markers", line={"color": "#555", "dash": "dash"},
+                                 name=f"{rand} (mean)", **_interval_bars(random_ci, "random, mean",
+                                                                         "pooled over all seeds' prompts")))
+    fig.add_trace(go.Scatter(x=k, y=_finite(np.asarray(top, dtype=float)), mode="lines+markers",
                              line={"color": "#e4572e", "width": 3}, name="top-k heads",
-                             hovertemplate="k=%{x}: %{y:.3f} (top)<extra></extra>"))
+                             **_interval_bars(top_ci, "top", "over the prompts")))
     fig.update_xaxes(title="k (heads ablated)", tickvals=k)
     fig.update_yaxes(title=metric_label)
+    if top_ci:
+        fig.update_yaxes(range=[-0.05, 1.05])
     fig.update_layout(legend={"orientation": "h", "y": -0.25})
     return _layout(fig, safe_text(title), height=400)
+
+
+def _finite(values: np.ndarray) -> list:
+    return np.where(np.isfinite(values), values, None).tolist()
+
+
+def _interval_bars(intervals: Sequence[Proportion], what: str, over: str) -> dict[str, Any]:
+    """A line's hover text, and with ``intervals`` its asymmetric error bars (95 % Wilson) and their
+    text in the hover; without, the hover a loss curve has always had."""
+    if not intervals:
+        return {"hovertemplate": f"k=%{{x}}: %{{y:.3f}} ({what})<extra></extra>"}
+    minus = [p.value - p.low if p.n else None for p in intervals]
+    plus = [p.high - p.value if p.n else None for p in intervals]
+    return {"error_y": {"type": "data", "symmetric": False, "array": plus, "arrayminus": minus, "thickness": 1.5,
+                        "width": 4},
+            "customdata": [p.text() if p.n else "not measured" for p in intervals],
+            "hovertemplate": f"k=%{{x}} ({what}): %{{customdata}}<br>95 % Wilson interval {over}<extra></extra>"}
 
 
 PATCHING_SCALE = "RdBu"

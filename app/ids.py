@@ -54,6 +54,7 @@ HEADS_NIAH = "hs-heads-niah"
 HEADS_TRIALS = "hs-heads-trials"
 HEADS_STEPS = "hs-heads-steps"
 HEADS_INFO = "hs-heads-info"
+HEADS_ACCURACY = "hs-heads-accuracy"  # the sweep's NIAH accuracy with n and its 95 % interval (a chip)
 HEADS_CUSTOM_HAYSTACK = "hs-heads-custom-haystack"
 HEADS_HAYSTACK_UPLOAD = "hs-heads-haystack-upload"
 HEADS_CUSTOM_NEEDLES = "hs-heads-custom-needles"

@@ -85,6 +85,9 @@ def ablation_table(summary: dict) -> list[str]:
         n = summary["niah"]
         rows.append((f"NIAH accuracy ({n['n_prompts']} prompts)", f"{n['accuracy_clean']:.3f}",
                      f"{n['accuracy_ablated']:.3f}", f"{n['accuracy_ablated'] - n['accuracy_clean']:+.3f}"))
+        if "accuracy_clean_low" in n:
+            rows.append(("  95 % Wilson interval", _interval(n, "accuracy_clean"), _interval(n, "accuracy_ablated"),
+                         ""))
     if rows:
         width = max(len(r[0]) for r in rows)
         cols = [max(len(r[i]) for r in rows + [("", "clean", "ablated", "change")]) for i in (1, 2, 3)]
@@ -96,14 +99,39 @@ def ablation_table(summary: dict) -> list[str]:
             shown = repr(t[f"continuation_{which}"])
             lines.append(f"continuation, {which + ':':<8} {shown if len(shown) <= 80 else shown[:77] + '...'}")
     if "curve" in summary:
-        c = summary["curve"]
-        outside = f" from outside the top {c['random_outside_top']}" if c.get("random_outside_top") else ""
-        lines.append(f"top-k vs random curve: {c['metric']} with the top k heads by {c['by_label']} ablated, "
-                     f"and k random heads{outside} ({c['n_seeds']} sets)")
+        lines += _curve_table(summary["curve"])
+    return lines
+
+
+def _interval(numbers: dict, name: str) -> str:
+    """``[low, high]`` of ``name``'s interval columns."""
+    return f"[{numbers[f'{name}_low']:.3f}, {numbers[f'{name}_high']:.3f}]"
+
+
+def _curve_table(c: dict) -> list[str]:
+    """The curve of ``summary.json`` as table lines: a loss curve's random control as mean ± std over
+    seeds; an accuracy curve's points with their 95 % Wilson intervals (the random control's pooled over
+    all seeds' prompts) and the lowest and highest seed."""
+    outside = f" from outside the top {c['random_outside_top']}" if c.get("random_outside_top") else ""
+    n = f" on {c['n_prompts']} prompts" if c.get("n_prompts") else ""
+    lines = [f"top-k vs random curve: {c['metric']}{n} with the top k heads by {c['by_label']} ablated, "
+             f"and k random heads{outside} ({c['n_seeds']} sets)"]
+    if not c.get("n_prompts"):
         lines.append(f"{'k':>5}  {'top-k':>10}  {'random mean':>12}  {'± std':>8}")
         for k, top, mean, std in zip(c["k"], c["top"], c["random_mean"], c["random_std"], strict=True):
             lines.append(f"{k:>5}  {top:>10.4f}  {mean:>12.4f}  {std:>8.4f}")
+        return lines
+    lines.append(f"{'k':>5}  {'top-k':>6}  {'95 % Wilson':>14}  {'random':>6}  {'95 % Wilson (all seeds)':>23}  "
+                 f"{'seeds low-high':>14}")
+    for j, k in enumerate(c["k"]):
+        lines.append(f"{k:>5}  {c['top'][j]:>6.3f}  {_pair(c['top_low'][j], c['top_high'][j]):>14}  "
+                     f"{c['random_pooled'][j]:>6.3f}  {_pair(c['random_pooled_low'][j], c['random_pooled_high'][j]):>23}"
+                     f"  {_pair(c['random_seed_low'][j], c['random_seed_high'][j]):>14}")
     return lines
+
+
+def _pair(low, high) -> str:
+    return "-" if low is None or high is None or low != low or high != high else f"[{low:.3f}, {high:.3f}]"
 
 
 def _prepared(model, args, heads, store, reference):
@@ -136,8 +164,22 @@ def _niah_accuracy(model, spec, result, needles, lengths, depths) -> dict:
         bar(0.5)
         ablated = retrieval_accuracy(model, prompts, ablation_hooks(model, spec))
     return {"sweep": result.key, "needles": [n.id for n in needles], "lengths": lengths, "depths": depths,
-            "n_prompts": len(prompts), "accuracy_clean": clean.accuracy, "accuracy_ablated": ablated.accuracy,
-            "responses_ablated": ablated.responses}
+            "n_prompts": len(prompts), **clean.proportion().columns("accuracy_clean"),
+            **ablated.proportion().columns("accuracy_ablated"), "responses_ablated": ablated.responses}
+
+
+def _curve_intervals(curve) -> dict:
+    """An accuracy curve's n and 95 % intervals for ``summary.json`` (a loss curve has none): per k, the
+    top-k Wilson interval; the random control's prompts of all seeds pooled, with its Wilson interval;
+    and its seed band (lowest and highest seed)."""
+    if curve.n_prompts is None:
+        return {}
+    top, pooled, band = curve.top_accuracy(), curve.random_pooled(), curve.random_band()
+    return {"n_prompts": curve.n_prompts, "top_n": [p.n for p in top], "top_low": [p.low for p in top],
+            "top_high": [p.high for p in top], "random_pooled": [p.value for p in pooled],
+            "random_pooled_n": [p.n for p in pooled], "random_pooled_low": [p.low for p in pooled],
+            "random_pooled_high": [p.high for p in pooled], "random_seed_low": [b.low for b in band],
+            "random_seed_high": [b.high for b in band], "interval": "95 % Wilson score; seed band: lowest-highest seed"}
 
 
 def cmd_ablate(args) -> int:
@@ -221,7 +263,7 @@ def cmd_ablate(args) -> int:
                             "random_mean": curve.random_mean.tolist(), "random_std": curve.random_std.tolist(),
                             "metric": meta["metric_label"], "by_label": by_label, "n_seeds": len(seeds),
                             "random_outside_top": curve.outside_top,
-                            "top_heads": format_heads(curve.order[: max(curve.k_values)])}
+                            "top_heads": format_heads(curve.order[: max(curve.k_values)]), **_curve_intervals(curve)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     for line in ablation_table(summary):
         print(line)

@@ -752,11 +752,13 @@ def run_curve(set_progress, n_clicks, ks_text, n_seeds, control_top, metric, sea
     except ValueError as e:
         return no_update, str(e)
     state.curve = key[:16]
-    top_k = curve.top[-1]
-    rand = curve.random_mean[-1] if seeds else float("nan")
+    top_k, rand = f"{curve.top[-1]:.3f}", f"{curve.random_mean[-1] if seeds else float('nan'):.3f}"
+    if curve.n_prompts is not None:  # an accuracy: n and the 95 % Wilson interval (the random control's pooled)
+        top_k = curve.top_accuracy()[-1].text()
+        rand = curve.random_pooled()[-1].text() + " over all seeds' prompts" if seeds else rand
     return (url_patch(search, state.to_search(), on=("run",), what="The ablation curve", status=ids.ABL_CURVE_STATUS),
-            f"k={curve.k_values[-1]}: top {top_k:.3f}, random {rand:.3f} (outside the top {curve.outside_top}; "
-            f"{meta['metric_label']})")
+            f"k={curve.k_values[-1]}: top {top_k}, random {rand} (outside the top {curve.outside_top}; "
+            f"{meta['metric_label']}{', 95 % Wilson' if curve.n_prompts is not None else ''})")
 
 
 @cancellable_callback(

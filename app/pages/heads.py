@@ -401,7 +401,8 @@ def run_sweep(set_progress, n_clicks, needle_ids, custom_needles, lengths, depth
         state.window = None if window_ == DEFAULT_WINDOW else window_
     except ValueError as e:  # what the user asked cannot run: said where every page says it
         return no_update, "", message(str(e))
-    note = f"{result.n_counted}/{result.n_trials} trials answered; {result.share_above(0.1):.1%} of heads score > 0.1"
+    note = (f"{result.n_counted}/{result.n_trials} trials answered, accuracy {result.overall_accuracy().text()} "
+            f"(95 % Wilson); {result.share_above(0.1):.1%} of heads score > 0.1")
     return url_patch(search, state.to_search(), reset=("trial",)), note, ""
 
 
@@ -450,6 +451,8 @@ def draw_sweep(_keys, search):
     info = html.Div([
         html.Span(f"sweep {sw.key[:12]}", className="hs-chip"),
         html.Span(f"{sw.n_counted}/{sw.n_trials} trials counted (ROUGE-1 recall > 0.5)", className="hs-chip"),
+        html.Span(f"NIAH accuracy {sw.overall_accuracy().text()}", className="hs-chip", id=ids.HEADS_ACCURACY,
+                  title="Trials answered of trials decoded, with its 95 % Wilson score interval"),
         html.Span(f"lengths {sw.lengths}, depths {sw.depths}", className="hs-chip"),
         html.Span(sw.settings_text(), className="hs-chip"),
         html.Span(f"streaming S={params['sink_size']}, W={params['window']}", className="hs-chip"),

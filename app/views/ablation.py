@@ -31,6 +31,7 @@ from headscope.analysis.ablation_effects import (
 )
 from headscope.analysis.errors import InputError
 from headscope.analysis.head_sweep import load_head_sweep
+from headscope.analysis.intervals import from_accuracy
 from headscope.analysis.runs import AttentionRun
 from headscope.analysis.score_registry import HEAD_SCORES, RUN_SCORES
 from headscope.app import figures
@@ -208,21 +209,44 @@ def effects_view(run: AttentionRun, params: dict[str, Any]) -> tuple[go.Figure, 
 @register(names.ABLATION_CURVE, "Top-k vs random ablation curve", ("curve",),
           lambda state, query, _: ablation_params(state), needs_run=False)
 def curve_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    """The metric against k for the top-k heads and k random heads.
+
+    An accuracy curve (NIAH, on a sweep's ``n_prompts`` prompts) carries n and 95 % Wilson intervals:
+    the top-k line's and each seed's per k, and the random control's pooled over all seeds' prompts
+    with its seed band (rows ``set = "random, all seeds"``). A loss curve's random control is its mean
+    ± std over seeds, as the figure says."""
     found = _stored(params.get("curve"), "top-k curve", load_curve)
     if found is None:
         raise InputError("No curve yet: run the top-k vs random curve first.")
     curve, meta = found
     outside = "" if curve.outside_top is None else f", random from outside the top {curve.outside_top}"
+    n = "" if curve.n_prompts is None else f" on {curve.n_prompts} prompts"
+    top_ci, pooled, band = curve.top_accuracy(), curve.random_pooled(), curve.random_band()
     fig = figures.topk_curve(curve.k_values, curve.top, curve.random, meta.get("metric_label", "metric"),
                              f"{meta.get('by_label', 'score')}: top-k vs random heads ({curve.method} ablation)"
-                             + outside + ("" if curve.complete else " — cancelled, partial"), curve.outside_top)
+                             + outside + n + ("" if curve.complete else " — cancelled, partial"), curve.outside_top,
+                             top_ci=top_ci, random_ci=pooled if len(curve.seeds) else (),
+                             random_band=band if pooled and len(curve.seeds) else ())
     rows: Rows = [{"k": k, "set": "top", "seed": "", "value": float(curve.top[j]),
+                   **(top_ci[j].columns("value") if top_ci else {}),
                    "heads": format_heads(curve.order[:k])} for j, k in enumerate(curve.k_values)]
     for s_i, seed in enumerate(curve.seeds):
-        rows += [{"k": k, "set": "random", "seed": seed, "value": float(curve.random[s_i, j]), "heads": "",
+        rows += [{"k": k, "set": "random", "seed": seed, "value": float(curve.random[s_i, j]),
+                  **(_accuracy_columns(curve.random[s_i, j], curve.n_prompts) if top_ci else {}), "heads": "",
+                  **({} if curve.outside_top is None else {"outside_top": curve.outside_top})}
+                 for j, k in enumerate(curve.k_values)]
+    if pooled and len(curve.seeds):
+        rows += [{"k": k, "set": "random, all seeds", "seed": "", **pooled[j].columns("value"),
+                  "seed_mean": band[j].mean, "seed_low": band[j].low, "seed_high": band[j].high,
+                  "n_seeds": band[j].n_seeds, "heads": "",
                   **({} if curve.outside_top is None else {"outside_top": curve.outside_top})}
                  for j, k in enumerate(curve.k_values)]
     return fig, rows
+
+
+def _accuracy_columns(value: float, n: int | None) -> dict[str, Any]:
+    """One seed's accuracy at one k with its n and Wilson interval (nan when not reached)."""
+    return from_accuracy(float(value), n or 0).columns("value") | {"value": float(value)}
 
 
 @register(names.ABLATION_HEAD_SWEEP, "Single-head ablation map", ("hsweep",),

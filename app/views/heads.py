@@ -186,11 +186,22 @@ def retrieval_scatter_view(run: None, params: dict[str, Any]) -> tuple[go.Figure
 @register(names.NIAH_GRID, "Needle-in-a-haystack accuracy", ("sweep",),
           lambda state, query, _: sweep_params(state), needs_run=False)
 def niah_grid_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
+    """Accuracy per context length × depth: each cell is the needles answered of the needles decoded
+    there (one trial each), with its 95 % Wilson interval in the cell, its hover and its rows."""
     sweep = sweep_of(params)
-    fig = figures.niah_grid(sweep.accuracy, sweep.lengths, sweep.depths)
-    rows = [{"length": n, "depth": d, "accuracy": float(sweep.accuracy[i, j]), "recall": float(sweep.recall[i, j])}
+    cells = sweep.accuracy_intervals()
+    fig = figures.niah_grid(sweep.accuracy, sweep.lengths, sweep.depths, cells)
+    fig.update_layout(title_text=f"Needle-in-a-haystack accuracy: {accuracy_text(sweep)}")
+    rows = [{"length": n, "depth": d, **cells[i][j].columns("accuracy"), "accuracy_answered": cells[i][j].successes,
+             "recall": float(sweep.recall[i, j])}
             for i, n in enumerate(sweep.lengths) for j, d in enumerate(sweep.depths)]
     return fig, rows
+
+
+def accuracy_text(sweep: RetrievalSweep) -> str:
+    """The whole sweep's accuracy as the page says it: ``answered k of n, 0.50 [0.24, 0.76] n=8 (95 % Wilson)``."""
+    p = sweep.overall_accuracy()
+    return f"{p.successes} of {p.n} trials answered, {p.text()} (95 % Wilson)"
 
 
 def head_trials(sweep: RetrievalSweep, layer: int, head: int) -> Rows:

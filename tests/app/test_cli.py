@@ -798,3 +798,55 @@ def test_a_run_the_store_cannot_write_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "could not be stored (Not a directory): nothing was stored" in lines[0], r.stderr
     assert "argument" not in lines[0] and str(home) not in lines[0], r.stderr  # no argument was wrong
+
+
+def test_ablate_on_a_sweep_writes_n_and_wilson_intervals_in_summary_json_and_the_curve_csv(tmp_path):
+    """#42 item 4: ``ablate --sweep`` with a NIAH curve: summary.json's accuracies and curve points carry n
+    and their 95 % Wilson interval (the random control's pooled over all seeds' prompts, and its seed
+    band), the curve's CSV has the interval columns, and the table prints them."""
+    import csv
+
+    from headscope.analysis.intervals import seed_band, wilson
+
+    needles = tmp_path / "needles.json"
+    needles.write_text(json.dumps([
+        {"id": "passkey", "needle": "The secret passkey is 7731.", "question": "What is the secret passkey?",
+         "answer": "7731"},
+        {"id": "never", "needle": "The secret passkey is 7731.", "question": "What is the secret passkey?",
+         "answer": "walrus"}]))
+    out = tmp_path / "out"
+    r = headscope("ablate", "--sweep", "--lengths", "160", "--depths", "25,75", "--needles-file", str(needles),
+                  "--haystack", "passkey", "--top-k", "1", "--by", "retrieval", "--curve", "0,1", "--seeds", "2",
+                  "--control-top", "1", "--formats", "", "--out", str(out), home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    niah = summary["niah"]
+    assert niah["n_prompts"] == 4
+    for which in ("clean", "ablated"):
+        k = round(niah[f"accuracy_{which}"] * 4)
+        p = wilson(k, 4)
+        assert niah[f"accuracy_{which}_n"] == 4
+        assert (niah[f"accuracy_{which}_low"], niah[f"accuracy_{which}_high"]) == pytest.approx((p.low, p.high))
+    assert niah["accuracy_clean"] == 0.5  # the passkey needle is answered at both depths, the other never
+    c = summary["curve"]
+    assert c["n_prompts"] == 4 and c["top_n"] == [4, 4]
+    for j, top in enumerate(c["top"]):
+        p = wilson(round(top * 4), 4)
+        assert (c["top_low"][j], c["top_high"][j]) == pytest.approx((p.low, p.high))
+        pooled = wilson(round(sum(seed[j] for seed in c["random"]) * 4), 8)
+        assert c["random_pooled_n"][j] == 8
+        assert (c["random_pooled_low"][j], c["random_pooled_high"][j]) == pytest.approx((pooled.low, pooled.high))
+        band = seed_band([seed[j] for seed in c["random"]])
+        assert (c["random_seed_low"][j], c["random_seed_high"][j]) == (band.low, band.high)
+    with (out / "ablation_curve.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    top_rows = [row for row in rows if row["set"] == "top"]
+    assert [int(row["value_n"]) for row in top_rows] == [4, 4]
+    assert float(top_rows[0]["value_low"]) == pytest.approx(c["top_low"][0])
+    assert [row["k"] for row in rows if row["set"] == "random, all seeds"] == ["0", "1"]
+    lines = r.stdout.splitlines()
+    assert any(line.split()[:1] == ["95"] or "95 % Wilson interval" in line for line in lines)
+    interval_line = next(line for line in lines if line.strip().startswith("95 % Wilson interval"))
+    assert f"[{niah['accuracy_clean_low']:.3f}, {niah['accuracy_clean_high']:.3f}]" in interval_line
+    start = next(i for i, line in enumerate(lines) if line.startswith("top-k vs random curve: NIAH accuracy on 4"))
+    assert f"[{c['top_low'][1]:.3f}, {c['top_high'][1]:.3f}]" in lines[start + 3]
