@@ -22,8 +22,9 @@ the cache tensors' storage sizes).
 Prompts run in chunks of ``chunk`` tokens (DuoAttention's chunked pre-filling, §3.3): a chunk's
 queries read the cache as it stands plus the chunk itself, so a streaming group's window never needs
 keys it has already forgotten, and no pass builds more than a ``chunk × (kept keys)`` score block.
-The full groups' attention runs in :func:`headscope.kernels.attention.attention` (their keys are
-contiguous positions ending at the chunk), the streaming groups' on their S + W + chunk keys.
+Each kind of group attends with PyTorch's SDPA (grouped-query, a boolean mask from the kept keys'
+positions; none where every kept key is visible, as in a full group's decode step); a layer that
+soft-caps its scores (Gemma 2) has them written out.
 
 The passes run on the Hugging Face modules under the bridge (:func:`headscope.analysis.bare_model.bare_twin`)
 with :data:`ATTENTION` as the attention implementation and a :class:`PolicyCache` as transformers'
@@ -50,7 +51,6 @@ from headscope.analysis.attention_statistics import LayerMask, layer_mask, stati
 from headscope.analysis.bare_model import bare_supported, bare_twin
 from headscope.analysis.errors import InputError
 from headscope.analysis.greedy_decoding import Cancelled, cancel_requested, stop_ids
-from headscope.kernels.attention import attention
 
 ATTENTION = "headscope_policy_cache"
 """The twin's attention implementation in transformers' ``AttentionInterface`` (no mask function is
@@ -322,35 +322,42 @@ def _attention(module: Any, query: Tensor, key: Tensor, value: Tensor, attention
     q_pos = torch.arange(layer.seen - n_q, layer.seen, device=query.device)
     mask = layer.mask
     for part in layer.parts:
+        if len(layer.parts) == 1:
+            out = _attend_part(query, part, q_pos, mask)
+            break
         heads = torch.tensor([g * group + i for g in part.groups for i in range(group)], device=query.device)
-        q = query.index_select(1, heads)
-        if not part.streaming:
-            # a full part's keys are contiguous positions ending at the pass (all of them, or the model's
-            # window's): the kernel's causal positions, counted from the last key, are the model's
-            out[:, heads] = attention(q, part.keys, part.values, causal=True, **mask.kernel).out
-        else:
-            out[:, heads] = _attend_positions(q, part, q_pos, mask)
+        out[:, heads] = _attend_part(query.index_select(1, heads), part, q_pos, mask)
     layer.forget()
     return out.transpose(1, 2), None
 
 
-def _attend_positions(q: Tensor, part: _Part, q_pos: Tensor, mask: LayerMask) -> Tensor:
-    """Softmax attention of ``q`` ``[b, h, n_q, d]`` over a part's kept keys by their positions:
-    key j visible from query p iff j ≤ p, (j < S or j > p − W) and, on a window layer, j > p − W_m."""
-    b, h, n_q, d = q.shape
-    g = part.keys.shape[1]
-    r = h // g
-    qg = q.reshape(b, g, r * n_q, d)
-    scores = torch.matmul(qg, part.keys.transpose(-1, -2)).float() * mask.scale
-    if mask.softcap:
-        scores = mask.softcap * torch.tanh(scores / mask.softcap)
-    kp, qp = part.positions[None, :], q_pos.repeat(r)[:, None]
+def _visible(part: _Part, q_pos: Tensor, mask: LayerMask) -> Tensor | None:
+    """``[n_q, n_k]``: key j (a kept position) visible from query p iff j ≤ p, (j < S or j > p − W) for a
+    streaming part and, on a layer with the model's own window, j > p − W_m; None when every key is."""
+    kp, qp = part.positions[None, :], q_pos[:, None]
     visible = kp <= qp
     if part.window:
         visible &= (kp < part.sink) | (kp > qp - part.window)
     if mask.window:
         visible &= kp > qp - mask.window
-    scores = scores.masked_fill(~visible, float("-inf"))
+    return None if bool(visible.all()) else visible
+
+
+def _attend_part(q: Tensor, part: _Part, q_pos: Tensor, mask: LayerMask) -> Tensor:
+    """Softmax attention of ``q`` ``[b, h, n_q, d]`` (a part's query heads, grouped as its KV groups) over
+    the part's kept keys by their positions (:func:`_visible`) → ``[b, h, n_q, d_v]``: SDPA, or the
+    scores written out where the layer soft-caps them (Gemma 2), which SDPA cannot."""
+    visible = _visible(part, q_pos, mask)
+    if not mask.softcap:
+        return torch.nn.functional.scaled_dot_product_attention(q, part.keys, part.values, attn_mask=visible,
+                                                                scale=mask.scale, enable_gqa=True)
+    b, h, n_q, d = q.shape
+    g = part.keys.shape[1]
+    r = h // g
+    scores = torch.matmul(q.reshape(b, g, r * n_q, d), part.keys.transpose(-1, -2)).float() * mask.scale
+    scores = mask.softcap * torch.tanh(scores / mask.softcap)
+    if visible is not None:
+        scores = scores.masked_fill(~visible.repeat(r, 1), float("-inf"))
     weights = torch.softmax(scores, -1).to(part.values.dtype)
     return torch.matmul(weights, part.values).reshape(b, h, n_q, -1)
 
