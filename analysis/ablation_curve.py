@@ -404,20 +404,32 @@ def load_curve(store: Store, key: str) -> tuple[TopkCurve, dict[str, Any]] | Non
     curve = TopkCurve(list(m["k_values"]), record.array("top", mmap=False), record.array("random", mmap=False),
                       list(m["seeds"]), [tuple(h) for h in m["order"]], m["method"], bool(m["complete"]),
                       m.get("random_outside_top"), _n_prompts(store, m))
+    if curve.n_prompts is not None:  # accuracies: shares of n prompts, or the record is not a curve's
+        values = np.concatenate([np.ravel(curve.top), np.ravel(curve.random)]).astype(np.float64)
+        done = values[~np.isnan(values)]  # nan: not reached before a cancel
+        counts = done * curve.n_prompts
+        if np.any(~np.isfinite(done) | (done < 0) | (done > 1)) or np.any(np.abs(counts - np.round(counts)) > 1e-6):
+            return None
     return curve, m
 
 
 def _n_prompts(store: Store, meta: dict[str, Any]) -> int | None:
     """A stored curve's ``n_prompts``; for a NIAH curve stored before curves kept it, the trials of
     the sweep it was measured on (its prompts, one per trial), when that sweep is still stored."""
-    if isinstance(meta.get("n_prompts"), int) and not isinstance(meta["n_prompts"], bool):
-        return int(meta["n_prompts"])
+    n = meta.get("n_prompts")
+    if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_PROMPTS:
+        return n
     subject = meta.get("subject")
     if not (isinstance(subject, list) and len(subject) == 2 and subject[0] == "sweep" and isinstance(subject[1], str)):
         return None
     record = stored_record(store, subject[1], "retrieval_sweep")
     keys = record.meta.get("trial_keys") if record is not None else None
-    return len(keys) if isinstance(keys, list) and keys else None
+    return len(keys) if isinstance(keys, list) and 1 <= len(keys) <= MAX_PROMPTS else None
+
+
+MAX_PROMPTS = 10**7
+"""The most prompts a stored curve's ``n_prompts`` may claim (far above any sweep's trial limit): a
+record claiming more, or values that are no share of its n, is not read as a curve."""
 
 
 def check_curve(model: LoadedModel, k_values: Sequence[int], n_seeds: int, outside_top: int) -> list[int]:

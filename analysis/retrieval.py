@@ -465,7 +465,8 @@ def cell_counts(trials: Sequence[Trial], lengths: Sequence[int], depths: Sequenc
     n = np.zeros_like(answered)
     for t in trials:
         if t.length not in row or t.depth not in col:
-            raise ValueError(f"A trial at length {t.length}, depth {t.depth:g} is not in this sweep's grid.")
+            raise InputError(f"A trial at length {t.length}, depth {t.depth:g} is not in this sweep's grid of "
+                             "lengths and depths: run the sweep again.")
         n[row[t.length], col[t.depth]] += 1
         answered[row[t.length], col[t.depth]] += bool(t.counted)
     return answered, n

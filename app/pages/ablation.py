@@ -704,7 +704,8 @@ def _ks(text: str) -> list[int]:
     try:
         return sorted({int(x) for x in str(text or "").replace(";", ",").split(",") if x.strip()})
     except ValueError:
-        raise ValueError(f"k values must be whole numbers separated by commas, got {text!r}.") from None
+        shown = str(text) if len(str(text)) <= 40 else str(text)[:40] + "…"
+        raise ValueError(f"k values must be whole numbers separated by commas, got {shown!r}.") from None
 
 
 @cancellable_callback(

@@ -190,7 +190,8 @@ def niah_grid_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
     there (one trial each), with its 95 % Wilson interval in the cell, its hover and its rows."""
     sweep = sweep_of(params)
     cells = sweep.accuracy_intervals()
-    fig = figures.niah_grid(sweep.accuracy, sweep.lengths, sweep.depths, cells)
+    accuracy = np.array([[p.value for p in row] for row in cells], dtype=float).reshape(sweep.accuracy.shape)
+    fig = figures.niah_grid(accuracy, sweep.lengths, sweep.depths, cells)
     fig.update_layout(title_text=f"Needle-in-a-haystack accuracy: {accuracy_text(sweep)}")
     rows = [{"length": n, "depth": d, **cells[i][j].columns("accuracy"), "accuracy_answered": cells[i][j].successes,
              "recall": float(sweep.recall[i, j])}

@@ -198,3 +198,27 @@ def test_a_niah_curve_counts_its_prompts_stored_and_in_an_old_record(tiny_model,
     _, on_run, meta = ablation_curve(tiny_model, scores, [0, 1], AblationSpec((), "zero"), store, on=run,
                                      by_label="a score", seeds=[0], outside_top=2)
     assert on_run.n_prompts is None and "n_prompts" not in meta
+
+
+FORGED_COUNTS = [  # (meta n_prompts, top values): a stored NIAH curve's record as a forger might write it
+    (10**30, [0.5, 0.25]), (-4, [0.5, 0.25]), (0, [0.5, 0.25]), (True, [0.5, 0.25]), (4.0, [0.5, 0.25]),
+    ("4", [0.5, 0.25]), (float("nan"), [0.5, 0.25]), ([4], [0.5, 0.25]), (4, [7.0, 0.25]), (4, [-0.5, 0.25]),
+    (4, [0.3, 0.25]), (4, [float("inf"), 0.25]),
+]
+
+
+@pytest.mark.parametrize("n_prompts, top", FORGED_COUNTS)
+def test_a_forged_n_or_accuracy_in_a_stored_curve_is_never_drawn_as_an_interval(store, n_prompts, top):
+    """A count that is not a whole number of prompts in range, or accuracies that are no share of it:
+    the record reads as no n (an n that cannot be counted) or as no curve (values that cannot be
+    accuracies), never as an interval from numbers nobody measured, never an exception."""
+    from headscope.analysis.ablation_curve import TopkCurve, save_curve
+
+    curve = TopkCurve([0, 1], np.array(top), np.array([[0.5, 0.5]]), [0], [(0, 0)], "zero", True, 1)
+    save_curve(store, "forged", curve, {"n_prompts": n_prompts, "metric_label": "NIAH accuracy"})
+    found = load_curve(store, "forged")
+    valid_n = isinstance(n_prompts, int) and not isinstance(n_prompts, bool) and 1 <= n_prompts <= 10**7
+    if not valid_n:
+        assert found is not None and found[0].n_prompts is None and found[0].top_accuracy() == []
+    else:
+        assert found is None

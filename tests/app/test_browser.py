@@ -305,7 +305,9 @@ def test_heads_page_runs_a_small_sweep_and_opens_a_heads_trials(server, page, tm
     path = tmp_path / "niah_curve.zip"
     download.value.save_as(path)
     rows = zipfile.ZipFile(path).read("data.csv").decode().splitlines()
-    assert len(rows) == 1 + 2 + 2 and rows[1].startswith("0,top,,1.0")  # k=0: the sweep's answered trial
+    # top and one seed per k, then the random control over all seeds (#42 item 4: n and the Wilson interval)
+    assert len(rows) == 1 + 2 + 2 + 2 and rows[0].startswith("k,set,seed,value,value_n,value_low,value_high")
+    assert rows[1].startswith("0,top,,1.0,1,")  # k=0: the sweep's answered trial, 1 of 1
     assert proc.poll() is None
 
 
