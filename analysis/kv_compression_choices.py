@@ -28,6 +28,13 @@ scores (O(n²) memory), ``statistics`` gives the mask to the kernels (O(n)), ``c
 group's cache as the policy says, physically smaller (:mod:`headscope.analysis.kv_cache`); ``auto`` picks
 statistics mode above ``HEADSCOPE_MAX_TOKENS`` tokens or on CUDA where the model supports it."""
 
+BACKEND_LABELS = {
+    "auto": "auto: masks (statistics mode for long inputs, else eager)",
+    "eager": "eager: masked scores (N × N per layer)",
+    "statistics": "statistics: the kernels' key mask (O(N))",
+    "cache": "cache: each KV group keeps only what the policy keeps (memory really freed)",
+}
+
 DEFAULT_SINK_SIZE = 128
 """S: ``sink_size`` of DuoAttention's shipped patterns (mit-han-lab/duo-attention,
 ``attn_patterns/Meta-Llama-3.1-8B-Instruct/.../config.json`` and the Llama-3-8B-Gradient ones), also

@@ -148,6 +148,7 @@ def compress_sweep(
                               max_new_tokens=measured.max_new_tokens if measured else 24, backend=backend,
                               store=store, progress=part(share, 1.0), cancel=cancel)
     curve.meta.setdefault("sweep", sweep.key)
+    curve.meta["backend_asked"] = backend  # "auto" resolves to a masking backend: a rerun asks the same
     if measured is not None:
         curve.meta["tasks"] = measured.summary()
     if store is not None and curve.complete:

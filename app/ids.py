@@ -195,6 +195,7 @@ KV_FRACTIONS = "hs-kv-fractions"
 KV_SEEDS = "hs-kv-seeds"
 KV_SINK = "hs-kv-sink"
 KV_RECENT = "hs-kv-recent"
+KV_BACKEND = "hs-kv-backend"  # how policies run: masks (auto/eager/statistics) or the real per-group cache
 KV_TOLERANCE = "hs-kv-tolerance"  # NIAH points: the smallest KV fraction within it of full is marked
 KV_RUN = "hs-kv-run"
 KV_CANCEL = "hs-kv-cancel"

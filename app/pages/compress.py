@@ -20,6 +20,8 @@ from dash.exceptions import PreventUpdate
 from headscope.analysis.ablation_choices import MAX_SEEDS
 from headscope.analysis.errors import InputError
 from headscope.analysis.kv_compression_choices import (
+    BACKEND_LABELS,
+    BACKENDS,
     DEFAULT_FRACTIONS,
     DEFAULT_RANKINGS,
     DEFAULT_RECENT_SIZE,
@@ -132,6 +134,9 @@ def layout(**_query) -> html.Div:
                 ], className="hs-options"),
                 html.P("S and W default to DuoAttention's shipped patterns (sink_size 128, recent_size 256); "
                        "S + W must be below the sweep's shortest prompt.", className="hs-hint"),
+                html.Label("Backend", htmlFor=ids.KV_BACKEND),
+                dcc.Dropdown(id=ids.KV_BACKEND, value="auto", clearable=False, className="hs-model",
+                             options=[{"label": BACKEND_LABELS[b], "value": b} for b in BACKENDS]),
                 html.Div([
                     html.Button("Run", id=ids.KV_RUN, n_clicks=0, className="hs-run"),
                     html.Button("Cancel", id=ids.KV_CANCEL, n_clicks=0, className="hs-button hs-cancel",
@@ -204,7 +209,8 @@ def _info(curve, tolerance: float) -> list:
     parts = [html.Span(f"{curve.meta.get('model_name', '')}: {curve.n_prompts} NIAH prompt(s), loss on "
                        f"{curve.n_texts} text(s); KV for {b.memory.n_tokens:,} tokens, full "
                        f"{b.memory.full_bytes / 2**20:.2f} MiB; uncompressed NIAH "
-                       f"{b.niah.text() if b.niah.n else '—'}, loss {_num(b.loss, '.4f')}.")]
+                       f"{b.niah.text() if b.niah.n else '—'}, loss {_num(b.loss, '.4f')}; evaluated on the "
+                       f"{curve.meta.get('backend', 'eager')} backend.")]
     for r, e in smallest_within(curve, tolerance).items():
         parts.append(html.Div(decision_text(RANKING_LABELS[r], tolerance, None if e is None else e.row(),
                                             curve.n_prompts), className="hs-kv-best"))
@@ -237,13 +243,14 @@ show_in_shell(PREFIX)
         seeds=Output(ids.KV_SEEDS, "value"),
         sink=Output(ids.KV_SINK, "value"),
         recent=Output(ids.KV_RECENT, "value"),
+        backend=Output(ids.KV_BACKEND, "value"),
     ),
     inputs=[Input(url_id(PREFIX), "search")],
     **on_workers(),  # with HEADSCOPE_REDIS_URL: runs on a worker
     prevent_initial_call="initial_duplicate",
 )
 @guarded(outputs=("pareto", "policy", "table", "pick_options", "pick", "info", "error", "tolerance", "model", "sweep",
-                  "rankings", "fractions", "seeds", "sink", "recent"))
+                  "rankings", "fractions", "seeds", "sink", "recent", "backend"))
 def render(search):
     """Draw the page from its URL: the stored curve it names, read back, never computed."""
     state = parse(search)
@@ -267,6 +274,8 @@ def render(search):
     form = {"sweep": (meta.get("sweep") or "")[:16], "rankings": list(meta.get("rankings", [])),
             "fractions": ",".join(f"{f:g}" for f in meta.get("fractions", [])),
             "sink": curve.sink_size, "recent": curve.recent_size}
+    if meta.get("backend_asked") in BACKENDS:
+        form["backend"] = meta["backend_asked"]
     if meta.get("model_name"):
         form["model"] = dropdown_model(meta["model_name"], problems)
     if meta.get("seeds"):
@@ -364,12 +373,13 @@ def _sweep(model, sweep_id, needle_ids, lengths, depths, haystack, set_progress)
     State(ids.KV_SEEDS, "value"),
     State(ids.KV_SINK, "value"),
     State(ids.KV_RECENT, "value"),
+    State(ids.KV_BACKEND, "value"),
     State(url_id(PREFIX), "search"),
     run=ids.KV_RUN, cancel=ids.KV_CANCEL, progress=ids.KV_PROGRESS, status=ids.KV_STATUS,
     stale=(ids.KV_PARETO, ids.KV_POLICY), prevent_initial_call=True,
 )
 def run_compress(set_progress, n_clicks, sweep_id, needle_ids, lengths, depths, haystack, model_spec, rankings,
-                 fractions, seeds, sink, recent, search):
+                 fractions, seeds, sink, recent, backend, search):
     """Run: the sweep (or the stored one), then every policy (:func:`compress_sweep`, stored); the curve's
     key goes into the URL."""
     from headscope.analysis.kv_compression_sweep import compress_sweep
@@ -390,6 +400,8 @@ def run_compress(set_progress, n_clicks, sweep_id, needle_ids, lengths, depths, 
         n_seeds = whole_number(seeds, "Random seeds", 1, MAX_SEEDS)
         sink_ = whole_number(sink, "S (sinks)", 0, MAX_LENGTH)
         recent_ = whole_number(recent, "W (recent tokens)", 1, MAX_LENGTH)
+        if backend not in BACKENDS:
+            raise InputError(f"Choose a backend: {', '.join(BACKENDS)}.")
         if not (sweep_id or "").strip():  # said before the sweep runs (compress_sweep checks the prompts too)
             shortest = min(check_lengths(number_list(lengths, "Context lengths", int)))
             if sink_ + recent_ >= shortest:
@@ -400,7 +412,7 @@ def run_compress(set_progress, n_clicks, sweep_id, needle_ids, lengths, depths, 
         if not found.trials:
             return no_update, message("The sweep has no finished trial."), "Not run: see the message above."
         result = compress_sweep(model, found, chosen, fractions_, seeds=list(range(n_seeds)), sink_size=sink_,
-                                recent_size=recent_, store=context.store,
+                                recent_size=recent_, backend=backend, store=context.store,
                                 progress=progress_reporter(set_progress, "evaluating policies"))
     except ValueError as e:
         return no_update, message(str(e)), "Not run: see the message above."
