@@ -20,7 +20,8 @@ task                      prompt (``needle`` = the sentence whose span is ``need
                           asks every variable holding the value (needle: the first assignment)
 ``common_words``          a list of words from the prose: 3 words 30 times each, the rest 3 times each,
                           shuffled; asks the 3 most common (needle: the whole list)
-``passkey``               passkey filler; "The pass key is {5 digits}. Remember it. {…} is the pass key."
+``passkey``               passkey filler; "The pass key is {5 digits}. Remember it. {…} is the pass key.";
+                          asks "What is the pass key number?"
 ========================  ===================================================================================
 
 Differences from RULER, for a small model and a CPU: one variable chain without distractor chains,
@@ -278,7 +279,7 @@ def _common_words(model: LoadedModel, length: int, rng: random.Random, id: str,
 
 def _passkey(model: LoadedModel, length: int, rng: random.Random, id: str) -> NiahPrompt:
     key = rng.randint(10**4, 10**5 - 1)
-    needle = Needle(f"The pass key is {key}. Remember it. {key} is the pass key.", "What is the pass key?",
+    needle = Needle(f"The pass key is {key}. Remember it. {key} is the pass key.", "What is the pass key number?",
                     str(key), id=id, kind="passkey")
     return build_prompt(model, needle, named_haystack("passkey"), length, rng.uniform(0, 100))
 
@@ -317,13 +318,13 @@ def check_tasks(tasks: Sequence[str]) -> list[str]:
     """Task names a request gives, each one of :data:`TASKS`, duplicates dropped (order kept)."""
     if isinstance(tasks, str) or not isinstance(tasks, Sequence):
         raise InputError(f"Give the tasks as a list of names from {', '.join(TASKS)}.")
-    names = list(dict.fromkeys(tasks))
-    if not names:
+    if not tasks:
         raise InputError(f"Give at least one task, from {', '.join(TASKS)}.")
-    unknown = [shown(t) if not isinstance(t, str) else repr(t[:40]) for t in names if t not in TASKS]
+    unknown = [shown(t) if not isinstance(t, str) else repr(t[:40]) for t in tasks
+               if not isinstance(t, str) or t not in TASKS]
     if unknown:
         raise InputError(f"Unknown task(s) {', '.join(unknown)}: choose from {', '.join(TASKS)}.")
-    return names
+    return list(dict.fromkeys(tasks))
 
 
 def task_prompts(model: LoadedModel, tasks: Sequence[str], lengths: Sequence[int], n_per_task: int,
@@ -346,7 +347,7 @@ def task_prompts(model: LoadedModel, tasks: Sequence[str], lengths: Sequence[int
     names = check_tasks(tasks)
     if isinstance(lengths, str | bytes) or not isinstance(lengths, Sequence) or not lengths:
         raise InputError(f"Give one or more context lengths from {MIN_LENGTH:,} to {MAX_LENGTH:,} tokens.")
-    lengths = [_whole(n, MIN_LENGTH, MAX_LENGTH, "Context lengths of the task suite") for n in dict.fromkeys(lengths)]
+    lengths = list(dict.fromkeys(_whole(n, MIN_LENGTH, MAX_LENGTH, "Context lengths of the task suite") for n in lengths))
     n_per_task = _whole(n_per_task, 1, MAX_PER_TASK, "The number of prompts per task")
     seed = _whole(seed, 0, 2**63 - 1, "The task suite's seed")
     too_long = [n for n in lengths if n > model.n_ctx]

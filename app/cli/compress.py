@@ -16,6 +16,9 @@ from headscope.analysis.kv_compression_choices import (
     DEFAULT_TOLERANCE,
 )
 from headscope.analysis.kv_compression_choices import RANKINGS as COMPRESS_RANKING_NAMES
+from headscope.analysis.long_context_tasks import DEFAULT_MIN_RATE, MAX_PER_TASK, TASKS, TaskSuite
+from headscope.analysis.long_context_tasks import MAX_LENGTH as TASK_MAX_LENGTH
+from headscope.analysis.long_context_tasks import MIN_LENGTH as TASK_MIN_LENGTH
 from headscope.app.cli.arguments import (
     MODEL_HELP,
     ascii_number,
@@ -56,6 +59,16 @@ def ranking_list(text: str) -> list[str]:
     return items
 
 
+def task_list(text: str) -> list[str]:
+    """``--tasks``: names of :data:`headscope.analysis.long_context_tasks.TASKS`, comma-separated."""
+    items = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    unknown = [x for x in items if x not in TASKS]
+    if not items or unknown:
+        said = f"unknown task(s) {', '.join(unknown)}; " if unknown else ""
+        raise argparse.ArgumentTypeError(f"{said}give one or more tasks separated by commas, from {', '.join(TASKS)}")
+    return items
+
+
 def share(text: str) -> float:
     """A number in [0, 1] (a tolerance on an accuracy)."""
     try:
@@ -88,6 +101,9 @@ def _check_compress_args(args) -> None:
     if args.text is not None and args.file:
         raise UsageError("give the text either with --text or with --file, not both")
     lengths = args.lengths or [2048]
+    if args.tasks and not all(TASK_MIN_LENGTH <= n <= TASK_MAX_LENGTH for n in lengths):
+        raise UsageError(f"argument --lengths: the task suite (--tasks) is built at {TASK_MIN_LENGTH:,} to "
+                         f"{TASK_MAX_LENGTH:,} tokens, got {','.join(map(str, lengths))}")
     if args.sink + args.recent >= min(lengths):
         raise UsageError(f"argument --sink/--recent: S + W = {args.sink + args.recent} keeps every key of a "
                          f"{min(lengths)}-token prompt (nothing to compress, and no rows for the streaming score); "
@@ -179,17 +195,19 @@ def cmd_compress(args) -> int:
         print("headscope compress: no trial finished", file=sys.stderr)
         return 1
     texts = [text_ids] if text_ids else None
+    suite, n_prompts = task_suite(args, model, store, lengths)
     seeds = list(range(args.seeds))
     n_policies = sum(1 if r.startswith("all_") else len(args.fractions) * (len(seeds) if r == "random" else 1)
                      for r in args.rankings)
-    with progress_bar(f"{n_policies} policies on {len(result.trials)} prompts") as bar, \
+    with progress_bar(f"{n_policies} policies on {n_prompts or len(result.trials)} prompts") as bar, \
             argument("--rankings/--fractions"):
         stored = compress_sweep(model, result, args.rankings, args.fractions, seeds=seeds, sink_size=args.sink,
-                                recent_size=args.recent, texts=texts, backend=args.backend, store=store,
-                                progress=bar)
+                                recent_size=args.recent, texts=texts, backend=args.backend, suite=suite,
+                                store=store, progress=bar)
     curve = stored.curve
     key = content_key("compress", result.key, args.rankings, curve.meta["fractions"], seeds, args.sink,
-                      args.recent, texts, *([args.backend] if args.backend != "auto" else []))
+                      args.recent, texts, *([args.backend] if args.backend != "auto" else []),
+                      *([suite.key()] if suite else []))
     out = Path(args.out) if args.out else store.root / "exports" / f"compress-{key[:12]}"
     out.mkdir(parents=True, exist_ok=True)
     rows = curve.rows()
@@ -229,6 +247,8 @@ def cmd_compress(args) -> int:
         "seed_bands": [{k: finite(v) for k, v in band.items()} for band in curve.seed_bands()],
         "exported": None if chosen is None else {"folder": str(pattern), **chosen.row()},
     }
+    if suite is not None:  # each task's uncompressed answer rate, and whether it was dropped
+        summary["tasks"] = {t: {k: finite(v) for k, v in r.items()} for t, r in curve.meta["tasks"].items()}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "policies.json").write_text(json.dumps([e.policy.to_json() for e in curve.evaluations]))
     np.savetxt(out / "retrieval_group_max.csv", result.group_max, delimiter=",", fmt="%.6f")
@@ -248,6 +268,25 @@ def cmd_compress(args) -> int:
               f"head_compression_ratio {1 - p.full_share:.6g})")
     print(f"results in {out}")
     return 0
+
+
+def task_suite(args, model, store, lengths: list[int]) -> tuple[TaskSuite | None, int]:
+    """``--tasks``: the suite asked for and the number of its prompts kept; prints every task's uncompressed
+    answer rate (stored, so the evaluation that follows reads it back) and the tasks dropped."""
+    if not args.tasks:
+        return None, 0
+    from headscope.analysis.long_context_tasks import measured_suite
+
+    suite = TaskSuite(tuple(args.tasks), tuple(lengths), args.per_task, args.task_seed, args.min_rate)
+    with argument("--tasks"):
+        n = len(suite.tasks) * len(set(lengths)) * suite.n_per_task
+        with progress_bar(f"uncompressed answers on {n} task prompts") as bar:
+            measured = measured_suite(model, suite, store, progress=bar)
+    print(f"task suite at {','.join(map(str, lengths))} tokens, {args.per_task} prompt(s) per task and length "
+          f"(seed {args.task_seed}): uncompressed answer rate [95% Wilson], tasks below {args.min_rate:g} dropped")
+    for task, rate in measured.rates.items():
+        print(f"  {task:<18} {rate.text()}{'  dropped' if task in measured.dropped else ''}")
+    return suite, len(measured.kept)
 
 
 def add_parser(sub) -> None:
@@ -283,6 +322,16 @@ def add_parser(sub) -> None:
     p.add_argument("--export", type=export_choice,
                    help="the policy written as the pattern folder, RANKING:FRACTION[:SEED] (default: the first score "
                         "ranking's smallest policy within --tolerance)")
+    p.add_argument("--tasks", type=task_list,
+                   help=f"score NIAH accuracy on the long-context task suite instead of the sweep's prompts, tasks "
+                        f"from {', '.join(TASKS)} (at --lengths, {TASK_MIN_LENGTH}-{TASK_MAX_LENGTH} tokens); the "
+                        "sweep still ranks the heads. Tasks the uncompressed model answers less often than "
+                        "--min-rate are dropped")
+    p.add_argument("--per-task", type=count(1, MAX_PER_TASK), default=5,
+                   help="--tasks: prompts per task and length (default 5)")
+    p.add_argument("--task-seed", type=count(0), default=0, help="--tasks: the seed the prompts are drawn with")
+    p.add_argument("--min-rate", type=share, default=DEFAULT_MIN_RATE,
+                   help=f"--tasks: the uncompressed answer rate a task needs to be scored (default {DEFAULT_MIN_RATE})")
     p.add_argument("--out", type=folder)
     p.add_argument("--formats", default="svg,html",
                    help="figure formats of compression_pareto and compression_policy (default svg,html; none: '')")
