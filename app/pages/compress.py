@@ -1,6 +1,7 @@
 """Page "Compress": KV-cache compression from head classes (DuoAttention, RazorAttention). Each key-value
 group keeps its full cache or only S sinks + W recent tokens; the groups ranked highest by a head score
-stay full. Run evaluates every (ranking, fraction) policy on a needle-in-a-haystack sweep's prompts as a
+stay full. Run evaluates every (ranking, fraction) policy on a needle-in-a-haystack sweep's prompts (or on
+the long-context task suite's, :mod:`headscope.analysis.long_context_tasks`, the sweep still ranking) as a
 background job (:func:`headscope.analysis.kv_compression_sweep.compress_sweep`, which ``headscope compress`` calls
 too); the URL names the stored curve, so a link reopens it without computing. A chosen policy downloads
 as DuoAttention's pattern folder (:func:`headscope.analysis.pattern_folder.export_policy`)."""
@@ -31,6 +32,7 @@ from headscope.analysis.kv_compression_choices import (
     RANKING_LABELS,
     RANKINGS,
 )
+from headscope.analysis.long_context_tasks import MAX_PER_TASK, TASKS
 from headscope.analysis.models import load_model
 from headscope.analysis.niah import MAX_LENGTH, check_lengths, load_needles, named_haystack
 from headscope.app import ids
@@ -77,6 +79,9 @@ TABLE_COLUMNS = [("ranking", "ranking"), ("seed", "seed"), ("fraction_full", "gr
                  ("niah_interval", "NIAH 95 % interval (Wilson)"), ("niah_n", "NIAH n (prompts)"),
                  ("niah_seed_band", "random: seeds' mean, lowest–highest")]
 MAX_FRACTIONS = 12
+PROMPT_SOURCES = [{"label": " the needle sweep's prompts", "value": "sweep"},
+                  {"label": " the task suite (RULER-style; the sweep still ranks the heads, and tasks the "
+                            "uncompressed model answers less than half the time are dropped)", "value": "tasks"}]
 
 
 def _needle_options() -> list[dict]:
@@ -109,6 +114,15 @@ def layout(**_query) -> html.Div:
                 dcc.Dropdown(id=ids.KV_HAYSTACK, clearable=False, value="prose", options=[
                     {"label": "prose (shipped essays)", "value": "prose"},
                     {"label": "passkey (synthetic filler)", "value": "passkey"}]),
+                html.Label("NIAH accuracy measured on", htmlFor=ids.KV_PROMPT_SOURCE),
+                dcc.RadioItems(id=ids.KV_PROMPT_SOURCE, value="sweep", options=PROMPT_SOURCES, className="hs-methods"),
+                html.Label("Tasks (at the context lengths above, 1,024 to 8,192 tokens)", htmlFor=ids.KV_TASKS),
+                dcc.Checklist(id=ids.KV_TASKS, value=["single_needle", "multi_key", "passkey"], className="hs-methods",
+                              options=[{"label": f" {t.label}: {t.description}", "value": name}
+                                       for name, t in TASKS.items()]),
+                html.Label("Prompts per task and length", htmlFor=ids.KV_PER_TASK),
+                dcc.Input(id=ids.KV_PER_TASK, type="number", min=1, max=MAX_PER_TASK, step=1, value=5,
+                          className="hs-number"),
                 html.Label("Model", htmlFor=ids.KV_MODEL),
                 dcc.Dropdown(id=ids.KV_MODEL, options=context.model_options(), value=context.default_model,
                              clearable=False, className="hs-model"),
@@ -204,6 +218,37 @@ def table_rows(curve) -> list[dict]:
     return out
 
 
+def task_suite(source, tasks, per_task, lengths):
+    """The task suite the form asks for (None: the sweep's prompts), checked here: a request need not come
+    from the form. The tasks' lengths are the context lengths' (checked by the suite when it is built)."""
+    from headscope.analysis.long_context_tasks import TaskSuite
+
+    if source not in [o["value"] for o in PROMPT_SOURCES]:
+        raise InputError("Choose whether NIAH accuracy is measured on the needle sweep or on the task suite.")
+    if source == "sweep":
+        return None
+    chosen = [t for t in TASKS if isinstance(tasks, list) and t in tasks]  # a string would match its substrings
+    if not chosen:
+        raise InputError("Tick at least one task of the suite, or measure on the needle sweep.")
+    lengths_ = check_lengths(number_list(lengths, "Context lengths", int))
+    return TaskSuite(tuple(chosen), tuple(dict.fromkeys(lengths_)),
+                     whole_number(per_task, "Prompts per task", 1, MAX_PER_TASK))
+
+
+def task_rates(tasks: dict) -> str:
+    """A curve's task suite as the page says it: each task's uncompressed answer rate, its 95 % Wilson
+    interval and n (``curve.meta["tasks"]``), the dropped ones last."""
+    def said(name, t):
+        label = TASKS[name].label if name in TASKS else name
+        return f"{label} {t['rate']:.2f} [{t['low']:.2f}, {t['high']:.2f}] n={t['n']}"
+
+    kept = [said(k, t) for k, t in tasks.items() if not t["dropped"]]
+    dropped = [said(k, t) for k, t in tasks.items() if t["dropped"]]
+    return (f"NIAH accuracy on the task suite; uncompressed answer rate [95 % Wilson] of the tasks kept: "
+            f"{'; '.join(kept)}." + (f" Dropped (the uncompressed model cannot do them): {'; '.join(dropped)}."
+                                     if dropped else ""))
+
+
 def _info(curve, tolerance: float) -> list:
     b = curve.baseline
     parts = [html.Span(f"{curve.meta.get('model_name', '')}: {curve.n_prompts} NIAH prompt(s), loss on "
@@ -211,6 +256,8 @@ def _info(curve, tolerance: float) -> list:
                        f"{b.memory.full_bytes / 2**20:.2f} MiB; uncompressed NIAH "
                        f"{b.niah.text() if b.niah.n else '—'}, loss {_num(b.loss, '.4f')}; evaluated on the "
                        f"{curve.meta.get('backend', 'eager')} backend.")]
+    if curve.meta.get("tasks"):
+        parts.append(html.Div(task_rates(curve.meta["tasks"]), className="hs-hint"))
     for r, e in smallest_within(curve, tolerance).items():
         parts.append(html.Div(decision_text(RANKING_LABELS[r], tolerance, None if e is None else e.row(),
                                             curve.n_prompts), className="hs-kv-best"))
@@ -374,12 +421,15 @@ def _sweep(model, sweep_id, needle_ids, lengths, depths, haystack, set_progress)
     State(ids.KV_SINK, "value"),
     State(ids.KV_RECENT, "value"),
     State(ids.KV_BACKEND, "value"),
+    State(ids.KV_PROMPT_SOURCE, "value"),
+    State(ids.KV_TASKS, "value"),
+    State(ids.KV_PER_TASK, "value"),
     State(url_id(PREFIX), "search"),
     run=ids.KV_RUN, cancel=ids.KV_CANCEL, progress=ids.KV_PROGRESS, status=ids.KV_STATUS,
     stale=(ids.KV_PARETO, ids.KV_POLICY), prevent_initial_call=True,
 )
 def run_compress(set_progress, n_clicks, sweep_id, needle_ids, lengths, depths, haystack, model_spec, rankings,
-                 fractions, seeds, sink, recent, backend, search):
+                 fractions, seeds, sink, recent, backend, source, tasks, per_task, search):
     """Run: the sweep (or the stored one), then every policy (:func:`compress_sweep`, stored); the curve's
     key goes into the URL."""
     from headscope.analysis.kv_compression_sweep import compress_sweep
@@ -400,6 +450,7 @@ def run_compress(set_progress, n_clicks, sweep_id, needle_ids, lengths, depths, 
         n_seeds = whole_number(seeds, "Random seeds", 1, MAX_SEEDS)
         sink_ = whole_number(sink, "S (sinks)", 0, MAX_LENGTH)
         recent_ = whole_number(recent, "W (recent tokens)", 1, MAX_LENGTH)
+        suite = task_suite(source, tasks, per_task, lengths)
         if backend not in BACKENDS:
             raise InputError(f"Choose a backend: {', '.join(BACKENDS)}.")
         if not (sweep_id or "").strip():  # said before the sweep runs (compress_sweep checks the prompts too)
@@ -412,7 +463,7 @@ def run_compress(set_progress, n_clicks, sweep_id, needle_ids, lengths, depths, 
         if not found.trials:
             return no_update, message("The sweep has no finished trial."), "Not run: see the message above."
         result = compress_sweep(model, found, chosen, fractions_, seeds=list(range(n_seeds)), sink_size=sink_,
-                                recent_size=recent_, backend=backend, store=context.store,
+                                recent_size=recent_, backend=backend, suite=suite, store=context.store,
                                 progress=progress_reporter(set_progress, "evaluating policies"))
     except ValueError as e:
         return no_update, message(str(e)), "Not run: see the message above."
