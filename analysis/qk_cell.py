@@ -7,6 +7,16 @@ attention per (model, token ids) in a small in-process LRU (:data:`CACHED` captu
 512 tokens of SmolLM2-135M), so every later cell is a few matrix products (tens of ms). The numbers are those
 of ``qk_attribution`` (same function, same checks); only where its capture comes from differs.
 
+The capture is one forward pass with hooks (about 2 s at 512 tokens on two cores), too slow for the first
+click to answer within a second. :func:`prefetch` makes it in a daemon thread as soon as a page shows a
+run, so the first click usually finds it made; a click that comes sooner waits only for the rest of it
+(:func:`run_capture` makes one capture at a time, and the click then finds it cached). The thread makes
+the latest run asked for, one after another, never several at once. It runs torch as a request thread
+would: in ``headscope serve`` every server thread runs OpenMP on one thread
+(:func:`headscope.app.jobs.prepare_server_threads`), so a job forked meanwhile inherits no OpenMP pool,
+and a model load inside it holds forks off like any load (:data:`headscope.analysis.fork_gate.MODEL_LOADS`).
+A forked child starts with no prefetch thread and fresh locks.
+
 :func:`grouped_by_layer` sums the ``[C_q, C_k]`` terms over the heads of each layer (Elhage et al. 2021,
 "A Mathematical Framework for Transformer Circuits": the heads of a layer write into the residual stream
 side by side, so their parts of the score add), for a readable whole-matrix view.
@@ -14,15 +24,17 @@ side by side, so their parts of the score add), for a readable whole-matrix view
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from headscope.analysis.limits import limit
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.qk_attribution import QKAttribution, qk_attribution
-from headscope.analysis.residual_components import ComponentCapture, capture_components, check_tokens
+from headscope.analysis.residual_components import LIMIT, ComponentCapture, capture_components, check_tokens
 
 CACHED = 1  # captures kept (each ~200 MB at 512 tokens): the run a page explains now
 
@@ -50,6 +62,64 @@ def run_capture(model: LoadedModel, token_ids: Sequence[int]) -> ComponentCaptur
 def is_cached(model: LoadedModel, token_ids: Sequence[int]) -> bool:
     """Whether :func:`run_capture` of these ids would be answered from the cache."""
     return (model.digest, tuple(int(t) for t in token_ids)) in _captures
+
+
+def clear_captures() -> None:
+    """Forget every cached capture (the next cell of any run makes its own)."""
+    with _lock:
+        _captures.clear()
+
+
+ModelSource = Callable[[], LoadedModel]
+_wanted: tuple[ModelSource, list[int]] | None = None  # the latest run a page showed, not yet captured
+_prefetcher: threading.Thread | None = None
+_prefetch_lock = threading.Lock()
+
+
+def prefetch(model: ModelSource, digest: str, token_ids: Sequence[int]) -> bool:
+    """Make :func:`run_capture` of ``token_ids`` in a daemon thread (module docstring); True if one is on its way.
+
+    ``model`` is a function that returns the model whose digest is ``digest`` (called in the thread, so a
+    page that shows a run never waits for a model load). Ids already captured, or that :func:`run_capture`
+    would refuse for their number, start nothing; a capture the thread cannot make is left for the click,
+    which makes it again and says what was wrong."""
+    global _wanted, _prefetcher
+    try:
+        ids = [int(t) for t in token_ids]
+    except (TypeError, ValueError):
+        return False
+    if not ids or len(ids) > limit(LIMIT) or (digest, tuple(ids)) in _captures:
+        return False
+    with _prefetch_lock:
+        _wanted = (model, ids)
+        if _prefetcher is None:
+            _prefetcher = threading.Thread(target=_prefetch_in_turn, name="headscope-why-prefetch", daemon=True)
+            _prefetcher.start()
+    return True
+
+
+def _prefetch_in_turn() -> None:
+    """The prefetch thread: capture the latest run asked for until none is waiting."""
+    global _wanted, _prefetcher
+    while True:
+        with _prefetch_lock:
+            job, _wanted = _wanted, None
+            if job is None:
+                _prefetcher = None
+                return
+        source, ids = job
+        try:
+            run_capture(source(), ids)
+        except Exception:  # noqa: BLE001 - the click makes the capture again and says what was wrong
+            continue
+
+
+def _fresh_in_child() -> None:
+    global _lock, _prefetch_lock, _prefetcher, _wanted
+    _lock, _prefetch_lock, _prefetcher, _wanted = threading.Lock(), threading.Lock(), None, None
+
+
+os.register_at_fork(after_in_child=_fresh_in_child)
 
 
 def cell_attribution(model: LoadedModel, token_ids: Sequence[int], layer: int, head: int, query: int,

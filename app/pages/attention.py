@@ -30,7 +30,7 @@ from dash.exceptions import PreventUpdate
 
 from headscope.analysis.errors import InputError
 from headscope.analysis.models import ModelError, load_model
-from headscope.analysis.qk_cell import cell_attribution, grouped_by_layer
+from headscope.analysis.qk_cell import cell_attribution, grouped_by_layer, prefetch
 from headscope.analysis.score_registry import HEAD_SCORES, RUN_SCORES, unavailable
 from headscope.analysis.statistics_run import capture_for_page
 from headscope.app import figures, ids
@@ -358,6 +358,7 @@ def render(search, pathname=None, sinks_run=None, drawn=None):
     if run is None:
         problems.append(f"No stored run has the id {state.run!r}. Run the text again to recompute it.")
         return {**blank, "error": message(problems)}
+    _ready_for_a_click(run)
     n_layers, n_heads = run.n_layers, run.n_heads
     if state.metric not in run.metrics:
         problems.append(f"{unavailable(HEAD_SCORES[state.metric], run)}; showing normalised entropy.")
@@ -587,6 +588,27 @@ def open_why(click, search):
     return _with(search, query=cell[0], key=cell[1])
 
 
+def _run_model(spec: str, digest: str):
+    """The model ``spec`` names, when it is the one (by ``digest``) that made the run; else an InputError."""
+    model = load_model(spec)
+    if model.digest != digest:
+        raise InputError("The model this server loads is not the one that made this run: run the text again.")
+    return model
+
+
+def _ready_for_a_click(run) -> None:
+    """Start the capture the why panel explains a shown run's cells from, in the background
+    (:func:`headscope.analysis.qk_cell.prefetch`), so that the first click on its heatmap finds it made: a
+    run shown token by token, by a model this server offers (anything else is said by the click)."""
+    if run.block_size != 1:
+        return
+    try:
+        spec = offered_model(run.model_name)
+    except USER_ERRORS:
+        return
+    prefetch(functools.partial(_run_model, spec, run.model_digest), run.model_digest, run.token_ids)
+
+
 def _why(run, layer: int, head: int, query: int, key: int, group: str) -> tuple[go.Figure, str]:
     """The panel's figure and check line: :func:`headscope.analysis.qk_cell.cell_attribution` drawn by the
     ``qk_cell`` view's figure builder (bars of the top query-side and key-side components; its heatmap of
@@ -594,9 +616,7 @@ def _why(run, layer: int, head: int, query: int, key: int, group: str) -> tuple[
     if run.block_size != 1:
         raise InputError("This run's heatmap pools several tokens per cell: the why panel explains one cell of a "
                          "run shown token by token. Run a shorter text.")
-    model = load_model(offered_model(run.model_name))
-    if model.digest != run.model_digest:
-        raise InputError("The model this server loads is not the one that made this run: run the text again.")
+    model = _run_model(offered_model(run.model_name), run.model_digest)
     a = cell_attribution(model, run.token_ids, layer, head, query, key)
     q, k = (figures.shown_token(run.tokens[p]) for p in (query, key))
     fig = qk_cell_figure(a.query_names, a.key_names, a.terms,
@@ -624,8 +644,9 @@ def _why(run, layer: int, head: int, query: int, key: int, group: str) -> tuple[
 @guarded(outputs=("panel", "figure", "check", "message", "shown"), error="message")
 def explain_cell(search, group, pathname=None, shown=None):
     """The "why" panel of the cell the URL names (``query``, ``key`` of the selected head), or none. The
-    run's components come from one cached forward pass (:mod:`headscope.analysis.qk_cell`): the first cell
-    of a run takes a forward pass, later ones tens of milliseconds."""
+    run's components come from one cached forward pass (:mod:`headscope.analysis.qk_cell`), started in the
+    background when the page shows the run (:func:`_ready_for_a_click`): a cell asked for once it is made
+    takes tens of milliseconds, one asked for sooner waits for the rest of it."""
     if leaving(pathname if isinstance(pathname, str) else None, PAGE_PATH):
         raise PreventUpdate
     state = parse(search if isinstance(search, str) else None)

@@ -62,3 +62,63 @@ def test_grouping_by_layer_sums_each_layers_heads_and_keeps_the_total(model):
     mlp = a.query_names.index("mlp.0")
     assert terms[groups.index("attn 0"), groups.index("mlp.0")] == pytest.approx(a.terms[heads, mlp].sum(), rel=1e-12)
     assert terms[0, 0] == a.terms[0, 0]
+
+
+def _wait_for(condition, seconds: float = 120.0) -> bool:
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def _counting_captures(monkeypatch) -> list[int]:
+    """Count the forward passes :func:`qk_cell.run_capture` makes (each the real capture)."""
+    made: list[int] = []
+    real = qk_cell.capture_components
+
+    def counted(*args, **kwargs):
+        made.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(qk_cell, "capture_components", counted)
+    return made
+
+
+def test_a_prefetched_capture_answers_the_first_cell_without_a_forward_pass(model, monkeypatch):
+    made = _counting_captures(monkeypatch)
+    assert qk_cell.prefetch(lambda: model, model.digest, IDS)
+    assert _wait_for(lambda: qk_cell.is_cached(model, IDS))
+    assert not qk_cell.prefetch(lambda: model, model.digest, IDS)  # made already: nothing more starts
+    first = qk_cell.cell_attribution(model, IDS, 1, 3, 11, 6)
+    assert len(made) == 1  # the prefetch's; the click made none
+    np.testing.assert_array_equal(first.terms, qk_attribution(model, IDS, 1, 3, 11, 6).terms)
+
+
+def test_a_click_during_the_prefetch_waits_for_it_instead_of_capturing_again(model, monkeypatch):
+    made = _counting_captures(monkeypatch)
+    assert qk_cell.prefetch(lambda: model, model.digest, IDS)
+    a = qk_cell.cell_attribution(model, IDS, 1, 0, 9, 2)
+    assert len(made) == 1
+    np.testing.assert_array_equal(a.terms, qk_attribution(model, IDS, 1, 0, 9, 2).terms)
+
+
+def test_prefetch_starts_nothing_for_what_a_click_would_refuse_and_survives_a_failure(model, monkeypatch):
+    monkeypatch.setenv("HEADSCOPE_MAX_TOKENS", "8")
+    assert not qk_cell.prefetch(lambda: model, model.digest, IDS)  # 12 tokens over the limit of 8
+    assert not qk_cell.prefetch(lambda: model, model.digest, [])
+    assert not qk_cell.prefetch(lambda: model, model.digest, ["a", None])
+    monkeypatch.delenv("HEADSCOPE_MAX_TOKENS")
+
+    def broken():
+        raise InputError("The model this server loads is not the one that made this run.")
+
+    assert qk_cell.prefetch(broken, "other-digest", IDS)
+    assert qk_cell.prefetch(lambda: model, model.digest, [i + 1 for i in IDS])  # the latest run shown
+    assert _wait_for(lambda: qk_cell._prefetcher is None)
+    assert not qk_cell.is_cached(model, IDS) and qk_cell.is_cached(model, [i + 1 for i in IDS])
+    assert qk_cell.prefetch(lambda: model, model.digest, IDS)  # a new thread after the last one ended
+    assert _wait_for(lambda: qk_cell.is_cached(model, IDS))
