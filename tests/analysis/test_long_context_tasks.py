@@ -207,3 +207,21 @@ def test_compress_sweep_scores_the_suite_and_refuses_a_suite_the_model_cannot_do
     strict = TaskSuite(("passkey", "single_needle"), (1024,), 1, seed=3)
     with pytest.raises(InputError, match=r"answers no task of the suite.*passkey 0\.00 \[0\.00, 0\.\d+\] n=1"):
         kvs.compress_sweep(model8k, swept, suite=strict, **args)
+
+
+def test_measured_suite_stores_the_answers_and_reads_them_back(model8k, store, one_thread, monkeypatch):
+    from headscope.analysis import long_context_tasks as lct
+
+    suite = lct.TaskSuite(("passkey", "common_words"), (1024,), 1, seed=5, min_rate=0.0)
+    with pytest.raises(InputError, match="No task prompts"):
+        answer_rates(model8k, [])
+    first = lct.measured_suite(model8k, suite, store)
+    assert set(first.rates) == {"passkey", "common_words"} and first.dropped == {}
+    assert first.max_new_tokens == 32 and len(first.kept) == 2  # common words' answer needs up to 32 tokens
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("the stored answers should have been read back")
+
+    monkeypatch.setattr(lct, "answered", no_decoding)
+    again = lct.measured_suite(model8k, suite, store)
+    assert again.rates == first.rates
