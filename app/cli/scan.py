@@ -69,6 +69,7 @@ def cmd_scan(args) -> int:
         "n_trials": result.n_trials, "n_counted": result.n_counted,
         "share_above_0.1": result.share_above(0.1),
         "accuracy": np.where(np.isfinite(result.accuracy), result.accuracy, None).tolist(),
+        **_accuracy_intervals(result),
         "reused_trials": sum(t.reused for t in result.trials),
         "depth_rule": result.depth_rule, "stop_at_newline": result.stop_at_newline,
     }
@@ -89,8 +90,8 @@ def cmd_scan(args) -> int:
         write_files(None, names.SCORE_MASS, {**params, "score": score}, out / f"mass_{score}", formats,
                     plotlyjs_path=out / "plotly.min.js")
     print(f"sweep {result.key} ({result.settings_text()})")
-    print(f"{result.n_counted}/{result.n_trials} trials answered ({summary['reused_trials']} reused); "
-          f"{result.share_above(0.1):.1%} of heads score above 0.1")
+    print(f"{result.n_counted}/{result.n_trials} trials answered ({summary['reused_trials']} reused), accuracy "
+          f"{result.overall_accuracy().text()} (95 % Wilson); {result.share_above(0.1):.1%} of heads score above 0.1")
     print(f"results in {out}")
     return 0
 
@@ -113,3 +114,15 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=folder)
     p.add_argument("--formats", default="svg,html")
     p.set_defaults(func=cmd_scan)
+
+
+def _accuracy_intervals(result) -> dict:
+    """Each [length, depth] cell's n and 95 % Wilson interval, and the whole sweep's accuracy with its own
+    (:meth:`headscope.analysis.retrieval.RetrievalSweep.accuracy_intervals`), for ``summary.json``."""
+    cells = result.accuracy_intervals()
+
+    def grid(field):
+        return [[None if not p.n else getattr(p, field) for p in row] for row in cells]
+
+    return {"accuracy_n": [[p.n for p in row] for row in cells], "accuracy_low": grid("low"),
+            "accuracy_high": grid("high"), "overall_accuracy": result.overall_accuracy().columns("accuracy")}

@@ -850,3 +850,32 @@ def test_ablate_on_a_sweep_writes_n_and_wilson_intervals_in_summary_json_and_the
     assert f"[{niah['accuracy_clean_low']:.3f}, {niah['accuracy_clean_high']:.3f}]" in interval_line
     start = next(i for i, line in enumerate(lines) if line.startswith("top-k vs random curve: NIAH accuracy on 4"))
     assert f"[{c['top_low'][1]:.3f}, {c['top_high'][1]:.3f}]" in lines[start + 3]
+
+
+def test_scan_writes_n_and_the_wilson_interval_of_every_niah_accuracy(tmp_path):
+    """#42 item 4: ``scan``'s summary.json gives each cell's n and 95 % Wilson interval and the sweep's
+    overall accuracy, niah_grid.csv has the interval columns, and the printed line says the interval."""
+    import csv
+
+    from headscope.analysis.intervals import wilson
+
+    needles = tmp_path / "needles.json"
+    needles.write_text(json.dumps([
+        {"id": "passkey", "needle": "The secret passkey is 7731.", "question": "What is the secret passkey?",
+         "answer": "7731"},
+        {"id": "never", "needle": "The secret passkey is 7731.", "question": "What is the secret passkey?",
+         "answer": "walrus"}]))
+    out = tmp_path / "out"
+    r = headscope("scan", "--lengths", "160", "--depths", "50", "--needles-file", str(needles), "--haystack", "passkey",
+                  "--formats", "", "--out", str(out), home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    p = wilson(1, 2)
+    assert summary["accuracy"] == [[0.5]] and summary["accuracy_n"] == [[2]]
+    assert summary["accuracy_low"] == [[pytest.approx(p.low)]] and summary["accuracy_high"] == [[pytest.approx(p.high)]]
+    assert summary["overall_accuracy"] == {"accuracy": 0.5, "accuracy_n": 2, "accuracy_low": pytest.approx(p.low),
+                                           "accuracy_high": pytest.approx(p.high)}
+    with (out / "niah_grid.csv").open() as f:
+        (row,) = list(csv.DictReader(f))
+    assert (row["accuracy_n"], float(row["accuracy_low"])) == ("2", pytest.approx(p.low))
+    assert "1/2 trials answered (0 reused), accuracy 0.50 [0.09, 0.91] n=2 (95 % Wilson)" in r.stdout
