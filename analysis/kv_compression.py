@@ -530,7 +530,7 @@ class CompressionCurve:
         intervals overlap are not told apart (0.75 against 0.50 on n = 4 is no difference either way), and
         a policy above the uncompressed one passes. With few prompts the intervals are wide and the rule
         passes small caches, which is why every decision states its n. At tolerance 0 it is the overlap of
-        the two intervals (item 5 of issue #42). Loss has no interval here (a mean over token positions of
+        the two intervals. Loss has no interval here (a mean over token positions of
         a few texts, not independent trials) and keeps the point rule ``loss ≤ uncompressed + tolerance``;
         any other metric ``≥ uncompressed − tolerance``. Without prompts (n = 0) no accuracy passes.
         """
