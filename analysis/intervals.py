@@ -9,7 +9,7 @@ trials, p̂ = k/n and z = Φ⁻¹(0.975),
     centre = (p̂ + z²/2n) / (1 + z²/n),   half-width = z/(1 + z²/n) · √(p̂(1 − p̂)/n + z²/4n²).
 
 It never leaves [0, 1] and is not empty at p̂ = 0 or 1 (the Wald interval p̂ ± z√(p̂(1−p̂)/n) collapses
-to a point there). Computed by :meth:`scipy.stats.binomtest`'s ``proportion_ci(method="wilson")``.
+to a point there). Computed by scipy's ``binomtest(k, n).proportion_ci(method="wilson")``.
 
 A ranking drawn at random (the random control of an ablation curve, a random KV policy) has a second
 source of spread, the draw: its :func:`seed_band` is the mean over seeds with the lowest and highest
