@@ -15,9 +15,11 @@ the full cache, streaming heads "a constant-length" one of attention sinks and r
 A query at position p of a streaming group sees key j iff ``j ≤ p`` and ``(j < S or j > p − W)``
 (and ``j > p − W_m`` on a window layer): :func:`headscope.analysis.kv_compression.streaming_key_mask`'s
 visible keys, which is why this backend produces the masking backends' tokens and losses. Between
-passes a streaming group holds ``min(n, S + W)`` keys, so the bytes it allocates are those
-:func:`headscope.analysis.kv_compression.kv_memory` counts (:meth:`PolicyCache.nbytes`, the sum of
-the cache tensors' storage sizes).
+passes a streaming group holds ``min(n, S + W)`` keys in storage of exactly that size; a full group
+holds its n keys in buffers that grow :data:`HEADROOM` tokens at a time, so a decode step writes in
+place instead of copying the cache. The bytes kept are those
+:func:`headscope.analysis.kv_compression.kv_memory` counts (:meth:`PolicyCache.kept_bytes`); the bytes
+allocated (:meth:`PolicyCache.nbytes`, the storages' sizes) add at most the headroom per layer.
 
 Prompts run in chunks of ``chunk`` tokens (DuoAttention's chunked pre-filling, §3.3): a chunk's
 queries read the cache as it stands plus the chunk itself, so a streaming group's window never needs
@@ -59,49 +61,93 @@ registered under it, so Hugging Face builds no mask: :func:`_attention` masks by
 DEFAULT_CHUNK = 512
 """Tokens per pre-filling pass: bounds the transient score block, not the result."""
 
+HEADROOM = 256
+"""Tokens a full part's buffers grow by at a time: at most this many tokens per layer allocated and not
+yet used, against a copy of the whole cache per decode step."""
+
 _state = threading.local()  # the PolicyCache the current thread's passes read, set by policy_cache()
 
 
 class _Part:
     """The keys and values of one layer's groups of one kind (full or streaming), their positions,
-    and which positions a later query can still see."""
+    and which positions a later query can still see.
+
+    A part without a window (full groups on a layer without the model's own window) grows its buffers
+    :data:`HEADROOM` tokens at a time and writes each pass into them, so a decode step copies nothing
+    (a copy of the whole cache per step, as transformers' ``DynamicCache`` makes, would dominate a
+    long decode); a windowed part is cut to what it keeps after every pass, into new storage."""
 
     def __init__(self, groups: list[int], streaming: bool, sink: int, window: int) -> None:
         # window 0: every key (a full group on a layer without the model's own window)
         self.groups, self.streaming, self.sink, self.window = groups, streaming, sink, window
-        self.keys: Tensor | None = None
-        self.values: Tensor | None = None
-        self.positions: Tensor | None = None
+        self._keys: Tensor | None = None  # [b, groups, capacity, d]; the first n tokens are kept
+        self._values: Tensor | None = None
+        self._positions: Tensor | None = None
+        self.n = 0
+
+    @property
+    def keys(self) -> Tensor | None:
+        return None if self._keys is None else self._keys[:, :, :self.n]
+
+    @property
+    def values(self) -> Tensor | None:
+        return None if self._values is None else self._values[:, :, :self.n]
+
+    @property
+    def positions(self) -> Tensor | None:
+        return None if self._positions is None else self._positions[:self.n]
 
     def append(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
-        idx = torch.tensor(self.groups, device=k.device)
-        k, v = k.index_select(1, idx), v.index_select(1, idx)
-        if self.keys is None:
-            self.keys, self.values, self.positions = k, v, positions
-        else:
-            self.keys = torch.cat([self.keys, k], 2)
-            self.values = torch.cat([self.values, v], 2)
-            self.positions = torch.cat([self.positions, positions])
+        if len(self.groups) < k.shape[1]:
+            idx = torch.tensor(self.groups, device=k.device)
+            k, v = k.index_select(1, idx), v.index_select(1, idx)
+        m = k.shape[2]
+        if self._keys is None or self.n + m > self._keys.shape[2]:
+            capacity = self.n + m + (0 if self.window else HEADROOM)
+            self._keys = self._grown(self._keys, k, capacity)
+            self._values = self._grown(self._values, v, capacity)
+            grown = positions.new_empty(capacity)
+            if self.n:
+                grown[:self.n] = self._positions[:self.n]
+            self._positions = grown
+        self._keys[:, :, self.n:self.n + m] = k
+        self._values[:, :, self.n:self.n + m] = v
+        self._positions[self.n:self.n + m] = positions
+        self.n += m
+
+    def _grown(self, old: Tensor | None, new: Tensor, capacity: int) -> Tensor:
+        out = new.new_empty(*new.shape[:2], capacity, new.shape[3])
+        if old is not None and self.n:
+            out[:, :, :self.n] = old[:, :, :self.n]
+        return out
 
     def forget(self, last: int) -> None:
         """Keep the keys a query after position ``last`` may see, plus the key at ``last − W + 1``
         (the cache holds S + W keys between passes, as DuoAttention's does): j < S or j > last − W."""
-        if self.keys is None or not self.window:
+        if self._keys is None or not self.window:
             return
         keep = (self.positions < self.sink) | (self.positions > last - self.window)
-        if bool(keep.all()):
+        if bool(keep.all()) and self.n == self._keys.shape[2]:
             return
         idx = keep.nonzero().reshape(-1)
         # index_select copies into new storage: the forgotten keys' memory is freed, not kept under a view
-        self.keys = self.keys.index_select(2, idx)
-        self.values = self.values.index_select(2, idx)
-        self.positions = self.positions.index_select(0, idx)
+        self._keys = self._keys.index_select(2, idx)
+        self._values = self._values.index_select(2, idx)
+        self._positions = self._positions.index_select(0, idx)
+        self.n = int(idx.numel())
 
     def nbytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in (self.keys, self.values) if t is not None)
+        """Bytes the part's key and value buffers allocate (with a full part's headroom)."""
+        return sum(t.untyped_storage().nbytes() for t in (self._keys, self._values) if t is not None)
+
+    def kept_bytes(self) -> int:
+        """Bytes of the keys and values kept: what :func:`headscope.analysis.kv_compression.kv_memory` counts."""
+        if self._keys is None:
+            return 0
+        return self.n * sum(t.shape[0] * t.shape[1] * t.shape[3] * t.element_size() for t in (self._keys, self._values))
 
     def n_kept(self) -> int:
-        return 0 if self.keys is None else int(self.keys.shape[2])
+        return self.n
 
 
 class PolicyLayer(CacheLayerMixin):
@@ -150,6 +196,9 @@ class PolicyLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.parts)
 
+    def kept_bytes(self) -> int:
+        return sum(p.kept_bytes() for p in self.parts)
+
 
 class PolicyCache(Cache):
     """transformers' ``past_key_values`` for a model under a policy: one :class:`PolicyLayer` per layer."""
@@ -161,8 +210,13 @@ class PolicyCache(Cache):
         return self.layers[layer_idx].seen
 
     def nbytes(self) -> int:
-        """Bytes the cache's key and value tensors allocate (their storages' sizes)."""
+        """Bytes the cache's key and value tensors allocate (their storages' sizes, with the full parts'
+        headroom of at most :data:`HEADROOM` tokens)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def kept_bytes(self) -> int:
+        """Bytes of the keys and values kept: :func:`headscope.analysis.kv_compression.kv_memory`'s count."""
+        return sum(layer.kept_bytes() for layer in self.layers)
 
     def kept(self) -> np.ndarray:
         """``[layer, kv_head]`` keys each group holds now."""
@@ -270,12 +324,15 @@ def text_metrics(model: Any, full: np.ndarray, texts: Sequence[Sequence[int]], s
 
 @dataclass
 class CachedDecode:
-    """A greedy continuation through the cache, and the cache's bytes after the prefill and at the end."""
+    """A greedy continuation through the cache; the bytes its tensors allocate after the prefill and at
+    the end (:meth:`PolicyCache.nbytes`), the bytes of what it keeps after the prefill
+    (:meth:`PolicyCache.kept_bytes`), and the keys each group holds at the end."""
 
     generated: list[int]
     prefill_bytes: int
     final_bytes: int
     kept: np.ndarray
+    prefill_kept_bytes: int = 0
 
 
 def greedy_continuation(model: Any, full: np.ndarray, ids: Sequence[int], max_new_tokens: int, sink_size: int,
@@ -291,7 +348,7 @@ def greedy_continuation(model: Any, full: np.ndarray, ids: Sequence[int], max_ne
     out: list[int] = []
     with policy_cache(model, full, sink_size, recent_size) as (twin, cache):
         logits = run_chunks(twin, cache, ids, model.device, chunk, cancel=cancel)
-        prefill_bytes = cache.nbytes()
+        prefill_bytes, prefill_kept = cache.nbytes(), cache.kept_bytes()
         for step in range(max_new_tokens):
             token = int(logits.argmax())
             out.append(token)
@@ -301,7 +358,7 @@ def greedy_continuation(model: Any, full: np.ndarray, ids: Sequence[int], max_ne
             logits = twin(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
             if on_step is not None:
                 on_step(step, cache)
-        return CachedDecode(out, prefill_bytes, cache.nbytes(), cache.kept())
+        return CachedDecode(out, prefill_bytes, cache.nbytes(), cache.kept(), prefill_kept)
 
 
 # ---------------------------------------------------------------------------------------------

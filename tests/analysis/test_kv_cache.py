@@ -84,23 +84,48 @@ def test_eager_with_no_sinks_decodes_the_same_tokens_on_the_window_families(fami
 
 
 def test_the_cache_holds_exactly_what_the_policy_keeps(tiny_model):
-    """Between passes a streaming group holds min(n, S + W) keys and a full group n; the storage the
-    tensors allocate is kv_memory's count, after the prefill and at every decode step."""
+    """Between passes a streaming group holds min(n, S + W) keys and a full group n: the bytes kept are
+    kv_memory's count after the prefill and at every decode step, and the storage allocated adds at most
+    the full groups' headroom (a streaming group's storage is exactly what it keeps)."""
     sink, recent = 4, 6
     policy = _policy(tiny_model, sink, recent)
     ids = _ids(37, 3)
     per = []
-    out = kv_cache.greedy_continuation(tiny_model, policy.full, ids, 8, sink, recent, chunk=5,
-                                       on_step=lambda step, cache: per.append((cache.get_seq_length(), cache.nbytes(),
-                                                                               cache.kept())))
+    out = kv_cache.greedy_continuation(
+        tiny_model, policy.full, ids, 8, sink, recent, chunk=5,
+        on_step=lambda step, cache: per.append((cache.get_seq_length(), cache.kept_bytes(), cache.nbytes(),
+                                                cache.kept())))
     element = dtype_bytes(tiny_model)
-    assert out.prefill_bytes == kv_memory(policy, len(ids), tiny_model.d_head, element).bytes
+    per_token = 2 * tiny_model.d_head * element  # K and V of one group
+    headroom = kv_cache.HEADROOM * per_token * int(policy.full.any(axis=1).sum())
+    counted = kv_memory(policy, len(ids), tiny_model.d_head, element).bytes
+    assert out.prefill_kept_bytes == counted <= out.prefill_bytes <= counted + headroom
     assert len(per) == len(out.generated) - 1
-    for n, nbytes, kept in per:
-        assert nbytes == kv_memory(policy, n, tiny_model.d_head, element).bytes
+    for n, kept_bytes, nbytes, kept in per:
+        counted = kv_memory(policy, n, tiny_model.d_head, element)
+        assert kept_bytes == counted.bytes <= nbytes <= counted.bytes + headroom
         assert (kept[policy.full] == n).all() and (kept[~policy.full] == sink + recent).all()
-    full_bytes = kv_memory(policy, per[-1][0], tiny_model.d_head, element).full_bytes
-    assert per[-1][1] < full_bytes  # physically smaller, not accounting
+    streaming = build_policy(tiny_model, "all_streaming", 0.0, sink_size=sink, recent_size=recent)
+    alone = kv_cache.greedy_continuation(tiny_model, streaming.full, ids, 3, sink, recent, chunk=5)
+    assert alone.prefill_bytes == alone.final_bytes == kv_memory(streaming, len(ids), tiny_model.d_head, element).bytes
+
+
+def test_a_long_cache_is_physically_smaller_and_decodes_without_copying_itself(tiny_model):
+    """At 600 tokens the all-streaming cache allocates (S + W) / 600 of the full one; the full cache's
+    storage grows in steps of the headroom, so most decode steps leave its buffers where they were."""
+    sink, recent = 4, 12
+    ids = _ids(600, 5)
+    full = build_policy(tiny_model, "all_full", 1.0)
+    streaming = build_policy(tiny_model, "all_streaming", 0.0, sink_size=sink, recent_size=recent)
+    pointers = []
+
+    def seen(step, cache):
+        pointers.append(cache.layers[0].parts[0].keys.data_ptr())
+
+    got_full = kv_cache.greedy_continuation(tiny_model, full.full, ids, 12, sink, recent, on_step=seen)
+    got_stream = kv_cache.greedy_continuation(tiny_model, streaming.full, ids, 12, sink, recent)
+    assert got_stream.prefill_bytes * 600 == got_full.prefill_kept_bytes * (sink + recent)
+    assert len(set(pointers)) <= 2  # at most one regrowth in 11 steps
 
 
 def test_all_streaming_on_the_embedded_layout_keeps_a_constant_cache(real_model):
@@ -109,7 +134,7 @@ def test_all_streaming_on_the_embedded_layout_keeps_a_constant_cache(real_model)
     policy = build_policy(real_model, "all_streaming", 0.0, sink_size=8, recent_size=16)
     for n in (40, 90):
         out = kv_cache.greedy_continuation(real_model, policy.full, _ids(n, n), 1, 8, 16, chunk=32)
-        assert out.prefill_bytes == 30 * 3 * 24 * 2 * 64 * 4 == 1_105_920
+        assert out.prefill_bytes == out.prefill_kept_bytes == 30 * 3 * 24 * 2 * 64 * 4 == 1_105_920
 
 
 def test_the_embedded_model_gives_eagers_tokens_and_loss_on_a_needle_prompt(real_model, one_thread):
