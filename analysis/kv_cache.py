@@ -65,7 +65,7 @@ HEADROOM = 256
 """Tokens a full part's buffers grow by at a time: at most this many tokens per layer allocated and not
 yet used, against a copy of the whole cache per decode step."""
 
-_state = threading.local()  # the PolicyCache the current thread's passes read, set by policy_cache()
+_state = threading.local()  # .updated: the PolicyLayer whose update ran last in this thread (its attention follows)
 
 
 class _Part:
@@ -77,9 +77,12 @@ class _Part:
     (a copy of the whole cache per step, as transformers' ``DynamicCache`` makes, would dominate a
     long decode); a windowed part is cut to what it keeps after every pass, into new storage."""
 
-    def __init__(self, groups: list[int], streaming: bool, sink: int, window: int) -> None:
-        # window 0: every key (a full group on a layer without the model's own window)
+    def __init__(self, groups: list[int], streaming: bool, sink: int, window: int, model_window: int = 0) -> None:
+        # window 0: every key (a full group on a layer without the model's own window); a sink past the
+        # model's own window (model_window > 0) is seen by no later query, so it is forgotten too
         self.groups, self.streaming, self.sink, self.window = groups, streaming, sink, window
+        self.model_window = model_window
+        self.reserved = 0  # keys a coming prefill will hold (reserve)
         self._keys: Tensor | None = None  # [b, groups, capacity, d]; the first n tokens are kept
         self._values: Tensor | None = None
         self._positions: Tensor | None = None
@@ -103,7 +106,7 @@ class _Part:
             k, v = k.index_select(1, idx), v.index_select(1, idx)
         m = k.shape[2]
         if self._keys is None or self.n + m > self._keys.shape[2]:
-            capacity = self.n + m + (0 if self.window else HEADROOM)
+            capacity = self.n + m if self.window else max(self.n + m, self.reserved) + HEADROOM
             self._keys = self._grown(self._keys, k, capacity)
             self._values = self._grown(self._values, v, capacity)
             grown = positions.new_empty(capacity)
@@ -115,6 +118,11 @@ class _Part:
         self._positions[self.n:self.n + m] = positions
         self.n += m
 
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` more keys in a part without a window, allocated at its next growth (a
+        prompt's prefill then allocates once, not once per chunk)."""
+        self.reserved = max(self.reserved, self.n + tokens)
+
     def _grown(self, old: Tensor | None, new: Tensor, capacity: int) -> Tensor:
         out = new.new_empty(*new.shape[:2], capacity, new.shape[3])
         if old is not None and self.n:
@@ -123,10 +131,14 @@ class _Part:
 
     def forget(self, last: int) -> None:
         """Keep the keys a query after position ``last`` may see, plus the key at ``last − W + 1``
-        (the cache holds S + W keys between passes, as DuoAttention's does): j < S or j > last − W."""
+        (the cache holds S + W keys between passes, as DuoAttention's does): j < S or j > last − W, and a
+        sink only while it is inside the model's own window (j > last − W_m)."""
         if self._keys is None or not self.window:
             return
-        keep = (self.positions < self.sink) | (self.positions > last - self.window)
+        sinks = self.positions < self.sink
+        if self.model_window:
+            sinks &= self.positions > last - self.model_window
+        keep = sinks | (self.positions > last - self.window)
         if bool(keep.all()) and self.n == self._keys.shape[2]:
             return
         idx = keep.nonzero().reshape(-1)
@@ -155,13 +167,14 @@ class PolicyLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, full: Sequence[bool], sink: int, recent: int, mask: LayerMask) -> None:
+    def __init__(self, full: Sequence[bool], sink: int, recent: int, mask: LayerMask, index: int = 0) -> None:
         super().__init__()
-        self.mask = mask
+        self.mask, self.index = mask, index
         model_window = mask.window
         stream_window = min(recent, model_window) if model_window else recent
         self.parts = [p for p in (_Part([g for g, f in enumerate(full) if f], False, 0, model_window),
-                                  _Part([g for g, f in enumerate(full) if not f], True, sink, stream_window))
+                                  _Part([g for g, f in enumerate(full) if not f], True, sink, stream_window,
+                                        model_window))
                       if p.groups]
         self.n_groups = len(full)
         self.seen = 0
@@ -176,6 +189,7 @@ class PolicyLayer(CacheLayerMixin):
             part.append(key_states, value_states, positions)
         self.seen += n
         self.is_initialized = True
+        _state.updated = self  # the attention call that follows in this module reads this layer
         return key_states, value_states
 
     def forget(self) -> None:
@@ -199,6 +213,10 @@ class PolicyLayer(CacheLayerMixin):
     def kept_bytes(self) -> int:
         return sum(p.kept_bytes() for p in self.parts)
 
+    def reserve(self, tokens: int) -> None:
+        for part in self.parts:
+            part.reserve(tokens)
+
 
 class PolicyCache(Cache):
     """transformers' ``past_key_values`` for a model under a policy: one :class:`PolicyLayer` per layer."""
@@ -217,6 +235,11 @@ class PolicyCache(Cache):
     def kept_bytes(self) -> int:
         """Bytes of the keys and values kept: :func:`headscope.analysis.kv_compression.kv_memory`'s count."""
         return sum(layer.kept_bytes() for layer in self.layers)
+
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` more keys in every full group, allocated at its next growth."""
+        for layer in self.layers:
+            layer.reserve(tokens)
 
     def kept(self) -> np.ndarray:
         """``[layer, kv_head]`` keys each group holds now."""
@@ -247,33 +270,34 @@ def new_cache(model: Any, full: np.ndarray, sink_size: int, recent_size: int) ->
     twin = bare_twin(model, ATTENTION)
     attns = [m for m in twin.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
     masks = {int(m.layer_idx): layer_mask(m) for m in attns}
-    return PolicyCache([PolicyLayer(full[layer].tolist(), int(sink_size), int(recent_size), masks[layer])
+    return PolicyCache([PolicyLayer(full[layer].tolist(), int(sink_size), int(recent_size), masks[layer], layer)
                         for layer in range(model.n_layers)])
 
 
 @contextlib.contextmanager
 def policy_cache(model: Any, full: np.ndarray, sink_size: int, recent_size: int) -> Iterator[tuple[Any, PolicyCache]]:
     """``(twin, cache)``: passes of ``twin(input_ids=..., past_key_values=cache, use_cache=True)`` inside
-    the block keep ``cache`` as the policy says. Holds ``model.lock``."""
-    check_cache_backend(model)
-    cache = new_cache(model, full, sink_size, recent_size)
-    twin = bare_twin(model, ATTENTION)
+    the block keep ``cache`` as the policy says. Holds ``model.lock`` from before the check for hooks (a
+    job ablating on the same model attaches its hooks under the lock: this waits for it to end)."""
     with model.lock, torch.inference_mode():
-        outer = getattr(_state, "cache", None)
-        _state.cache = cache
+        check_cache_backend(model)
+        cache = new_cache(model, full, sink_size, recent_size)
         try:
-            yield twin, cache
+            yield bare_twin(model, ATTENTION), cache
         finally:
-            _state.cache = outer
+            _state.updated = None
 
 
 def run_chunks(twin: Any, cache: PolicyCache, ids: Sequence[int], device: Any, chunk: int = DEFAULT_CHUNK,
                on_logits: Callable[[int, Tensor], None] | None = None, cancel: Any = None) -> Tensor:
-    """Feed ``ids`` through ``twin`` in passes of ``chunk`` tokens; ``on_logits(start, logits [n, vocab])``
+    """Feed ``ids`` through ``twin`` in passes of ``chunk`` tokens with ``cache`` as its ``past_key_values``
+    (a :class:`PolicyCache`, or any of transformers' caches); ``on_logits(start, logits [n, vocab])``
     receives every position's logits when given, else only the last position's are computed. Returns
     the last position's logits ``[vocab]``."""
     if chunk < 1:
         raise InputError(f"A pre-filling chunk needs at least one token; got {chunk}.")
+    if isinstance(cache, PolicyCache):  # its full groups' buffers allocated once for the prompt, not per chunk
+        cache.reserve(len(ids))
     last = None
     for start in range(0, len(ids), chunk):
         if cancel_requested(cancel):
@@ -300,6 +324,9 @@ def text_metrics(model: Any, full: np.ndarray, texts: Sequence[Sequence[int]], s
                  chunk: int = DEFAULT_CHUNK, cancel: Any = None) -> CachedText:
     """:func:`headscope.analysis.kv_compression.text_metrics` through a :class:`PolicyCache`: each text
     pre-filled in chunks, every position's logits kept. Same definition: ``(1/Σ(n−1)) Σ −log p(t_i | t_<i)``."""
+    if any(len(ids) < 2 for ids in texts):
+        raise InputError("Each text needs at least two tokens to have a loss.")
+    _check_length(model, max((len(ids) for ids in texts), default=0))
     total, count, argmax = 0.0, 0, []
     for ids in texts:
         ids = list(ids)
@@ -340,15 +367,20 @@ def greedy_continuation(model: Any, full: np.ndarray, ids: Sequence[int], max_ne
                         on_step: Callable[[int, PolicyCache], None] | None = None) -> CachedDecode:
     """:func:`headscope.analysis.ablation.greedy_continuation` (prefill, then one token per step, stop
     after an EOS, kept) through a :class:`PolicyCache`; ``on_step(step, cache)`` after each pass."""
+    from headscope.analysis.ablation import MAX_NEW_TOKENS
+
     if not ids:
         raise InputError("The prompt is empty.")
-    if max_new_tokens < 0:
-        raise InputError("max_new_tokens must be at least 0.")
+    if not 0 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise InputError(f"max_new_tokens must be between 0 and {MAX_NEW_TOKENS}.")
+    _check_length(model, len(ids) + max_new_tokens)
     stops = stop_ids(model)
     out: list[int] = []
     with policy_cache(model, full, sink_size, recent_size) as (twin, cache):
         logits = run_chunks(twin, cache, ids, model.device, chunk, cancel=cancel)
         prefill_bytes, prefill_kept = cache.nbytes(), cache.kept_bytes()
+        if not max_new_tokens:
+            return CachedDecode(out, prefill_bytes, prefill_bytes, cache.kept(), prefill_kept)
         for step in range(max_new_tokens):
             token = int(logits.argmax())
             out.append(token)
@@ -361,18 +393,25 @@ def greedy_continuation(model: Any, full: np.ndarray, ids: Sequence[int], max_ne
         return CachedDecode(out, prefill_bytes, cache.nbytes(), cache.kept(), prefill_kept)
 
 
+def _check_length(model: Any, n: int) -> None:
+    if n > model.n_ctx:
+        raise InputError(f"The prompt and continuation would pass the model's context of {model.n_ctx:,} tokens.")
+
+
 # ---------------------------------------------------------------------------------------------
 # The attention function
 
 
 def _attention(module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
-    """transformers' attention-function signature; reads the layer's kept keys from the thread's
-    :class:`PolicyCache` (``key``/``value`` are the pass's new ones, already stored) → ``[b, n_q, h, d_v]``."""
-    cache: PolicyCache | None = getattr(_state, "cache", None)
-    if cache is None:
-        raise RuntimeError("The policy-cache attention ran outside policy_cache().")
-    layer: PolicyLayer = cache.layers[module.layer_idx]
+    """transformers' attention-function signature; reads the kept keys of the :class:`PolicyLayer` this
+    module's cache update just wrote (``key``/``value`` are the pass's new ones, already stored there)
+    → ``[b, n_q, h, d_v]``."""
+    layer: PolicyLayer | None = getattr(_state, "updated", None)
+    _state.updated = None
+    if layer is None or layer.index != module.layer_idx:
+        raise RuntimeError("The policy-cache attention ran without a PolicyCache as past_key_values "
+                           "(use policy_cache()).")
     b, n_heads, n_q, _ = query.shape
     group = n_heads // layer.n_groups
     out = query.new_empty(b, n_heads, n_q, value.shape[-1])

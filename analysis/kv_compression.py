@@ -29,7 +29,9 @@ KV memory kept (:func:`kv_memory`), exact for the model's layout, for a cache of
     bytes = Σ_{l, g} kept(l, g) · 2 (K and V) · d_head · dtype bytes,
     kept = n for a full group, min(n, S + W) for a streaming group,
 
-reported with the fraction of the full cache (every group full).
+reported with the fraction of the full cache (every group full). On a model with sliding-window
+layers each layer's own window W_m bounds both, as the model's cache and the ``cache`` backend keep
+them (:func:`kv_memory`'s ``windows``).
 
 Evaluation (:func:`evaluate_policies`) runs the model with the policy's mask in the prefill and at
 every KV-cached decode step, on one of three backends (:data:`BACKENDS`):
@@ -253,14 +255,31 @@ def dtype_bytes(model: LoadedModel) -> int:
     return int(next(model.hf_model.parameters()).element_size())
 
 
-def kv_memory(policy: Policy, n_tokens: int, d_head: int, element_bytes: int) -> KVMemory:
-    """``Σ_{l,g} kept(l, g) · 2 · d_head · bytes`` with kept = n (full) or min(n, S + W) (streaming)."""
+def kv_memory(policy: Policy, n_tokens: int, d_head: int, element_bytes: int,
+              windows: Sequence[int | None] | None = None) -> KVMemory:
+    """``Σ_{l,g} kept(l, g) · 2 · d_head · bytes`` with kept = n (full) or min(n, S + W) (streaming).
+
+    ``windows`` (per layer, the model's own sliding window W_m; None or 0: none) makes it the count of a
+    cache that also drops what the model's window hides, as the cache backend and transformers' sliding
+    layers do: a full group keeps min(n, W_m), a streaming group its last min(W, W_m) keys and the sinks
+    still inside the window (j < S and j > n − 1 − W_m); the full cache is then the model's own."""
     n = int(n_tokens)
     per_token = 2 * int(d_head) * int(element_bytes)
-    streaming_kept = min(n, policy.sink_size + policy.recent_size)
-    n_full = policy.n_full
-    n_stream = policy.full.size - n_full
-    return KVMemory(n, (n_full * n + n_stream * streaming_kept) * per_token, policy.full.size * n * per_token)
+    n_layers = policy.full.shape[0]
+    windows = list(windows or [None] * n_layers)
+    if len(windows) != n_layers:
+        raise InputError(f"{len(windows)} layer windows for a policy of {n_layers} layers.")
+    kept = full = 0
+    for layer in range(n_layers):
+        w_m = int(windows[layer] or 0)
+        whole = min(n, w_m) if w_m else n
+        recent = min(n, min(policy.recent_size, w_m) if w_m else policy.recent_size)
+        first_sink = max(0, n - w_m) if w_m else 0  # sinks before it are outside the model's window
+        sinks = max(0, min(policy.sink_size, n, n - recent) - first_sink)
+        n_full = int(policy.full[layer].sum())
+        kept += n_full * whole + (policy.full.shape[1] - n_full) * (recent + sinks)
+        full += policy.full.shape[1] * whole
+    return KVMemory(n, kept * per_token, full * per_token)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,7 +386,8 @@ def policy_key_masks(model: LoadedModel, policy: Policy) -> dict[int, HeadKeyMas
 
 
 def choose_backend(model: LoadedModel, backend: str, n_tokens: int) -> str:
-    """``eager`` or ``statistics`` for ``backend`` (see the module docstring for ``auto``)."""
+    """The backend to run: ``backend`` itself once checked, or for ``auto`` ``eager`` or ``statistics``
+    (see the module docstring)."""
     from headscope.analysis.limits import limit
 
     if backend not in BACKENDS:
@@ -608,7 +628,7 @@ def _evaluate_one(model: LoadedModel, policy: Policy, texts: Sequence[Sequence[i
     tm, acc = _measured(model, policy, texts, prompts, max_new_tokens, cancel, backend)
     same = sum(int((a == b).sum()) for a, b in zip(tm.argmax, clean_argmax, strict=True))
     positions = sum(len(a) for a in clean_argmax)
-    memory = kv_memory(policy, n_tokens, model.d_head, dtype_bytes(model))
+    memory = kv_memory(policy, n_tokens, model.d_head, dtype_bytes(model), model.facts.windows)
     return PolicyEvaluation(policy, memory, tm.loss, same / positions if positions else math.nan, acc,
                             time.perf_counter() - t0, len(prompts))
 
@@ -767,7 +787,8 @@ def evaluate_policies(
         record = stored_record(store, key, "kv_policy_eval") if store is not None else None
         if record is not None:
             m = record.meta
-            e = PolicyEvaluation(policy, kv_memory(policy, n_tokens, model.d_head, dtype_bytes(model)),
+            e = PolicyEvaluation(policy, kv_memory(policy, n_tokens, model.d_head, dtype_bytes(model),
+                                                   model.facts.windows),
                                  float(m["loss"]), float(m["agreement"]), float(m["niah_accuracy"]), 0.0,
                                  len(prompts))  # the key names the prompts, so n is theirs
         else:

@@ -33,11 +33,14 @@ def family(request, embedded_tokenizer):
 
 
 def _policy(model, sink: int, recent: int, seed: int = 0) -> Policy:
-    """A policy with both kinds of group on every layer where the layout allows."""
+    """A policy with both kinds of group on every layer where the layout allows (one KV head: full and
+    streaming layers in turn)."""
     rng = np.random.default_rng(seed)
     full = rng.random((model.n_layers, model.n_kv_heads)) < 0.5
-    full[:, 0] = True
-    full[:, -1] = False
+    if model.n_kv_heads > 1:
+        full[:, 0], full[:, -1] = True, False
+    else:
+        full[:, 0] = np.arange(model.n_layers) % 2 == seed % 2
     return Policy(full, sink, recent)
 
 
@@ -111,10 +114,10 @@ def test_the_cache_holds_exactly_what_the_policy_keeps(tiny_model):
 
 
 def test_a_long_cache_is_physically_smaller_and_decodes_without_copying_itself(tiny_model):
-    """At 600 tokens the all-streaming cache allocates (S + W) / 600 of the full one; the full cache's
+    """At 480 tokens the all-streaming cache allocates (S + W) / 480 of the full one; the full cache's
     storage grows in steps of the headroom, so most decode steps leave its buffers where they were."""
     sink, recent = 4, 12
-    ids = _ids(600, 5)
+    ids = _ids(480, 5)
     full = build_policy(tiny_model, "all_full", 1.0)
     streaming = build_policy(tiny_model, "all_streaming", 0.0, sink_size=sink, recent_size=recent)
     pointers = []
@@ -124,7 +127,7 @@ def test_a_long_cache_is_physically_smaller_and_decodes_without_copying_itself(t
 
     got_full = kv_cache.greedy_continuation(tiny_model, full.full, ids, 12, sink, recent, on_step=seen)
     got_stream = kv_cache.greedy_continuation(tiny_model, streaming.full, ids, 12, sink, recent)
-    assert got_stream.prefill_bytes * 600 == got_full.prefill_kept_bytes * (sink + recent)
+    assert got_stream.prefill_bytes * 480 == got_full.prefill_kept_bytes * (sink + recent)
     assert len(set(pointers)) <= 2  # at most one regrowth in 11 steps
 
 
@@ -186,7 +189,7 @@ def test_a_policy_of_another_layout_is_refused(tiny_model, shape):
 def test_an_empty_prompt_and_negative_lengths_are_refused(tiny_model):
     with pytest.raises(InputError, match="empty"):
         kv_cache.greedy_continuation(tiny_model, np.ones((2, 2), bool), [], 2, 1, 2)
-    with pytest.raises(InputError, match="at least 0"):
+    with pytest.raises(InputError, match="between 0 and"):
         kv_cache.greedy_continuation(tiny_model, np.ones((2, 2), bool), [1, 2], -1, 1, 2)
 
 
@@ -204,5 +207,112 @@ def test_hooks_on_the_bridge_are_refused_not_ignored(tiny_model):
 
 def test_the_attention_outside_a_policy_cache_is_an_error_not_a_wrong_answer(tiny_model):
     twin = kv_cache.bare_twin(tiny_model, kv_cache.ATTENTION)
-    with torch.inference_mode(), pytest.raises(RuntimeError, match="outside policy_cache"):
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="without a PolicyCache"):
         twin(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+
+
+def test_the_bytes_kept_are_the_window_aware_count_on_every_family(family):
+    """kv_memory with the model's windows counts what the cache keeps after the prefill and every step:
+    on a sliding-window layer a full group keeps the model's window and a streaming group drops the
+    sinks that window has passed."""
+    for seed, (sink, recent) in enumerate([(3, 5), (2, 30), (0, 4)]):
+        policy = _policy(family, sink, recent, seed)
+        ids = _ids(40, 50 + seed)
+        steps: list[tuple[int, int]] = []
+
+        def seen(step, cache, steps=steps):
+            steps.append((cache.get_seq_length(), cache.kept_bytes()))
+
+        out = kv_cache.greedy_continuation(family, policy.full, ids, 6, sink, recent, chunk=9, on_step=seen)
+        windows = family.facts.windows
+        assert out.prefill_kept_bytes == kv_memory(policy, len(ids), family.d_head, dtype_bytes(family), windows).bytes
+        for n, kept in steps:
+            assert kept == kv_memory(policy, n, family.d_head, dtype_bytes(family), windows).bytes
+
+
+def test_window_aware_counts_by_hand():
+    """A 2-layer layout, layer 1 with a model window of 7; S = 3, W = 5, one full and one streaming group."""
+    policy = Policy(np.array([[True, False], [True, False]]), 3, 5)
+    m = kv_memory(policy, 40, 1, 1, [None, 7])
+    per = 2  # K and V, d_head 1, 1 byte
+    # layer 0: full 40 + streaming 3 + 5; layer 1: full 7 + streaming last 5 (the sinks left the window)
+    assert m.bytes == (40 + 8 + 7 + 5) * per and m.full_bytes == (40 + 40 + 7 + 7) * per
+    short = kv_memory(policy, 9, 1, 1, [None, 7])  # positions 2..8 in the window: sink 2 still inside
+    assert short.bytes == (9 + 8 + 7 + 6) * per
+    assert kv_memory(policy, 40, 1, 1) == kv_memory(policy, 40, 1, 1, [None, None])
+    with pytest.raises(InputError, match="layer windows"):
+        kv_memory(policy, 40, 1, 1, [7])
+
+
+def test_the_responses_are_eagers_word_for_word(tiny_model):
+    """retrieval_accuracy through the cache backend's decoding gives eager's responses, not only its score."""
+    from headscope.analysis.ablation_curve import retrieval_accuracy
+    from headscope.analysis.niah import Needle, NiahPrompt
+
+    policy = _policy(tiny_model, 2, 5, 1)
+    needle = Needle("The code is 4417.", "What is the code?", "4417")
+    prompts = [NiahPrompt(_ids(28, k), (3, 6), (20, 24), needle, 28, 50.0, 50.0, 20, "x") for k in range(4)]
+    with policy_applied(tiny_model, policy, "eager") as hooks:
+        want = retrieval_accuracy(tiny_model, prompts, hooks, max_new_tokens=8)
+
+    def decode(ids, n):
+        return kv_cache.greedy_continuation(tiny_model, policy.full, ids, n, 2, 5).generated
+
+    got = retrieval_accuracy(tiny_model, prompts, max_new_tokens=8, continuation=decode)
+    assert got.responses == want.responses and all(r.strip() for r in want.responses)
+
+
+@pytest.mark.parametrize("sink,recent", [(40, 5), (2, 40), (40, 40), (0, 1)])
+def test_sinks_or_windows_as_long_as_the_prompt(tiny_model, sink, recent):
+    """S or W covering the whole prompt keeps every key (the full model's tokens); W = 1 sees itself only."""
+    policy = _policy(tiny_model, sink, recent, 2)
+    ids = _ids(30, 8)
+    want = _masked_continuation(tiny_model, policy, ids, 6)
+    assert kv_cache.greedy_continuation(tiny_model, policy.full, ids, 6, sink, recent, chunk=7).generated == want
+
+
+def test_no_new_tokens_and_lengths_past_the_context_or_the_cap(tiny_model):
+    full = np.ones((2, 2), bool)
+    got = kv_cache.greedy_continuation(tiny_model, full, _ids(10, 1), 0, 1, 2)
+    assert got.generated == [] and got.prefill_kept_bytes == kv_memory(Policy(full, 1, 2), 10, tiny_model.d_head,
+                                                                        dtype_bytes(tiny_model)).bytes
+    with pytest.raises(InputError, match="context of"):
+        kv_cache.greedy_continuation(tiny_model, full, _ids(tiny_model.n_ctx, 1), 1, 1, 2)
+    with pytest.raises(InputError, match="between 0 and"):
+        kv_cache.greedy_continuation(tiny_model, full, _ids(10, 1), 10**6, 1, 2)
+    with pytest.raises(InputError, match="two tokens"):
+        kv_cache.text_metrics(tiny_model, full, [[5]], 1, 2)
+
+
+def test_a_run_waits_for_an_ablation_holding_the_model_instead_of_refusing(tiny_model):
+    """Another job's hooks are attached under the model's lock: the cache run waits for the lock, then
+    finds no hook, rather than failing part-way on a hook that is about to go."""
+    import threading
+    import time
+
+    attached, release = threading.Event(), threading.Event()
+
+    def ablation():
+        with tiny_model.lock, tiny_model.bridge.hooks(fwd_hooks=[("blocks.0.hook_resid_pre", lambda x, hook=None: x)]):
+            attached.set()
+            release.wait(10)
+
+    t = threading.Thread(target=ablation)
+    t.start()
+    attached.wait(10)
+    threading.Timer(0.3, release.set).start()
+    t0 = time.perf_counter()
+    out = kv_cache.greedy_continuation(tiny_model, np.ones((2, 2), bool), _ids(12, 3), 3, 1, 2)
+    t.join()
+    assert len(out.generated) == 3 and time.perf_counter() - t0 >= 0.25
+
+
+def test_a_second_cache_passed_by_hand_is_the_one_attended(tiny_model):
+    """The attention reads the cache the pass updated, not a thread's current one."""
+    policy = _policy(tiny_model, 1, 3)
+    ids = _ids(20, 4)
+    want = kv_cache.greedy_continuation(tiny_model, policy.full, ids, 1, 1, 3).generated
+    with kv_cache.policy_cache(tiny_model, np.ones((2, 2), bool), 1, 3) as (twin, _outer):
+        other = kv_cache.new_cache(tiny_model, policy.full, 1, 3)
+        logits = kv_cache.run_chunks(twin, other, ids, tiny_model.device)
+    assert [int(logits.argmax())] == want
