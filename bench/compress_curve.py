@@ -7,7 +7,8 @@ policy by :func:`headscope.analysis.kv_compression_sweep.compress_sweep` on the 
 (statistics: the kernels' per-head key mask), the heads ranked by a needle sweep at ``--sweep-length``
 (retrieval scores; streaming and evidence scores over its prompts). Every accuracy is printed with
 its n and 95 % Wilson interval, each random fraction with its seed band, and per ranking the smallest
-fraction of groups kept full whose interval overlaps the uncompressed one. ``--measure-memory`` runs
+fraction of groups kept full whose interval reaches the uncompressed one (overlaps it or lies above:
+the Compress page's rule at tolerance 0), with any larger fraction that falls below it. ``--measure-memory`` runs
 one prefill per distinct fraction through the cache backend (:mod:`headscope.analysis.kv_cache`) and
 prints the bytes its tensors allocate beside the count. ``--figure`` writes the curve as a PNG.
 
@@ -45,14 +46,17 @@ def _print_curve(curve, length: int) -> None:
               f"lowest {band['niah_accuracy_seed_low']:.3f}, highest {band['niah_accuracy_seed_high']:.3f} "
               f"({band['n_seeds']} seeds)")
     for ranking in dict.fromkeys(e.policy.ranking for e in curve.evaluations):
-        by_fraction: dict[float, list] = {}
-        for e in curve.evaluations:
-            if e.policy.ranking == ranking:
-                by_fraction.setdefault(e.policy.fraction, []).append(e)
-        passing = [f for f, es in sorted(by_fraction.items()) if all(overlaps(e.niah, base.niah) for e in es)]
-        said = f"{passing[0]:.2f} of groups full" if passing else "none"
-        print(f"smallest fraction whose interval overlaps the uncompressed one, {ranking}: {said} "
+        # the page's rule at tolerance 0 (CompressionCurve.within_tolerance): the policy's interval reaches
+        # the uncompressed interval's lower bound (overlapping it, or above it); random: every seed
+        best = curve.smallest_within(ranking, 0.0)
+        said = "none" if best is None else f"{best.policy.fraction:.2f} of groups full (KV {best.memory.fraction:.3f})"
+        print(f"smallest fraction whose interval reaches the uncompressed one, {ranking}: {said} "
               f"(n = {curve.n_prompts} prompts{', every seed' if ranking == 'random' else ''})")
+        below = [e for e in curve.evaluations if e.policy.ranking == ranking and best is not None
+                 and e.policy.fraction > best.policy.fraction and not overlaps(e.niah, base.niah)
+                 and e.niah.high < base.low]
+        if below:
+            print(f"  but larger fractions fall below it: {', '.join(f'{e.policy.fraction:.2f}' for e in below)}")
 
 
 def _measure_memory(model, curve, length: int) -> dict[float, tuple[int, int]]:
@@ -70,9 +74,11 @@ def _measure_memory(model, curve, length: int) -> dict[float, tuple[int, int]]:
         if p.fraction in out:
             continue
         got = kv_cache.greedy_continuation(model, p.full, ids, 1, p.sink_size, p.recent_size)
-        out[p.fraction] = (got.prefill_bytes, kv_memory(p, length, model.d_head, dtype_bytes(model)).bytes)
-        print(f"  cache backend at {length} tokens, {p.fraction:.2f} of groups full: {got.prefill_bytes / 2**20:.1f} "
-              f"MiB allocated, {out[p.fraction][1] / 2**20:.1f} MiB counted", flush=True)
+        counted = kv_memory(p, length, model.d_head, dtype_bytes(model), model.facts.windows).bytes
+        out[p.fraction] = (got.prefill_kept_bytes, counted)
+        print(f"  cache backend at {length} tokens, {p.fraction:.2f} of groups full: {got.prefill_kept_bytes / 2**20:.1f} "
+              f"MiB kept ({got.prefill_bytes / 2**20:.1f} allocated), {counted / 2**20:.1f} MiB counted"
+              f"{'' if got.prefill_kept_bytes == counted else '  MISMATCH'}", flush=True)
     return out
 
 
@@ -103,7 +109,7 @@ def _figure(curves: dict[int, object], path: str) -> None:
                 legendgroup=ranking, showlegend=col == 1, marker=dict(color=colour),
                 error_y=dict(type="data", symmetric=False, array=[e.niah.high - e.niah.value for e in es],
                              arrayminus=[e.niah.value - e.niah.low for e in es])), row=1, col=col)
-        fig.update_xaxes(title_text="KV cache kept (fraction of full; allocated by the cache backend)", row=1, col=col,
+        fig.update_xaxes(title_text="KV cache kept, fraction of full (the cache backend's bytes)", row=1, col=col,
                          range=[0, 1.05])
     fig.update_yaxes(title_text="task-suite accuracy (95 % Wilson)", row=1, col=1, range=[0, 1.05])
     fig.update_layout(width=1100, height=460, margin=dict(l=60, r=20, t=40, b=60),
