@@ -79,7 +79,8 @@ if TYPE_CHECKING:
 
 TASKS_VERSION = 1
 """Part of every stored key built from the suite's prompts: raised when a builder changes its prompts."""
-MIN_LENGTH, MAX_LENGTH = 1024, 8192
+MIN_LENGTH = 1024
+MAX_LENGTH = 8192
 """The context lengths the suite builds, in tokens (RULER's shortest is 4k; 1k-2k fit a CPU)."""
 MAX_PER_TASK = 500
 """The most prompts per task and length a request may ask for."""
