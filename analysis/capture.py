@@ -10,6 +10,7 @@ Runs are content-keyed (model digest + token ids + settings) and stored: asking 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,7 +139,7 @@ def tokenize_input(model: LoadedModel, text_or_ids: str | Sequence[int], max_tok
             raise InputError(_beyond_context(model, f"The text has {len(text_or_ids):,} characters, far"))
         ids = model.input_ids(text_or_ids)  # a BOS only where the model expects one (model.facts)
     else:
-        ids = [int(i) for i in text_or_ids]
+        ids = _whole_ids(text_or_ids)
         bad = [i for i in ids if not 0 <= i < model.vocab_size]
         if bad:
             raise InputError(f"Token ids outside the vocabulary (0..{model.vocab_size - 1}): {bad[:5]}")
@@ -151,6 +152,22 @@ def tokenize_input(model: LoadedModel, text_or_ids: str | Sequence[int], max_tok
             f"The input has {len(ids):,} tokens; {limited} {max_tokens:,} "
             f"tokens (set {variable} to change it). Shorten the text."
         )
+    return ids
+
+
+def _whole_ids(values: Sequence[object]) -> list[int]:
+    """Ids as ints, each an integer type (``operator.index``: int, numpy and 0-d torch integers); a float,
+    bool, string or None is refused rather than converted, since ``int(6.7)`` would analyse token 6."""
+    ids, bad = [], []
+    for v in values:
+        try:
+            if isinstance(v, bool | np.bool_):
+                raise TypeError
+            ids.append(operator.index(v))
+        except TypeError:
+            bad.append(v)
+    if bad:
+        raise InputError(f"Token ids must be whole numbers (integers); got {', '.join(repr(b)[:20] for b in bad[:3])}.")
     return ids
 
 

@@ -132,7 +132,7 @@ def text_ids(model: LoadedModel, text: str | Sequence[int]) -> list[int]:
     from headscope.analysis.limits import limit
 
     if not isinstance(text, str):
-        check_tokens(model, text)  # whole numbers only: the tokenizer's path would truncate 1.5 to 1
+        check_tokens(model, text)  # ids are said in the attributions' words (whole numbers, vocabulary, limit)
     return tokenize_input(model, text, limit(LIMIT))
 
 

@@ -63,6 +63,19 @@ def test_bad_inputs_are_explained(tiny_model, bad, message):
         capture(tiny_model, bad)
 
 
+@pytest.mark.parametrize("bad", [[5, 6.7], [5, 6.0], [True, 6], ["12", 6], [5, None], np.array([5.0, 6.0])],
+                         ids=["fraction", "whole float", "bool", "numeral string", "None", "float array"])
+def test_token_ids_that_are_not_whole_numbers_are_refused_not_truncated(tiny_model, bad):
+    """A pasted or posted id list with 6.7 in it was read as token 6: a different text, analysed silently."""
+    with pytest.raises(InputError, match="whole numbers"):
+        capture(tiny_model, bad)
+
+
+def test_integer_arrays_and_tensors_are_token_ids(tiny_model):
+    for ids in (np.array([5, 6, 7], dtype=np.int64), torch.tensor([5, 6, 7]), (5, 6, 7)):
+        assert capture(tiny_model, ids).token_ids == [5, 6, 7]
+
+
 def test_token_limit_is_configurable_and_explained(tiny_model):
     with pytest.raises(InputError, match="limited to 8 tokens"):
         capture(tiny_model, "one two three four five six seven eight nine ten", max_tokens=8)

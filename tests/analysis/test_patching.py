@@ -208,6 +208,12 @@ def test_answers_must_be_single_distinct_tokens(tiny_model, answers, message):
         prompt_pair(tiny_model, CLEAN, CORRUPTED, answers)
 
 
+def test_float_token_ids_in_a_pair_are_refused_not_truncated(tiny_model):
+    """[5, 6.7] against [5, 7] would otherwise patch [5, 6] against [5, 7]: a pair nobody asked for."""
+    with pytest.raises(InputError, match="whole numbers"):
+        prompt_pair(tiny_model, [5, 6.7], [5, 7], [3, 4])
+
+
 def test_pairs_and_settings_that_cannot_be_patched_are_explained(tiny_model):
     with pytest.raises(InputError, match="same tokens"):
         prompt_pair(tiny_model, CLEAN, CLEAN, ANSWERS)
