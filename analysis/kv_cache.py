@@ -158,9 +158,6 @@ class _Part:
             return 0
         return self.n * sum(t.shape[0] * t.shape[1] * t.shape[3] * t.element_size() for t in (self._keys, self._values))
 
-    def n_kept(self) -> int:
-        return self.n
-
 
 class PolicyLayer(CacheLayerMixin):
     """One layer's cache under a policy: its full groups and its streaming groups kept apart."""
@@ -246,7 +243,7 @@ class PolicyCache(Cache):
         out = np.zeros((len(self.layers), self.layers[0].n_groups), dtype=np.int64)
         for i, layer in enumerate(self.layers):
             for part in layer.parts:
-                out[i, part.groups] = part.n_kept()
+                out[i, part.groups] = part.n
         return out
 
 

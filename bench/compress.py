@@ -17,7 +17,8 @@ runs one backend only (eager's N × N pass takes several times as long; its memo
 its trials and streaming scores over its prompts with the policy's S and W, then
 :func:`headscope.analysis.kv_compression.evaluate_policies` for the retrieval, streaming and random rankings
 over ``--fractions`` and the two ends; prints the table and, per ranking, the smallest KV fraction
-within 5 NIAH points of full (for random: every seed within).
+whose NIAH interval reaches 5 points below the uncompressed interval (the page's rule,
+:meth:`CompressionCurve.within_tolerance`; for random: every seed), with n.
 
     .venv/bin/python bench/compress.py ratio [--length 1024] [--repeats 3]
     .venv/bin/python bench/compress.py backends [--lengths 2048,4096] [--repeats 1] [--backends eager,statistics]
@@ -236,7 +237,8 @@ def curve(args) -> None:
     for ranking in ("retrieval", "streaming", "random", "all_streaming"):
         e = c.smallest_within(ranking, 0.05)
         where = "none" if e is None else f"KV fraction {e.memory.fraction:.3f} (fraction full {e.policy.fraction:.2f})"
-        print(f"smallest KV within 5 NIAH points of full ({b.niah_accuracy:.2f}), {ranking}: {where}")
+        print(f"smallest KV whose NIAH interval reaches 5 points below full's ({b.niah.text()}; the page's rule), "
+              f"{ranking}: {where}")
 
 
 def main() -> None:
