@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from headscope.analysis.answer_tokens import answer_id
 from headscope.analysis.composition import KINDS, CompositionScores, composition_scores
 from headscope.analysis.errors import InputError
 from headscope.analysis.logit_attribution import LogitAttribution, direct_logit_attribution
@@ -107,23 +108,6 @@ class ExplainedCell:
     attribution: QKAttribution
     token_ids: list[int]
     tokens: list[str]
-
-
-def answer_token(model: LoadedModel, answer: str, which: str) -> int:
-    """The one token id of ``answer`` as it follows the text (``" Mary"`` keeps its space); an
-    :class:`InputError` that says what to type when it is empty or not one token."""
-    if not isinstance(answer, str) or not answer:
-        raise InputError(f"The {which} answer is empty: give the token that should follow the text.")
-    ids = model.encode(answer)
-    if len(ids) != 1:
-        shown = " + ".join(repr(s) for s in model.token_strings(ids))
-        hint = ""
-        if not answer[:1].isspace() and len(model.encode(" " + answer)) == 1:
-            hint = f" ({' ' + answer!r}, with its leading space, is one token.)"
-        raise InputError(f"The {which} answer {answer[:40]!r} is {len(ids)} tokens ({shown[:120]}); direct logit "
-                         f"attribution compares the logits of single next tokens. Give one token, e.g. a word with "
-                         f"the space before it.{hint}")
-    return ids[0]
 
 
 def text_ids(model: LoadedModel, text: str | Sequence[int]) -> list[int]:
@@ -225,7 +209,7 @@ def load_edges(store: Store, key: str) -> StoredEdges | None:
                        list(m["corrupted_ids"]), float(m["seconds"]))
 
 
-def circuits(model: LoadedModel, text: str | Sequence[int], answers: Sequence[str], store: Store | None = None,
+def circuits(model: LoadedModel, text: str | Sequence[int], answers: Sequence[str | int], store: Store | None = None,
              progress: Progress = None, composition: bool = True,
              corrupted: str | Sequence[int] | None = None) -> CircuitResult:
     """Direct logit attribution of ``answers[0]`` over ``answers[1]`` at the text's last position, stored, and
@@ -235,7 +219,8 @@ def circuits(model: LoadedModel, text: str | Sequence[int], answers: Sequence[st
     ----------
     model : the model.
     text : the text (the BOS the model expects is added) or token ids as given.
-    answers : two answers, each one token as it follows the text (``" Mary"``, ``" John"``).
+    answers : two answers, each one token as it follows the text (``" Mary"``, ``" John"``) or a token id
+        (:func:`headscope.analysis.answer_tokens.answer_id`, as patching takes them).
     store : where the result is kept and looked up (None: computed, not kept).
     progress : hears 0.1 once the attribution is done, 1.0 at the end.
     composition : also the composition scores (``False``: the attribution alone).
@@ -250,7 +235,8 @@ def circuits(model: LoadedModel, text: str | Sequence[int], answers: Sequence[st
     if isinstance(answers, str) or len(answers) != 2:
         raise InputError("Give two answers: the one the text should lead to, then the one it is compared with.")
     ids = text_ids(model, text)
-    answer, wrong = answer_token(model, answers[0], "first"), answer_token(model, answers[1], "second")
+    answer, wrong = (answer_id(model, answers[0], "first", "direct logit attribution"),
+                     answer_id(model, answers[1], "second", "direct logit attribution"))
     if answer == wrong:
         raise InputError(f"The two answers are the same token {answers[0]!r}: their logit difference is 0. "
                          "Give two different answers.")

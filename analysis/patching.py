@@ -71,6 +71,7 @@ import torch
 from transformer_lens.utilities import get_act_name
 
 from headscope.analysis.ablation import Cancel, Hook, Progress, _tensor
+from headscope.analysis.answer_tokens import answer_id
 from headscope.analysis.capture import tokenize_input
 from headscope.analysis.errors import InputError, check_head_index
 from headscope.analysis.greedy_decoding import cancel_requested
@@ -117,27 +118,6 @@ class PromptPair:
     @property
     def n_tokens(self) -> int:
         return len(self.clean_ids)
-
-
-def _answer_id(model: LoadedModel, answer: str | int, which: str) -> int:
-    if isinstance(answer, int | np.integer) and not isinstance(answer, bool):
-        if not 0 <= int(answer) < model.vocab_size:
-            raise InputError(f"The {which} answer id {answer} is outside the vocabulary (0..{model.vocab_size - 1}).")
-        return int(answer)
-    if not isinstance(answer, str) or not answer:
-        raise InputError(f"The {which} answer is empty: give the token the prompt should be followed by.")
-    ids = model.encode(answer)
-    if len(ids) != 1:
-        shown = " + ".join(repr(s) for s in model.token_strings(ids))
-        hint = ""
-        if not answer[:1].isspace() and len(model.encode(" " + answer)) == 1:
-            hint = f" ({' ' + answer!r}, with its leading space, is one token.)"
-        raise InputError(
-            f"The {which} answer {answer!r} is {len(ids)} tokens ({shown}); patching compares the logits of "
-            f"single next tokens. Give an answer that is one token, e.g. its first word with the space "
-            f"before it.{hint}"
-        )
-    return ids[0]
 
 
 PATCH_TOKENS = "HEADSCOPE_MAX_PATCH_TOKENS"
@@ -194,7 +174,7 @@ def prompt_pair(
     answers = list(answers)
     if not 1 <= len(answers) <= 2:
         raise InputError(f"Give one or two answers (the clean answer, then the corrupted one), got {len(answers)}.")
-    ids = [_answer_id(model, a, which) for a, which in zip(answers, ("clean", "corrupted"), strict=False)]
+    ids = [answer_id(model, a, which, "patching") for a, which in zip(answers, ("clean", "corrupted"), strict=False)]
     if len(ids) == 2 and ids[0] == ids[1]:
         raise InputError("The two answers are the same token: give the clean answer, then a different one.")
     return PromptPair(tuple(clean_ids), tuple(corrupted_ids), tuple(ids), tuple(clean_tokens),

@@ -74,12 +74,23 @@ HOSTILE = [
     ("three answers", TEXT, [" Mary", " John", " the"], "two answers"),
     ("a string, not two", TEXT, " Mary, John", "two answers"),
     ("empty answer", TEXT, ["", " John"], "empty"),
-    ("a number as an answer", TEXT, [3, " John"], "empty"),
+    ("a bool as an answer", TEXT, [True, " John"], "empty"),
+    ("an id outside the vocabulary as an answer", TEXT, [10**9, " John"], "outside the vocabulary"),
     ("many tokens", TEXT, [" Maryland Johnsonville", " John"], "tokens"),
     ("the same token twice", TEXT, [" John", " John"], "same token"),
     ("empty text", "   ", [" Mary", " John"], "empty"),
     ("ids outside the vocabulary", [10**9, 3], [" Mary", " John"], "vocabulary"),
 ]
+
+
+def test_an_answer_given_as_its_token_id_is_that_token(tiny_model):
+    """Answers are taken as patching takes them: a one-token string or its id, the same attribution."""
+    by_text = circuits(tiny_model, TEXT, [" Mary", " John"], composition=False)
+    mary = tiny_model.encode(" Mary")
+    assert len(mary) == 1
+    by_id = circuits(tiny_model, TEXT, [mary[0], " John"], composition=False)
+    assert by_id.answer_tokens == by_text.answer_tokens
+    np.testing.assert_array_equal(by_id.attribution.values, by_text.attribution.values)
 
 
 @pytest.mark.parametrize("text, answers, said", [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
