@@ -80,6 +80,14 @@ def sweep_head_scores(model: LoadedModel, found: RetrievalSweep, *, sink: int = 
     return load_head_scores(store, scores.key) or scores
 
 
+def _check_streaming_score(sink: object, window: object) -> None:
+    """S and W are whole numbers of tokens, S >= 0 and W >= 1."""
+    for value, name, least in ((sink, "sink size S", 0), (window, "window W", 1)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+            raise InputError(f"The streaming score's {name} must be a whole number of tokens >= {least}, "
+                             f"got {shown(value)}.")
+
+
 def scan(
     model: LoadedModel,
     needles: Sequence[Needle],
@@ -122,14 +130,29 @@ def scan(
         An S or W that is not a whole number in range, an S + W that leaves no query row to score, or what the sweep refuses (no needle, length or
         depth; a prompt that cannot be built; too many trials).
     """
-    for value, name, least in ((sink, "sink size S", 0), (window, "window W", 1)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
-            raise InputError(f"The streaming score's {name} must be a whole number of tokens >= {least}, "
-                             f"got {shown(value)}.")
+    _check_streaming_score(sink, window)
     if lengths:  # none: the sweep says so
         check_streaming_window(int(sink), int(window), [int(n) for n in lengths])
     found = sweep(model, needles, lengths, depths, haystack, store=store, max_new_tokens=max_new_tokens,
                   depth_rule=depth_rule, stop_at_newline=stop_at_newline, progress=progress, cancel=cancel)
+    if not found.trials or cancel_requested(cancel):
+        return HeadScan(found, None)
+    check_streaming_window(int(sink), int(window), [len(t.prompt_ids) for t in found.trials])  # as built
+    return HeadScan(found, sweep_head_scores(model, found, sink=int(sink), window=int(window), store=store,
+                                             progress=scores_progress))
+
+
+def task_scan(model: LoadedModel, suite, *, sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW,
+              stop_at_newline: bool = False, store: Store | None = None, progress: Progress | None = None,
+              scores_progress: Progress | None = None, cancel: Callable[[], bool] | None = None) -> HeadScan:
+    """:func:`scan` on the long-context task suite's prompts instead of needles: the retrieval sweep of
+    :func:`headscope.analysis.task_retrieval.task_sweep` (a ``[length, task]`` accuracy grid), then every
+    other per-head score over its prompts. ``suite`` is a
+    :class:`~headscope.analysis.long_context_tasks.TaskSuite`; the other arguments are :func:`scan`'s."""
+    from headscope.analysis.task_retrieval import task_sweep
+
+    _check_streaming_score(sink, window)
+    found = task_sweep(model, suite, store=store, stop_at_newline=stop_at_newline, progress=progress, cancel=cancel)
     if not found.trials or cancel_requested(cancel):
         return HeadScan(found, None)
     check_streaming_window(int(sink), int(window), [len(t.prompt_ids) for t in found.trials])  # as built

@@ -510,3 +510,19 @@ def measured_suite(model: LoadedModel, suite: TaskSuite, store: Store | None = N
                          f"{suite.min_rate:g} of its prompts): {said}. Choose other tasks or shorter lengths, or "
                          "lower the rate a task needs.")
     return MeasuredSuite(kept, rates, dropped, steps)
+
+
+def checked_suite(suite: TaskSuite) -> TaskSuite:
+    """``suite`` with its values checked as :func:`task_prompts` checks them, without a model and before
+    any prompt is built (tasks and lengths without duplicates), so a caller can count its prompts,
+    ``len(tasks) * len(lengths) * n_per_task``, before building them."""
+    if not isinstance(suite, TaskSuite):
+        raise InputError("Give the task suite as a TaskSuite.")
+    lengths = suite.lengths
+    if isinstance(lengths, str | bytes) or not isinstance(lengths, Sequence) or not lengths:
+        raise InputError(f"Give one or more context lengths from {MIN_LENGTH:,} to {MAX_LENGTH:,} tokens.")
+    return TaskSuite(tuple(check_tasks(suite.tasks)),
+                     tuple(dict.fromkeys(_whole(n, MIN_LENGTH, MAX_LENGTH, "Context lengths of the task suite")
+                                         for n in lengths)),
+                     _whole(suite.n_per_task, 1, MAX_PER_TASK, "The number of prompts per task"),
+                     _whole(suite.seed, 0, 2**63 - 1, "The task suite's seed"), suite.min_rate)

@@ -402,11 +402,17 @@ def retrieval_scores(trials: Sequence[Trial], n_kv_heads: int) -> RetrievalScore
 class RetrievalSweep(RetrievalScores):
     """A needle-in-a-haystack sweep: retrieval scores plus the accuracy grid.
 
+    The grid's rows are the context lengths; its columns are the needle depths, or, for a sweep over the
+    long-context task suite's prompts (:func:`headscope.analysis.task_retrieval.task_sweep`), the tasks
+    (:attr:`columns`, :attr:`column_name`).
+
     Attributes
     ----------
-    accuracy : ``[length, depth]`` fraction of needles answered (ROUGE-1 recall > 0.5); nan where no
+    accuracy : ``[length, column]`` fraction of prompts answered (ROUGE-1 recall > 0.5); nan where no
         trial finished.
-    recall : ``[length, depth]`` mean ROUGE-1 recall.
+    recall : ``[length, column]`` mean ROUGE-1 recall.
+    depths : the needle depths in percent (the columns); empty for a task-suite sweep.
+    tasks : the task-suite tasks (the columns); empty for a needle sweep.
     trials : every finished trial, in sweep order.
     cancelled : True when ``cancel`` stopped the sweep (the finished trials are kept and scored).
     key : the stored sweep record's key (empty without a store).
@@ -422,18 +428,36 @@ class RetrievalSweep(RetrievalScores):
     key: str = ""
     depth_rule: str = DEFAULT_DEPTH_RULE
     stop_at_newline: bool = False
+    tasks: list[str] = field(default_factory=list)
+
+    @property
+    def column_name(self) -> str:
+        """What the accuracy grid's columns are: ``"task"`` or ``"depth"``."""
+        return "task" if self.tasks else "depth"
+
+    @property
+    def columns(self) -> list:
+        """The accuracy grid's columns: the task names, or the depths in percent."""
+        return list(self.tasks) if self.tasks else list(self.depths)
+
+    def grid_text(self) -> str:
+        """The grid's rows and columns in words, e.g. ``lengths 512 × depths 10%, 90%``."""
+        cols = ", ".join(self.tasks) if self.tasks else ", ".join(f"{float(d):g}%" for d in self.depths)
+        return f"lengths {', '.join(str(n) for n in self.lengths)} × {self.column_name}s {cols}"
 
     def settings_text(self) -> str:
-        """The sweep's needle placement and decode stop, in words (shown with the sweep)."""
+        """The sweep's prompts (needle placement) and decode stop, in words (shown with the sweep)."""
         stop = "stops at EOS or the first newline" if self.stop_at_newline else "stops at EOS"
-        return f"needle at the {self.depth_rule} sentence boundary; decoding {stop}"
+        placed = "prompts of the long-context task suite" if self.tasks else \
+            f"needle at the {self.depth_rule} sentence boundary"
+        return f"{placed}; decoding {stop}"
 
     def cell_counts(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(answered, n)``, each ``[length, depth]``: the counts behind :attr:`accuracy` (see :func:`cell_counts`)."""
-        return cell_counts(self.trials, self.lengths, self.depths)
+        """``(answered, n)``, each ``[length, column]``: the counts behind :attr:`accuracy` (see :func:`cell_counts`)."""
+        return cell_counts(self.trials, self.lengths, self.depths, self.tasks or None)
 
     def accuracy_intervals(self) -> list[list[Proportion]]:
-        """``[length][depth]`` each cell's accuracy as answered of n with its 95 % Wilson interval
+        """``[length][column]`` each cell's accuracy as answered of n with its 95 % Wilson interval
         (:mod:`headscope.analysis.intervals`); ``n = 0`` where no trial finished."""
         answered, n = self.cell_counts()
         return [[wilson(answered[i, j], n[i, j]) for j in range(n.shape[1])] for i in range(n.shape[0])]
@@ -443,32 +467,42 @@ class RetrievalSweep(RetrievalScores):
         return wilson(self.n_counted, self.n_trials)
 
 
-def cell_counts(trials: Sequence[Trial], lengths: Sequence[int], depths: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-    """Trials answered (ROUGE-1 recall > 0.5) and trials finished per ``[length, depth]`` cell.
+def trial_task(trial: Trial) -> str:
+    """The task-suite task a trial's prompt belongs to (its needle's ``kind``; see
+    :func:`headscope.analysis.long_context_tasks.task_of`)."""
+    return str(trial.settings["needle"].get("kind", ""))
 
-    A sweep decodes every needle once per cell (greedy decoding is deterministic, so a repeat would
-    give the same answer): a cell's accuracy is ``answered / n`` with ``n`` the needles whose trial
+
+def cell_counts(trials: Sequence[Trial], lengths: Sequence[int], depths: Sequence[float],
+                tasks: Sequence[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Trials answered (ROUGE-1 recall > 0.5) and trials finished per ``[length, depth]`` cell, or per
+    ``[length, task]`` cell when ``tasks`` are given (a task-suite sweep's columns; ``depths`` unused).
+
+    A sweep decodes every prompt once per cell (greedy decoding is deterministic, so a repeat would
+    give the same answer): a cell's accuracy is ``answered / n`` with ``n`` the prompts whose trial
     finished there (all of them, unless the sweep was cancelled; a needle given twice counts twice).
 
     Returns
     -------
-    ``(answered, n)``, int ``[length, depth]``.
+    ``(answered, n)``, int ``[length, column]``.
 
     Raises
     ------
     ValueError
-        A trial whose length or depth is not one of the sweep's.
+        A trial whose length, depth or task is not one of the sweep's.
     """
     row = {int(x): i for i, x in enumerate(lengths)}
-    col = {float(x): j for j, x in enumerate(depths)}
+    col = {str(x): j for j, x in enumerate(tasks)} if tasks else {float(x): j for j, x in enumerate(depths)}
     answered = np.zeros((len(row), len(col)), dtype=np.int64)
     n = np.zeros_like(answered)
     for t in trials:
-        if t.length not in row or t.depth not in col:
-            raise InputError(f"A trial at length {t.length}, depth {t.depth:g} is not in this sweep's grid of "
-                             "lengths and depths: run the sweep again.")
-        n[row[t.length], col[t.depth]] += 1
-        answered[row[t.length], col[t.depth]] += bool(t.counted)
+        at = trial_task(t) if tasks else t.depth
+        if t.length not in row or at not in col:
+            shown_at = f"task {at[:40]!r}" if tasks else f"depth {at:g}"
+            raise InputError(f"A trial at length {t.length}, {shown_at} is not in this sweep's grid: run the "
+                             "sweep again.")
+        n[row[t.length], col[at]] += 1
+        answered[row[t.length], col[at]] += bool(t.counted)
     return answered, n
 
 
@@ -522,30 +556,44 @@ def sweep(
         raise InputError(f"This sweep would run {n_planned:,} trials (needles × lengths × depths) "
                          f"{hint('HEADSCOPE_MAX_SWEEP_TRIALS')}. Choose fewer needles, lengths or depths.")
     plan = [
-        (i, j, build_prompt(model, needle, haystack, length, depth, template=template, depth_rule=depth_rule))
+        (i, j, build_prompt(model, needle, haystack, length, depth, template=template, depth_rule=depth_rule),
+         max_new_tokens)
         for i, length in enumerate(lengths)
         for j, depth in enumerate(depths)
         for needle in needles
     ]
+    result = decode_plan(model, plan, lengths, depths=depths, store=store, stop_at_newline=stop_at_newline,
+                         progress=progress, cancel=cancel)
+    result.depth_rule = depth_rule
+    if store is not None and result.trials:
+        key = _sweep_key(model.digest, [nd.to_dict() for nd in needles], lengths, depths, content_key(haystack),
+                         template, max_new_tokens, depth_rule, stop_at_newline)
+        put_sweep(store, model, result, key, {"needles": [nd.to_dict() for nd in needles],
+                                              "max_new_tokens": max_new_tokens})
+    return result
+
+
+def decode_plan(model: LoadedModel, plan: Sequence[tuple[int, int, NiahPrompt, int]], lengths: Sequence[int], *,
+                depths: Sequence[float] = (), tasks: Sequence[str] = (), store: Store | None = None,
+                stop_at_newline: bool = False, progress: Progress | None = None,
+                cancel: Cancel | None = None) -> RetrievalSweep:
+    """Decode and score each ``(row, column, prompt, max_new_tokens)`` of ``plan`` in order
+    (:func:`run_trial`, each trial stored and reused), and the sweep they make: retrieval scores over the
+    answered trials (Wu et al. 2024, section 2) and the ``[length, column]`` accuracy grid, whose columns
+    are ``depths`` or ``tasks``. A cancel stops between trials or decode steps: what finished is kept."""
+    n_cols = len(tasks) if tasks else len(depths)
     trials: list[Trial] = []
     cells: dict[tuple[int, int], list[Trial]] = {}
     cancelled = False
     n = len(plan)
-    for k, (i, j, prompt) in enumerate(plan):
+    for k, (i, j, prompt, steps) in enumerate(plan):
         if cancel_requested(cancel):
             cancelled = True
             break
         step_progress = (lambda f, k=k: progress((k + f) / n)) if progress else None
         try:
-            trial = run_trial(
-                model,
-                prompt,
-                max_new_tokens=max_new_tokens,
-                store=store,
-                cancel=cancel,
-                progress=step_progress,
-                stop_at_newline=stop_at_newline,
-            )
+            trial = run_trial(model, prompt, max_new_tokens=steps, store=store, cancel=cancel,
+                              progress=step_progress, stop_at_newline=stop_at_newline)
         except Cancelled:
             cancelled = True
             break
@@ -554,8 +602,8 @@ def sweep(
         if progress:
             progress((k + 1) / n)
 
-    accuracy = np.full((len(lengths), len(depths)), np.nan)
-    recall = np.full((len(lengths), len(depths)), np.nan)
+    accuracy = np.full((len(lengths), n_cols), np.nan)
+    recall = np.full((len(lengths), n_cols), np.nan)
     for (i, j), cell in cells.items():
         accuracy[i, j] = np.mean([t.counted for t in cell])
         recall[i, j] = np.mean([t.recall for t in cell])
@@ -566,49 +614,33 @@ def sweep(
         base = RetrievalScores(
             nan, group_heads(nan, model.n_kv_heads, "max"), group_heads(nan, model.n_kv_heads, "mean"), 0, 0
         )
-    result = RetrievalSweep(
-        scores=base.scores,
-        group_max=base.group_max,
-        group_mean=base.group_mean,
-        n_trials=base.n_trials,
-        n_counted=base.n_counted,
-        lengths=lengths,
-        depths=depths,
-        accuracy=accuracy,
-        recall=recall,
-        trials=trials,
-        cancelled=cancelled,
-        depth_rule=depth_rule,
-        stop_at_newline=bool(stop_at_newline),
+    return RetrievalSweep(
+        scores=base.scores, group_max=base.group_max, group_mean=base.group_mean, n_trials=base.n_trials,
+        n_counted=base.n_counted, lengths=list(lengths), depths=list(depths), accuracy=accuracy, recall=recall,
+        trials=trials, cancelled=cancelled, stop_at_newline=bool(stop_at_newline), tasks=list(tasks),
     )
-    if store is not None and trials:
-        _save_sweep(store, model, result, needles, haystack, template, max_new_tokens)
-    return result
 
 
-def _save_sweep(store: Store, model: LoadedModel, result: RetrievalSweep, needles: Sequence[Needle],
-                haystack: str, template: str, max_new_tokens: int) -> None:
-    """Store a sweep's tables under its key (set on ``result``); its trials are stored already."""
-    depth_rule, stop_at_newline, cancelled = result.depth_rule, result.stop_at_newline, result.cancelled
-    lengths, depths, trials = result.lengths, result.depths, result.trials
-    result.key = _sweep_key(model.digest, [nd.to_dict() for nd in needles], lengths, depths, content_key(haystack),
-                            template, max_new_tokens, depth_rule, stop_at_newline)
+def put_sweep(store: Store, model: LoadedModel, result: RetrievalSweep, key: str, meta: dict[str, Any]) -> None:
+    """Store a sweep's tables under ``key`` (set on ``result``), with ``meta`` saying what it ran (its
+    needles or its task suite); its trials are stored already."""
+    result.key = key
     store.put(
-        result.key,
+        key,
         "retrieval_sweep",
         {
             "model_name": model.name,
             "model_digest": model.digest,
-            "needles": [nd.to_dict() for nd in needles],
-            "lengths": lengths,
-            "depths": depths,
-            "max_new_tokens": max_new_tokens,
-            "trial_keys": [t.key for t in trials],
+            **meta,
+            "lengths": result.lengths,
+            "depths": result.depths,
+            **({"tasks": result.tasks} if result.tasks else {}),
+            "trial_keys": [t.key for t in result.trials],
             "n_trials": result.n_trials,
             "n_counted": result.n_counted,
-            "cancelled": cancelled,
-            "depth_rule": depth_rule,
-            "stop_at_newline": bool(stop_at_newline),
+            "cancelled": result.cancelled,
+            "depth_rule": result.depth_rule,
+            "stop_at_newline": bool(result.stop_at_newline),
             "version": RETRIEVAL_VERSION,
         },
         {
@@ -657,7 +689,8 @@ class SweepSettings:
 
 
 def sweep_settings(store: Store, key: str) -> SweepSettings | None:
-    """The settings of the stored sweep ``key``, or None when no sweep is stored under it.
+    """The settings of the stored needle sweep ``key``, or None when no needle sweep is stored under it
+    (a task-suite sweep's are :func:`headscope.analysis.task_retrieval.sweep_suite`).
 
     The haystack is found by recomputing the sweep's key (as :func:`sweep` computes it, with the
     default template) for each shipped haystack: the one whose key matches is the one it used.
@@ -665,7 +698,7 @@ def sweep_settings(store: Store, key: str) -> SweepSettings | None:
     from headscope.analysis.niah import HAYSTACK_NAMES, named_haystack
 
     record = stored_record(store, key, "retrieval_sweep")
-    if record is None:
+    if record is None or "suite" in record.meta:  # a task-suite sweep: task_retrieval.sweep_suite
         return None
     m = record.meta
     depth_rule, stop = m.get("depth_rule", DEFAULT_DEPTH_RULE), bool(m.get("stop_at_newline", False))
@@ -702,4 +735,5 @@ def load_sweep(store: Store, key: str) -> RetrievalSweep | None:
         key=key,
         depth_rule=m.get("depth_rule", DEFAULT_DEPTH_RULE),
         stop_at_newline=bool(m.get("stop_at_newline", False)),
+        tasks=[str(t) for t in m.get("tasks", [])],
     )

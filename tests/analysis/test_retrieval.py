@@ -25,6 +25,7 @@ from headscope.analysis.retrieval import (
     trial_scores,
 )
 from headscope.analysis.store import Store, content_key
+from tests.analysis.forced_decoding import forcing_hooks
 
 NEEDLE = Needle(
     needle="The combination for the blue locker is 4817.",
@@ -43,36 +44,6 @@ def tiny(make_tiny_model):
 @pytest.fixture(scope="module")
 def prompt(tiny):
     return build_prompt(tiny, NEEDLE, load_haystack("prose"), 200, 50)
-
-
-def forcing_hooks(model, prompt, output):
-    """Hooks that make head (0, 0) attend to the needle token it copies at each decode step, head
-    (0, 1) attend to position 0, and the model emit ``output`` (then EOS)."""
-    start, end = prompt.needle_span
-    n_prompt = len(prompt.token_ids)
-    eos = model.tokenizer.eos_token_id
-    state = {"step": 0}
-
-    def pattern(p, hook=None):
-        if p.shape[-2] != 1:
-            return None  # the prefill: untouched
-        step = p.shape[-1] - n_prompt  # the first decode query sees exactly the prompt
-        state["step"] = step
-        p = p.clone()
-        p[0, 0, -1, :] = 0
-        p[0, 0, -1, start + min(step, end - start - 1)] = 1
-        p[0, 1, -1, :] = 0
-        p[0, 1, -1, 0] = 1
-        return p
-
-    def logits(x, hook=None):
-        step = state["step"]
-        target = output[step] if step < len(output) else eos
-        x = torch.full_like(x, -1e4)
-        x[..., target] = 1e4
-        return x
-
-    return [("blocks.0.attn.hook_pattern", pattern), ("unembed.hook_out", logits)]
 
 
 def make_trial(scores, counted, recall=1.0):
