@@ -441,9 +441,10 @@ class RetrievalSweep(RetrievalScores):
         return list(self.tasks) if self.tasks else list(self.depths)
 
     def grid_text(self) -> str:
-        """The grid's rows and columns in words, e.g. ``lengths 512 × depths 10%, 90%``."""
-        cols = ", ".join(self.tasks) if self.tasks else ", ".join(f"{float(d):g}%" for d in self.depths)
-        return f"lengths {', '.join(str(n) for n in self.lengths)} × {self.column_name}s {cols}"
+        """The grid's rows and columns in words: ``lengths [512], depths [10.0, 90.0]`` or
+        ``lengths [1024], tasks passkey, multi_key``."""
+        cols = ", ".join(self.tasks) if self.tasks else str(self.depths)
+        return f"lengths {self.lengths}, {self.column_name}s {cols}"
 
     def settings_text(self) -> str:
         """The sweep's prompts (needle placement) and decode stop, in words (shown with the sweep)."""
@@ -690,7 +691,7 @@ class SweepSettings:
 
 def sweep_settings(store: Store, key: str) -> SweepSettings | None:
     """The settings of the stored needle sweep ``key``, or None when no needle sweep is stored under it
-    (a task-suite sweep's are :func:`headscope.analysis.task_retrieval.sweep_suite`).
+    (a task-suite sweep's are :func:`headscope.analysis.task_retrieval.task_sweep_settings`).
 
     The haystack is found by recomputing the sweep's key (as :func:`sweep` computes it, with the
     default template) for each shipped haystack: the one whose key matches is the one it used.
@@ -698,7 +699,7 @@ def sweep_settings(store: Store, key: str) -> SweepSettings | None:
     from headscope.analysis.niah import HAYSTACK_NAMES, named_haystack
 
     record = stored_record(store, key, "retrieval_sweep")
-    if record is None or "suite" in record.meta:  # a task-suite sweep: task_retrieval.sweep_suite
+    if record is None or "suite" in record.meta:  # a task-suite sweep: task_retrieval.task_sweep_settings
         return None
     m = record.meta
     depth_rule, stop = m.get("depth_rule", DEFAULT_DEPTH_RULE), bool(m.get("stop_at_newline", False))

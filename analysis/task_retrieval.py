@@ -21,6 +21,8 @@ tokens, so a task's accuracy does not depend on which other tasks were asked wit
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from headscope.analysis.errors import InputError
 from headscope.analysis.greedy_decoding import Cancel, Progress
 from headscope.analysis.limits import hint, limit
@@ -37,10 +39,16 @@ from headscope.analysis.store import Store, content_key
 from headscope.analysis.stored_results import stored_record
 
 
-def suite_trials(suite: TaskSuite) -> int:
-    """The trials a task sweep of ``suite`` runs (one per prompt), its values checked first."""
+def check_task_sweep(suite: TaskSuite) -> TaskSuite:
+    """``suite`` checked (:func:`~headscope.analysis.long_context_tasks.checked_suite`: tasks and lengths
+    without duplicates) with its trials, one per prompt, within ``HEADSCOPE_MAX_SWEEP_TRIALS``: what
+    :func:`task_sweep` refuses, said before a model loads or a prompt is built."""
     checked = checked_suite(suite)
-    return len(checked.tasks) * len(checked.lengths) * checked.n_per_task
+    n_planned = len(checked.tasks) * len(checked.lengths) * checked.n_per_task
+    if n_planned > limit("HEADSCOPE_MAX_SWEEP_TRIALS"):
+        raise InputError(f"This sweep would run {n_planned:,} trials (tasks × lengths × prompts per task) "
+                         f"{hint('HEADSCOPE_MAX_SWEEP_TRIALS')}. Choose fewer tasks, lengths or prompts per task.")
+    return checked
 
 
 def task_sweep_key(model_digest: str, suite: TaskSuite, stop_at_newline: bool = False) -> str:
@@ -70,7 +78,7 @@ def task_sweep(
     store : every trial is stored as it finishes and reused when asked again (the same store as the
         needle sweeps': a prompt decoded before is not decoded again); the sweep's tables are stored under
         :func:`task_sweep_key`, with the suite, so :func:`~headscope.analysis.retrieval.load_sweep` gives it
-        back with its task columns and :func:`sweep_suite` says what ran.
+        back with its task columns and :func:`task_sweep_settings` says what ran.
     stop_at_newline : stop each decode at its first newline after some text (the paper's rule).
     progress : ``progress(fraction)`` of the trials; cancel : checked between decode steps (a cancelled
         sweep keeps what finished, ``cancelled=True``).
@@ -85,11 +93,7 @@ def task_sweep(
         A suite value out of range or unknown, more trials than ``HEADSCOPE_MAX_SWEEP_TRIALS`` (checked
         before any prompt is built), or a length the model's context cannot hold.
     """
-    checked = checked_suite(suite)
-    n_planned = len(checked.tasks) * len(checked.lengths) * checked.n_per_task
-    if n_planned > limit("HEADSCOPE_MAX_SWEEP_TRIALS"):
-        raise InputError(f"This sweep would run {n_planned:,} trials (tasks × lengths × prompts per task) "
-                         f"{hint('HEADSCOPE_MAX_SWEEP_TRIALS')}. Choose fewer tasks, lengths or prompts per task.")
+    checked = check_task_sweep(suite)
     prompts = checked.prompts(model)
     tasks, lengths = list(checked.tasks), list(checked.lengths)
     plan = [(lengths.index(p.length), tasks.index(task_of(p)), p, max_new_tokens_for([p])) for p in prompts]
@@ -103,16 +107,24 @@ def task_sweep(
     return result
 
 
-def sweep_suite(store: Store, key: str) -> TaskSuite | None:
-    """The task suite the stored sweep ``key`` ran (run it again with :func:`task_sweep` and the record's
-    ``stop_at_newline``), or None when no task sweep is stored under that key (a needle sweep's settings
-    are :func:`headscope.analysis.retrieval.sweep_settings`)."""
+@dataclass(frozen=True)
+class TaskSweepSettings:
+    """What a stored task sweep ran: its suite and decode stop (:func:`task_sweep` takes them)."""
+
+    suite: TaskSuite
+    stop_at_newline: bool
+
+
+def task_sweep_settings(store: Store, key: str) -> TaskSweepSettings | None:
+    """The settings of the stored task sweep ``key``, or None when no task sweep is stored under it (a
+    needle sweep's are :func:`headscope.analysis.retrieval.sweep_settings`)."""
     record = stored_record(store, key, "retrieval_sweep")
     suite = record.meta.get("suite") if record is not None else None
     if not isinstance(suite, dict):
         return None
     try:
-        return checked_suite(TaskSuite(tuple(suite["tasks"]), tuple(suite["lengths"]), suite["n_per_task"],
-                                       suite["seed"]))
+        checked = checked_suite(TaskSuite(tuple(suite["tasks"]), tuple(suite["lengths"]), suite["n_per_task"],
+                                          suite["seed"]))
     except (KeyError, TypeError, InputError):  # not a record this module wrote
         return None
+    return TaskSweepSettings(checked, bool(record.meta.get("stop_at_newline", False)))

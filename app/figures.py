@@ -472,12 +472,13 @@ def head_scatter(x: np.ndarray, y: np.ndarray, x_label: str, y_label: str) -> go
     return _layout(fig, f"{y_label} vs {x_label}, one dot per head", height=420)
 
 
-def niah_grid(accuracy: np.ndarray, lengths: Sequence[int], depths: Sequence[float],
-              cells: Sequence[Sequence[Proportion]] | None = None) -> go.Figure:
+def niah_grid(accuracy: np.ndarray, lengths: Sequence[int], depths: Sequence[float | str],
+              cells: Sequence[Sequence[Proportion]] | None = None, column: str = "needle depth") -> go.Figure:
     """Needle-in-a-haystack accuracy, context length × needle depth (blank where no trial finished).
 
     ``cells`` (``[length][depth]``, e.g. :meth:`~headscope.analysis.retrieval.RetrievalSweep.accuracy_intervals`):
-    each cell's answered of n and 95 % Wilson interval, written in the cell and its hover text."""
+    each cell's answered of n and 95 % Wilson interval, written in the cell and its hover text. The columns
+    are depths in percent, or other labels (a task sweep's tasks) given as text, named ``column``."""
     acc = np.asarray(accuracy, dtype=float)
     text = [[("" if not np.isfinite(v) else f"{v:.0%}") for v in row] for row in acc]
     hover = "accuracy %{z:.2f}"
@@ -491,15 +492,15 @@ def niah_grid(accuracy: np.ndarray, lengths: Sequence[int], depths: Sequence[flo
     fig = go.Figure(
         go.Heatmap(
             z=np.where(np.isfinite(acc), acc, None).tolist(),
-            x=[f"{d:g}%" for d in depths], y=[str(n) for n in lengths],
+            x=[safe_text(d) if isinstance(d, str) else f"{d:g}%" for d in depths], y=[str(n) for n in lengths],
             colorscale="RdYlGn", zmin=0, zmax=1,
             text=text, customdata=custom,
             texttemplate="%{text}",
             colorbar={"title": {"text": "accuracy", "side": "right"}, "thickness": 12},
-            hovertemplate="length %{y} tokens, depth %{x}<br>" + hover + "<extra></extra>",
+            hovertemplate="length %{y} tokens, " + safe_text(column) + " %{x}<br>" + hover + "<extra></extra>",
         )
     )
-    fig.update_xaxes(title="needle depth", type="category")
+    fig.update_xaxes(title=column, type="category")
     fig.update_yaxes(title="context length (tokens)", type="category")
     return _layout(fig, "Needle-in-a-haystack accuracy", height=max(280, 60 * len(lengths) + 160))
 

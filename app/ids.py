@@ -66,6 +66,10 @@ HEADS_SCORE = "hs-heads-score"
 HEADS_STAT = "hs-heads-stat"
 HEADS_SCORE_GRID = "hs-heads-score-grid"
 HEADS_MASS = "hs-heads-mass"
+HEADS_PROMPT_SOURCE = "hs-heads-prompt-source"  # the sweep's prompts: the needles ("needles") or the task suite ("tasks")
+HEADS_TASKS = "hs-heads-tasks"
+HEADS_PER_TASK = "hs-heads-per-task"
+HEADS_TASK_SEED = "hs-heads-task-seed"
 
 # QK page
 QK_LAYER = "hs-qk-layer"

@@ -12,7 +12,11 @@ import dash
 from dash import Input, Output, Patch, State, callback, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
-from headscope.analysis.head_scan import scan
+from headscope.analysis.errors import InputError
+from headscope.analysis.head_scan import scan, task_scan
+from headscope.analysis.long_context_tasks import MAX_LENGTH as TASK_MAX_LENGTH
+from headscope.analysis.long_context_tasks import MAX_PER_TASK, TASKS, TaskSuite
+from headscope.analysis.long_context_tasks import MIN_LENGTH as TASK_MIN_LENGTH
 from headscope.analysis.models import load_model
 from headscope.analysis.niah import (
     DEFAULT_DEPTH_RULE,
@@ -27,6 +31,7 @@ from headscope.analysis.niah import (
 from headscope.analysis.retrieval import SweepSettings, sweep_settings
 from headscope.analysis.score_registry import HEAD_SCORES
 from headscope.analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
+from headscope.analysis.task_retrieval import check_task_sweep, task_sweep_settings
 from headscope.app import figures, ids
 from headscope.app.context import get_context
 from headscope.app.errors import USER_ERRORS, guarded, message
@@ -70,6 +75,11 @@ TOP_K = 20
 FIGURES = (ids.HEADS_GRID, ids.HEADS_HIST, ids.HEADS_SCATTER, ids.HEADS_SCORE_GRID, ids.HEADS_MASS, ids.HEADS_NIAH,
            ids.HEADS_STEPS)  # what a new sweep replaces
 KEEP = {"persistence": True, "persistence_type": "session"}  # settings survive the page's re-render
+PROMPT_SOURCES = [
+    {"label": " needles: the ticked (or my own) needles at the depths, in the haystack", "value": "needles"},
+    {"label": " the long-context task suite: RULER-style tasks, each prompt with its own text and depths",
+     "value": "tasks"}]
+MAX_SEED = 10**6  # the seeds the form offers: a million distinct suites (Python takes any seed >= 0)
 NEEDLES_HINT = ("Your own needles, one per line: needle | question | answer — e.g. "
                 "The vault code is 7731. | What is the vault code? | 7731 (or paste needles.json).")
 
@@ -105,12 +115,46 @@ def _needle_options():
         return []
 
 
+def _task_fields() -> html.Div:
+    """Where the sweep's prompts come from, and the task suite's tasks, prompts per task and seed."""
+    return html.Div([
+        html.Label("Prompts", htmlFor=ids.HEADS_PROMPT_SOURCE),
+        dcc.RadioItems(id=ids.HEADS_PROMPT_SOURCE, **KEEP, value="needles", options=PROMPT_SOURCES),
+        html.Label(f"Tasks (at the context lengths, {TASK_MIN_LENGTH:,} to {TASK_MAX_LENGTH:,} tokens)",
+                   htmlFor=ids.HEADS_TASKS),
+        dcc.Checklist(id=ids.HEADS_TASKS, **KEEP, value=["passkey", "single_needle", "multi_key"],
+                      options=[{"label": f" {t.label}", "value": name, "title": t.description}
+                               for name, t in TASKS.items()]),
+        html.Label("Prompts per task and length, seed", htmlFor=ids.HEADS_PER_TASK),
+        html.Div([dcc.Input(id=ids.HEADS_PER_TASK, **KEEP, type="number", min=1, max=MAX_PER_TASK, step=1, value=5,
+                            className="hs-number"),
+                  dcc.Input(id=ids.HEADS_TASK_SEED, **KEEP, type="number", min=0, max=MAX_SEED, step=1, value=0,
+                            className="hs-number")]),
+    ], className="hs-field")
+
+
+def task_suite(source, tasks, per_task, seed, lengths) -> TaskSuite | None:
+    """The task suite the form asks for (None: the needles), checked here, trial limit included: a request
+    need not come from the form."""
+    if source not in [o["value"] for o in PROMPT_SOURCES]:
+        raise InputError("Choose whether the sweep runs the needles or the task suite.")
+    if source == "needles":
+        return None
+    if not isinstance(tasks, list) or not tasks:
+        raise InputError("Tick at least one task of the suite, or run the needles.")
+    return check_task_sweep(TaskSuite(
+        tuple(tasks), tuple(number_list(lengths, "Context lengths", int)),
+        whole_number(per_task, "Prompts per task and length", 1, MAX_PER_TASK),
+        whole_number(seed, "The task suite's seed", 0, MAX_SEED)))
+
+
 def _sweep_settings() -> html.Div:
     """The sweep form: needles, lengths, depths, haystack, streaming-score S and W, depth rule, own haystack
-    and needles (filled from a sweep's own settings when a link names one)."""
+    and needles, or the task suite (filled from a sweep's own settings when a link names one)."""
     options = _needle_options()
     return html.Div(
         [
+            _task_fields(),
             html.Div([html.Label("Needles"), dcc.Checklist(
                 id=ids.HEADS_NEEDLES, **KEEP, options=options, value=[o["value"] for o in options[:4]],
                 className="hs-needles")], className="hs-field"),
@@ -321,6 +365,10 @@ def _form_values(settings: SweepSettings) -> tuple[list[str], str, str, str, str
         window=Output(ids.HEADS_WINDOW, "value"),
         depth_rule=Output(ids.HEADS_DEPTH_RULE, "value"),
         stop_newline=Output(ids.HEADS_STOP_NEWLINE, "value"),
+        source=Output(ids.HEADS_PROMPT_SOURCE, "value"),
+        tasks=Output(ids.HEADS_TASKS, "value"),
+        per_task=Output(ids.HEADS_PER_TASK, "value"),
+        seed=Output(ids.HEADS_TASK_SEED, "value"),
         note=Output(ids.HEADS_FORM_NOTE, "children"),
         filled=Output(ids.HEADS_FORM_SWEEP, "data"),
     ),
@@ -339,18 +387,25 @@ def form_from_sweep(_keys, search, filled, own_haystack):
         raise PreventUpdate
     store = get_context().store
     keys = store.find(state.sweep)
-    settings = sweep_settings(store, keys[0]) if len(keys) == 1 else None
-    if settings is None:
+    on_tasks = task_sweep_settings(store, keys[0]) if len(keys) == 1 else None
+    settings = sweep_settings(store, keys[0]) if len(keys) == 1 and on_tasks is None else None
+    if settings is None and on_tasks is None:
         raise PreventUpdate
-    ticked, own, lengths, depths, haystack = _form_values(settings)
     note = f"Settings filled from sweep {state.sweep[:12]}: Run reruns them."
+    same = {"sink": DEFAULT_SINK if state.sink_size is None else state.sink_size,
+            "window": DEFAULT_WINDOW if state.window is None else state.window, "note": note, "filled": state.sweep}
+    if on_tasks is not None:  # the task suite's fields; the needles' are left as they are
+        suite = on_tasks.suite
+        return {**dict.fromkeys(("needles", "own_needles", "depths", "haystack", "depth_rule"), no_update), **same,
+                "lengths": ",".join(str(n) for n in suite.lengths), "source": "tasks", "tasks": list(suite.tasks),
+                "per_task": suite.n_per_task, "seed": suite.seed,
+                "stop_newline": ["on"] if on_tasks.stop_at_newline else []}
+    ticked, own, lengths, depths, haystack = _form_values(settings)
     if settings.haystack is None and not (own_haystack or "").strip():
-        note += " It used its own haystack, which is not stored with it: paste or upload that text again."
-    return {"needles": ticked, "own_needles": own, "lengths": lengths, "depths": depths, "haystack": haystack,
-            "sink": DEFAULT_SINK if state.sink_size is None else state.sink_size,
-            "window": DEFAULT_WINDOW if state.window is None else state.window,
+        same["note"] += " It used its own haystack, which is not stored with it: paste or upload that text again."
+    return {"needles": ticked, "own_needles": own, "lengths": lengths, "depths": depths, "haystack": haystack, **same,
             "depth_rule": settings.depth_rule, "stop_newline": ["on"] if settings.stop_at_newline else [],
-            "note": note, "filled": state.sweep}
+            "source": "needles", **dict.fromkeys(("tasks", "per_task", "seed"), no_update)}
 
 
 @cancellable_callback(
@@ -368,31 +423,46 @@ def form_from_sweep(_keys, search, filled, own_haystack):
     State(ids.HEADS_WINDOW, "value"),
     State(ids.HEADS_DEPTH_RULE, "value"),
     State(ids.HEADS_STOP_NEWLINE, "value"),
+    State(ids.HEADS_PROMPT_SOURCE, "value"),
+    State(ids.HEADS_TASKS, "value"),
+    State(ids.HEADS_PER_TASK, "value"),
+    State(ids.HEADS_TASK_SEED, "value"),
     State(url_id(PREFIX), "search"),
     run=ids.HEADS_RUN, cancel=ids.HEADS_CANCEL, progress=ids.HEADS_PROGRESS, status=ids.HEADS_STATUS,
     stale=FIGURES, prevent_initial_call=True,
 )
 def run_sweep(set_progress, n_clicks, needle_ids, custom_needles, lengths, depths, haystack, custom_haystack,
-              sink, window, depth_rule, stop_newline, search):
+              sink, window, depth_rule, stop_newline, source, tasks, per_task, seed, search):
     in_job()
     if not n_clicks:
         raise PreventUpdate
     try:
         # the form first, so a request that cannot run says so before the model loads
-        chosen = _needles(needle_ids, custom_needles)
-        lengths_ = check_lengths(number_list(lengths, "Context lengths", int))
-        depths_ = number_list(depths, "Depths")
+        suite = task_suite(source, tasks, per_task, seed, lengths)
+        if suite is None:
+            chosen = _needles(needle_ids, custom_needles)
+            lengths_ = check_lengths(number_list(lengths, "Context lengths", int))
+            depths_ = number_list(depths, "Depths")
+        else:
+            lengths_ = list(suite.lengths)
         sink_ = whole_number(sink, "The sink size S", 0, MAX_LENGTH)
         window_ = whole_number(window, "The window W", 1, MAX_LENGTH)
         check_streaming_window(sink_, window_, lengths_)
         context = get_context()
         model = load_model(context.default_model)
         # the sweep, then the other per-head scores, stored: the page's figures read them back
-        result = scan(model, chosen, lengths_, depths_, _haystack(haystack, custom_haystack), sink=sink_,
-                      window=window_, depth_rule=depth_rule or DEFAULT_DEPTH_RULE, stop_at_newline=bool(stop_newline),
-                      store=context.store,
-                      progress=trial_progress(set_progress, len(lengths_) * len(depths_) * len(chosen)),
-                      scores_progress=progress_reporter(set_progress, "scoring heads")).sweep
+        scores_progress = progress_reporter(set_progress, "scoring heads")
+        if suite is None:
+            result = scan(model, chosen, lengths_, depths_, _haystack(haystack, custom_haystack), sink=sink_,
+                          window=window_, depth_rule=depth_rule or DEFAULT_DEPTH_RULE,
+                          stop_at_newline=bool(stop_newline), store=context.store,
+                          progress=trial_progress(set_progress, len(lengths_) * len(depths_) * len(chosen)),
+                          scores_progress=scores_progress).sweep
+        else:
+            result = task_scan(model, suite, sink=sink_, window=window_, stop_at_newline=bool(stop_newline),
+                               store=context.store, scores_progress=scores_progress,
+                               progress=trial_progress(set_progress,
+                                                       len(suite.tasks) * len(suite.lengths) * suite.n_per_task)).sweep
         if not result.trials:
             return no_update, "No trial finished.", ""
         state = parse(search)
@@ -453,7 +523,7 @@ def draw_sweep(_keys, search):
         html.Span(f"{sw.n_counted}/{sw.n_trials} trials counted (ROUGE-1 recall > 0.5)", className="hs-chip"),
         html.Span(f"NIAH accuracy {sw.overall_accuracy().text()}", className="hs-chip", id=ids.HEADS_ACCURACY,
                   title="Trials answered of trials decoded, with its 95 % Wilson score interval"),
-        html.Span(f"lengths {sw.lengths}, depths {sw.depths}", className="hs-chip"),
+        html.Span(sw.grid_text(), className="hs-chip"),
         html.Span(sw.settings_text(), className="hs-chip"),
         html.Span(f"streaming S={params['sink_size']}, W={params['window']}", className="hs-chip"),
         *([html.Span(policy, className="hs-chip", title=PROMPT_POLICY_TITLE)]

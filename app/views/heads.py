@@ -18,6 +18,7 @@ from headscope.analysis.errors import InputError
 from headscope.analysis.evidence import cumulative_mass
 from headscope.analysis.head_scan import sweep_head_scores
 from headscope.analysis.head_scores import HeadScores
+from headscope.analysis.long_context_tasks import TASKS
 from headscope.analysis.model_facts import window_note
 from headscope.analysis.retrieval import AGGREGATES, RetrievalSweep, decode_rows, load_sweep
 from headscope.analysis.score_registry import HEAD_SCORES
@@ -186,16 +187,19 @@ def retrieval_scatter_view(run: None, params: dict[str, Any]) -> tuple[go.Figure
 @register(names.NIAH_GRID, "Needle-in-a-haystack accuracy", ("sweep",),
           lambda state, query, _: sweep_params(state), needs_run=False)
 def niah_grid_view(run: None, params: dict[str, Any]) -> tuple[go.Figure, Rows]:
-    """Accuracy per context length × depth: each cell is the needles answered of the needles decoded
-    there (one trial each), with its 95 % Wilson interval in the cell, its hover and its rows."""
+    """Accuracy per context length × depth, or × task for a sweep over the task suite: each cell is the
+    prompts answered of the prompts decoded there (one trial each), with its 95 % Wilson interval in the
+    cell, its hover and its rows (a ``depth`` or a ``task`` column)."""
     sweep = sweep_of(params)
     cells = sweep.accuracy_intervals()
     accuracy = np.array([[p.value for p in row] for row in cells], dtype=float).reshape(sweep.accuracy.shape)
-    fig = figures.niah_grid(accuracy, sweep.lengths, sweep.depths, cells)
+    labels = [TASKS[c].label if c in TASKS else str(c) for c in sweep.tasks] or sweep.depths
+    fig = figures.niah_grid(accuracy, sweep.lengths, labels, cells,
+                            column="task" if sweep.tasks else "needle depth")
     fig.update_layout(title_text=f"Needle-in-a-haystack accuracy: {accuracy_text(sweep)}")
-    rows = [{"length": n, "depth": d, **cells[i][j].columns("accuracy"), "accuracy_answered": cells[i][j].successes,
-             "recall": float(sweep.recall[i, j])}
-            for i, n in enumerate(sweep.lengths) for j, d in enumerate(sweep.depths)]
+    rows = [{"length": n, sweep.column_name: c, **cells[i][j].columns("accuracy"),
+             "accuracy_answered": cells[i][j].successes, "recall": float(sweep.recall[i, j])}
+            for i, n in enumerate(sweep.lengths) for j, c in enumerate(sweep.columns)]
     return fig, rows
 
 

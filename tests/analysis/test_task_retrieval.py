@@ -23,7 +23,13 @@ from headscope.analysis.retrieval import (
     sweep_settings,
 )
 from headscope.analysis.store import Store
-from headscope.analysis.task_retrieval import suite_trials, sweep_suite, task_sweep, task_sweep_key
+from headscope.analysis.task_retrieval import (
+    TaskSweepSettings,
+    check_task_sweep,
+    task_sweep,
+    task_sweep_key,
+    task_sweep_settings,
+)
 from tests.analysis.forced_decoding import forcing_hooks
 
 
@@ -51,14 +57,14 @@ def test_a_task_sweep_has_one_column_per_task_and_n_prompts_per_cell(tiny2k, tmp
     # each prompt decodes its own task's answer length
     assert all(t.settings["max_new_tokens"] == TASKS[t.settings["needle"]["kind"]].max_new_tokens for t in swept.trials)
     assert seen[-1] == pytest.approx(1.0)
-    assert "lengths 1024 × tasks passkey, single_needle" == swept.grid_text()
+    assert swept.grid_text() == "lengths [1024], tasks passkey, single_needle"
     assert "task suite" in swept.settings_text()
     # stored: loads back with its task columns, the same grid and intervals, and says which suite ran
     assert swept.key == task_sweep_key(tiny2k.digest, SUITE)
     loaded = load_sweep(store, swept.key)
     assert loaded.tasks == swept.tasks and loaded.depths == []
     assert loaded.accuracy_intervals() == swept.accuracy_intervals()
-    assert sweep_suite(store, swept.key) == SUITE
+    assert task_sweep_settings(store, swept.key) == TaskSweepSettings(SUITE, False)
     assert sweep_settings(store, swept.key) is None  # not a needle sweep's settings
     # run again: every trial is the stored one
     again = task_sweep(tiny2k, SUITE, store=store)
@@ -133,9 +139,10 @@ def test_a_bad_suite_is_refused_with_a_message_before_any_prompt(tiny2k, tasks, 
 def test_the_trial_limit_is_checked_before_any_prompt_is_built(tiny2k, monkeypatch):
     monkeypatch.setenv("HEADSCOPE_MAX_SWEEP_TRIALS", "5")
     suite = TaskSuite(("passkey", "multi_key", "common_words"), (1024, 2048), 1)
-    assert suite_trials(suite) == 6
-    with pytest.raises(InputError, match="6 trials .*limit is 5"):
-        task_sweep(tiny2k, suite)
+    for refuse in (check_task_sweep, lambda s: task_sweep(tiny2k, s)):
+        with pytest.raises(InputError, match="6 trials .*limit is 5"):
+            refuse(suite)
+    assert check_task_sweep(TaskSuite(("passkey", "passkey"), (1024, 1024), 5)) == TaskSuite(("passkey",), (1024,), 5)
     with pytest.raises(InputError, match="above the model's context"):  # 4 trials: within, but 8k is too long
         task_sweep(tiny2k, TaskSuite(("passkey",), (1024, 8192), 2))
     assert task_of(TaskSuite(("passkey",), (1024,), 1).prompts(tiny2k)[0]) == "passkey"
@@ -159,7 +166,7 @@ def test_needle_sweeps_keep_their_keys_records_and_depth_columns(make_tiny_model
     assert set(store.get(swept.key).meta) == OLD_META_KEYS  # the record a needle sweep always wrote
     loaded = load_sweep(store, swept.key)
     assert loaded.tasks == [] and loaded.depths == [25.0, 75.0] and loaded.columns == [25.0, 75.0]
-    assert loaded.column_name == "depth" and loaded.grid_text() == "lengths 160 × depths 25%, 75%"
+    assert loaded.column_name == "depth" and loaded.grid_text() == "lengths [160], depths [25.0, 75.0]"
     assert loaded.cell_counts()[1].tolist() == [[1, 1]]
     assert sweep_settings(store, swept.key).needles == [NEEDLE]
-    assert sweep_suite(store, swept.key) is None
+    assert task_sweep_settings(store, swept.key) is None

@@ -104,9 +104,10 @@ def settle(page, quiet_ms: int = 300) -> None:
 
 
 def select_option(page, dropdown: str, value_label: str) -> None:
-    """Pick an option of a Dash dropdown by (part of) its label, as a user clicks it."""
+    """Pick an option of a Dash dropdown by (part of) its label, as a user clicks it (in the open menu: a
+    checklist's items are options too)."""
     page.click(f"#{dropdown}")
-    page.get_by_role("option", name=value_label).first.click()
+    page.locator(".dash-dropdown-options").get_by_role("option", name=value_label).first.click()
 
 
 def wait_title(page, graph: str, text: str, timeout: float = 60_000) -> None:
