@@ -170,3 +170,35 @@ def test_needle_sweeps_keep_their_keys_records_and_depth_columns(make_tiny_model
     assert loaded.cell_counts()[1].tolist() == [[1, 1]]
     assert sweep_settings(store, swept.key).needles == [NEEDLE]
     assert task_sweep_settings(store, swept.key) is None
+
+
+def test_a_cancelled_task_sweep_keeps_what_finished_and_loads_as_it_was(tiny2k, tmp_path):
+    import threading
+
+    store = Store(tmp_path)
+    stop = threading.Event()
+    part = task_sweep(tiny2k, SUITE, store=store, progress=lambda f: stop.set() if f >= 0.5 - 1e-9 else None,
+                      cancel=stop)
+    answered, n = part.cell_counts()
+    assert part.cancelled and n.tolist() == [[2, 0]] and len(part.trials) == 2
+    assert np.isnan(part.accuracy[0, 1]) and part.accuracy_intervals()[0][1].n == 0
+    loaded = load_sweep(store, part.key)
+    assert loaded.cancelled and loaded.cell_counts()[1].tolist() == [[2, 0]] and loaded.tasks == part.tasks
+
+
+FORGED_SUITES = [{"tasks": "passkey", "lengths": [1024], "n_per_task": 2, "seed": 3},
+                 {"tasks": ["passkey"], "lengths": None, "n_per_task": 2, "seed": 3},
+                 {"tasks": ["passkey"], "lengths": [1024], "n_per_task": "2", "seed": 3},
+                 {"tasks": ["rm -rf"], "lengths": [1024], "n_per_task": 2, "seed": 3},
+                 {"lengths": [1024], "n_per_task": 2, "seed": 3}, "passkey", None, [1, 2]]
+
+
+@pytest.mark.parametrize("forged", FORGED_SUITES, ids=range(len(FORGED_SUITES)))
+def test_a_stored_record_with_a_forged_suite_has_no_task_settings(tiny2k, tmp_path, forged):
+    store = Store(tmp_path)
+    swept = task_sweep(tiny2k, TaskSuite(("passkey",), (1024,), 1, seed=3), store=store)
+    record = store.get(swept.key)
+    store.put(swept.key, "retrieval_sweep", {**record.meta, "suite": forged},
+              {name: record.array(name, mmap=False) for name in ("scores", "group_max", "group_mean", "accuracy",
+                                                                 "recall")})
+    assert task_sweep_settings(store, swept.key) is None

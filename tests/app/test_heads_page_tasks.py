@@ -214,6 +214,8 @@ def test_run_sweep_refuses_a_forged_suite_with_a_message(server, tasks, n, seed,
 @pytest.mark.integration
 @pytest.mark.timeout(900)  # one passkey prompt of 1,024 tokens decoded, then the other per-head scores on it
 def test_a_researcher_sweeps_the_task_suite_and_reads_a_tasks_interval(server, page):
+    from tests.app.browsing import wait_title
+
     url = server[0]
     page.goto(url + "heads")
     page.wait_for_selector("#hs-heads-run", timeout=240_000)
@@ -236,6 +238,7 @@ def test_a_researcher_sweeps_the_task_suite_and_reads_a_tasks_interval(server, p
     said = heat["custom"][0][0]
     assert said.endswith("n=1 (95 % Wilson)") and (" of 1 answered: " in said), said
     assert page.locator("#hs-heads-niah .xtitle").text_content() == "task"  # an SVG text
+    wait_title(page, "hs-heads-score-grid", "Streaming score")  # the other per-head scores, over the task prompt
     # the link reopens the sweep with its suite in the form
     link = page.url
     page.goto(url + "heads")
