@@ -183,6 +183,20 @@ def test_the_embedded_model_answers_single_needle_and_passkey_at_1k(real_model, 
         assert 0 <= rate.low <= rate.value <= rate.high <= 1
 
 
+def test_answered_gives_the_bridges_own_greedy_answers(real_model, one_thread):
+    """The answer rates decode through the fastest exact path; the reference is the bridge's plain greedy
+    decoding (:func:`headscope.analysis.ablation_curve.retrieval_accuracy` without hooks), prompt by prompt."""
+    from headscope.analysis.ablation_curve import retrieval_accuracy
+    from headscope.analysis.long_context_tasks import answered, max_new_tokens_for
+
+    prompts = task_prompts(real_model, ["single_needle", "passkey", "multi_key"], [1024], 2, seed=5)
+    steps = max_new_tokens_for(prompts)
+    reference = retrieval_accuracy(real_model, prompts, max_new_tokens=steps)
+    got = answered(real_model, prompts, steps)
+    assert got == [r > 0.5 for r in reference.recalls]
+    assert 0 < sum(got) < len(prompts)  # both outcomes are compared
+
+
 def test_compress_sweep_scores_the_suite_and_refuses_a_suite_the_model_cannot_do(model8k, store, one_thread):
     """On a tiny random model (it answers nothing): with min_rate 0 every task is kept, the curve's accuracy
     rests on the suite's prompts and carries each task's rate, and it reopens from the store; with the
