@@ -17,12 +17,14 @@ a run with more rankings, fractions or seeds reuses what is stored.
 
     .venv/bin/python bench/compress_curve.py [--lengths 2048,4096] [--tasks a,b] [--per-task 20]
         [--rankings retrieval,streaming,evidence,random] [--fractions 0.1,0.25,0.5,0.75,0.9] [--seeds 3]
-        [--backend statistics] [--measure-memory] [--figure docs/compress_curve.png] [--home DIR]
+        [--parts 'retrieval:0.1,0.25,0.5;random:0.25'] [--backend statistics] [--measure-memory]
+        [--figure docs/compress_curve.png] [--home DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -146,6 +148,8 @@ def main() -> None:
     parser.add_argument("--recent", type=int, default=256)
     parser.add_argument("--sweep-length", type=int, default=1024)
     parser.add_argument("--backend", default="statistics")
+    parser.add_argument("--parts", help="instead of every ranking at every fraction: 'ranking:f,f;ranking:f' "
+                        "(e.g. retrieval:0.1,0.25,0.5;random:0.25), each part its own sweep, drawn as one curve")
     parser.add_argument("--measure-memory", action="store_true")
     parser.add_argument("--figure")
     parser.add_argument("--home", help="store folder (default: HEADSCOPE_HOME or the user data dir)")
@@ -176,10 +180,17 @@ def main() -> None:
     curves, memory = {}, {}
     for length in [int(x) for x in args.lengths.split(",")]:
         suite = TaskSuite(tuple(args.tasks.split(",")), (length,), args.per_task, 0, args.min_rate)
-        found = compress_sweep(model, ranking_sweep, args.rankings.split(","), [float(f) for f in args.fractions.split(",")],
-                               seeds=list(range(args.seeds)), sink_size=args.sink, recent_size=args.recent,
-                               texts=loss_text, backend=args.backend, suite=suite, store=store, progress=progress)
-        curve = curves[length] = found.curve
+        parts = ([(r, [float(f) for f in fs.split(",")]) for r, fs in (p.split(":") for p in args.parts.split(";"))]
+                 if args.parts else [(args.rankings, [float(f) for f in args.fractions.split(",")])])
+        found = [compress_sweep(model, ranking_sweep, rankings.split(","), fractions, seeds=list(range(args.seeds)),
+                                sink_size=args.sink, recent_size=args.recent, texts=loss_text, backend=args.backend,
+                                suite=suite, store=store, progress=progress).curve for rankings, fractions in parts]
+        # every part shares the suite, the baseline and the texts: one curve of all their policies
+        seen = {}
+        for part in found:
+            for e in part.evaluations:
+                seen.setdefault((e.policy.ranking, e.policy.fraction, e.policy.seed), e)
+        curve = curves[length] = dataclasses.replace(found[0], evaluations=list(seen.values()))
         for task, r in (curve.meta.get("tasks") or {}).items():
             print(f"task {task:<18} uncompressed {r['answered']}/{r['n']} = {r['rate']:.2f} "
                   f"[{r['low']:.2f}, {r['high']:.2f}]{'  dropped' if r['dropped'] else ''}")
