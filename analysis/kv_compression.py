@@ -754,6 +754,7 @@ def evaluate_policies(
     baseline, evaluations, complete = _evaluated_in_turn(evaluate, full_policy, policies, progress, cancel)
     meta = {"model_name": model.name, "model_digest": model.digest, "rankings": rankings, "fractions": fractions,
             "seeds": seeds, "n_tokens": n_tokens, "dtype_bytes": dtype_bytes(model), "backend": backend,
+            "max_new_tokens": max_new_tokens,
             "layout": {"n_layers": model.n_layers, "n_kv_heads": model.n_kv_heads, "d_head": model.d_head},
             "priorities": group_priorities(model, rankings, seeds, scores), "version": KV_COMPRESSION_VERSION}
     return CompressionCurve(evaluations, baseline, sink_size, recent_size, len(texts), len(prompts), complete, meta)

@@ -35,6 +35,7 @@ from headscope.analysis.kv_compression_choices import (
     DEFAULT_RECENT_SIZE,
     DEFAULT_SINK_SIZE,
 )
+from headscope.analysis.long_context_tasks import max_new_tokens_for
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.niah import NiahPrompt
 from headscope.analysis.retrieval import RetrievalSweep, trial_prompt
@@ -145,7 +146,8 @@ def compress_sweep(
     curve = evaluate_policies(model, scores, rankings, fractions, texts=loss_texts,
                               prompts=measured.kept if measured else prompts, seeds=seeds,
                               sink_size=sink_size, recent_size=recent_size,
-                              max_new_tokens=measured.max_new_tokens if measured else 24, backend=backend,
+                              max_new_tokens=measured.max_new_tokens if measured else max_new_tokens_for(prompts),
+                              backend=backend,
                               store=store, progress=part(share, 1.0), cancel=cancel)
     curve.meta.setdefault("sweep", sweep.key)
     curve.meta["backend_asked"] = backend  # "auto" resolves to a masking backend: a rerun asks the same

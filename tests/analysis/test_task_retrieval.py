@@ -202,3 +202,18 @@ def test_a_stored_record_with_a_forged_suite_has_no_task_settings(tiny2k, tmp_pa
               {name: record.array(name, mmap=False) for name in ("scores", "group_max", "group_mean", "accuracy",
                                                                  "recall")})
     assert task_sweep_settings(store, swept.key) is None
+
+
+def test_a_compression_curve_on_a_task_sweep_decodes_each_tasks_answer_length(tiny2k, tmp_path):
+    """The Compress page given a task sweep scores its prompts as the sweep decoded them: a multi-value answer
+    needs 48 tokens (four numbers), not the 24 a needle gets; a needle sweep's curve still decodes 24."""
+    from headscope.analysis.kv_compression_sweep import compress_sweep
+
+    store = Store(tmp_path)
+    args = dict(rankings=["retrieval"], fractions=[0.5], seeds=[0], sink_size=16, recent_size=64, store=store)
+    swept = task_sweep(tiny2k, TaskSuite(("multi_value",), (1024,), 1, seed=3), store=store)
+    curve = compress_sweep(tiny2k, swept, **args).curve
+    assert curve.meta["max_new_tokens"] == TASKS["multi_value"].max_new_tokens == 48
+    needles = sweep(tiny2k, [Needle("The code is 7.", "What is the code?", "7")], [256], [50],
+                    named_haystack("prose"), store=store, max_new_tokens=4)
+    assert compress_sweep(tiny2k, needles, **args).curve.meta["max_new_tokens"] == 24
