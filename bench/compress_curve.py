@@ -17,7 +17,7 @@ a run with more rankings, fractions or seeds reuses what is stored.
 
     .venv/bin/python bench/compress_curve.py [--lengths 2048,4096] [--tasks a,b] [--per-task 20]
         [--rankings retrieval,streaming,evidence,random] [--fractions 0.1,0.25,0.5,0.75,0.9] [--seeds 3]
-        [--parts 'retrieval:0.1,0.25,0.5;random:0.25'] [--backend statistics] [--measure-memory]
+        [--parts 'retrieval:0.1,0.25,0.5;random:0.25:3'] [--backend statistics] [--measure-memory]
         [--figure docs/compress_curve.png] [--home DIR]
 """
 
@@ -135,6 +135,12 @@ def _figure(curves: dict[int, object], path: str, memory: dict[int, dict[float, 
     print(f"figure -> {path}")
 
 
+def _part(text: str, seeds: int) -> tuple[str, list[float], int]:
+    """``ranking:f,f[:seeds]`` -> (ranking, fractions, seeds; ``--seeds`` where the part names none)."""
+    ranking, fractions, *n = text.split(":")
+    return ranking, [float(f) for f in fractions.split(",")], int(n[0]) if n else seeds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="2048,4096")
@@ -148,8 +154,9 @@ def main() -> None:
     parser.add_argument("--recent", type=int, default=256)
     parser.add_argument("--sweep-length", type=int, default=1024)
     parser.add_argument("--backend", default="statistics")
-    parser.add_argument("--parts", help="instead of every ranking at every fraction: 'ranking:f,f;ranking:f' "
-                        "(e.g. retrieval:0.1,0.25,0.5;random:0.25), each part its own sweep, drawn as one curve")
+    parser.add_argument("--parts", help="instead of every ranking at every fraction: 'ranking:f,f[:seeds];ranking:f' "
+                        "(e.g. retrieval:0.1,0.25,0.5;random:0.25:3;random:0.5:1), each part its own sweep, drawn "
+                        "as one curve")
     parser.add_argument("--measure-memory", action="store_true")
     parser.add_argument("--figure")
     parser.add_argument("--home", help="store folder (default: HEADSCOPE_HOME or the user data dir)")
@@ -180,11 +187,12 @@ def main() -> None:
     curves, memory = {}, {}
     for length in [int(x) for x in args.lengths.split(",")]:
         suite = TaskSuite(tuple(args.tasks.split(",")), (length,), args.per_task, 0, args.min_rate)
-        parts = ([(r, [float(f) for f in fs.split(",")]) for r, fs in (p.split(":") for p in args.parts.split(";"))]
-                 if args.parts else [(args.rankings, [float(f) for f in args.fractions.split(",")])])
-        found = [compress_sweep(model, ranking_sweep, rankings.split(","), fractions, seeds=list(range(args.seeds)),
+        parts = ([_part(p, args.seeds) for p in args.parts.split(";")] if args.parts
+                 else [(args.rankings, [float(f) for f in args.fractions.split(",")], args.seeds)])
+        found = [compress_sweep(model, ranking_sweep, rankings.split(","), fractions, seeds=list(range(n_seeds)),
                                 sink_size=args.sink, recent_size=args.recent, texts=loss_text, backend=args.backend,
-                                suite=suite, store=store, progress=progress).curve for rankings, fractions in parts]
+                                suite=suite, store=store, progress=progress).curve
+                 for rankings, fractions, n_seeds in parts]
         # every part shares the suite, the baseline and the texts: one curve of all their policies
         seen = {}
         for part in found:
