@@ -93,7 +93,7 @@ def _figure(curves: dict[int, object], path: str, memory: dict[int, dict[float, 
 
     def title(n: int) -> str:
         full = memory.get(n, {}).get(1.0)
-        return f"{n:,} tokens" + (f" (full cache {full[0] / 2**20:.1f} MiB, allocated)" if full else "")
+        return f"{n:,} tokens" + (f" (full cache {full[0] / 2**20:.1f} MiB, measured)" if full else "")
 
     fig = make_subplots(rows=1, cols=len(curves), subplot_titles=[title(n) for n in curves], shared_yaxes=True)
     colours = {"retrieval": "#1f77b4", "streaming": "#ff7f0e", "evidence": "#2ca02c", "random": "#7f7f7f"}
