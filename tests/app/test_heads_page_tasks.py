@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -17,6 +16,7 @@ import pytest
 
 from headscope.analysis.errors import InputError
 from headscope.analysis.long_context_tasks import TASKS, TaskSuite
+from tests.app.forged_posts import answer as _answer
 
 
 @pytest.fixture(scope="module")
@@ -138,31 +138,6 @@ def test_a_link_to_a_task_sweep_fills_the_form_with_its_suite(heads_page, task_s
 
 # -- raw requests to the running server's "Run sweep" --------------------------------------------
 
-UPDATE = "_dash-update-component"
-
-
-def _post(url: str, body: dict, query: str = "") -> tuple[int, dict | None, bytes]:
-    req = urllib.request.Request(url + UPDATE + query, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            payload = r.read()
-            return r.status, json.loads(payload) if payload else None, payload
-    except urllib.error.HTTPError as e:
-        return e.code, None, e.read()
-
-
-def _answer(url: str, body: dict, timeout: float = 180) -> tuple[int, dict | None, bytes]:
-    """The callback's answer; a background callback's job is followed until it ends, as the renderer does."""
-    status, data, raw = _post(url, body)
-    deadline = time.time() + timeout
-    while status == 200 and data and "cacheKey" in data and time.time() < deadline:
-        time.sleep(0.5)
-        query = "?" + urllib.parse.urlencode({"cacheKey": data["cacheKey"], "job": data["job"]})
-        status, got, raw = _post(url, body, query)
-        if status != 200 or (got and ("response" in got or "sideUpdate" in got)):
-            return status, got, raw
-    return status, data, raw
 
 
 def _run_sweep_body(url: str, values: dict) -> dict:
@@ -195,7 +170,7 @@ def test_run_sweep_refuses_a_forged_suite_with_a_message(server, tasks, n, seed,
               "hs-heads-per-task.value": n, "hs-heads-task-seed.value": seed, "hs-heads-lengths.value": lengths,
               "hs-heads-sink.value": 4, "hs-heads-window.value": 64, "hs-heads-needles.value": [],
               "hs-heads-depths.value": "50", "hs-heads-haystack.value": "prose"}
-    status, data, raw = _answer(url, _run_sweep_body(url, values))
+    status, data, raw = _answer(url, _run_sweep_body(url, values), timeout=180)
     refused = status == 400 and raw.startswith(b"headscope refused this request: The value of ")
     assert status == 200 or refused, (status, raw[:300])
     assert b"Traceback" not in raw and b"Internal Server Error" not in raw, raw[:300]
