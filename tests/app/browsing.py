@@ -178,3 +178,17 @@ def run_on_ablation_page(page, url: str) -> None:
     page.click("#abl-hs-run")
     page.wait_for_function("location.search.includes('run=')")
     wait_title(page, "hs-abl-grid", "0 heads chosen")
+
+
+def layout_props(node, out: list | None = None) -> list[dict]:
+    """Every Dash component's props in a layout tree, depth first (what a page offers, read without a browser)."""
+    out = [] if out is None else out
+    if isinstance(node, list | tuple):
+        for child in node:
+            layout_props(child, out)
+    elif hasattr(node, "to_plotly_json"):
+        props = node.to_plotly_json()["props"]
+        out.append(props)
+        for value in props.values():
+            layout_props(value, out)
+    return out

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from headscope.analysis.errors import InputError
+from tests.app.browsing import layout_props
 
 
 @pytest.fixture(scope="module")
@@ -24,23 +25,11 @@ def compress_page(tmp_path_factory):
     return sys.modules[page["module"]]
 
 
-def _props(node, out):
-    if isinstance(node, list | tuple):
-        for child in node:
-            _props(child, out)
-    elif hasattr(node, "to_plotly_json"):
-        props = node.to_plotly_json()["props"]
-        out.append(props)
-        for value in props.values():
-            _props(value, out)
-    return out
-
-
 def test_the_form_offers_the_sweep_or_every_task_of_the_suite(compress_page):
     from headscope.analysis.long_context_tasks import TASKS
     from headscope.app import ids
 
-    props = {p["id"]: p for p in _props(compress_page.layout(), []) if isinstance(p.get("id"), str)}
+    props = {p["id"]: p for p in layout_props(compress_page.layout(), []) if isinstance(p.get("id"), str)}
     assert [o["value"] for o in props[ids.KV_PROMPT_SOURCE]["options"]] == ["sweep", "tasks"]
     assert props[ids.KV_PROMPT_SOURCE]["value"] == "sweep"  # the needle sweep, as before, unless asked
     assert [o["value"] for o in props[ids.KV_TASKS]["options"]] == list(TASKS)

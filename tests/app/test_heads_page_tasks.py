@@ -16,6 +16,7 @@ import pytest
 
 from headscope.analysis.errors import InputError
 from headscope.analysis.long_context_tasks import TASKS, TaskSuite
+from tests.app.browsing import layout_props
 from tests.app.forged_posts import answer as _answer
 
 
@@ -32,22 +33,10 @@ def heads_page(tmp_path_factory):
     return sys.modules[page["module"]]
 
 
-def _props(node, out):
-    if isinstance(node, list | tuple):
-        for child in node:
-            _props(child, out)
-    elif hasattr(node, "to_plotly_json"):
-        props = node.to_plotly_json()["props"]
-        out.append(props)
-        for value in props.values():
-            _props(value, out)
-    return out
-
-
 def test_the_form_offers_the_needles_or_every_task_of_the_suite(heads_page):
     from headscope.app import ids
 
-    props = {p["id"]: p for p in _props(heads_page.layout(), []) if isinstance(p.get("id"), str)}
+    props = {p["id"]: p for p in layout_props(heads_page.layout(), []) if isinstance(p.get("id"), str)}
     assert [o["value"] for o in props[ids.HEADS_PROMPT_SOURCE]["options"]] == ["needles", "tasks"]
     assert props[ids.HEADS_PROMPT_SOURCE]["value"] == "needles"  # the needle sweep, as before, unless asked
     assert [o["value"] for o in props[ids.HEADS_TASKS]["options"]] == list(TASKS)
