@@ -681,6 +681,7 @@ def evaluate_policies(
     recent_size: int = DEFAULT_RECENT_SIZE,
     max_new_tokens: int = 24,
     backend: str = "auto",
+    baseline_answered: Sequence[bool] | None = None,
     store: Store | None = None,
     progress: Progress | None = None,
     cancel: Cancel | None = None,
@@ -706,6 +707,11 @@ def evaluate_policies(
         ``cache`` (each group's cache as the policy keeps it, :mod:`headscope.analysis.kv_cache`) or
         ``auto`` (statistics mode above ``HEADSCOPE_MAX_TOKENS`` tokens or on CUDA where the model
         supports it); the uncompressed baseline runs on the same backend. Recorded in ``meta``.
+    baseline_answered : whether the uncompressed model answered each of ``prompts``, where that is
+        measured already (a task suite's answer rates, :func:`headscope.analysis.long_context_tasks.measured_suite`):
+        the baseline's NIAH accuracy is their share and the prompts are not decoded uncompressed again
+        (its loss and agreement still come from ``texts``). Every backend's uncompressed decoding answers
+        as the rates' decoding does (``tests/analysis/test_long_context_tasks.py``).
     store : each policy's numbers are stored as they finish, under the model, the inputs and the
         policy's mask: a cancelled evaluation run again resumes, other curves reuse shared policies.
     progress, cancel : as every long analysis; a cancel returns what finished (``complete=False``).
@@ -724,11 +730,21 @@ def evaluate_policies(
     inputs = content_key(texts, [p.token_ids for p in prompts], max_new_tokens)
     full_policy = build_policy(model, "all_full", 1.0, sink_size=sink_size, recent_size=recent_size)
 
+    if baseline_answered is not None:
+        if (not isinstance(baseline_answered, Sequence) or isinstance(baseline_answered, str)
+                or len(baseline_answered) != len(prompts) or not all(isinstance(x, bool) for x in baseline_answered)):
+            raise InputError(f"Give the uncompressed model's outcome (True or False) for each of the {len(prompts)} "
+                             "prompts, as a list.")
     clean, _ = _measured(model, None, texts, (), max_new_tokens, cancel, backend)
     memo: dict[str, PolicyEvaluation] = {}
 
     def evaluate(policy: Policy) -> PolicyEvaluation:
         mk = policy.mask_key()
+        if policy is full_policy and baseline_answered is not None:
+            e = _evaluate_one(model, policy, texts, (), clean.argmax, n_tokens, max_new_tokens, cancel, backend)
+            share = sum(baseline_answered) / len(prompts) if prompts else math.nan
+            memo[mk] = PolicyEvaluation(policy, e.memory, e.loss, e.agreement, share, e.seconds, len(prompts))
+            return memo[mk]
         if mk in memo:
             e = memo[mk]
             return PolicyEvaluation(policy, e.memory, e.loss, e.agreement, e.niah_accuracy, 0.0, e.niah_n)

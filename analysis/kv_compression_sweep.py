@@ -147,7 +147,7 @@ def compress_sweep(
                               prompts=measured.kept if measured else prompts, seeds=seeds,
                               sink_size=sink_size, recent_size=recent_size,
                               max_new_tokens=measured.max_new_tokens if measured else max_new_tokens_for(prompts),
-                              backend=backend,
+                              backend=backend, baseline_answered=measured.kept_answered if measured else None,
                               store=store, progress=part(share, 1.0), cancel=cancel)
     curve.meta.setdefault("sweep", sweep.key)
     curve.meta["backend_asked"] = backend  # "auto" resolves to a masking backend: a rerun asks the same

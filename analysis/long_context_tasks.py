@@ -86,6 +86,8 @@ MAX_PER_TASK = 500
 """The most prompts per task and length a request may ask for."""
 DEFAULT_MIN_RATE = 0.5
 """A task is dropped when the uncompressed model answers fewer than this share of its prompts."""
+NEEDLE_MAX_NEW_TOKENS = 24
+"""Tokens a needle's answer (and a task's, unless it says otherwise) is decoded for."""
 
 Builder = Callable[["LoadedModel", int, random.Random, str], NiahPrompt]
 
@@ -98,7 +100,7 @@ class Task:
     label: str
     description: str
     builder: Builder
-    max_new_tokens: int = 24
+    max_new_tokens: int = NEEDLE_MAX_NEW_TOKENS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,7 +387,8 @@ def task_of(prompt: NiahPrompt) -> str:
 
 def max_new_tokens_for(prompts: Sequence[NiahPrompt]) -> int:
     """Tokens to decode so that every prompt's task can give its whole answer (24 for other prompts)."""
-    return max((TASKS[task_of(p)].max_new_tokens if task_of(p) in TASKS else 24 for p in prompts), default=24)
+    return max((TASKS[task_of(p)].max_new_tokens if task_of(p) in TASKS else NEEDLE_MAX_NEW_TOKENS for p in prompts),
+               default=NEEDLE_MAX_NEW_TOKENS)
 
 
 def answered(model: LoadedModel, prompts: Sequence[NiahPrompt], max_new_tokens: int | None = None, *,
@@ -473,12 +476,14 @@ def doable(prompts: Sequence[NiahPrompt], rates: dict[str, Proportion], min_rate
 @dataclass(frozen=True)
 class MeasuredSuite:
     """A suite's prompts checked against the uncompressed model: the ``kept`` prompts (of the tasks it can
-    do), every task's answer ``rates``, the ``dropped`` tasks with their rate, and the tokens decoded."""
+    do), every task's answer ``rates``, the ``dropped`` tasks with their rate, the tokens decoded, and
+    whether the uncompressed model answered each kept prompt (``kept_answered``, in order)."""
 
     kept: list[NiahPrompt]
     rates: dict[str, Proportion]
     dropped: dict[str, Proportion]
     max_new_tokens: int
+    kept_answered: list[bool]
 
     def summary(self) -> dict[str, dict]:
         """Per task: answered, n, rate, its 95 % interval and whether it was dropped (JSON-ready)."""
@@ -520,7 +525,8 @@ def measured_suite(model: LoadedModel, suite: TaskSuite, store: Store | None = N
         raise InputError(f"The uncompressed model answers no task of the suite often enough (at least "
                          f"{suite.min_rate:g} of its prompts): {said}. Choose other tasks or shorter lengths, or "
                          "lower the rate a task needs.")
-    return MeasuredSuite(kept, rates, dropped, steps)
+    answered_kept = [bool(ok) for p, ok in zip(prompts, outcomes, strict=True) if task_of(p) not in dropped]
+    return MeasuredSuite(kept, rates, dropped, steps, answered_kept)
 
 
 def checked_suite(suite: TaskSuite) -> TaskSuite:

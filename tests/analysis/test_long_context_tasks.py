@@ -183,18 +183,34 @@ def test_the_embedded_model_answers_single_needle_and_passkey_at_1k(real_model, 
         assert 0 <= rate.low <= rate.value <= rate.high <= 1
 
 
-def test_answered_gives_the_bridges_own_greedy_answers(real_model, one_thread):
+@pytest.mark.timeout(900)  # four decodings of six 1k prompts: about 2 minutes quiet, over 300 s beside two benches
+def test_answered_gives_the_bridges_and_each_compression_backends_uncompressed_answers(real_model, one_thread):
     """The answer rates decode through the fastest exact path; the reference is the bridge's plain greedy
-    decoding (:func:`headscope.analysis.ablation_curve.retrieval_accuracy` without hooks), prompt by prompt."""
+    decoding (:func:`headscope.analysis.ablation_curve.retrieval_accuracy` without hooks), prompt by prompt.
+    A task curve's uncompressed baseline is those rates (compress_sweep does not decode the uncompressed
+    model twice): statistics mode (the kernels, the curve's backend) and the cache backend with every group
+    full answer each prompt as they do."""
+    from headscope.analysis import kv_cache
     from headscope.analysis.ablation_curve import retrieval_accuracy
+    from headscope.analysis.kv_compression import build_policy, policy_applied
     from headscope.analysis.long_context_tasks import answered, max_new_tokens_for
 
     prompts = task_prompts(real_model, ["single_needle", "passkey", "multi_key"], [1024], 2, seed=5)
     steps = max_new_tokens_for(prompts)
-    reference = retrieval_accuracy(real_model, prompts, max_new_tokens=steps)
     got = answered(real_model, prompts, steps)
-    assert got == [r > 0.5 for r in reference.recalls]
     assert 0 < sum(got) < len(prompts)  # both outcomes are compared
+    reference = retrieval_accuracy(real_model, prompts, max_new_tokens=steps)
+    assert [r > 0.5 for r in reference.recalls] == got
+    with policy_applied(real_model, None, "statistics") as hooks:
+        statistics = retrieval_accuracy(real_model, prompts, hooks, max_new_tokens=steps)
+    assert [r > 0.5 for r in statistics.recalls] == got
+    full = build_policy(real_model, "all_full", 1.0)
+
+    def cached(ids, n):
+        return kv_cache.greedy_continuation(real_model, full.full, ids, n, full.sink_size, full.recent_size).generated
+
+    cache = retrieval_accuracy(real_model, prompts, max_new_tokens=steps, continuation=cached)
+    assert [r > 0.5 for r in cache.recalls] == got
 
 
 def test_compress_sweep_scores_the_suite_and_refuses_a_suite_the_model_cannot_do(model8k, store, one_thread):
@@ -221,6 +237,50 @@ def test_compress_sweep_scores_the_suite_and_refuses_a_suite_the_model_cannot_do
     strict = TaskSuite(("passkey", "single_needle"), (1024,), 1, seed=3)
     with pytest.raises(InputError, match=r"answers no task of the suite.*passkey 0\.00 \[0\.00, 0\.\d+\] n=1"):
         kvs.compress_sweep(model8k, swept, suite=strict, **args)
+
+
+def curve_prompts(suite, model):
+    return [p for p in suite.prompts(model) if p.needle.kind == "passkey"]
+
+
+def test_a_task_curves_baseline_is_the_suites_answer_rate_not_a_second_decoding(model8k, store, one_thread,
+                                                                                monkeypatch):
+    """The uncompressed model's answers were decoded to measure the suite's rates; its curve's baseline is
+    their share over the kept tasks (n and interval included), and only the policies decode the prompts."""
+    from headscope.analysis import kv_compression as kc
+    from headscope.analysis import kv_compression_sweep as kvs
+    from headscope.analysis import long_context_tasks as lct
+    from headscope.analysis.niah import load_haystack, load_needles
+    from headscope.analysis.retrieval import sweep
+    from headscope.analysis.store import content_key
+
+    swept = sweep(model8k, load_needles()[:1], [1024], [50], load_haystack("prose"), store=store, max_new_tokens=4)
+    # the tiny model answers nothing: made-up stored answers show where the baseline comes from
+    suite = lct.TaskSuite(("passkey", "single_needle", "common_words"), (1024,), 3, seed=4, min_rate=0.5)
+    prompts = suite.prompts(model8k)
+    told = [True, True, False, True, False, False, False, False, False]  # passkey 2/3, single 1/3, words 0/3
+    key = content_key(lct.RATES_KIND, model8k.digest, suite.key()[:-1], lct.max_new_tokens_for(prompts))
+    store.put(key, lct.RATES_KIND, {"answered": told, "tasks": [lct.task_of(p) for p in prompts]}, {})
+    decoded = []
+    measured = kc._measured
+
+    def counted(model, policy, texts, prompts, *rest):
+        decoded.append((policy is None or bool(policy.full.all()), len(prompts)))
+        return measured(model, policy, texts, prompts, *rest)
+
+    monkeypatch.setattr(kc, "_measured", counted)
+    curve = kvs.compress_sweep(model8k, swept, rankings=["retrieval"], fractions=[0.5], seeds=[0], sink_size=16,
+                               recent_size=64, suite=suite, store=store).curve
+    assert curve.meta["tasks"]["single_needle"]["dropped"] and curve.meta["tasks"]["common_words"]["dropped"]
+    base = curve.baseline.niah
+    assert (base.successes, base.n) == (2, 3)  # the kept task, passkey: 2 of its 3 prompts
+    assert curve.n_prompts == 3 and curve.evaluations[0].niah.n == 3
+    assert all(n == 0 for uncompressed, n in decoded if uncompressed), decoded
+    assert any(n == 3 for uncompressed, n in decoded if not uncompressed), decoded
+    for wrong in ([True, True], [1, 0, 1], "yes", 3, (x for x in [True] * 3), [True, None, False]):
+        with pytest.raises(InputError, match="outcome \\(True or False\\) for each of the 3 prompts"):
+            kc.evaluate_policies(model8k, None, ["random"], [0.5], prompts=curve_prompts(suite, model8k),
+                                 sink_size=16, recent_size=64, baseline_answered=wrong)
 
 
 def test_measured_suite_stores_the_answers_and_reads_them_back(model8k, store, one_thread, monkeypatch):
