@@ -41,6 +41,7 @@ from headscope.analysis.ablation_choices import CONTROL_TOP_N, CURVE_METRICS, MA
 from headscope.analysis.capture import Run
 from headscope.analysis.errors import InputError
 from headscope.analysis.intervals import Proportion, SeedBand, from_accuracy, seed_band, wilson
+from headscope.analysis.long_context_tasks import NEEDLE_MAX_NEW_TOKENS, max_new_tokens_for
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.niah import NiahPrompt
 from headscope.analysis.retrieval import (
@@ -459,12 +460,15 @@ def check_curve(model: LoadedModel, k_values: Sequence[int], n_seeds: int, outsi
 
 
 def curve_key(model: LoadedModel, subject: tuple[str, str], scores: np.ndarray, ks: Sequence[int],
-              seeds: Sequence[int], spec: AblationSpec, source_id: str | None, outside_top: int) -> str:
-    """The store key of :func:`ablation_curve`: everything the curve's numbers depend on."""
+              seeds: Sequence[int], spec: AblationSpec, source_id: str | None, outside_top: int,
+              decoded: int = NEEDLE_MAX_NEW_TOKENS) -> str:
+    """The store key of :func:`ablation_curve`: everything the curve's numbers depend on (``decoded``, the
+    tokens each prompt decodes, only where it is not a needle's 24, so needle curves keep their keys)."""
     ref = spec.means.key[:16] if spec.means is not None else None
     return content_key("ablation_curve", ABLATION_VERSION, model.digest, list(subject),
                        np.round(np.asarray(scores, dtype=np.float64), 6).tolist(), [int(k) for k in ks],
-                       [int(s) for s in seeds], spec.method, ref, source_id, int(outside_top))
+                       [int(s) for s in seeds], spec.method, ref, source_id, int(outside_top),
+                       *([int(decoded)] if decoded != NEEDLE_MAX_NEW_TOKENS else []))
 
 
 def ablation_curve(
@@ -504,9 +508,12 @@ def ablation_curve(
     The store key, the curve, and its stored metadata (``metric_label``, ``by_label``, ``subject``).
     """
     ks = check_curve(model, k_values, len(seeds), outside_top)
+    decoded = NEEDLE_MAX_NEW_TOKENS
     if isinstance(on, RetrievalSweep):
         metric = "niah"
-        fn = retrieval_accuracy_fn([trial_prompt(t) for t in on.trials])
+        prompts = [trial_prompt(t) for t in on.trials]
+        decoded = max_new_tokens_for(prompts)  # a task's whole answer (a task sweep's trials decoded as many)
+        fn = retrieval_accuracy_fn(prompts, decoded)
         subject = ("sweep", on.key)
     elif isinstance(on, Run | StatsRun):
         metric = "loss"
@@ -515,9 +522,10 @@ def ablation_curve(
     else:
         raise InputError("A curve is measured on a run (its loss) or on a retrieval sweep (NIAH accuracy).")
     seeds = [int(s) for s in seeds]
-    key = curve_key(model, subject, scores, ks, seeds, spec, source_id, outside_top)
+    key = curve_key(model, subject, scores, ks, seeds, spec, source_id, outside_top, decoded)
     ref = spec.means.key[:16] if spec.means is not None else None
-    known = StoredValues(store, (model.digest, subject, spec.method, ref, source_id))
+    known = StoredValues(store, (model.digest, subject, spec.method, ref, source_id,
+                                 *([decoded] if decoded != NEEDLE_MAX_NEW_TOKENS else [])))
     curve = topk_curve(model, scores, ks, fn, spec, seeds, outside_top=outside_top, known=known,
                        progress=progress, cancel=cancel)
     meta = {"metric_label": CURVE_METRICS[metric], "by_label": by_label, "subject": list(subject),

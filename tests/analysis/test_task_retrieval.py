@@ -217,3 +217,34 @@ def test_a_compression_curve_on_a_task_sweep_decodes_each_tasks_answer_length(ti
     needles = sweep(tiny2k, [Needle("The code is 7.", "What is the code?", "7")], [256], [50],
                     named_haystack("prose"), store=store, max_new_tokens=4)
     assert compress_sweep(tiny2k, needles, **args).curve.meta["max_new_tokens"] == 24
+
+
+def test_an_ablation_curve_on_a_task_sweep_decodes_each_tasks_answer_length(tiny2k, tmp_path, monkeypatch):
+    """An ablation curve scores a task sweep's prompts as the sweep decoded them: a multi-value answer needs
+    48 tokens (four numbers), not the 24 a needle gets. A needle sweep's curve still decodes 24 and keeps the
+    key its stored curves have."""
+    from headscope.analysis import ablation_curve as ac
+    from headscope.analysis.ablation import AblationSpec
+
+    store = Store(tmp_path)
+    decoded = []
+    greedy = ac.greedy_continuation
+
+    def counted(model, ids, hooks, n, *args, **kwargs):
+        decoded.append(n)
+        return greedy(model, ids, hooks, n, *args, **kwargs)
+
+    monkeypatch.setattr(ac, "greedy_continuation", counted)
+    scores = np.arange(tiny2k.n_layers * tiny2k.n_heads, dtype=float).reshape(tiny2k.n_layers, tiny2k.n_heads)
+    swept = task_sweep(tiny2k, TaskSuite(("multi_value",), (1024,), 1, seed=3), store=store)
+    ac.ablation_curve(tiny2k, scores, [0, 1], AblationSpec((), "zero"), store, on=swept, by_label="s", seeds=[0],
+                      outside_top=2)
+    assert decoded and set(decoded) == {TASKS["multi_value"].max_new_tokens} == {48}
+    decoded.clear()
+    needles = sweep(tiny2k, [Needle("The code is 7.", "What is the code?", "7")], [256], [50],
+                    named_haystack("prose"), store=store, max_new_tokens=4)
+    key, _, _ = ac.ablation_curve(tiny2k, scores, [0, 1], AblationSpec((), "zero"), store, on=needles, by_label="s",
+                                  seeds=[0], outside_top=2)
+    assert decoded and set(decoded) == {24}
+    # the key of a needle curve stored before curves named their decode length
+    assert key == ac.curve_key(tiny2k, ("sweep", needles.key), scores, [0, 1], [0], AblationSpec((), "zero"), None, 2)
