@@ -70,6 +70,9 @@ HEADS_PROMPT_SOURCE = "hs-heads-prompt-source"  # the sweep's prompts: the needl
 HEADS_TASKS = "hs-heads-tasks"
 HEADS_PER_TASK = "hs-heads-per-task"
 HEADS_TASK_SEED = "hs-heads-task-seed"
+HEADS_TASK_FIELDS = "hs-heads-task-fields"  # the task suite's fields, shown while the suite is chosen
+HEADS_NEEDLE_FIELDS = "hs-heads-needle-fields"  # the needles' checklist, shown while the needles are chosen
+HEADS_OWN_FIELDS = "hs-heads-own-fields"  # own haystack and needles, shown while the needles are chosen
 
 # QK page
 QK_LAYER = "hs-qk-layer"
@@ -196,6 +199,7 @@ KV_HAYSTACK = "hs-kv-haystack"
 KV_PROMPT_SOURCE = "hs-kv-prompt-source"  # NIAH accuracy on the sweep's prompts ("sweep") or the task suite's ("tasks")
 KV_TASKS = "hs-kv-tasks"  # the task suite's tasks (headscope.analysis.long_context_tasks.TASKS)
 KV_PER_TASK = "hs-kv-per-task"  # task suite: prompts per task and context length
+KV_TASK_FIELDS = "hs-kv-task-fields"  # the task suite's fields, shown while the suite is chosen
 KV_MODEL = "hs-kv-model"
 KV_RANKINGS = "hs-kv-rankings"
 KV_FRACTIONS = "hs-kv-fractions"

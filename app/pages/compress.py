@@ -36,6 +36,7 @@ from headscope.analysis.long_context_tasks import MAX_PER_TASK, TASKS
 from headscope.analysis.models import load_model
 from headscope.analysis.niah import MAX_LENGTH, check_lengths, load_needles, named_haystack
 from headscope.app import ids
+from headscope.app.choice_fields import show_with_choice
 from headscope.app.context import dropdown_model, get_context, offered_model
 from headscope.app.errors import guarded, message
 from headscope.app.export_bar import export_bar, register_export
@@ -83,6 +84,9 @@ PROMPT_SOURCES = [{"label": " the needle sweep's prompts", "value": "sweep"},
                   {"label": " the task suite (RULER-style; the sweep still ranks the heads, and tasks the "
                             "uncompressed model answers less than half the time are dropped)", "value": "tasks"}]
 
+# the task suite's fields show while the suite is chosen (the sweep's needles still rank the heads)
+show_with_choice(ids.KV_PROMPT_SOURCE, {ids.KV_TASK_FIELDS: "tasks"})
+
 
 def _needle_options() -> list[dict]:
     try:
@@ -116,13 +120,15 @@ def layout(**_query) -> html.Div:
                     {"label": "passkey (synthetic filler)", "value": "passkey"}]),
                 html.Label("NIAH accuracy measured on", htmlFor=ids.KV_PROMPT_SOURCE),
                 dcc.RadioItems(id=ids.KV_PROMPT_SOURCE, value="sweep", options=PROMPT_SOURCES, className="hs-methods"),
-                html.Label("Tasks (at the context lengths above, 1,024 to 8,192 tokens)", htmlFor=ids.KV_TASKS),
-                dcc.Checklist(id=ids.KV_TASKS, value=["single_needle", "multi_key", "passkey"], className="hs-methods",
-                              options=[{"label": f" {t.label}: {t.description}", "value": name}
-                                       for name, t in TASKS.items()]),
-                html.Label("Prompts per task and length", htmlFor=ids.KV_PER_TASK),
-                dcc.Input(id=ids.KV_PER_TASK, type="number", min=1, max=MAX_PER_TASK, step=1, value=5,
-                          className="hs-number"),
+                html.Div([
+                    html.Label("Tasks (at the context lengths above, 1,024 to 8,192 tokens)", htmlFor=ids.KV_TASKS),
+                    dcc.Checklist(id=ids.KV_TASKS, value=["single_needle", "multi_key", "passkey"],
+                                  className="hs-methods", options=[{"label": f" {t.label}: {t.description}", "value": name}
+                                                                   for name, t in TASKS.items()]),
+                    html.Label("Prompts per task and length", htmlFor=ids.KV_PER_TASK),
+                    dcc.Input(id=ids.KV_PER_TASK, type="number", min=1, max=MAX_PER_TASK, step=1, value=5,
+                              className="hs-number"),
+                ], id=ids.KV_TASK_FIELDS, hidden=True),
                 html.Label("Model", htmlFor=ids.KV_MODEL),
                 dcc.Dropdown(id=ids.KV_MODEL, options=context.model_options(), value=context.default_model,
                              clearable=False, className="hs-model"),

@@ -33,6 +33,7 @@ from headscope.analysis.score_registry import HEAD_SCORES
 from headscope.analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 from headscope.analysis.task_retrieval import check_task_sweep, task_sweep_settings
 from headscope.app import figures, ids
+from headscope.app.choice_fields import show_with_choice
 from headscope.app.context import get_context
 from headscope.app.errors import USER_ERRORS, guarded, message
 from headscope.app.export_bar import export_bar, register_export
@@ -120,17 +121,24 @@ def _task_fields() -> html.Div:
     return html.Div([
         html.Label("Prompts", htmlFor=ids.HEADS_PROMPT_SOURCE),
         dcc.RadioItems(id=ids.HEADS_PROMPT_SOURCE, **KEEP, value="needles", options=PROMPT_SOURCES),
-        html.Label(f"Tasks (at the context lengths, {TASK_MIN_LENGTH:,} to {TASK_MAX_LENGTH:,} tokens)",
-                   htmlFor=ids.HEADS_TASKS),
-        dcc.Checklist(id=ids.HEADS_TASKS, **KEEP, value=["passkey", "single_needle", "multi_key"],
-                      options=[{"label": f" {t.label}", "value": name, "title": t.description}
-                               for name, t in TASKS.items()]),
-        html.Label("Prompts per task and length, seed", htmlFor=ids.HEADS_PER_TASK),
-        html.Div([dcc.Input(id=ids.HEADS_PER_TASK, **KEEP, type="number", min=1, max=MAX_PER_TASK, step=1, value=5,
-                            className="hs-number"),
-                  dcc.Input(id=ids.HEADS_TASK_SEED, **KEEP, type="number", min=0, max=MAX_SEED, step=1, value=0,
-                            className="hs-number")]),
+        html.Div([
+            html.Label(f"Tasks (at the context lengths, {TASK_MIN_LENGTH:,} to {TASK_MAX_LENGTH:,} tokens)",
+                       htmlFor=ids.HEADS_TASKS),
+            dcc.Checklist(id=ids.HEADS_TASKS, **KEEP, value=["passkey", "single_needle", "multi_key"],
+                          options=[{"label": f" {t.label}", "value": name, "title": t.description}
+                                   for name, t in TASKS.items()]),
+            html.Label("Prompts per task and length, seed", htmlFor=ids.HEADS_PER_TASK),
+            html.Div([dcc.Input(id=ids.HEADS_PER_TASK, **KEEP, type="number", min=1, max=MAX_PER_TASK, step=1,
+                                value=5, className="hs-number"),
+                      dcc.Input(id=ids.HEADS_TASK_SEED, **KEEP, type="number", min=0, max=MAX_SEED, step=1, value=0,
+                                className="hs-number")]),
+        ], id=ids.HEADS_TASK_FIELDS, hidden=True),
     ], className="hs-field")
+
+
+# each choice of prompts shows its own fields (the lengths, depths, haystack and S, W stay: lengths serve both)
+show_with_choice(ids.HEADS_PROMPT_SOURCE, {ids.HEADS_TASK_FIELDS: "tasks", ids.HEADS_NEEDLE_FIELDS: "needles",
+                                           ids.HEADS_OWN_FIELDS: "needles"})
 
 
 def task_suite(source, tasks, per_task, seed, lengths) -> TaskSuite | None:
@@ -157,7 +165,7 @@ def _sweep_settings() -> html.Div:
             _task_fields(),
             html.Div([html.Label("Needles"), dcc.Checklist(
                 id=ids.HEADS_NEEDLES, **KEEP, options=options, value=[o["value"] for o in options[:4]],
-                className="hs-needles")], className="hs-field"),
+                className="hs-needles")], id=ids.HEADS_NEEDLE_FIELDS, className="hs-field"),
             html.Div([
                 html.Label("Context lengths (tokens)", htmlFor=ids.HEADS_LENGTHS),
                 dcc.Input(id=ids.HEADS_LENGTHS, **KEEP, value="512", className="hs-text-input"),
@@ -188,7 +196,7 @@ def _sweep_settings() -> html.Div:
                 html.Label("Own needles (used instead of the ticked ones when given)",
                            htmlFor=ids.HEADS_CUSTOM_NEEDLES),
                 dcc.Textarea(id=ids.HEADS_CUSTOM_NEEDLES, **KEEP, className="hs-textarea", placeholder=NEEDLES_HINT),
-            ], className="hs-field hs-wide"),
+            ], id=ids.HEADS_OWN_FIELDS, className="hs-field hs-wide"),
         ],
         className="hs-sweep-settings",
     )

@@ -76,7 +76,11 @@ def test_the_page_scores_the_task_suite_and_says_each_tasks_rate(server, page):
     page.fill("#hs-kv-fractions", "0.5")
     page.fill("#hs-kv-sink", "16")
     page.fill("#hs-kv-recent", "64")
+    # the task suite's fields show only while the suite is chosen
+    assert not page.is_visible("#hs-kv-tasks") and not page.is_visible("#hs-kv-per-task")
     page.check("#hs-kv-prompt-source input[value='tasks']")
+    page.wait_for_selector("#hs-kv-tasks", state="visible", timeout=30_000)
+    assert page.is_visible("#hs-kv-per-task") and page.is_visible("#hs-kv-needles")  # needles still rank the heads
     for box in page.locator("#hs-kv-tasks input").all():
         box.check() if box.get_attribute("value") == "passkey" else box.uncheck()
     page.fill("#hs-kv-per-task", "2")

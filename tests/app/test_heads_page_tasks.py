@@ -183,7 +183,13 @@ def test_a_researcher_sweeps_the_task_suite_and_reads_a_tasks_interval(server, p
     url = server[0]
     page.goto(url + "heads")
     page.wait_for_selector("#hs-heads-run", timeout=240_000)
+    # each choice shows its own fields: the needles', or the task suite's
+    assert page.is_visible("#hs-heads-needles") and page.is_visible("#hs-heads-custom-needles")
+    assert not page.is_visible("#hs-heads-tasks") and not page.is_visible("#hs-heads-per-task")
     page.check("#hs-heads-prompt-source input[value='tasks']")
+    page.wait_for_selector("#hs-heads-tasks", state="visible", timeout=30_000)
+    assert page.is_visible("#hs-heads-per-task") and page.is_visible("#hs-heads-task-seed")
+    assert not page.is_visible("#hs-heads-needles") and not page.is_visible("#hs-heads-custom-needles")
     for box in page.locator("#hs-heads-tasks input").all():
         box.check() if box.get_attribute("value") == "passkey" else box.uncheck()
     page.fill("#hs-heads-per-task", "1")
