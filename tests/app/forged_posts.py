@@ -7,6 +7,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
+from typing import Any
 
 UPDATE = "_dash-update-component"
 
@@ -34,3 +36,25 @@ def answer(url: str, body: dict, timeout: float = 120) -> tuple[int, dict | None
         if status != 200 or (got and ("response" in got or "sideUpdate" in got)):
             return status, got, raw
     return status, data, raw
+
+
+def outputs_of(output: str) -> list[dict]:
+    """A dependency's ``output`` string (``id.prop`` or ``..id.prop...id.prop..``) as the request's outputs."""
+    parts = output.strip(".").split("...") if output.startswith("..") else [output]
+    out = []
+    for part in parts:
+        cid, _, prop = part.rpartition(".")
+        out.append({"id": json.loads(cid) if cid.startswith("{") else cid, "property": prop})
+    return out
+
+
+def request_body(dep: dict, values: Mapping[str, Any]) -> dict:
+    """``dep``'s (a ``/_dash-dependencies`` entry) request as the renderer sends it, with ``values`` keyed
+    ``id.property`` (None where absent) and the first input as the one that changed."""
+    def item(spec):
+        return {"id": spec["id"], "property": spec["property"], "value": values.get(f"{spec['id']}.{spec['property']}")}
+
+    outputs = outputs_of(dep["output"])
+    return {"output": dep["output"], "outputs": outputs if dep["output"].startswith("..") else outputs[0],
+            "inputs": [item(s) for s in dep["inputs"]], "state": [item(s) for s in dep["state"]],
+            "changedPropIds": [f"{dep['inputs'][0]['id']}.{dep['inputs'][0]['property']}"]}

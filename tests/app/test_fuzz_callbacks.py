@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.app.forged_posts import outputs_of
 from tests.app.registered_pages import registered_pages
 from tests.app.servers import start_server
 
@@ -105,15 +106,6 @@ def components(node, found: dict) -> None:
     elif isinstance(node, dict):
         for value in node.values():
             components(value, found)
-
-
-def outputs_of(output: str) -> list[dict]:
-    parts = output.strip(".").split("...") if output.startswith("..") else [output]
-    out = []
-    for part in parts:
-        cid, _, prop = part.rpartition(".")
-        out.append({"id": json.loads(cid) if cid.startswith("{") else cid, "property": prop})
-    return out
 
 
 def concrete(dep_id, found: dict) -> list:

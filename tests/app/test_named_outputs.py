@@ -17,6 +17,7 @@ from headscope.app import ids
 from headscope.app.context import AppContext, get_context, set_context
 from headscope.app.page_shell import job_error_id
 from headscope.app.server import create_app
+from tests.app.forged_posts import outputs_of, request_body
 
 MAX_POSITIONAL = 4  # wider than this, a callback names its outputs
 UPDATE = "/_dash-update-component"
@@ -58,20 +59,9 @@ def test_no_page_callback_returns_more_than_four_positional_outputs(served):
     assert not wide, "name these outputs (output=dict(...)):\n" + "\n".join(wide)
 
 
-def outputs_of(dep: dict) -> list[dict]:
-    parts = [p.rpartition(".") for p in dep["output"].strip(".").split("...")]
-    return [{"id": json.loads(cid) if cid.startswith("{") else cid, "property": prop} for cid, _, prop in parts]
-
-
 def post(client, dep: dict, values: dict, drop: str | None = None):
     """A request for ``dep`` as the renderer sends it, with ``values`` keyed ``id.property``."""
-    def item(spec):
-        return {"id": spec["id"], "property": spec["property"], "value": values.get(f"{spec['id']}.{spec['property']}")}
-
-    outputs = outputs_of(dep)
-    body = {"output": dep["output"], "outputs": outputs if dep["output"].startswith("..") else outputs[0],
-            "inputs": [item(s) for s in dep["inputs"]], "state": [item(s) for s in dep["state"]],
-            "changedPropIds": [f"{dep['inputs'][0]['id']}.{dep['inputs'][0]['property']}"]}
+    body = request_body(dep, values)
     if drop:
         body.pop(drop)
     return client.post(UPDATE, json=body)
@@ -185,7 +175,7 @@ def test_forged_requests_to_a_named_render_get_an_answer_not_a_crash(served, pag
     dep = render_of(deps, first)
     url = f"{prefix}-hs-url.search"
     declared = {(json.dumps(o["id"], sort_keys=True, separators=(",", ":")) if isinstance(o["id"], dict) else o["id"],
-                 o["property"].split("@")[0]) for o in outputs_of(dep)}
+                 o["property"].split("@")[0]) for o in outputs_of(dep["output"])}
     tried = 0
     for value in HOSTILE:
         r = post(client, dep, {url: value, url.replace("search", "pathname"): path})

@@ -10,6 +10,7 @@ import pytest
 from headscope.analysis.store import Store
 from headscope.app.context import AppContext
 from headscope.app.server import create_app
+from tests.app.forged_posts import request_body
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +23,7 @@ def client(tmp_path_factory):
 
 
 def post(client, dep: dict, values: dict):
-    def item(spec):
-        return {"id": spec["id"], "property": spec["property"], "value": values.get(f"{spec['id']}.{spec['property']}")}
-
-    outputs = [{"id": p.rpartition(".")[0], "property": p.rpartition(".")[2]} for p in dep["output"].strip(".").split("...")]
-    body = {"output": dep["output"], "outputs": outputs if len(outputs) > 1 else outputs[0],
-            "inputs": [item(s) for s in dep["inputs"]], "state": [item(s) for s in dep["state"]],
-            "changedPropIds": [f"{dep['inputs'][0]['id']}.{dep['inputs'][0]['property']}"]}
-    return client.post("/_dash-update-component", json=body)
+    return client.post("/_dash-update-component", json=request_body(dep, values))
 
 
 def sweep_callback(deps: dict) -> dict:

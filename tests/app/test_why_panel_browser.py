@@ -88,7 +88,7 @@ def dependency(url: str, output_piece: str) -> dict:
 
 def post(url: str, dep: dict, values: list, state: list) -> tuple[int, dict | None]:
     """A raw callback request with ``values`` for the inputs and ``state`` for the states, in order."""
-    from tests.app.test_fuzz_callbacks import outputs_of
+    from tests.app.forged_posts import outputs_of
 
     body = {"output": dep["output"], "outputs": outputs_of(dep["output"]) if dep["output"].startswith("..")
             else outputs_of(dep["output"])[0],

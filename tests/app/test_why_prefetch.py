@@ -15,24 +15,14 @@ import numpy as np
 from headscope.analysis.store import Store
 from headscope.app.context import AppContext, get_context, set_context
 from headscope.app.server import create_app
+from tests.app.forged_posts import request_body
 
 UPDATE = "/_dash-update-component"
 
 
-def _outputs(dep: dict) -> list[dict]:
-    parts = [p.rpartition(".") for p in dep["output"].strip(".").split("...")]
-    return [{"id": json.loads(cid) if cid.startswith("{") else cid, "property": prop} for cid, _, prop in parts]
-
-
 def _post(client, dep: dict, values: dict) -> dict:
     """``dep``'s request as the renderer sends it, with ``values`` keyed ``id.property``."""
-    def item(spec):
-        return {"id": spec["id"], "property": spec["property"], "value": values.get(f"{spec['id']}.{spec['property']}")}
-
-    outputs = _outputs(dep)
-    body = {"output": dep["output"], "outputs": outputs if dep["output"].startswith("..") else outputs[0],
-            "inputs": [item(s) for s in dep["inputs"]], "state": [item(s) for s in dep["state"]],
-            "changedPropIds": [f"{dep['inputs'][0]['id']}.{dep['inputs'][0]['property']}"]}
+    body = request_body(dep, values)
     answer = client.post(UPDATE, json=body)
     assert answer.status_code in (200, 204), answer.data[:300]
     return answer.get_json() if answer.status_code == 200 else {}
