@@ -17,8 +17,8 @@ a run with more rankings, fractions or seeds reuses what is stored.
 
     .venv/bin/python bench/compress_curve.py [--lengths 2048,4096] [--tasks a,b] [--per-task 20]
         [--rankings retrieval,streaming,evidence,random] [--fractions 0.1,0.25,0.5,0.75,0.9] [--seeds 3]
-        [--parts 'retrieval:0.1,0.25,0.5;random:0.25:3'] [--backend statistics] [--measure-memory]
-        [--figure docs/compress_curve.png] [--home DIR]
+        [--parts 'retrieval:0.1,0.25,0.5;random:0.25:3'] [--parts-at 4096=retrieval:0.25] [--backend statistics]
+        [--measure-memory] [--figure docs/compress_curve.png] [--home DIR]
 """
 
 from __future__ import annotations
@@ -157,6 +157,9 @@ def main() -> None:
     parser.add_argument("--parts", help="instead of every ranking at every fraction: 'ranking:f,f[:seeds];ranking:f' "
                         "(e.g. retrieval:0.1,0.25,0.5;random:0.25:3;random:0.5:1), each part its own sweep, drawn "
                         "as one curve")
+    parser.add_argument("--parts-at", action="append", default=[], metavar="LENGTH=PARTS",
+                        help="--parts for one of --lengths (repeatable), e.g. 4096=retrieval:0.25;random:0.25:3, "
+                        "where a CPU run measures fewer policies at the longer length")
     parser.add_argument("--measure-memory", action="store_true")
     parser.add_argument("--figure")
     parser.add_argument("--home", help="store folder (default: HEADSCOPE_HOME or the user data dir)")
@@ -185,9 +188,11 @@ def main() -> None:
           f"{ranking_sweep.n_counted} answered ({time.perf_counter() - t0:.0f} s)", flush=True)
     loss_text = [ranking_sweep.trials[0].prompt_ids] if ranking_sweep.trials else None
     curves, memory = {}, {}
+    parts_at = {int(n): spec for n, _, spec in (x.partition("=") for x in args.parts_at)}
     for length in [int(x) for x in args.lengths.split(",")]:
         suite = TaskSuite(tuple(args.tasks.split(",")), (length,), args.per_task, 0, args.min_rate)
-        parts = ([_part(p, args.seeds) for p in args.parts.split(";")] if args.parts
+        spec = parts_at.get(length, args.parts)
+        parts = ([_part(p, args.seeds) for p in spec.split(";")] if spec
                  else [(args.rankings, [float(f) for f in args.fractions.split(",")], args.seeds)])
         found = [compress_sweep(model, ranking_sweep, rankings.split(","), fractions, seeds=list(range(n_seeds)),
                                 sink_size=args.sink, recent_size=args.recent, texts=loss_text, backend=args.backend,
