@@ -41,7 +41,7 @@ from headscope.analysis.ablation_choices import CONTROL_TOP_N, CURVE_METRICS, MA
 from headscope.analysis.capture import Run
 from headscope.analysis.errors import InputError
 from headscope.analysis.intervals import Proportion, SeedBand, from_accuracy, seed_band, wilson
-from headscope.analysis.long_context_tasks import NEEDLE_MAX_NEW_TOKENS, max_new_tokens_for
+from headscope.analysis.long_context_tasks import NEEDLE_MAX_NEW_TOKENS, max_new_tokens_for, task_of
 from headscope.analysis.models import LoadedModel
 from headscope.analysis.niah import NiahPrompt
 from headscope.analysis.retrieval import (
@@ -334,14 +334,21 @@ def retrieval_accuracy(
     return RetrievalAccuracy(float(np.mean([r > ROUGE_GATE for r in recalls])), recalls, responses)
 
 
-def retrieval_accuracy_fn(prompts: Sequence[NiahPrompt], max_new_tokens: int = 24) -> MetricFn:
-    """A ``metric_fn(model, hooks)`` for :func:`topk_curve`: NIAH accuracy on ``prompts``."""
+def retrieval_accuracy_fn(prompts: Sequence[NiahPrompt], max_new_tokens: int | None = 24) -> MetricFn:
+    """A ``metric_fn(model, hooks)`` for :func:`topk_curve`: NIAH accuracy on ``prompts``, each decoded for
+    ``max_new_tokens`` or, with None, for its own task's answer length (:func:`decode_lengths`, as a task
+    sweep decodes its trials)."""
     prompts = list(prompts)
     if not prompts:
         raise InputError("No needle-in-a-haystack prompts to measure retrieval accuracy on.")
+    steps = decode_lengths(prompts) if max_new_tokens is None else [max_new_tokens] * len(prompts)
 
     def metric_fn(m: LoadedModel, hooks: list[Hook]) -> float:
-        return retrieval_accuracy(m, prompts, hooks, max_new_tokens=max_new_tokens).accuracy
+        if len(set(steps)) == 1:
+            return retrieval_accuracy(m, prompts, hooks, max_new_tokens=steps[0]).accuracy
+        # the share of answered prompts, each decoded for its own length
+        return float(np.mean([retrieval_accuracy(m, [p], hooks, max_new_tokens=n).accuracy
+                              for p, n in zip(prompts, steps, strict=True)]))
 
     metric_fn.n_prompts = len(prompts)  # type: ignore[attr-defined]  # the n of every value (TopkCurve)
     return metric_fn
@@ -459,16 +466,29 @@ def check_curve(model: LoadedModel, k_values: Sequence[int], n_seeds: int, outsi
     return ks
 
 
+def decode_lengths(prompts: Sequence[NiahPrompt]) -> list[int]:
+    """Tokens each prompt decodes: its own task's answer length (24 for a needle; a task sweep's trials
+    decode as many, :func:`headscope.analysis.task_retrieval.task_sweep`)."""
+    return [max_new_tokens_for([p]) for p in prompts]
+
+
+def _decoded_part(decoded: Sequence[int]) -> list:
+    """The key part naming the prompts' decode lengths: none where every prompt decodes a needle's 24, so
+    needle curves keep the keys they were stored under."""
+    decoded = [int(n) for n in decoded]
+    return [decoded] if any(n != NEEDLE_MAX_NEW_TOKENS for n in decoded) else []
+
+
 def curve_key(model: LoadedModel, subject: tuple[str, str], scores: np.ndarray, ks: Sequence[int],
               seeds: Sequence[int], spec: AblationSpec, source_id: str | None, outside_top: int,
-              decoded: int = NEEDLE_MAX_NEW_TOKENS) -> str:
-    """The store key of :func:`ablation_curve`: everything the curve's numbers depend on (``decoded``, the
-    tokens each prompt decodes, only where it is not a needle's 24, so needle curves keep their keys)."""
+              decoded: Sequence[int] = ()) -> str:
+    """The store key of :func:`ablation_curve`: everything the curve's numbers depend on (``decoded``: the
+    tokens each prompt decodes, :func:`decode_lengths`)."""
     ref = spec.means.key[:16] if spec.means is not None else None
     return content_key("ablation_curve", ABLATION_VERSION, model.digest, list(subject),
                        np.round(np.asarray(scores, dtype=np.float64), 6).tolist(), [int(k) for k in ks],
                        [int(s) for s in seeds], spec.method, ref, source_id, int(outside_top),
-                       *([int(decoded)] if decoded != NEEDLE_MAX_NEW_TOKENS else []))
+                       *_decoded_part(decoded))
 
 
 def ablation_curve(
@@ -508,12 +528,12 @@ def ablation_curve(
     The store key, the curve, and its stored metadata (``metric_label``, ``by_label``, ``subject``).
     """
     ks = check_curve(model, k_values, len(seeds), outside_top)
-    decoded = NEEDLE_MAX_NEW_TOKENS
+    decoded: list[int] = []
     if isinstance(on, RetrievalSweep):
         metric = "niah"
         prompts = [trial_prompt(t) for t in on.trials]
-        decoded = max_new_tokens_for(prompts)  # a task's whole answer (a task sweep's trials decoded as many)
-        fn = retrieval_accuracy_fn(prompts, decoded)
+        decoded = decode_lengths(prompts)  # each its task's whole answer, as the sweep's trials decoded
+        fn = retrieval_accuracy_fn(prompts, None)
         subject = ("sweep", on.key)
     elif isinstance(on, Run | StatsRun):
         metric = "loss"
@@ -524,12 +544,12 @@ def ablation_curve(
     seeds = [int(s) for s in seeds]
     key = curve_key(model, subject, scores, ks, seeds, spec, source_id, outside_top, decoded)
     ref = spec.means.key[:16] if spec.means is not None else None
-    known = StoredValues(store, (model.digest, subject, spec.method, ref, source_id,
-                                 *([decoded] if decoded != NEEDLE_MAX_NEW_TOKENS else [])))
+    known = StoredValues(store, (model.digest, subject, spec.method, ref, source_id, *_decoded_part(decoded)))
     curve = topk_curve(model, scores, ks, fn, spec, seeds, outside_top=outside_top, known=known,
                        progress=progress, cancel=cancel)
     meta = {"metric_label": CURVE_METRICS[metric], "by_label": by_label, "subject": list(subject),
-            "model_digest": model.digest}
+            "model_digest": model.digest,
+            **({"decoded_tokens": dict(zip(map(task_of, prompts), decoded, strict=True))} if decoded else {})}
     save_curve(store, key, curve, meta)
     return key, curve, {**meta, "random_outside_top": curve.outside_top,
                         **({"n_prompts": curve.n_prompts} if curve.n_prompts is not None else {})}

@@ -710,8 +710,9 @@ def evaluate_policies(
     baseline_answered : whether the uncompressed model answered each of ``prompts``, where that is
         measured already (a task suite's answer rates, :func:`headscope.analysis.long_context_tasks.measured_suite`):
         the baseline's NIAH accuracy is their share and the prompts are not decoded uncompressed again
-        (its loss and agreement still come from ``texts``). Every backend's uncompressed decoding answers
-        as the rates' decoding does (``tests/analysis/test_long_context_tasks.py``).
+        (its loss and agreement still come from ``texts``); ``meta["baseline_niah"]`` says so. On the
+        CPU every backend's uncompressed decoding answers each prompt as the rates' decoding does
+        (``tests/analysis/test_long_context_tasks.py``); rates measured on another device are not reused.
     store : each policy's numbers are stored as they finish, under the model, the inputs and the
         policy's mask: a cancelled evaluation run again resumes, other curves reuse shared policies.
     progress, cancel : as every long analysis; a cancel returns what finished (``complete=False``).
@@ -771,6 +772,7 @@ def evaluate_policies(
     meta = {"model_name": model.name, "model_digest": model.digest, "rankings": rankings, "fractions": fractions,
             "seeds": seeds, "n_tokens": n_tokens, "dtype_bytes": dtype_bytes(model), "backend": backend,
             "max_new_tokens": max_new_tokens,
+            "baseline_niah": "answer rates" if baseline_answered is not None else "decoded",
             "layout": {"n_layers": model.n_layers, "n_kv_heads": model.n_kv_heads, "d_head": model.d_head},
             "priorities": group_priorities(model, rankings, seeds, scores), "version": KV_COMPRESSION_VERSION}
     return CompressionCurve(evaluations, baseline, sink_size, recent_size, len(texts), len(prompts), complete, meta)

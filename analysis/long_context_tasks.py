@@ -509,7 +509,9 @@ def measured_suite(model: LoadedModel, suite: TaskSuite, store: Store | None = N
 
     prompts = suite.prompts(model)
     steps = max_new_tokens_for(prompts)
-    key = content_key(RATES_KIND, model.digest, suite.key()[:-1], steps)
+    # the device joins the key off the CPU (a GPU's kernels round differently); CPU keys stay as stored
+    key = content_key(RATES_KIND, model.digest, suite.key()[:-1], steps,
+                      *([model.device] if model.device != "cpu" else []))
     record = stored_record(store, key, RATES_KIND) if store is not None else None
     outcomes = record.meta.get("answered") if record is not None else None
     if not (isinstance(outcomes, list) and len(outcomes) == len(prompts) and all(isinstance(x, bool) for x in outcomes)):

@@ -71,7 +71,7 @@ HEADS_TASKS = "hs-heads-tasks"
 HEADS_PER_TASK = "hs-heads-per-task"
 HEADS_TASK_SEED = "hs-heads-task-seed"
 HEADS_TASK_FIELDS = "hs-heads-task-fields"  # the task suite's fields, shown while the suite is chosen
-HEADS_NEEDLE_FIELDS = "hs-heads-needle-fields"  # the needles' checklist, shown while the needles are chosen
+HEADS_NEEDLE_FIELDS = "hs-heads-needle-fields"  # needles, depths, haystack, placement: shown while the needles are chosen
 HEADS_OWN_FIELDS = "hs-heads-own-fields"  # own haystack and needles, shown while the needles are chosen
 
 # QK page

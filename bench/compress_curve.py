@@ -188,8 +188,14 @@ def main() -> None:
           f"{ranking_sweep.n_counted} answered ({time.perf_counter() - t0:.0f} s)", flush=True)
     loss_text = [ranking_sweep.trials[0].prompt_ids] if ranking_sweep.trials else None
     curves, memory = {}, {}
-    parts_at = {int(n): spec for n, _, spec in (x.partition("=") for x in args.parts_at)}
-    for length in [int(x) for x in args.lengths.split(",")]:
+    lengths = [int(x) for x in args.lengths.split(",")]
+    parts_at = {}
+    for given in args.parts_at:
+        n, eq, spec = given.partition("=")
+        if not (eq and n.strip().isdigit() and int(n) in lengths and spec.strip()):
+            parser.error(f"--parts-at {given!r}: give LENGTH=PARTS for one of --lengths {lengths}")
+        parts_at[int(n)] = spec
+    for length in lengths:
         suite = TaskSuite(tuple(args.tasks.split(",")), (length,), args.per_task, 0, args.min_rate)
         spec = parts_at.get(length, args.parts)
         parts = ([_part(p, args.seeds) for p in spec.split(";")] if spec

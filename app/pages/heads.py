@@ -136,7 +136,7 @@ def _task_fields() -> html.Div:
     ], className="hs-field")
 
 
-# each choice of prompts shows its own fields (the lengths, depths, haystack and S, W stay: lengths serve both)
+# each choice of prompts shows its own fields; the lengths, S and W and the newline rule serve both
 show_with_choice(ids.HEADS_PROMPT_SOURCE, {ids.HEADS_TASK_FIELDS: "tasks", ids.HEADS_NEEDLE_FIELDS: "needles",
                                            ids.HEADS_OWN_FIELDS: "needles"})
 
@@ -163,12 +163,10 @@ def _sweep_settings() -> html.Div:
     return html.Div(
         [
             _task_fields(),
-            html.Div([html.Label("Needles"), dcc.Checklist(
-                id=ids.HEADS_NEEDLES, **KEEP, options=options, value=[o["value"] for o in options[:4]],
-                className="hs-needles")], id=ids.HEADS_NEEDLE_FIELDS, className="hs-field"),
             html.Div([
-                html.Label("Context lengths (tokens)", htmlFor=ids.HEADS_LENGTHS),
-                dcc.Input(id=ids.HEADS_LENGTHS, **KEEP, value="512", className="hs-text-input"),
+                html.Label("Needles"),
+                dcc.Checklist(id=ids.HEADS_NEEDLES, **KEEP, options=options, value=[o["value"] for o in options[:4]],
+                              className="hs-needles"),
                 html.Label("Depths (%)", htmlFor=ids.HEADS_DEPTHS),
                 dcc.Input(id=ids.HEADS_DEPTHS, **KEEP, value="10,50,90", className="hs-text-input"),
                 html.Label("Haystack", htmlFor=ids.HEADS_HAYSTACK),
@@ -176,15 +174,19 @@ def _sweep_settings() -> html.Div:
                     {"label": "prose (shipped essays)", "value": "prose"},
                     {"label": "passkey (synthetic filler)", "value": "passkey"},
                     {"label": "my own (paste or upload below)", "value": "custom"}]),
+                html.Label("Needle placed at", htmlFor=ids.HEADS_DEPTH_RULE),
+                dcc.RadioItems(id=ids.HEADS_DEPTH_RULE, **KEEP, value=DEFAULT_DEPTH_RULE, options=[
+                    {"label": f" {text}", "value": r} for r, text in DEPTH_RULE_DESCRIPTIONS.items()]),
+            ], id=ids.HEADS_NEEDLE_FIELDS, className="hs-field"),
+            html.Div([
+                html.Label("Context lengths (tokens)", htmlFor=ids.HEADS_LENGTHS),
+                dcc.Input(id=ids.HEADS_LENGTHS, **KEEP, value="512", className="hs-text-input"),
                 html.Label("Streaming score: sink size S, window W", htmlFor=ids.HEADS_SINK),
                 html.Div([dcc.Input(id=ids.HEADS_SINK, **KEEP, type="number", min=0, max=MAX_LENGTH, step=1, value=DEFAULT_SINK,
                                     className="hs-number"),
                           dcc.Input(id=ids.HEADS_WINDOW, **KEEP, type="number", min=1, max=MAX_LENGTH, step=1,
                                     value=DEFAULT_WINDOW,
                                     className="hs-number")]),
-                html.Label("Needle placed at", htmlFor=ids.HEADS_DEPTH_RULE),
-                dcc.RadioItems(id=ids.HEADS_DEPTH_RULE, **KEEP, value=DEFAULT_DEPTH_RULE, options=[
-                    {"label": f" {text}", "value": r} for r, text in DEPTH_RULE_DESCRIPTIONS.items()]),
                 dcc.Checklist(id=ids.HEADS_STOP_NEWLINE, **KEEP, value=[], options=[
                     {"label": " stop each answer at its first newline (the paper's rule)", "value": "on"}]),
             ], className="hs-field"),

@@ -256,9 +256,11 @@ def test_a_task_curves_baseline_is_the_suites_answer_rate_not_a_second_decoding(
 
     swept = sweep(model8k, load_needles()[:1], [1024], [50], load_haystack("prose"), store=store, max_new_tokens=4)
     # the tiny model answers nothing: made-up stored answers show where the baseline comes from
-    suite = lct.TaskSuite(("passkey", "single_needle", "common_words"), (1024,), 3, seed=4, min_rate=0.5)
+    suite = lct.TaskSuite(("single_needle", "passkey", "common_words"), (1024,), 3, seed=4, min_rate=0.5)
     prompts = suite.prompts(model8k)
-    told = [True, True, False, True, False, False, False, False, False]  # passkey 2/3, single 1/3, words 0/3
+    assert lct.task_of(prompts[0]) != "passkey"  # the kept task's answers are not the first ones
+    said = {"single_needle": [True, False, False], "passkey": [False, True, True], "common_words": [False] * 3}
+    told = [said[lct.task_of(p)][[q for q in prompts if lct.task_of(q) == lct.task_of(p)].index(p)] for p in prompts]
     key = content_key(lct.RATES_KIND, model8k.digest, suite.key()[:-1], lct.max_new_tokens_for(prompts))
     store.put(key, lct.RATES_KIND, {"answered": told, "tasks": [lct.task_of(p) for p in prompts]}, {})
     decoded = []
@@ -274,6 +276,7 @@ def test_a_task_curves_baseline_is_the_suites_answer_rate_not_a_second_decoding(
     assert curve.meta["tasks"]["single_needle"]["dropped"] and curve.meta["tasks"]["common_words"]["dropped"]
     base = curve.baseline.niah
     assert (base.successes, base.n) == (2, 3)  # the kept task, passkey: 2 of its 3 prompts
+    assert curve.meta["baseline_niah"] == "answer rates"
     assert curve.n_prompts == 3 and curve.evaluations[0].niah.n == 3
     assert all(n == 0 for uncompressed, n in decoded if uncompressed), decoded
     assert any(n == 3 for uncompressed, n in decoded if not uncompressed), decoded

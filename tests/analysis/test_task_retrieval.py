@@ -220,11 +220,14 @@ def test_a_compression_curve_on_a_task_sweep_decodes_each_tasks_answer_length(ti
 
 
 def test_an_ablation_curve_on_a_task_sweep_decodes_each_tasks_answer_length(tiny2k, tmp_path, monkeypatch):
-    """An ablation curve scores a task sweep's prompts as the sweep decoded them: a multi-value answer needs
-    48 tokens (four numbers), not the 24 a needle gets. A needle sweep's curve still decodes 24 and keeps the
-    key its stored curves have."""
+    """An ablation curve scores a task sweep's prompts as the sweep decoded them, each for its own task's
+    answer: 48 tokens for a multi-value answer (four numbers), 24 for a single needle beside it. A needle
+    sweep's curve decodes 24 and keeps the key its stored curves have."""
+    from collections import Counter
+
     from headscope.analysis import ablation_curve as ac
-    from headscope.analysis.ablation import AblationSpec
+    from headscope.analysis.ablation import ABLATION_VERSION, AblationSpec
+    from headscope.analysis.store import content_key
 
     store = Store(tmp_path)
     decoded = []
@@ -236,15 +239,19 @@ def test_an_ablation_curve_on_a_task_sweep_decodes_each_tasks_answer_length(tiny
 
     monkeypatch.setattr(ac, "greedy_continuation", counted)
     scores = np.arange(tiny2k.n_layers * tiny2k.n_heads, dtype=float).reshape(tiny2k.n_layers, tiny2k.n_heads)
-    swept = task_sweep(tiny2k, TaskSuite(("multi_value",), (1024,), 1, seed=3), store=store)
-    ac.ablation_curve(tiny2k, scores, [0, 1], AblationSpec((), "zero"), store, on=swept, by_label="s", seeds=[0],
-                      outside_top=2)
-    assert decoded and set(decoded) == {TASKS["multi_value"].max_new_tokens} == {48}
+    swept = task_sweep(tiny2k, TaskSuite(("single_needle", "multi_value"), (1024,), 1, seed=3), store=store)
+    mixed_key, _, meta = ac.ablation_curve(tiny2k, scores, [0, 1], AblationSpec((), "zero"), store, on=swept,
+                                           by_label="s", seeds=[0], outside_top=2)
+    counts = Counter(decoded)
+    assert set(counts) == {24, 48} and counts[24] == counts[48]  # one prompt of each task per curve point
+    assert meta["decoded_tokens"] == {"single_needle": 24, "multi_value": TASKS["multi_value"].max_new_tokens}
     decoded.clear()
     needles = sweep(tiny2k, [Needle("The code is 7.", "What is the code?", "7")], [256], [50],
                     named_haystack("prose"), store=store, max_new_tokens=4)
-    key, _, _ = ac.ablation_curve(tiny2k, scores, [0, 1], AblationSpec((), "zero"), store, on=needles, by_label="s",
-                                  seeds=[0], outside_top=2)
+    spec = AblationSpec((), "zero")
+    key, _, _ = ac.ablation_curve(tiny2k, scores, [0, 1], spec, store, on=needles, by_label="s", seeds=[0],
+                                  outside_top=2)
     assert decoded and set(decoded) == {24}
-    # the key of a needle curve stored before curves named their decode length
-    assert key == ac.curve_key(tiny2k, ("sweep", needles.key), scores, [0, 1], [0], AblationSpec((), "zero"), None, 2)
+    # the key a needle curve was stored under before curves named their decode lengths
+    assert key == content_key("ablation_curve", ABLATION_VERSION, tiny2k.digest, ["sweep", needles.key],
+                              scores.round(6).tolist(), [0, 1], [0], "zero", None, None, 2) != mixed_key

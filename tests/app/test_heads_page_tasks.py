@@ -184,12 +184,15 @@ def test_a_researcher_sweeps_the_task_suite_and_reads_a_tasks_interval(server, p
     page.goto(url + "heads")
     page.wait_for_selector("#hs-heads-run", timeout=240_000)
     # each choice shows its own fields: the needles', or the task suite's
-    assert page.is_visible("#hs-heads-needles") and page.is_visible("#hs-heads-custom-needles")
+    needle_fields = ("#hs-heads-needles", "#hs-heads-depths", "#hs-heads-haystack", "#hs-heads-depth-rule",
+                     "#hs-heads-custom-needles", "#hs-heads-custom-haystack")
+    assert all(page.is_visible(f) for f in needle_fields) and page.is_visible("#hs-heads-lengths")
     assert not page.is_visible("#hs-heads-tasks") and not page.is_visible("#hs-heads-per-task")
     page.check("#hs-heads-prompt-source input[value='tasks']")
     page.wait_for_selector("#hs-heads-tasks", state="visible", timeout=30_000)
     assert page.is_visible("#hs-heads-per-task") and page.is_visible("#hs-heads-task-seed")
-    assert not page.is_visible("#hs-heads-needles") and not page.is_visible("#hs-heads-custom-needles")
+    assert not any(page.is_visible(f) for f in needle_fields)
+    assert page.is_visible("#hs-heads-lengths") and page.is_visible("#hs-heads-sink")  # they serve both
     for box in page.locator("#hs-heads-tasks input").all():
         box.check() if box.get_attribute("value") == "passkey" else box.uncheck()
     page.fill("#hs-heads-per-task", "1")
