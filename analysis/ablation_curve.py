@@ -309,7 +309,7 @@ def retrieval_accuracy(
     prompts: Sequence[NiahPrompt],
     hooks: Sequence[Hook] = (),
     *,
-    max_new_tokens: int = 24,
+    max_new_tokens: int = NEEDLE_MAX_NEW_TOKENS,
     cancel: Cancel | None = None,
     continuation: Callable[[Sequence[int], int], list[int]] | None = None,
 ) -> RetrievalAccuracy:
@@ -334,7 +334,8 @@ def retrieval_accuracy(
     return RetrievalAccuracy(float(np.mean([r > ROUGE_GATE for r in recalls])), recalls, responses)
 
 
-def retrieval_accuracy_fn(prompts: Sequence[NiahPrompt], max_new_tokens: int | None = 24) -> MetricFn:
+def retrieval_accuracy_fn(prompts: Sequence[NiahPrompt],
+                          max_new_tokens: int | None = NEEDLE_MAX_NEW_TOKENS) -> MetricFn:
     """A ``metric_fn(model, hooks)`` for :func:`topk_curve`: NIAH accuracy on ``prompts``, each decoded for
     ``max_new_tokens`` or, with None, for its own task's answer length (:func:`decode_lengths`, as a task
     sweep decodes its trials)."""

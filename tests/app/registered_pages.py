@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 LIST_PAGES = r"""
 import json, os, sys
@@ -22,24 +23,13 @@ import dash
 from headscope.analysis.store import Store
 from headscope.app.context import AppContext
 from headscope.app.server import create_app
+from tests.app.browsing import layout_props
 
 app = create_app(AppContext(store=Store(Path(os.environ["HEADSCOPE_HOME"]) / "store")))
 
 
-def props_of(node, out):
-    if isinstance(node, (list, tuple)):
-        for child in node:
-            props_of(child, out)
-    elif hasattr(node, "to_plotly_json"):
-        props = node.to_plotly_json()["props"]
-        out.append(props)
-        for value in props.values():
-            props_of(value, out)
-    return out
-
-
 def described(layout):
-    props = props_of(layout, [])
+    props = layout_props(layout)
     return {"ids": sorted({p["id"] for p in props if isinstance(p.get("id"), str)}),
             "clicks": [json.loads(p["data-hs-click"]) for p in props if "data-hs-click" in p]}
 
@@ -64,7 +54,9 @@ def registered_pages() -> dict:
     for name in ("HEADSCOPE_REDIS_URL", "HEADSCOPE_TOKEN", "HEADSCOPE_MODELS"):
         env.pop(name, None)
     with tempfile.TemporaryDirectory() as home:
+        # the checkout on the path for tests.app.browsing.layout_props; the empty home as the working folder
+        root = str(Path(__file__).resolve().parents[2])
         out = subprocess.run([sys.executable, "-c", LIST_PAGES], capture_output=True, text=True, timeout=600,
-                             env={**env, "HEADSCOPE_HOME": home}, cwd=home)
+                             env={**env, "HEADSCOPE_HOME": home, "PYTHONPATH": root}, cwd=home)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
