@@ -742,9 +742,11 @@ def evaluate_policies(
     def evaluate(policy: Policy) -> PolicyEvaluation:
         mk = policy.mask_key()
         if policy is full_policy and baseline_answered is not None:
-            e = _evaluate_one(model, policy, texts, (), clean.argmax, n_tokens, max_new_tokens, cancel, backend)
+            # every group full is the uncompressed model: its text metrics are ``clean``'s, already measured
             share = sum(baseline_answered) / len(prompts) if prompts else math.nan
-            memo[mk] = PolicyEvaluation(policy, e.memory, e.loss, e.agreement, share, e.seconds, len(prompts))
+            memory = kv_memory(policy, n_tokens, model.d_head, dtype_bytes(model), model.facts.windows)
+            agreement = 1.0 if any(len(a) for a in clean.argmax) else math.nan
+            memo[mk] = PolicyEvaluation(policy, memory, clean.loss, agreement, share, 0.0, len(prompts))
             return memo[mk]
         if mk in memo:
             e = memo[mk]

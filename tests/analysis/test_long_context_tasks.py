@@ -277,6 +277,10 @@ def test_a_task_curves_baseline_is_the_suites_answer_rate_not_a_second_decoding(
     base = curve.baseline.niah
     assert (base.successes, base.n) == (2, 3)  # the kept task, passkey: 2 of its 3 prompts
     assert curve.meta["baseline_niah"] == "answer rates"
+    from headscope.analysis.head_scores import trial_prompts
+    texts = [p.token_ids for p in trial_prompts(swept.trials)]
+    assert curve.baseline.agreement == 1.0  # its text metrics are the uncompressed model's own
+    assert curve.baseline.loss == pytest.approx(kc.text_metrics(model8k, texts).loss, abs=1e-6)
     assert curve.n_prompts == 3 and curve.evaluations[0].niah.n == 3
     assert all(n == 0 for uncompressed, n in decoded if uncompressed), decoded
     assert any(n == 3 for uncompressed, n in decoded if not uncompressed), decoded
