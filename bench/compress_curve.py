@@ -19,86 +19,211 @@ a run with more rankings, fractions or seeds reuses what is stored.
         [--rankings retrieval,streaming,evidence,random] [--fractions 0.1,0.25,0.5,0.75,0.9] [--seeds 3]
         [--parts 'retrieval:0.1,0.25,0.5;random:0.25:3'] [--parts-at 4096=retrieval:0.25] [--backend statistics]
         [--measure-memory] [--figure docs/compress_curve.png] [--home DIR]
+    .venv/bin/python bench/compress_curve.py --from-results a.txt,b.txt [--figure docs/compress_curve.png]
+
+``--from-results`` measures nothing: it reads the tables earlier runs printed, merges them per length
+(the runs must agree on the uncompressed baseline and on any policy both measured), prints the merged
+curve with its smallest fractions and draws the figure, so policies measured in separate runs, or in a
+store that is gone, make one curve.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from headscope.analysis.intervals import Proportion, wilson  # noqa: E402  (light: no torch)
 
-def _print_curve(curve, length: int) -> None:
-    from headscope.analysis.intervals import overlaps
 
-    base = curve.baseline
-    print(f"\n{length} tokens: uncompressed NIAH {base.niah.text()}, loss {base.loss:.4f}; "
-          f"{curve.n_prompts} prompts, backend {curve.meta.get('backend')}")
-    print(f"{'ranking':<14} {'seed':>4} {'full':>5} {'KV frac':>7} {'accuracy [95% Wilson]':>26} {'loss':>7}")
-    for e in sorted(curve.evaluations, key=lambda e: (e.policy.ranking, e.policy.fraction, e.policy.seed or 0)):
-        p = e.policy
-        print(f"{p.ranking:<14} {'' if p.seed is None else p.seed:>4} {p.fraction:>5.2f} {e.memory.fraction:>7.3f} "
-              f"{e.niah.text():>26} {e.loss:>7.4f}")
-    for band in curve.seed_bands():
-        print(f"random seeds at {band['fraction_full']:.2f}: mean {band['niah_accuracy_seed_mean']:.3f}, "
-              f"lowest {band['niah_accuracy_seed_low']:.3f}, highest {band['niah_accuracy_seed_high']:.3f} "
-              f"({band['n_seeds']} seeds)")
-    for ranking in dict.fromkeys(e.policy.ranking for e in curve.evaluations):
-        # the page's rule at tolerance 0 (CompressionCurve.within_tolerance): the policy's interval reaches
-        # the uncompressed interval's lower bound (overlapping it, or above it); random: every seed
-        best = curve.smallest_within(ranking, 0.0)
-        said = "none" if best is None else f"{best.policy.fraction:.2f} of groups full (KV {best.memory.fraction:.3f})"
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One policy's place on the curve: what the figure draws and the table prints."""
+
+    ranking: str
+    seed: int | None
+    fraction: float  # of KV groups asked to stay full
+    kv_fraction: float  # of the full cache's bytes (kv_memory's count)
+    niah: Proportion
+    loss: float
+
+
+@dataclasses.dataclass
+class Panel:
+    """One length's curve: the uncompressed baseline and every policy's point, from a live
+    :class:`~headscope.analysis.kv_compression.CompressionCurve` (:func:`_panel`) or from an earlier run's
+    printed table (:func:`parse_results`)."""
+
+    length: int
+    baseline: Proportion
+    loss: float
+    points: list[Point]
+    backend: str = ""
+    # fraction of groups full -> (MiB the cache backend's tensors keep after a prefill, MiB counted)
+    memory: dict[float, tuple[float, float]] = dataclasses.field(default_factory=dict)
+
+
+def _panel(curve, length: int) -> Panel:
+    return Panel(length, curve.baseline.niah, curve.baseline.loss,
+                 [Point(e.policy.ranking, e.policy.seed, e.policy.fraction, e.memory.fraction, e.niah, e.loss)
+                  for e in curve.evaluations], str(curve.meta.get("backend", "")))
+
+
+def smallest_reaching(panel: Panel, ranking: str) -> Point | None:
+    """The Compress page's rule at tolerance 0 (``CompressionCurve.smallest_within(ranking, 0.0)``): among
+    the fractions whose every point's interval reaches the uncompressed interval's lower bound (overlaps
+    it or lies above it; for random, every seed), the one with the smallest mean KV fraction; of its
+    seeds, the one keeping the most KV. None when no fraction passes."""
+    by_fraction: dict[float, list[Point]] = {}
+    for p in panel.points:
+        if p.ranking == ranking:
+            by_fraction.setdefault(p.fraction, []).append(p)
+    base = panel.baseline
+    passing = [ps for ps in by_fraction.values()
+               if all(base.n and p.niah.n and p.niah.high >= base.low - 1e-12 for p in ps)]
+    if not passing:
+        return None
+    best = min(passing, key=lambda ps: sum(p.kv_fraction for p in ps) / len(ps))
+    return max(best, key=lambda p: p.kv_fraction)
+
+
+ROW = re.compile(r"^(?P<ranking>[a-z_]+) +(?P<seed>\d+)? +(?P<fraction>[\d.]+) +(?P<kv>[\d.]+) +"
+                 r"(?P<value>[\d.]+) \[(?P<low>[\d.]+), (?P<high>[\d.]+)\] n=(?P<n>\d+)(?: +(?P<k>\d+)/\d+)? +"
+                 r"(?P<loss>[\d.]+)$")
+BASELINE = re.compile(r"^(?P<length>\d+) tokens: uncompressed NIAH (?P<value>[\d.]+) \[(?P<low>[\d.]+), "
+                      r"(?P<high>[\d.]+)\] n=(?P<n>\d+)(?: \((?P<k>\d+)/\d+\))?, loss (?P<loss>[\d.]+); .*backend (?P<backend>\w+)$")
+MEMORY = re.compile(r"^ +cache backend at (?P<length>\d+) tokens, (?P<fraction>[\d.]+) of groups full: "
+                    r"(?P<kept>[\d.]+) MiB kept .*, (?P<counted>[\d.]+) MiB counted")
+
+
+def _proportion(m: re.Match, where: str) -> Proportion:
+    """The printed accuracy as answered of n: the printed count where the row has one, else the value
+    times n (exact while n <= 100 at two decimals), checked against the printed interval."""
+    n = int(m["n"])
+    k = int(m["k"]) if m["k"] else round(float(m["value"]) * n)
+    got = wilson(k, n)
+    if m["k"] is None and n > 100:
+        raise ValueError(f"{where}: n = {n} with no printed count; two decimals do not give the answered prompts")
+    if abs(got.low - float(m["low"])) > 0.006 or abs(got.high - float(m["high"])) > 0.006:
+        raise ValueError(f"{where}: {k}/{n} gives [{got.low:.2f}, {got.high:.2f}], not the printed "
+                         f"[{m['low']}, {m['high']}]")
+    return got
+
+
+def parse_results(text: str, source: str = "results") -> dict[int, Panel]:
+    """The panels an earlier run printed (:func:`_print_panel`'s table and the memory lines), per length."""
+    panels: dict[int, Panel] = {}
+    panel = None
+    for number, line in enumerate(text.splitlines(), start=1):
+        where = f"{source}:{number}"
+        if m := BASELINE.match(line):
+            panel = panels[int(m["length"])] = Panel(int(m["length"]), _proportion(m, where), float(m["loss"]), [],
+                                                     m["backend"])
+        elif panel is not None and (m := ROW.match(line)):
+            panel.points.append(Point(m["ranking"], None if m["seed"] is None else int(m["seed"]), float(m["fraction"]),
+                                      float(m["kv"]), _proportion(m, where), float(m["loss"])))
+        elif m := MEMORY.match(line):
+            panels[int(m["length"])].memory[float(m["fraction"])] = (float(m["kept"]), float(m["counted"]))
+    return panels
+
+
+def merge(panels: list[dict[int, Panel]], sources: list[str]) -> dict[int, Panel]:
+    """One panel per length from several runs' panels: the runs must agree on the uncompressed baseline
+    (the same prompts, answered alike) and on any policy more than one of them measured."""
+    out: dict[int, Panel] = {}
+    for found, source in zip(panels, sources, strict=True):
+        for length, panel in found.items():
+            if length not in out:
+                out[length] = dataclasses.replace(panel, points=list(panel.points), memory=dict(panel.memory))
+                continue
+            have = out[length]
+            if (have.baseline.successes, have.baseline.n, have.backend) != (
+                    panel.baseline.successes, panel.baseline.n, panel.backend):
+                raise ValueError(f"{source}: at {length} tokens the uncompressed baseline is {panel.baseline.text()} "
+                                 f"on {panel.backend}, not {have.baseline.text()} on {have.backend}: not the same curve")
+            seen = {(p.ranking, p.fraction, p.seed): p for p in have.points}
+            for p in panel.points:
+                other = seen.get((p.ranking, p.fraction, p.seed))
+                if other is None:
+                    have.points.append(p)
+                elif (other.niah.successes, other.niah.n) != (p.niah.successes, p.niah.n):
+                    raise ValueError(f"{source}: {p.ranking} {p.fraction} seed {p.seed} at {length} tokens answered "
+                                     f"{p.niah.successes}/{p.niah.n}, another run {other.niah.successes}/{other.niah.n}")
+            have.memory.update(panel.memory)
+    return out
+
+
+def _print_panel(panel: Panel, n_prompts: int | None = None) -> None:
+    base = panel.baseline
+    said = f"{n_prompts} prompts, " if n_prompts is not None else ""
+    print(f"\n{panel.length} tokens: uncompressed NIAH {base.text()} ({base.successes}/{base.n}), loss {panel.loss:.4f}; "
+          f"{said}backend {panel.backend}")
+    print(f"{'ranking':<14} {'seed':>4} {'full':>5} {'KV frac':>7} {'accuracy [95% Wilson]':>26} {'answered':>8} {'loss':>7}")
+    for p in sorted(panel.points, key=lambda p: (p.ranking, p.fraction, p.seed or 0)):
+        print(f"{p.ranking:<14} {'' if p.seed is None else p.seed:>4} {p.fraction:>5.2f} {p.kv_fraction:>7.3f} "
+              f"{p.niah.text():>26} {f'{p.niah.successes}/{p.niah.n}':>8} {p.loss:>7.4f}")
+    seeded: dict[float, list[Point]] = {}
+    for p in panel.points:
+        if p.ranking == "random" and p.seed is not None:
+            seeded.setdefault(p.fraction, []).append(p)
+    for fraction, ps in sorted(seeded.items()):
+        values = [p.niah.value for p in ps]
+        print(f"random seeds at {fraction:.2f}: mean {sum(values) / len(values):.3f}, lowest {min(values):.3f}, "
+              f"highest {max(values):.3f} ({len(ps)} seeds)")
+    for ranking in dict.fromkeys(p.ranking for p in panel.points):
+        best = smallest_reaching(panel, ranking)
+        said = "none" if best is None else f"{best.fraction:.2f} of groups full (KV {best.kv_fraction:.3f})"
         print(f"smallest fraction whose interval reaches the uncompressed one, {ranking}: {said} "
-              f"(n = {curve.n_prompts} prompts{', every seed' if ranking == 'random' else ''})")
-        below = [e for e in curve.evaluations if e.policy.ranking == ranking and best is not None
-                 and e.policy.fraction > best.policy.fraction and not overlaps(e.niah, base.niah)
-                 and e.niah.high < base.low]
+              f"(n = {base.n} prompts{', every seed' if ranking == 'random' else ''})")
+        below = [p for p in panel.points if p.ranking == ranking and best is not None and p.fraction > best.fraction
+                 and p.niah.high < base.low]
         if below:
-            print(f"  but larger fractions fall below it: {', '.join(f'{e.policy.fraction:.2f}' for e in below)}")
+            print(f"  but larger fractions fall below it: {', '.join(f'{p.fraction:.2f}' for p in below)}")
 
 
-def _measure_memory(model, curve, length: int) -> dict[float, tuple[int, int]]:
-    """Per distinct fraction: (bytes the cache backend's tensors allocate after one prefill of
-    ``length`` prose tokens, kv_memory's count)."""
+def _measure_memory(model, curve, panel: Panel) -> None:
+    """Per distinct fraction, into ``panel.memory``: (MiB the cache backend's tensors keep after one
+    prefill of ``panel.length`` prose tokens, MiB kv_memory counts)."""
     from headscope.analysis import kv_cache
     from headscope.analysis.kv_compression import dtype_bytes, kv_memory
     from headscope.analysis.niah import load_haystack
 
+    length = panel.length
     ids = model.tokenizer(load_haystack("prose"), add_special_tokens=False)["input_ids"]
     ids = (ids * (length // len(ids) + 1))[:length]
-    out = {}
     for e in [curve.baseline, *curve.evaluations]:
         p = e.policy
-        if p.fraction in out:
+        if p.fraction in panel.memory:
             continue
         got = kv_cache.greedy_continuation(model, p.full, ids, 1, p.sink_size, p.recent_size)
         counted = kv_memory(p, length, model.d_head, dtype_bytes(model), model.facts.windows).bytes
-        out[p.fraction] = (got.prefill_kept_bytes, counted)
+        panel.memory[p.fraction] = (got.prefill_kept_bytes / 2**20, counted / 2**20)
         print(f"  cache backend at {length} tokens, {p.fraction:.2f} of groups full: {got.prefill_kept_bytes / 2**20:.1f} "
               f"MiB kept ({got.prefill_bytes / 2**20:.1f} allocated), {counted / 2**20:.1f} MiB counted"
               f"{'' if got.prefill_kept_bytes == counted else '  MISMATCH'}", flush=True)
-    return out
 
 
 DODGE = {"retrieval": -0.018, "streaming": -0.006, "evidence": 0.006, "random": 0.018}
 
 
-def _figure(curves: dict[int, object], path: str, memory: dict[int, dict[float, tuple[int, int]]]) -> None:
+def _figure(panels: dict[int, Panel], path: str) -> None:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    def title(n: int) -> str:
-        full = memory.get(n, {}).get(1.0)
-        return f"{n:,} tokens" + (f" (full cache {full[0] / 2**20:.1f} MiB, measured)" if full else "")
+    def title(panel: Panel) -> str:
+        full = panel.memory.get(1.0)
+        return f"{panel.length:,} tokens" + (f" (full cache {full[0]:.1f} MiB, measured)" if full else "")
 
-    fig = make_subplots(rows=1, cols=len(curves), subplot_titles=[title(n) for n in curves], shared_yaxes=True)
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[title(p) for p in panels.values()],
+                        shared_yaxes=True)
     colours = {"retrieval": "#1f77b4", "streaming": "#ff7f0e", "evidence": "#2ca02c", "random": "#7f7f7f"}
-    for col, curve in enumerate(curves.values(), start=1):
-        base = curve.baseline.niah
+    for col, panel in enumerate(panels.values(), start=1):
+        base = panel.baseline
         fig.add_trace(go.Scatter(x=[1.0], y=[base.value], mode="markers", name="uncompressed", legendgroup="full",
                                  showlegend=col == 1, marker=dict(color="#d62728", symbol="diamond", size=9),
                                  error_y=dict(type="data", symmetric=False, array=[base.high - base.value],
@@ -109,15 +234,14 @@ def _figure(curves: dict[int, object], path: str, memory: dict[int, dict[float, 
         # rankings at one fraction keep the same bytes: each is drawn a little apart so the bars stay
         # readable (the hover gives the exact KV fraction)
         for ranking, colour in colours.items():
-            es = sorted((e for e in curve.evaluations if e.policy.ranking == ranking),
-                        key=lambda e: (e.memory.fraction, e.policy.seed or 0))
+            es = sorted((p for p in panel.points if p.ranking == ranking), key=lambda p: (p.kv_fraction, p.seed or 0))
             if not es:
                 continue
-            x = [e.memory.fraction + (DODGE[ranking] + 0.004 * ((e.policy.seed or 0) - 1) if ranking == "random"
-                                      else DODGE[ranking]) for e in es]
+            x = [e.kv_fraction + (DODGE[ranking] + 0.004 * ((e.seed or 0) - 1) if ranking == "random"
+                                  else DODGE[ranking]) for e in es]
             y = [e.niah.value for e in es]
-            text = [f"{ranking}{'' if e.policy.seed is None else f' seed {e.policy.seed}'}, {e.policy.fraction:.2f} of "
-                    f"groups full, KV {e.memory.fraction:.3f}: {e.niah.text()}" for e in es]
+            text = [f"{ranking}{'' if e.seed is None else f' seed {e.seed}'}, {e.fraction:.2f} of "
+                    f"groups full, KV {e.kv_fraction:.3f}: {e.niah.text()}" for e in es]
             fig.add_trace(go.Scatter(
                 x=x, y=y, mode="markers" if ranking == "random" else "lines+markers", name=ranking,
                 legendgroup=ranking, showlegend=col == 1, marker=dict(color=colour), text=text, hoverinfo="text",
@@ -126,7 +250,7 @@ def _figure(curves: dict[int, object], path: str, memory: dict[int, dict[float, 
         fig.update_xaxes(title_text="KV cache kept, fraction of the full cache (the cache backend's bytes)", row=1, col=col,
                          range=[0, 1.05])
     fig.update_yaxes(title_text="task-suite accuracy (95 % Wilson)", row=1, col=1, range=[0, 1.05])
-    fig.update_layout(width=120 + 600 * len(curves), height=520, margin=dict(l=60, r=20, t=80, b=60),
+    fig.update_layout(width=120 + 600 * len(panels), height=520, margin=dict(l=60, r=20, t=80, b=60),
                       title=dict(text="Task-suite accuracy against the KV cache kept<br><sup>95 % Wilson intervals; "
                                       "uncompressed: red band; rankings at one fraction drawn slightly apart</sup>",
                                  font=dict(size=15)),
@@ -141,7 +265,7 @@ def _part(text: str, seeds: int) -> tuple[str, list[float], int]:
     return ranking, [float(f) for f in fractions.split(",")], int(n[0]) if n else seeds
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="2048,4096")
     parser.add_argument("--tasks", default="single_needle,multi_key,multi_value,variable_tracking,common_words,passkey")
@@ -163,7 +287,25 @@ def main() -> None:
     parser.add_argument("--measure-memory", action="store_true")
     parser.add_argument("--figure")
     parser.add_argument("--home", help="store folder (default: HEADSCOPE_HOME or the user data dir)")
-    args = parser.parse_args()
+    parser.add_argument("--from-results", metavar="FILE,FILE",
+                        help="measure nothing: merge the tables earlier runs printed (bench/results/compress_curve_*.txt; "
+                        "they must agree on each length's uncompressed baseline), print the merged curve and draw "
+                        "--figure from it")
+    args = parser.parse_args(argv)
+    if args.from_results:
+        sources = args.from_results.split(",")
+        try:
+            panels = merge([parse_results(Path(f).read_text(), f) for f in sources], sources)
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
+        if not panels:
+            parser.error(f"--from-results {args.from_results}: no curve table found")
+        print(f"# bench/compress_curve.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+        for panel in panels.values():
+            _print_panel(panel)
+        if args.figure:
+            _figure(panels, args.figure)
+        return
 
     import torch
 
@@ -187,7 +329,7 @@ def main() -> None:
     print(f"ranking sweep: {len(ranking_sweep.trials)} trials at {args.sweep_length} tokens, "
           f"{ranking_sweep.n_counted} answered ({time.perf_counter() - t0:.0f} s)", flush=True)
     loss_text = [ranking_sweep.trials[0].prompt_ids] if ranking_sweep.trials else None
-    curves, memory = {}, {}
+    panels = {}
     lengths = [int(x) for x in args.lengths.split(",")]
     parts_at = {}
     for given in args.parts_at:
@@ -209,15 +351,16 @@ def main() -> None:
         for part in found:
             for e in part.evaluations:
                 seen.setdefault((e.policy.ranking, e.policy.fraction, e.policy.seed), e)
-        curve = curves[length] = dataclasses.replace(found[0], evaluations=list(seen.values()))
+        curve = dataclasses.replace(found[0], evaluations=list(seen.values()))
+        panel = panels[length] = _panel(curve, length)
         for task, r in (curve.meta.get("tasks") or {}).items():
             print(f"task {task:<18} uncompressed {r['answered']}/{r['n']} = {r['rate']:.2f} "
                   f"[{r['low']:.2f}, {r['high']:.2f}]{'  dropped' if r['dropped'] else ''}")
-        _print_curve(curve, length)
+        _print_panel(panel, curve.n_prompts)
         if args.measure_memory:
-            memory[length] = _measure_memory(model, curve, length)
+            _measure_memory(model, curve, panel)
     if args.figure:
-        _figure(curves, args.figure, memory)
+        _figure(panels, args.figure)
 
 
 if __name__ == "__main__":
