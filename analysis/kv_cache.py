@@ -75,7 +75,9 @@ class _Part:
     A part without a window (full groups on a layer without the model's own window) grows its buffers
     :data:`HEADROOM` tokens at a time and writes each pass into them, so a decode step copies nothing
     (a copy of the whole cache per step, as transformers' ``DynamicCache`` makes, would dominate a
-    long decode); a windowed part is cut to what it keeps after every pass, into new storage."""
+    long decode); a windowed part is cut to what it keeps after every prefill pass, into new storage, and
+    each decoded token then takes the slot of a key no later query sees (:meth:`_overwrite_stale`), so
+    its S + W keys stay in one storage however long the decode."""
 
     def __init__(self, groups: list[int], streaming: bool, sink: int, window: int, model_window: int = 0) -> None:
         # window 0: every key (a full group on a layer without the model's own window); a sink past the
@@ -105,6 +107,8 @@ class _Part:
             idx = torch.tensor(self.groups, device=k.device)
             k, v = k.index_select(1, idx), v.index_select(1, idx)
         m = k.shape[2]
+        if m == 1 and self.window and self.n and self._overwrite_stale(k, v, positions):
+            return
         if self._keys is None or self.n + m > self._keys.shape[2]:
             capacity = self.n + m if self.window else max(self.n + m, self.reserved) + HEADROOM
             self._keys = self._grown(self._keys, k, capacity)
@@ -117,6 +121,28 @@ class _Part:
         self._values[:, :, self.n:self.n + m] = v
         self._positions[self.n:self.n + m] = positions
         self.n += m
+
+    def _stale(self, last: int) -> Tensor:
+        """Which kept keys no query after position ``last`` can see (what :meth:`forget` drops)."""
+        sinks = self.positions < self.sink
+        if self.model_window:
+            sinks &= self.positions > last - self.model_window
+        return ~(sinks | (self.positions > last - self.window))
+
+    def _overwrite_stale(self, k: Tensor, v: Tensor, positions: Tensor) -> bool:
+        """One decoded token into the slot of a key that neither it nor any later query sees, in place:
+        a streaming part's S + W keys stay in one storage for the whole decode (a ring), instead of a
+        copy into a longer buffer and another into a shorter one per step. The slots are no longer in
+        position order, which nothing reads: visibility is decided by each slot's position
+        (:func:`_visible`). False (nothing written) while no kept key is stale yet."""
+        stale = self._stale(int(positions[0])).nonzero()
+        if not stale.numel():
+            return False
+        slot = int(stale[0, 0])
+        self._keys[:, :, slot] = k[:, :, 0]
+        self._values[:, :, slot] = v[:, :, 0]
+        self._positions[slot] = positions[0]
+        return True
 
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` more keys in a part without a window, allocated at its next growth (a
@@ -135,10 +161,7 @@ class _Part:
         sink only while it is inside the model's own window (j > last − W_m)."""
         if self._keys is None or not self.window:
             return
-        sinks = self.positions < self.sink
-        if self.model_window:
-            sinks &= self.positions > last - self.model_window
-        keep = sinks | (self.positions > last - self.window)
+        keep = ~self._stale(last)
         if bool(keep.all()) and self.n == self._keys.shape[2]:
             return
         idx = keep.nonzero().reshape(-1)

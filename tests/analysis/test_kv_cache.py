@@ -131,6 +131,33 @@ def test_a_long_cache_is_physically_smaller_and_decodes_without_copying_itself(t
     assert len(set(pointers)) <= 2  # at most one regrowth in 11 steps
 
 
+def test_a_streaming_cache_decodes_in_place_and_keeps_the_window(family):
+    """Once a streaming part holds its S + W keys, each decoded token takes the slot of a key no later
+    query sees: no layer's storage moves during the decode, and every layer keeps exactly its sinks
+    (those inside the model's own window) and the last W positions. That the tokens stay the masking
+    backends' is the tests above."""
+    sink, recent = 3, 7
+    streaming = build_policy(family, "all_streaming", 0.0, sink_size=sink, recent_size=recent)
+    seen = []
+
+    def step(_, cache):
+        n = cache.get_seq_length()
+        for index, layer in enumerate(cache.layers):
+            for part in layer.parts:
+                last = n - 1
+                want = [j for j in range(part.sink) if not part.model_window or j > last - part.model_window]
+                want += [j for j in range(last - part.window + 1, last + 1) if j >= part.sink]
+                seen.append(((index, part.groups[0]), part.keys.data_ptr(), sorted(part.positions.tolist()), want))
+
+    kv_cache.greedy_continuation(family, streaming.full, _ids(40, 2), 12, sink, recent, chunk=16, on_step=step)
+    assert len(seen) >= 11
+    pointers = {}
+    for where, pointer, positions, want in seen:
+        assert positions == want, where
+        pointers.setdefault(where, set()).add(pointer)
+    assert all(len(p) == 1 for p in pointers.values()), pointers
+
+
 def test_all_streaming_on_the_embedded_layout_keeps_a_constant_cache(real_model):
     """On SmolLM2 (30 layers × 3 KV groups, d_head 64, float32) an all-streaming cache of S=8, W=16 is
     30·3·24·2·64·4 = 1,105,920 bytes however long the prompt."""
