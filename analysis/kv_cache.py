@@ -75,9 +75,10 @@ class _Part:
     A part without a window (full groups on a layer without the model's own window) grows its buffers
     :data:`HEADROOM` tokens at a time and writes each pass into them, so a decode step copies nothing
     (a copy of the whole cache per step, as transformers' ``DynamicCache`` makes, would dominate a
-    long decode); a windowed part is cut to what it keeps after every prefill pass, into new storage, and
-    each decoded token then takes the slot of a key no later query sees (:meth:`_overwrite_stale`), so
-    its S + W keys stay in one storage however long the decode."""
+    long decode); a windowed part (a streaming part, or a full part on a layer with the model's own
+    window) is cut to what it keeps after a pass, into new storage, and once it holds its S + W keys each
+    decoded token takes the slot of a key no later query sees (:meth:`_overwrite_stale`): from then on a
+    decode step writes in place (a sink that leaves the model's own window is still cut away)."""
 
     def __init__(self, groups: list[int], streaming: bool, sink: int, window: int, model_window: int = 0) -> None:
         # window 0: every key (a full group on a layer without the model's own window); a sink past the
@@ -89,6 +90,7 @@ class _Part:
         self._values: Tensor | None = None
         self._positions: Tensor | None = None
         self.n = 0
+        self._written_at = -1  # the position the last in-place write left nothing stale at
 
     @property
     def keys(self) -> Tensor | None:
@@ -102,12 +104,13 @@ class _Part:
     def positions(self) -> Tensor | None:
         return None if self._positions is None else self._positions[:self.n]
 
-    def append(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
+    def append(self, k: Tensor, v: Tensor, positions: Tensor, first: int) -> None:
+        """The pass's keys and values (``positions`` = ``first``, ``first`` + 1, …) into the part."""
         if len(self.groups) < k.shape[1]:
             idx = torch.tensor(self.groups, device=k.device)
             k, v = k.index_select(1, idx), v.index_select(1, idx)
         m = k.shape[2]
-        if m == 1 and self.window and self.n and self._overwrite_stale(k, v, positions):
+        if m == 1 and self.window and self.n and self._overwrite_stale(k, v, positions, first):
             return
         if self._keys is None or self.n + m > self._keys.shape[2]:
             capacity = self.n + m if self.window else max(self.n + m, self.reserved) + HEADROOM
@@ -123,25 +126,27 @@ class _Part:
         self.n += m
 
     def _stale(self, last: int) -> Tensor:
-        """Which kept keys no query after position ``last`` can see (what :meth:`forget` drops)."""
+        """Which kept keys no query at position ``last`` or after can see (what :meth:`forget` drops)."""
         sinks = self.positions < self.sink
         if self.model_window:
             sinks &= self.positions > last - self.model_window
         return ~(sinks | (self.positions > last - self.window))
 
-    def _overwrite_stale(self, k: Tensor, v: Tensor, positions: Tensor) -> bool:
-        """One decoded token into the slot of a key that neither it nor any later query sees, in place:
-        a streaming part's S + W keys stay in one storage for the whole decode (a ring), instead of a
-        copy into a longer buffer and another into a shorter one per step. The slots are no longer in
-        position order, which nothing reads: visibility is decided by each slot's position
-        (:func:`_visible`). False (nothing written) while no kept key is stale yet."""
-        stale = self._stale(int(positions[0])).nonzero()
+    def _overwrite_stale(self, k: Tensor, v: Tensor, positions: Tensor, p: int) -> bool:
+        """The token decoded at position ``p`` into the slot of a key that neither it nor any later query
+        sees, in place (a ring), instead of a copy into a longer buffer and another into a shorter one per
+        step. The slots are then no longer in position order, which nothing reads: visibility is decided
+        by each slot's position (:func:`_visible`). False (nothing written) while no kept key is stale.
+        One device sync (the stale slots' indices); without the model's own window nothing else can go
+        stale at ``p``, so :meth:`forget` then has nothing to look at."""
+        stale = self._stale(p).nonzero()
         if not stale.numel():
             return False
         slot = int(stale[0, 0])
         self._keys[:, :, slot] = k[:, :, 0]
         self._values[:, :, slot] = v[:, :, 0]
         self._positions[slot] = positions[0]
+        self._written_at = p if not self.model_window and stale.shape[0] == 1 else -1
         return True
 
     def reserve(self, tokens: int) -> None:
@@ -159,7 +164,7 @@ class _Part:
         """Keep the keys a query after position ``last`` may see, plus the key at ``last − W + 1``
         (the cache holds S + W keys between passes, as DuoAttention's does): j < S or j > last − W, and a
         sink only while it is inside the model's own window (j > last − W_m)."""
-        if self._keys is None or not self.window:
+        if self._keys is None or not self.window or self._written_at == last:
             return
         keep = ~self._stale(last)
         if bool(keep.all()) and self.n == self._keys.shape[2]:
@@ -206,7 +211,7 @@ class PolicyLayer(CacheLayerMixin):
         n = key_states.shape[2]
         positions = torch.arange(self.seen, self.seen + n, device=key_states.device)
         for part in self.parts:
-            part.append(key_states, value_states, positions)
+            part.append(key_states, value_states, positions, self.seen)
         self.seen += n
         self.is_initialized = True
         _state.updated = self  # the attention call that follows in this module reads this layer

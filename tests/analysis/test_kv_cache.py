@@ -141,12 +141,14 @@ def test_a_streaming_cache_decodes_in_place_and_keeps_the_window(family):
     seen = []
 
     def step(_, cache):
-        n = cache.get_seq_length()
+        last = cache.get_seq_length() - 1
         for index, layer in enumerate(cache.layers):
+            # what the policy and the model say the layer keeps, not the part's own fields
+            model_window = family.facts.windows[index] or 0
+            window = min(recent, model_window) if model_window else recent
+            want = [j for j in range(sink) if not model_window or j > last - model_window]
+            want += [j for j in range(last - window + 1, last + 1) if j >= sink]
             for part in layer.parts:
-                last = n - 1
-                want = [j for j in range(part.sink) if not part.model_window or j > last - part.model_window]
-                want += [j for j in range(last - part.window + 1, last + 1) if j >= part.sink]
                 seen.append(((index, part.groups[0]), part.keys.data_ptr(), sorted(part.positions.tolist()), want))
 
     kv_cache.greedy_continuation(family, streaming.full, _ids(40, 2), 12, sink, recent, chunk=16, on_step=step)
