@@ -33,7 +33,7 @@ from headscope.analysis.score_registry import HEAD_SCORES
 from headscope.analysis.streaming import DEFAULT_SINK, DEFAULT_WINDOW
 from headscope.analysis.task_retrieval import check_task_sweep, task_sweep_settings
 from headscope.app import figures, ids
-from headscope.app.choice_fields import default_with_choice, show_with_choice
+from headscope.app.choice_fields import show_with_choice
 from headscope.app.context import get_context
 from headscope.app.errors import USER_ERRORS, guarded, message
 from headscope.app.export_bar import export_bar, register_export
@@ -139,8 +139,6 @@ def _task_fields() -> html.Div:
 # each choice of prompts shows its own fields; the lengths, S and W and the newline rule serve both
 show_with_choice(ids.HEADS_PROMPT_SOURCE, {ids.HEADS_TASK_FIELDS: "tasks", ids.HEADS_NEEDLE_FIELDS: "needles",
                                            ids.HEADS_OWN_FIELDS: "needles"})
-NEEDLE_LENGTHS = "512"  # the form's lengths for the needles; the suite starts at its shortest
-default_with_choice(ids.HEADS_PROMPT_SOURCE, ids.HEADS_LENGTHS, {"needles": NEEDLE_LENGTHS, "tasks": str(TASK_MIN_LENGTH)})
 
 
 def task_suite(source, tasks, per_task, seed, lengths) -> TaskSuite | None:
@@ -182,7 +180,7 @@ def _sweep_settings() -> html.Div:
             ], id=ids.HEADS_NEEDLE_FIELDS, className="hs-field"),
             html.Div([
                 html.Label("Context lengths (tokens)", htmlFor=ids.HEADS_LENGTHS),
-                dcc.Input(id=ids.HEADS_LENGTHS, **KEEP, value=NEEDLE_LENGTHS, className="hs-text-input"),
+                dcc.Input(id=ids.HEADS_LENGTHS, **KEEP, value="512", className="hs-text-input"),
                 html.Label("Streaming score: sink size S, window W", htmlFor=ids.HEADS_SINK),
                 html.Div([dcc.Input(id=ids.HEADS_SINK, **KEEP, type="number", min=0, max=MAX_LENGTH, step=1, value=DEFAULT_SINK,
                                     className="hs-number"),

@@ -193,14 +193,6 @@ def test_a_researcher_sweeps_the_task_suite_and_reads_a_tasks_interval(server, p
     assert page.is_visible("#hs-heads-per-task") and page.is_visible("#hs-heads-task-seed")
     assert not any(page.is_visible(f) for f in needle_fields)
     assert page.is_visible("#hs-heads-lengths") and page.is_visible("#hs-heads-sink")  # they serve both
-    # the needles' default lengths (512) become the suite's shortest, and back; a typed value is kept
-    page.wait_for_function("document.querySelector('#hs-heads-lengths').value === '1024'", timeout=30_000)
-    page.check("#hs-heads-prompt-source input[value='needles']")
-    page.wait_for_function("document.querySelector('#hs-heads-lengths').value === '512'", timeout=30_000)
-    page.fill("#hs-heads-lengths", "700,900")
-    page.check("#hs-heads-prompt-source input[value='tasks']")
-    page.wait_for_selector("#hs-heads-tasks", state="visible", timeout=30_000)
-    assert page.input_value("#hs-heads-lengths") == "700,900"
     for box in page.locator("#hs-heads-tasks input").all():
         box.check() if box.get_attribute("value") == "passkey" else box.uncheck()
     page.fill("#hs-heads-per-task", "1")
