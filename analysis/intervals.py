@@ -16,14 +16,15 @@ source of spread, the draw: its :func:`seed_band` is the mean over seeds with th
 seed's value, shown beside the pooled Wilson interval of all the seeds' prompts.
 
 Decisions made on an accuracy ("the smallest KV fraction within tolerance") compare intervals, not
-points (:func:`overlaps`), and say how many prompts they rest on.
+points (:func:`overlaps`, :func:`reaches`, :func:`smallest_passing`), and say how many prompts they rest on.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -105,3 +106,25 @@ def overlaps(a: Proportion, b: Proportion) -> bool:
     if not a.n or not b.n:
         return False
     return a.low <= b.high and b.low <= a.high
+
+
+def reaches(mine: Proportion, base: Proportion, tolerance: float = 0.0) -> bool:
+    """Whether the accuracy ``mine`` is within ``tolerance`` of ``base`` on their intervals: its upper bound
+    reaches base's lower bound less the tolerance, high(mine) ≥ low(base) − tolerance (it overlaps
+    ``[low(base) − tolerance, 1]``). Two accuracies whose intervals overlap are not told apart, and one
+    above ``base`` passes; False when either has no prompts."""
+    return bool(base.n and mine.n and mine.high >= base.low - tolerance - 1e-12)
+
+
+T = TypeVar("T")
+
+
+def smallest_passing(groups: Iterable[Sequence[T]], kv: Callable[[T], float], passes: Callable[[T], bool]) -> T | None:
+    """Of ``groups`` (the policies at one fraction: one, or one per random seed), those whose every member
+    passes; of them the group with the smallest mean ``kv``, and of its members the one with the largest
+    (a random fraction is only as good as its worst-placed seed). None when no group passes."""
+    passing = [g for g in groups if g and all(passes(x) for x in g)]
+    if not passing:
+        return None
+    best = min(passing, key=lambda g: sum(kv(x) for x in g) / len(g))
+    return max(best, key=kv)

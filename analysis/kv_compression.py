@@ -82,7 +82,14 @@ from headscope.analysis.ablation_curve import retrieval_accuracy
 from headscope.analysis.attention_statistics import HeadKeyMask, statistics_mode, statistics_supported
 from headscope.analysis.detectors import group_heads
 from headscope.analysis.errors import InputError
-from headscope.analysis.intervals import Proportion, from_accuracy, seed_band, wilson
+from headscope.analysis.intervals import (
+    Proportion,
+    from_accuracy,
+    reaches,
+    seed_band,
+    smallest_passing,
+    wilson,
+)
 from headscope.analysis.kv_cache import check_cache_backend
 from headscope.analysis.kv_compression_choices import (
     BACKENDS,
@@ -507,8 +514,7 @@ class CompressionCurve:
         any other metric ``≥ uncompressed − tolerance``. Without prompts (n = 0) no accuracy passes.
         """
         if metric == "niah_accuracy":
-            base, mine = self.baseline.niah, e.niah
-            return bool(base.n and mine.n and mine.high >= base.low - tolerance - 1e-12)
+            return reaches(e.niah, self.baseline.niah, tolerance)
         v, base_value = getattr(e, metric), getattr(self.baseline, metric)
         return v <= base_value + tolerance if metric == "loss" else v >= base_value - tolerance - 1e-12
 
@@ -522,11 +528,8 @@ class CompressionCurve:
         for e in self.evaluations:
             if e.policy.ranking == ranking:
                 by_fraction.setdefault(e.policy.fraction, []).append(e)
-        passing = [es for es in by_fraction.values() if all(self.within_tolerance(e, tolerance, metric) for e in es)]
-        if not passing:
-            return None
-        best = min(passing, key=lambda es: np.mean([e.memory.fraction for e in es]))
-        return max(best, key=lambda e: e.memory.fraction)
+        return smallest_passing(by_fraction.values(), lambda e: e.memory.fraction,
+                                lambda e: self.within_tolerance(e, tolerance, metric))
 
     def seed_bands(self, ranking: str = "random") -> list[dict[str, Any]]:
         """Per fraction of a seeded ranking, the spread over seeds (:func:`headscope.analysis.intervals.seed_band`:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from headscope.analysis.intervals import Proportion, wilson  # noqa: E402  (light: no torch)
+from headscope.analysis.intervals import Proportion, reaches, smallest_passing, wilson  # noqa: E402  (no torch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,85 +75,138 @@ def _panel(curve, length: int) -> Panel:
 
 
 def smallest_reaching(panel: Panel, ranking: str) -> Point | None:
-    """The Compress page's rule at tolerance 0 (``CompressionCurve.smallest_within(ranking, 0.0)``): among
-    the fractions whose every point's interval reaches the uncompressed interval's lower bound (overlaps
-    it or lies above it; for random, every seed), the one with the smallest mean KV fraction; of its
-    seeds, the one keeping the most KV. None when no fraction passes."""
+    """The Compress page's rule at tolerance 0 (``CompressionCurve.smallest_within(ranking, 0.0)``, through
+    the same :func:`~headscope.analysis.intervals.reaches` and
+    :func:`~headscope.analysis.intervals.smallest_passing`): among the fractions whose every point's
+    interval reaches the uncompressed one (for random, every seed), the one with the smallest mean KV
+    fraction, and of its seeds the one keeping the most KV. None when no fraction passes."""
     by_fraction: dict[float, list[Point]] = {}
     for p in panel.points:
         if p.ranking == ranking:
             by_fraction.setdefault(p.fraction, []).append(p)
-    base = panel.baseline
-    passing = [ps for ps in by_fraction.values()
-               if all(base.n and p.niah.n and p.niah.high >= base.low - 1e-12 for p in ps)]
-    if not passing:
-        return None
-    best = min(passing, key=lambda ps: sum(p.kv_fraction for p in ps) / len(ps))
-    return max(best, key=lambda p: p.kv_fraction)
+    return smallest_passing(by_fraction.values(), lambda p: p.kv_fraction, lambda p: reaches(p.niah, panel.baseline))
 
 
-ROW = re.compile(r"^(?P<ranking>[a-z_]+) +(?P<seed>\d+)? +(?P<fraction>[\d.]+) +(?P<kv>[\d.]+) +"
-                 r"(?P<value>[\d.]+) \[(?P<low>[\d.]+), (?P<high>[\d.]+)\] n=(?P<n>\d+)(?: +(?P<k>\d+)/\d+)? +"
-                 r"(?P<loss>[\d.]+)$")
-BASELINE = re.compile(r"^(?P<length>\d+) tokens: uncompressed NIAH (?P<value>[\d.]+) \[(?P<low>[\d.]+), "
-                      r"(?P<high>[\d.]+)\] n=(?P<n>\d+)(?: \((?P<k>\d+)/\d+\))?, loss (?P<loss>[\d.]+); .*backend (?P<backend>\w+)$")
+NUMBER = r"(?:[\d.]+|nan)"
+ROW = re.compile(rf"^(?P<ranking>[a-z_]+) +(?P<seed>\d+)? +(?P<fraction>[\d.]+) +(?P<kv>[\d.]+) +"
+                 rf"(?P<value>[\d.]+) \[(?P<low>[\d.]+), (?P<high>[\d.]+)\] n=(?P<n>\d+)(?: +(?P<k>\d+)/(?P<of>\d+))? +"
+                 rf"(?P<loss>{NUMBER})$")
+ROW_LIKE = re.compile(r"^[a-z_]+ +(\d+ +)?[\d.]+ +[\d.]+ ")  # a table row, parsed or not
+BASELINE = re.compile(rf"^(?P<length>\d+) tokens: uncompressed NIAH (?P<value>[\d.]+) \[(?P<low>[\d.]+), "
+                      rf"(?P<high>[\d.]+)\] n=(?P<n>\d+)(?: \((?P<k>\d+)/(?P<of>\d+)\))?, loss (?P<loss>{NUMBER}); "
+                      rf".*backend (?P<backend>\w+)$")
 MEMORY = re.compile(r"^ +cache backend at (?P<length>\d+) tokens, (?P<fraction>[\d.]+) of groups full: "
                     r"(?P<kept>[\d.]+) MiB kept .*, (?P<counted>[\d.]+) MiB counted")
+COMMAND = "# bench/compress_curve.py "
+# the arguments two runs must share to make one curve (the prompts, the policies' S and W, the ranking sweep)
+SAME_CURVE = ("tasks", "per_task", "min_rate", "sink", "recent", "sweep_length", "backend")
 
 
 def _proportion(m: re.Match, where: str) -> Proportion:
     """The printed accuracy as answered of n: the printed count where the row has one, else the value
-    times n (exact while n <= 100 at two decimals), checked against the printed interval."""
+    times n (exact while n <= 100 at two decimals); the value and the interval must be the count's."""
     n = int(m["n"])
-    k = int(m["k"]) if m["k"] else round(float(m["value"]) * n)
-    got = wilson(k, n)
     if m["k"] is None and n > 100:
         raise ValueError(f"{where}: n = {n} with no printed count; two decimals do not give the answered prompts")
+    if m["of"] is not None and int(m["of"]) != n:
+        raise ValueError(f"{where}: {m['k']}/{m['of']} answered, but n={n}")
+    k = int(m["k"]) if m["k"] else round(float(m["value"]) * n)
+    got = wilson(k, n)
+    if abs(got.value - float(m["value"])) > 0.005 + 1e-9:
+        raise ValueError(f"{where}: {k}/{n} is {got.value:.4f}, not the printed {m['value']}")
     if abs(got.low - float(m["low"])) > 0.006 or abs(got.high - float(m["high"])) > 0.006:
         raise ValueError(f"{where}: {k}/{n} gives [{got.low:.2f}, {got.high:.2f}], not the printed "
                          f"[{m['low']}, {m['high']}]")
     return got
 
 
+def run_settings(text: str, source: str = "results") -> dict[str, object]:
+    """The :data:`SAME_CURVE` arguments of the run that printed ``text``, read from its command line
+    (``# bench/compress_curve.py …``) by this script's own parser, defaults included."""
+    import shlex
+
+    for line in text.splitlines():
+        if line.startswith(COMMAND):
+            words = shlex.split(line[len(COMMAND):])
+            if "--from-results" in words:
+                raise ValueError(f"{source}: a merged table (--from-results); give the runs' own results")
+            try:
+                args, _ = _parser().parse_known_args(words)
+            except SystemExit as exc:
+                raise ValueError(f"{source}: its command line does not parse: {line}") from exc
+            return {name: getattr(args, name) for name in SAME_CURVE}
+    raise ValueError(f"{source}: no '{COMMAND.strip()} …' line says how it was run")
+
+
 def parse_results(text: str, source: str = "results") -> dict[int, Panel]:
-    """The panels an earlier run printed (:func:`_print_panel`'s table and the memory lines), per length."""
+    """The panels an earlier run printed (:func:`_print_panel`'s table and the memory lines), per length.
+    A table line that does not parse, a length printed twice, or memory for a length with no table is
+    refused (ValueError), never skipped."""
     panels: dict[int, Panel] = {}
     panel = None
     for number, line in enumerate(text.splitlines(), start=1):
         where = f"{source}:{number}"
-        if m := BASELINE.match(line):
-            panel = panels[int(m["length"])] = Panel(int(m["length"]), _proportion(m, where), float(m["loss"]), [],
-                                                     m["backend"])
-        elif panel is not None and (m := ROW.match(line)):
+        if re.match(r"^\d+ tokens:", line):
+            m = BASELINE.match(line)
+            if m is None:
+                raise ValueError(f"{where}: an uncompressed line this script cannot read: {line}")
+            length = int(m["length"])
+            if length in panels:
+                raise ValueError(f"{where}: a second table at {length} tokens")
+            panel = panels[length] = Panel(length, _proportion(m, where), float(m["loss"]), [], m["backend"])
+        elif panel is not None and ROW_LIKE.match(line):
+            m = ROW.match(line)
+            if m is None:
+                raise ValueError(f"{where}: a policy row this script cannot read: {line}")
             panel.points.append(Point(m["ranking"], None if m["seed"] is None else int(m["seed"]), float(m["fraction"]),
                                       float(m["kv"]), _proportion(m, where), float(m["loss"])))
         elif m := MEMORY.match(line):
+            if int(m["length"]) not in panels:
+                raise ValueError(f"{where}: cache-backend memory at {m['length']} tokens, which has no table above it")
             panels[int(m["length"])].memory[float(m["fraction"])] = (float(m["kept"]), float(m["counted"]))
     return panels
 
 
-def merge(panels: list[dict[int, Panel]], sources: list[str]) -> dict[int, Panel]:
-    """One panel per length from several runs' panels: the runs must agree on the uncompressed baseline
-    (the same prompts, answered alike) and on any policy more than one of them measured."""
+def read_results(path: str) -> tuple[dict[str, object], dict[int, Panel]]:
+    """A results file's run settings and panels; a file without a table is refused."""
+    text = Path(path).read_text()
+    panels = parse_results(text, path)
+    if not panels:
+        raise ValueError(f"{path}: no curve table in it")
+    return run_settings(text, path), panels
+
+
+def merge(runs: list[tuple[dict[str, object], dict[int, Panel]]], sources: list[str]) -> dict[int, Panel]:
+    """One panel per length from several runs: they must share the :data:`SAME_CURVE` settings, each
+    length's uncompressed baseline (answered alike, the same loss) and, for a policy more than one of
+    them measured, its answers and KV fraction."""
     out: dict[int, Panel] = {}
-    for found, source in zip(panels, sources, strict=True):
+    first_settings, first_source = runs[0][0], sources[0]
+    for (settings, found), source in zip(runs, sources, strict=True):
+        differ = {k: (first_settings[k], settings[k]) for k in SAME_CURVE if settings[k] != first_settings[k]}
+        if differ:
+            raise ValueError(f"{source} was run with other settings than {first_source}: "
+                             + ", ".join(f"{k} {b!r} against {a!r}" for k, (a, b) in differ.items()))
         for length, panel in found.items():
             if length not in out:
                 out[length] = dataclasses.replace(panel, points=list(panel.points), memory=dict(panel.memory))
                 continue
             have = out[length]
-            if (have.baseline.successes, have.baseline.n, have.backend) != (
-                    panel.baseline.successes, panel.baseline.n, panel.backend):
-                raise ValueError(f"{source}: at {length} tokens the uncompressed baseline is {panel.baseline.text()} "
-                                 f"on {panel.backend}, not {have.baseline.text()} on {have.backend}: not the same curve")
+            if (have.baseline.successes, have.baseline.n, have.backend, f"{have.loss:.4f}") != (
+                    panel.baseline.successes, panel.baseline.n, panel.backend, f"{panel.loss:.4f}"):
+                raise ValueError(f"{source}: at {length} tokens the uncompressed baseline is {panel.baseline.text()}, "
+                                 f"loss {panel.loss:.4f} on {panel.backend}, not {have.baseline.text()}, loss "
+                                 f"{have.loss:.4f} on {have.backend}: not the same curve")
             seen = {(p.ranking, p.fraction, p.seed): p for p in have.points}
             for p in panel.points:
                 other = seen.get((p.ranking, p.fraction, p.seed))
                 if other is None:
                     have.points.append(p)
-                elif (other.niah.successes, other.niah.n) != (p.niah.successes, p.niah.n):
+                elif (other.niah.successes, other.niah.n, other.kv_fraction) != (p.niah.successes, p.niah.n,
+                                                                                  p.kv_fraction):
                     raise ValueError(f"{source}: {p.ranking} {p.fraction} seed {p.seed} at {length} tokens answered "
-                                     f"{p.niah.successes}/{p.niah.n}, another run {other.niah.successes}/{other.niah.n}")
+                                     f"{p.niah.successes}/{p.niah.n} at KV {p.kv_fraction}, another run "
+                                     f"{other.niah.successes}/{other.niah.n} at KV {other.kv_fraction}")
             have.memory.update(panel.memory)
     return out
 
@@ -265,7 +318,7 @@ def _part(text: str, seeds: int) -> tuple[str, list[float], int]:
     return ranking, [float(f) for f in fractions.split(",")], int(n[0]) if n else seeds
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="2048,4096")
     parser.add_argument("--tasks", default="single_needle,multi_key,multi_value,variable_tracking,common_words,passkey")
@@ -291,15 +344,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="measure nothing: merge the tables earlier runs printed (bench/results/compress_curve_*.txt; "
                         "they must agree on each length's uncompressed baseline), print the merged curve and draw "
                         "--figure from it")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.from_results:
         sources = args.from_results.split(",")
         try:
-            panels = merge([parse_results(Path(f).read_text(), f) for f in sources], sources)
+            panels = merge([read_results(f) for f in sources], sources)
         except (OSError, ValueError) as exc:
             parser.error(str(exc))
-        if not panels:
-            parser.error(f"--from-results {args.from_results}: no curve table found")
         print(f"# bench/compress_curve.py {' '.join(sys.argv[1:] if argv is None else argv)}")
         for panel in panels.values():
             _print_panel(panel)

@@ -6,7 +6,15 @@ import math
 
 import pytest
 
-from headscope.analysis.intervals import from_accuracy, overlaps, proportion_of, seed_band, wilson
+from headscope.analysis.intervals import (
+    from_accuracy,
+    overlaps,
+    proportion_of,
+    reaches,
+    seed_band,
+    smallest_passing,
+    wilson,
+)
 
 Z = 1.959963984540054
 
@@ -62,3 +70,21 @@ def test_the_seed_band_spans_the_seeds_and_skips_missing_ones():
     band = seed_band([0.25, float("nan"), 0.5, 0.0])
     assert (band.mean, band.low, band.high, band.n_seeds) == (0.25, 0.0, 0.5, 3)
     assert seed_band([]).n_seeds == 0 and math.isnan(seed_band([]).mean)
+
+
+def test_reaching_is_decided_on_the_intervals_and_a_better_policy_passes():
+    base = wilson(97, 100)  # [0.915, 0.990]
+    assert reaches(wilson(90, 100), base)  # high 0.945: not told apart from 0.97
+    assert not reaches(wilson(60, 100), base)  # high 0.691
+    assert reaches(wilson(60, 100), base, tolerance=0.25)  # 0.691 >= 0.915 - 0.25
+    assert reaches(wilson(100, 100), base)  # above the uncompressed model
+    assert not reaches(wilson(0, 0), base) and not reaches(base, wilson(0, 0))  # no prompts: no decision
+
+
+def test_the_smallest_passing_group_needs_every_member_and_gives_its_largest():
+    kv = {"a": 0.2, "b": 0.25, "c": 0.5, "d": 0.55, "e": 0.1}
+    passing = {"a", "b", "c", "d"}
+    # (a, b) is smallest by mean and every member passes: of it, the one keeping the most
+    assert smallest_passing([["c", "d"], ["a", "b"], ["e"]], kv.get, passing.__contains__) == "b"
+    assert smallest_passing([["e", "a"], ["c"]], kv.get, passing.__contains__) == "c"  # e fails its group
+    assert smallest_passing([["e"], []], kv.get, passing.__contains__) is None

@@ -80,31 +80,74 @@ def test_smallest_reaching_is_the_compress_pages_rule_at_tolerance_zero(bench, p
             (None if mine is None else (mine.fraction, mine.seed))
 
 
+SETTINGS = {"tasks": "single_needle,passkey", "per_task": 50, "min_rate": 0.5, "sink": 128, "recent": 256,
+            "sweep_length": 1024, "backend": "statistics"}
+
+
 def test_runs_merge_only_when_they_are_the_same_curve(bench, capsys):
-    def printed(base_k, points):
+    def printed(base_k, points, **settings):
         bench._print_panel(bench._panel(_curve(base_k, 100, points), 2048), 100)
-        return bench.parse_results(capsys.readouterr().out)
+        return {**SETTINGS, **settings}, bench.parse_results(capsys.readouterr().out)
 
     a = printed(97, [("retrieval", 0.25, 64)])
     b = printed(97, [("streaming", 0.25, 30), ("retrieval", 0.25, 64)])
     merged = bench.merge([a, b], ["a", "b"])[2048]
     assert sorted((p.ranking, p.niah.successes) for p in merged.points) == [("retrieval", 64), ("streaming", 30)]
-    assert len(a[2048].points) == 1  # merging copies, the first run's panel is left as parsed
+    assert len(a[1][2048].points) == 1  # merging copies, the first run's panel is left as parsed
     with pytest.raises(ValueError, match="uncompressed baseline is 0.96"):
         bench.merge([a, printed(96, [])], ["a", "c"])
     with pytest.raises(ValueError, match="retrieval 0.25 seed None at 2048 tokens answered 63/100"):
         bench.merge([a, printed(97, [("retrieval", 0.25, 63)])], ["a", "d"])
+    with pytest.raises(ValueError, match="answered 64/100 at KV 0.3"):  # the same answers at another KV fraction
+        bench.merge([a, printed(97, [("retrieval", 0.25, 64, None, 0.3)])], ["a", "e"])
+    # the same baseline is not enough: other windows or another ranking sweep are another curve
+    with pytest.raises(ValueError, match="f was run with other settings than a: recent 512 against 256"):
+        bench.merge([a, printed(97, [("streaming", 0.25, 30)], recent=512)], ["a", "f"])
 
 
-def test_a_tampered_or_missing_results_file_is_refused_with_a_message(bench, tmp_path, capsys):
-    text = SHIPPED.read_text().replace("0.64 [0.54, 0.73] n=100", "0.64 [0.60, 0.73] n=100")
-    with pytest.raises(ValueError, match=r"64/100 gives \[0.54, 0.73\], not the printed \[0.60, 0.73\]"):
-        bench.parse_results(text, "tampered")
-    for given in [str(tmp_path / "absent.txt"), str(tmp_path / "empty.txt")]:
-        (tmp_path / "empty.txt").write_text("no table here\n")
+def test_the_settings_are_read_from_the_runs_command_line_with_its_defaults(bench):
+    text = SHIPPED.read_text()
+    assert bench.run_settings(text) == SETTINGS
+    with pytest.raises(ValueError, match="no '# bench/compress_curve.py"):
+        bench.run_settings(text.replace("# bench/compress_curve.py", "# something else"))
+    with pytest.raises(ValueError, match="a merged table"):
+        bench.run_settings("# bench/compress_curve.py --from-results a.txt,b.txt\n")
+
+
+@pytest.mark.parametrize("edit, said", [
+    # a baseline this script cannot read must not let the next rows land in the previous length's table
+    (("4096 tokens: uncompressed NIAH 0.93 [0.86, 0.97] n=100, loss 3.5458",
+      "4096 tokens: uncompressed NIAH 0.93 [0.86, 0.97] n=100, loss ?"), "an uncompressed line this script cannot read"),
+    (("retrieval            0.25   0.325    0.25 [0.18, 0.34] n=100  3.5602",
+      "retrieval            0.25   0.325    0.25 [0.18, 0.34] n=100  3.56x"), "a policy row this script cannot read"),
+    (("0.64 [0.54, 0.73] n=100", "0.64 [0.60, 0.73] n=100"), r"64/100 gives \[0.54, 0.73\], not the printed \[0.60, 0.73\]"),
+    (("0.64 [0.54, 0.73] n=100  3.5602", "0.64 [0.54, 0.73] n=100   64/99  3.5602"), "64/99 answered, but n=100"),
+    (("0.64 [0.54, 0.73] n=100  3.5602", "0.64 [0.54, 0.73] n=100   66/100  3.5602"), "66/100 is 0.6600, not the printed 0.64"),
+    (("4096 tokens:", "2048 tokens:"), "a second table at 2048 tokens"),
+])
+def test_a_table_that_does_not_read_back_is_refused_not_skipped(bench, edit, said):
+    text = SHIPPED.read_text()
+    assert edit[0] in text
+    with pytest.raises(ValueError, match=said):
+        bench.parse_results(text.replace(edit[0], edit[1], 1), "edited")
+
+
+def test_memory_for_a_length_without_a_table_is_refused(bench):
+    with pytest.raises(ValueError, match="memory at 4096 tokens, which has no table above it"):
+        bench.parse_results("  cache backend at 4096 tokens, 1.00 of groups full: 180.0 MiB kept (191.2 allocated), "
+                            "180.0 MiB counted\n")
+
+
+def test_from_results_prints_the_merged_curve_and_refuses_bad_files_with_a_message(bench, tmp_path, capsys):
+    older = SHIPPED.parent / "compress_curve_cpu_2026-12-05b.txt"  # the 2k policies, the same run settings
+    bench.main(["--from-results", f"{SHIPPED},{older}"])
+    out = capsys.readouterr().out
+    assert "2048 tokens: uncompressed NIAH 0.97 [0.92, 0.99] n=100 (97/100)" in out
+    assert out.count("smallest fraction whose interval reaches the uncompressed one, retrieval: none") == 2
+    (tmp_path / "empty.txt").write_text("# bench/compress_curve.py --lengths 2048\nno table here\n")
+    for given in [str(tmp_path / "absent.txt"), f"{SHIPPED},{tmp_path / 'empty.txt'}"]:
         with pytest.raises(SystemExit) as stop:
             bench.main(["--from-results", given])
         assert stop.value.code == 2
         err = capsys.readouterr().err
-        assert "--from-results" in err or "absent.txt" in err
-        assert "Traceback" not in err
+        assert ("absent.txt" in err or "no curve table in it" in err) and "Traceback" not in err
