@@ -135,7 +135,7 @@ class _Part:
     def _overwrite_stale(self, k: Tensor, v: Tensor, positions: Tensor, p: int) -> bool:
         """The token decoded at position ``p`` into the slot of a key that neither it nor any later query
         sees, in place (a ring), instead of a copy into a longer buffer and another into a shorter one per
-        step. The slots are then no longer in position order, which nothing reads: visibility is decided
+        step. The slots are not kept in position order, which nothing reads: visibility is decided
         by each slot's position (:func:`_visible`). False (nothing written) while no kept key is stale.
         One device sync (the stale slots' indices); without the model's own window nothing else can go
         stale at ``p``, so :meth:`forget` then has nothing to look at."""
