@@ -261,7 +261,7 @@ def _measure_memory(model, curve, panel: Panel) -> None:
               f"{'' if got.prefill_kept_bytes == counted else '  MISMATCH'}", flush=True)
 
 
-DODGE = {"retrieval": -0.018, "streaming": -0.006, "evidence": 0.006, "random": 0.018}
+DODGE = {"retrieval": -0.018, "streaming": -0.006, "evidence": 0.006, "random": 0.018, "all_streaming": 0.0}
 
 
 def _figure(panels: dict[int, Panel], path: str) -> None:
@@ -274,7 +274,8 @@ def _figure(panels: dict[int, Panel], path: str) -> None:
 
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[title(p) for p in panels.values()],
                         shared_yaxes=True)
-    colours = {"retrieval": "#1f77b4", "streaming": "#ff7f0e", "evidence": "#2ca02c", "random": "#7f7f7f"}
+    colours = {"retrieval": "#1f77b4", "streaming": "#ff7f0e", "evidence": "#2ca02c", "random": "#7f7f7f",
+               "all_streaming": "#8c564b"}
     for col, panel in enumerate(panels.values(), start=1):
         base = panel.baseline
         fig.add_trace(go.Scatter(x=[1.0], y=[base.value], mode="markers", name="uncompressed", legendgroup="full",
