@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from headscope.analysis.intervals import Proportion, reaches, smallest_passing, wilson  # noqa: E402  (no torch)
+from headscope.analysis.intervals import Proportion, reaches, seed_band, smallest_passing, wilson  # noqa: E402  (no torch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,9 +225,9 @@ def _print_panel(panel: Panel, n_prompts: int | None = None) -> None:
         if p.ranking == "random" and p.seed is not None:
             seeded.setdefault(p.fraction, []).append(p)
     for fraction, ps in sorted(seeded.items()):
-        values = [p.niah.value for p in ps]
-        print(f"random seeds at {fraction:.2f}: mean {sum(values) / len(values):.3f}, lowest {min(values):.3f}, "
-              f"highest {max(values):.3f} ({len(ps)} seeds)")
+        band = seed_band([p.niah.value for p in ps])
+        print(f"random seeds at {fraction:.2f}: mean {band.mean:.3f}, lowest {band.low:.3f}, "
+              f"highest {band.high:.3f} ({band.n_seeds} seeds)")
     for ranking in dict.fromkeys(p.ranking for p in panel.points):
         best = smallest_reaching(panel, ranking)
         said = "none" if best is None else f"{best.fraction:.2f} of groups full (KV {best.kv_fraction:.3f})"
